@@ -1,0 +1,80 @@
+"""``PagedAttention``: the one entry point engines and tests use (FlashInfer-style plan/run).
+
+    attn = PagedAttention(config, provider="triton", device="cuda")
+    attn.plan(batch, num_pages=k_cache.shape[0])   # once per forward: validation + kernel args
+    for layer in layers:
+        attn.run(q, k_cache[layer], v_cache[layer], out=o)   # per layer: launches kernels only
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import AttentionConfig
+from .metadata import BatchMetadata
+from .plan import Plan, check_run_inputs, make_plan
+from .providers import get_provider_cls
+
+
+class PagedAttention:
+    """Paged attention over one KV-cache layout, through one provider.
+
+    Args:
+        config: static configuration shared by the layers that use this object.
+        provider: ``"triton"``, ``"flashinfer"``, ``"fa3"`` or ``"reference"``.
+        device: device of q and the KV cache.
+
+    Raises:
+        ProviderUnavailable: the provider cannot run here (message has an install hint).
+        UnsupportedFeature: the provider cannot compute this configuration.
+    """
+
+    def __init__(self, config: AttentionConfig, provider: str = "triton", device: torch.device | str = "cuda"):
+        self.config = config
+        self.device = torch.device(device)
+        self.provider = get_provider_cls(provider)(config, self.device)
+        self._plan: Plan | None = None
+
+    @property
+    def provider_name(self) -> str:
+        return self.provider.name
+
+    @property
+    def current_plan(self) -> Plan:
+        if self._plan is None:
+            raise RuntimeError("attnplug: run() called before plan()")
+        return self._plan
+
+    def plan(self, batch: BatchMetadata, num_pages: int | None = None, **provider_kwargs) -> Plan:
+        """Validate ``batch`` and build every kernel argument of this forward.
+
+        ``provider_kwargs`` are provider tuning knobs (e.g. ``num_kv_splits`` for triton).
+        """
+        plan = make_plan(self.config, batch, num_pages=num_pages, device=self.device)
+        plan.extra.update(provider_kwargs)
+        self.provider.plan(plan)
+        self._plan = plan
+        return plan
+
+    def check_inputs(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Validate run() arguments against the config and current plan (setup time, not per layer)."""
+        check_run_inputs(self.config, self.current_plan, q, k_cache, v_cache)
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of ``q [T, Hq, D]`` over the paged cache; returns ``out [T, Hq, D]``.
+
+        ``lse [T, Hq]`` float32, when given, receives the natural-log LSE of each row. Pass ``out``
+        to avoid an allocation (required under CUDA-graph capture).
+        """
+        plan = self._plan
+        if out is None:
+            out = torch.empty_like(q)
+        self.provider.run(plan, q, k_cache, v_cache, out, lse)
+        return out

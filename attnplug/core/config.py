@@ -1,0 +1,82 @@
+"""Static attention configuration: what stays fixed for all layers that share one plan."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SUPPORTED_LAYOUTS = ("NHD", "HND")
+MAX_PAGE_SIZE = 256
+
+
+class UnsupportedFeature(ValueError):
+    """A configuration attnplug (or one provider) does not support; the message names both."""
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Shape and numerics of one attention layer family.
+
+    Attributes:
+        num_qo_heads: query/output heads ``Hq``.
+        num_kv_heads: key/value heads ``Hkv``; ``Hq % Hkv == 0`` (GQA ratio ``Hq // Hkv``).
+        head_dim: ``D``, for q, k and v.
+        page_size: tokens per KV page ``P`` (1..256).
+        dtype: dtype of q, k_cache, v_cache and the output.
+        kv_layout: ``"NHD"`` -> cache ``[num_pages, P, Hkv, D]``; ``"HND"`` -> ``[num_pages, Hkv, P, D]``.
+        sm_scale: softmax scale; ``None`` means ``1/sqrt(D)``.
+        logits_soft_cap: ``> 0`` applies ``cap * tanh(s / cap)`` to the scaled logits; 0 disables.
+        window_left: sliding window: query at position ``p`` sees keys ``p - window_left .. p``;
+            ``-1`` disables.
+    """
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: torch.dtype = torch.bfloat16
+    kv_layout: str = "NHD"
+    sm_scale: float | None = None
+    logits_soft_cap: float = 0.0
+    window_left: int = -1
+
+    def __post_init__(self) -> None:
+        if self.num_qo_heads <= 0 or self.num_kv_heads <= 0:
+            raise ValueError(
+                f"num_qo_heads and num_kv_heads must be positive, got {self.num_qo_heads}, {self.num_kv_heads}"
+            )
+        if self.num_qo_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_qo_heads ({self.num_qo_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim <= 0:
+            raise ValueError(f"head_dim must be positive, got {self.head_dim}")
+        if not 1 <= self.page_size <= MAX_PAGE_SIZE:
+            raise ValueError(f"page_size must be in 1..{MAX_PAGE_SIZE}, got {self.page_size}")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype}")
+        if self.kv_layout not in SUPPORTED_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {SUPPORTED_LAYOUTS}, got {self.kv_layout!r}")
+        if self.logits_soft_cap < 0:
+            raise ValueError(f"logits_soft_cap must be >= 0, got {self.logits_soft_cap}")
+        if self.window_left < -1:
+            raise ValueError(f"window_left must be -1 (off) or >= 0, got {self.window_left}")
+
+    @property
+    def group_size(self) -> int:
+        """GQA ratio ``Hq // Hkv``."""
+        return self.num_qo_heads // self.num_kv_heads
+
+    @property
+    def scale(self) -> float:
+        """Softmax scale actually used."""
+        return self.sm_scale if self.sm_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def kv_cache_shape(self, num_pages: int) -> tuple[int, int, int, int]:
+        """Shape of one of k_cache / v_cache in this config's layout."""
+        if self.kv_layout == "NHD":
+            return (num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+        return (num_pages, self.num_kv_heads, self.page_size, self.head_dim)

@@ -1,0 +1,67 @@
+"""A tiny Llama with real random weights, saved locally: the model of the end-to-end tests and demo.
+
+Weights are drawn with a large ``initializer_range`` so attention is far from uniform (an engine's
+dummy loader draws ±1e-3, which makes every backend agree trivially). No hub, no tokenizer: engines
+run it with ``skip_tokenizer_init`` and prompt token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+TINY_LLAMA = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # GQA ratio 2
+    head_dim=64,
+    max_position_embeddings=1024,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+    initializer_range=0.2,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+)
+
+
+def make_tiny_llama(path: str | os.PathLike, seed: int = 0, **overrides) -> Path:
+    """Create (once) a tiny random Llama in ``path``; returns the directory.
+
+    Idempotent: an existing directory with the same config is reused.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    cfg_dict = {**TINY_LLAMA, **overrides}
+    stamp = path / "attnplug_tiny.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == {"seed": seed, **cfg_dict}:
+        return path
+    cfg = LlamaConfig(**cfg_dict)
+    cfg.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    stamp.write_text(json.dumps({"seed": seed, **cfg_dict}))
+    return path
+
+
+def test_prompts() -> list[list[int]]:
+    """Ragged prompts: one spanning several pages, two sharing a long prefix (prefix-cache hit)."""
+    import random
+
+    rng = random.Random(1234)
+    shared = [rng.randrange(3, 512) for _ in range(96)]
+    return [
+        [1] + [rng.randrange(3, 512) for _ in range(6)],
+        [1] + shared + [rng.randrange(3, 512) for _ in range(9)],
+        [1] + shared + [rng.randrange(3, 512) for _ in range(21)],
+        [1] + [rng.randrange(3, 512) for _ in range(150)],
+        [1, 7, 7],
+    ]
