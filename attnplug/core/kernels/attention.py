@@ -1,0 +1,150 @@
+"""Triton paged attention: one kernel family for decode, extend/prefill, custom-mask verify.
+
+Design (after the Triton fused-attention tutorial and vLLM's unified attention):
+
+* A *tile* is ``BLOCK_Q`` consecutive query tokens of one request. A program handles one tile and
+  one KV head, with the ``GROUP = Hq // Hkv`` query heads of that KV head packed into the rows of
+  its ``[BLOCK_M, D]`` query block (row ``r`` = token ``r // GROUP``, head ``r % GROUP``): K/V pages
+  are read once per group (GQA head packing), and decode (``BLOCK_Q = 1``) still feeds tensor cores.
+* K/V are gathered token by token through the page table (``kv_indices``), so any page size
+  1..256 and both NHD and HND layouts work (layout only changes the strides).
+* Split-KV: grid axis 2 cuts a tile's visible KV range into ``num_splits`` chunks; each writes a
+  partial output and its base-2 LSE, merged by :mod:`.merge`. Without splits the kernel writes the
+  final output directly.
+* Masks: causal (bottom-right aligned), sliding window, or an arbitrary per-request custom mask
+  (row-major ``[q_len, kv_len]`` bytes at ``mask_indptr[b]``); logits soft-cap ``cap*tanh(s/cap)``.
+
+Softmax runs in base 2 on fp32 logits; P is cast to the KV dtype for the PV product. Under the
+Triton interpreter (CPU), whose ``tl.dot`` mishandles 16-bit floats, operands are upcast to fp32
+after the same roundings (``UPCAST``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def paged_attention_kernel(
+    Q, K, V, O, LSE,
+    qo_indptr, kv_indptr, kv_indices, kv_lens, tile_req, tile_qstart,
+    mask, mask_indptr,
+    sm_scale, soft_cap, window_left, num_splits,
+    stride_qt, stride_qh,
+    stride_kp, stride_kt, stride_kh,
+    stride_vp, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_os,
+    stride_lt, stride_lh,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Grid ``(num_tiles, Hkv, num_splits)``.
+
+    Q ``[T, Hq, D]``; K/V paged caches (strides given); O ``[T, Hq, D]`` (or fp32 partials
+    ``[T, Hq, S, D]`` when SPLIT); LSE ``[T, Hq]`` natural log (or base-2 partials ``[T, Hq, S]``).
+    """
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    b = tl.load(tile_req + tile)
+    q0 = tl.load(tile_qstart + tile)
+    q_start = tl.load(qo_indptr + b)
+    q_len = tl.load(qo_indptr + b + 1) - q_start
+    kv_len = tl.load(kv_lens + b)
+    page_base = tl.load(kv_indptr + b)
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q0 + rows // GROUP
+    head = kvh * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    pos = kv_len - q_len + tok  # absolute position of each query row
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+
+    q_ptrs = Q + (q_start + tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:  # the Triton interpreter cannot dot 16-bit floats: compute in fp32 there
+        q = q.to(tl.float32)
+
+    # visible KV range of this tile: [lo, hi)
+    hi = kv_len
+    if CAUSAL:
+        hi = tl.minimum(kv_len, kv_len - q_len + tl.minimum(q0 + BLOCK_Q, q_len))
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(0, kv_len - q_len + q0 - window_left)
+    if SPLIT:
+        chunk = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), num_splits), BLOCK_N) * BLOCK_N
+        lo = lo + split * chunk
+        hi = tl.minimum(hi, lo + chunk)
+
+    if HAS_MASK:
+        mask_row = mask + tl.load(mask_indptr + b) + tok.to(tl.int64) * kv_len
+
+    qk_scale = sm_scale * 1.4426950408889634
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        page = tl.load(kv_indices + page_base + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+        in_page = n % PAGE_SIZE
+        k_off = page * stride_kp + in_page * stride_kt + kvh * stride_kh
+        k = tl.load(K + k_off[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION)
+        if SOFT_CAP:
+            s = soft_cap * _tanh(s * (sm_scale / soft_cap)) * 1.4426950408889634
+        else:
+            s = s * qk_scale
+        ok = row_ok[:, None] & n_ok[None, :]
+        if CAUSAL:
+            ok = ok & (n[None, :] <= pos[:, None])
+        if WINDOW:
+            ok = ok & (n[None, :] >= pos[:, None] - window_left)
+        if HAS_MASK:
+            mv = tl.load(mask_row[:, None] + n[None, :], mask=ok, other=0)
+            ok = ok & (mv != 0)
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_off = page * stride_vp + in_page * stride_vt + kvh * stride_vh
+        v = tl.load(V + v_off[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        p = p.to(v.dtype)
+        if UPCAST:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    t_glob = (q_start + tok).to(tl.int64)
+    o_ptrs = O + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    if SPLIT:
+        o_ptrs += split * stride_os
+        tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(LSE + t_glob * stride_lt + head * stride_lh + split, lse2, mask=row_ok)
+    else:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        if STORE_LSE:
+            tl.store(LSE + t_glob * stride_lt + head * stride_lh, lse2 * 0.6931471805599453, mask=row_ok)

@@ -1,0 +1,121 @@
+"""Merging partial attention states by their log-sum-exp (split-KV and cascade use it).
+
+A state over a key set ``S`` is ``(v, s)``: the softmax-weighted value ``v`` and ``s = log sum exp``
+of the logits over ``S``. Two states over disjoint key sets merge exactly:
+``s = log(e^{s_a} + e^{s_b})``, ``v = v_a e^{s_a - s} + v_b e^{s_b - s}``. An empty state has
+``s = -inf`` and contributes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def merge_splits_kernel(
+    P, PL, O, LSE, num_splits,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+    stride_ot, stride_oh, stride_st, stride_sh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr,
+):
+    """Grid ``(T, H)``: merge ``num_splits`` partials ``P [T,H,S,D]`` fp32 with base-2 LSE
+    ``PL [T,H,S]`` into ``O [T,H,D]`` (and natural-log ``LSE [T,H]``)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = sp < num_splits
+    lse = tl.load(PL + t * stride_lt + h * stride_lh + sp, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)
+    tot = tl.sum(w, 0)
+    p = tl.load(
+        P + t * stride_pt + h * stride_ph + sp[:, None] * stride_ps + d[None, :],
+        mask=s_ok[:, None] & (d[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+    out = tl.sum(p * w[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)
+    tl.store(O + t * stride_ot + h * stride_oh + d, out.to(O.dtype.element_ty), mask=d < HEAD_DIM)
+    if STORE_LSE:
+        res = tl.where(tot > 0.0, (m_safe + tl.log2(tl.where(tot > 0.0, tot, 1.0))) * 0.6931471805599453, float("-inf"))
+        tl.store(LSE + t * stride_st + h * stride_sh, res)
+
+
+@triton.jit
+def merge_state_kernel(
+    VA, SA, VB, SB, VO, SO,
+    stride_at, stride_ah, stride_bt, stride_bh, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr,
+):
+    """Grid ``(T, H)``: merge two states with natural-log LSE (rows ``[T, H, D]``, LSE ``[T, H]``)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    H = tl.num_programs(1)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    sa = tl.load(SA + t * H + h) * 1.4426950408889634
+    sb = tl.load(SB + t * H + h) * 1.4426950408889634
+    m = tl.maximum(sa, sb)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    wa = tl.exp2(sa - m_safe)
+    wb = tl.exp2(sb - m_safe)
+    tot = wa + wb
+    va = tl.load(VA + t * stride_at + h * stride_ah + d, mask=d_ok, other=0.0).to(tl.float32)
+    vb = tl.load(VB + t * stride_bt + h * stride_bh + d, mask=d_ok, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.where(tot > 0.0, tot, 1.0)
+    tl.store(VO + t * stride_ot + h * stride_oh + d, ((va * wa + vb * wb) * inv).to(VO.dtype.element_ty), mask=d_ok)
+    if STORE_LSE:
+        res = tl.where(tot > 0.0, (m_safe + tl.log2(tl.where(tot > 0.0, tot, 1.0))) * 0.6931471805599453, float("-inf"))
+        tl.store(SO + t * H + h, res)
+
+
+def merge_splits(partial: torch.Tensor, partial_lse2: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+    """Merge split-KV partials.
+
+    Args:
+        partial: ``[T, H, S, D]`` float32 partial outputs.
+        partial_lse2: ``[T, H, S]`` float32 base-2 LSE of each partial (contiguous in S).
+        out: ``[T, H, D]`` output (any float dtype; last dim contiguous).
+        lse: optional ``[T, H]`` float32, receives the natural-log LSE.
+    """
+    T, H, S, D = partial.shape
+    if T == 0:
+        return
+    merge_splits_kernel[(T, H)](
+        partial, partial_lse2, out, lse if lse is not None else partial_lse2, S,
+        partial.stride(0), partial.stride(1), partial.stride(2),
+        partial_lse2.stride(0), partial_lse2.stride(1),
+        out.stride(0), out.stride(1),
+        lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
+        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_S=max(triton.next_power_of_2(S), 2),
+        STORE_LSE=lse is not None, num_warps=4,
+    )
+
+
+def merge_state(
+    v_a: torch.Tensor,
+    s_a: torch.Tensor,
+    v_b: torch.Tensor,
+    s_b: torch.Tensor,
+    v_out: torch.Tensor,
+    s_out: torch.Tensor | None = None,
+) -> None:
+    """Merge two attention states over disjoint key sets (natural-log LSE).
+
+    Args:
+        v_a, v_b: ``[T, H, D]`` partial outputs (last dim contiguous).
+        s_a, s_b: ``[T, H]`` float32 contiguous natural-log LSE.
+        v_out: ``[T, H, D]`` result (may alias ``v_a``).
+        s_out: optional ``[T, H]`` float32 contiguous, receives the merged LSE (may alias ``s_a``).
+    """
+    T, H, D = v_a.shape
+    if T == 0:
+        return
+    merge_state_kernel[(T, H)](
+        v_a, s_a, v_b, s_b, v_out, s_out if s_out is not None else s_a,
+        v_a.stride(0), v_a.stride(1), v_b.stride(0), v_b.stride(1), v_out.stride(0), v_out.stride(1),
+        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), STORE_LSE=s_out is not None, num_warps=4,
+    )

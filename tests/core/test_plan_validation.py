@@ -1,0 +1,100 @@
+"""Bad input is refused in plan() with a ValueError naming the argument and the expected value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnplug.core import AttentionConfig, ForwardMode, PagedAttention, ProviderUnavailable, UnsupportedFeature
+from attnplug.core.plan import make_plan
+
+from batches import random_case
+
+CFG = AttentionConfig(8, 2, 64, 16, torch.bfloat16)
+
+
+def case(mode=ForwardMode.EXTEND):
+    return random_case(mode, [5, 3], [20, 0], CFG, seed=0)
+
+
+def test_valid_plan_fields():
+    c = case()
+    p = make_plan(CFG, c.batch, num_pages=c.num_pages)
+    assert p.kv_lens_cpu.tolist() == [25, 3]
+    assert p.q_lens_cpu.tolist() == [5, 3]
+    assert (p.num_tokens, p.max_q_len, p.max_kv_len) == (8, 5, 25)
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda b: setattr(b, "kv_indices", b.kv_indices.long()), "kv_indices must have dtype torch.int32"),
+        (lambda b: setattr(b, "qo_indptr", b.qo_indptr.float()), "qo_indptr must have dtype torch.int32"),
+        (lambda b: setattr(b, "kv_indptr", b.kv_indptr[:-1]), "kv_indptr must have 3 elements"),
+        (lambda b: setattr(b, "kv_last_page_len", b.kv_last_page_len.view(2, 1)), "kv_last_page_len must be 1-D"),
+        (lambda b: b.kv_indices.__setitem__(0, 999), r"kv_indices must be in \[0, num_pages="),
+        (lambda b: b.kv_indices.__setitem__(0, -1), r"kv_indices must be in \[0, num_pages="),
+        (lambda b: b.kv_last_page_len.__setitem__(0, 17), "kv_last_page_len must be in 1..page_size=16"),
+        (lambda b: b.qo_indptr.__setitem__(2, 30), r"q_len=25 exceeds kv_len=3"),
+        (lambda b: b.kv_indptr.__setitem__(1, 5), "kv_indptr must be non-decreasing"),
+        (lambda b: setattr(b, "mode", "extend"), "mode must be a ForwardMode"),
+    ],
+)
+def test_bad_batch(mutate, match):
+    c = case()
+    mutate(c.batch)
+    with pytest.raises(ValueError, match=match):
+        PagedAttention(CFG, "reference", "cpu").plan(c.batch, num_pages=c.num_pages)
+
+
+def test_decode_needs_single_token():
+    c = case(ForwardMode.DECODE)
+    with pytest.raises(ValueError, match="DECODE needs q_len == 1"):
+        make_plan(CFG, c.batch, num_pages=c.num_pages)
+
+
+def test_mask_of_wrong_length():
+    c = random_case(ForwardMode.TARGET_VERIFY, [4, 2], [10, 3], CFG, seed=1)
+    c.batch.custom_mask = c.batch.custom_mask[:-1]
+    with pytest.raises(ValueError, match=r"custom_mask must have sum\(q_len\*kv_len\)=66 elements, got 65"):
+        make_plan(CFG, c.batch, num_pages=c.num_pages)
+
+
+def test_run_inputs_checked_at_setup():
+    c = case()
+    attn = PagedAttention(CFG, "reference", "cpu")
+    attn.plan(c.batch, num_pages=c.num_pages)
+    with pytest.raises(ValueError, match="q must have dtype torch.bfloat16"):
+        attn.check_inputs(c.q.half(), c.k_cache, c.v_cache)
+    with pytest.raises(ValueError, match=r"q must have shape \[num_tokens, num_qo_heads, head_dim\]=\[8, 8, 64\]"):
+        attn.check_inputs(c.q[:, :4], c.k_cache, c.v_cache)
+    with pytest.raises(ValueError, match="k_cache must have shape"):
+        attn.check_inputs(c.q, c.k_cache.transpose(1, 2), c.v_cache)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_qo_heads=6, num_kv_heads=4), "must be a multiple of num_kv_heads"),
+        (dict(page_size=0), "page_size must be in 1..256"),
+        (dict(page_size=512), "page_size must be in 1..256"),
+        (dict(dtype=torch.int8), "dtype must be one of"),
+        (dict(kv_layout="NDH"), "kv_layout must be one of"),
+        (dict(window_left=-5), "window_left must be -1"),
+    ],
+)
+def test_bad_config(kwargs, match):
+    base = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+    with pytest.raises(ValueError, match=match):
+        AttentionConfig(**{**base, **kwargs})
+
+
+def test_unknown_and_unavailable_providers():
+    with pytest.raises(ValueError, match="unknown provider 'nope'"):
+        PagedAttention(CFG, "nope", "cpu")
+    with pytest.raises(UnsupportedFeature, match="provider 'triton' does not support head_dim 512"):
+        PagedAttention(AttentionConfig(8, 2, 512, 16), "triton", "cpu")
+    if not torch.cuda.is_available():
+        for name in ("flashinfer", "fa3"):
+            with pytest.raises(ProviderUnavailable, match=f"provider '{name}' needs a (CUDA|Hopper) GPU"):
+                PagedAttention(CFG, name, "cpu")
