@@ -93,7 +93,7 @@ def test_unknown_and_unavailable_providers():
     with pytest.raises(ValueError, match="unknown provider 'nope'"):
         PagedAttention(CFG, "nope", "cpu")
     with pytest.raises(UnsupportedFeature, match="provider 'triton' does not support head_dim 512"):
-        PagedAttention(AttentionConfig(8, 2, 512, 16), "triton", "cpu")
+        PagedAttention(AttentionConfig(8, 2, 512, 16), "triton", "cuda" if torch.cuda.is_available() else "cpu")
     if not torch.cuda.is_available():
         for name in ("flashinfer", "fa3"):
             with pytest.raises(ProviderUnavailable, match=f"provider '{name}' needs a (CUDA|Hopper) GPU"):
