@@ -29,6 +29,8 @@ class Plan:
         q_lens_cpu, kv_lens_cpu: ``[B]`` host copies.
         mask: ``[sum q_len*kv_len]`` uint8 custom mask or ``None``.
         mask_indptr: ``[B+1]`` int64 offsets into ``mask`` (``None`` without a mask).
+        mask_free: ``[B]`` int32, leading KV columns of each request's mask that every query sees
+            (``kv_len - q_len`` for a verify tree over a visible prefix); kernels skip mask work there.
         extra: provider-specific arguments (filled by the provider's ``plan``).
     """
 
@@ -54,6 +56,8 @@ class Plan:
     mask: torch.Tensor | None = None
     mask_indptr: torch.Tensor | None = None
     mask_indptr_cpu: torch.Tensor | None = None
+    mask_free: torch.Tensor | None = None
+    mask_free_cpu: torch.Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -76,6 +80,19 @@ def _check_indptr(name: str, indptr: torch.Tensor, total: int | None) -> None:
         raise ValueError(f"{name} must be non-decreasing")
     if total is not None and int(indptr[-1]) != total:
         raise ValueError(f"{name}[-1] must equal {total}, got {int(indptr[-1])}")
+
+
+def _leading_visible_columns(
+    mask: torch.Tensor, mask_indptr: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor
+) -> torch.Tensor:
+    """``[B]`` int32: per request, how many leading KV columns of its mask are True in every row."""
+    out = torch.zeros(q_lens.numel(), dtype=torch.int32)
+    for b, (ql, kl) in enumerate(zip(q_lens.tolist(), kv_lens.tolist())):
+        if ql and kl:
+            lo = int(mask_indptr[b])
+            cols = mask[lo : lo + ql * kl].view(ql, kl).bool().all(0)
+            out[b] = int(torch.cumprod(cols.to(torch.int32), 0).sum())
+    return out
 
 
 def make_plan(
@@ -132,7 +149,7 @@ def make_plan(
     if batch.mode == ForwardMode.DECODE and bool((q_lens != 1).any()):
         raise ValueError(f"DECODE needs q_len == 1 for every request, got q_lens={q_lens.tolist()}")
 
-    mask = mask_indptr = mask_indptr_cpu = None
+    mask = mask_indptr = mask_indptr_cpu = mask_free = mask_free_cpu = None
     if batch.custom_mask is not None:
         cm = batch.custom_mask
         if not isinstance(cm, torch.Tensor) or cm.dtype not in (torch.bool, torch.uint8) or cm.dim() != 1:
@@ -147,6 +164,8 @@ def make_plan(
             )
         mask = cm.to(device=device, dtype=torch.uint8)
         mask_indptr = mask_indptr_cpu.to(device)
+        mask_free_cpu = _leading_visible_columns(cm.cpu(), mask_indptr_cpu, q_lens, kv_lens)
+        mask_free = mask_free_cpu.to(device)
     elif batch.mode == ForwardMode.TARGET_VERIFY and not batch.causal:
         raise ValueError("TARGET_VERIFY without custom_mask must be causal (a chain of draft tokens)")
 
@@ -174,6 +193,8 @@ def make_plan(
         mask=mask,
         mask_indptr=mask_indptr,
         mask_indptr_cpu=mask_indptr_cpu,
+        mask_free=mask_free,
+        mask_free_cpu=mask_free_cpu,
     )
 
 

@@ -98,3 +98,12 @@ def test_unknown_and_unavailable_providers():
         for name in ("flashinfer", "fa3"):
             with pytest.raises(ProviderUnavailable, match=f"provider '{name}' needs a (CUDA|Hopper) GPU"):
                 PagedAttention(CFG, name, "cpu")
+
+
+def test_mask_free_columns():
+    """Leading columns every query sees: the whole prefix for a verify tree, less for random masks."""
+    c = random_case(ForwardMode.TARGET_VERIFY, [4, 3], [10, 0], CFG, seed=3)
+    p = make_plan(CFG, c.batch, num_pages=c.num_pages)
+    assert p.mask_free_cpu.tolist() == [10 + 1, 0 + 1]  # the tree root (first draft token) is seen by all
+    c.batch.custom_mask[1] = False  # request 0, row 0, column 1
+    assert make_plan(CFG, c.batch, num_pages=c.num_pages).mask_free_cpu.tolist() == [1, 1]

@@ -13,6 +13,8 @@ Design (after the Triton fused-attention tutorial and vLLM's unified attention):
   final output directly.
 * Masks: causal (bottom-right aligned), sliding window, or an arbitrary per-request custom mask
   (row-major ``[q_len, kv_len]`` bytes at ``mask_indptr[b]``); logits soft-cap ``cap*tanh(s/cap)``.
+  Blocks that every row of a tile sees whole (below the causal diagonal; before ``mask_free[b]``,
+  the custom mask's leading all-visible columns, e.g. a verify tree's prefix) skip all mask work.
 
 Softmax runs in base 2 on fp32 logits; P is cast to the KV dtype for the PV product. Under the
 Triton interpreter (CPU), whose ``tl.dot`` mishandles 16-bit floats, operands are upcast to fp32
@@ -34,10 +36,55 @@ def _tanh(x):
 
 
 @triton.jit
+def _attend_block(
+    q, K, V, kv_indices, page_base, kvh, n0, hi, m_i, l_i, acc, row_ok, pos, mask_row, d, d_ok,
+    sm_scale, soft_cap, window_left, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One ``BLOCK_N`` block of keys ``[n0, n0+BLOCK_N)`` (clipped to ``hi``) into the online softmax."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = n < hi
+    page = tl.load(kv_indices + page_base + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+    in_page = n % PAGE_SIZE
+    k_off = page * stride_kp + in_page * stride_kt + kvh * stride_kh
+    k = tl.load(K + k_off[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+    s = tl.dot(q, k, input_precision=DOT_PRECISION)
+    if SOFT_CAP:
+        s = soft_cap * _tanh(s * (sm_scale / soft_cap)) * 1.4426950408889634
+    else:
+        s = s * (sm_scale * 1.4426950408889634)
+    ok = row_ok[:, None] & n_ok[None, :]
+    if CAUSAL:
+        ok = ok & (n[None, :] <= pos[:, None])
+    if WINDOW:
+        ok = ok & (n[None, :] >= pos[:, None] - window_left)
+    if HAS_MASK:
+        mv = tl.load(mask_row[:, None] + n[None, :], mask=ok, other=0)
+        ok = ok & (mv != 0)
+    s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v_off = page * stride_vp + in_page * stride_vt + kvh * stride_vh
+    v = tl.load(V + v_off[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    p = p.to(v.dtype)
+    if UPCAST:
+        p = p.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def paged_attention_kernel(
     Q, K, V, O, LSE,
     qo_indptr, kv_indptr, kv_indices, kv_lens, tile_req, tile_qstart,
-    mask, mask_indptr,
+    mask, mask_indptr, mask_free,
     sm_scale, soft_cap, window_left, num_splits,
     stride_qt, stride_qh,
     stride_kp, stride_kt, stride_kh,
@@ -90,50 +137,36 @@ def paged_attention_kernel(
         lo = lo + split * chunk
         hi = tl.minimum(hi, lo + chunk)
 
+    mask_row = mask
     if HAS_MASK:
         mask_row = mask + tl.load(mask_indptr + b) + tok.to(tl.int64) * kv_len
 
-    qk_scale = sm_scale * 1.4426950408889634
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    for n0 in range(lo, hi, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        page = tl.load(kv_indices + page_base + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-        in_page = n % PAGE_SIZE
-        k_off = page * stride_kp + in_page * stride_kt + kvh * stride_kh
-        k = tl.load(K + k_off[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION)
-        if SOFT_CAP:
-            s = soft_cap * _tanh(s * (sm_scale / soft_cap)) * 1.4426950408889634
-        else:
-            s = s * qk_scale
-        ok = row_ok[:, None] & n_ok[None, :]
-        if CAUSAL:
-            ok = ok & (n[None, :] <= pos[:, None])
-        if WINDOW:
-            ok = ok & (n[None, :] >= pos[:, None] - window_left)
-        if HAS_MASK:
-            mv = tl.load(mask_row[:, None] + n[None, :], mask=ok, other=0)
-            ok = ok & (mv != 0)
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_off = page * stride_vp + in_page * stride_vt + kvh * stride_vh
-        v = tl.load(V + v_off[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        p = p.to(v.dtype)
-        if UPCAST:
-            p = p.to(tl.float32)
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    # Phase 1: whole blocks that every row of the tile sees entirely -> no mask work at all.
+    free_hi = hi
+    if CAUSAL:
+        free_hi = tl.minimum(hi, kv_len - q_len + q0 + 1)
+    if HAS_MASK:
+        free_hi = tl.minimum(hi, tl.load(mask_free + b))
+    if WINDOW:
+        free_hi = lo  # window edges vary per row: mask everything
+    free_hi = tl.maximum(lo, lo + (free_hi - lo) // BLOCK_N * BLOCK_N)
+    for n0 in range(lo, free_hi, BLOCK_N):
+        m_i, l_i, acc = _attend_block(
+            q, K, V, kv_indices, page_base, kvh, n0, hi, m_i, l_i, acc, row_ok, pos, mask_row, d, d_ok,
+            sm_scale, soft_cap, window_left, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+            BLOCK_N, PAGE_SIZE, False, False, False, SOFT_CAP, DOT_PRECISION, UPCAST,
+        )
+    # Phase 2: the rest (diagonal blocks, masked columns, window, the ragged end).
+    for n0 in range(free_hi, hi, BLOCK_N):
+        m_i, l_i, acc = _attend_block(
+            q, K, V, kv_indices, page_base, kvh, n0, hi, m_i, l_i, acc, row_ok, pos, mask_row, d, d_ok,
+            sm_scale, soft_cap, window_left, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+            BLOCK_N, PAGE_SIZE, CAUSAL, HAS_MASK, WINDOW, SOFT_CAP, DOT_PRECISION, UPCAST,
+        )
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]

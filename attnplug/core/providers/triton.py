@@ -80,17 +80,25 @@ class TritonProvider(Provider):
 
     # -- plan -------------------------------------------------------------------------------------
     def _blocks(self, plan: Plan) -> tuple[int, int, int, int, int]:
-        """(block_q, block_m, block_n, num_warps, num_stages) for this batch."""
+        """(block_q, block_m, block_n, num_warps, num_stages) for this batch.
+
+        Defaults from the H200 sweep of 2026-11-29 (``benchmarks/sweep_triton.py``, Llama-3-8B
+        shapes, d128; see benchmarks/NOTES.md); d > 128 halves the tiles to fit shared memory.
+        """
         cfg = self.config
         g = cfg.group_size
         big_d = cfg.head_dim > 128
-        if plan.max_q_len <= 1:  # decode
-            block_m = max(16, _next_pow2(g))
-            return 1, block_m, (32 if big_d else 64), 4, 2
+        if plan.max_q_len <= 1:  # decode: BLOCK_Q = 1, the GQA group fills the rows
+            return 1, max(16, _next_pow2(g)), (64 if big_d else 128), 4, (2 if big_d else 3)
         block_m = max(64 if big_d else 128, _next_pow2(g))
-        if plan.max_q_len * g < block_m:  # short queries (verify / small extends)
+        if plan.max_q_len * g < block_m:  # short queries (small verify trees / extends)
             block_m = max(16, _next_pow2(plan.max_q_len * g))
-        return max(1, block_m // g), block_m, (32 if big_d else 64), (8 if block_m >= 128 else 4), 2
+        block_q = max(1, block_m // g)
+        if big_d:
+            return block_q, block_m, 32, 4, 2
+        if plan.mask is not None:  # verify: long mask-free prefix, wide KV blocks pay
+            return block_q, block_m, 128, 8, 3
+        return block_q, block_m, 32, 4, 3
 
     def _splits(self, plan: Plan, num_tiles: int, block_n: int) -> int:
         forced = plan.extra.get("num_kv_splits")
@@ -100,11 +108,18 @@ class TritonProvider(Provider):
         if programs >= self._sms or plan.max_kv_len < 1024:
             return 1
         by_len = plan.max_kv_len // 512
-        return max(1, min(32, by_len, -(-2 * self._sms // max(programs, 1))))
+        target = (2 if programs >= 16 else 4) * self._sms  # tiny batches: oversubscribe harder
+        return max(1, min(64, by_len, -(-target // max(programs, 1))))
 
     def plan(self, plan: Plan) -> None:
+        """Tuning knobs in ``plan.extra`` (from ``PagedAttention.plan(**kw)``): ``num_kv_splits``,
+        ``block_m``, ``block_n``, ``num_warps``, ``num_stages``."""
         cfg = self.config
         block_q, block_m, block_n, warps, stages = self._blocks(plan)
+        x = plan.extra
+        block_m = x.get("block_m", block_m)
+        block_q = max(1, block_m // cfg.group_size) if "block_m" in x else block_q
+        block_n, warps, stages = x.get("block_n", block_n), x.get("num_warps", warps), x.get("num_stages", stages)
         q_lens = plan.q_lens_cpu.to(torch.int64)
         counts = (q_lens + block_q - 1) // block_q
         num_tiles = int(counts.sum())
@@ -112,6 +127,8 @@ class TritonProvider(Provider):
         first = torch.cumsum(counts, 0) - counts
         tile_q = (torch.arange(num_tiles) - torch.repeat_interleave(first, counts)) * block_q
         splits = self._splits(plan, num_tiles, block_n)
+        if plan.max_q_len <= 1 and splits >= 32 and self.config.head_dim <= 128 and "block_n" not in x:
+            block_n, warps, stages = 64, 2, 2  # many short splits: small tiles (H200 sweep, 1x32768)
         partial = partial_lse = None
         if splits > 1:
             partial = torch.empty(
@@ -155,10 +172,11 @@ class TritonProvider(Provider):
             l_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
         mask = plan.mask if plan.mask is not None else plan.kv_lens
         mask_indptr = plan.mask_indptr if plan.mask_indptr is not None else plan.kv_lens
+        mask_free = plan.mask_free if plan.mask_free is not None else plan.kv_lens
         paged_attention_kernel[(a.num_tiles, cfg.num_kv_heads, a.num_splits)](
             q, k_cache, v_cache, o, l,
             plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, a.tile_req, a.tile_qstart,
-            mask, mask_indptr,
+            mask, mask_indptr, mask_free,
             cfg.scale, cfg.logits_soft_cap, cfg.window_left, a.num_splits,
             q.stride(0), q.stride(1),
             *ks, *vs, *o_strides, *l_strides,

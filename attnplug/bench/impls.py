@@ -1,0 +1,182 @@
+"""What the benchmark times: attnplug providers, the same libraries called directly, and PyTorch.
+
+Each ``make_*`` takes a :class:`~attnplug.bench.workloads.Work` and returns ``fn`` (no arguments,
+returns the ``[T, Hq, D]`` output; only kernel launches) or raises :class:`Unavailable` /
+:class:`NotApplicable`. Host-side setup (plans, block tables, JIT) happens in ``make_*``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..core import PagedAttention, ProviderUnavailable, UnsupportedFeature
+from ..core.providers.flashinfer import INSTALL_HINT as FI_HINT
+from .workloads import Work
+
+
+class Unavailable(Exception):
+    """The library / provider cannot run here (reason in the message)."""
+
+
+class NotApplicable(Exception):
+    """The implementation does not compute this row's attention (e.g. no custom mask)."""
+
+
+@dataclass(frozen=True)
+class Impl:
+    name: str  # row label, e.g. "attnplug.triton", "flashinfer.decode_tc", "torch.gather_sdpa"
+    family: str  # --providers name: triton | flashinfer | fa3 | torch
+    is_library: bool  # a library kernel called directly (the ratio's baseline)
+    make: Callable[[Work], Callable[[], torch.Tensor]]
+
+
+_WS: dict[torch.device, torch.Tensor] = {}
+
+
+def _workspace(device) -> torch.Tensor:
+    if device not in _WS:
+        _WS[device] = torch.zeros(256 * 1024 * 1024, dtype=torch.uint8, device=device)
+    return _WS[device]
+
+
+# ---- attnplug providers -------------------------------------------------------------------
+def _provider(name: str):
+    def make(work: Work):
+        try:
+            attn = PagedAttention(work.config, name, work.q.device)
+        except ProviderUnavailable as e:
+            raise Unavailable(str(e)) from e
+        except UnsupportedFeature as e:
+            raise NotApplicable(str(e)) from e
+        try:
+            attn.plan(work.batch, num_pages=work.num_pages)  # first plan: JIT builds, caches
+            t0 = time.perf_counter()
+            attn.plan(work.batch, num_pages=work.num_pages)
+            work.extra[f"attnplug.{name}.plan_ms"] = (time.perf_counter() - t0) * 1e3
+        except UnsupportedFeature as e:
+            raise NotApplicable(str(e)) from e
+        q, k, v = work.q, work.k_cache, work.v_cache
+        out = torch.empty_like(q)
+        return lambda: attn.run(q, k, v, out=out)
+
+    return make
+
+
+# ---- FlashInfer called directly ----------------------------------------------------------------
+def _flashinfer():
+    try:
+        import flashinfer  # noqa: PLC0415
+    except Exception as e:
+        raise Unavailable(f"{FI_HINT}; {e!r}") from e
+    return flashinfer
+
+
+def _fi_common(work: Work) -> dict:
+    c = work.config
+    return dict(q_data_type=c.dtype, kv_data_type=c.dtype, sm_scale=c.scale)
+
+
+def _fi_decode(work: Work):
+    if work.row.kind != "decode":
+        raise NotApplicable("decode kernel")
+    fi, c, b = _flashinfer(), work.config, work.batch
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(_workspace(work.q.device), c.kv_layout, use_tensor_cores=True)
+    w.plan(b.kv_indptr, b.kv_indices.to(work.q.device), b.kv_last_page_len, c.num_qo_heads, c.num_kv_heads,
+           c.head_dim, c.page_size, **_fi_common(work))
+    q, kv = work.q, (work.k_cache, work.v_cache)
+    return lambda: w.run(q, kv)
+
+
+def _fi_prefill(backend: str):
+    def make(work: Work):
+        if work.row.kind == "decode":
+            raise NotApplicable("prefill kernel")
+        fi, c, b = _flashinfer(), work.config, work.batch
+        if work.row.kind == "verify" and backend != "fa2":
+            raise NotApplicable(f"FlashInfer's {backend} template has no custom mask")
+        if backend == "fa3" and torch.cuda.get_device_capability(work.q.device)[0] != 9:
+            raise Unavailable("fa3 template needs sm90")
+        dev = work.q.device
+        w = fi.BatchPrefillWithPagedKVCacheWrapper(_workspace(dev), c.kv_layout, backend=backend)
+        if work.row.kind == "verify":
+            w.plan(b.qo_indptr.to(dev), b.kv_indptr.to(dev), b.kv_indices.to(dev), b.kv_last_page_len.to(dev),
+                   c.num_qo_heads, c.num_kv_heads, c.head_dim, c.page_size,
+                   custom_mask=b.custom_mask.to(dev), causal=False, **_fi_common(work))
+        else:
+            w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices.to(dev), b.kv_last_page_len, c.num_qo_heads,
+                   c.num_kv_heads, c.head_dim, c.page_size, causal=True, **_fi_common(work))
+        q, kv = work.q, (work.k_cache, work.v_cache)
+        return lambda: w.run(q, kv)
+
+    return make
+
+
+# ---- FA3 called directly -------------------------------------------------------------------------
+def _fa3_direct(work: Work):
+    from ..core.providers.base import ProviderUnavailable as PU  # noqa: PLC0415
+    from ..core.providers.fa3 import load_fa3  # noqa: PLC0415
+
+    if work.row.kind == "verify":
+        raise NotApplicable("FA3 has no custom (tree) mask")
+    if work.config.kv_layout != "NHD":
+        raise NotApplicable("FA3 needs NHD")
+    try:
+        lib = load_fa3()
+    except PU as e:
+        raise Unavailable(str(e)) from e
+    if torch.cuda.get_device_capability(work.q.device)[0] != 9:
+        raise Unavailable("FA3 needs sm90")
+    r, c = work.row, work.config
+    q, k, v = work.q, work.k_cache, work.v_cache
+    cu_q = work.batch.qo_indptr.to(q.device)
+    bt, sl = work.block_table, work.seq_lens
+    kv_len = r.prefix + r.q_len
+    if lib.varlen_style:  # vLLM's flash_attn_varlen_func(..., block_table=, seqused_k=, fa_version=3)
+        out = torch.empty_like(q)
+        return lambda: lib.fn(q, k, v, r.q_len, cu_q, kv_len, seqused_k=sl, softmax_scale=c.scale, causal=True,
+                              block_table=bt, out=out, fa_version=3)
+    return lambda: lib.fn(q, k, v, cache_seqlens=sl, page_table=bt, cu_seqlens_q=cu_q, max_seqlen_q=r.q_len,
+                          softmax_scale=c.scale, causal=True)
+
+
+# ---- PyTorch: gather the pages, then scaled_dot_product_attention ------------------------------
+def _torch_sdpa(work: Work):
+    r, c = work.row, work.config
+    if c.kv_layout != "NHD":
+        raise NotApplicable("bench's torch path gathers NHD pages")
+    B, ql, kv_len = r.batch, r.q_len, r.prefix + r.q_len
+    q, kc, vc, bt = work.q, work.k_cache, work.v_cache, work.block_table.long()
+    mask = None
+    if work.tree is not None:
+        mask = work.tree[:, None]  # [B, 1, q, kv]
+    elif r.kind != "decode" and r.prefix > 0:
+        mask = torch.ones(ql, kv_len, dtype=torch.bool, device=q.device).tril(diagonal=r.prefix)
+    is_causal = r.kind == "prefill" and r.prefix == 0
+
+    def fn():
+        k = kc[bt].reshape(B, -1, c.num_kv_heads, c.head_dim)[:, :kv_len].transpose(1, 2)
+        v = vc[bt].reshape(B, -1, c.num_kv_heads, c.head_dim)[:, :kv_len].transpose(1, 2)
+        qq = q.view(B, ql, c.num_qo_heads, c.head_dim).transpose(1, 2)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qq, k, v, attn_mask=mask, is_causal=is_causal, scale=c.scale, enable_gqa=True
+        )
+        return o.transpose(1, 2).reshape(-1, c.num_qo_heads, c.head_dim)
+
+    return fn
+
+
+IMPLS = [
+    Impl("attnplug.triton", "triton", False, _provider("triton")),
+    Impl("attnplug.flashinfer", "flashinfer", False, _provider("flashinfer")),
+    Impl("attnplug.fa3", "fa3", False, _provider("fa3")),
+    Impl("flashinfer.decode_tc", "flashinfer", True, _fi_decode),
+    Impl("flashinfer.prefill_fa3", "flashinfer", True, _fi_prefill("fa3")),
+    Impl("flashinfer.prefill_fa2", "flashinfer", True, _fi_prefill("fa2")),
+    Impl("fa3.paged", "fa3", True, _fa3_direct),
+    Impl("torch.gather_sdpa", "torch", False, _torch_sdpa),
+]
+FAMILIES = ("triton", "flashinfer", "fa3", "torch")

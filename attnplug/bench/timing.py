@@ -1,0 +1,49 @@
+"""Timers (median of CUDA-event timings with L2 flush via ``triton.testing.do_bench``) and ceilings."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def bench_ms(fn: Callable[[], object], device: torch.device, rep_ms: int = 100) -> float:
+    """Median milliseconds of ``fn``. CUDA: ``do_bench`` (25 ms warmup, L2 flushed before each call);
+    CPU: median of a few wall-clock calls (smoke runs only)."""
+    if device.type == "cuda":
+        import triton.testing  # noqa: PLC0415
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _copy_ms(n: int, device: torch.device) -> float:
+    x = torch.randn(n, dtype=torch.bfloat16, device=device)
+    y = torch.empty_like(x)
+    return bench_ms(lambda: y.copy_(x), device)
+
+
+def ceilings(device: torch.device, quick: bool) -> dict:
+    """Device copy GB/s (1 GiB bf16, bytes read + written) and bf16 matmul TFLOP/s (8192^3).
+
+    ``quick``: 16 MiB copy and a 256^3 float32 matmul (CPU smoke run)."""
+    res = {}
+    n = (8 if quick else 512) * 1024 * 1024  # bf16 elements: 16 MiB or 1 GiB
+    res["copy_bytes"] = 2 * n
+    res["copy_GBps"] = 2 * res["copy_bytes"] / _copy_ms(n, device) / 1e6
+    m = 256 if quick else 8192
+    dt = torch.float32 if quick else torch.bfloat16
+    a = torch.randn(m, m, dtype=dt, device=device)
+    b = torch.randn(m, m, dtype=dt, device=device)
+    ms = bench_ms(lambda: a @ b, device)
+    res["matmul_TFLOPs"] = 2 * m**3 / ms / 1e9
+    res["matmul_shape"] = f"{m}^3 {str(dt).replace('torch.', '')}"
+    return res

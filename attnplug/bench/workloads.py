@@ -1,0 +1,153 @@
+"""Benchmark rows: shapes, random paged inputs, byte / FLOP counts and the reference check."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core import AttentionConfig, BatchMetadata, ForwardMode, make_plan
+from ..core.plan import Plan
+from ..core.reference import reference_attention
+
+
+@dataclass(frozen=True)
+class Row:
+    """One benchmark shape: request ``b`` has ``prefix`` cached tokens then ``q_len`` new ones."""
+
+    name: str
+    kind: str  # "decode" | "prefill" | "verify"
+    batch: int
+    q_len: int
+    prefix: int
+
+    @property
+    def mode(self) -> ForwardMode:
+        return {"decode": ForwardMode.DECODE, "prefill": ForwardMode.EXTEND, "verify": ForwardMode.TARGET_VERIFY}[self.kind]
+
+    @property
+    def metric(self) -> str:
+        return "TFLOP/s" if self.kind == "prefill" else "GB/s"
+
+
+# Llama-3-8B attention: 32 q heads, 8 KV heads, head dim 128, page 16, bf16
+FULL_CONFIG = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16)
+FULL_ROWS = [
+    Row("decode 64x4096", "decode", 64, 1, 4095),
+    Row("decode 16x16384", "decode", 16, 1, 16383),
+    Row("decode 128x2048", "decode", 128, 1, 2047),
+    Row("decode 1x32768", "decode", 1, 1, 32767),
+    Row("prefill 4x4096", "prefill", 4, 4096, 0),
+    Row("prefill 1x8192", "prefill", 1, 8192, 0),
+    Row("extend 8x(512+4096)", "prefill", 8, 512, 4096),
+    Row("verify 32x(4096+64 tree)", "verify", 32, 64, 4096),
+]
+QUICK_CONFIG = dict(num_qo_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
+QUICK_ROWS = [
+    Row("decode 4x100", "decode", 4, 1, 99),
+    Row("prefill 2x48", "prefill", 2, 48, 0),
+    Row("extend 2x(16+40)", "prefill", 2, 16, 40),
+    Row("verify 2x(40+8 tree)", "verify", 2, 8, 40),
+]
+
+
+@dataclass
+class Work:
+    """Inputs of one row, on the device. ``batch`` holds host metadata (what an engine passes)."""
+
+    row: Row
+    config: AttentionConfig
+    batch: BatchMetadata
+    q: torch.Tensor  # [T, Hq, D]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    num_pages: int
+    block_table: torch.Tensor  # [B, max_pages] int32, device
+    seq_lens: torch.Tensor  # [B] int32, device
+    tree: torch.Tensor | None  # [B, q_len, kv_len] bool (verify), device
+    nbytes: int = 0
+    flops: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def random_tree_mask(q_len: int, gen: torch.Generator) -> torch.Tensor:
+    """``[q_len, q_len]`` bool: draft token ``i`` sees itself and its ancestors (random parents < i)."""
+    m = torch.eye(q_len, dtype=torch.bool)
+    for i in range(1, q_len):
+        parent = int(torch.randint(0, i, (1,), generator=gen))
+        m[i] |= m[parent]
+    return m
+
+
+def build(row: Row, config: AttentionConfig, device: torch.device, seed: int = 0) -> Work:
+    """Random q / paged KV (random permuted page table) for ``row``."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    P, B = config.page_size, row.batch
+    kv_len = row.prefix + row.q_len
+    pages_per = -(-kv_len // P)
+    num_pages = B * pages_per
+    kv_indices = torch.randperm(num_pages, generator=gen).to(torch.int32)
+    kv_indptr = (torch.arange(B + 1, dtype=torch.int32) * pages_per).to(torch.int32)
+    last = torch.full((B,), (kv_len - 1) % P + 1, dtype=torch.int32)
+    qo_indptr = (torch.arange(B + 1, dtype=torch.int32) * row.q_len).to(torch.int32)
+    tree = mask = None
+    if row.kind == "verify":
+        tree = torch.ones(B, row.q_len, kv_len, dtype=torch.bool)
+        for b in range(B):
+            tree[b, :, row.prefix :] = random_tree_mask(row.q_len, gen)
+        mask = tree.flatten()
+        tree = tree.to(device)
+    causal = True
+    batch = BatchMetadata(row.mode, qo_indptr, kv_indptr, kv_indices, last, custom_mask=mask, causal=causal)
+    shape = config.kv_cache_shape(num_pages)
+    dt = config.dtype
+    k_cache = torch.randn(shape, dtype=dt, device=device)
+    v_cache = torch.randn(shape, dtype=dt, device=device)
+    q = torch.randn(B * row.q_len, config.num_qo_heads, config.head_dim, dtype=dt, device=device)
+    block_table = kv_indices.view(B, pages_per).to(device)
+    seq_lens = torch.full((B,), kv_len, dtype=torch.int32, device=device)
+    esz = torch.empty(0, dtype=dt).element_size()
+    nbytes = 2 * q.numel() * esz + 2 * B * kv_len * config.num_kv_heads * config.head_dim * esz
+    # causal (bottom-right) FLOPs: query i of q_len sees prefix + i + 1 keys; QK^T and PV, 2 FLOPs per MAC
+    keys = row.q_len * kv_len - row.q_len * (row.q_len - 1) / 2
+    flops = 4.0 * config.num_qo_heads * config.head_dim * keys * B
+    return Work(row, config, batch, q, k_cache, v_cache, num_pages, block_table, seq_lens, tree, nbytes, flops)
+
+
+def sub_plan(work: Work, nb: int) -> tuple[Plan, int]:
+    """Plan of the first ``nb`` requests (for the reference) and their token count."""
+    b = work.batch
+    nb = min(nb, work.row.batch)
+    t = int(b.qo_indptr[nb])
+    pages = int(b.kv_indptr[nb])
+    mask = None
+    if b.custom_mask is not None:
+        kv_len = work.row.prefix + work.row.q_len
+        mask = b.custom_mask[: nb * work.row.q_len * kv_len]
+    sub = BatchMetadata(b.mode, b.qo_indptr[: nb + 1], b.kv_indptr[: nb + 1], b.kv_indices[:pages],
+                        b.kv_last_page_len[:nb], custom_mask=mask, causal=b.causal)
+    return make_plan(work.config, sub, num_pages=work.num_pages, device=work.q.device), t
+
+
+def reference(work: Work, nb: int) -> torch.Tensor:
+    """Float32 reference output of the first ``nb`` requests: ``[t, Hq, D]``."""
+    plan, t = sub_plan(work, nb)
+    out, _ = reference_attention(plan, work.q[:t], work.k_cache, work.v_cache)
+    return out
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative L2 error of ``a`` against ``b`` (NaN propagates)."""
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def ref_requests(row: Row) -> int:
+    """Requests checked against the float32 reference (it is one request at a time)."""
+    return 1 if row.q_len * (row.prefix + row.q_len) > 4096 * 4096 else (2 if row.kind == "prefill" else 4)
+
+
+def math_isfinite(x) -> bool:
+    return isinstance(x, float) and math.isfinite(x)

@@ -1,0 +1,264 @@
+"""The ``fa3`` provider: FlashAttention-3 (Hopper) on the paged cache, block-table dialect.
+
+FA3 build, first importable wins (the startup log names it):
+
+1. ``flash_attn_interface`` - FlashAttention's own hopper build (``pip install flash-attn-3`` /
+   ``flash-attention/hopper``): ``flash_attn_with_kvcache(page_table=, cache_seqlens=, cu_seqlens_q=)``.
+2. ``sgl_kernel.flash_attn`` - SGLang's copy, same ``flash_attn_with_kvcache`` signature.
+3. ``vllm.vllm_flash_attn.flash_attn_interface`` - vLLM's fork (what ``shared/tools/gpu-wheels.sh``
+   packs as fa3.zip): ``flash_attn_varlen_func(block_table=, seqused_k=, out=, fa_version=3)``.
+
+All three are the same Hopper kernel: varlen q (``cu_seqlens_q`` = ``qo_indptr``), paged KV read via a
+``[B, max_pages]`` block table + per-request ``seqused_k`` (built on device in ``plan`` from the CSR
+table), bottom-right causal mask, ``window_size=(window_left, 0)``, ``softcap``, natural-log LSE
+``[Hq, T]``. The block table may use any page size (FA3 docstring: "page_block_size can be
+arbitrary"); KV must be NHD (``[num_pages, P, Hkv, D]``), HND is refused.
+
+TARGET_VERIFY with a tree mask (FA3 has no arbitrary mask) is split in two and merged by LSE:
+
+* prefix: the keys before the draft tokens, which the mask must show to every draft token (checked
+  in ``plan``; otherwise ``UnsupportedFeature``) -> FA3 non-causal with ``seqused_k = kv_len - q_len``;
+* tree: the ``q_len x q_len`` draft block per request -> a small dense float32 torch computation on
+  padded ``[B, max_q, max_q]`` tiles (device only, no host sync), soft-capped and masked;
+* ``attnplug.core.kernels.merge.merge_state`` (natural-log LSE; a torch fallback if that module is
+  missing) merges the two into ``out``/``lse``.
+
+Sliding window together with a tree mask is refused. ``run`` does no host work and no sync; only the
+tree path allocates temporaries (and the libraries allocate their own LSE). hopper/sgl_kernel builds
+have no ``out=`` argument, so their result is copied into ``out``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..config import AttentionConfig
+from ..plan import Plan
+from .base import Provider, ProviderUnavailable
+
+logger = logging.getLogger("attnplug")
+
+HEAD_DIMS = (64, 96, 128, 192, 256)
+INSTALL_HINT = (
+    "attnplug: provider 'fa3' needs a Hopper GPU (sm90) and a FlashAttention-3 build: "
+    "pip install flash-attn-3 (hopper build of https://github.com/Dao-AILab/flash-attention), "
+    "or pip install sgl-kernel, or vllm (vllm.vllm_flash_attn with _vllm_fa3_C)"
+)
+
+
+@dataclass(frozen=True)
+class FA3Lib:
+    """One importable FA3 build behind a single paged call."""
+
+    source: str
+    fn: Callable
+    varlen_style: bool  # vLLM's flash_attn_varlen_func (out=, block_table=) vs *_with_kvcache
+
+    def paged(self, q, k_cache, v_cache, out, *, block_table, cu_seqlens_q, seqused_k, max_seqlen_q,
+              max_seqlen_k, causal, window, softcap, scale, return_lse):
+        """``q [T, Hq, D]``, caches ``[num_pages, P, Hkv, D]`` -> writes ``out``; returns lse ``[Hq, T]`` or None."""
+        if self.varlen_style:
+            r = self.fn(q, k_cache, v_cache, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k=seqused_k,
+                        softmax_scale=scale, causal=causal, window_size=list(window), softcap=softcap,
+                        block_table=block_table, return_softmax_lse=return_lse, out=out, fa_version=3)
+        else:
+            r = self.fn(q, k_cache, v_cache, cache_seqlens=seqused_k, page_table=block_table,
+                        cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, softmax_scale=scale,
+                        causal=causal, window_size=tuple(window), softcap=softcap, return_softmax_lse=return_lse)
+        o, s = (r[0], r[1]) if return_lse else (r, None)
+        if o.data_ptr() != out.data_ptr():
+            out.copy_(o.view_as(out))
+        return s
+
+
+_LIB: FA3Lib | None = None
+
+
+def load_fa3() -> FA3Lib:
+    """Import the first available FA3 build (see module docstring); cached.
+
+    Raises:
+        ProviderUnavailable: none imports; the message lists each attempt.
+    """
+    global _LIB
+    if _LIB is not None:
+        return _LIB
+    errors = []
+    try:
+        import flash_attn_interface as m  # noqa: PLC0415
+
+        _LIB = FA3Lib("flash_attn_interface", m.flash_attn_with_kvcache, False)
+        return _LIB
+    except Exception as e:
+        errors.append(f"flash_attn_interface: {e!r}")
+    try:
+        from sgl_kernel.flash_attn import flash_attn_with_kvcache  # noqa: PLC0415
+
+        _LIB = FA3Lib("sgl_kernel.flash_attn", flash_attn_with_kvcache, False)
+        return _LIB
+    except Exception as e:
+        errors.append(f"sgl_kernel.flash_attn: {e!r}")
+    try:
+        from vllm.vllm_flash_attn import flash_attn_interface as m  # noqa: PLC0415
+
+        if not getattr(m, "FA3_AVAILABLE", False):
+            raise ImportError(getattr(m, "FA3_UNAVAILABLE_REASON", "FA3_AVAILABLE is False"))
+        _LIB = FA3Lib("vllm.vllm_flash_attn (fa_version=3)", m.flash_attn_varlen_func, True)
+        return _LIB
+    except Exception as e:
+        errors.append(f"vllm.vllm_flash_attn: {e!r}")
+    raise ProviderUnavailable(f"{INSTALL_HINT}; tried: " + "; ".join(errors))
+
+
+def _merge_state_torch(v_a, s_a, v_b, s_b, out_v, out_s=None):
+    """LSE merge (natural log) of two partial attentions; rows with ``-inf`` on one side take the other."""
+    m = torch.maximum(s_a, s_b)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w_a, w_b = torch.exp(s_a - m), torch.exp(s_b - m)
+    den = w_a + w_b
+    v = (v_a.float() * w_a[..., None] + v_b.float() * w_b[..., None]) / den.clamp_min(1e-30)[..., None]
+    out_v.copy_(v)
+    if out_s is not None:
+        out_s.copy_(m + torch.log(den))
+
+
+def _core_merge_state():
+    try:
+        from ..kernels.merge import merge_state  # noqa: PLC0415
+
+        return merge_state, "attnplug.core.kernels.merge"
+    except ImportError:
+        return _merge_state_torch, "torch fallback"
+
+
+class FA3Provider(Provider):
+    """FlashAttention-3 paged attention; tree-masked verify = FA3 prefix + dense tree block, LSE-merged."""
+
+    name = "fa3"
+
+    def __init__(self, config: AttentionConfig, device: torch.device):
+        super().__init__(config, device)
+        self.lib = load_fa3()
+        logger.info("attnplug: fa3 provider uses %s", self.lib.source)
+
+    @classmethod
+    def check_available(cls, device: torch.device) -> None:
+        device = torch.device(device)
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise ProviderUnavailable(f"{INSTALL_HINT}; got device {str(device)!r}")
+        cap = torch.cuda.get_device_capability(device)
+        if cap[0] != 9:
+            raise ProviderUnavailable(f"{INSTALL_HINT}; this GPU is sm{cap[0]}{cap[1]}, FA3 runs on sm90 only")
+        load_fa3()
+
+    def check_config(self, config: AttentionConfig) -> None:
+        if config.dtype not in (torch.float16, torch.bfloat16):
+            raise self.unsupported(f"dtype {config.dtype} (FA3 runs float16/bfloat16)")
+        if config.head_dim not in HEAD_DIMS:
+            raise self.unsupported(f"head_dim={config.head_dim} (FA3 kernels: {HEAD_DIMS})")
+        if config.kv_layout != "NHD":
+            raise self.unsupported("kv_layout='HND' (FA3 reads paged KV as [num_pages, page_size, Hkv, D])")
+
+    def plan(self, plan: Plan) -> None:
+        """Block table + seq lens on device; for a tree mask also the split into prefix and tree parts."""
+        from ..page_table import block_table_from_csr  # noqa: PLC0415
+
+        cfg = self.config
+        max_pages = max(1, -(-plan.max_kv_len // cfg.page_size))
+        block_table, seq_lens = block_table_from_csr(
+            plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len, cfg.page_size, max_pages, check=False
+        )
+        window = (cfg.window_left, 0 if plan.causal else -1) if cfg.window_left >= 0 else (-1, -1)
+        args = dict(
+            block_table=block_table, cu_seqlens_q=plan.qo_indptr, seqused_k=seq_lens,
+            max_seqlen_q=max(plan.max_q_len, 1), max_seqlen_k=max(plan.max_kv_len, 1), causal=plan.causal,
+            window=window, softcap=cfg.logits_soft_cap, scale=cfg.scale,
+        )
+        plan.extra["fa3_args"] = args
+        plan.extra["fa3_tree"] = None
+        if plan.mask is None:
+            return
+        if cfg.window_left >= 0:
+            raise self.unsupported("a custom (tree) mask together with a sliding window")
+        plan.extra["fa3_tree"] = self._plan_tree(plan, block_table, seq_lens)
+        args.update(seqused_k=plan.extra["fa3_tree"]["prefix_lens"], causal=False, window=(-1, -1),
+                    max_seqlen_k=max(int((plan.kv_lens_cpu - plan.q_lens_cpu).max()), 1))
+        plan.extra["fa3_merge"], src = _core_merge_state()
+        logger.debug("attnplug: fa3 tree verify merges with %s", src)
+
+    def _plan_tree(self, plan: Plan, block_table: torch.Tensor, seq_lens: torch.Tensor) -> dict:
+        """Check the mask's prefix columns are all visible; gather the ``q_len x q_len`` tree blocks."""
+        cfg, dev = self.config, plan.device
+        bsz, mq, page = plan.batch_size, max(plan.max_q_len, 1), cfg.page_size
+        q_lens = plan.q_lens_cpu.to(dev, torch.int64)
+        kv_lens = plan.kv_lens_cpu.to(dev, torch.int64)
+        prefix = kv_lens - q_lens
+        # every mask element -> (request, row, column)
+        sizes = q_lens * kv_lens
+        n = plan.mask.numel()
+        req = torch.repeat_interleave(torch.arange(bsz, device=dev), sizes, output_size=n)
+        pos = torch.arange(n, device=dev) - plan.mask_indptr[:-1].to(dev)[req]
+        row, col = pos // kv_lens[req], pos % kv_lens[req]
+        in_prefix = col < prefix[req]
+        bad = in_prefix & (plan.mask == 0)
+        if bool(bad.any()):
+            b = int(req[bad][0])
+            raise self.unsupported(
+                f"a tree mask that hides part of the prefix (request {b}): FA3 computes the prefix "
+                "without a mask; only the last q_len x q_len block may be arbitrary"
+            )
+        tail = ~in_prefix
+        tree_mask = torch.zeros(bsz, mq, mq, dtype=torch.bool, device=dev)
+        tree_mask[req[tail], row[tail], col[tail] - prefix[req[tail]]] = plan.mask[tail].bool()
+        # q rows / tree keys, padded to max_q; token t of the batch sits at (tok_b[t], tok_i[t])
+        i = torch.arange(mq, device=dev)
+        qo = plan.qo_indptr.to(torch.int64)
+        q_idx = (qo[:-1, None] + i).clamp_max(max(plan.num_tokens - 1, 0))
+        key = (prefix[:, None] + i).clamp(min=0)
+        key = torch.minimum(key, (kv_lens[:, None] - 1).clamp(min=0))
+        pages = block_table.to(torch.int64).gather(1, key // page)
+        tok_b = torch.repeat_interleave(torch.arange(bsz, device=dev), q_lens, output_size=plan.num_tokens)
+        tok_i = torch.arange(plan.num_tokens, device=dev) - qo[:-1][tok_b]
+        return dict(
+            prefix_lens=prefix.to(torch.int32), tree_mask=tree_mask, q_idx=q_idx, key_page=pages,
+            key_off=key % page, tok_b=tok_b, tok_i=tok_i,
+            prefix_out=torch.empty(plan.num_tokens, cfg.num_qo_heads, cfg.head_dim, dtype=cfg.dtype, device=dev),
+        )
+
+    def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None) -> None:
+        """``q [T, Hq, D]``, caches ``[num_pages, P, Hkv, D]`` -> ``out [T, Hq, D]`` (+ natural-log ``lse [T, Hq]``)."""
+        tree = plan.extra["fa3_tree"]
+        if tree is None:
+            s = self.lib.paged(q, k_cache, v_cache, out, return_lse=lse is not None, **plan.extra["fa3_args"])
+            if lse is not None:
+                lse.copy_(s.t())
+            return
+        s_a = self.lib.paged(q, k_cache, v_cache, tree["prefix_out"], return_lse=True, **plan.extra["fa3_args"])
+        o_b, s_b = self._tree_attention(tree, q, k_cache, v_cache)
+        plan.extra["fa3_merge"](tree["prefix_out"], s_a.t().contiguous(), o_b, s_b, out, lse)
+
+    def _tree_attention(self, tree: dict, q, k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense masked attention of each request's draft tokens over its draft keys.
+
+        Returns ``(o [T, Hq, D] float32, lse [T, Hq] float32 natural log)``.
+        """
+        cfg = self.config
+        bsz, mq = tree["q_idx"].shape
+        hkv, g, d = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
+        qp = q[tree["q_idx"]].float().view(bsz, mq, hkv, g, d)
+        k = k_cache[tree["key_page"], tree["key_off"]].float()  # [B, mq, Hkv, D]
+        v = v_cache[tree["key_page"], tree["key_off"]].float()
+        s = torch.einsum("bihgd,bjhd->bhgij", qp, k) * cfg.scale
+        if cfg.logits_soft_cap > 0:
+            s = cfg.logits_soft_cap * torch.tanh(s / cfg.logits_soft_cap)
+        s = s.masked_fill(~tree["tree_mask"][:, None, None], -math.inf)
+        s_lse = torch.logsumexp(s, dim=-1)  # [B, Hkv, G, mq]
+        p = torch.exp(s - s_lse[..., None]).nan_to_num_(0.0)
+        o = torch.einsum("bhgij,bjhd->bihgd", p, v).reshape(bsz, mq, cfg.num_qo_heads, d)
+        s_lse = s_lse.permute(0, 3, 1, 2).reshape(bsz, mq, cfg.num_qo_heads)
+        return o[tree["tok_b"], tree["tok_i"]], s_lse[tree["tok_b"], tree["tok_i"]].contiguous()

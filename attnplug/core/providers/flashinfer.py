@@ -1,0 +1,169 @@
+"""The ``flashinfer`` provider: FlashInfer's paged-KV wrappers behind the core's plan/run contract.
+
+Kernels (flashinfer-python >= 0.6; written against 0.6.14):
+
+* DECODE: ``BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)`` (the prefill template run
+  as decode; 4.1 TB/s on H200 vs 2.8 TB/s for the CUDA-core kernel).
+* EXTEND / MIXED / DRAFT_EXTEND / chain TARGET_VERIFY: ``BatchPrefillWithPagedKVCacheWrapper``,
+  causal bottom-right; backend ``"fa3"`` (Hopper template) where supported, else ``"fa2"``.
+* TARGET_VERIFY with a tree mask: the same wrapper with ``custom_mask`` (FlashInfer packs the bool
+  mask into bits inside its ``plan``); custom masks only exist in the ``"fa2"`` template.
+
+Backend knob: ``attn.plan(batch, prefill_backend="fa2" | "fa3" | "auto")`` or the environment
+variable ``ATTNPLUG_FLASHINFER_BACKEND``; ``"auto"`` (default) picks ``"fa3"`` on sm90, else ``"fa2"``.
+
+``plan`` calls exactly one wrapper ``plan`` per forward (host work, JIT compile on first use).
+``run`` calls only ``wrapper.run(q, (k_cache, v_cache), out=out, lse=lse)``: no allocation, no sync.
+One wrapper holds one plan: planning again replaces the previous forward's plan (FlashInfer semantics).
+
+LSE: FlashInfer writes base-2 log-sum-exp; the core's contract is natural log, so when ``lse`` is
+requested ``run`` rescales it in place (``lse *= ln 2``; one elementwise kernel, no allocation).
+``lse`` must be a contiguous ``[T, Hq]`` float32 tensor on the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import torch
+
+from ..config import AttentionConfig
+from ..metadata import ForwardMode
+from ..plan import Plan
+from .base import Provider, ProviderUnavailable
+
+logger = logging.getLogger("attnplug")
+
+LN2 = math.log(2.0)
+LOG2E = 1.0 / LN2
+WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-KV partials)
+HEAD_DIMS = (64, 128, 256)
+INSTALL_HINT = (
+    "attnplug: provider 'flashinfer' needs a CUDA GPU and the flashinfer library: "
+    "pip install flashinfer-python (see https://docs.flashinfer.ai/installation.html)"
+)
+
+
+def _import_flashinfer():
+    import flashinfer  # noqa: PLC0415 (lazy: never needed to import attnplug)
+
+    return flashinfer
+
+
+class FlashInferProvider(Provider):
+    """FlashInfer paged attention (decode: tensor-core decode; extend/verify: paged prefill)."""
+
+    name = "flashinfer"
+
+    def __init__(self, config: AttentionConfig, device: torch.device):
+        super().__init__(config, device)
+        self._fi = _import_flashinfer()
+        # one zeroed float workspace shared by all wrappers (they run one after another on one stream)
+        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._wrappers: dict[tuple[str, str], object] = {}
+        self.default_backend = self.resolve_backend(os.environ.get("ATTNPLUG_FLASHINFER_BACKEND", "auto"))
+        logger.info(
+            "attnplug: flashinfer %s on %s; prefill backend %r (decode: tensor cores; custom mask: fa2)",
+            getattr(self._fi, "__version__", "?"), torch.cuda.get_device_name(device), self.default_backend,
+        )
+
+    @classmethod
+    def check_available(cls, device: torch.device) -> None:
+        device = torch.device(device)
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise ProviderUnavailable(f"{INSTALL_HINT}; got device {str(device)!r}")
+        try:
+            _import_flashinfer()
+        except Exception as e:  # ImportError, or a broken install (missing CUDA libs, ABI mismatch)
+            raise ProviderUnavailable(f"{INSTALL_HINT}; import flashinfer failed: {e!r}") from e
+
+    def check_config(self, config: AttentionConfig) -> None:
+        if config.dtype not in (torch.float16, torch.bfloat16):
+            raise self.unsupported(f"dtype {config.dtype} (FlashInfer attention runs float16/bfloat16)")
+        if config.head_dim not in HEAD_DIMS:
+            raise self.unsupported(f"head_dim={config.head_dim} (FlashInfer kernels: {HEAD_DIMS})")
+
+    def resolve_backend(self, backend: str) -> str:
+        """``"auto"`` -> ``"fa3"`` on sm90 (CUDA >= 12.3), else ``"fa2"``; checks explicit choices."""
+        if backend not in ("auto", "fa2", "fa3"):
+            raise ValueError(f"prefill_backend must be 'auto', 'fa2' or 'fa3', got {backend!r}")
+        major, _ = torch.cuda.get_device_capability(self.device)
+        try:
+            from flashinfer.utils import is_sm90a_supported  # noqa: PLC0415
+
+            sm90a = bool(is_sm90a_supported(self.device))
+        except Exception:  # older/newer layout: fall back to the capability alone
+            sm90a = major == 9
+        if backend == "auto":
+            return "fa3" if sm90a else "fa2"
+        if backend == "fa3" and not sm90a:
+            raise self.unsupported(f"prefill_backend='fa3' on sm{major}x (the fa3 template needs sm90a)")
+        return backend
+
+    def _wrapper(self, kind: str, backend: str):
+        key = (kind, backend)
+        w = self._wrappers.get(key)
+        if w is None:
+            layout = self.config.kv_layout
+            if kind == "decode":
+                w = self._fi.BatchDecodeWithPagedKVCacheWrapper(self._workspace, layout, use_tensor_cores=True)
+            else:
+                w = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, layout, backend=backend)
+            self._wrappers[key] = w
+        return w
+
+    def plan(self, plan: Plan) -> None:
+        """Plan the one wrapper this forward needs; stores it in ``plan.extra['flashinfer_wrapper']``."""
+        cfg = self.config
+        common = dict(
+            pos_encoding_mode="NONE",
+            window_left=cfg.window_left,
+            logits_soft_cap=cfg.logits_soft_cap,
+            q_data_type=cfg.dtype,
+            kv_data_type=cfg.dtype,
+            sm_scale=cfg.scale,
+        )
+        heads = (cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.page_size)
+        if plan.mode == ForwardMode.DECODE:
+            w = self._wrapper("decode", "auto")
+            # host indptr / last_page_len: FlashInfer schedules on the CPU, no device->host sync
+            w.plan(plan.kv_indptr_cpu, plan.kv_indices, plan.kv_last_page_len_cpu, *heads, **common)
+            backend = "decode-tc"
+        elif plan.mask is not None:
+            backend = "fa2"  # FlashInfer's fa3 template has no custom mask
+            w = self._wrapper("prefill", backend)
+            # device indptrs: FlashInfer computes the mask offsets and packs bits on the mask's device
+            w.plan(
+                plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len, *heads,
+                custom_mask=plan.mask.view(torch.bool), causal=False, **common,
+            )
+        else:
+            knob = plan.extra.get("prefill_backend")
+            backend = self.resolve_backend(knob) if knob is not None else self.default_backend
+            w = self._wrapper("prefill", backend)
+            w.plan(
+                plan.qo_indptr_cpu, plan.kv_indptr_cpu, plan.kv_indices, plan.kv_last_page_len_cpu, *heads,
+                causal=plan.causal, **common,
+            )
+        plan.extra["flashinfer_wrapper"] = w
+        plan.extra["flashinfer_backend"] = backend
+
+    def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None) -> None:
+        """``q [T, Hq, D]``, caches in ``config.kv_layout`` -> ``out [T, Hq, D]`` (+ natural-log ``lse [T, Hq]``)."""
+        plan.extra["flashinfer_wrapper"].run(q, (k_cache, v_cache), out=out, lse=lse, return_lse=lse is not None)
+        if lse is not None:
+            lse.mul_(LN2)  # log2 -> natural log, in place
+
+    def merge_state(self, v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor):
+        """Merge two partial attentions over disjoint KV sets (split-KV / cascade) with FlashInfer's kernel.
+
+        Args:
+            v_a, v_b: ``[T, H, D]`` partial outputs; s_a, s_b: ``[T, H]`` float32 natural-log LSE.
+
+        Returns:
+            ``(v [T, H, D], s [T, H])``, ``s`` in natural log (converted to/from FlashInfer's log2).
+        """
+        v, s = self._fi.merge_state(v_a, s_a * LOG2E, v_b, s_b * LOG2E)
+        return v, s.mul_(LN2)
