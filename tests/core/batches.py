@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attnplug.bench.workloads import random_tree_mask
 from attnplug.core import AttentionConfig, BatchMetadata, ForwardMode
 
 
@@ -17,18 +18,6 @@ class PagedCase:
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     num_pages: int
-
-
-def random_tree_mask(q_len: int, gen: torch.Generator) -> torch.Tensor:
-    """``[q_len, q_len]`` bool mask of a random tree: each draft token sees itself and its ancestors."""
-    parent = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) if i else -1 for i in range(1, q_len)]
-    m = torch.zeros(q_len, q_len, dtype=torch.bool)
-    for i in range(q_len):
-        j = i
-        while j >= 0:
-            m[i, j] = True
-            j = parent[j]
-    return m
 
 
 def random_case(
