@@ -107,3 +107,19 @@ def test_mask_free_columns():
     assert p.mask_free_cpu.tolist() == [10 + 1, 0 + 1]  # the tree root (first draft token) is seen by all
     c.batch.custom_mask[1] = False  # request 0, row 0, column 1
     assert make_plan(CFG, c.batch, num_pages=c.num_pages).mask_free_cpu.tolist() == [1, 1]
+
+
+def test_triton_on_cpu_refuses_a_late_interpreter_switch():
+    """TRITON_INTERPRET set after triton was imported leaves it compiled: refused with the reason."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os; os.environ.pop('TRITON_INTERPRET', None); import triton.language; "
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "from attnplug.core import AttentionConfig, PagedAttention\n"
+        "PagedAttention(AttentionConfig(4, 2, 64, 16), 'triton', 'cpu')"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "triton was imported in compiled mode" in r.stderr

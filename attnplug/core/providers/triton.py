@@ -62,7 +62,14 @@ class TritonProvider(Provider):
             )
         if device.type == "cpu":
             import triton
+            import triton.language as tl
+            from triton.runtime.interpreter import InterpretedFunction
 
+            if not isinstance(tl.standard.sigmoid, InterpretedFunction):
+                raise ProviderUnavailable(
+                    "attnplug: provider 'triton' on CPU needs the Triton interpreter, but triton was imported "
+                    "in compiled mode: TRITON_INTERPRET=1 must be set before anything imports triton"
+                )
             if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
                 raise ProviderUnavailable(
                     f"attnplug: provider 'triton' on CPU needs triton>=3.7 (its interpreter handles "

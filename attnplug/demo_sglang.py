@@ -1,0 +1,137 @@
+"""Demo: SGLang serving the tiny Llama with ``--attention-backend attnplug_triton``.
+
+    python -m attnplug.demo_sglang [--page-size 16] [--max-new-tokens 16] [--model-dir DIR]
+
+Makes the tiny model, launches ``python -m sglang.launch_server ... --attention-backend
+attnplug_triton`` on 127.0.0.1, sends ``/generate`` with token ids, prints the output ids, then does
+the same with SGLang's ``torch_native`` backend and says whether they match (exit 1 if not).
+On a machine without CUDA it runs SGLang's CPU engine (``--device cpu``, ``SGLANG_USE_CPU_ENGINE=1``);
+SGLang then needs an importable ``sgl_kernel``: the test-only CPU shim of a source checkout
+(``tests/sglang/sgl_kernel_shim``) is used when no real one is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+WAVES = [[0, 1, 3, 4], [2]]  # prompt 2 shares a 96-token prefix with prompt 1: it runs second, from the cache
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _server_env(cpu: bool) -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    if cpu:
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        if importlib.util.find_spec("sgl_kernel") is None:
+            shim = Path(__file__).resolve().parents[1] / "tests" / "sglang" / "sgl_kernel_shim"
+            if not shim.is_dir():
+                sys.exit("demo_sglang: SGLang on CPU needs an importable sgl_kernel (none installed, no source-checkout shim)")
+            print(f"demo_sglang: using the test-only CPU sgl_kernel shim {shim}")
+            env["PYTHONPATH"] = os.pathsep.join([str(shim)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
+
+
+def _post(port: int, payload: dict, timeout: float = 600) -> list:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def serve_and_generate(model: Path, backend: str, prompts: list[list[int]], args, cpu: bool) -> tuple[list, list]:
+    """Launch one server, generate greedily for ``prompts`` (in WAVES), stop it.
+
+    Returns ``(output_ids per prompt, cached_tokens per prompt)``.
+    """
+    port = _free_port()
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--skip-tokenizer-init",
+           "--attention-backend", backend, "--host", "127.0.0.1", "--port", str(port), "--page-size",
+           str(args.page_size), "--disable-overlap-schedule", "--mem-fraction-static", "0.3",
+           "--max-total-tokens", "4096", "--random-seed", "0", "--dtype", "float32"]
+    if cpu:
+        cmd += ["--device", "cpu"]
+    else:
+        cmd += ["--disable-cuda-graph"]  # attnplug's CUDA-graph support is issue 6
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"demo_sglang_{backend}_", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, env=_server_env(cpu), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        t0 = time.time()
+        while True:
+            if proc.poll() is not None:
+                sys.exit(f"demo_sglang: {backend} server exited ({proc.returncode}); log: {log.name}\n"
+                         + Path(log.name).read_text()[-3000:])
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.time() - t0 > args.timeout:
+                sys.exit(f"demo_sglang: {backend} server not ready in {args.timeout} s; log: {log.name}")
+            time.sleep(1)
+        sp = {"temperature": 0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}
+        got = {}
+        for wave in WAVES:
+            got.update(zip(wave, _post(port, {"input_ids": [prompts[i] for i in wave], "sampling_params": sp})))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # the server's own process group
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    for line in Path(log.name).read_text().splitlines():
+        if "attnplug:" in line:
+            print(f"  [{backend} log] {line.strip()}")
+    ids = [got[i]["output_ids"] for i in range(len(prompts))]
+    cached = [got[i]["meta_info"].get("cached_tokens", 0) for i in range(len(prompts))]
+    return ids, cached
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--page-size", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "attnplug_tiny_llama")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds to wait for each server")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from attnplug.tiny_model import make_tiny_llama, test_prompts
+
+    cpu = not torch.cuda.is_available()
+    model = make_tiny_llama(args.model_dir)
+    prompts = test_prompts()
+    print(f"demo_sglang: model {model}, device {'cpu' if cpu else 'cuda'}, page size {args.page_size}, "
+          f"{len(prompts)} prompts (lengths {[len(p) for p in prompts]}), {args.max_new_tokens} new tokens each")
+    ours, cached = serve_and_generate(model, "attnplug_triton", prompts, args, cpu)
+    for i, o in enumerate(ours):
+        print(f"  attnplug_triton prompt {i}: {o}  (cached prompt tokens: {cached[i]})")
+    ref, _ = serve_and_generate(model, "torch_native", prompts, args, cpu)
+    same = [a == b for a, b in zip(ours, ref)]
+    for i, (o, s) in enumerate(zip(ref, same)):
+        print(f"  torch_native    prompt {i}: {o}  {'==' if s else '!= MISMATCH'}")
+    print(f"demo_sglang: attnplug_triton {'matches' if all(same) else 'DOES NOT match'} torch_native "
+          f"({sum(same)}/{len(same)} prompts identical)")
+    return 0 if all(same) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,333 @@
+"""``AttnplugAttnBackend``: SGLang's ``AttentionBackend`` contract over attnplug's ``PagedAttention``.
+
+Thin by design: SGLang owns the pools (``req_to_token [slots, max_ctx]`` token table and the
+per-layer token pool ``k_buffer/v_buffer [size + page_size, Hkv, D]``, NHD); this class
+
+* plans once per forward (``init_forward_metadata``): SGLang batch -> ``BatchMetadata`` (CSR page
+  table over ``req_to_token``, query lengths, TARGET_VERIFY custom mask) -> ``PagedAttention.plan``;
+* per layer writes the new K/V through ``token_to_kv_pool.set_kv_buffer`` and calls
+  ``PagedAttention.run`` on the pool viewed as pages ``[num_pages, page_size, Hkv, D]``.
+
+All math is the core's. Whatever the core or this adapter cannot compute is refused with an
+``UnsupportedFeature`` naming attnplug, the backend and the feature: at startup (constructor) when
+the model says so, else at the first forward that needs it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+from . import compat
+
+logger = logging.getLogger(__name__)
+
+#: Env var: directory where the backend (in the scheduler process) writes ``sglang-<pid>.json``.
+MARKER_ENV = "ATTNPLUG_MARKER_DIR"
+#: Env var: override the provider derived from the backend name (e.g. ``reference`` to debug).
+PROVIDER_ENV = "ATTNPLUG_SGLANG_PROVIDER"
+
+INSTALL_HINTS = {
+    "triton": "pip install triton (on a CPU-only machine the Triton interpreter is used: TRITON_INTERPRET=1)",
+    "flashinfer": "it needs a CUDA GPU and FlashInfer: pip install 'attnplug[flashinfer]' (flashinfer-python)",
+    "fa3": "it needs an NVIDIA Hopper (sm90) GPU and FlashAttention-3 (flash_attn_interface / sgl-kernel)",
+}
+
+
+@dataclass
+class _Stats:
+    """What the marker file records: proof that this backend (not another) computed attention."""
+
+    forwards: dict[str, int] = field(default_factory=dict)  # planned forwards per SGLang mode
+    layer_runs: int = 0  # PagedAttention.run calls
+    max_cached_prefix: int = 0  # longest KV prefix an EXTEND query read from the cache
+    max_kv_len: int = 0
+
+
+class AttnplugAttnBackend(AttentionBackend):
+    """SGLang attention backend ``attnplug_<provider>``.
+
+    Args:
+        model_runner: SGLang's ``ModelRunner`` (pools, translator, configs are taken from it).
+        backend_name: ``attnplug_triton`` / ``attnplug_flashinfer`` / ``attnplug_fa3``.
+        provider: core provider; default derived from ``backend_name`` (or ``$ATTNPLUG_SGLANG_PROVIDER``).
+
+    Raises:
+        UnsupportedFeature: the model / pool needs something attnplug does not do (yet).
+        ProviderUnavailable: the provider cannot run here (message carries an install hint).
+    """
+
+    def __init__(self, model_runner, backend_name: str = "attnplug_triton", provider: str | None = None):
+        super().__init__()
+        from attnplug.sglang_adapter import BACKENDS
+
+        self.backend_name = backend_name
+        self.provider_name = provider or os.environ.get(PROVIDER_ENV) or BACKENDS[backend_name]
+        self.device = torch.device(model_runner.device)
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.kv_index_translator = getattr(model_runner, "kv_index_translator", None)
+        self.page_size = int(getattr(model_runner, "page_size", 1) or 1)
+        self._check_model(model_runner)
+        self._extend_modes = compat.extend_like_modes()
+
+        pool = self.token_to_kv_pool
+        self.num_kv_heads, self.head_dim, self.dtype = int(pool.head_num), int(pool.head_dim), pool.dtype
+        mc = model_runner.model_config
+        self.num_qo_heads = int(mc.get_num_attention_heads(compat.attn_tp_size()))
+        slots = int(pool.get_key_buffer(getattr(pool, "start_layer", 0)).shape[0])
+        if slots % self.page_size:
+            raise self._unsupported(f"a KV pool of {slots} slots that is not a whole number of pages of {self.page_size}")
+        self.num_pages = slots // self.page_size
+
+        if self.provider_name == "triton" and self.device.type == "cpu":
+            self._check_triton_interpreter()
+
+        self._attn: dict[tuple, object] = {}  # per-layer-config key -> PagedAttention
+        self._planned: dict[tuple, int] = {}  # key -> forward id its plan belongs to
+        self._checked_layers: set[int] = set()
+        self._forward_id = 0
+        self._batch = None  # BatchMetadata of the current forward
+        self._stats = _Stats()
+        # Build the provider now: an unavailable provider or unsupported config fails at startup.
+        probe = self._make_attention((self.num_qo_heads, self.num_kv_heads, self.head_dim, None, 0.0, -1))
+        logger.info(
+            "attnplug: %s active (provider %s, page %d, layout NHD, dtype %s, heads %d/%d, head_dim %d, sglang %s)",
+            self.backend_name, probe.provider_name, self.page_size, str(self.dtype).replace("torch.", ""),
+            self.num_qo_heads, self.num_kv_heads, self.head_dim, compat.sglang_version(),
+        )
+        self._write_marker()
+
+    # -- startup checks -----------------------------------------------------------------------------
+    def _unsupported(self, feature: str):
+        from attnplug.core import UnsupportedFeature
+
+        return UnsupportedFeature(f"attnplug: backend '{self.backend_name}' does not support {feature}")
+
+    def _check_model(self, runner) -> None:
+        mc = runner.model_config
+        if getattr(mc, "is_encoder_decoder", False):
+            raise self._unsupported("encoder-decoder models (cross attention)")
+        arch = getattr(mc, "attention_arch", None)
+        if arch is not None and getattr(arch, "name", "") == "MLA":
+            raise self._unsupported("MLA (multi-head latent attention) models")
+        if getattr(runner, "is_draft_worker", False):
+            raise self._unsupported("running as the speculative draft model (EAGLE multi-step draft is issue 6); "
+                                    "use --speculative-draft-attention-backend triton")
+        pool_cls = compat.plain_mha_pool_cls()
+        if type(self.token_to_kv_pool) is not pool_cls:
+            raise self._unsupported(
+                f"the KV pool {type(self.token_to_kv_pool).__name__} (only {pool_cls.__name__}: no hybrid "
+                "sliding-window/mamba, MLA, quantized or page-major pools)")
+        layout = getattr(self.token_to_kv_pool, "kv_cache_layout", "nhd")
+        if layout != "nhd":
+            raise self._unsupported(f"KV cache layout {layout!r} (only 'nhd')")
+        kv_dtype = getattr(runner, "kv_cache_dtype", self.token_to_kv_pool.dtype)
+        if kv_dtype != runner.model_config.dtype or kv_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise self._unsupported(f"KV cache dtype {kv_dtype} with model dtype {runner.model_config.dtype} "
+                                    "(fp8 / quantized KV cache)")
+        tr = self.kv_index_translator
+        if tr is not None and getattr(tr, "reads_are_translated", False):
+            raise self._unsupported("translated (unified / virtual->physical) KV pools")
+        if compat.attn_dcp_size() > 1:
+            raise self._unsupported("decode context parallelism (attn_dcp_size > 1)")
+
+    def _check_triton_interpreter(self) -> None:
+        """On CPU the Triton interpreter must have been on since triton was imported in this process."""
+        hint = ("set TRITON_INTERPRET=1 before starting SGLang (the attnplug plugin sets it in the launcher "
+                "when ServerArgs select attnplug_triton with --device cpu)")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise self._unsupported(f"--device cpu without the Triton interpreter: {hint}")
+        try:
+            import triton.language.standard as std
+            from triton.runtime.interpreter import InterpretedFunction
+        except ImportError:  # other triton layouts: trust the variable
+            return
+        if not isinstance(std.sigmoid, InterpretedFunction):
+            raise self._unsupported(f"--device cpu with TRITON_INTERPRET=1 set after triton was imported: {hint}")
+
+    def _check_layer(self, layer, kwargs) -> None:
+        extra = sorted(k for k, v in kwargs.items() if v is not None and v is not False)
+        if extra:
+            raise self._unsupported(f"attention arguments {extra} (e.g. attention sinks, score_mod)")
+        if layer.layer_id in self._checked_layers:
+            return
+        from sglang.srt.layers.radix_attention import AttentionType
+
+        if layer.is_cross_attention:
+            raise self._unsupported("cross attention")
+        if layer.attn_type != AttentionType.DECODER:
+            raise self._unsupported(f"non-causal attention ({layer.attn_type})")
+        if layer.qk_head_dim != layer.v_head_dim:
+            raise self._unsupported(f"qk_head_dim {layer.qk_head_dim} != v_head_dim {layer.v_head_dim}")
+        if (layer.tp_k_head_num, layer.qk_head_dim) != (self.num_kv_heads, self.head_dim):
+            raise self._unsupported(f"layer {layer.layer_id} KV shape differing from the pool's")
+        if layer.logit_cap and layer.logit_cap > 0 and getattr(layer, "logit_capping_method", "tanh") != "tanh":
+            raise self._unsupported(f"logit capping method {layer.logit_capping_method!r} (only tanh)")
+        if getattr(layer, "use_irope", False):
+            raise self._unsupported("chunked local attention (iRoPE)")
+        if getattr(layer, "xai_temperature_len", -1) > 0:
+            raise self._unsupported("xai temperature scaling")
+        self._checked_layers.add(layer.layer_id)
+
+    # -- per-config core objects --------------------------------------------------------------------
+    def _make_attention(self, key: tuple):
+        """A ``PagedAttention`` for ``key = (Hq, Hkv, D, sm_scale, soft_cap, window_left)``."""
+        from attnplug.core import AttentionConfig, PagedAttention, ProviderUnavailable
+
+        hq, hkv, d, scale, cap, window = key
+        cfg = AttentionConfig(hq, hkv, d, self.page_size, self.dtype, "NHD", scale, cap, window)
+        try:
+            return PagedAttention(cfg, provider=self.provider_name, device=self.device)
+        except ProviderUnavailable as e:
+            raise ProviderUnavailable(
+                f"attnplug: backend '{self.backend_name}' cannot start: provider '{self.provider_name}' is "
+                f"unavailable on {self.device} ({e}). Install hint: {INSTALL_HINTS.get(self.provider_name, '')}"
+            ) from e
+
+    def _attention(self, key: tuple):
+        """The cached ``PagedAttention`` of ``key`` (one per distinct layer config, usually one)."""
+        attn = self._attn.get(key)
+        if attn is None:
+            attn = self._attn[key] = self._make_attention(key)
+        return attn
+
+    @staticmethod
+    def _layer_key(layer) -> tuple:
+        cap = float(layer.logit_cap) if layer.logit_cap and layer.logit_cap > 0 else 0.0
+        window = int(layer.sliding_window_size) if layer.sliding_window_size is not None else -1
+        return (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, float(layer.scaling), cap, max(window, -1))
+
+    # -- metadata: once per forward -------------------------------------------------------------------
+    def init_forward_metadata(self, forward_batch) -> None:
+        """Build this forward's ``BatchMetadata`` and plan every core object once."""
+        self._plan_forward(forward_batch)
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        """Host-side planning; outside a graph this is the whole eager metadata step."""
+        if in_capture:
+            raise self._unsupported("CUDA-graph capture yet (issue 6)")
+        self._plan_forward(forward_batch)
+
+    def init_forward_metadata_in_graph(self, forward_batch) -> None:
+        """Nothing to record: all planning is host-side, in ``init_forward_metadata_out_graph``."""
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        # Seam for issue 6: static plan buffers sized (max_bs, max_num_tokens), refreshed in out_graph.
+        raise self._unsupported(
+            "CUDA graphs yet (issue 6); start SGLang with --cuda-graph-backend-decode disabled "
+            "--cuda-graph-backend-prefill disabled (or --disable-cuda-graph)")
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """Padded requests get seq_len 1 (one valid KV slot, never an empty row)."""
+        return 1
+
+    def _batch_metadata(self, fb):
+        """SGLang ``ForwardBatch`` -> core ``BatchMetadata`` (int32 CSR page table over ``req_to_token``)."""
+        from attnplug.core import BatchMetadata, ForwardMode as CoreMode
+
+        mode = fb.forward_mode
+        bs = int(fb.req_pool_indices.shape[0])
+        dev = fb.seq_lens.device
+        seq_lens = fb.seq_lens[:bs].to(torch.int32)
+        custom_mask = None
+        if mode.is_decode():
+            spec = getattr(fb, "spec_info", None)
+            if spec is not None and getattr(spec, "kv_indptr", None) is not None:
+                raise self._unsupported("EAGLE multi-step draft decode (issue 6)")
+            core_mode, q_lens, kv_lens = CoreMode.DECODE, torch.ones_like(seq_lens), seq_lens
+        elif mode.is_target_verify():
+            spec = fb.spec_info
+            n = spec.num_tokens_per_req if getattr(spec, "num_tokens_per_req", -1) > 0 else spec.draft_token_num
+            q_lens, kv_lens = torch.full_like(seq_lens, n), seq_lens + n  # KV = prefix + the n draft tokens
+            if getattr(spec, "custom_mask", None) is not None:
+                numel = int((q_lens.long() * kv_lens.long()).sum())  # SGLang may pad the mask buffer
+                custom_mask = spec.custom_mask.reshape(-1)[:numel].to(torch.bool)
+            core_mode = CoreMode.TARGET_VERIFY
+        elif mode in self._extend_modes:  # EXTEND, MIXED, DRAFT_EXTEND_V2: seq_lens include the new tokens
+            q_lens, kv_lens = fb.extend_seq_lens[:bs].to(torch.int32), seq_lens
+            core_mode = CoreMode[self._extend_modes[mode]]
+        else:
+            raise self._unsupported(f"forward mode {mode.name}")
+        qo_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=dev)
+        torch.cumsum(q_lens, 0, out=qo_indptr[1:])
+        table = compat.kv_read_table(self.kv_index_translator, fb, self.req_to_token_pool.req_to_token,
+                                     fb.req_pool_indices[:bs])
+        if table is None:
+            raise self._unsupported("translated (unified / virtual->physical) KV reads")
+        ids, rows = table
+        batch = BatchMetadata.from_req_to_token(core_mode, qo_indptr, ids, rows, kv_lens, self.page_size,
+                                                custom_mask=custom_mask)
+        return batch, q_lens, kv_lens
+
+    def _plan_forward(self, fb) -> None:
+        self._forward_id += 1
+        if fb.forward_mode.is_idle():
+            self._batch = None
+            return
+        self._batch, q_lens, kv_lens = self._batch_metadata(fb)
+        for key in self._attn:
+            self._plan(key)
+        st = self._stats
+        st.forwards[fb.forward_mode.name] = st.forwards.get(fb.forward_mode.name, 0) + 1
+        if len(kv_lens):
+            st.max_kv_len = max(st.max_kv_len, int(kv_lens.max()))
+            if fb.forward_mode.is_extend():
+                st.max_cached_prefix = max(st.max_cached_prefix, int((kv_lens - q_lens).max()))
+        self._write_marker()
+
+    def _plan(self, key: tuple):
+        attn = self._attention(key)
+        if self._planned.get(key) != self._forward_id:
+            attn.plan(self._batch, num_pages=self.num_pages)
+            self._planned[key] = self._forward_id
+        return attn
+
+    # -- per layer ------------------------------------------------------------------------------------
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        """EXTEND / MIXED / TARGET_VERIFY / DRAFT_EXTEND_V2: ``q [T, Hq*D]`` -> ``[T, Hq*D]``."""
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        """DECODE: ``q [B, Hq*D]`` -> ``[B, Hq*D]``."""
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
+
+    def _forward(self, q, k, v, layer, fb, save_kv_cache, kwargs):
+        self._check_layer(layer, kwargs)
+        if self._batch is None:
+            raise RuntimeError(f"attnplug: backend '{self.backend_name}': forward before init_forward_metadata")
+        if save_kv_cache and k is not None and v is not None:
+            # k, v: [T, Hkv, D]; the KV of the new tokens must be in the cache before run().
+            self.token_to_kv_pool.set_kv_buffer(layer, compat.write_loc(fb), k, v)
+        attn = self._plan(self._layer_key(layer))
+        hq, d = layer.tp_q_head_num, layer.qk_head_dim
+        q3 = q.reshape(-1, hq, d)
+        out = torch.empty_like(q3)
+        shape = (self.num_pages, self.page_size, self.num_kv_heads, d)
+        k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).view(shape)
+        v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id).view(shape)
+        attn.run(q3, k_cache, v_cache, out=out)
+        self._stats.layer_runs += 1
+        return out.view(-1, hq * d)
+
+    # -- proof of life ---------------------------------------------------------------------------------
+    def _write_marker(self) -> None:
+        d = os.environ.get(MARKER_ENV)
+        if not d:
+            return
+        st = self._stats
+        data = dict(backend=self.backend_name, provider=self.provider_name, pid=os.getpid(), page_size=self.page_size,
+                    layout="NHD", dtype=str(self.dtype), forwards=st.forwards, layer_runs=st.layer_runs,
+                    max_cached_prefix=st.max_cached_prefix, max_kv_len=st.max_kv_len,
+                    triton_interpret=os.environ.get("TRITON_INTERPRET"))
+        path = os.path.join(d, f"sglang-{os.getpid()}.json")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)

@@ -1,0 +1,199 @@
+"""End to end on CPU: SGLang 0.5.23 generating with ``--attention-backend attnplug_triton``.
+
+The tiny Llama (real random weights, float32) generates greedily (``ignore_eos``) for ragged prompts,
+two of which share a 96-token prefix so the radix cache hits. Token ids must equal HF transformers'
+greedy generation of the same weights and SGLang's ``torch_native`` backend; marker files written by
+our backend in the scheduler process prove which backend ran (and that it did not when unselected).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from sglang_helpers import HERE, free_port, subprocess_env
+
+from attnplug.tiny_model import test_prompts as tiny_prompts
+
+pytestmark = pytest.mark.sglang
+
+MAX_NEW = 16
+WAVES = [[0, 1, 3, 4], [2]]  # prompt 2 shares 96 tokens (+BOS) with prompt 1, which finishes first
+SHARED = 97
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return tiny_prompts()
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(tiny_model, prompts):
+    """HF transformers greedy continuation of every prompt (full recompute each step, float32)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            for _ in range(MAX_NEW):
+                nxt = model(ids).logits[0, -1].argmax()
+                ids = torch.cat([ids, nxt.view(1, 1)], 1)
+            outs.append(ids[0, len(p):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def engine_runs(tiny_model, prompts, tmp_path_factory):
+    """One subprocess, three sglang.Engine runs: torch_native, attnplug_triton page 1 and page 16."""
+    tmp = tmp_path_factory.mktemp("engine")
+    markers = {n: tmp / f"markers-{n}" for n in ("torch_native", "attnplug_p1", "attnplug_p16")}
+    for d in markers.values():
+        d.mkdir()
+    runs = [
+        {"name": "torch_native", "engine": {"attention_backend": "torch_native"}},
+        {"name": "attnplug_p1", "engine": {"attention_backend": "attnplug_triton"}},
+        {"name": "attnplug_p16", "engine": {"attention_backend": "attnplug_triton", "page_size": 16}},
+    ]
+    for r in runs:
+        r["env"] = {"ATTNPLUG_MARKER_DIR": str(markers[r["name"]])}
+    spec = {"model": str(tiny_model), "prompts": prompts, "max_new_tokens": MAX_NEW, "waves": WAVES, "runs": runs}
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, str(HERE / "engine_script.py"), str(tmp / "spec.json"), str(tmp / "out.json")],
+                          env=subprocess_env(), capture_output=True, text=True, timeout=540)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and (tmp / "out.json").exists(), log[-6000:]
+    out = json.loads((tmp / "out.json").read_text())
+    print(f"engine runs took {time.time() - t0:.0f} s")
+    return out, markers, log
+
+
+def _markers(d):
+    return [json.loads(p.read_text()) for p in d.glob("sglang-*.json")]
+
+
+def test_hf_reference_is_not_degenerate(hf_greedy):
+    assert all(len(o) == MAX_NEW for o in hf_greedy)
+    assert len({tuple(o) for o in hf_greedy}) == len(hf_greedy)  # distinct prompts, distinct outputs
+
+
+def test_torch_native_matches_hf_and_attnplug_did_not_run(engine_runs, hf_greedy):
+    """Installed but unselected: our backend never ran, output is SGLang's own (== HF)."""
+    out, markers, _ = engine_runs
+    r = out["torch_native"]
+    assert r["ok"], r.get("error")
+    assert r["output_ids"] == hf_greedy
+    assert _markers(markers["torch_native"]) == []
+
+
+@pytest.mark.parametrize("run, page", [("attnplug_p1", 1), ("attnplug_p16", 16)])
+def test_engine_attnplug_triton_matches_torch_native_and_hf(engine_runs, hf_greedy, run, page):
+    out, markers, log = engine_runs
+    r = out[run]
+    assert r["ok"], r.get("error")
+    assert r["output_ids"] == out["torch_native"]["output_ids"] == hf_greedy
+    # radix cache hit on the shared prefix (whole pages only)
+    assert r["cached_tokens"][2] == SHARED // page * page > 0
+    (m,) = _markers(markers[run])
+    assert m["backend"] == "attnplug_triton" and m["provider"] == "triton" and m["page_size"] == page
+    assert m["triton_interpret"] == "1"  # switched on by the backend itself (not in the test env)
+    assert m["forwards"].get("EXTEND", 0) >= 2 and m["forwards"].get("DECODE", 0) >= MAX_NEW - 1
+    assert m["layer_runs"] >= 2 * sum(m["forwards"].values()) - 2
+    assert m["max_cached_prefix"] >= SHARED // page * page
+
+
+def _launch(tiny_model, backend, port, log_path, marker_dir, *extra):
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tiny_model), "--device", "cpu",
+           "--dtype", "float32", "--skip-tokenizer-init", "--disable-overlap-schedule", "--mem-fraction-static", "0.3",
+           "--max-total-tokens", "4096", "--attention-backend", backend, "--host", "127.0.0.1", "--port", str(port),
+           "--random-seed", "0", *extra]
+    return subprocess.Popen(cmd, env=subprocess_env(ATTNPLUG_MARKER_DIR=str(marker_dir)), stdout=open(log_path, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(proc):
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)  # the server's own process group (started above)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _post(port, payload, timeout=300):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _wait_ready(proc, port, log_path, limit=300):
+    t0 = time.time()
+    while time.time() - t0 < limit:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited ({proc.returncode}):\n{open(log_path).read()[-6000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"server not ready in {limit} s:\n{open(log_path).read()[-6000:]}")
+
+
+def test_launch_server_http_generate(tiny_model, prompts, hf_greedy, tmp_path):
+    port, log_path = free_port(), tmp_path / "server.log"
+    proc = _launch(tiny_model, "attnplug_triton", port, log_path, tmp_path)
+    try:
+        _wait_ready(proc, port, log_path)
+        sp = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
+        got = {}
+        for wave in WAVES:
+            res = _post(port, {"input_ids": [prompts[i] for i in wave], "sampling_params": sp})
+            got.update(zip(wave, res))
+    finally:
+        _stop(proc)
+    log = log_path.read_text()
+    assert [got[i]["output_ids"] for i in range(len(prompts))] == hf_greedy
+    assert got[2]["meta_info"]["cached_tokens"] == SHARED
+    assert "attnplug: attnplug_triton active (provider triton, page 1, layout NHD, dtype float32" in log
+    markers = _markers(tmp_path)
+    assert len(markers) == 1 and markers[0]["layer_runs"] > 0  # the scheduler process ran our backend
+
+
+def test_attnplug_flashinfer_fails_at_startup_on_cpu(tiny_model, tmp_path):
+    port, log_path = free_port(), tmp_path / "server.log"
+    proc = _launch(tiny_model, "attnplug_flashinfer", port, log_path, tmp_path)
+    try:
+        rc = proc.wait(300)
+    finally:
+        _stop(proc)
+    log = log_path.read_text()
+    assert rc != 0, log[-4000:]
+    assert "attnplug: backend 'attnplug_flashinfer' cannot start: provider 'flashinfer' is unavailable on cpu" in log
+    assert "Install hint:" in log and "flashinfer-python" in log
+    assert _markers(tmp_path) == []
+
+
+def test_demo_sglang(tmp_path):
+    """``python -m attnplug.demo_sglang`` (the main-job demo) serves with attnplug_triton and matches torch_native."""
+    env = subprocess_env()
+    env["PYTHONPATH"] = env["PYTHONPATH"].split(os.pathsep, 1)[1]  # no shim on the path: the demo finds it itself
+    r = subprocess.run([sys.executable, "-m", "attnplug.demo_sglang", "--page-size", "16", "--max-new-tokens", "8",
+                        "--model-dir", str(tmp_path / "tiny")], env=env, capture_output=True, text=True, timeout=500)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "attnplug: attnplug_triton active (provider triton, page 16" in r.stdout
+    assert "demo_sglang: attnplug_triton matches torch_native (5/5 prompts identical)" in r.stdout
+    assert "(cached prompt tokens: 96)" in r.stdout

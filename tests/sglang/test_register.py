@@ -1,0 +1,100 @@
+"""Plugin registration: entry point, registry + CLI choices, never raises, imports nothing heavy."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+from sglang_helpers import subprocess_env
+
+import attnplug.sglang_adapter as adapter
+from attnplug.sglang_adapter import compat
+
+pytestmark = pytest.mark.sglang
+
+NAMES = ["attnplug_triton", "attnplug_flashinfer", "attnplug_fa3"]
+
+
+def test_entry_point_declared():
+    eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    assert eps.get("attnplug") == "attnplug.sglang_adapter:register"
+
+
+def test_register_adds_backends_and_choices_idempotently():
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+    adapter.register()
+    adapter.register()
+    choices = compat.attention_backend_choices()
+    for name in NAMES:
+        assert name in ATTENTION_BACKENDS
+        assert choices.count(name) == 1
+    # the 0.5.23 home of the list is the one argparse uses (and server_args re-exports it)
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES as reexported
+
+    assert choices is ATTENTION_BACKEND_CHOICES is reexported
+
+
+def test_register_never_raises(monkeypatch, caplog):
+    def boom(*a, **k):
+        raise RuntimeError("simulated SGLang API change")
+
+    monkeypatch.setattr(compat, "register_attention_backend", boom)
+    adapter.register()  # must not raise
+    assert "attnplug: SGLang plugin registration failed (RuntimeError: simulated SGLang API change)" in caplog.text
+
+
+_CLI_CHECK = r"""
+import sys
+from sglang.srt.server_args import prepare_server_args
+argv = ["--model-path", sys.argv[1], "--device", "cpu", "--attention-backend", "attnplug_triton"]
+try:
+    prepare_server_args(argv)
+    print("BEFORE: accepted")
+except SystemExit:
+    print("BEFORE: rejected")
+heavy = [m for m in ("attnplug.core", "attnplug.sglang_adapter.backend", "attnplug.core.providers.triton") if m in sys.modules]
+from sglang.srt.plugins import load_plugins
+load_plugins()
+heavy += [m for m in ("attnplug.core", "attnplug.sglang_adapter.backend", "attnplug.core.providers.triton") if m in sys.modules]
+print("HEAVY:", heavy)
+print("AFTER:", prepare_server_args(argv).attention_backend)
+"""
+
+
+def test_cli_accepts_backend_only_through_the_plugin(tiny_model):
+    """Without the plugin the CLI rejects the name; load_plugins() (what launch_server runs) adds it,
+    importing neither the backend nor the core."""
+    r = subprocess.run([sys.executable, "-c", _CLI_CHECK, str(tiny_model)], env=subprocess_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert "BEFORE: rejected" in r.stdout, r.stdout + r.stderr[-3000:]
+    assert "HEAVY: []" in r.stdout, r.stdout
+    assert "AFTER: attnplug_triton" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+def test_interpreter_hook_only_acts_when_attnplug_triton_runs_on_cpu(monkeypatch):
+    from types import SimpleNamespace
+
+    hook = adapter._enable_triton_interpreter_on_cpu
+    for backend, device in [("torch_native", "cpu"), ("triton", "cpu"), ("attnplug_triton", "cuda")]:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        assert hook("result", SimpleNamespace(attention_backend=backend, device=device)) is None
+        assert "TRITON_INTERPRET" not in os.environ, (backend, device)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the user's explicit choice wins
+    hook(None, SimpleNamespace(attention_backend="attnplug_triton", device="cpu"))
+    assert os.environ["TRITON_INTERPRET"] == "0"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    hook(None, SimpleNamespace(attention_backend=None, decode_attention_backend="attnplug_triton", device="cpu"))
+    assert os.environ["TRITON_INTERPRET"] == "1"
+
+
+def test_register_hooks_server_args_resolution():
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    adapter.register()
+    hooks = HookRegistry._hooks["sglang.srt.server_args.ServerArgs.resolve_once"]
+    assert [h for _, h, _ in hooks].count(adapter._enable_triton_interpreter_on_cpu) == 1
