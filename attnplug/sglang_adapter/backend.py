@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 #: Env var: directory where the backend (in the scheduler process) writes ``sglang-<pid>.json``.
 MARKER_ENV = "ATTNPLUG_MARKER_DIR"
 #: Env var: override the provider derived from the backend name (e.g. ``reference`` to debug).
-PROVIDER_ENV = "ATTNPLUG_SGLANG_PROVIDER"
+PROVIDER_ENV = "ATTNPLUG_PROVIDER_OVERRIDE"
 
 INSTALL_HINTS = {
     "triton": "pip install triton (on a CPU-only machine the Triton interpreter is used: TRITON_INTERPRET=1)",
@@ -56,7 +56,7 @@ class AttnplugAttnBackend(AttentionBackend):
     Args:
         model_runner: SGLang's ``ModelRunner`` (pools, translator, configs are taken from it).
         backend_name: ``attnplug_triton`` / ``attnplug_flashinfer`` / ``attnplug_fa3``.
-        provider: core provider; default derived from ``backend_name`` (or ``$ATTNPLUG_SGLANG_PROVIDER``).
+        provider: core provider; default derived from ``backend_name`` (or ``$ATTNPLUG_PROVIDER_OVERRIDE``).
 
     Raises:
         UnsupportedFeature: the model / pool needs something attnplug does not do (yet).

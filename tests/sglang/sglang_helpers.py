@@ -21,7 +21,7 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 
     TRITON_INTERPRET is removed on purpose: attnplug_triton must switch it on by itself on CPU.
     """
-    drop = ("TRITON_INTERPRET", "ATTNPLUG_MARKER_DIR", "ATTNPLUG_SGLANG_PROVIDER", "SGLANG_PLUGINS")
+    drop = ("TRITON_INTERPRET", "ATTNPLUG_MARKER_DIR", "ATTNPLUG_PROVIDER_OVERRIDE", "SGLANG_PLUGINS")
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env["PYTHONPATH"] = os.pathsep.join([str(SHIM), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.update(SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
