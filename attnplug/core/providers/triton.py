@@ -118,9 +118,23 @@ class TritonProvider(Provider):
         target = (2 if programs >= 16 else 4) * self._sms  # tiny batches: oversubscribe harder
         return max(1, min(64, by_len, -(-target // max(programs, 1))))
 
-    def plan(self, plan: Plan) -> None:
+    def plan(
+        self,
+        plan: Plan,
+        *,
+        tile_buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
+        tiles_ready: bool = False,
+        split_workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         """Tuning knobs in ``plan.extra`` (from ``PagedAttention.plan(**kw)``): ``num_kv_splits``,
-        ``block_m``, ``block_n``, ``num_warps``, ``num_stages``."""
+        ``block_m``, ``block_n``, ``num_warps``, ``num_stages``.
+
+        Static buffers (CUDA graphs, multi-step draft; default: allocate per plan):
+        ``tile_buffers = (tile_req, tile_qstart)``, flat int32 device tensors with room for every
+        tile; the tile list is copied into their prefix. ``split_workspace = (partial, partial_lse)``,
+        flat float32 device tensors of at least ``T*Hq*S*D`` / ``T*Hq*S`` elements; the split
+        partials are views of them.
+        """
         cfg = self.config
         block_q, block_m, block_n, warps, stages = self._blocks(plan)
         x = plan.extra
@@ -137,14 +151,20 @@ class TritonProvider(Provider):
         if plan.max_q_len <= 1 and splits >= 32 and self.config.head_dim <= 128 and "block_n" not in x:
             block_n, warps, stages = 64, 2, 2  # many short splits: small tiles (H200 sweep, 1x32768)
         partial = partial_lse = None
-        if splits > 1:
-            partial = torch.empty(
-                plan.num_tokens, cfg.num_qo_heads, splits, cfg.head_dim, dtype=torch.float32, device=self.device
-            )
-            partial_lse = torch.empty(plan.num_tokens, cfg.num_qo_heads, splits, dtype=torch.float32, device=self.device)
+        shape = (plan.num_tokens, cfg.num_qo_heads, splits, cfg.head_dim)
+        if splits > 1 and split_workspace is not None:
+            n = shape[0] * shape[1] * shape[2]
+            partial, partial_lse = split_workspace[0][: n * shape[3]].view(shape), split_workspace[1][:n].view(shape[:3])
+        elif splits > 1:
+            partial = torch.empty(shape, dtype=torch.float32, device=self.device)
+            partial_lse = torch.empty(shape[:3], dtype=torch.float32, device=self.device)
+        tile_req, tile_q = tile_req.to(torch.int32), tile_q.to(torch.int32)
+        if tile_buffers is not None:
+            req_buf, q_buf = tile_buffers[0][:num_tiles], tile_buffers[1][:num_tiles]
+            tile_req, tile_q = (req_buf, q_buf) if tiles_ready else (req_buf.copy_(tile_req), q_buf.copy_(tile_q))
         plan.extra["triton"] = TritonArgs(
-            tile_req=tile_req.to(torch.int32).to(self.device),
-            tile_qstart=tile_q.to(torch.int32).to(self.device),
+            tile_req=tile_req.to(self.device),
+            tile_qstart=tile_q.to(self.device),
             num_tiles=num_tiles,
             num_splits=splits,
             block_q=block_q,
