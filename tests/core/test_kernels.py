@@ -165,3 +165,29 @@ def test_merge_state_equals_attention_over_union():
     vo, so = torch.empty_like(va), torch.empty_like(sa)
     merge_state(va, sa.contiguous(), vb, sb.contiguous(), vo, so)
     assert rel_err(vo, vf) < 1e-5 and rel_err(so, sf) < 1e-5
+    # LSE given transposed ([H, T] storage, as FA3 returns it) merges the same
+    vo2, so2 = torch.empty_like(va), torch.empty(H, T, device=DEVICE).t()
+    merge_state(va, sa.t().contiguous().t(), vb, sb.t().contiguous().t(), vo2, so2)
+    assert rel_err(vo2, vf) < 1e-5 and rel_err(so2, sf) < 1e-5
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_kv_start_restricts_keys(page):
+    """``kv_start[b]``: attend only to keys >= kv_start (the draft-key part of a verify tree)."""
+    c = random_case(ForwardMode.TARGET_VERIFY, [6, 4, 9], [33, 0, 17], cfg(8, 2, page=page), DEVICE, seed=page)
+    attn = PagedAttention(c.config, "triton", DEVICE)
+    q_lens = torch.tensor([6, 4, 9])
+    kv_lens = torch.tensor([39, 4, 26])
+    start = (kv_lens - q_lens).to(torch.int32)
+    plan = attn.plan(c.batch, num_pages=c.num_pages, kv_start=start.to(DEVICE))
+    out = attn.run(c.q, c.k_cache, c.v_cache)
+    # reference: the same mask with every key before kv_start hidden
+    cut = c.batch.custom_mask.clone()
+    off = 0
+    for ql, kl, st in zip(q_lens.tolist(), kv_lens.tolist(), start.tolist()):
+        cut[off : off + ql * kl].view(ql, kl)[:, :st] = False
+        off += ql * kl
+    c.batch.custom_mask = cut
+    ref, _ = reference_attention(PagedAttention(c.config, "reference", "cpu").plan(c.batch, num_pages=c.num_pages), c.q.cpu(), c.k_cache.cpu(), c.v_cache.cpu())
+    assert plan.extra["kv_start"] is not None
+    assert rel_err(out.cpu(), ref) <= 1e-2

@@ -84,7 +84,7 @@ def _attend_block(
 def paged_attention_kernel(
     Q, K, V, O, LSE,
     qo_indptr, kv_indptr, kv_indices, kv_lens, tile_req, tile_qstart,
-    mask, mask_indptr, mask_free,
+    mask, mask_indptr, mask_free, kv_start,
     sm_scale, soft_cap, window_left, num_splits,
     stride_qt, stride_qh,
     stride_kp, stride_kt, stride_kh,
@@ -95,6 +95,7 @@ def paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr,
     SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_KV_START: tl.constexpr,
 ):
     """Grid ``(num_tiles, Hkv, num_splits)``.
 
@@ -132,6 +133,8 @@ def paged_attention_kernel(
     lo = 0
     if WINDOW:
         lo = tl.maximum(0, kv_len - q_len + q0 - window_left)
+    if HAS_KV_START:  # attend only to keys >= kv_start[b] (fa3's tree part: the draft keys)
+        lo = tl.maximum(lo, tl.load(kv_start + b))
     if SPLIT:
         chunk = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), num_splits), BLOCK_N) * BLOCK_N
         lo = lo + split * chunk

@@ -48,16 +48,16 @@ def merge_splits_kernel(
 def merge_state_kernel(
     VA, SA, VB, SB, VO, SO,
     stride_at, stride_ah, stride_bt, stride_bh, stride_ot, stride_oh,
+    stride_sat, stride_sah, stride_sbt, stride_sbh, stride_sot, stride_soh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     """Grid ``(T, H)``: merge two states with natural-log LSE (rows ``[T, H, D]``, LSE ``[T, H]``)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    H = tl.num_programs(1)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    sa = tl.load(SA + t * H + h) * 1.4426950408889634
-    sb = tl.load(SB + t * H + h) * 1.4426950408889634
+    sa = tl.load(SA + t * stride_sat + h * stride_sah) * 1.4426950408889634
+    sb = tl.load(SB + t * stride_sbt + h * stride_sbh) * 1.4426950408889634
     m = tl.maximum(sa, sb)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     wa = tl.exp2(sa - m_safe)
@@ -69,7 +69,7 @@ def merge_state_kernel(
     tl.store(VO + t * stride_ot + h * stride_oh + d, ((va * wa + vb * wb) * inv).to(VO.dtype.element_ty), mask=d_ok)
     if STORE_LSE:
         res = tl.where(tot > 0.0, (m_safe + tl.log2(tl.where(tot > 0.0, tot, 1.0))) * 0.6931471805599453, float("-inf"))
-        tl.store(SO + t * H + h, res)
+        tl.store(SO + t * stride_sot + h * stride_soh, res)
 
 
 def merge_splits(partial: torch.Tensor, partial_lse2: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None) -> None:
@@ -107,9 +107,9 @@ def merge_state(
 
     Args:
         v_a, v_b: ``[T, H, D]`` partial outputs (last dim contiguous).
-        s_a, s_b: ``[T, H]`` float32 contiguous natural-log LSE.
+        s_a, s_b: ``[T, H]`` float32 natural-log LSE (any strides, e.g. a transposed ``[H, T]``).
         v_out: ``[T, H, D]`` result (may alias ``v_a``).
-        s_out: optional ``[T, H]`` float32 contiguous, receives the merged LSE (may alias ``s_a``).
+        s_out: optional ``[T, H]`` float32, receives the merged LSE (may alias ``s_a``).
     """
     T, H, D = v_a.shape
     if T == 0:
@@ -117,5 +117,7 @@ def merge_state(
     merge_state_kernel[(T, H)](
         v_a, s_a, v_b, s_b, v_out, s_out if s_out is not None else s_a,
         v_a.stride(0), v_a.stride(1), v_b.stride(0), v_b.stride(1), v_out.stride(0), v_out.stride(1),
+        s_a.stride(0), s_a.stride(1), s_b.stride(0), s_b.stride(1),
+        *((s_out.stride(0), s_out.stride(1)) if s_out is not None else (0, 0)),
         HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), STORE_LSE=s_out is not None, num_warps=4,
     )

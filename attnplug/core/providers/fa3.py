@@ -18,20 +18,20 @@ TARGET_VERIFY with a tree mask (FA3 has no arbitrary mask) is split in two and m
 
 * prefix: the keys before the draft tokens, which the mask must show to every draft token (checked
   in ``plan``; otherwise ``UnsupportedFeature``) -> FA3 non-causal with ``seqused_k = kv_len - q_len``;
-* tree: the ``q_len x q_len`` draft block per request -> a small dense float32 torch computation on
-  padded ``[B, max_q, max_q]`` tiles (device only, no host sync), soft-capped and masked;
-* ``attnplug.core.kernels.merge.merge_state`` (natural-log LSE; a torch fallback if that module is
-  missing) merges the two into ``out``/``lse``.
+* tree: the draft keys only (``kv_start = kv_len - q_len``) with the custom mask -> attnplug's own
+  Triton kernel (planned once in ``plan``, output and LSE into float32 buffers held by the plan);
+* ``attnplug.core.kernels.merge.merge_state`` (natural-log LSE, strided: FA3's ``[Hq, T]`` LSE is
+  read in place) merges the two into ``out``/``lse``.
 
-Sliding window together with a tree mask is refused. ``run`` does no host work and no sync; only the
-tree path allocates temporaries (and the libraries allocate their own LSE). hopper/sgl_kernel builds
-have no ``out=`` argument, so their result is copied into ``out``.
+Sliding window together with a tree mask is refused. ``run`` does no host work, no sync and no
+allocation of attnplug's own (the FA3 libraries allocate their LSE themselves). hopper/sgl_kernel
+builds have no ``out=`` argument, so their result is copied into ``out``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -115,27 +115,6 @@ def load_fa3() -> FA3Lib:
     raise ProviderUnavailable(f"{INSTALL_HINT}; tried: " + "; ".join(errors))
 
 
-def _merge_state_torch(v_a, s_a, v_b, s_b, out_v, out_s=None):
-    """LSE merge (natural log) of two partial attentions; rows with ``-inf`` on one side take the other."""
-    m = torch.maximum(s_a, s_b)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w_a, w_b = torch.exp(s_a - m), torch.exp(s_b - m)
-    den = w_a + w_b
-    v = (v_a.float() * w_a[..., None] + v_b.float() * w_b[..., None]) / den.clamp_min(1e-30)[..., None]
-    out_v.copy_(v)
-    if out_s is not None:
-        out_s.copy_(m + torch.log(den))
-
-
-def _core_merge_state():
-    try:
-        from ..kernels.merge import merge_state  # noqa: PLC0415
-
-        return merge_state, "attnplug.core.kernels.merge"
-    except ImportError:
-        return _merge_state_torch, "torch fallback"
-
-
 class FA3Provider(Provider):
     """FlashAttention-3 paged attention; tree-masked verify = FA3 prefix + dense tree block, LSE-merged."""
 
@@ -144,6 +123,7 @@ class FA3Provider(Provider):
     def __init__(self, config: AttentionConfig, device: torch.device):
         super().__init__(config, device)
         self.lib = load_fa3()
+        self._tree = self._merge = None  # tree-verify part: attnplug's Triton kernel + LSE merge
         logger.info("attnplug: fa3 provider uses %s", self.lib.source)
 
     @classmethod
@@ -185,16 +165,14 @@ class FA3Provider(Provider):
             return
         if cfg.window_left >= 0:
             raise self.unsupported("a custom (tree) mask together with a sliding window")
-        plan.extra["fa3_tree"] = self._plan_tree(plan, block_table, seq_lens)
+        plan.extra["fa3_tree"] = self._plan_tree(plan)
         args.update(seqused_k=plan.extra["fa3_tree"]["prefix_lens"], causal=False, window=(-1, -1),
                     max_seqlen_k=max(int((plan.kv_lens_cpu - plan.q_lens_cpu).max()), 1))
-        plan.extra["fa3_merge"], src = _core_merge_state()
-        logger.debug("attnplug: fa3 tree verify merges with %s", src)
 
-    def _plan_tree(self, plan: Plan, block_table: torch.Tensor, seq_lens: torch.Tensor) -> dict:
-        """Check the mask's prefix columns are all visible; gather the ``q_len x q_len`` tree blocks."""
+    def _plan_tree(self, plan: Plan) -> dict:
+        """Check the mask's prefix columns are all visible; plan the tree part (draft keys only)."""
         cfg, dev = self.config, plan.device
-        bsz, mq, page = plan.batch_size, max(plan.max_q_len, 1), cfg.page_size
+        bsz = plan.batch_size
         q_lens = plan.q_lens_cpu.to(dev, torch.int64)
         kv_lens = plan.kv_lens_cpu.to(dev, torch.int64)
         prefix = kv_lens - q_lens
@@ -203,7 +181,7 @@ class FA3Provider(Provider):
         n = plan.mask.numel()
         req = torch.repeat_interleave(torch.arange(bsz, device=dev), sizes, output_size=n)
         pos = torch.arange(n, device=dev) - plan.mask_indptr[:-1].to(dev)[req]
-        row, col = pos // kv_lens[req], pos % kv_lens[req]
+        col = pos % kv_lens[req]
         in_prefix = col < prefix[req]
         bad = in_prefix & (plan.mask == 0)
         if bool(bad.any()):
@@ -212,22 +190,20 @@ class FA3Provider(Provider):
                 f"a tree mask that hides part of the prefix (request {b}): FA3 computes the prefix "
                 "without a mask; only the last q_len x q_len block may be arbitrary"
             )
-        tail = ~in_prefix
-        tree_mask = torch.zeros(bsz, mq, mq, dtype=torch.bool, device=dev)
-        tree_mask[req[tail], row[tail], col[tail] - prefix[req[tail]]] = plan.mask[tail].bool()
-        # q rows / tree keys, padded to max_q; token t of the batch sits at (tok_b[t], tok_i[t])
-        i = torch.arange(mq, device=dev)
-        qo = plan.qo_indptr.to(torch.int64)
-        q_idx = (qo[:-1, None] + i).clamp_max(max(plan.num_tokens - 1, 0))
-        key = (prefix[:, None] + i).clamp(min=0)
-        key = torch.minimum(key, (kv_lens[:, None] - 1).clamp(min=0))
-        pages = block_table.to(torch.int64).gather(1, key // page)
-        tok_b = torch.repeat_interleave(torch.arange(bsz, device=dev), q_lens, output_size=plan.num_tokens)
-        tok_i = torch.arange(plan.num_tokens, device=dev) - qo[:-1][tok_b]
+        if self._tree is None:  # triton is imported only once a tree mask is planned
+            from ..kernels.merge import merge_state  # noqa: PLC0415
+            from .triton import TritonProvider  # noqa: PLC0415
+
+            self._tree, self._merge = TritonProvider(cfg, self.device), merge_state
+        tree_plan = dataclasses.replace(plan, extra={"kv_start": prefix.to(torch.int32), "num_kv_splits": 1})
+        self._tree.plan(tree_plan)
+        t, h, d = plan.num_tokens, cfg.num_qo_heads, cfg.head_dim
         return dict(
-            prefix_lens=prefix.to(torch.int32), tree_mask=tree_mask, q_idx=q_idx, key_page=pages,
-            key_off=key % page, tok_b=tok_b, tok_i=tok_i,
-            prefix_out=torch.empty(plan.num_tokens, cfg.num_qo_heads, cfg.head_dim, dtype=cfg.dtype, device=dev),
+            prefix_lens=prefix.to(torch.int32),
+            prefix_out=torch.empty(t, h, d, dtype=cfg.dtype, device=dev),
+            tree_plan=tree_plan,
+            tree_out=torch.empty(t, h, d, dtype=torch.float32, device=dev),
+            tree_lse=torch.empty(t, h, dtype=torch.float32, device=dev),
         )
 
     def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None) -> None:
@@ -239,26 +215,5 @@ class FA3Provider(Provider):
                 lse.copy_(s.t())
             return
         s_a = self.lib.paged(q, k_cache, v_cache, tree["prefix_out"], return_lse=True, **plan.extra["fa3_args"])
-        o_b, s_b = self._tree_attention(tree, q, k_cache, v_cache)
-        plan.extra["fa3_merge"](tree["prefix_out"], s_a.t().contiguous(), o_b, s_b, out, lse)
-
-    def _tree_attention(self, tree: dict, q, k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense masked attention of each request's draft tokens over its draft keys.
-
-        Returns ``(o [T, Hq, D] float32, lse [T, Hq] float32 natural log)``.
-        """
-        cfg = self.config
-        bsz, mq = tree["q_idx"].shape
-        hkv, g, d = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
-        qp = q[tree["q_idx"]].float().view(bsz, mq, hkv, g, d)
-        k = k_cache[tree["key_page"], tree["key_off"]].float()  # [B, mq, Hkv, D]
-        v = v_cache[tree["key_page"], tree["key_off"]].float()
-        s = torch.einsum("bihgd,bjhd->bhgij", qp, k) * cfg.scale
-        if cfg.logits_soft_cap > 0:
-            s = cfg.logits_soft_cap * torch.tanh(s / cfg.logits_soft_cap)
-        s = s.masked_fill(~tree["tree_mask"][:, None, None], -math.inf)
-        s_lse = torch.logsumexp(s, dim=-1)  # [B, Hkv, G, mq]
-        p = torch.exp(s - s_lse[..., None]).nan_to_num_(0.0)
-        o = torch.einsum("bhgij,bjhd->bihgd", p, v).reshape(bsz, mq, cfg.num_qo_heads, d)
-        s_lse = s_lse.permute(0, 3, 1, 2).reshape(bsz, mq, cfg.num_qo_heads)
-        return o[tree["tok_b"], tree["tok_i"]], s_lse[tree["tok_b"], tree["tok_i"]].contiguous()
+        self._tree.run(tree["tree_plan"], q, k_cache, v_cache, tree["tree_out"], tree["tree_lse"])
+        self._merge(tree["prefix_out"], s_a.t(), tree["tree_out"], tree["tree_lse"], out, lse)

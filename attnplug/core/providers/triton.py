@@ -127,7 +127,8 @@ class TritonProvider(Provider):
         split_workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Tuning knobs in ``plan.extra`` (from ``PagedAttention.plan(**kw)``): ``num_kv_splits``,
-        ``block_m``, ``block_n``, ``num_warps``, ``num_stages``.
+        ``block_m``, ``block_n``, ``num_warps``, ``num_stages``; ``kv_start`` (``[B]`` int32 on the
+        device): attend only to keys at positions ``>= kv_start[b]`` (the fa3 provider's tree part).
 
         Static buffers (CUDA graphs, multi-step draft; default: allocate per plan):
         ``tile_buffers = (tile_req, tile_qstart)``, flat int32 device tensors with room for every
@@ -200,10 +201,11 @@ class TritonProvider(Provider):
         mask = plan.mask if plan.mask is not None else plan.kv_lens
         mask_indptr = plan.mask_indptr if plan.mask_indptr is not None else plan.kv_lens
         mask_free = plan.mask_free if plan.mask_free is not None else plan.kv_lens
+        kv_start = plan.extra.get("kv_start")
         paged_attention_kernel[(a.num_tiles, cfg.num_kv_heads, a.num_splits)](
             q, k_cache, v_cache, o, l,
             plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, a.tile_req, a.tile_qstart,
-            mask, mask_indptr, mask_free,
+            mask, mask_indptr, mask_free, kv_start if kv_start is not None else plan.kv_lens,
             cfg.scale, cfg.logits_soft_cap, cfg.window_left, a.num_splits,
             q.stride(0), q.stride(1),
             *ks, *vs, *o_strides, *l_strides,
@@ -213,7 +215,7 @@ class TritonProvider(Provider):
             SOFT_CAP=cfg.logits_soft_cap > 0, WINDOW=cfg.window_left >= 0,
             SPLIT=split, STORE_LSE=lse is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            UPCAST=q.device.type == "cpu",
+            UPCAST=q.device.type == "cpu", HAS_KV_START=kv_start is not None,
             num_warps=a.num_warps, num_stages=a.num_stages,
         )
         if split:

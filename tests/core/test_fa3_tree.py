@@ -1,0 +1,73 @@
+"""The fa3 provider's tree-verify split (FA3 on the prefix + Triton on the draft keys, LSE-merged),
+checked on CPU with a stand-in for the FA3 call (the real one runs in tests/gpu on an H200)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attnplug.core import AttentionConfig, ForwardMode, UnsupportedFeature, make_plan
+from attnplug.core.providers.fa3 import FA3Lib, FA3Provider
+from attnplug.core.reference import reference_attention
+
+from batches import random_case, rel_err
+
+
+def fake_fa3_varlen(q, k_cache, v_cache, max_seqlen_q, cu_seqlens_q, max_seqlen_k, *, seqused_k, softmax_scale,
+                    causal, window_size, softcap, block_table, return_softmax_lse, out, fa_version):
+    """Non-causal paged attention over the first ``seqused_k[b]`` keys (what the prefix call asks of FA3)."""
+    assert not causal and fa_version == 3
+    T, H, D = q.shape
+    P, hkv = k_cache.shape[1], k_cache.shape[2]
+    lse = torch.full((H, T), -math.inf)
+    o = torch.zeros(T, H, D)
+    for b in range(cu_seqlens_q.numel() - 1):
+        q0, q1, n = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seqused_k[b])
+        if n == 0:
+            continue
+        pages = block_table[b, : -(-n // P)].long()
+        k = k_cache[pages].reshape(-1, hkv, D)[:n].float().repeat_interleave(H // hkv, 1)
+        v = v_cache[pages].reshape(-1, hkv, D)[:n].float().repeat_interleave(H // hkv, 1)
+        s = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * softmax_scale
+        lse[:, q0:q1] = torch.logsumexp(s, -1)
+        o[q0:q1] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+    out.copy_(o)
+    return out, lse
+
+
+def fa3_on_cpu(cfg: AttentionConfig) -> FA3Provider:
+    prov = object.__new__(FA3Provider)  # skip check_available (needs an sm90 GPU)
+    prov.config, prov.device = cfg, torch.device("cpu")
+    prov.lib = FA3Lib("fake", fake_fa3_varlen, varlen_style=True)
+    prov._tree = prov._merge = None
+    return prov
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_tree_verify_split_equals_reference(page):
+    cfg = AttentionConfig(8, 2, 64, page, torch.bfloat16)
+    c = random_case(ForwardMode.TARGET_VERIFY, [6, 4, 9], [33, 0, 17], cfg, seed=page)  # one empty prefix
+    plan = make_plan(cfg, c.batch, num_pages=c.num_pages)
+    prov = fa3_on_cpu(cfg)
+    prov.plan(plan)
+    out = torch.full_like(c.q, math.nan)
+    lse = torch.full((c.q.shape[0], cfg.num_qo_heads), math.nan)
+    prov.run(plan, c.q, c.k_cache, c.v_cache, out, lse)
+    ref, ref_lse = reference_attention(plan, c.q, c.k_cache, c.v_cache)
+    assert not torch.isnan(out).any()
+    assert rel_err(out, ref) <= 1e-2
+    assert rel_err(lse, ref_lse) <= 1e-4
+    # the tree part's buffers were allocated by plan(); run() only wrote into them
+    tree = plan.extra["fa3_tree"]
+    assert tree["tree_plan"].extra["kv_start"].tolist() == [33, 0, 17]
+
+
+def test_tree_mask_hiding_prefix_is_refused():
+    cfg = AttentionConfig(4, 2, 64, 16, torch.bfloat16)
+    c = random_case(ForwardMode.TARGET_VERIFY, [4], [10], cfg, seed=1, mask_kind="random")
+    c.batch.custom_mask[0] = False  # row 0 hides prefix key 0
+    plan = make_plan(cfg, c.batch, num_pages=c.num_pages)
+    with pytest.raises(UnsupportedFeature, match="provider 'fa3' does not support a tree mask that hides part of the prefix"):
+        fa3_on_cpu(cfg).plan(plan)
