@@ -4,7 +4,9 @@
 attnplug.sglang_adapter:register``. SGLang's ``load_plugins()`` calls :func:`register` in every
 process it starts (launcher / ``Engine``, scheduler, detokenizer, DP controller; they are spawned,
 so each one registers for itself). Registration only adds three names to SGLang's backend registry
-and to the ``--attention-backend`` choices; nothing runs, and nothing heavy (torch kernels, triton,
+and to the ``--attention-backend`` choices, and (SGLang 0.5.17..0.5.23 only) an AROUND hook on
+SGLang's ``DraftBackendFactory._create_backend`` plus the names in the draft-backend choices, so
+that ``--speculative-algorithm EAGLE`` builds attnplug's multi-step draft backend; nothing runs, and nothing heavy (torch kernels, triton,
 the attnplug core) is imported until SGLang calls a factory, i.e. until a backend is selected.
 """
 
@@ -23,9 +25,10 @@ BACKENDS: dict[str, str] = {
     "attnplug_fa3": "fa3",
 }
 
-# Not added to SGLang's draft / deterministic lists yet: EAGLE multi-step draft is issue 6, and
-# batch invariance of the providers is not established (SGLang's deterministic mode needs it).
-DRAFT_BACKENDS: tuple[str, ...] = ()
+#: Names added to ``--speculative-draft-attention-backend`` choices, only when the
+#: ``DraftBackendFactory`` hook is installed (SGLang in ``compat.DRAFT_HOOK_VERSIONS``).
+DRAFT_BACKENDS: tuple[str, ...] = tuple(BACKENDS)
+# Not added to SGLang's deterministic list: batch invariance of the providers is not established.
 DETERMINISTIC_BACKENDS: tuple[str, ...] = ()
 
 
@@ -34,6 +37,41 @@ def _factory(name: str, model_runner):
     from .backend import AttnplugAttnBackend
 
     return AttnplugAttnBackend(model_runner, backend_name=name)
+
+
+def _around_create_backend(orig, factory, backend_name, backend_map, error_template, stamps_children=False):
+    """AROUND hook of SGLang's ``DraftBackendFactory._create_backend`` (EAGLE draft backends).
+
+    Adds the ``attnplug_*`` names to a copy of SGLang's ``backend_map`` (lazy factories returning
+    ``(stamp, backend)``): the multi-step draft container when SGLang builds the draft *decode*
+    backend (``create_decode_backend``, the only caller passing ``stamps_children=True``; the draft
+    extend call may also pass ``backend_name="decode_attention_backend"`` when
+    ``speculative_attention_mode == "decode"``), else a plain :class:`AttnplugAttnBackend` on the
+    draft runner (draft extend). Built-in names are untouched: SGLang's own entries are passed
+    through as they are, and the selection, error and stamping stay SGLang's.
+    """
+    ours = dict(backend_map)
+    runner = factory.draft_model_runner
+    for name in BACKENDS:
+        if name in ours:
+            continue
+        if stamps_children:
+            def make(name=name):
+                from .draft import AttnplugMultiStepDraftBackend
+
+                return name, AttnplugMultiStepDraftBackend(runner, factory.topk, factory.speculative_num_steps,
+                                                           backend_name=name)
+        else:
+            def make(name=name):
+                from .backend import AttnplugAttnBackend
+
+                backend = AttnplugAttnBackend(runner, backend_name=name)
+                backend.graph_refusal = ("CUDA graphs for EAGLE draft extend (DRAFT_EXTEND_V2 has a ragged number "
+                                         "of tokens per request; the core's GraphState captures fixed-q DECODE / "
+                                         "TARGET_VERIFY only)")
+                return name, backend
+        ours[name] = make
+    return orig(factory, backend_name, ours, error_template, stamps_children=stamps_children)
 
 
 def _enable_triton_interpreter_on_cpu(result, server_args, *args, **kwargs):
@@ -64,6 +102,11 @@ def register() -> None:
             compat.register_attention_backend(name, functools.partial(_factory, name))
         compat.add_attention_backend_choices(list(BACKENDS))
         compat.after_server_args_resolved(_enable_triton_interpreter_on_cpu)
+        # EAGLE: SGLang has no draft-backend registry; hook its private factory (version-guarded).
+        if compat.install_draft_backend_hook(_around_create_backend):
+            compat.add_draft_attention_backend_choices(list(DRAFT_BACKENDS))
+        else:
+            logger.info("%s", compat.draft_hook_refusal())
     except Exception as e:  # noqa: BLE001 - a plugin must never break SGLang
         logger.warning("attnplug: SGLang plugin registration failed (%s: %s); attnplug backends unavailable",
                        type(e).__name__, e)

@@ -8,6 +8,14 @@ per-layer token pool ``k_buffer/v_buffer [size + page_size, Hkv, D]``, NHD); thi
 * per layer writes the new K/V through ``token_to_kv_pool.set_kv_buffer`` and calls
   ``PagedAttention.run`` on the pool viewed as pages ``[num_pages, page_size, Hkv, D]``.
 
+CUDA graphs (DECODE, TARGET_VERIFY): ``init_cuda_graph_state`` sizes one core ``GraphState`` per
+mode and layer config once; ``init_forward_metadata_out_graph(fb, in_capture=True)`` plans the padded
+batch SGLang captures, a replay rewrites the static buffers in place (``GraphState.update``). SGLang
+pads requests with ``seq_len = get_cuda_graph_seq_len_fill_value()`` = the core's ``FILL_SEQ_LEN``
+(1); the padded requests' metadata comes from the core's fill values, never from ``req_to_token``.
+EAGLE multi-step draft: ``draft.AttnplugMultiStepDraftBackend`` (its ``attn_backends`` are subclasses
+of this class).
+
 All math is the core's. Whatever the core or this adapter cannot compute is refused with an
 ``UnsupportedFeature`` naming attnplug, the backend and the feature: at startup (constructor) when
 the model says so, else at the first forward that needs it.
@@ -94,9 +102,15 @@ class AttnplugAttnBackend(AttentionBackend):
         self._checked_layers: set[int] = set()
         self._forward_id = 0
         self._batch = None  # BatchMetadata of the current forward
+        self._runner = model_runner
+        self._graphs = None  # {"decode"|"verify": {layer key: GraphState}} after init_cuda_graph_state
+        self._graph_cfg: dict = {}
+        self._graph_fwd = None  # (mode, bs, BatchMetadata) of the current CUDA-graph forward
+        self.graph_refusal: str | None = None  # set by the EAGLE draft-extend factory: graphs refused
         self._stats = _Stats()
         # Build the provider now: an unavailable provider or unsupported config fails at startup.
-        probe = self._make_attention((self.num_qo_heads, self.num_kv_heads, self.head_dim, None, 0.0, -1))
+        self._probe_key = (self.num_qo_heads, self.num_kv_heads, self.head_dim, None, 0.0, -1)
+        probe = self._make_attention(self._probe_key)
         logger.info(
             "attnplug: %s active (provider %s, page %d, layout NHD, dtype %s, heads %d/%d, head_dim %d, sglang %s)",
             self.backend_name, probe.provider_name, self.page_size, str(self.dtype).replace("torch.", ""),
@@ -118,8 +132,11 @@ class AttnplugAttnBackend(AttentionBackend):
         if arch is not None and getattr(arch, "name", "") == "MLA":
             raise self._unsupported("MLA (multi-head latent attention) models")
         if getattr(runner, "is_draft_worker", False):
-            raise self._unsupported("running as the speculative draft model (EAGLE multi-step draft is issue 6); "
-                                    "use --speculative-draft-attention-backend triton")
+            refusal = compat.draft_hook_refusal()
+            if refusal is not None:
+                from attnplug.core import UnsupportedFeature
+
+                raise UnsupportedFeature(f"{refusal} (backend '{self.backend_name}' on the draft model)")
         pool_cls = compat.plain_mha_pool_cls()
         if type(self.token_to_kv_pool) is not pool_cls:
             raise self._unsupported(
@@ -210,23 +227,159 @@ class AttnplugAttnBackend(AttentionBackend):
         self._plan_forward(forward_batch)
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
-        """Host-side planning; outside a graph this is the whole eager metadata step."""
-        if in_capture:
-            raise self._unsupported("CUDA-graph capture yet (issue 6)")
-        self._plan_forward(forward_batch)
+        """CUDA-graph metadata, outside the graph (SGLang calls it before capture and before replay).
+
+        Without :meth:`init_cuda_graph_state` (or for a mode not captured) this is the eager metadata
+        step. With graph state: ``in_capture`` plans the padded batch of ``bs = batch_size`` requests
+        (``bs - num_padding`` real ones, the rest SGLang's padding) once per ``bs`` into the static
+        buffers of the core's ``GraphState``; a replay writes the real requests into those buffers in
+        place (``GraphState.update``: same buffers, padded slots refilled with the fill values, host
+        shapes from ``seq_lens_cpu``, no device->host read).
+        """
+        mode = self._graph_mode_of(forward_batch)
+        if self._graphs is None or mode is None:
+            if in_capture:
+                what = "this forward mode" if self._graphs is not None else "capture without init_cuda_graph_state"
+                raise self._unsupported(f"CUDA-graph {what} ({forward_batch.forward_mode.name}); "
+                                        "attnplug captures DECODE and TARGET_VERIFY only")
+            self._plan_forward(forward_batch)
+            return
+        bs = int(forward_batch.batch_size)
+        real = bs - int(getattr(forward_batch, "num_padding", 0) or 0)
+        self._forward_id += 1
+        self._batch = None
+        batch = self._graph_batch(forward_batch, mode, real, host=in_capture)
+        states = self._graphs[mode]
+        if not states:  # no layer config known yet: the probe's (layers add theirs lazily)
+            self._graph_state(mode, self._probe_key)
+        for gs in states.values():
+            if in_capture or bs not in gs.plans:
+                gs.prepare_capture(bs, batch)
+            else:
+                gs.update(batch, bs)
+        self._graph_fwd = (mode, bs, batch)
+        st = self._stats
+        key = "GRAPH_" + forward_batch.forward_mode.name
+        st.forwards[key] = st.forwards.get(key, 0) + 1
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
         """Nothing to record: all planning is host-side, in ``init_forward_metadata_out_graph``."""
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        # Seam for issue 6: static plan buffers sized (max_bs, max_num_tokens), refreshed in out_graph.
-        raise self._unsupported(
-            "CUDA graphs yet (issue 6); start SGLang with --cuda-graph-backend-decode disabled "
-            "--cuda-graph-backend-prefill disabled (or --disable-cuda-graph)")
+        """Size the graph state once: DECODE (``max_num_tokens == max_bs``) or TARGET_VERIFY with
+        ``q = max_num_tokens // max_bs`` draft tokens per request; one core ``GraphState`` per
+        distinct layer config (from the model's ``RadixAttention`` layers, else lazily at warmup).
+
+        Raises:
+            UnsupportedFeature: the provider cannot be captured (``reference``; ``fa3`` tree verify).
+        """
+        from attnplug.core.cuda_graph import GraphState  # noqa: F401 - fail early if missing
+
+        if self.graph_refusal:
+            raise self._unsupported(f"{self.graph_refusal}; start SGLang with --disable-cuda-graph")
+        if self.provider_name == "reference":
+            raise self._unsupported("CUDA graphs with provider 'reference' (it plans on the host per forward); "
+                                    "start SGLang with --disable-cuda-graph")
+        q = max(1, int(max_num_tokens) // max(1, int(max_bs)))
+        ctx = int(self.req_to_token_pool.req_to_token.shape[1])
+        self._graph_cfg = dict(max_bs=int(max_bs), q=q, ctx=ctx)
+        self._graphs = {"decode": {}, "verify": {}}
+        keys = list(self._model_layer_keys()) or [self._probe_key]
+        spec = getattr(self._runner, "spec_algorithm", None)  # SGLang captures TARGET_VERIFY only with spec on
+        verify = q > 1 and (spec is None or not getattr(spec, "is_none", lambda: False)())
+        for key in keys:
+            self._graph_state("decode", key)
+            if verify:
+                self._graph_state("verify", key)
+
+    def _graph_state(self, mode: str, key: tuple):
+        """The ``GraphState`` of ``(mode, layer key)``, created on first use."""
+        from attnplug.core import UnsupportedFeature
+        from attnplug.core.cuda_graph import GraphState
+
+        states = self._graphs[mode]
+        gs = states.get(key)
+        if gs is None:
+            c = self._graph_cfg
+            q = 1 if mode == "decode" else c["q"]
+            P = self.page_size
+            max_pages = c["max_bs"] * -(-(c["ctx"] + q) // P)
+            try:
+                gs = GraphState(self._attention(key).config, self.provider_name, max_batch=c["max_bs"],
+                                max_tokens=c["max_bs"] * q, max_pages=max_pages, device=self.device, mode=mode,
+                                num_draft_tokens=q, pad_page=0, max_seq_len=c["ctx"] + q)
+            except UnsupportedFeature as e:
+                raise self._unsupported(f"CUDA graphs here ({e}); start SGLang with --disable-cuda-graph") from e
+            states[key] = gs
+        return gs
+
+    def _model_layer_keys(self):
+        model = getattr(self._runner, "model", None)
+        if model is None or not hasattr(model, "modules"):
+            return []
+        from sglang.srt.layers.radix_attention import RadixAttention
+
+        return dict.fromkeys(self._layer_key(m) for m in model.modules() if isinstance(m, RadixAttention))
+
+    @staticmethod
+    def _graph_mode_of(fb):
+        m = fb.forward_mode
+        if m.is_target_verify():
+            return "verify"
+        if m.is_decode():
+            return "decode"
+        return None
+
+    def _graph_batch(self, fb, mode: str, B: int, host: bool):
+        """``BatchMetadata`` of the ``B`` real requests of a graph batch, built without reading device
+        values on the host (sizes from ``seq_lens_cpu``); ``host``: every tensor on the host
+        (capture time). FlashInfer gets host ``kv_indptr``/``kv_last_page_len`` (it re-plans)."""
+        from attnplug.core import BatchMetadata, ForwardMode as CoreMode
+
+        P, dev = self.page_size, self.device
+        seq = fb.seq_lens_cpu if getattr(fb, "seq_lens_cpu", None) is not None else fb.seq_lens.cpu()
+        seq = seq[:B].to(torch.int64)
+        q, custom_mask = 1, None
+        if mode == "verify":
+            spec = fb.spec_info
+            q = spec.num_tokens_per_req if getattr(spec, "num_tokens_per_req", -1) > 0 else spec.draft_token_num
+        if mode == "verify" and q != self._graph_cfg["q"]:
+            raise self._unsupported(f"a TARGET_VERIFY graph batch of {q} draft tokens per request (graph state "
+                                    f"sized for {self._graph_cfg['q']} = max_num_tokens // max_bs)")
+        kv = seq + (q if mode == "verify" else 0)
+        npg = (kv + P - 1) // P
+        indptr = torch.zeros(B + 1, dtype=torch.int64)
+        torch.cumsum(npg, 0, out=indptr[1:])
+        nnz = int(indptr[-1])
+        last = torch.where(npg > 0, kv - (npg - 1) * P, 0).to(torch.int32)
+        col = (torch.arange(nnz) - torch.repeat_interleave(indptr[:-1], npg, output_size=nnz)) * P
+        table = compat.kv_read_table(self.kv_index_translator, fb, self.req_to_token_pool.req_to_token,
+                                     fb.req_pool_indices[:B])
+        if table is None:
+            raise self._unsupported("translated (unified / virtual->physical) KV reads")
+        ids, rows = table
+        nb = dict(non_blocking=True)
+        row_of = torch.repeat_interleave(rows.long(), npg.to(rows.device, **nb), output_size=nnz)
+        kv_indices = (ids[row_of, col.to(ids.device, **nb)].long() // P).to(torch.int32)
+        if mode == "verify" and getattr(fb.spec_info, "custom_mask", None) is not None:
+            numel = int((kv * q).sum())
+            custom_mask = fb.spec_info.custom_mask.reshape(-1)[:numel].to(torch.bool)
+        qo = torch.arange(B + 1, dtype=torch.int32) * q
+        indptr = indptr.to(torch.int32)
+        core_mode = CoreMode.DECODE if mode == "decode" else CoreMode.TARGET_VERIFY
+        if host:
+            kv_indices = kv_indices.cpu()
+            custom_mask = None if custom_mask is None else custom_mask.cpu()
+        elif self.provider_name != "flashinfer":  # device CSR: GraphState.update never reads it back
+            qo, indptr, last = (t.to(dev, **nb) for t in (qo, indptr, last))
+        return BatchMetadata(core_mode, qo, indptr, kv_indices, last, custom_mask=custom_mask)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
-        """Padded requests get seq_len 1 (one valid KV slot, never an empty row)."""
-        return 1
+        """Committed length SGLang gives padded requests of a graph batch: the core's ``FILL_SEQ_LEN``
+        (1: one valid KV slot, never an empty row). The core's ``GraphState`` pads with the same value."""
+        from attnplug.core.cuda_graph import FILL_SEQ_LEN
+
+        return FILL_SEQ_LEN
 
     def _batch_metadata(self, fb):
         """SGLang ``ForwardBatch`` -> core ``BatchMetadata`` (int32 CSR page table over ``req_to_token``)."""
@@ -240,7 +393,8 @@ class AttnplugAttnBackend(AttentionBackend):
         if mode.is_decode():
             spec = getattr(fb, "spec_info", None)
             if spec is not None and getattr(spec, "kv_indptr", None) is not None:
-                raise self._unsupported("EAGLE multi-step draft decode (issue 6)")
+                raise self._unsupported("EAGLE multi-step draft decode in a single-step backend (SGLang builds "
+                                        "AttnplugMultiStepDraftBackend through its DraftBackendFactory for it)")
             core_mode, q_lens, kv_lens = CoreMode.DECODE, torch.ones_like(seq_lens), seq_lens
         elif mode.is_target_verify():
             spec = fb.spec_info
@@ -268,6 +422,7 @@ class AttnplugAttnBackend(AttentionBackend):
 
     def _plan_forward(self, fb) -> None:
         self._forward_id += 1
+        self._graph_fwd = None
         if fb.forward_mode.is_idle():
             self._batch = None
             return
@@ -300,21 +455,37 @@ class AttnplugAttnBackend(AttentionBackend):
 
     def _forward(self, q, k, v, layer, fb, save_kv_cache, kwargs):
         self._check_layer(layer, kwargs)
-        if self._batch is None:
+        if self._batch is None and self._graph_fwd is None:
             raise RuntimeError(f"attnplug: backend '{self.backend_name}': forward before init_forward_metadata")
         if save_kv_cache and k is not None and v is not None:
             # k, v: [T, Hkv, D]; the KV of the new tokens must be in the cache before run().
             self.token_to_kv_pool.set_kv_buffer(layer, compat.write_loc(fb), k, v)
-        attn = self._plan(self._layer_key(layer))
+        key = self._layer_key(layer)
         hq, d = layer.tp_q_head_num, layer.qk_head_dim
         q3 = q.reshape(-1, hq, d)
         out = torch.empty_like(q3)
         shape = (self.num_pages, self.page_size, self.num_kv_heads, d)
         k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).view(shape)
         v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id).view(shape)
-        attn.run(q3, k_cache, v_cache, out=out)
+        self._run(key, q3, k_cache, v_cache, out)
         self._stats.layer_runs += 1
         return out.view(-1, hq * d)
+
+    def _run(self, key, q3, k_cache, v_cache, out) -> None:
+        """One layer's attention: the captured graph plan of ``key``, else the eager plan."""
+        if self._graph_fwd is not None:
+            mode, bs, batch = self._graph_fwd
+            gs = self._graphs[mode].get(key)
+            if gs is None or bs not in gs.plans:  # a layer config first seen now (warmup forward)
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise self._unsupported(f"a layer config {key} first seen inside CUDA-graph capture")
+                if batch.kv_indptr.device.type != "cpu":
+                    raise self._unsupported(f"a layer config {key} first seen at CUDA-graph replay")
+                gs = self._graph_state(mode, key)
+                gs.prepare_capture(bs, batch)
+            gs.run(bs, q3, k_cache, v_cache, out)
+            return
+        self._plan(key).run(q3, k_cache, v_cache, out=out)
 
     # -- proof of life ---------------------------------------------------------------------------------
     def _write_marker(self) -> None:

@@ -10,6 +10,12 @@ Supported: SGLang 0.5.23 (CPU CI here) and 0.5.17 (the GPU image). Known differe
 * ``KVWriteLoc`` (0.5.23 write locations) may be missing in older releases: a bare tensor is then
   passed to ``set_kv_buffer``.
 
+* EAGLE draft backends: SGLang has no draft registry; attnplug hooks the private
+  ``DraftBackendFactory._create_backend`` (AROUND, through SGLang's ``HookRegistry``) and relies on
+  the draft KV layout of ``generate_draft_decode_kv_indices`` (:func:`draft_token_columns`), both
+  checked for :data:`DRAFT_HOOK_VERSIONS` only; outside that range the hook is not installed and an
+  attnplug backend on the draft model refuses with :func:`draft_hook_refusal`'s message.
+
 Everything here imports SGLang lazily, inside functions.
 """
 
@@ -168,3 +174,115 @@ def sglang_version() -> str:
         return version("sglang")
     except Exception:  # noqa: BLE001 - informational only
         return "unknown"
+
+
+# -- EAGLE multi-step draft: SGLang's private DraftBackendFactory -----------------------------------
+#: SGLang releases whose ``DraftBackendFactory._create_backend(backend_name, backend_map,
+#: error_template, stamps_children)`` and draft KV layout (``generate_draft_decode_kv_indices``)
+#: attnplug's draft hook was written against (inclusive). Both are private API.
+DRAFT_HOOK_VERSIONS = ("0.5.17", "0.5.23")
+DRAFT_FACTORY_TARGET = "sglang.srt.speculative.draft_utils.DraftBackendFactory._create_backend"
+
+
+def _version_tuple(v: str) -> tuple:
+    """``"0.5.23"`` -> ``(0, 5, 23)``; a part with a suffix (``"23rc1"``) keeps its leading number."""
+    out = []
+    for part in v.split("+")[0].split("."):
+        lead = ""
+        for ch in part:
+            if not ch.isdigit():
+                break
+            lead += ch
+        if not lead:
+            break
+        out.append(int(lead))
+        if lead != part:
+            break
+    if not out:
+        raise ValueError(f"not a version: {v!r}")
+    return tuple(out)
+
+
+def draft_hook_refusal(version: str | None = None) -> str | None:
+    """``None`` when the installed SGLang is in :data:`DRAFT_HOOK_VERSIONS`, else the reason (a
+    complete, user-facing message)."""
+    v = sglang_version() if version is None else version
+    lo, hi = DRAFT_HOOK_VERSIONS
+    try:
+        ok = _version_tuple(lo) <= _version_tuple(v)[:3] <= _version_tuple(hi)
+    except ValueError:
+        ok = False
+    if ok:
+        return None
+    return (f"attnplug: EAGLE speculative decoding with an attnplug_* attention backend needs SGLang "
+            f"{lo}..{hi} (attnplug hooks SGLang's private DraftBackendFactory, whose API it checked only "
+            f"in that range); installed SGLang is {v}. Use a supported SGLang, or pick a built-in draft "
+            f"backend: --speculative-draft-attention-backend triton")
+
+
+def install_draft_backend_hook(around) -> bool:
+    """Register ``around(orig, factory, backend_name, backend_map, error_template, stamps_children=False)``
+    as an AROUND hook of ``DraftBackendFactory._create_backend`` (once per process; ``load_plugins``
+    applies it right after our ``register``). Returns False, changing nothing, outside
+    :data:`DRAFT_HOOK_VERSIONS`."""
+    if draft_hook_refusal() is not None:
+        return False
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if DRAFT_FACTORY_TARGET not in _HOOKED:
+        HookRegistry.register(DRAFT_FACTORY_TARGET, around, HookType.AROUND)
+        _HOOKED.add(DRAFT_FACTORY_TARGET)
+    return True
+
+
+def draft_hook_installed() -> bool:
+    return DRAFT_FACTORY_TARGET in _HOOKED
+
+
+def add_draft_attention_backend_choices(names: list[str]) -> None:
+    """Add ``names`` to ``DRAFT_ATTENTION_BACKEND_CHOICES`` (``--speculative-draft-attention-backend``)."""
+    mod = _choices_module()
+    lst = getattr(mod, "DRAFT_ATTENTION_BACKEND_CHOICES", None)
+    if lst is None:
+        return
+    new = [n for n in names if n not in lst]
+    if new:
+        add = getattr(mod, "add_draft_attention_backend_choices", None)
+        (add or lst.extend)(new)
+
+
+def draft_token_columns(seq_lens, topk: int, num_steps: int, page_size: int, steps_used: int):
+    """Columns of ``req_to_token`` holding the draft tokens: ``[B, topk, steps_used]`` int64 (host).
+
+    SGLang's EAGLE layout (``generate_draft_decode_kv_indices``, 0.5.17..0.5.23): branch ``j`` of
+    request ``b`` writes its ``num_steps`` draft tokens after the prefix, at ``seq_len + j*num_steps
+    + t`` when ``page_size == 1 or topk == 1``; otherwise every branch starts a page run of its own:
+    ``seq_len//P*P + j*ceil((seq_len%P + num_steps)/P)*P + seq_len%P + t``.
+    """
+    import torch as _t
+
+    s = seq_lens.long().cpu()[:, None, None]
+    j = _t.arange(topk)[None, :, None]
+    t = _t.arange(steps_used)[None, None, :]
+    P = page_size
+    if P == 1 or topk == 1:
+        return s + j * num_steps + t
+    last = s % P
+    per_topk = (last + num_steps + P - 1) // P
+    return s // P * P + j * per_topk * P + last + t
+
+
+def draft_decode_window(model_runner) -> tuple[int, int]:
+    """``(window, sink)`` SGLang applies to the draft decode KV (``(0, 0)``: full attention).
+
+    Through SGLang's ``resolve_draft_decode_window`` when present; a runner without ``server_args``
+    (or a release without the option) has no draft window.
+    """
+    if getattr(model_runner, "server_args", None) is None:
+        return 0, 0
+    try:
+        from sglang.srt.speculative.spec_utils import resolve_draft_decode_window
+    except ImportError:
+        return 0, 0
+    w, s = resolve_draft_decode_window(model_runner)
+    return int(w), int(s)

@@ -175,7 +175,6 @@ def _mla(r):
     (lambda r: setattr(r.model_config, "is_encoder_decoder", True), "encoder-decoder"),
     (_mla, "MLA"),
     (_fp8, "fp8"),
-    (lambda r: setattr(r, "is_draft_worker", True), "draft"),
     (lambda r: setattr(r, "kv_index_translator", SimpleNamespace(reads_are_translated=True)), "translated"),
     (lambda r: setattr(r, "token_to_kv_pool", SimpleNamespace(**vars(r.token_to_kv_pool))), "KV pool"),
 ])
@@ -222,14 +221,16 @@ def test_gpu_backends_refused_on_cpu_with_install_hint(name, hint):
 
 
 def test_cuda_graph_seams():
+    """Graph methods without graph state: the out-of-graph half is the eager metadata step; capture
+    needs init_cuda_graph_state (graph behaviour itself: test_graph_and_draft.py)."""
     runner = make_runner(1)
     be = make_backend(runner, provider="reference")
     assert be.get_cuda_graph_seq_len_fill_value() == 1
-    with pytest.raises(UnsupportedFeature, match="attnplug_triton.*CUDA graphs.*issue 6.*disabled"):
+    with pytest.raises(UnsupportedFeature, match="attnplug_triton.*CUDA graphs with provider 'reference'.*disable-cuda-graph"):
         be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
     reqs = Requests(runner, kv_lens=[6], prefix=[5])
     fb = reqs.batch(ForwardMode.DECODE, q_lens=[1])
-    with pytest.raises(UnsupportedFeature, match="CUDA-graph capture"):
+    with pytest.raises(UnsupportedFeature, match="CUDA-graph capture without init_cuda_graph_state"):
         be.init_forward_metadata_out_graph(fb, in_capture=True)
     be.init_forward_metadata_out_graph(fb)  # eager use of the out-of-graph half plans the forward
     be.init_forward_metadata_in_graph(fb)

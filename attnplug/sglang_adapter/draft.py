@@ -1,0 +1,269 @@
+"""``AttnplugMultiStepDraftBackend``: SGLang's multi-step EAGLE draft contract over the core's
+``MultiStepDraftPlanner``.
+
+SGLang's EAGLE worker drives a *container* (no ``AttentionBackend`` itself):
+
+* ``init_forward_metadata(fb)`` once per draft pass (``fb.batch_size = B`` requests, ``seq_lens`` =
+  committed prefixes, ``topk`` branches each), then step ``i`` (``0..num_steps-2``) runs the draft
+  model with ``attn_backends[i]`` as the forward context's backend over ``B*topk`` query rows;
+* under CUDA graphs: ``init_cuda_graph_state``, ``init_forward_metadata_out_graph(fb, in_capture)``,
+  ``init_forward_metadata_in_graph``.
+
+Where the draft tokens' KV lives is SGLang's layout (``compat.draft_token_columns``, the columns of
+``req_to_token`` that its ``generate_draft_decode_kv_indices`` reads); the core turns prefix + draft
+slots into one token-granular plan per step. All attention math is the core's.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import compat
+from .backend import AttnplugAttnBackend
+
+logger = logging.getLogger(__name__)
+
+
+class AttnplugDraftStepBackend(AttnplugAttnBackend):
+    """``attn_backends[step]``: a full ``AttentionBackend`` (pools, layer checks, KV writes) whose
+    attention is draft step ``step`` of its container's plans."""
+
+    def __init__(self, model_runner, parent, step: int, backend_name: str, provider: str | None):
+        super().__init__(model_runner, backend_name=backend_name, provider=provider)
+        self._parent, self._step = parent, step
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        """The metadata of every step is the container's: plan them all."""
+        self._parent.init_forward_metadata(forward_batch)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self._parent.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def _run(self, key, q3, k_cache, v_cache, out) -> None:
+        self._parent._run_step(self._step, key, q3, k_cache, v_cache, out)
+
+
+class AttnplugMultiStepDraftBackend:
+    """EAGLE multi-step draft decode (``topk`` branches, ``speculative_num_steps - 1`` attention steps).
+
+    Args:
+        model_runner: the draft model's ``ModelRunner``.
+        topk, speculative_num_steps: SGLang's EAGLE settings (``speculative_num_steps >= 2``).
+        backend_name: ``attnplug_triton`` / ``attnplug_flashinfer`` / ``attnplug_fa3``.
+        provider: core provider override (default from the name).
+
+    Raises:
+        UnsupportedFeature: SGLang outside the hooked version range, a draft window
+            (``--speculative-draft-window-size``), or whatever the per-step backends refuse.
+    """
+
+    needs_cpu_seq_lens = True
+
+    def __init__(self, model_runner, topk: int, speculative_num_steps: int, backend_name: str = "attnplug_triton",
+                 provider: str | None = None):
+        from attnplug.core import UnsupportedFeature
+
+        refusal = compat.draft_hook_refusal()
+        if refusal is not None:
+            raise UnsupportedFeature(refusal)
+        if speculative_num_steps < 2 or topk < 1:
+            raise ValueError(f"attnplug: multi-step draft needs speculative_num_steps >= 2 and topk >= 1, "
+                             f"got {speculative_num_steps}, {topk}")
+        window = compat.draft_decode_window(model_runner)
+        if window != (0, 0):
+            raise UnsupportedFeature(f"attnplug: backend '{backend_name}' does not support a draft decode window "
+                                     f"{window} (--speculative-draft-window-size)")
+        self.topk, self.speculative_num_steps = int(topk), int(speculative_num_steps)
+        self.num_attn_steps = self.speculative_num_steps - 1
+        self.attn_backends = [AttnplugDraftStepBackend(model_runner, self, i, backend_name, provider)
+                              for i in range(self.num_attn_steps)]
+        b0 = self.attn_backends[0]
+        self.backend_name, self.provider_name, self.device = backend_name, b0.provider_name, b0.device
+        self.page_size, self.num_pages = b0.page_size, b0.num_pages
+        self.req_to_token_pool, self.token_to_kv_pool = b0.req_to_token_pool, b0.token_to_kv_pool
+        self.kv_index_translator = b0.kv_index_translator
+        self._planners: dict[tuple, tuple] = {}  # key -> (planner, max_batch, max_prefix_tokens)
+        self._inputs = None  # host (kv_indptr, kv_indices, last, draft_slots) of the current pass
+        self._forward_id = 0
+        self._planned: dict[tuple, int] = {}
+        self._graphs = None  # [step] -> {key: GraphState}
+        self._graph_cfg: dict = {}
+        self._graph_fwd = None  # (bs*topk rows, step batches)
+
+    # -- eager ----------------------------------------------------------------------------------------
+    def _read_table(self, fb, B: int):
+        table = compat.kv_read_table(self.kv_index_translator, fb, self.req_to_token_pool.req_to_token,
+                                     fb.req_pool_indices[:B])
+        if table is None:
+            raise self.attn_backends[0]._unsupported("translated (unified / virtual->physical) KV reads")
+        return table
+
+    def _seq_cpu(self, fb, B: int) -> torch.Tensor:
+        seq = fb.seq_lens_cpu if getattr(fb, "seq_lens_cpu", None) is not None else fb.seq_lens.cpu()
+        return seq[:B].to(torch.int64)
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        """Plan every draft step of this pass at once (one host->device copy per layer config)."""
+        from attnplug.core.page_table import csr_from_req_to_token
+
+        fb = forward_batch
+        B = int(fb.batch_size)
+        seq = self._seq_cpu(fb, B)
+        ids, rows = self._read_table(fb, B)
+        cols = compat.draft_token_columns(seq, self.topk, self.speculative_num_steps, self.page_size,
+                                          self.num_attn_steps)
+        width = max(int(seq.max()) if B else 0, int(cols.max()) + 1 if cols.numel() else 0)
+        table = ids[rows.long()][:, :width].cpu()  # only this batch's rows and columns come to the host
+        local = torch.arange(B)
+        indptr, indices, last = csr_from_req_to_token(table, local, seq, self.page_size)
+        slots = table[local[:, None, None].expand_as(cols), cols].long()
+        self._inputs = (indptr, indices, last, slots, int(seq.sum()))
+        self._forward_id += 1
+        self._graph_fwd = None
+        for key in list(self._planners):
+            self._plan(key)
+        self._mark_children()
+
+    def _mark_children(self) -> None:
+        for child in self.attn_backends:  # the children's forward checks: metadata is ready
+            child._forward_id += 1
+            child._batch, child._graph_fwd = self._inputs, None
+
+    def _planner(self, key: tuple, B: int, ntok: int):
+        from attnplug.core.draft import MultiStepDraftPlanner
+
+        ent = self._planners.get(key)
+        if ent is None or B > ent[1] or ntok > ent[2]:  # (re)size on demand, outside graphs only
+            mb = max(B, 2 * ent[1] if ent else min(64, self.req_to_token_pool.size))
+            mt = max(ntok, 2 * ent[2] if ent else self.num_pages * self.page_size)
+            cfg = self.attn_backends[0]._attention(key).config
+            ent = self._planners[key] = (MultiStepDraftPlanner(cfg, self.topk, self.num_attn_steps, mb,
+                                                               provider=self.provider_name, device=self.device,
+                                                               max_prefix_tokens=mt), mb, mt)
+            self._planned.pop(key, None)
+        return ent[0]
+
+    def _plan(self, key: tuple):
+        indptr, indices, last, slots, ntok = self._inputs
+        planner = self._planner(key, int(last.numel()), ntok)
+        if self._planned.get(key) != self._forward_id:
+            planner.plan(indptr, indices, last, slots, num_pages=self.num_pages)
+            self._planned[key] = self._forward_id
+        return planner
+
+    def _run_step(self, step: int, key: tuple, q3, k_cache, v_cache, out) -> None:
+        from attnplug.core.draft import token_view
+
+        if self._graph_fwd is not None:
+            rows, batches = self._graph_fwd
+            gs = self._graphs[step].get(key)
+            if gs is None or rows not in gs.plans:  # a layer config first seen now (warmup forward)
+                capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+                if capturing or batches[step].kv_indptr.device.type != "cpu":
+                    raise self.attn_backends[0]._unsupported(
+                        f"a draft layer config {key} first seen inside CUDA-graph capture or at replay")
+                gs = self._graph_state(step, key)
+                gs.prepare_capture(rows, batches[step])
+            cfg = self.attn_backends[0]._attention(key).config
+            gs.run(rows, q3, token_view(k_cache, cfg), token_view(v_cache, cfg), out)
+            return
+        if self._inputs is None:
+            raise RuntimeError(f"attnplug: backend '{self.backend_name}': draft forward before init_forward_metadata")
+        self._plan(key).run(step, q3, k_cache, v_cache, out)
+
+    # -- CUDA graphs ----------------------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """One core ``GraphState`` (decode, token granularity) per attention step and layer config,
+        sized for ``max_bs`` requests = ``max_bs * topk`` rows."""
+        b0 = self.attn_backends[0]
+        if self.provider_name == "reference":
+            raise b0._unsupported("CUDA graphs with provider 'reference' (it plans on the host per forward); "
+                                  "start SGLang with --disable-cuda-graph")
+        ctx = int(self.req_to_token_pool.req_to_token.shape[1])
+        self._graph_cfg = dict(rows=int(max_bs) * self.topk, ctx=ctx + self.speculative_num_steps)
+        self._graphs = [{} for _ in range(self.num_attn_steps)]
+        keys = list(b0._model_layer_keys()) or [b0._probe_key]
+        for key in keys:
+            for i in range(self.num_attn_steps):
+                self._graph_state(i, key)
+
+    def _graph_state(self, step: int, key: tuple):
+        from attnplug.core import UnsupportedFeature
+        from attnplug.core.cuda_graph import GraphState
+        from attnplug.core.draft import token_config
+
+        gs = self._graphs[step].get(key)
+        if gs is None:
+            c, b0 = self._graph_cfg, self.attn_backends[0]
+            try:
+                gs = GraphState(token_config(b0._attention(key).config), self.provider_name, max_batch=c["rows"],
+                                max_tokens=c["rows"], max_pages=c["rows"] * c["ctx"], device=self.device,
+                                mode="decode", pad_page=0, max_seq_len=c["ctx"])
+            except UnsupportedFeature as e:
+                raise b0._unsupported(f"CUDA graphs for the draft ({e}); start SGLang with --disable-cuda-graph") from e
+            self._graphs[step][key] = gs
+        return gs
+
+    def _graph_step_batches(self, fb, B: int, host: bool):
+        """Per attention step, the ``BatchMetadata`` (DECODE, token slots) of the ``B*topk`` real rows.
+
+        Sizes come from ``seq_lens_cpu``; the slots are gathered on the device from ``req_to_token``
+        with host-built (row, column) indices, so nothing is read back to the host (``host``: capture).
+        """
+        from attnplug.core import BatchMetadata, ForwardMode as CoreMode
+        from attnplug.core.draft import draft_step_metadata
+
+        seq = self._seq_cpu(fb, B)
+        ids, rows = self._read_table(fb, B)
+        K, S = self.topk, self.num_attn_steps
+        tok_indptr = torch.zeros(B + 1, dtype=torch.int64)
+        torch.cumsum(seq, 0, out=tok_indptr[1:])
+        n = int(tok_indptr[-1])
+        req_of = torch.repeat_interleave(torch.arange(B), seq, output_size=n)
+        col_of = torch.arange(n) - tok_indptr[req_of]
+        cols = compat.draft_token_columns(seq, K, self.speculative_num_steps, self.page_size, S)
+        reqs = torch.arange(B)[:, None, None].expand_as(cols)
+        nb = dict(non_blocking=True)
+        rows_dev = rows.long()
+        out = []
+        for i in range(S):
+            indptr, b_idx = draft_step_metadata(seq, tok_indptr, req_of, reqs, i)  # request of each entry
+            _, c_idx = draft_step_metadata(seq, tok_indptr, col_of, cols, i)  # its req_to_token column
+            kv_indices = ids[rows_dev[b_idx.to(rows.device, **nb).long()], c_idx.to(ids.device, **nb).long()]
+            kv_indices = kv_indices.to(torch.int32)
+            R = B * K
+            qo, last = torch.arange(R + 1, dtype=torch.int32), torch.ones(R, dtype=torch.int32)
+            if host:
+                kv_indices = kv_indices.cpu()
+            elif self.provider_name != "flashinfer":
+                qo, indptr, last = (t.to(self.device, **nb) for t in (qo, indptr, last))
+            out.append(BatchMetadata(CoreMode.DECODE, qo, indptr, kv_indices, last))
+        return out
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        """Capture: plan every step's padded batch (``bs*topk`` rows) into its ``GraphState``; replay:
+        in-place ``GraphState.update`` of every step. Without graph state: the eager metadata."""
+        if self._graphs is None:
+            if in_capture:
+                raise self.attn_backends[0]._unsupported("CUDA-graph capture without init_cuda_graph_state")
+            self.init_forward_metadata(forward_batch)
+            return
+        fb = forward_batch
+        bs = int(fb.batch_size)
+        B = bs - int(getattr(fb, "num_padding", 0) or 0)
+        batches = self._graph_step_batches(fb, B, host=in_capture)
+        rows = bs * self.topk
+        for i, batch in enumerate(batches):
+            for gs in self._graphs[i].values():
+                if in_capture or rows not in gs.plans:
+                    gs.prepare_capture(rows, batch)
+                else:
+                    gs.update(batch, rows)
+        self._graph_fwd = (rows, batches)
+        for child in self.attn_backends:
+            child._graph_fwd, child._batch = (None, rows, None), None
+
+    def init_forward_metadata_in_graph(self, forward_batch) -> None:
+        """Nothing to record: planning is host-side, in ``init_forward_metadata_out_graph``."""

@@ -1,0 +1,390 @@
+"""Issue 6 (SGLang): CUDA-graph metadata, the EAGLE multi-step draft backend, its DraftBackendFactory hook.
+
+SGLang cannot run EAGLE or CUDA graphs on CPU, so these are backend-level tests on SGLang's real
+pools with hand-built ForwardBatch-like objects: a "capture" is ``init_forward_metadata_out_graph(fb,
+in_capture=True)`` + the layer forward (what SGLang records), a "replay" is the out-of-graph update +
+the same captured plan launched again. Oracles: our eager path, a float64 dense computation, and
+SGLang's own ``generate_draft_decode_kv_indices`` (run by the Triton interpreter).
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_helpers import HKV, HQ, D, Requests, dense_reference, make_layer, make_runner
+
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.runtime_context import get_parallel
+
+import attnplug.sglang_adapter as adapter
+from attnplug.core import UnsupportedFeature
+from attnplug.core.cuda_graph import FILL_SEQ_LEN
+from attnplug.sglang_adapter import compat
+from attnplug.sglang_adapter.backend import AttnplugAttnBackend
+
+pytestmark = pytest.mark.sglang
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def make_backend(runner, provider="triton", name="attnplug_triton"):
+    with get_parallel().override(attn_tp_size=1, attn_dcp_size=1):
+        return AttnplugAttnBackend(runner, backend_name=name, provider=provider)
+
+
+def make_draft(runner, topk, steps, provider="triton"):
+    from attnplug.sglang_adapter.draft import AttnplugMultiStepDraftBackend
+
+    with get_parallel().override(attn_tp_size=1, attn_dcp_size=1):
+        return AttnplugMultiStepDraftBackend(runner, topk, steps, provider=provider)
+
+
+def rand(shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+# -- CUDA graphs: the main backend --------------------------------------------------------------------
+def _verify_spec(reqs, n, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    masks = []
+    for kv in reqs.kv_lens:
+        tree = torch.tril(torch.rand(n, n, generator=g) < 0.6) | torch.eye(n, dtype=torch.bool)
+        tree[:, 0] = True
+        masks.append(torch.cat([torch.ones(n, kv - n, dtype=torch.bool), tree], 1))
+    flat = torch.cat([m.reshape(-1) for m in masks] + [torch.ones(5, dtype=torch.bool)])
+    return masks, SimpleNamespace(custom_mask=flat, draft_token_num=n, num_tokens_per_req=-1, kv_indptr=None)
+
+
+def _padded(fb, bs, q):
+    """SGLang's graph view of ``fb``: ``bs`` requests, the last ``bs - B`` padding (row 0, seq_len =
+    the fill value, writes to slot 0), ``num_padding`` set."""
+    B = fb.batch_size
+    pad = bs - B
+    fill = torch.full((pad,), FILL_SEQ_LEN, dtype=torch.int64)
+    return SimpleNamespace(**{**vars(fb), **dict(
+        batch_size=bs, num_padding=pad,
+        req_pool_indices=torch.cat([fb.req_pool_indices, torch.zeros(pad, dtype=torch.int64)]),
+        seq_lens=torch.cat([fb.seq_lens, fill]), seq_lens_cpu=torch.cat([fb.seq_lens_cpu, fill]),
+        out_cache_loc=torch.cat([fb.out_cache_loc, torch.zeros(pad * q, dtype=torch.int64)]))})
+
+
+def _qkv(T, seed):
+    return rand((T, HQ * D), seed), rand((T, HKV, D), seed + 1), rand((T, HKV, D), seed + 2)
+
+
+def _batch(runner, mode, n, kv_lens, seed):
+    reqs = Requests(runner, kv_lens=kv_lens, prefix=[k - (n if mode == "verify" else 1) for k in kv_lens], seed=seed)
+    if mode == "verify":
+        masks, spec = _verify_spec(reqs, n, seed)
+        return reqs, masks, reqs.batch(ForwardMode.TARGET_VERIFY, q_lens=[n] * len(kv_lens), spec_info=spec)
+    return reqs, None, reqs.batch(ForwardMode.DECODE, q_lens=[1] * len(kv_lens))
+
+
+@pytest.mark.parametrize("mode, page_size", [("decode", 16), ("decode", 1), ("verify", 4)])
+def test_graph_capture_then_replay_matches_eager(mode, page_size):
+    n = 3 if mode == "verify" else 1
+    bs, max_bs = 4, 4
+    runner = make_runner(page_size)
+    # SGLang pads with req_pool_indices 0, a row that may belong to a live request: padded slots must
+    # come from the fill values, never from that row
+    runner.req_to_token_pool.req_to_token[0, :64] = 3 * page_size + torch.arange(64, dtype=torch.int32)
+    layer = make_layer(0)
+    be = make_backend(runner)
+    be.init_cuda_graph_state(max_bs=max_bs, max_num_tokens=max_bs * n)
+
+    for step, kv_lens in enumerate([[21 + n, 35 + n], [9 + n, 40 + n, 17 + n]]):  # capture, then replay
+        reqs, masks, fb = _batch(runner, mode, n, kv_lens, seed=10 + step)
+        B = fb.batch_size
+        q, k, v = _qkv(bs * n, seed=step)
+        eager = make_backend(runner)
+        eager.init_forward_metadata(fb)
+        if step == 1:
+            gs = be._graphs[mode][be._layer_key(layer)]  # the state the layer's captured plan lives in
+            ptrs = {name: getattr(gs, name).data_ptr() for name in ("kv_indptr", "kv_indices", "kv_last_page_len",
+                                                                     "kv_lens", "mask", "mask_indptr", "mask_free")
+                    if getattr(gs, name) is not None}
+        be.init_forward_metadata_out_graph(_padded(fb, bs, n), in_capture=step == 0)
+        if step == 1:  # replay: the captured plan's buffers, refreshed in place
+            assert ptrs == {name: getattr(gs, name).data_ptr() for name in ptrs}
+            assert set(gs.plans) == {bs}
+        out = be.forward(q, k, v, layer, _padded(fb, bs, n))
+        ref = eager.forward(q[: B * n], k[: B * n], v[: B * n], layer, fb)
+        torch.testing.assert_close(out[: B * n], ref, **TOL)
+        dense = dense_reference(runner, reqs, layer, q[: B * n], [n] * B, masks=masks)
+        torch.testing.assert_close(out[: B * n], dense, **TOL)
+        # capture-time / replay metadata over the padded batch: eager's on the real rows, fill after
+        gs = be._graphs[mode][be._layer_key(layer)]
+        plan, eb = gs.plans[bs], eager._batch
+        nnz = int(eb.kv_indices.numel())
+        assert torch.equal(plan.kv_indptr[: B + 1].cpu(), eb.kv_indptr.to(torch.int32))
+        assert torch.equal(plan.kv_indices[:nnz].cpu(), eb.kv_indices.to(torch.int32))
+        assert torch.equal(plan.kv_last_page_len[:B].cpu(), eb.kv_last_page_len.to(torch.int32))
+        pad = bs - B
+        assert torch.equal(gs.kv_lens[B:bs], torch.full((pad,), FILL_SEQ_LEN + (n if mode == "verify" else 0),
+                                                        dtype=torch.int32))
+        assert torch.equal(gs.kv_last_page_len[B:bs], torch.full((pad,), gs.pad_last, dtype=torch.int32))
+        assert torch.equal(gs.kv_indices[nnz: nnz + pad * gs.pad_pages], torch.zeros(pad * gs.pad_pages, dtype=torch.int32))
+        if mode == "verify":
+            m = int(sum(n * kv for kv in reqs.kv_lens))
+            assert torch.equal(gs.mask[:m].bool(), fb.spec_info.custom_mask[:m])
+            assert bool(gs.mask[m: m + pad * n * gs.pad_kv_len].all())
+    assert be._stats.forwards.get("GRAPH_" + fb.forward_mode.name) == 2
+
+
+def test_fill_value_is_the_core_constant():
+    be = make_backend(make_runner(1), provider="reference")
+    assert be.get_cuda_graph_seq_len_fill_value() == FILL_SEQ_LEN == 1
+
+
+def test_graph_refusals():
+    runner = make_runner(1)
+    with pytest.raises(UnsupportedFeature, match="attnplug_triton.*CUDA graphs with provider 'reference'.*--disable-cuda-graph"):
+        make_backend(runner, provider="reference").init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    reqs = Requests(runner, kv_lens=[6], prefix=[5])
+    be = make_backend(runner)
+    with pytest.raises(UnsupportedFeature, match="attnplug_triton.*capture without init_cuda_graph_state"):
+        be.init_forward_metadata_out_graph(reqs.batch(ForwardMode.DECODE, q_lens=[1]), in_capture=True)
+    be.init_cuda_graph_state(max_bs=2, max_num_tokens=2)
+    with pytest.raises(UnsupportedFeature, match="attnplug_triton.*CUDA-graph this forward mode \\(EXTEND\\)"):
+        be.init_forward_metadata_out_graph(reqs.batch(ForwardMode.EXTEND, q_lens=[1]), in_capture=True)
+    be = make_backend(runner)
+    be.init_cuda_graph_state(max_bs=2, max_num_tokens=2 * 3)  # verify graphs of 3 draft tokens
+    _, _, fb = _batch(runner, "verify", 4, [12], seed=1)
+    with pytest.raises(UnsupportedFeature, match="attnplug_triton.*TARGET_VERIFY graph batch of 4 draft tokens.*sized for 3"):
+        be.init_forward_metadata_out_graph(fb, in_capture=True)
+
+
+# -- multi-step draft --------------------------------------------------------------------------------------
+def _draft_batch(runner, topk, steps, seq, seed=0):
+    page_size = runner.page_size
+    cols = compat.draft_token_columns(torch.tensor(seq), topk, steps, page_size, steps)
+    kv_lens = [int(cols[b].max()) + 1 for b in range(len(seq))]
+    reqs = Requests(runner, kv_lens=kv_lens, prefix=seq, seed=seed)
+    B = len(seq)
+    fb = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=B, req_pool_indices=reqs.rows.clone(),
+                         seq_lens=torch.tensor(seq), seq_lens_cpu=torch.tensor(seq), seq_lens_sum=sum(seq),
+                         positions=torch.tensor(seq).repeat_interleave(topk), kv_loc_plan=None, kv_loc_cols=None,
+                         spec_info=SimpleNamespace(kv_indptr=None, kv_indices=None), out_cache_loc=None,
+                         encoder_lens=None, out_cache_loc_is_physical=False)
+    r2t = runner.req_to_token_pool.req_to_token
+    draft_slots = torch.stack([r2t[reqs.rows[b]][cols[b]] for b in range(B)]).long()  # [B, topk, steps]
+    return reqs, fb, draft_slots
+
+
+def _draft_setup(page_size, topk, steps, seq, seed=0):
+    runner = make_runner(page_size, is_draft_worker=True)
+    return (runner,) + _draft_batch(runner, topk, steps, seq, seed)
+
+
+def _dense_step(runner, reqs, layer, draft_slots, step, q):
+    """float64: row b*topk+j attends prefix of b + draft tokens 0..step of branch j."""
+    kb, vb = (runner.token_to_kv_pool.get_key_buffer(0), runner.token_to_kv_pool.get_value_buffer(0))
+    r2t = runner.req_to_token_pool.req_to_token
+    B, K, _ = draft_slots.shape
+    outs = []
+    for b in range(B):
+        pre = r2t[reqs.rows[b], : reqs.prefix[b]].long()
+        for j in range(K):
+            slots = torch.cat([pre, draft_slots[b, j, : step + 1]])
+            kk = kb[slots].double().repeat_interleave(HQ // HKV, 1)
+            vv = vb[slots].double().repeat_interleave(HQ // HKV, 1)
+            qq = q[b * K + j].view(HQ, D).double()
+            s = torch.einsum("hd,khd->hk", qq, kk) * layer.scaling
+            outs.append(torch.einsum("hk,khd->hd", torch.softmax(s, -1), vv).reshape(HQ * D))
+    return torch.stack(outs).float()
+
+
+def _run_draft_steps(be, fb, draft_slots, layer, seed, rows=None):
+    """Every attention step through ``attn_backends[i]``, writing step i's draft KV first."""
+    B, K, _ = draft_slots.shape
+    R = rows or B * K
+    outs = []
+    for i, child in enumerate(be.attn_backends):
+        loc = torch.zeros(R, dtype=torch.int64)
+        loc[: B * K] = draft_slots[:, :, i].reshape(-1)
+        q, k, v = _qkv(R, seed + 10 * i)
+        sfb = SimpleNamespace(**{**vars(fb), "out_cache_loc": loc})
+        outs.append((q, child.forward(q, k, v, layer, sfb)))
+    return outs
+
+
+@pytest.mark.parametrize("provider", ["reference", "triton"])
+@pytest.mark.parametrize("page_size, topk, steps", [(1, 2, 3), (4, 3, 3), (4, 1, 4)])
+def test_multistep_draft_matches_dense(provider, page_size, topk, steps):
+    runner, reqs, fb, draft_slots = _draft_setup(page_size, topk, steps, seq=[7, 13])
+    be = make_draft(runner, topk, steps, provider=provider)
+    assert len(be.attn_backends) == steps - 1
+    be.init_forward_metadata(fb)
+    layer = make_layer(0)
+    for i, (q, out) in enumerate(_run_draft_steps(be, fb, draft_slots, layer, seed=1)):
+        torch.testing.assert_close(out, _dense_step(runner, reqs, layer, draft_slots, i, q), **TOL)
+    # without the draft tokens the answer differs (the draft KV is really read)
+    assert not torch.allclose(out, _dense_step(runner, reqs, layer, draft_slots[:, :, :0], -1, q), **TOL)
+
+
+@pytest.mark.parametrize("page_size, topk, steps", [(1, 2, 3), (4, 3, 3), (4, 1, 4)])
+def test_draft_kv_indices_equal_sglang_generate_draft_decode_kv_indices(page_size, topk, steps):
+    """Our per-step token slots == what SGLang's own kernel builds (Triton interpreter on CPU)."""
+    from sglang.srt.speculative.spec_utils import generate_draft_decode_kv_indices
+    from sglang.srt.utils import next_power_of_2
+
+    seq = [7, 13, 5]
+    runner, reqs, fb, _ = _draft_setup(page_size, topk, steps, seq=seq)
+    B, R = len(seq), len(seq) * topk
+    width = B * topk * 512
+    kv_indices = torch.full((steps, width), -1, dtype=torch.int64)
+    kv_indptr = torch.zeros((steps, R + 1), dtype=torch.int32)
+    r2t = runner.req_to_token_pool.req_to_token
+    generate_draft_decode_kv_indices[(steps, B, topk)](
+        fb.req_pool_indices, r2t, fb.seq_lens, kv_indices, kv_indptr, fb.positions, r2t.shape[1], width, R + 1,
+        next_power_of_2(B), next_power_of_2(steps), next_power_of_2(R), page_size, 0, 0)
+    be = make_draft(runner, topk, steps, provider="reference")
+    be.init_forward_metadata(fb)
+    planner = be._plan(be.attn_backends[0]._probe_key)
+    for i, plan in enumerate(planner.plans):
+        ind = kv_indptr[i]
+        assert torch.equal(plan.kv_indptr_cpu, ind), i
+        assert torch.equal(plan.kv_indices_cpu.long(), kv_indices[i, : int(ind[-1])]), i
+
+
+def test_multistep_draft_graph_capture_and_replay():
+    topk, steps, bs = 2, 3, 3
+    runner = make_runner(4, is_draft_worker=True)
+    layer = make_layer(0)
+    be = make_draft(runner, topk, steps, provider="triton")
+    be.init_cuda_graph_state(max_bs=4, max_num_tokens=4 * topk)
+    ptrs = None
+    for rnd, seq in enumerate([[7, 13], [10, 3]]):  # capture, then replay of another batch (in-place update)
+        reqs, fb, draft_slots = _draft_batch(runner, topk, steps, seq, seed=rnd)
+        fill = torch.full((bs - 2,), FILL_SEQ_LEN, dtype=torch.int64)
+        pfb = SimpleNamespace(**{**vars(fb), **dict(
+            batch_size=bs, num_padding=bs - 2, seq_lens=torch.cat([fb.seq_lens, fill]),
+            req_pool_indices=torch.cat([fb.req_pool_indices, torch.zeros(1, dtype=torch.int64)]),
+            seq_lens_cpu=torch.cat([fb.seq_lens_cpu, fill]))})
+        be.init_forward_metadata_out_graph(pfb, in_capture=rnd == 0)
+        if rnd:
+            assert ptrs == [(gs.kv_indptr.data_ptr(), gs.kv_indices.data_ptr(), gs.kv_lens.data_ptr()) for gs in gss]
+        outs = _run_draft_steps(be, pfb, draft_slots, layer, seed=5 + rnd, rows=bs * topk)
+        gss = [g[be.attn_backends[0]._layer_key(layer)] for g in be._graphs]
+        ptrs = [(gs.kv_indptr.data_ptr(), gs.kv_indices.data_ptr(), gs.kv_lens.data_ptr()) for gs in gss]
+        for i, (q, out) in enumerate(outs):
+            torch.testing.assert_close(out[: 2 * topk], _dense_step(runner, reqs, layer, draft_slots, i, q[: 2 * topk]), **TOL)
+            gs = gss[i]
+            assert list(gs.plans) == [bs * topk]
+            assert torch.equal(gs.kv_lens[2 * topk: bs * topk], torch.full((topk,), FILL_SEQ_LEN, dtype=torch.int32))
+            assert torch.equal(gs.kv_lens[: 2 * topk], (torch.tensor(seq) + i + 1).repeat_interleave(topk).int())
+
+
+# -- DraftBackendFactory hook and version guard ------------------------------------------------------------
+def _factory(runner, name, topk=2, steps=3):
+    from sglang.srt.speculative.draft_utils import DraftBackendFactory
+
+    f = DraftBackendFactory.__new__(DraftBackendFactory)
+    f.draft_model_runner, f.topk, f.speculative_num_steps = runner, topk, steps
+    f.seed_dsa_topk_from_draft_extend, f.qsa_profile, f.draft_attn_backend = False, None, name
+    return f
+
+
+def _draft_runner():
+    r = make_runner(1, is_draft_worker=True)
+    r.model_config.hf_config = r.model_config.hf_text_config = None
+    return r
+
+
+@pytest.fixture
+def hooked_factory(monkeypatch):
+    """SGLang's DraftBackendFactory with our AROUND hook applied by SGLang's own wrapper."""
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+    from sglang.srt.speculative import draft_utils
+
+    monkeypatch.setattr(draft_utils, "attention_backends", lambda: (None, None))
+    orig = draft_utils.DraftBackendFactory._create_backend
+    monkeypatch.setattr(draft_utils.DraftBackendFactory, "_create_backend",
+                        _wrap_fn(orig, adapter._around_create_backend, HookType.AROUND))
+    return draft_utils
+
+
+def test_factory_hook_builds_our_backends(hooked_factory):
+    from attnplug.sglang_adapter.draft import AttnplugMultiStepDraftBackend
+
+    with get_parallel().override(attn_tp_size=1, attn_dcp_size=1):
+        dec = _factory(_draft_runner(), "attnplug_triton").create_decode_backend()
+        ext = _factory(_draft_runner(), "attnplug_triton")._create_backend(
+            "prefill_attention_backend", {}, "EAGLE is not supported in attention backend {backend_type}")
+    assert type(dec) is AttnplugMultiStepDraftBackend and len(dec.attn_backends) == 2
+    assert dec.decode_attention_backend_str == "attnplug_triton"
+    assert all(c.prefill_attention_backend_str == c.decode_attention_backend_str == "attnplug_triton"
+               for c in dec.attn_backends)
+    assert type(ext) is AttnplugAttnBackend and ext.backend_name == "attnplug_triton"
+    with pytest.raises(UnsupportedFeature, match="attnplug_triton.*CUDA graphs for EAGLE draft extend.*--disable-cuda-graph"):
+        ext.init_cuda_graph_state(max_bs=2, max_num_tokens=8)
+    # draft extend with speculative_attention_mode == "decode": SGLang passes the decode name but no
+    # stamps_children; it must get the single-step backend, not the multi-step container
+    with get_parallel().override(attn_tp_size=1, attn_dcp_size=1):
+        ext2 = _factory(_draft_runner(), "attnplug_triton")._create_backend(
+            "decode_attention_backend", {}, "EAGLE is not supported in attention backend {backend_type}")
+    assert type(ext2) is AttnplugAttnBackend
+
+
+def test_factory_hook_leaves_builtins_untouched(hooked_factory):
+    sentinel = SimpleNamespace(attn_backends=[])
+    f = _factory(_draft_runner(), "triton")
+    got = f._create_backend("decode_attention_backend", {"triton": lambda: ("triton", sentinel)},
+                            "EAGLE is not supported in decode attention backend {backend_type}", stamps_children=True)
+    assert got is sentinel and sentinel.decode_attention_backend_str == "triton"
+    with pytest.raises(ValueError, match="^EAGLE is not supported in decode attention backend flashinfer_x$"):
+        _factory(_draft_runner(), "flashinfer_x").create_decode_backend()
+
+
+@pytest.fixture
+def fresh_registry(monkeypatch):
+    from collections import defaultdict
+
+    from sglang.srt.arg_groups import choices
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    lst = list(choices.DRAFT_ATTENTION_BACKEND_CHOICES)
+    monkeypatch.setattr(choices, "DRAFT_ATTENTION_BACKEND_CHOICES", lst)
+    monkeypatch.setattr(choices, "add_draft_attention_backend_choices", lst.extend)
+    monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
+    monkeypatch.setattr(compat, "_HOOKED", set())
+    return lst, HookRegistry
+
+
+def test_register_installs_the_draft_hook_in_range(fresh_registry):
+    lst, reg = fresh_registry
+    adapter.register()
+    adapter.register()
+    hooks = reg._hooks[compat.DRAFT_FACTORY_TARGET]
+    assert [(t.name, h) for t, h, _ in hooks] == [("AROUND", adapter._around_create_backend)]
+    assert all(lst.count(n) == 1 for n in adapter.BACKENDS)
+
+
+@pytest.mark.parametrize("version", ["0.5.16", "0.5.24", "0.6.0"])
+def test_version_guard_outside_range(fresh_registry, monkeypatch, version):
+    lst, reg = fresh_registry
+    monkeypatch.setattr(compat, "sglang_version", lambda: version)
+    adapter.register()
+    assert compat.DRAFT_FACTORY_TARGET not in reg._hooks
+    assert not any(n in lst for n in adapter.BACKENDS)
+    msg = rf"attnplug: EAGLE .* needs SGLang 0\.5\.17\.\.0\.5\.23 .*installed SGLang is {re_escape(version)}.*--speculative-draft-attention-backend triton"
+    with pytest.raises(UnsupportedFeature, match=msg):
+        make_draft(make_runner(1, is_draft_worker=True), 2, 3)
+    with pytest.raises(UnsupportedFeature, match=msg + r" \(backend 'attnplug_triton' on the draft model\)"):
+        make_backend(make_runner(1, is_draft_worker=True))
+
+
+def re_escape(s):
+    import re
+
+    return re.escape(s)
+
+
+@pytest.mark.parametrize("version, ok", [("0.5.17", True), ("0.5.23", True), ("0.5.20.post1", True),
+                                         ("0.5.23+cu128", True), ("0.5.16", False), ("0.5.24", False)])
+def test_version_range_bounds(version, ok):
+    assert (compat.draft_hook_refusal(version) is None) == ok
