@@ -3,6 +3,11 @@
 * ``Backend``: capabilities (what is refused, and why) and the class wiring.
 * ``MetadataBuilder.build``: ``CommonAttentionMetadata`` -> core ``BatchMetadata`` -> one
   ``PagedAttention.plan`` per forward for each distinct layer config (shared by its layers).
+* CUDA graphs / EAGLE drafting (uniform batches: decode, draft steps, spec verify): the builder
+  owns core ``GraphState`` s per layer config and query length (:class:`_UniformGraphs`);
+  capture, replay-time builds, draft builds and ``update_draft_decode_metadata`` translate
+  vLLM's block table + ``seq_lens`` into their static buffers on the device, in place
+  (:class:`AttnplugGraphMetadata`). Levels per provider: ``GRAPH_SUPPORT``.
 * ``Impl``: per layer, ``do_kv_cache_update`` scatters the new K/V (core ``write_kv``) and
   ``forward`` runs the core on NHD views of vLLM's KV cache. No attention math here.
 
@@ -28,6 +33,7 @@ from attnplug.core import (
     ProviderUnavailable,
     UnsupportedFeature,
 )
+from attnplug.core.cuda_graph import FILL_SEQ_LEN, GraphState
 from attnplug.core.kv_layout import write_kv
 from attnplug.core.plan import Plan
 from attnplug.core.providers import get_provider_cls
@@ -56,7 +62,7 @@ _HARMLESS_FLAGS = {"head_size", "dtype", "kv_cache_dtype", "block_size", "device
                    "has_sliding_window", "use_kv_connector"}  # fmt: skip
 
 # Per-process counters, proof that attnplug (not vLLM's own backend) computed attention.
-STATS: dict = {"pid": os.getpid(), "backends": {}, "builds": 0, "layer_runs": 0, "kv_writes": 0,
+STATS: dict = {"pid": os.getpid(), "backends": {}, "builds": 0, "graph_builds": 0, "layer_runs": 0, "kv_writes": 0,
                "prefix_hit_requests": 0, "max_cached_prefix": 0}  # fmt: skip
 
 
@@ -177,6 +183,31 @@ class AttnplugBackend(AttentionBackend):
         cls.check_available(device)
 
 
+# CUDA-graph level per core provider, and why it is not higher.
+GRAPH_SUPPORT: dict[str, tuple[str, str]] = {
+    "triton": ("UNIFORM_BATCH", "mixed prefill/decode batches are not captured (no ALWAYS)"),
+    "fa3": ("UNIFORM_SINGLE_TOKEN_DECODE", "the core's fa3 verify path is not graph-capturable"),
+    "flashinfer": ("NEVER", "FlashInfer's replay re-plans from host kv_indptr / last-page lengths, which "
+                   "vLLM only has on the device: a device->host sync per forward"),
+    "reference": ("NEVER", "the float32 reference provider cannot be captured in a CUDA graph"),
+}
+
+
+VERIFY_SCRATCH_BUDGET = 1 << 30  # bytes of static spec-verify buffers a builder may hold
+
+
+def verify_scratch_bytes(vllm_config, page_size: int) -> int:
+    """Static memory of the spec-verify graph family (``q = 1 + num_speculative_tokens``): the
+    core's mask (1 B) plus the adapter's mask scratch (18 B) per mask element, ``q * kv capacity``;
+    0 without speculative decoding."""
+    spec = getattr(getattr(vllm_config, "speculative_config", None), "num_speculative_tokens", None) or 0
+    if not spec:
+        return 0
+    max_batch, max_seq_len = compat.graph_limits(vllm_config)
+    q, tokens = 1 + int(spec), max_batch * -(-max_seq_len // page_size) * page_size
+    return q * (tokens + max_batch * (1 + q)) * 19
+
+
 @dataclass
 class AttnplugMetadata:
     """One forward's metadata: the core batch and, per distinct layer config, its planned core object."""
@@ -192,15 +223,173 @@ class AttnplugMetadata:
         return attn, plan
 
 
+class _UniformGraphs:
+    """Builder-owned static state of uniform batches of ``q`` query tokens per request (``q = 1``:
+    decode and draft steps; ``q = 1 + num_speculative_tokens``: spec-decode verify, the core's
+    verify mode with a causal-chain mask): one core ``GraphState`` per layer config, plus scratch
+    buffers for the device-side translation of vLLM's metadata.
+
+    :meth:`refresh` turns ``seq_lens [bs]`` + ``block_table [bs, W]`` (vLLM's persistent device
+    buffers) into a page CSR (and, ``q > 1``, the chain mask) over all ``bs`` rows with fixed-shape,
+    in-place device ops only (no allocation, no host sync: capture-safe), then hands it to
+    ``GraphState.update``. A row with ``seq_len <= 0`` is a vLLM padding row: it gets the core's
+    padded request (``FILL_SEQ_LEN`` committed tokens on ``pad_page``, vLLM's null block; an
+    all-True mask block). Entries past the real pages hold ``pad_page``.
+    """
+
+    def __init__(self, attention: dict, provider: str, page_size: int, max_batch: int, max_seq_len: int,
+                 device, pad_page: int, q: int = 1):  # fmt: skip
+        P = page_size
+        self.page_size, self.max_batch, self.pad_page, self.q = P, max_batch, pad_page, q
+        self.max_pages = max_batch * -(-max_seq_len // P)  # every real request is <= max_seq_len
+        mode = "decode" if q == 1 else "verify"
+        self.states = {cfg: GraphState(cfg, provider, max_batch, max_batch * q, self.max_pages, device, mode,
+                                       num_draft_tokens=q, pad_page=pad_page, max_seq_len=max_seq_len)
+                       for cfg in attention}  # fmt: skip
+        self.pad_kv_len = FILL_SEQ_LEN + (q if q > 1 else 0)  # the core's padded request
+        i32 = dict(dtype=torch.int32, device=device)
+        mb, n = max_batch, self.max_pages
+        self.seq, self.npg, self.last = (torch.zeros(mb, **i32) for _ in range(3))
+        self.padrow = torch.zeros(mb, dtype=torch.bool, device=device)
+        self.indptr = torch.zeros(mb + 1, **i32)
+        self.j = torch.arange(n, **i32)
+        self.row, self.lin, self.col = (torch.zeros(n, **i32) for _ in range(3))  # block_table numel < 2**31
+        self.base, self.idx = torch.zeros(n, **i32), torch.zeros(n, **i32)
+        self.fill, self.past = (torch.zeros(n, dtype=torch.bool, device=device) for _ in range(2))
+        if q > 1:
+            m = next(iter(self.states.values())).max_mask if self.states else 0
+            # int32 scratch: the level check (verify_scratch_bytes) keeps m far below 2**31
+            self.kl, self.kq = torch.zeros(mb, **i32), torch.zeros(mb, **i32)
+            self.mask_indptr = torch.zeros(mb + 1, **i32)
+            self.e = torch.arange(m, **i32)
+            self.m_row, self.m_off, self.m_kl, self.m_t = (torch.zeros(m, **i32) for _ in range(4))
+            self.mask, self.m_fill = (torch.zeros(m, dtype=torch.bool, device=device) for _ in range(2))
+
+    def plan_for(self, bs: int) -> None:
+        """Plans of batch size ``bs`` (host work, once per ``bs``; outside any graph)."""
+        for gs in self.states.values():
+            if bs not in gs.plans:
+                gs.prepare_capture(bs)
+
+    def planned(self, bs: int) -> bool:
+        return bs <= self.max_batch and all(bs in gs.plans for gs in self.states.values())
+
+    def refresh(self, seq_lens: torch.Tensor, block_table: torch.Tensor, bs: int) -> None:
+        """Write the batch into every ``GraphState``'s static buffers (capture-safe, in place).
+
+        ``seq_lens [n]`` / ``block_table [n, W]`` with ``n <= bs``: rows ``n..bs-1`` are padding
+        too (a vLLM that pads the tokens of a uniform batch but not its requests)."""
+        P, pad, n = self.page_size, self.pad_page, seq_lens.shape[0]
+        s, padrow, npg, last = self.seq[:bs], self.padrow[:bs], self.npg[:bs], self.last[:bs]
+        ind = self.indptr[: bs + 1]
+        padrow[n:].fill_(True)
+        torch.le(seq_lens, 0, out=padrow[:n])
+        s[n:].fill_(0)
+        s[:n].copy_(seq_lens)
+        s.masked_fill_(padrow, self.pad_kv_len)
+        torch.add(s, P - 1, out=npg)
+        npg.div_(P, rounding_mode="floor")
+        torch.cumsum(npg, 0, dtype=torch.int32, out=ind[1:])
+        torch.sub(npg, 1, out=last)
+        last.mul_(-P).add_(s)  # last = seq - (pages - 1) * P
+        # kv_indices[j] = block_table[row(j), j - indptr[row(j)]], row(j) = #{b: indptr[b+1] <= j}
+        row, col, lin = self.row, self.col, self.lin
+        torch.searchsorted(ind[1:], self.j, right=True, out_int32=True, out=row)
+        row.clamp_(max=bs - 1)
+        torch.index_select(ind, 0, row, out=self.base)
+        torch.sub(self.j, self.base, out=col)
+        w = block_table.shape[1]
+        col.clamp_(0, w - 1).mul_(block_table.stride(1))
+        torch.clamp(row, max=n - 1, out=lin).mul_(block_table.stride(0)).add_(col)  # rows >= n: padding
+        span = (n - 1) * block_table.stride(0) + (w - 1) * block_table.stride(1) + 1
+        torch.index_select(block_table.as_strided((span,), (1,)), 0, lin, out=self.idx)
+        torch.index_select(padrow, 0, row, out=self.fill)  # padding rows and entries past the pages: pad_page
+        torch.ge(self.j, ind[bs], out=self.past)
+        self.idx.masked_fill_(self.fill.logical_or_(self.past), pad)
+        mask = self._chain_mask(s, padrow, bs) if self.q > 1 else None
+        for gs in self.states.values():
+            batch = BatchMetadata(gs.plans[bs].mode, gs.qo_indptr[: bs + 1], ind, self.idx, last, custom_mask=mask)
+            gs.update(batch, bs)
+
+    def _chain_mask(self, s: torch.Tensor, padrow: torch.Tensor, bs: int) -> torch.Tensor:
+        """vLLM's verify batch as the core's custom mask: request ``b``'s row-major ``[q, kv_len]``
+        block, element ``(i, c)`` True iff ``c <= kv_len - q + i`` (prefix + causal chain; padded
+        rows all True). Computed over the whole static buffer (fixed shape)."""
+        q, kl, mi = self.q, self.kl[:bs], self.mask_indptr[: bs + 1]
+        kl.copy_(s)
+        torch.mul(kl, q, out=self.kq[:bs])
+        torch.cumsum(self.kq[:bs], 0, dtype=torch.int32, out=mi[1:])
+        r, off, k, t = self.m_row, self.m_off, self.m_kl, self.m_t
+        torch.searchsorted(mi[1:], self.e, right=True, out_int32=True, out=r)
+        r.clamp_(max=bs - 1)
+        torch.index_select(mi, 0, r, out=off)
+        torch.sub(self.e, off, out=off)  # offset in the request's block
+        torch.index_select(kl, 0, r, out=k)
+        torch.div(off, k, rounding_mode="floor", out=t)  # i
+        t.mul_(k.add_(1))  # i * (kv_len + 1)
+        torch.sub(off, t, out=t)  # c - i
+        torch.le(t, k.sub_(1 + q), out=self.mask)  # c - i <= kv_len - q
+        torch.index_select(padrow, 0, r, out=self.m_fill)
+        self.mask.logical_or_(self.m_fill)
+        if self.mask.device.type == "cpu":  # host-twin bookkeeping of the core wants the exact length
+            return self.mask[: int(mi[bs])]  # (CPU never captures; on CUDA the whole buffer, no sync)
+        return self.mask
+
+
+@dataclass
+class AttnplugGraphMetadata:
+    """Metadata of a uniform batch of ``bs`` rows (``q`` tokens each) living in the builder's static
+    buffers (CUDA-graph capture / replay, draft steps). ``seq_lens`` / ``block_table`` are the
+    vLLM buffers it was built from; ``update_draft_decode_metadata`` re-reads them in place."""
+
+    graphs: _UniformGraphs
+    bs: int
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.bs * self.graphs.q
+
+    def plan_for(self, key: AttentionConfig) -> Plan:
+        return self.graphs.states[key].plans[self.bs]
+
+    def run(self, key: AttentionConfig, query, k_cache, v_cache, output) -> None:
+        """``output[:T] = attention(query[:T])``, ``T = bs * q``; launches kernels only (capturable)."""
+        t = self.num_tokens
+        self.graphs.states[key].run(self.bs, query[:t], k_cache, v_cache, output[:t])
+
+
 class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
     """Per KV-cache group: owns one ``PagedAttention`` per distinct layer config and plans it per forward."""
 
     BACKEND: ClassVar[type[AttnplugBackend]]
+    # Set per backend from GRAPH_SUPPORT; get_cudagraph_support() also honours ATTNPLUG_PROVIDER_OVERRIDE.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    supports_draft_decode_metadata_update: bool = False  # per instance: True where graphs are
+
+    @classmethod
+    def graph_support(cls) -> str:
+        """CUDA-graph level of this backend's provider: a key of ``GRAPH_SUPPORT``."""
+        return GRAPH_SUPPORT.get(cls.BACKEND.provider(), ("NEVER", ""))[0]
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        """``GRAPH_SUPPORT`` of the provider, lowered to single-token decode when this config's
+        spec-verify graphs would need more than ``VERIFY_SCRATCH_BUDGET`` of static buffers."""
+        level = cls.graph_support()
+        if level == "UNIFORM_BATCH" and vllm_config is not None:
+            page = getattr(kv_cache_spec, "block_size", None) or 16
+            if verify_scratch_bytes(vllm_config, page) > VERIFY_SCRATCH_BUDGET:
+                level = "UNIFORM_SINGLE_TOKEN_DECODE"
+        return AttentionCGSupport[level]
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         backend = self.BACKEND
+        self._graphs: dict[int, _UniformGraphs] | None = None  # per q, created on first graph / draft use
+        self._level = self.get_cudagraph_support(vllm_config, kv_cache_spec).name
+        self.supports_draft_decode_metadata_update = self._level != "NEVER"
         self.page_size = kv_cache_spec.block_size
         head_v = getattr(kv_cache_spec, "head_size_v", kv_cache_spec.head_size)
         if head_v != kv_cache_spec.head_size:
@@ -227,7 +416,8 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
             STATS["backends"].setdefault(backend.NAME, []).append(info)
         _write_marker()
 
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
+    def _build_eager(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+                     fast_build: bool = False) -> AttnplugMetadata:  # fmt: skip
         cam = common_attn_metadata
         if cam.causal is not True:
             raise self.BACKEND.refuse("non-causal attention (CommonAttentionMetadata.causal is not True)")
@@ -248,6 +438,98 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         STATS["builds"] += 1
         _write_marker()
         return AttnplugMetadata(batch, self.attention, plans)
+
+    # -- CUDA graphs and EAGLE drafting ------------------------------------------------------------
+    def _refuse_graphs(self, what: str) -> UnsupportedFeature:
+        provider = self.BACKEND.provider()
+        why = GRAPH_SUPPORT.get(provider, ("NEVER", "unknown provider"))[1]
+        return self.BACKEND.refuse(f"{what} with provider '{provider}' ({why})")
+
+    def _uniform_rows(self, cam) -> tuple[int, int] | None:
+        """``(num_reqs, q)`` if every real request of ``cam`` has ``q`` query tokens, possibly padded
+        by vLLM (trailing rows with none); else ``None``. Host data only (``query_start_loc_cpu``)."""
+        n = cam.num_reqs
+        if n < 1 or cam.causal is not True:
+            return None
+        ql = cam.query_start_loc_cpu[1 : n + 1] - cam.query_start_loc_cpu[:n]
+        real = int((ql > 0).sum())
+        if real == 0 or bool((ql[real:] != 0).any()) or bool((ql[:real] != ql[0]).any()):
+            return None
+        q = int(ql[0])
+        # padded tokens past num_reqs * q (a vLLM that pads tokens, not requests): padding rows
+        return max(n, cam.num_actual_tokens // q if cam.num_actual_tokens % q == 0 else n), q
+
+    def _graph_family(self, q: int) -> _UniformGraphs | None:
+        """Static state of uniform batches of ``q`` tokens (created on first use); ``None`` if this
+        provider cannot capture them."""
+        level = self._level
+        if level == "NEVER" or (q > 1 and level == "UNIFORM_SINGLE_TOKEN_DECODE"):
+            return None
+        if self._graphs is None:
+            self._graphs = {}
+        if q not in self._graphs:
+            max_batch, max_seq_len = compat.graph_limits(self.vllm_config)
+            self._graphs[q] = _UniformGraphs(self.attention, self.BACKEND.provider(), self.page_size, max_batch,
+                                             max_seq_len, self.device, compat.null_block_id(), q)  # fmt: skip
+        return self._graphs[q]
+
+    def _build_graph(self, cam, g: _UniformGraphs, bs: int) -> AttnplugGraphMetadata:
+        g.plan_for(bs)  # no-op once this bs is planned (replay)
+        n = cam.num_reqs
+        md = AttnplugGraphMetadata(g, bs, compat.seq_lens(cam)[:n], cam.block_table_tensor[:n])
+        g.refresh(md.seq_lens, md.block_table, bs)
+        STATS["builds"] += 1
+        STATS["graph_builds"] += 1
+        _write_marker()
+        return md
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata):
+        """Metadata of a (padded) uniform batch in the static buffers, planned for ``num_reqs``
+        rows; later ``build`` calls of that shape update the same buffers in place."""
+        cam = common_attn_metadata
+        level = self._level
+        if level == "NEVER":
+            raise self._refuse_graphs("CUDA-graph capture")
+        shape = self._uniform_rows(cam)
+        g = self._graph_family(shape[1]) if shape else None
+        if g is None:
+            raise self.BACKEND.refuse(
+                f"CUDA-graph capture of this batch (support level {level}: "
+                f"{'uniform query lengths' if level == 'UNIFORM_BATCH' else 'single-token decode'} only; "
+                f"query_start_loc={cam.query_start_loc_cpu[: cam.num_reqs + 1].tolist()})")  # fmt: skip
+        if shape[0] > g.max_batch:
+            raise self.BACKEND.refuse(f"CUDA-graph capture of {shape[0]} requests > max_batch {g.max_batch}")
+        return self._build_graph(cam, g, shape[0])
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
+        """Captured shapes (replay) update the static buffers in place; so do all single-token
+        decode batches that fit them (planned once per batch size), so that vLLM V2's fused draft
+        loop can ``update_draft_decode_metadata`` what ``build`` returned. Others: eager plans."""
+        cam = common_attn_metadata
+        shape = self._uniform_rows(cam)
+        if shape is not None:
+            bs, q = shape
+            g = self._graph_family(1) if q == 1 else (self._graphs or {}).get(q)
+            if g is not None and (g.planned(bs) or (q == 1 and bs <= g.max_batch)):
+                return self._build_graph(cam, g, bs)
+        return self._build_eager(common_prefix_len, cam, fast_build)
+
+    def build_for_drafting(self, common_attn_metadata: CommonAttentionMetadata, draft_index: int):
+        """Draft steps after the first are single-token decodes over the real requests: static
+        buffers (planned once per batch size), refreshed in place; anything else builds eagerly."""
+        cam = common_attn_metadata
+        shape = self._uniform_rows(cam)
+        g = self._graph_family(1) if shape and shape[1] == 1 else None
+        if g is not None and shape[0] <= g.max_batch:
+            return self._build_graph(cam, g, shape[0])
+        return self._build_eager(0, cam, True)
+
+    def update_draft_decode_metadata(self, metadata) -> None:
+        """Re-read the vLLM buffers ``metadata`` references (``seq_lens``, block table, mutated in
+        place by the speculator) into the static buffers: device ops, in place, capture-safe."""
+        if not isinstance(metadata, AttnplugGraphMetadata):
+            raise self._refuse_graphs("in-place draft metadata update of a non-decode (eager) batch")
+        metadata.graphs.refresh(metadata.seq_lens, metadata.block_table, metadata.bs)
 
 
 class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
@@ -300,8 +582,12 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
             raise self.BACKEND.refuse("fused output quantization")
         if attn_metadata is None:  # profiling / warm-up run
             return output
-        attn, plan = attn_metadata.attention_for(self.core_key)
         k_cache, v_cache = compat.split_kv_cache(kv_cache, self.head_size)
+        if isinstance(attn_metadata, AttnplugGraphMetadata):  # static buffers: kernels only
+            attn_metadata.run(self.core_key, query, k_cache, v_cache, output)
+            STATS["layer_runs"] += 1
+            return output
+        attn, plan = attn_metadata.attention_for(self.core_key)
         t = plan.num_tokens
         attn.run(query[:t], k_cache, v_cache, out=output[:t])
         STATS["layer_runs"] += 1
@@ -314,9 +600,11 @@ def _make_backend(name: str) -> type[AttnplugBackend]:
     ns = {"__module__": __name__}
     backend = type(cls_name, (AttnplugBackend,), {**ns, "NAME": name, "PROVIDER": provider})
     backend.IMPL = type(cls_name.replace("Backend", "Impl"), (AttnplugImpl,), {**ns, "BACKEND": backend})
+    level = AttentionCGSupport[GRAPH_SUPPORT[provider][0]]  # the default provider's honest level
     backend.BUILDER = type(
-        cls_name.replace("Backend", "MetadataBuilder"), (AttnplugMetadataBuilder,), {**ns, "BACKEND": backend}
-    )
+        cls_name.replace("Backend", "MetadataBuilder"), (AttnplugMetadataBuilder,),
+        {**ns, "BACKEND": backend, "_cudagraph_support": level},
+    )  # fmt: skip
     return backend
 
 

@@ -225,3 +225,31 @@ def current_device():
     if current_platform.is_cpu():
         return torch.device("cpu")
     return torch.device(current_platform.device_type, torch.cuda.current_device() if torch.cuda.is_available() else 0)
+
+
+def null_block_id() -> int:
+    """vLLM's reserved scratch block (block-table padding of CUDA-graph batches; 0 in 0.26 - 0.33)."""
+    try:
+        from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
+    except ImportError:  # not exported by this release: it has always been block 0
+        return 0
+    return int(NULL_BLOCK_ID)
+
+
+def graph_limits(vllm_config) -> tuple[int, int]:
+    """``(max_batch, max_seq_len)`` of the static CUDA-graph buffers of one builder.
+
+    ``max_batch``: the larger of the largest captured batch size (``max_cudagraph_capture_size``;
+    ``max_capture_size`` before it was renamed) and ``max_num_seqs`` (a V1 draft step builds over
+    the real requests, up to ``max_num_seqs``). ``max_seq_len``: ``max_model_len`` plus the
+    speculative tokens a draft chain may append past it.
+    """
+    cc = getattr(vllm_config, "compilation_config", None)
+    sc = getattr(vllm_config, "scheduler_config", None)
+    cap = getattr(cc, "max_cudagraph_capture_size", None) or getattr(cc, "max_capture_size", None) or 0
+    sizes = getattr(cc, "cudagraph_capture_sizes", None) or []
+    max_batch = max([int(cap), int(getattr(sc, "max_num_seqs", 0) or 0), *map(int, sizes), 1])
+    mc = getattr(vllm_config, "model_config", None)
+    max_len = getattr(mc, "max_model_len", None) or getattr(sc, "max_model_len", None) or 8192
+    spec = getattr(getattr(vllm_config, "speculative_config", None), "num_speculative_tokens", None) or 0
+    return max_batch, int(max_len) + int(spec) + 1

@@ -1,0 +1,340 @@
+"""Engine-free tests of the adapter's CUDA-graph / EAGLE-draft hooks (vLLM's CPU platform captures
+no graphs, so they run at the builder / impl level): capture-time metadata of padded batches,
+in-place replay updates, and draft-step sequences as vLLM's proposers drive them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_test_helpers import CORE_PROVIDER
+
+pytestmark = pytest.mark.vllm
+
+vllm = pytest.importorskip("vllm")
+
+Hq, Hkv, D, P, NUM_BLOCKS, DT, SCALE = 4, 2, 32, 4, 48, torch.float32, 0.17
+
+
+@pytest.fixture(scope="module")
+def env():
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from vllm.config import VllmConfig
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    return SimpleNamespace(VllmConfig=VllmConfig)
+
+
+def make(env, name, backend_name="AttnplugTritonBackend", max_num_seqs=8):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from attnplug.vllm_adapter import backend as B
+
+    backend = getattr(B, backend_name)
+    cfg = env.VllmConfig()
+    cfg.scheduler_config.max_num_seqs = max_num_seqs
+    impl = backend.get_impl_cls()(Hq, D, SCALE, Hkv, None, None, "auto", None)
+    cfg.compilation_config.static_forward_context[name] = SimpleNamespace(impl=impl)
+    spec = FullAttentionSpec(block_size=P, num_kv_heads=Hkv, head_size=D, dtype=DT)
+    builder = backend.get_builder_cls()(spec, [name], cfg, torch.device("cpu"))
+    return impl, builder
+
+
+class Batch:
+    """Decode requests on a random paged cache, described the way vLLM's runner does (padded rows:
+    seq_len 0, no query token, null-block table row, slot -1)."""
+
+    def __init__(self, seq_lens, bs=None, seed=0, width=8):
+        g = torch.Generator().manual_seed(seed)
+        self.B, self.bs = len(seq_lens), bs or len(seq_lens)
+        self.kv_cache = torch.randn(NUM_BLOCKS, P, Hkv, 2 * D, generator=g, dtype=DT).permute(0, 2, 1, 3)
+        perm = torch.randperm(NUM_BLOCKS - 1, generator=g) + 1  # block 0: vLLM's null block
+        self.block_table = torch.zeros(self.bs, width, dtype=torch.int32)
+        used = 0
+        for b, s in enumerate(seq_lens):
+            n = -(-(s + 4) // P)  # room for a few draft tokens
+            self.block_table[b, :n] = perm[used : used + n].to(torch.int32)
+            used += n
+        self.seq_lens = torch.zeros(self.bs, dtype=torch.int32)
+        self.seq_lens[: self.B] = torch.tensor(seq_lens, dtype=torch.int32)
+        self.q = torch.randn(self.bs, Hq, D, generator=g, dtype=DT)
+
+    def slots(self):
+        pos = self.seq_lens[: self.B].long() - 1
+        real = self.block_table[torch.arange(self.B), pos // P].long() * P + pos % P
+        return torch.cat([real, torch.full((self.bs - self.B,), -1, dtype=torch.long)])
+
+    def cam(self, num_reqs=None):
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        n = num_reqs or self.bs
+        qsl = torch.cat([torch.arange(self.B + 1), torch.full((n - self.B,), self.B)]).to(torch.int32)
+        return CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=self.seq_lens[:n], num_reqs=n,
+            num_actual_tokens=n, max_query_len=1, max_seq_len=int(self.seq_lens.max()),
+            block_table_tensor=self.block_table[:n], slot_mapping=self.slots()[:n])
+
+
+def forward(impl, kv_cache, md, q):
+    out = torch.full_like(q, 7.0)
+    impl.forward(None, q, q, q, kv_cache, md, out)
+    return out
+
+
+def reference(b: Batch, impl):
+    """The core's float32 reference provider on the real requests."""
+    from attnplug.core import BatchMetadata, ForwardMode, PagedAttention
+    from attnplug.vllm_adapter.compat import split_kv_cache
+
+    B = b.B
+    attn = PagedAttention(impl.core_config(P, DT), "reference", "cpu")
+    attn.plan(BatchMetadata.from_block_table(ForwardMode.DECODE, torch.arange(B + 1, dtype=torch.int32),
+                                             b.block_table[:B], b.seq_lens[:B], P))  # fmt: skip
+    k, v = split_kv_cache(b.kv_cache, D)
+    return attn.run(b.q[:B].contiguous(), k, v)
+
+
+def graph_buffers(builder, md):
+    plan = md.plan_for(next(iter(builder.attention)))
+    gs = next(iter(md.graphs.states.values()))
+    ts = [plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len, plan.kv_lens, plan.qo_indptr, gs.kv_indices]
+    ts += [v for v in plan.extra.values() if isinstance(v, torch.Tensor)]
+    return plan, [t.data_ptr() for t in ts]
+
+
+def check_csr(builder, md, b: Batch):
+    """Graph plan rows ``< B`` == the eager plan of the real batch; padded rows hold the fill."""
+    from attnplug.core.cuda_graph import FILL_SEQ_LEN
+    from attnplug.vllm_adapter.compat import null_block_id
+
+    plan = md.plan_for(next(iter(builder.attention)))
+    eager = builder._build_eager(0, b.cam(b.B)).plans[next(iter(builder.attention))]
+    B, nnz = b.B, int(eager.kv_indptr[-1])
+    assert torch.equal(plan.kv_indptr[: B + 1], eager.kv_indptr)
+    assert torch.equal(plan.kv_indices[:nnz], eager.kv_indices)
+    assert torch.equal(plan.kv_last_page_len[:B], eager.kv_last_page_len)
+    assert torch.equal(plan.kv_lens[:B], eager.kv_lens)
+    pad = slice(B, md.bs)
+    assert bool((plan.kv_lens[pad] == FILL_SEQ_LEN).all()), plan.kv_lens
+    assert bool((plan.kv_last_page_len[pad] == FILL_SEQ_LEN).all())
+    assert bool(((plan.kv_indptr[B + 1 : md.bs + 1] - plan.kv_indptr[B:md.bs]) == 1).all())
+    pad_pages = plan.kv_indices[plan.kv_indptr[B:md.bs].long()]
+    assert bool((pad_pages == null_block_id()).all()), pad_pages
+    return eager
+
+
+needs_graphs = pytest.mark.skipif(CORE_PROVIDER != "triton", reason="graph paths need the triton provider")
+
+
+@needs_graphs
+def test_capture_padded_batch_matches_eager_then_replay_updates_in_place(env):
+    from attnplug.vllm_adapter.backend import AttnplugGraphMetadata, AttnplugMetadata
+
+    impl, builder = make(env, "cg_capture")
+    key = next(iter(builder.attention))
+    b = Batch([9, 1, 14], bs=5)
+    md = builder.build_for_cudagraph_capture(b.cam())
+    assert isinstance(md, AttnplugGraphMetadata) and md.bs == 5
+    check_csr(builder, md, b)
+    out = forward(impl, b.kv_cache, md, b.q)
+    eager = forward(impl, b.kv_cache, builder._build_eager(0, b.cam(b.B)), b.q)
+    torch.testing.assert_close(out[:3], eager[:3], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[:3], reference(b, impl), atol=1e-5, rtol=1e-5)
+    assert bool(torch.isfinite(out[3:]).all()), "padded rows read valid memory"
+    plan0, ptrs0 = graph_buffers(builder, md)
+
+    # replay: a new real batch of another size padded to the captured bs goes through build()
+    b2 = Batch([22, 5], bs=5, seed=1)
+    b2.block_table[2:] = 5  # stale ids in the padded rows: the fill must not rely on vLLM's null-block rows
+    md2 = builder.build(0, b2.cam())
+    assert isinstance(md2, AttnplugGraphMetadata)
+    plan2, ptrs2 = graph_buffers(builder, md2)
+    assert plan2 is plan0 and ptrs2 == ptrs0, "replay must update the captured buffers in place"
+    check_csr(builder, md2, b2)
+    out2 = forward(impl, b2.kv_cache, md2, b2.q)
+    torch.testing.assert_close(out2[:2], forward(impl, b2.kv_cache, builder._build_eager(0, b2.cam(2)), b2.q)[:2],
+                               atol=1e-5, rtol=1e-5)  # fmt: skip
+    torch.testing.assert_close(out2[:2], reference(b2, impl), atol=1e-5, rtol=1e-5)
+    # a vLLM that pads the tokens of a uniform batch but not its requests (num_reqs = real rows)
+    b3 = Batch([3, 17, 6], bs=3, seed=7)
+    cam3 = b3.cam()
+    cam3.num_actual_tokens = 5
+    md3 = builder.build(0, cam3)
+    assert isinstance(md3, AttnplugGraphMetadata) and md3.bs == 5 and md3.plan_for(key) is plan0
+    out3 = forward(impl, b3.kv_cache, md3, torch.cat([b3.q, b3.q[:2]]))
+    assert bool((md3.plan_for(key).kv_lens[3:5] == 1).all())
+    torch.testing.assert_close(out3[:3], reference(b3, impl), atol=1e-5, rtol=1e-5)
+    # a mixed batch never takes the graph path
+    mixed = b2.cam()
+    mixed.query_start_loc_cpu = torch.tensor([0, 2, 3, 3, 3, 3], dtype=torch.int32)
+    assert builder._uniform_rows(mixed) is None
+    with pytest.raises(ValueError, match="CUDA-graph capture of this batch"):
+        builder.build_for_cudagraph_capture(mixed)
+    assert isinstance(builder._build_eager(0, b2.cam(2)), AttnplugMetadata)
+
+
+@needs_graphs
+def test_capture_and_replay_uniform_spec_verify_batch(env):
+    """UNIFORM_BATCH: verify batches of q = 1 + num_speculative_tokens causal tokens per request,
+    padded by vLLM, run through the core's verify graphs with the chain mask built on the device."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from attnplug.core import BatchMetadata, ForwardMode, PagedAttention
+    from attnplug.core.cuda_graph import FILL_SEQ_LEN
+    from attnplug.core.draft import build_tree_verify_mask
+    from attnplug.vllm_adapter.backend import AttnplugGraphMetadata
+    from attnplug.vllm_adapter.compat import split_kv_cache
+
+    q = 3
+    impl, builder = make(env, "cg_verify")
+    key = next(iter(builder.attention))
+
+    def cam_of(b, n):
+        ql = [q] * b.B + [0] * (n - b.B)
+        qsl = torch.tensor([0] + ql).cumsum(0).to(torch.int32)
+        return CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=b.seq_lens[:n], num_reqs=n,
+            num_actual_tokens=n * q, max_query_len=q, max_seq_len=int(b.seq_lens.max()),
+            block_table_tensor=b.block_table[:n], slot_mapping=torch.full((n * q,), -1, dtype=torch.long))
+
+    def check(b, md):
+        B, bs = b.B, md.bs
+        g = torch.Generator().manual_seed(B)
+        x = torch.randn(bs * q, Hq, D, generator=g, dtype=DT)
+        out = forward(impl, b.kv_cache, md, x)
+        eager = forward(impl, b.kv_cache, builder._build_eager(0, cam_of(b, B)), x)
+        ref = PagedAttention(impl.core_config(P, DT), "reference", "cpu")
+        ref.plan(BatchMetadata.from_block_table(ForwardMode.MIXED, torch.arange(B + 1, dtype=torch.int32) * q,
+                                                b.block_table[:B], b.seq_lens[:B], P))  # fmt: skip
+        k, v = split_kv_cache(b.kv_cache, D)
+        torch.testing.assert_close(out[: B * q], eager[: B * q], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[: B * q], ref.run(x[: B * q].contiguous(), k, v), atol=1e-5, rtol=1e-5)
+        plan = md.plan_for(key)
+        mi = [int(t) for t in plan.mask_indptr[: bs + 1]]
+        chain = torch.arange(q)[None].repeat(B, 1) - 1
+        want = build_tree_verify_mask(chain, b.seq_lens[:B] - q)
+        assert torch.equal(plan.mask[: mi[B]].bool(), want), "real rows: prefix + causal chain"
+        assert bool(plan.mask[mi[B] : mi[bs]].bool().all()), "padded rows: all-True mask blocks"
+        assert bool((plan.kv_lens[B:bs] == FILL_SEQ_LEN + q).all())
+        assert torch.equal(plan.mask_free[:B], b.seq_lens[:B] - q)
+        return plan
+
+    b = Batch([9, 3, 14], bs=5, seed=5)
+    md = builder.build_for_cudagraph_capture(cam_of(b, 5))
+    assert isinstance(md, AttnplugGraphMetadata) and md.num_tokens == 15
+    plan0, ptrs0 = graph_buffers(builder, md)
+    check(b, md)
+    b2 = Batch([25, 4], bs=5, seed=6)
+    b2.block_table[2:] = 9
+    md2 = builder.build(0, cam_of(b2, 5))
+    assert isinstance(md2, AttnplugGraphMetadata)
+    plan2, ptrs2 = graph_buffers(builder, md2)
+    assert plan2 is plan0 and ptrs2 == ptrs0 and plan2.mask.data_ptr() == plan0.mask.data_ptr()
+    check(b2, md2)
+
+
+def _draft_step(b: Batch, impl, cam):
+    """What vLLM's V1 proposer does between draft steps: seq_lens += 1 (in place), a new slot
+    mapping, uniform single-token query_start_loc; then the new token's K/V is written."""
+    B = b.B
+    cam.num_actual_tokens, cam.max_query_len = B, 1
+    cam.query_start_loc = torch.arange(B + 1, dtype=torch.int32)
+    cam.query_start_loc_cpu = torch.arange(B + 1, dtype=torch.int32)
+    cam.seq_lens += 1
+    cam.max_seq_len += 1
+    cam.slot_mapping = b.slots()[:B]
+    g = torch.Generator().manual_seed(int(cam.seq_lens.sum()))
+    kv = torch.randn(B, Hkv, 2 * D, generator=g, dtype=DT)
+    impl.do_kv_cache_update(None, kv[..., :D], kv[..., D:], b.kv_cache, cam.slot_mapping)
+    b.q = torch.randn(b.bs, Hq, D, generator=g, dtype=DT)
+
+
+@needs_graphs
+def test_build_for_drafting_sequence_matches_eager_and_reference(env):
+    from attnplug.vllm_adapter.backend import AttnplugGraphMetadata
+
+    impl, builder = make(env, "cg_draft_v1")
+    b = Batch([6, 13, 3], seed=2)
+    cam = b.cam()
+    for step in range(1, 4):
+        _draft_step(b, impl, cam)
+        md = builder.build_for_drafting(cam, draft_index=step)
+        assert isinstance(md, AttnplugGraphMetadata) and md.bs == 3
+        out = forward(impl, b.kv_cache, md, b.q)
+        eager = forward(impl, b.kv_cache, builder._build_eager(0, cam), b.q)
+        torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out, reference(b, impl), atol=1e-5, rtol=1e-5)
+
+
+@needs_graphs
+@pytest.mark.parametrize("first", ["build_for_drafting", "build"])
+def test_update_draft_decode_metadata_in_place(env, first):
+    """V2's fused path: build once (V2 calls build()), then only update_draft_decode_metadata
+    between steps (the speculator mutates the persistent seq_lens / block table it references)."""
+    impl, builder = make(env, f"cg_draft_v2_{first}")
+    assert builder.supports_draft_decode_metadata_update
+    b = Batch([7, 2, 11, 4], seed=3)
+    cam = b.cam()
+    _draft_step(b, impl, cam)
+    md = builder.build_for_drafting(cam, draft_index=1) if first == "build_for_drafting" else builder.build(0, cam)
+    _, ptrs = graph_buffers(builder, md)
+    for step in range(2, 5):
+        _draft_step(b, impl, cam)
+        stale = forward(impl, b.kv_cache, md, b.q)
+        builder.update_draft_decode_metadata(md)
+        assert graph_buffers(builder, md)[1] == ptrs
+        out = forward(impl, b.kv_cache, md, b.q)
+        want = reference(b, impl)
+        torch.testing.assert_close(out, forward(impl, b.kv_cache, builder._build_eager(0, cam), b.q),
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(stale, want, atol=1e-4), "the update must matter"
+
+
+def test_support_levels_are_honest_per_provider(env, monkeypatch):
+    from vllm.v1.attention.backend import AttentionCGSupport as CG
+
+    from attnplug.vllm_adapter import backend as B
+
+    monkeypatch.delenv("ATTNPLUG_PROVIDER_OVERRIDE", raising=False)
+    level = {n: getattr(B, n).get_builder_cls().get_cudagraph_support(None, None)
+             for n in ("AttnplugTritonBackend", "AttnplugFA3Backend", "AttnplugFlashInferBackend")}  # fmt: skip
+    assert level == {"AttnplugTritonBackend": CG.UNIFORM_BATCH,
+                     "AttnplugFA3Backend": CG.UNIFORM_SINGLE_TOKEN_DECODE, "AttnplugFlashInferBackend": CG.NEVER}
+    assert {n: getattr(B, n).get_builder_cls()._cudagraph_support for n in level} == level
+    # spec decode: verify graphs only where their static buffers fit the budget
+    triton = B.AttnplugTritonBackend.get_builder_cls()
+
+    def cfg(seqs, max_len):
+        return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=3), model_config=None,
+                               scheduler_config=SimpleNamespace(max_num_seqs=seqs, max_model_len=max_len),
+                               compilation_config=SimpleNamespace(max_cudagraph_capture_size=seqs))  # fmt: skip
+
+    spec16 = SimpleNamespace(block_size=16)
+    assert triton.get_cudagraph_support(cfg(8, 2048), spec16) is CG.UNIFORM_BATCH
+    assert B.verify_scratch_bytes(cfg(1024, 131072), 16) > B.VERIFY_SCRATCH_BUDGET
+    assert triton.get_cudagraph_support(cfg(1024, 131072), spec16) is CG.UNIFORM_SINGLE_TOKEN_DECODE
+    monkeypatch.setenv("ATTNPLUG_PROVIDER_OVERRIDE", "reference")
+    assert B.AttnplugTritonBackend.get_builder_cls().get_cudagraph_support(None, None) is CG.NEVER
+
+
+def test_reference_provider_refuses_graphs_and_drafts_eagerly(env, monkeypatch):
+    from attnplug.core import UnsupportedFeature
+    from attnplug.vllm_adapter.backend import AttnplugMetadata
+
+    monkeypatch.setenv("ATTNPLUG_PROVIDER_OVERRIDE", "reference")
+    impl, builder = make(env, "cg_reference")
+    assert not builder.supports_draft_decode_metadata_update
+    b = Batch([5, 9], seed=4)
+    with pytest.raises(UnsupportedFeature, match="attnplug.*ATTNPLUG_TRITON.*CUDA-graph capture.*'reference'"):
+        builder.build_for_cudagraph_capture(b.cam())
+    md = builder.build_for_drafting(b.cam(), draft_index=1)
+    assert isinstance(md, AttnplugMetadata)
+    torch.testing.assert_close(forward(impl, b.kv_cache, md, b.q)[:2], reference(b, impl), atol=1e-6, rtol=1e-6)
+    with pytest.raises(UnsupportedFeature, match="in-place draft metadata update"):
+        builder.update_draft_decode_metadata(md)
