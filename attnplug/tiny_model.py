@@ -52,6 +52,24 @@ def make_tiny_llama(path: str | os.PathLike, seed: int = 0, **overrides) -> Path
     return path
 
 
+def hf_greedy(model_dir: str | os.PathLike, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The oracle of the engine tests: greedy continuation of each prompt by the HF transformers
+    forward of the same weights (float32, full recompute each step, eos ignored)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            for _ in range(max_tokens):
+                nxt = model(ids).logits[0, -1].argmax()
+                ids = torch.cat([ids, nxt.view(1, 1)], 1)
+            outs.append(ids[0, len(p) :].tolist())
+    return outs
+
+
 def test_prompts() -> list[list[int]]:
     """Ragged prompts: one spanning several pages, two sharing a long prefix (prefix-cache hit)."""
     import random

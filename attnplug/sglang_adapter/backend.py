@@ -161,12 +161,9 @@ class AttnplugAttnBackend(AttentionBackend):
                 "when ServerArgs select attnplug_triton with --device cpu)")
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise self._unsupported(f"--device cpu without the Triton interpreter: {hint}")
-        try:
-            import triton.language.standard as std
-            from triton.runtime.interpreter import InterpretedFunction
-        except ImportError:  # other triton layouts: trust the variable
-            return
-        if not isinstance(std.sigmoid, InterpretedFunction):
+        from attnplug.core.providers.triton import triton_interpreter_active
+
+        if not triton_interpreter_active():
             raise self._unsupported(f"--device cpu with TRITON_INTERPRET=1 set after triton was imported: {hint}")
 
     def _check_layer(self, layer, kwargs) -> None:

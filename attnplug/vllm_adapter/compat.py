@@ -175,10 +175,9 @@ def check_triton_interpreter() -> None:
     enable_triton_interpreter()  # enough when triton is not imported yet
     if "triton" not in sys.modules:
         return
-    import triton.language.standard as std
-    from triton.runtime.jit import JITFunction
+    from attnplug.core.providers.triton import triton_interpreter_active
 
-    if any(isinstance(v, JITFunction) for v in vars(std).values()):
+    if not triton_interpreter_active():
         raise RuntimeError(
             "attnplug: ATTNPLUG_TRITON on CPU needs the Triton interpreter, but triton was imported "
             "in this process before TRITON_INTERPRET=1 was set. attnplug sets it automatically when "

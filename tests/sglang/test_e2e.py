@@ -37,19 +37,9 @@ def prompts():
 @pytest.fixture(scope="module")
 def hf_greedy(tiny_model, prompts):
     """HF transformers greedy continuation of every prompt (full recompute each step, float32)."""
-    import torch
-    from transformers import LlamaForCausalLM
+    from attnplug.tiny_model import hf_greedy as greedy
 
-    model = LlamaForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            for _ in range(MAX_NEW):
-                nxt = model(ids).logits[0, -1].argmax()
-                ids = torch.cat([ids, nxt.view(1, 1)], 1)
-            outs.append(ids[0, len(p):].tolist())
-    return outs
+    return greedy(tiny_model, prompts, MAX_NEW)
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,12 @@ import shutil
 
 import pytest
 
+from attnplug.tiny_model import hf_greedy
 from vllm_test_helpers import (
     BROKEN_LIBS,
     CORE_PROVIDER,
     MAX_TOKENS,
     REPO,
-    hf_greedy,
     llm_job,
     read_markers,
     run_jobs,

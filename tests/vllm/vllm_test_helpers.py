@@ -105,22 +105,5 @@ def llm_job(model: str, prompts: list[list[int]], backend: str | None, block_siz
                 batches=[others, [2]], engine_kwargs=engine_kwargs)  # fmt: skip
 
 
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy continuation of each prompt with the HF transformers forward (float32, eos ignored)."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            for _ in range(max_tokens):
-                nxt = model(ids).logits[0, -1].argmax()
-                ids = torch.cat([ids, nxt.view(1, 1)], 1)
-            outs.append(ids[0, len(p) :].tolist())
-    return outs
-
-
 def workdir() -> Path:
     return Path(tempfile.mkdtemp(prefix="attnplug-vllm-"))

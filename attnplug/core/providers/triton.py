@@ -34,6 +34,17 @@ class TritonArgs:
     partial_lse: torch.Tensor | None  # [T, Hq, S] float32 (base-2) when split
 
 
+def triton_interpreter_active() -> bool:
+    """True when triton in this process runs interpreted (``TRITON_INTERPRET=1`` was set before triton
+    was first imported; a later setting leaves triton's own library functions compiled)."""
+    try:
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # another triton layout: trust the variable
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    return isinstance(tl.standard.sigmoid, InterpretedFunction)
+
+
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
@@ -62,10 +73,8 @@ class TritonProvider(Provider):
             )
         if device.type == "cpu":
             import triton
-            import triton.language as tl
-            from triton.runtime.interpreter import InterpretedFunction
 
-            if not isinstance(tl.standard.sigmoid, InterpretedFunction):
+            if not triton_interpreter_active():
                 raise ProviderUnavailable(
                     "attnplug: provider 'triton' on CPU needs the Triton interpreter, but triton was imported "
                     "in compiled mode: TRITON_INTERPRET=1 must be set before anything imports triton"
