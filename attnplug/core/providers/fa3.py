@@ -172,34 +172,25 @@ class FA3Provider(Provider):
     def _plan_tree(self, plan: Plan) -> dict:
         """Check the mask's prefix columns are all visible; plan the tree part (draft keys only)."""
         cfg, dev = self.config, plan.device
-        bsz = plan.batch_size
-        q_lens = plan.q_lens_cpu.to(dev, torch.int64)
-        kv_lens = plan.kv_lens_cpu.to(dev, torch.int64)
-        prefix = kv_lens - q_lens
-        # every mask element -> (request, row, column)
-        sizes = q_lens * kv_lens
-        n = plan.mask.numel()
-        req = torch.repeat_interleave(torch.arange(bsz, device=dev), sizes, output_size=n)
-        pos = torch.arange(n, device=dev) - plan.mask_indptr[:-1].to(dev)[req]
-        col = pos % kv_lens[req]
-        in_prefix = col < prefix[req]
-        bad = in_prefix & (plan.mask == 0)
-        if bool(bad.any()):
-            b = int(req[bad][0])
+        prefix = (plan.kv_lens_cpu - plan.q_lens_cpu).to(torch.int32)
+        hidden = plan.mask_free_cpu < prefix  # make_plan counted each mask's leading all-visible columns
+        if bool(hidden.any()):
+            b = int(torch.nonzero(hidden)[0])
             raise self.unsupported(
                 f"a tree mask that hides part of the prefix (request {b}): FA3 computes the prefix "
                 "without a mask; only the last q_len x q_len block may be arbitrary"
             )
+        prefix = prefix.to(dev)
         if self._tree is None:  # triton is imported only once a tree mask is planned
             from ..kernels.merge import merge_state  # noqa: PLC0415
             from .triton import TritonProvider  # noqa: PLC0415
 
             self._tree, self._merge = TritonProvider(cfg, self.device), merge_state
-        tree_plan = dataclasses.replace(plan, extra={"kv_start": prefix.to(torch.int32), "num_kv_splits": 1})
+        tree_plan = dataclasses.replace(plan, extra={"kv_start": prefix, "num_kv_splits": 1})
         self._tree.plan(tree_plan)
         t, h, d = plan.num_tokens, cfg.num_qo_heads, cfg.head_dim
         return dict(
-            prefix_lens=prefix.to(torch.int32),
+            prefix_lens=prefix,
             prefix_out=torch.empty(t, h, d, dtype=cfg.dtype, device=dev),
             tree_plan=tree_plan,
             tree_out=torch.empty(t, h, d, dtype=torch.float32, device=dev),
