@@ -5,7 +5,8 @@ attnplug.sglang_adapter:register``. SGLang's ``load_plugins()`` calls :func:`reg
 process it starts (launcher / ``Engine``, scheduler, detokenizer, DP controller; they are spawned,
 so each one registers for itself). Registration only adds three names to SGLang's backend registry
 and to the ``--attention-backend`` choices, and (SGLang 0.5.17..0.5.23 only) an AROUND hook on
-SGLang's ``DraftBackendFactory._create_backend`` plus the names in the draft-backend choices, so
+SGLang's ``DraftBackendFactory._create_backend`` plus the names in the draft-backend choices
+(0.5.23; 0.5.17 has no such list), so
 that ``--speculative-algorithm EAGLE`` builds attnplug's multi-step draft backend; nothing runs, and nothing heavy (torch kernels, triton,
 the attnplug core) is imported until SGLang calls a factory, i.e. until a backend is selected.
 """
@@ -39,39 +40,47 @@ def _factory(name: str, model_runner):
     return AttnplugAttnBackend(model_runner, backend_name=name)
 
 
-def _around_create_backend(orig, factory, backend_name, backend_map, error_template, stamps_children=False):
+DRAFT_EXTEND_GRAPH_REFUSAL = ("CUDA graphs for EAGLE draft extend (DRAFT_EXTEND_V2 has a ragged number of tokens "
+                              "per request; the core's GraphState captures fixed-q DECODE / TARGET_VERIFY only)")
+
+
+def _make_draft_backend(factory, name: str, multi_step: bool):
+    """An attnplug EAGLE draft backend on SGLang's draft runner: the multi-step container (draft
+    decode) or a plain :class:`AttnplugAttnBackend` (draft extend)."""
+    runner = factory.draft_model_runner
+    if multi_step:
+        from .draft import AttnplugMultiStepDraftBackend
+
+        return AttnplugMultiStepDraftBackend(runner, factory.topk, factory.speculative_num_steps, backend_name=name)
+    from .backend import AttnplugAttnBackend
+
+    backend = AttnplugAttnBackend(runner, backend_name=name)
+    backend.graph_refusal = DRAFT_EXTEND_GRAPH_REFUSAL
+    return backend
+
+
+def _around_create_backend(orig, factory, backend_name, backend_map, error_template, *args, **kwargs):
     """AROUND hook of SGLang's ``DraftBackendFactory._create_backend`` (EAGLE draft backends).
 
-    Adds the ``attnplug_*`` names to a copy of SGLang's ``backend_map`` (lazy factories returning
-    ``(stamp, backend)``): the multi-step draft container when SGLang builds the draft *decode*
-    backend (``create_decode_backend``, the only caller passing ``stamps_children=True``; the draft
-    extend call may also pass ``backend_name="decode_attention_backend"`` when
-    ``speculative_attention_mode == "decode"``), else a plain :class:`AttnplugAttnBackend` on the
-    draft runner (draft extend). Built-in names are untouched: SGLang's own entries are passed
-    through as they are, and the selection, error and stamping stay SGLang's.
+    Adds the ``attnplug_*`` names to a copy of SGLang's ``backend_map`` (lazy factories): the
+    multi-step draft container when SGLang builds the draft *decode* backend
+    (``create_decode_backend``; the draft extend call may also pass
+    ``backend_name="decode_attention_backend"`` when ``speculative_attention_mode == "decode"``, so
+    the name does not tell), else a plain :class:`AttnplugAttnBackend` on the draft runner (draft
+    extend). How SGLang marks the decode call and what a map entry returns differ between releases:
+    ``compat.draft_call_is_decode`` / ``compat.draft_map_entry``. Built-in names are untouched:
+    SGLang's own entries are passed through as they are, and the selection, error and stamping stay
+    SGLang's.
     """
+    from . import compat
+
+    multi_step = compat.draft_call_is_decode(orig, error_template, args, kwargs)
     ours = dict(backend_map)
-    runner = factory.draft_model_runner
     for name in BACKENDS:
-        if name in ours:
-            continue
-        if stamps_children:
-            def make(name=name):
-                from .draft import AttnplugMultiStepDraftBackend
-
-                return name, AttnplugMultiStepDraftBackend(runner, factory.topk, factory.speculative_num_steps,
-                                                           backend_name=name)
-        else:
-            def make(name=name):
-                from .backend import AttnplugAttnBackend
-
-                backend = AttnplugAttnBackend(runner, backend_name=name)
-                backend.graph_refusal = ("CUDA graphs for EAGLE draft extend (DRAFT_EXTEND_V2 has a ragged number "
-                                         "of tokens per request; the core's GraphState captures fixed-q DECODE / "
-                                         "TARGET_VERIFY only)")
-                return name, backend
-        ours[name] = make
-    return orig(factory, backend_name, ours, error_template, stamps_children=stamps_children)
+        if name not in ours:
+            ours[name] = compat.draft_map_entry(
+                orig, name, functools.partial(_make_draft_backend, factory, name, multi_step), multi_step)
+    return orig(factory, backend_name, ours, error_template, *args, **kwargs)
 
 
 def _enable_triton_interpreter_on_cpu(result, server_args, *args, **kwargs):

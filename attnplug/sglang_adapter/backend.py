@@ -93,6 +93,9 @@ class AttnplugAttnBackend(AttentionBackend):
         if slots % self.page_size:
             raise self._unsupported(f"a KV pool of {slots} slots that is not a whole number of pages of {self.page_size}")
         self.num_pages = slots // self.page_size
+        # SGLang's EAGLE worker sizes a verify tree mask with ``bs * attn_backend.max_context_len``
+        # when a batch carries no seq_lens_sum (0.5.17 and 0.5.23 read it off any target backend).
+        self.max_context_len = int(self.req_to_token_pool.req_to_token.shape[1])
 
         if self.provider_name == "triton" and self.device.type == "cpu":
             self._check_triton_interpreter()
@@ -482,7 +485,12 @@ class AttnplugAttnBackend(AttentionBackend):
                 gs.prepare_capture(bs, batch)
             gs.run(bs, q3, k_cache, v_cache, out)
             return
-        self._plan(key).run(q3, k_cache, v_cache, out=out)
+        attn = self._plan(key)
+        n = attn.current_plan.num_tokens
+        if q3.shape[0] > n:  # q / out_cache_loc padded to a prefill CUDA-graph bucket (breakable graphs)
+            out[n:].zero_()
+            q3, out = q3[:n], out[:n]
+        attn.run(q3, k_cache, v_cache, out=out)
 
     # -- proof of life ---------------------------------------------------------------------------------
     def _write_marker(self) -> None:

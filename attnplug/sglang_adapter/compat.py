@@ -8,7 +8,28 @@ Supported: SGLang 0.5.23 (CPU CI here) and 0.5.17 (the GPU image). Known differe
 * attention-TP size: ``sglang.srt.runtime_context.get_parallel().attn_tp_size`` (0.5.23) vs
   ``sglang.srt.layers.dp_attention.get_attention_tp_size()`` (0.5.17).
 * ``KVWriteLoc`` (0.5.23 write locations) may be missing in older releases: a bare tensor is then
-  passed to ``set_kv_buffer``.
+  passed to ``set_kv_buffer``. 0.5.17 has it, without ``for_batch`` / ``physical``.
+* ``KVIndexTranslator`` / ``ModelRunner.kv_index_translator`` (0.5.23) does not exist in 0.5.17:
+  reads go straight through ``req_to_token`` (:func:`kv_read_table`); 0.5.17's unified pool is a
+  subclass of ``MHATokenToKVPool`` and refused by the backend's exact pool-type check.
+* ``ServerArgs`` resolution: ``resolve_once`` (0.5.23) vs ``__post_init__`` (0.5.17)
+  (:func:`server_args_resolution_target`).
+* ``DRAFT_ATTENTION_BACKEND_CHOICES`` exists in 0.5.23 only (0.5.17's EAGLE path has no draft-name
+  gate).
+* ``DraftBackendFactory._create_backend``: 0.5.23 ``(backend_name, backend_map, error_template,
+  stamps_children=False)``, map entries return ``(stamp, backend)`` and SGLang stamps the
+  ``*_attention_backend_str`` names; 0.5.17 ``(backend_name, backend_map, error_template)``, entries
+  return the backend, nothing stamped (:func:`draft_call_is_decode`, :func:`draft_map_entry`).
+* ``generate_draft_decode_kv_indices`` gained ``window_size`` / ``sink_size`` (draft window) after
+  0.5.17; the draft KV layout (:func:`draft_token_columns`) is the same in both.
+* Unchanged and relied on (read in both wheels): the ``AttentionBackend`` graph contract
+  (``init_cuda_graph_state(max_bs, max_num_tokens)``, ``init_forward_metadata_out_graph(fb,
+  in_capture=False)``, ``init_forward_metadata_in_graph(fb)``, ``get_cuda_graph_seq_len_fill_value()``;
+  the legacy ``*_capture_cuda_graph`` / ``*_replay_cuda_graph`` are gone from both), the decode
+  graph runner's replay view (``build_replay_fb_view``: padded ``batch_size``, ``num_padding``,
+  ``seq_lens_cpu``), the EAGLE draft graph runner (container ``init_cuda_graph_state``,
+  ``attn_backends[0].get_cuda_graph_seq_len_fill_value()``, padded batch without ``num_padding``),
+  the plugin loader and ``HookRegistry``, ``runtime_context.get_parallel``.
 
 * EAGLE draft backends: SGLang has no draft registry; attnplug hooks the private
   ``DraftBackendFactory._create_backend`` (AROUND, through SGLang's ``HookRegistry``) and relies on
@@ -75,17 +96,24 @@ def register_attention_backend(name: str, factory) -> bool:
 _HOOKED: set[str] = set()
 
 
-def after_server_args_resolved(hook) -> None:
-    """Run ``hook(result, server_args)`` after SGLang resolves its ``ServerArgs`` (once per process).
-
-    0.5.23 resolves in ``ServerArgs.resolve_once``; 0.5.17 in ``ServerArgs.__post_init__``. Uses
-    SGLang's plugin ``HookRegistry`` (applied by ``load_plugins`` right after our ``register``).
-    """
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+def server_args_resolution_target() -> str:
+    """Where SGLang resolves its ``ServerArgs``: ``ServerArgs.resolve_once`` (0.5.23) or
+    ``ServerArgs.__post_init__`` (0.5.17), as a ``HookRegistry`` target."""
     from sglang.srt.server_args import ServerArgs
 
     method = "resolve_once" if hasattr(ServerArgs, "resolve_once") else "__post_init__"
-    target = f"sglang.srt.server_args.ServerArgs.{method}"
+    return f"sglang.srt.server_args.ServerArgs.{method}"
+
+
+def after_server_args_resolved(hook) -> None:
+    """Run ``hook(result, server_args)`` after SGLang resolves its ``ServerArgs`` (once per process).
+
+    Target: :func:`server_args_resolution_target`. Uses SGLang's plugin ``HookRegistry`` (applied by
+    ``load_plugins`` right after our ``register``).
+    """
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    target = server_args_resolution_target()
     if target not in _HOOKED:
         HookRegistry.register(target, hook, HookType.AFTER)
         _HOOKED.add(target)
@@ -239,8 +267,14 @@ def draft_hook_installed() -> bool:
     return DRAFT_FACTORY_TARGET in _HOOKED
 
 
+def draft_attention_backend_choices() -> list[str] | None:
+    """SGLang's ``DRAFT_ATTENTION_BACKEND_CHOICES`` (0.5.23), ``None`` where the release has none (0.5.17)."""
+    return getattr(_choices_module(), "DRAFT_ATTENTION_BACKEND_CHOICES", None)
+
+
 def add_draft_attention_backend_choices(names: list[str]) -> None:
-    """Add ``names`` to ``DRAFT_ATTENTION_BACKEND_CHOICES`` (``--speculative-draft-attention-backend``)."""
+    """Add ``names`` to ``DRAFT_ATTENTION_BACKEND_CHOICES`` (``--speculative-draft-attention-backend``);
+    nothing to do where the release has no such list."""
     mod = _choices_module()
     lst = getattr(mod, "DRAFT_ATTENTION_BACKEND_CHOICES", None)
     if lst is None:
@@ -249,6 +283,47 @@ def add_draft_attention_backend_choices(names: list[str]) -> None:
     if new:
         add = getattr(mod, "add_draft_attention_backend_choices", None)
         (add or lst.extend)(new)
+
+
+def draft_factory_stamps(orig) -> bool:
+    """True for the 0.5.23 ``_create_backend`` protocol (a ``stamps_children`` parameter; map entries
+    return ``(stamp, backend)``; SGLang stamps the names), False for 0.5.17's (entries return the
+    backend). ``orig``: the function the AROUND hook wraps (``inspect`` follows ``__wrapped__``)."""
+    import inspect
+
+    try:
+        return "stamps_children" in inspect.signature(orig).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def draft_call_is_decode(orig, error_template: str, args: tuple, kwargs: dict) -> bool:
+    """Whether this ``_create_backend`` call builds the multi-step draft *decode* backend.
+
+    0.5.23: ``create_decode_backend`` is the only caller passing ``stamps_children=True``. 0.5.17 has
+    no such flag and ``backend_name`` does not tell (draft extend passes ``decode_attention_backend``
+    too under ``speculative_attention_mode == "decode"``); its decode call is the one whose error
+    template reads "EAGLE is not supported in decode attention backend {backend_type}" (extend:
+    "... in attention backend ...").
+    """
+    if draft_factory_stamps(orig):
+        return bool(kwargs.get("stamps_children", args[0] if args else False))
+    return "decode attention backend" in error_template
+
+
+def draft_map_entry(orig, name: str, build, multi_step: bool):
+    """A ``backend_map`` entry for ``name`` in the installed release's form: ``() -> (name, backend)``
+    (0.5.23, SGLang stamps) or ``() -> backend`` stamped here like 0.5.23 does (0.5.17)."""
+    if draft_factory_stamps(orig):
+        return lambda: (name, build())
+
+    def make():
+        backend = build()
+        for b in [backend] + (list(backend.attn_backends) if multi_step else []):
+            b.prefill_attention_backend_str = b.decode_attention_backend_str = name
+        return backend
+
+    return make
 
 
 def draft_token_columns(seq_lens, topk: int, num_steps: int, page_size: int, steps_used: int):

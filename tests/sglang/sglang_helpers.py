@@ -13,7 +13,6 @@ import torch
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 SHIM = HERE / "sgl_kernel_shim"
-PY = str(REPO / ".venvs" / "sglang" / "bin" / "python") if (REPO / ".venvs" / "sglang").exists() else None
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
@@ -42,14 +41,18 @@ HQ, HKV, D = 4, 2, 64
 def make_runner(page_size: int, *, num_slots: int = 1024, layers: int = 2, dtype=torch.float32, **over):
     """A ModelRunner stand-in holding SGLang's real pools (ReqToTokenPool, MHATokenToKVPool) and translator."""
     from sglang.srt.configs.model_config import AttentionArch
-    from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
     r2t = ReqToTokenPool(size=8, max_context_len=512, device="cpu", enable_memory_saver=False)
     kv = MHATokenToKVPool(size=num_slots, page_size=page_size, dtype=dtype, head_num=HKV, head_dim=D,
                           layer_num=layers, device="cpu", enable_memory_saver=False)
-    tr = KVIndexTranslator(req_to_token=r2t.req_to_token, token_to_kv_pool_allocator=None, token_to_kv_pool=kv,
-                           page_size=page_size, device="cpu")
+    try:  # SGLang 0.5.23; 0.5.17 has no translator (ModelRunner has no kv_index_translator)
+        from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+    except ImportError:
+        tr = None
+    else:
+        tr = KVIndexTranslator(req_to_token=r2t.req_to_token, token_to_kv_pool_allocator=None, token_to_kv_pool=kv,
+                               page_size=page_size, device="cpu")
     mc = SimpleNamespace(is_encoder_decoder=False, attention_arch=AttentionArch.MHA, dtype=dtype,
                          get_num_attention_heads=lambda tp: HQ // tp)
     runner = SimpleNamespace(device="cpu", page_size=page_size, req_to_token_pool=r2t, token_to_kv_pool=kv,

@@ -77,6 +77,24 @@ def test_extend_then_decode_match_torch_native(provider, page_size):
         torch.testing.assert_close(a, b, **TOL)
 
 
+def test_extend_with_q_padded_to_a_graph_bucket():
+    """SGLang's breakable prefill CUDA graphs hand attention q padded to a bucket: rows past the
+    batch's tokens are padding -> real rows unchanged, padded rows zero (never stale memory)."""
+    runner = make_runner(16)
+    layer = make_layer(0)
+    reqs = Requests(runner, kv_lens=[8, 41, 38], prefix=[0, 32, 20])
+    fb = reqs.batch(ForwardMode.EXTEND, q_lens=[7, 9, 17], lens=[7, 41 - 1, 37])
+    ours = make_backend(runner, provider="triton")
+    ours.init_forward_metadata(fb)
+    q, k, v = qkv(fb)
+    want = ours.forward(q, k, v, layer, fb)  # writes the batch's KV
+    pad = torch.full((5, q.shape[1]), float("nan"))
+    got = ours.forward(torch.cat([q, pad]), None, None, layer, fb, save_kv_cache=False)
+    assert got.shape == (q.shape[0] + 5, q.shape[1])
+    torch.testing.assert_close(got[: q.shape[0]], want, atol=0, rtol=0)
+    assert torch.equal(got[q.shape[0]:], torch.zeros(5, q.shape[1]))
+
+
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("mode", ["MIXED", "DRAFT_EXTEND_V2"])
 def test_mixed_and_draft_extend_match_torch_native(provider, mode):

@@ -1,4 +1,4 @@
-"""End to end on CPU: SGLang 0.5.23 generating with ``--attention-backend attnplug_triton``.
+"""End to end on CPU: SGLang 0.5.23 (and 0.5.17, ``scripts/setup_sglang0517_env.sh``) generating with ``--attention-backend attnplug_triton``.
 
 The tiny Llama (real random weights, float32) generates greedily (``ignore_eos``) for ragged prompts,
 two of which share a 96-token prefix so the radix cache hits. Token ids must equal HF transformers'
@@ -181,6 +181,13 @@ def test_demo_sglang(tmp_path):
     """``python -m attnplug.demo_sglang`` (the main-job demo) serves with attnplug_triton and matches torch_native."""
     env = subprocess_env()
     env["PYTHONPATH"] = env["PYTHONPATH"].split(os.pathsep, 1)[1]  # no shim on the path: the demo finds it itself
+    from attnplug.sglang_adapter import compat
+
+    if compat._version_tuple(compat.sglang_version()) < (0, 5, 23):
+        # SGLang 0.5.17 on CPU: its paged KV allocator (alloc_extend_kernel) is Triton-only (0.5.23 has a
+        # native path), so the demo's torch_native reference run at page 16 needs the interpreter too;
+        # attnplug_triton turns it on by itself (checked by the tests above)
+        env["TRITON_INTERPRET"] = "1"
     r = subprocess.run([sys.executable, "-m", "attnplug.demo_sglang", "--page-size", "16", "--max-new-tokens", "8",
                         "--model-dir", str(tmp_path / "tiny")], env=env, capture_output=True, text=True, timeout=500)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

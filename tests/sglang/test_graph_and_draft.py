@@ -239,9 +239,11 @@ def test_draft_kv_indices_equal_sglang_generate_draft_decode_kv_indices(page_siz
     kv_indices = torch.full((steps, width), -1, dtype=torch.int64)
     kv_indptr = torch.zeros((steps, R + 1), dtype=torch.int32)
     r2t = runner.req_to_token_pool.req_to_token
-    generate_draft_decode_kv_indices[(steps, B, topk)](
-        fb.req_pool_indices, r2t, fb.seq_lens, kv_indices, kv_indptr, fb.positions, r2t.shape[1], width, R + 1,
-        next_power_of_2(B), next_power_of_2(steps), next_power_of_2(R), page_size, 0, 0)
+    args = [fb.req_pool_indices, r2t, fb.seq_lens, kv_indices, kv_indptr, fb.positions, r2t.shape[1], width, R + 1,
+            next_power_of_2(B), next_power_of_2(steps), next_power_of_2(R), page_size]
+    if "window_size" in generate_draft_decode_kv_indices.arg_names:  # 0.5.23 (draft window); not in 0.5.17
+        args += [0, 0]
+    generate_draft_decode_kv_indices[(steps, B, topk)](*args)
     be = make_draft(runner, topk, steps, provider="reference")
     be.init_forward_metadata(fb)
     planner = be._plan(be.attn_backends[0]._probe_key)
@@ -281,11 +283,15 @@ def test_multistep_draft_graph_capture_and_replay():
 
 # -- DraftBackendFactory hook and version guard ------------------------------------------------------------
 def _factory(runner, name, topk=2, steps=3):
+    """SGLang's DraftBackendFactory with the draft backend ``name`` selected (0.5.23: the runner's
+    ``draft_attention_backend``; 0.5.17: ``server_args.speculative_draft_attention_backend``)."""
     from sglang.srt.speculative.draft_utils import DraftBackendFactory
 
     f = DraftBackendFactory.__new__(DraftBackendFactory)
     f.draft_model_runner, f.topk, f.speculative_num_steps = runner, topk, steps
     f.seed_dsa_topk_from_draft_extend, f.qsa_profile, f.draft_attn_backend = False, None, name
+    f.server_args = SimpleNamespace(speculative_draft_attention_backend=name, attention_backend=None,
+                                    prefill_attention_backend=None, decode_attention_backend=None)
     return f
 
 
@@ -301,7 +307,7 @@ def hooked_factory(monkeypatch):
     from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
     from sglang.srt.speculative import draft_utils
 
-    monkeypatch.setattr(draft_utils, "attention_backends", lambda: (None, None))
+    monkeypatch.setattr(draft_utils, "attention_backends", lambda: (None, None), raising=False)  # 0.5.23 only
     orig = draft_utils.DraftBackendFactory._create_backend
     monkeypatch.setattr(draft_utils.DraftBackendFactory, "_create_backend",
                         _wrap_fn(orig, adapter._around_create_backend, HookType.AROUND))
@@ -331,11 +337,18 @@ def test_factory_hook_builds_our_backends(hooked_factory):
 
 
 def test_factory_hook_leaves_builtins_untouched(hooked_factory):
+    from sglang.srt.speculative.draft_utils import DraftBackendFactory
+
     sentinel = SimpleNamespace(attn_backends=[])
     f = _factory(_draft_runner(), "triton")
-    got = f._create_backend("decode_attention_backend", {"triton": lambda: ("triton", sentinel)},
-                            "EAGLE is not supported in decode attention backend {backend_type}", stamps_children=True)
-    assert got is sentinel and sentinel.decode_attention_backend_str == "triton"
+    template = "EAGLE is not supported in decode attention backend {backend_type}"
+    if compat.draft_factory_stamps(DraftBackendFactory._create_backend):  # 0.5.23: (stamp, backend), SGLang stamps
+        got = f._create_backend("decode_attention_backend", {"triton": lambda: ("triton", sentinel)}, template,
+                                stamps_children=True)
+        assert got is sentinel and sentinel.decode_attention_backend_str == "triton"
+    else:  # 0.5.17: the entry's backend as it is, nothing stamped
+        got = f._create_backend("decode_attention_backend", {"triton": lambda: sentinel}, template)
+        assert got is sentinel and not hasattr(sentinel, "decode_attention_backend_str")
     with pytest.raises(ValueError, match="^EAGLE is not supported in decode attention backend flashinfer_x$"):
         _factory(_draft_runner(), "flashinfer_x").create_decode_backend()
 
@@ -344,12 +357,14 @@ def test_factory_hook_leaves_builtins_untouched(hooked_factory):
 def fresh_registry(monkeypatch):
     from collections import defaultdict
 
-    from sglang.srt.arg_groups import choices
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    lst = list(choices.DRAFT_ATTENTION_BACKEND_CHOICES)
-    monkeypatch.setattr(choices, "DRAFT_ATTENTION_BACKEND_CHOICES", lst)
-    monkeypatch.setattr(choices, "add_draft_attention_backend_choices", lst.extend)
+    choices = compat._choices_module()
+    lst = []  # 0.5.17 has no draft choices list: stays empty
+    if compat.draft_attention_backend_choices() is not None:
+        lst = list(choices.DRAFT_ATTENTION_BACKEND_CHOICES)
+        monkeypatch.setattr(choices, "DRAFT_ATTENTION_BACKEND_CHOICES", lst)
+        monkeypatch.setattr(choices, "add_draft_attention_backend_choices", lst.extend)
     monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
     monkeypatch.setattr(compat, "_HOOKED", set())
     return lst, HookRegistry
@@ -361,7 +376,8 @@ def test_register_installs_the_draft_hook_in_range(fresh_registry):
     adapter.register()
     hooks = reg._hooks[compat.DRAFT_FACTORY_TARGET]
     assert [(t.name, h) for t, h, _ in hooks] == [("AROUND", adapter._around_create_backend)]
-    assert all(lst.count(n) == 1 for n in adapter.BACKENDS)
+    has_list = compat.draft_attention_backend_choices() is not None  # 0.5.23
+    assert all(lst.count(n) == (1 if has_list else 0) for n in adapter.BACKENDS)
 
 
 @pytest.mark.parametrize("version", ["0.5.16", "0.5.24", "0.6.0"])
@@ -388,3 +404,131 @@ def re_escape(s):
                                          ("0.5.23+cu128", True), ("0.5.16", False), ("0.5.24", False)])
 def test_version_range_bounds(version, ok):
     assert (compat.draft_hook_refusal(version) is None) == ok
+
+
+# -- the installed SGLang's graph-runner call protocol (0.5.17 and 0.5.23) -------------------------------
+class _FB(SimpleNamespace):
+    """ForwardBatch stand-in: fields a runner reads but the test does not set are None."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
+def _sglang_replay_view(fb, buffers, bs, raw_bs, q, fill, mode):
+    """SGLang's own ``build_replay_fb_view`` (DecodeCudaGraphRunner replay), called with the argument
+    list of the installed release (0.5.23 added ``global_num_tokens_cpu``)."""
+    import inspect
+
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import build_replay_fb_view
+
+    kw = dict(forward_batch=fb, buffers=buffers, bs=bs, raw_bs=raw_bs, num_tokens=bs * q, seq_len_fill_value=fill,
+              capture_forward_mode=mode, is_encoder_decoder=False)
+    if "global_num_tokens_cpu" in inspect.signature(build_replay_fb_view).parameters:
+        kw["global_num_tokens_cpu"] = None
+    return build_replay_fb_view(**kw)
+
+
+@pytest.mark.parametrize("mode, page_size", [("decode", 16), ("verify", 4)])
+def test_decode_graph_runner_protocol(mode, page_size):
+    """What SGLang's DecodeCudaGraphRunner does, in its order and with its arguments:
+    ``init_cuda_graph_state(max_bs, max_bs * width)``, ``get_cuda_graph_seq_len_fill_value()``; capture:
+    a batch of ``bs`` fill-value rows on pool row 0 (no ``num_padding``),
+    ``init_forward_metadata_out_graph(fb, in_capture=True)`` then ``init_forward_metadata_in_graph(fb)``
+    and the forward; replay: its ``build_replay_fb_view`` over the padded buffers (``num_padding`` set,
+    ``spec_info`` / ``out_cache_loc`` of the real batch) and ``init_forward_metadata_out_graph(view)``."""
+    n = 3 if mode == "verify" else 1
+    sg_mode = ForwardMode.TARGET_VERIFY if mode == "verify" else ForwardMode.DECODE
+    max_bs, bs = 4, 4
+    runner = make_runner(page_size)
+    runner.req_to_token_pool.req_to_token[0, :64] = 3 * page_size + torch.arange(64, dtype=torch.int32)
+    layer = make_layer(0)
+    be = make_backend(runner)
+    be.init_cuda_graph_state(max_bs, max_bs * n)
+    fill = be.get_cuda_graph_seq_len_fill_value()
+    buffers = SimpleNamespace(  # DecodeInputBuffers as capture leaves them
+        input_ids=torch.zeros(max_bs * n, dtype=torch.int64), positions=torch.zeros(max_bs * n, dtype=torch.int64),
+        req_pool_indices=torch.zeros(max_bs, dtype=torch.int64), seq_lens=torch.full((max_bs,), fill),
+        seq_lens_cpu=torch.full((max_bs,), fill), encoder_lens=None, mamba_track_indices=None,
+        custom_mask=torch.ones(max_bs * n * 600, dtype=torch.bool), out_cache_loc=torch.zeros(max_bs * n, dtype=torch.int64))
+    cap_spec = (SimpleNamespace(custom_mask=buffers.custom_mask, draft_token_num=n, num_tokens_per_req=n, kv_indptr=None)
+                if mode == "verify" else None)
+    cap = _FB(forward_mode=sg_mode, batch_size=bs, req_pool_indices=buffers.req_pool_indices[:bs],
+              seq_lens=buffers.seq_lens[:bs], seq_lens_cpu=buffers.seq_lens_cpu[:bs], seq_lens_sum=bs * fill,
+              out_cache_loc=buffers.out_cache_loc[: bs * n], spec_info=cap_spec)
+    be.init_forward_metadata_out_graph(cap, in_capture=True)
+    be.init_forward_metadata_in_graph(cap)
+    q, k, v = _qkv(bs * n, seed=0)
+    be.forward(q, k, v, layer, cap)  # the captured forward
+    gs = be._graphs[mode][be._layer_key(layer)]
+    ptrs = {name: getattr(gs, name).data_ptr() for name in ("kv_indptr", "kv_indices", "kv_lens")}
+
+    for rnd, kv_lens in enumerate([[9 + n, 40 + n, 17 + n], [30 + n, 5 + n]]):  # replays: raw_bs 3, then 2
+        reqs, masks, fb = _batch(runner, mode, n, kv_lens, seed=20 + rnd)
+        B = fb.batch_size
+        buffers.seq_lens[:B], buffers.seq_lens_cpu[:B] = fb.seq_lens, fb.seq_lens_cpu  # fill_from
+        buffers.seq_lens[B:], buffers.seq_lens_cpu[B:] = fill, fill
+        buffers.req_pool_indices[:B] = fb.req_pool_indices
+        buffers.req_pool_indices[B:] = 0
+        view = _sglang_replay_view(_FB(**vars(fb)), buffers, bs, B, n, fill, sg_mode)
+        assert view.num_padding == bs - B and view.batch_size == bs
+        be.init_forward_metadata_out_graph(view)
+        assert ptrs == {name: getattr(gs, name).data_ptr() for name in ptrs} and set(gs.plans) == {bs}
+        q, k, v = _qkv(bs * n, seed=7 + rnd)
+        loc = torch.cat([fb.out_cache_loc, torch.zeros((bs - B) * n, dtype=torch.int64)])
+        out = be.forward(q, k, v, layer, SimpleNamespace(**{**vars(fb), "out_cache_loc": loc}))  # graph replay
+        dense = dense_reference(runner, reqs, layer, q[: B * n], [n] * B, masks=masks)
+        torch.testing.assert_close(out[: B * n], dense, **TOL)
+
+
+def test_draft_graph_runner_protocol():
+    """What SGLang's EAGLEDraftCudaGraphRunner does with the container, in both releases:
+    ``init_cuda_graph_state(max_bs, max_bs * topk)``, ``attn_backends[0].get_cuda_graph_seq_len_fill_value()``;
+    capture over fill-value rows; replay with ``batch_size``, ``seq_lens(_cpu)`` and
+    ``req_pool_indices`` swapped for the padded buffers and NO ``num_padding`` (padded rows are planned
+    like real ones, reading a stale pool row), then ``init_forward_metadata_out_graph(fb)``."""
+    topk, steps, max_bs = 2, 3, 4
+    runner = make_runner(4, is_draft_worker=True)
+    layer = make_layer(0)
+    be = make_draft(runner, topk, steps, provider="triton")
+    be.init_cuda_graph_state(max_bs, max_bs * topk)
+    fill = be.attn_backends[0].get_cuda_graph_seq_len_fill_value()
+    bs = 4
+    pool_rows = torch.zeros(max_bs, dtype=torch.int64)
+    cap = _FB(forward_mode=ForwardMode.DECODE, batch_size=bs, req_pool_indices=pool_rows[:bs],
+              seq_lens=torch.full((bs,), fill), seq_lens_cpu=torch.full((bs,), fill), seq_lens_sum=bs * fill,
+              spec_info=SimpleNamespace(kv_indptr=None, kv_indices=None))
+    be.init_forward_metadata_out_graph(cap, in_capture=True)
+    be.init_forward_metadata_in_graph(cap)
+    for seed, seq in enumerate([[7, 13, 9], [10, 3]]):
+        reqs, fb, draft_slots = _draft_batch(runner, topk, steps, seq, seed=seed)
+        B = len(seq)
+        pool_rows[:B] = fb.req_pool_indices
+        pool_rows[B:] = 5  # stale rows of earlier batches: SGLang does not reset them here
+        pad = torch.full((bs - B,), fill)
+        rfb = _FB(**{**vars(fb), **dict(batch_size=bs, req_pool_indices=pool_rows[:bs],
+                                        seq_lens=torch.cat([fb.seq_lens, pad]),
+                                        seq_lens_cpu=torch.cat([fb.seq_lens_cpu, pad]))})
+        be.init_forward_metadata_out_graph(rfb)
+        for i, (q, out) in enumerate(_run_draft_steps(be, rfb, draft_slots, layer, seed=3 + seed, rows=bs * topk)):
+            torch.testing.assert_close(out[: B * topk], _dense_step(runner, reqs, layer, draft_slots, i,
+                                                                    q[: B * topk]), **TOL)
+            assert list(be._graphs[i][be.attn_backends[0]._layer_key(layer)].plans) == [bs * topk]
+
+
+def test_draft_factory_public_methods_build_ours(hooked_factory, monkeypatch):
+    """SGLang's public ``create_decode_backend`` / ``create_draft_extend_backend`` (both modes of
+    ``speculative_attention_mode``), through our hook, on the installed release's protocol."""
+    from attnplug.sglang_adapter.draft import AttnplugMultiStepDraftBackend
+
+    for attn_mode in ("prefill", "decode"):
+        monkeypatch.setattr(hooked_factory, "get_spec", lambda m=attn_mode: SimpleNamespace(
+            speculative_attention_mode=m), raising=False)
+        with get_parallel().override(attn_tp_size=1, attn_dcp_size=1):
+            dec = _factory(_draft_runner(), "attnplug_triton").create_decode_backend()
+            ext = _factory(_draft_runner(), "attnplug_triton").create_draft_extend_backend()
+        assert type(dec) is AttnplugMultiStepDraftBackend, attn_mode
+        assert type(ext) is AttnplugAttnBackend, attn_mode
+        for b in [dec, ext, *dec.attn_backends]:
+            assert b.decode_attention_backend_str == b.prefill_attention_backend_str == "attnplug_triton"

@@ -32,11 +32,17 @@ def test_register_adds_backends_and_choices_idempotently():
     for name in NAMES:
         assert name in ATTENTION_BACKENDS
         assert choices.count(name) == 1
-    # the 0.5.23 home of the list is the one argparse uses (and server_args re-exports it)
-    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
-    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES as reexported
+    # the list argparse uses: 0.5.23 keeps it in arg_groups.choices (server_args re-exports it),
+    # 0.5.17 in server_args
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES as in_server_args
 
-    assert choices is ATTENTION_BACKEND_CHOICES is reexported
+    assert choices is in_server_args
+    try:
+        from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
+    except ImportError:
+        assert compat.sglang_version().startswith("0.5.17")
+    else:
+        assert choices is ATTENTION_BACKEND_CHOICES
 
 
 def test_register_never_raises(monkeypatch, caplog):
@@ -96,5 +102,7 @@ def test_register_hooks_server_args_resolution():
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     adapter.register()
-    hooks = HookRegistry._hooks["sglang.srt.server_args.ServerArgs.resolve_once"]
+    target = compat.server_args_resolution_target()
+    assert target.endswith(".resolve_once" if compat.sglang_version() == "0.5.23" else ".__post_init__")
+    hooks = HookRegistry._hooks[target]
     assert [h for _, h, _ in hooks].count(adapter._enable_triton_interpreter_on_cpu) == 1

@@ -7,6 +7,9 @@ FA3 build, first importable wins (the startup log names it):
 2. ``sgl_kernel.flash_attn`` - SGLang's copy, same ``flash_attn_with_kvcache`` signature.
 3. ``vllm.vllm_flash_attn.flash_attn_interface`` - vLLM's fork (what ``shared/tools/gpu-wheels.sh``
    packs as fa3.zip): ``flash_attn_varlen_func(block_table=, seqused_k=, out=, fa_version=3)``.
+4. ``vllm_flash_attn.flash_attn_interface`` - the same fork as a standalone top-level package (the
+   ``vllm-flash-attn`` layout): lets an SGLang environment use vLLM's FA3 build without a ``vllm``
+   package shadowing anything.
 
 All three are the same Hopper kernel: varlen q (``cu_seqlens_q`` = ``qo_indptr``), paged KV read via a
 ``[B, max_pages]`` block table + per-request ``seqused_k`` (built on device in ``plan`` from the CSR
@@ -99,6 +102,7 @@ def load_fa3() -> FA3Lib:
     try:
         from sgl_kernel.flash_attn import flash_attn_with_kvcache  # noqa: PLC0415
 
+        torch.ops.sgl_kernel.fwd.default  # noqa: B018 - the FA3 op lives in flash_ops, which may be absent
         _LIB = FA3Lib("sgl_kernel.flash_attn", flash_attn_with_kvcache, False)
         return _LIB
     except Exception as e:
@@ -112,6 +116,15 @@ def load_fa3() -> FA3Lib:
         return _LIB
     except Exception as e:
         errors.append(f"vllm.vllm_flash_attn: {e!r}")
+    try:
+        from vllm_flash_attn import flash_attn_interface as m  # noqa: PLC0415
+
+        if not getattr(m, "FA3_AVAILABLE", False):
+            raise ImportError(getattr(m, "FA3_UNAVAILABLE_REASON", "FA3_AVAILABLE is False"))
+        _LIB = FA3Lib("vllm_flash_attn (standalone, fa_version=3)", m.flash_attn_varlen_func, True)
+        return _LIB
+    except Exception as e:
+        errors.append(f"vllm_flash_attn: {e!r}")
     raise ProviderUnavailable(f"{INSTALL_HINT}; tried: " + "; ".join(errors))
 
 

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Engine end-to-end runs on the offline H200 machine (issues 5-8), fed over consecutive device calls
+# (each carries <= 64 MiB; the machine is kept only while calls follow each other within ~30 s).
+# Bundles: ../shared/tools/gpu-vllm-bundle.sh .bundle/vllm ; ../shared/tools/gpu-sglang-bundle.sh .bundle/sglang
+#
+#   vLLM 0.26 (one machine; calls back to back):
+#     carry .bundle/vllm/a    bash benchmarks/e2e/device.sh vllm-a     # lanes, random model, vLLM jobs queued
+#     carry .bundle/vllm/b    bash benchmarks/e2e/device.sh vllm-b     # jobs start (+ issue-5 GPU suite)
+#                             bash benchmarks/e2e/device.sh wait [MAX_S]   # until done
+#   SGLang 0.5.17 (same or another machine):
+#     carry .bundle/sglang/a  bash benchmarks/e2e/device.sh sglang-a   # lanes, model, SGLang jobs queued
+#     carry .bundle/sglang/b  bash benchmarks/e2e/device.sh sglang-b   # SGLang jobs start
+#     carry .bundle/fa3       bash benchmarks/e2e/device.sh fa3        # FA3 for attnplug_fa3 (cp vllm/b/fa3.so.xz + flash_attn_interface.py)
+#                             bash benchmarks/e2e/device.sh wait [MAX_S]
+# Every call ends with `lanes.py wait` (returns early when all lanes are idle) and leaves
+# $OUT/lanes-logs.tar.gz: job logs, statuses, result JSONs, issue-5 pytest/bench output so far.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+R=/tmp/e2e; L="python3 $R/bin/lanes.py"; LANES=$R/lanes; RES=$R/res
+MODEL=/tmp/llama8b-rand; DRAFT=/tmp/eagle-draft
+V=/tmp/vsite; S=/tmp/ssite; FA3=/tmp/fa3site; AP=/tmp/apsite-$stage
+stage=${1:-wait}; max=${2:-}
+export PYTHONUNBUFFERED=1
+
+queue() {  # queue GPU NAME TIMEOUT NEEDS... -- CMD
+  local gpu=$1 name=$2 to=$3; shift 3; local needs=()
+  while [[ $1 != -- ]]; do needs+=(--needs "$1"); shift; done; shift
+  $L add $LANES --gpu "$gpu" --name "$name" --timeout "$to" "${needs[@]}" -- "$@"
+}
+vllm_job() {  # GPU BACKEND [extra engine_run args]
+  local gpu=$1 b=$2; shift 2; local tag=${b}${1:+-eager}
+  queue "$gpu" "vllm-$tag" 480 $V/.ready-b $MODEL/attnplug_random.json -- \
+    "VLLM_CACHE_ROOT=/tmp/vcache$gpu FLASHINFER_WORKSPACE_BASE=/tmp/fi-vllm PYTHONPATH=/tmp/apsite-vllm-a:$V python3 $R/bin/engine_run.py vllm $b --model $MODEL --out $RES/vllm-$tag.json $*"
+}
+sglang_job() {  # GPU BACKEND NAME [extra engine_run args]
+  local gpu=$1 b=$2 name=$3; shift 3; local fa=(); [[ $b == *fa3* ]] && fa=($FA3/.ready)
+  queue "$gpu" "sglang-$name" 420 $S/.ready-b $MODEL/attnplug_random.json "${fa[@]}" -- \
+    "FLASHINFER_WORKSPACE_BASE=/tmp/fi-sglang PYTHONPATH=/tmp/apsite-sglang-a:$S:$FA3 python3 $R/bin/engine_run.py sglang $b --model $MODEL --out $RES/sglang-$name.json $*"
+}
+
+setup() {  # idempotent: scripts snapshot, attnplug installed from this call's tree (entry points), lanes, model
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  mkdir -p $R/bin $RES && cp benchmarks/e2e/*.py $R/bin/
+  rm -rf $AP && python3 -m pip install -q --no-deps --no-index --no-build-isolation --target $AP . 2>&1 | tail -3
+  grep -A1 plugins $AP/attnplug-*.dist-info/entry_points.txt
+  [[ -d $R/repo ]] || { mkdir -p $R/repo && tar cf - --exclude=.bundle --exclude=.venvs --exclude=.git . | tar xf - -C $R/repo; }
+  ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())'); g1=$(( ngpu > 1 ? 1 : 0 ))
+  $L start $LANES --gpus "$(seq -s, 0 $((ngpu - 1)))"
+  [[ -e $MODEL/.queued ]] || { mkdir -p $MODEL && touch $MODEL/.queued &&
+    queue 0 make-model 300 -- "python3 $R/bin/make_model.py $MODEL --eagle-draft $DRAFT"; }
+}
+
+case $stage in
+vllm-a)
+  setup
+  mkdir -p $V && xz -dc .bundle/vllm/a/vllm-py-C.tar.xz | tar xf - -C $V && touch $V/.ready-a
+  # issue 5: the GPU suite (triton + fa3; flashinfer provider unchanged since its last H200 run) and the
+  # kernel benchmark, with flashinfer 0.6.14 and FA3 from the vLLM bundle
+  queue $g1 issue5-gpu-suite 420 $V/.ready-b -- "cd $R/repo && mkdir -p $RES/issue5 && export PYTHONPATH=$R/repo:$V FLASHINFER_WORKSPACE_BASE=/tmp/fi-vllm && timeout 200 python3 -m pytest tests/gpu tests/core -q -rs -k 'not flashinfer' --timeout 120 2>&1 | tee $RES/issue5/pytest_triton_fa3.log | tail -n 30; timeout 200 python3 -m attnplug.bench --out $RES/issue5/bench --time-budget 150 2>&1 | tail -n 60"
+  vllm_job 0 FLASH_ATTN;      vllm_job $g1 FLASHINFER
+  vllm_job 0 ATTNPLUG_FA3;    vllm_job $g1 ATTNPLUG_FLASHINFER
+  vllm_job 0 TRITON_ATTN;     vllm_job $g1 ATTNPLUG_TRITON --eager --rows 0,1
+  vllm_job 0 ATTNPLUG_TRITON
+  $L wait $LANES --max "${max:-15}" --out "$OUT" --results $RES ;;
+vllm-b)
+  xz -dc .bundle/vllm/b/deps.tar.xz | tar xf - -C $V &&
+    xz -dc .bundle/vllm/b/fa3.so.xz > $V/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so &&
+    xz -dc .bundle/vllm/b/third_party.tar.xz | tar xf - -C $V || exit 1
+  touch $V/.ready-b; echo "vllm-b installed"
+  $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
+sglang-a)
+  setup
+  mkdir -p $S && xz -dc .bundle/sglang/a/sg.tar.xz | tar xf - -C $S && touch $S/.ready-a && echo "sglang-a unpacked"
+  sglang_job $g1 flashinfer flashinfer;                   sglang_job 0 triton triton
+  sglang_job $g1 attnplug_flashinfer attnplug_flashinfer; sglang_job 0 attnplug_triton attnplug_triton
+  # EAGLE (topk 4, 3 steps, 8 draft tokens) with CUDA graphs: target verify + draft decode captured by
+  # attnplug, draft extend eager (SGLang captures it only for its own backend classes)
+  sglang_job $g1 attnplug_triton eagle-attnplug_triton --eagle-draft $DRAFT --rows 0
+  sglang_job 0 attnplug_fa3 attnplug_fa3
+  sglang_job $g1 attnplug_flashinfer eagle-attnplug_flashinfer --eagle-draft $DRAFT --rows 0
+  sglang_job 0 attnplug_fa3 eagle-attnplug_fa3 --eagle-draft $DRAFT --eager --rows 0  # fa3 tree verify: no graphs
+  sglang_job $g1 attnplug_triton attnplug_triton-eager --eager --rows 0,1
+  $L wait $LANES --max "${max:-15}" --out "$OUT" --results $RES ;;
+sglang-b)
+  xz -dc .bundle/sglang/b/deps.tar.xz | tar xf - -C $S && touch $S/.ready-b && echo "sglang-b installed"
+  $L wait $LANES --max "${max:-480}" --out "$OUT" --results $RES ;;
+fa3)  # vLLM's FA3 build as a standalone `vllm_flash_attn` package (sgl_kernel's FA3 is not in the bundle)
+  mkdir -p $FA3/vllm_flash_attn && touch $FA3/vllm_flash_attn/__init__.py &&
+    cp .bundle/fa3/flash_attn_interface.py $FA3/vllm_flash_attn/ &&
+    xz -dc .bundle/fa3/fa3.so.xz > $FA3/vllm_flash_attn/_vllm_fa3_C.abi3.so && touch $FA3/.ready && echo "fa3 installed"
+  $L wait $LANES --max "${max:-480}" --out "$OUT" --results $RES ;;
+wait)
+  $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
+*) echo "unknown stage $stage"; exit 2 ;;
+esac

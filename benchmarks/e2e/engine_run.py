@@ -1,0 +1,167 @@
+"""One engine, one attention backend: greedy correctness batch, then offline tokens/s rows.
+
+    python benchmarks/e2e/engine_run.py vllm   ATTNPLUG_TRITON --model /tmp/llama8b-rand --out res.json
+    python benchmarks/e2e/engine_run.py sglang attnplug_fa3    --model /tmp/llama8b-rand --out res.json
+    python benchmarks/e2e/engine_run.py sglang attnplug_triton --model M --eagle-draft /tmp/eagle-draft --out r.json
+
+Correctness: 8 ragged prompts (37..3000 random token ids, fixed seed), 32 greedy tokens each with the
+top-5 logprobs of every step; ``report.py`` compares them across backends (first divergence per
+prompt and the logprob gap there). Speed rows (batch x prompt -> new tokens): output tokens/s of
+``generate`` on fresh random prompts (no prefix-cache hits), after one warm-up of the same shape on
+other prompts (compiles JIT kernels of every path outside the timed run); best of ``reps``.
+Engine defaults otherwise: CUDA graphs on, vLLM's torch.compile on (``--eager`` turns both off).
+Every run writes one JSON file; a crash writes none (the lane log has the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import random
+import sys
+import time
+
+MAX_LEN = 17408  # 16384 + 256 rounded up to a page multiple
+ROWS = [(1, 1024, 128, 3), (64, 1024, 128, 2), (16, 3072, 256, 2), (8, 16384, 256, 1)]
+CORR_LENS = [37, 200, 513, 1000, 1500, 2048, 3000, 777]
+CORR_TOKENS = 32
+VOCAB_HI = 128000
+
+
+def prompts(bs: int, plen: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB_HI) for _ in range(plen)] for _ in range(bs)]
+
+
+def corr_prompts() -> list[list[int]]:
+    rng = random.Random(12345)
+    return [[rng.randrange(3, VOCAB_HI) for _ in range(n)] for n in CORR_LENS]
+
+
+class VLLM:
+    def __init__(self, a):
+        from vllm import LLM, SamplingParams  # noqa: PLC0415
+        import vllm  # noqa: PLC0415
+
+        self.SP = SamplingParams
+        self.version = vllm.__version__
+        kw = dict(dtype="bfloat16", max_model_len=MAX_LEN, gpu_memory_utilization=0.85, max_num_seqs=64)
+        if a.smoke:
+            kw = dict(dtype="float32", max_model_len=1024, max_num_seqs=8, gpu_memory_utilization=0.1)
+        self.llm = LLM(model=a.model, skip_tokenizer_init=True, attention_backend=a.backend,
+                       enforce_eager=a.eager, seed=0, **kw)
+
+    def generate(self, ps, n, logprobs=False):
+        sp = self.SP(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=5 if logprobs else None)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+        res = []
+        for o in outs:
+            c = o.outputs[0]
+            r = {"tokens": list(c.token_ids)}
+            if logprobs:
+                r["top"] = [sorted(([int(t), float(lp.logprob)] for t, lp in d.items()), key=lambda x: -x[1])[:5]
+                            for d in c.logprobs]
+            res.append(r)
+        return res
+
+    def close(self):
+        pass
+
+
+class SGLang:
+    def __init__(self, a):
+        import sglang  # noqa: PLC0415
+        from sglang.srt.server_args import ServerArgs  # noqa: PLC0415
+
+        self.version = sglang.__version__
+        kw = {}
+        if a.eagle_draft:
+            kw = dict(speculative_algorithm="EAGLE", speculative_draft_model_path=a.eagle_draft,
+                      speculative_draft_load_format="dummy", speculative_num_steps=3, speculative_eagle_topk=4,
+                      speculative_num_draft_tokens=8)
+        kw.update(dtype="bfloat16", mem_fraction_static=0.8, context_length=MAX_LEN)
+        try:
+            fields = {f.name for f in dataclasses.fields(ServerArgs)}
+        except TypeError:
+            fields = set(inspect.signature(ServerArgs).parameters)
+        for name in ("cuda_graph_max_bs", "cuda_graph_max_bs_decode"):  # renamed between SGLang releases
+            if name in fields:
+                kw[name] = 64
+                break
+        if a.smoke:
+            kw.pop("cuda_graph_max_bs", None), kw.pop("cuda_graph_max_bs_decode", None)
+            kw.update(device="cpu", dtype="float32", disable_overlap_schedule=True, mem_fraction_static=0.3,
+                      max_total_tokens=4096, context_length=1024)
+        self.llm = sglang.Engine(model_path=a.model, skip_tokenizer_init=True, attention_backend=a.backend,
+                                 random_seed=0, disable_cuda_graph=a.eager, log_level="info", **kw)
+
+    def generate(self, ps, n, logprobs=False):
+        sp = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+        kw = dict(return_logprob=True, top_logprobs_num=5) if logprobs else {}
+        outs = self.llm.generate(input_ids=ps, sampling_params=sp, **kw)
+        res = []
+        for o in outs:
+            r = {"tokens": list(o["output_ids"])}
+            if logprobs:
+                r["top"] = [[[int(t[1]), float(t[0])] for t in step][:5] for step in o["meta_info"]["output_top_logprobs"]]
+            if "spec_verify_ct" in o["meta_info"]:
+                r["spec_verify_ct"] = o["meta_info"]["spec_verify_ct"]
+            res.append(r)
+        return res
+
+    def close(self):
+        self.llm.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("engine", choices=["vllm", "sglang"])
+    ap.add_argument("backend")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs / torch.compile")
+    ap.add_argument("--eagle-draft", default=None, help="SGLang only: EAGLE draft dir (topk 4, 3 steps, 8 draft tokens)")
+    ap.add_argument("--rows", default="all", help="'all', 'none', or comma list of row indices")
+    ap.add_argument("--smoke", action="store_true", help="CPU check of this script: tiny model, short prompts")
+    a = ap.parse_args()
+    global VOCAB_HI
+    VOCAB_HI = min(VOCAB_HI, json.load(open(f"{a.model}/config.json"))["vocab_size"])
+    if a.smoke:
+        global CORR_LENS, CORR_TOKENS
+        CORR_LENS, CORR_TOKENS = [max(3, n // 20) for n in CORR_LENS], 6
+    rows = ROWS if a.rows == "all" else [] if a.rows == "none" else [ROWS[int(i)] for i in a.rows.split(",")]
+    t0 = time.time()
+    eng = (VLLM if a.engine == "vllm" else SGLang)(a)
+    res = {"engine": a.engine, "engine_version": eng.version, "backend": a.backend, "eager": a.eager,
+           "eagle": bool(a.eagle_draft), "init_s": round(time.time() - t0, 1)}
+    print(f"engine_run: {a.engine} {eng.version} {a.backend} up in {res['init_s']} s", flush=True)
+    t = time.time()
+    res["correctness"] = eng.generate(corr_prompts(), CORR_TOKENS, logprobs=True)
+    res["correctness_s"] = round(time.time() - t, 2)
+    res["rows"] = {}
+    for k, (bs, plen, olen, reps) in enumerate(rows):
+        eng.generate(prompts(bs, plen, seed=100 + k), 4)  # warm-up: same shape, other prompts
+        runs = []
+        for r in range(reps):
+            ps = prompts(bs, plen, seed=1000 * (k + 1) + r)
+            t = time.perf_counter()
+            outs = eng.generate(ps, olen)
+            dt = time.perf_counter() - t
+            ntok = sum(len(o["tokens"]) for o in outs)
+            assert ntok == bs * olen, (ntok, bs, olen)
+            runs.append(round(ntok / dt, 1))
+        name = f"{bs}x{plen}->{olen}"
+        res["rows"][name] = {"tok_s": max(runs), "runs": runs}
+        print(f"engine_run: {a.backend} {name}: {max(runs)} tok/s {runs}", flush=True)
+    res["total_s"] = round(time.time() - t0, 1)
+    with open(a.out, "w") as f:
+        json.dump(res, f)
+    print("engine_run: wrote", a.out, flush=True)
+    eng.close()
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

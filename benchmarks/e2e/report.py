@@ -1,0 +1,168 @@
+"""Tables from the engine runs of ``engine_run.py`` (one JSON per engine x backend).
+
+    python benchmarks/e2e/report.py RESULTS_DIR --engine vllm --name h200-vllm026-e2e-2026-11-29 \
+        --command "bash benchmarks/e2e/device.sh ..." [--logs LANES_LOG_DIR]
+
+Writes benchmarks/results/NAME.json (all runs + derived figures) and NAME.md:
+- correctness: per attnplug backend and reference backend, per prompt, the first generated position
+  where the greedy tokens differ (``=`` if all 32 agree) and the reference's logprob gap there
+  (lp[ref token] - lp[our token]; a gap near 0 is a bf16 near-tie, a large one is a bug);
+- speed: output tokens/s per row, each attnplug backend's ratio to the best native backend of the same
+  run and to the native Triton backend, against the targets (>= 0.98x best, triton >= 1.05x);
+- proof each attnplug backend ran (its ``attnplug: ... active`` log line) when --logs is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+
+NATIVE = {"vllm": ["FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"], "sglang": ["flashinfer", "triton"]}
+NATIVE_TRITON = {"vllm": "TRITON_ATTN", "sglang": "triton"}
+REFS = {"vllm": ["FLASH_ATTN"], "sglang": ["flashinfer", "triton"]}
+
+
+def first_divergence(ours: dict, ref: dict):
+    """(position, gap) of the first differing greedy token, or (None, None) when all agree."""
+    for i, (a, b) in enumerate(zip(ours["tokens"], ref["tokens"])):
+        if a != b:
+            top = dict((t, lp) for t, lp in ref["top"][i]) if "top" in ref else {}
+            gap = round(top[b] - top[a], 4) if a in top and b in top else None
+            return i, gap
+    return None, None
+
+
+def key(r: dict) -> str:
+    return r["backend"] + ("-eager" if r.get("eager") else "") + ("-eagle" if r.get("eagle") else "")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("results")
+    ap.add_argument("--engine", required=True, choices=["vllm", "sglang"])
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--command", required=True)
+    ap.add_argument("--logs", default=None)
+    ap.add_argument("--out", default="benchmarks/results")
+    a = ap.parse_args()
+    runs = {}
+    for p in sorted(glob.glob(os.path.join(a.results, f"{a.engine}-*.json"))):
+        r = json.load(open(p))
+        runs[key(r)] = r
+    eng = a.engine
+    graph = {k: r for k, r in runs.items() if not r.get("eager") and not r.get("eagle")}
+    ours = [k for k in graph if k.lower().startswith("attnplug")]
+    natives = [k for k in NATIVE[eng] if k in graph]
+    rows = [row for r in graph.values() for row in r["rows"]]
+    rows = list(dict.fromkeys(rows))
+    md = [f"# {eng} end to end on the H200: attnplug backends vs the engine's own", "",
+          f"Command: `{a.command}`", ""]
+    ver = {r["engine_version"] for r in runs.values()}
+    md += [f"Engine {eng} {', '.join(sorted(ver))}; Llama-3-8B shape (32 layers, hidden 4096, 32/8 heads, d 128, "
+           "vocab 128256) with random N(0, 0.02) weights (benchmarks/e2e/make_model.py), bf16, greedy, "
+           "ignore_eos, offline generate; engine defaults (CUDA graphs on" + (", torch.compile on" if eng == "vllm" else "")
+           + "); max batch 64. tok/s = output tokens / wall time of one generate call on fresh random prompts, "
+           "best of the repeats in the JSON; one warm-up of each shape first.", ""]
+    # speed
+    summary = {"speed": {}, "correctness": {}, "targets": {}}
+    if rows:
+        md += ["## Speed (output tokens/s)", "", "| backend | " + " | ".join(rows) + " |",
+               "|---|" + "---|" * len(rows)]
+        for k in natives + ours:
+            cells = []
+            for row in rows:
+                v = graph[k]["rows"].get(row, {}).get("tok_s")
+                cells.append("-" if v is None else f"{v:.0f}")
+            md.append(f"| {k} | " + " | ".join(cells) + " |")
+        md += ["", "Ratios (attnplug / best native of the row; / native triton); target >= 0.98 and triton >= 1.05:", "",
+               "| backend | " + " | ".join(rows) + " |", "|---|" + "---|" * len(rows)]
+        for k in ours:
+            cells = []
+            for row in rows:
+                v = graph[k]["rows"].get(row, {}).get("tok_s")
+                nat = {n: graph[n]["rows"][row]["tok_s"] for n in natives if row in graph[n]["rows"]}
+                if v is None or not nat:
+                    cells.append("-")
+                    continue
+                best_n = max(nat, key=nat.get)
+                r_best = v / nat[best_n]
+                ok = r_best >= 0.98
+                cell = f"{r_best:.3f} vs {best_n}"
+                nt = NATIVE_TRITON[eng]
+                if "triton" in k.lower() and nt in nat:
+                    r_t = v / nat[nt]
+                    ok = ok and r_t >= 1.05
+                    cell += f"; {r_t:.3f} vs {nt}"
+                    summary["speed"].setdefault(k, {})[row] = {"vs_best": round(r_best, 4), "best": best_n,
+                                                              "vs_triton": round(r_t, 4)}
+                else:
+                    summary["speed"].setdefault(k, {})[row] = {"vs_best": round(r_best, 4), "best": best_n}
+                summary["targets"].setdefault(k, {})[row] = ok
+                cells.append(cell + (" ✓" if ok else " ✗"))
+            md.append(f"| {k} | " + " | ".join(cells) + " |")
+        md.append("")
+    # correctness
+    md += ["## Correctness (8 ragged prompts of 37..3000 random tokens, 32 greedy tokens)", "",
+           "First generated position where the tokens differ from the reference (`=`: all 32 equal), and the "
+           "reference's logprob gap between its token and ours there.", ""]
+    for ref in REFS[eng]:
+        if ref not in runs:
+            continue
+        md += [f"Reference: {ref}", "", "| backend | " + " | ".join(f"p{i}" for i in range(8)) + " | equal |",
+               "|---|" + "---|" * 9]
+        for k in [x for x in runs if x != ref]:
+            if "correctness" not in runs[k]:
+                continue
+            cells, eq = [], 0
+            for o, rr in zip(runs[k]["correctness"], runs[ref]["correctness"]):
+                pos, gap = first_divergence(o, rr)
+                if pos is None:
+                    cells.append("=")
+                    eq += 1
+                else:
+                    cells.append(f"@{pos} (gap {gap})" if gap is not None else f"@{pos} (not in top-5)")
+            summary["correctness"].setdefault(ref, {})[k] = cells
+            md.append(f"| {k} | " + " | ".join(cells) + f" | {eq}/8 |")
+        md.append("")
+    # eager vs graphs, EAGLE
+    extra = [k for k in runs if runs[k].get("eager") or runs[k].get("eagle")]
+    if extra:
+        md += ["## Eager (no CUDA graphs) and EAGLE runs", "", "| run | init s | rows (tok/s) | note |", "|---|---|---|---|"]
+        for k in extra:
+            r = runs[k]
+            note = ""
+            if r.get("eagle"):
+                vc = [o.get("spec_verify_ct") for o in r["correctness"]]
+                if all(v for v in vc):
+                    note = f"mean accepted tokens/verify step {sum(len(o['tokens']) for o in r['correctness']) / sum(vc):.2f}; "
+                base = graph.get(r["backend"])
+                if base:
+                    same = sum(o["tokens"] == b["tokens"] for o, b in zip(r["correctness"], base["correctness"]))
+                    note += f"{same}/8 prompts token-identical to {r['backend']} without EAGLE"
+            elif r["backend"] in graph:
+                g = graph[r["backend"]]["rows"]
+                note = "graph/eager: " + ", ".join(f"{row} {g[row]['tok_s'] / v['tok_s']:.2f}x" for row, v in r["rows"].items() if row in g)
+            md.append(f"| {k} | {r['init_s']} | " + ", ".join(f"{row}: {v['tok_s']:.0f}" for row, v in r["rows"].items())
+                      + f" | {note} |")
+        md.append("")
+    if a.logs:
+        md += ["## Proof the attnplug backend ran (first matching worker log line)", ""]
+        for k in runs:
+            if not k.lower().startswith("attnplug"):
+                continue
+            lines = []
+            for log in glob.glob(os.path.join(a.logs, f"{eng}-*.log")):
+                lines += [line.strip() for line in open(log, errors="replace") if "attnplug:" in line and "active" in line
+                          and runs[k]["backend"].upper() in line.upper()]
+            md.append(f"- {k}: `{lines[0][-200:]}`" if lines else f"- {k}: NO 'active' line found")
+        md.append("")
+    os.makedirs(a.out, exist_ok=True)
+    json.dump({"runs": runs, "summary": summary, "command": a.command}, open(os.path.join(a.out, a.name + ".json"), "w"), indent=1)
+    open(os.path.join(a.out, a.name + ".md"), "w").write("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
