@@ -11,7 +11,7 @@ FA3 build, first importable wins (the startup log names it):
    ``vllm-flash-attn`` layout): lets an SGLang environment use vLLM's FA3 build without a ``vllm``
    package shadowing anything.
 
-All three are the same Hopper kernel: varlen q (``cu_seqlens_q`` = ``qo_indptr``), paged KV read via a
+All four are the same Hopper kernel: varlen q (``cu_seqlens_q`` = ``qo_indptr``), paged KV read via a
 ``[B, max_pages]`` block table + per-request ``seqused_k`` (built on device in ``plan`` from the CSR
 table), bottom-right causal mask, ``window_size=(window_left, 0)``, ``softcap``, natural-log LSE
 ``[Hq, T]``. The block table may use any page size (FA3 docstring: "page_block_size can be
@@ -34,6 +34,7 @@ builds have no ``out=`` argument, so their result is copied into ``out``.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -82,6 +83,43 @@ class FA3Lib:
 _LIB: FA3Lib | None = None
 
 
+def _hopper() -> Callable:
+    import flash_attn_interface as m  # noqa: PLC0415
+
+    return m.flash_attn_with_kvcache
+
+
+def _sgl_kernel() -> Callable:
+    from sgl_kernel.flash_attn import flash_attn_with_kvcache  # noqa: PLC0415
+
+    torch.ops.sgl_kernel.fwd.default  # noqa: B018 - the FA3 op lives in flash_ops, which may be absent
+    return flash_attn_with_kvcache
+
+
+def _vllm_fork(module: str) -> Callable[[], Callable]:
+    """Loader of vLLM's fork at ``module`` (inside vllm or standalone): its varlen entry point,
+    provided its FA3 extension loaded (the module imports without it)."""
+
+    def load() -> Callable:
+        m = importlib.import_module(module)
+        if not getattr(m, "FA3_AVAILABLE", False):
+            raise ImportError(getattr(m, "FA3_UNAVAILABLE_REASON", "FA3_AVAILABLE is False"))
+        return m.flash_attn_varlen_func
+
+    return load
+
+
+# (name in errors, source in the startup log, loader, varlen_style), in the documented order
+_BUILDS = [
+    ("flash_attn_interface", "flash_attn_interface", _hopper, False),
+    ("sgl_kernel.flash_attn", "sgl_kernel.flash_attn", _sgl_kernel, False),
+    ("vllm.vllm_flash_attn", "vllm.vllm_flash_attn (fa_version=3)",
+     _vllm_fork("vllm.vllm_flash_attn.flash_attn_interface"), True),
+    ("vllm_flash_attn", "vllm_flash_attn (standalone, fa_version=3)",
+     _vllm_fork("vllm_flash_attn.flash_attn_interface"), True),
+]
+
+
 def load_fa3() -> FA3Lib:
     """Import the first available FA3 build (see module docstring); cached.
 
@@ -92,39 +130,12 @@ def load_fa3() -> FA3Lib:
     if _LIB is not None:
         return _LIB
     errors = []
-    try:
-        import flash_attn_interface as m  # noqa: PLC0415
-
-        _LIB = FA3Lib("flash_attn_interface", m.flash_attn_with_kvcache, False)
-        return _LIB
-    except Exception as e:
-        errors.append(f"flash_attn_interface: {e!r}")
-    try:
-        from sgl_kernel.flash_attn import flash_attn_with_kvcache  # noqa: PLC0415
-
-        torch.ops.sgl_kernel.fwd.default  # noqa: B018 - the FA3 op lives in flash_ops, which may be absent
-        _LIB = FA3Lib("sgl_kernel.flash_attn", flash_attn_with_kvcache, False)
-        return _LIB
-    except Exception as e:
-        errors.append(f"sgl_kernel.flash_attn: {e!r}")
-    try:
-        from vllm.vllm_flash_attn import flash_attn_interface as m  # noqa: PLC0415
-
-        if not getattr(m, "FA3_AVAILABLE", False):
-            raise ImportError(getattr(m, "FA3_UNAVAILABLE_REASON", "FA3_AVAILABLE is False"))
-        _LIB = FA3Lib("vllm.vllm_flash_attn (fa_version=3)", m.flash_attn_varlen_func, True)
-        return _LIB
-    except Exception as e:
-        errors.append(f"vllm.vllm_flash_attn: {e!r}")
-    try:
-        from vllm_flash_attn import flash_attn_interface as m  # noqa: PLC0415
-
-        if not getattr(m, "FA3_AVAILABLE", False):
-            raise ImportError(getattr(m, "FA3_UNAVAILABLE_REASON", "FA3_AVAILABLE is False"))
-        _LIB = FA3Lib("vllm_flash_attn (standalone, fa_version=3)", m.flash_attn_varlen_func, True)
-        return _LIB
-    except Exception as e:
-        errors.append(f"vllm_flash_attn: {e!r}")
+    for name, source, load, varlen_style in _BUILDS:
+        try:
+            _LIB = FA3Lib(source, load(), varlen_style)
+            return _LIB
+        except Exception as e:  # ImportError, or a broken install
+            errors.append(f"{name}: {e!r}")
     raise ProviderUnavailable(f"{INSTALL_HINT}; tried: " + "; ".join(errors))
 
 
