@@ -14,24 +14,15 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
+from attnplug.local_server import free_port, post_json, stop_process_group, wait_healthy
+
 WAVES = [[0, 1, 3, 4], [2]]  # prompt 2 shares a 96-token prefix with prompt 1: it runs second, from the cache
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _server_env(cpu: bool) -> dict[str, str]:
@@ -47,19 +38,12 @@ def _server_env(cpu: bool) -> dict[str, str]:
     return env
 
 
-def _post(port: int, payload: dict, timeout: float = 600) -> list:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=json.dumps(payload).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
 def serve_and_generate(model: Path, backend: str, prompts: list[list[int]], args, cpu: bool) -> tuple[list, list]:
     """Launch one server, generate greedily for ``prompts`` (in WAVES), stop it.
 
     Returns ``(output_ids per prompt, cached_tokens per prompt)``.
     """
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--skip-tokenizer-init",
            "--attention-backend", backend, "--host", "127.0.0.1", "--port", str(port), "--page-size",
            str(args.page_size), "--disable-overlap-schedule", "--mem-fraction-static", "0.3",
@@ -71,31 +55,17 @@ def serve_and_generate(model: Path, backend: str, prompts: list[list[int]], args
     log = tempfile.NamedTemporaryFile("w+", prefix=f"demo_sglang_{backend}_", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, env=_server_env(cpu), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        t0 = time.time()
-        while True:
-            if proc.poll() is not None:
-                sys.exit(f"demo_sglang: {backend} server exited ({proc.returncode}); log: {log.name}\n"
-                         + Path(log.name).read_text()[-3000:])
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.time() - t0 > args.timeout:
-                sys.exit(f"demo_sglang: {backend} server not ready in {args.timeout} s; log: {log.name}")
-            time.sleep(1)
+        try:
+            wait_healthy(proc, f"http://127.0.0.1:{port}", log.name, args.timeout)
+        except RuntimeError as e:
+            sys.exit(f"demo_sglang: {backend}: {e}\nlog: {log.name}")
         sp = {"temperature": 0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}
         got = {}
         for wave in WAVES:
-            got.update(zip(wave, _post(port, {"input_ids": [prompts[i] for i in wave], "sampling_params": sp})))
+            payload = {"input_ids": [prompts[i] for i in wave], "sampling_params": sp}
+            got.update(zip(wave, post_json(f"http://127.0.0.1:{port}/generate", payload, timeout=600)))
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # the server's own process group
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_process_group(proc)  # the server's own process group
     for line in Path(log.name).read_text().splitlines():
         if "attnplug:" in line:
             print(f"  [{backend} log] {line.strip()}")

@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from attnplug.local_server import free_port, post_json, stop_process_group, wait_healthy
 
 ACTIVE_LINE = "attnplug: ATTNPLUG_TRITON active"
 
@@ -35,9 +35,7 @@ class VllmServer:
     """
 
     def __init__(self, model, backend=None, log_path=None, env=None, extra_args=(), block_size=16):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path or tempfile.mktemp(prefix="vllm-serve-", suffix=".log"))
         cmd = [str(Path(sys.executable).with_name("vllm")), "serve", str(model), "--host", "127.0.0.1",
@@ -68,38 +66,16 @@ class VllmServer:
         return self.log_path.read_text(errors="replace")
 
     def wait_ready(self, timeout: float = 600) -> None:
-        import requests
-
-        t_end = time.time() + timeout
-        while time.time() < t_end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.log()[-6000:]}")
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"vllm serve not ready after {timeout}s:\n{self.log()[-6000:]}")
+        wait_healthy(self.proc, self.url, self.log_path, timeout)
 
     def complete(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
         """Greedy completion (eos ignored) of ``prompt_ids``; returns the generated token ids."""
-        import requests
-
         body = dict(model="tiny", prompt=prompt_ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                     return_token_ids=True)  # fmt: skip
-        r = requests.post(self.url + "/v1/completions", json=body, timeout=600)
-        r.raise_for_status()
-        return r.json()["choices"][0]["token_ids"]
+        return post_json(self.url + "/v1/completions", body, timeout=600)["choices"][0]["token_ids"]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process_group(self.proc, signal.SIGINT, timeout=60)
         self._log.close()
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,12 +25,6 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env.update(SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- hand-built SGLang objects ----------------------------------------------------------------------

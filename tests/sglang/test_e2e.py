@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 
-from sglang_helpers import HERE, free_port, subprocess_env
+from sglang_helpers import HERE, subprocess_env
 
+from attnplug.local_server import free_port, post_json, stop_process_group, wait_healthy
 from attnplug.tiny_model import test_prompts as tiny_prompts
 
 pytestmark = pytest.mark.sglang
@@ -111,50 +110,19 @@ def _launch(tiny_model, backend, port, log_path, marker_dir, *extra):
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _stop(proc):
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server's own process group (started above)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
-def _post(port, payload, timeout=300):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=json.dumps(payload).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
-def _wait_ready(proc, port, log_path, limit=300):
-    t0 = time.time()
-    while time.time() - t0 < limit:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited ({proc.returncode}):\n{open(log_path).read()[-6000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise AssertionError(f"server not ready in {limit} s:\n{open(log_path).read()[-6000:]}")
-
-
 def test_launch_server_http_generate(tiny_model, prompts, hf_greedy, tmp_path):
     port, log_path = free_port(), tmp_path / "server.log"
     proc = _launch(tiny_model, "attnplug_triton", port, log_path, tmp_path)
     try:
-        _wait_ready(proc, port, log_path)
+        wait_healthy(proc, f"http://127.0.0.1:{port}", log_path, timeout=300)
         sp = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
         got = {}
         for wave in WAVES:
-            res = _post(port, {"input_ids": [prompts[i] for i in wave], "sampling_params": sp})
+            payload = {"input_ids": [prompts[i] for i in wave], "sampling_params": sp}
+            res = post_json(f"http://127.0.0.1:{port}/generate", payload, timeout=300)
             got.update(zip(wave, res))
     finally:
-        _stop(proc)
+        stop_process_group(proc)
     log = log_path.read_text()
     assert [got[i]["output_ids"] for i in range(len(prompts))] == hf_greedy
     assert got[2]["meta_info"]["cached_tokens"] == SHARED
@@ -169,7 +137,7 @@ def test_attnplug_flashinfer_fails_at_startup_on_cpu(tiny_model, tmp_path):
     try:
         rc = proc.wait(300)
     finally:
-        _stop(proc)
+        stop_process_group(proc)
     log = log_path.read_text()
     assert rc != 0, log[-4000:]
     assert "attnplug: backend 'attnplug_flashinfer' cannot start: provider 'flashinfer' is unavailable on cpu" in log
