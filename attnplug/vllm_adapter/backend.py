@@ -596,8 +596,8 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
         """Scatter ``key/value [>=T, Hkv, D]`` to ``slot_mapping [T]`` (negative = padding).
 
         vLLM's FULL CUDA graphs (uniform decode / spec verify) capture this call, so it must not
-        sync with the host or depend on data for shapes: :func:`write_kv_capturable`. CPU (never
-        captured) runs the same code, so the CPU tests cover what the GPU runs."""
+        sync with the host or depend on data for shapes: :func:`write_kv_capturable`. The CPU
+        tests with ``ATTNPLUG_TRITON`` run its GPU kernel through the Triton interpreter."""
         k_cache, v_cache = compat.split_kv_cache(kv_cache, self.head_size)
         n = slot_mapping.shape[0]
         write_kv_capturable(key[:n], value[:n], k_cache, v_cache, slot_mapping, compat.null_block_id())
