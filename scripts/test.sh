@@ -10,9 +10,19 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 suites=("$@"); [[ ${#suites[@]} -eq 0 ]] && suites=(core vllm sglang)
+# GiB a suite's environment takes when built from nothing (torch 2.14.1's CUDA build makes SGLang's large);
+# checked before building so a full disk fails with this message, not halfway through a pip install.
+declare -A need_gib=([core]=3 [vllm]=5 [sglang]=10)
+export PIP_NO_CACHE_DIR=1
 status=0
 for s in "${suites[@]}"; do
   echo "=== attnplug test suite: $s ==="
+  free_gib=$(( $(df -Pk . | awk 'NR==2 {print $4}') / 1048576 ))
+  if [[ ! -d ".venvs/$s" && $free_gib -lt ${need_gib[$s]:-0} ]]; then
+    echo "attnplug tests: building .venvs/$s needs about ${need_gib[$s]} GiB free here; only $free_gib GiB are" \
+      "(df -h $(pwd)). Free some space and run again."
+    status=1; continue
+  fi
   if ! bash "scripts/setup_${s}_env.sh"; then echo "environment for $s failed to build"; status=1; continue; fi
   paths=("tests/$s"); [[ $s == core ]] && paths+=(tests/gpu)  # GPU tests skip with a reason without CUDA
   ".venvs/$s/bin/python" -m pytest "${paths[@]}" -q -p no:cacheprovider -rs || status=1
