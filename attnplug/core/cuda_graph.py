@@ -5,6 +5,7 @@
     with torch.cuda.graph(g): gs.run(bs, q[:bs], k_cache, v_cache, out[:bs])
     ...
     gs.update(batch, bs)                          # replay time: in-place writes only
+    gs.update_from_block_table(seq_lens, block_table, bs)   # or: from a device block table, one launch
     g.replay()
 
 Padding: a replay batch of ``B <= bs`` requests fills requests ``B..bs-1`` with a *padded
@@ -274,6 +275,38 @@ class GraphState:
         elif name == "flashinfer":
             self._flashinfer_plan(plan, h, bs)
         return plan
+
+    def update_from_block_table(self, seq_lens: torch.Tensor, block_table: torch.Tensor, bs: int) -> Plan:
+        """Replay-time update from the block-table form (vLLM's), in one Triton launch on the device.
+
+        Args:
+            seq_lens: ``[n]`` (``n <= bs``) KV length per request, this step's ``q`` tokens included;
+                ``<= 0`` (and rows ``n..bs-1``): padded request.
+            block_table: ``[n, W]`` page ids, any strides.
+            bs: a captured batch size.
+
+        Writes what :meth:`update` writes (verify mode: the causal-chain mask, ``c <= kv_len - q + i``,
+        vLLM's linear spec decode; tree masks go through :meth:`update`) plus FA3's block table, with
+        no host sync and no allocation; the plan's host twins are left as they were. Each request
+        must fit ``max_seq_len``. FlashInfer re-plans from host arrays and is refused here.
+        """
+        from .kernels.graph_update import graph_batch_from_block_table  # noqa: PLC0415 - triton is optional
+
+        if bs not in self.plans:
+            raise ValueError(f"bs={bs} was not captured; captured: {sorted(self.plans)}")
+        if self.provider.name == "flashinfer":
+            raise UnsupportedFeature("attnplug: provider 'flashinfer' re-plans from host kv_indptr / kv_last_page_len; "
+                                     "update_from_block_table works on the device only")
+        v = self._static_views(bs)
+        verify = self.mode == "verify"
+        graph_batch_from_block_table(
+            seq_lens, block_table, bs, self.config.page_size, self.pad_page, self.pad_kv_len,
+            v["kv_indptr"], self.kv_indices, v["kv_last_page_len"], v["kv_lens"],
+            block_table_out=self.block_table if self.provider.name == "fa3" else None, q=self.q,
+            mask=self.mask if verify else None, mask_indptr=v.get("mask_indptr"), mask_free=v.get("mask_free"),
+            max_batch=self.max_batch,
+        )  # fmt: skip
+        return self.plans[bs]
 
     def _flashinfer_plan(self, plan: Plan, h: dict | None, bs: int) -> None:
         cfg = self.config

@@ -34,7 +34,7 @@ from attnplug.core import (
     ProviderUnavailable,
     UnsupportedFeature,
 )
-from attnplug.core.cuda_graph import FILL_SEQ_LEN, GraphState
+from attnplug.core.cuda_graph import GraphState
 from attnplug.core.kv_layout import write_kv_fixed_shape
 from attnplug.core.plan import Plan
 from attnplug.core.providers import get_provider_cls
@@ -208,14 +208,13 @@ VERIFY_SCRATCH_BUDGET = 1 << 30  # bytes of static spec-verify buffers a builder
 
 def verify_scratch_bytes(vllm_config, page_size: int) -> int:
     """Static memory of the spec-verify graph family (``q = 1 + num_speculative_tokens``): the
-    core's mask (1 B) plus the adapter's mask scratch (18 B) per mask element, ``q * kv capacity``;
-    0 without speculative decoding."""
+    core's mask, 1 B per element, ``q * kv capacity``; 0 without speculative decoding."""
     spec = getattr(getattr(vllm_config, "speculative_config", None), "num_speculative_tokens", None) or 0
     if not spec:
         return 0
     max_batch, max_seq_len = compat.graph_limits(vllm_config)
     q, tokens = 1 + int(spec), max_batch * -(-max_seq_len // page_size) * page_size
-    return q * (tokens + max_batch * (1 + q)) * 19
+    return q * (tokens + max_batch * (1 + q))
 
 
 def write_kv_capturable(key, value, k_cache, v_cache, slot_mapping, scratch_block: int) -> None:
@@ -250,15 +249,13 @@ class AttnplugMetadata:
 class _UniformGraphs:
     """Builder-owned static state of uniform batches of ``q`` query tokens per request (``q = 1``:
     decode and draft steps; ``q = 1 + num_speculative_tokens``: spec-decode verify, the core's
-    verify mode with a causal-chain mask): one core ``GraphState`` per layer config, plus scratch
-    buffers for the device-side translation of vLLM's metadata.
+    verify mode with a causal-chain mask): one core ``GraphState`` per layer config.
 
-    :meth:`refresh` turns ``seq_lens [bs]`` + ``block_table [bs, W]`` (vLLM's persistent device
-    buffers) into a page CSR (and, ``q > 1``, the chain mask) over all ``bs`` rows with fixed-shape,
-    in-place device ops only (no allocation, no host sync: capture-safe), then hands it to
-    ``GraphState.update``. A row with ``seq_len <= 0`` is a vLLM padding row: it gets the core's
-    padded request (``FILL_SEQ_LEN`` committed tokens on ``pad_page``, vLLM's null block; an
-    all-True mask block). Entries past the real pages hold ``pad_page``.
+    :meth:`refresh` hands ``seq_lens [bs]`` + ``block_table [bs, W]`` (vLLM's persistent device
+    buffers) to ``GraphState.update_from_block_table``: one Triton launch per layer config writes
+    the page CSR, FA3's block table and (``q > 1``) the chain mask in place (no allocation, no host
+    sync: capture-safe). A row with ``seq_len <= 0`` is a vLLM padding row: it gets the core's padded
+    request (``FILL_SEQ_LEN`` committed tokens on ``pad_page``, vLLM's null block; an all-True mask block).
     """
 
     def __init__(self, attention: dict, provider: str, page_size: int, max_batch: int, max_seq_len: int,
@@ -270,24 +267,6 @@ class _UniformGraphs:
         self.states = {cfg: GraphState(cfg, provider, max_batch, max_batch * q, self.max_pages, device, mode,
                                        num_draft_tokens=q, pad_page=pad_page, max_seq_len=max_seq_len)
                        for cfg in attention}  # fmt: skip
-        self.pad_kv_len = FILL_SEQ_LEN + (q if q > 1 else 0)  # the core's padded request
-        i32 = dict(dtype=torch.int32, device=device)
-        mb, n = max_batch, self.max_pages
-        self.seq, self.npg, self.last = (torch.zeros(mb, **i32) for _ in range(3))
-        self.padrow = torch.zeros(mb, dtype=torch.bool, device=device)
-        self.indptr = torch.zeros(mb + 1, **i32)
-        self.j = torch.arange(n, **i32)
-        self.row, self.lin, self.col = (torch.zeros(n, **i32) for _ in range(3))  # block_table numel < 2**31
-        self.base, self.idx = torch.zeros(n, **i32), torch.zeros(n, **i32)
-        self.fill, self.past = (torch.zeros(n, dtype=torch.bool, device=device) for _ in range(2))
-        if q > 1:
-            m = next(iter(self.states.values())).max_mask if self.states else 0
-            # int32 scratch: the level check (verify_scratch_bytes) keeps m far below 2**31
-            self.kl, self.kq = torch.zeros(mb, **i32), torch.zeros(mb, **i32)
-            self.mask_indptr = torch.zeros(mb + 1, **i32)
-            self.e = torch.arange(m, **i32)
-            self.m_row, self.m_off, self.m_kl, self.m_t = (torch.zeros(m, **i32) for _ in range(4))
-            self.mask, self.m_fill = (torch.zeros(m, dtype=torch.bool, device=device) for _ in range(2))
 
     def plan_for(self, bs: int) -> None:
         """Plans of batch size ``bs`` (host work, once per ``bs``; outside any graph)."""
@@ -303,61 +282,8 @@ class _UniformGraphs:
 
         ``seq_lens [n]`` / ``block_table [n, W]`` with ``n <= bs``: rows ``n..bs-1`` are padding
         too (a vLLM that pads the tokens of a uniform batch but not its requests)."""
-        P, pad, n = self.page_size, self.pad_page, seq_lens.shape[0]
-        s, padrow, npg, last = self.seq[:bs], self.padrow[:bs], self.npg[:bs], self.last[:bs]
-        ind = self.indptr[: bs + 1]
-        padrow[n:].fill_(True)
-        torch.le(seq_lens, 0, out=padrow[:n])
-        s[n:].fill_(0)
-        s[:n].copy_(seq_lens)
-        s.masked_fill_(padrow, self.pad_kv_len)
-        torch.add(s, P - 1, out=npg)
-        npg.div_(P, rounding_mode="floor")
-        torch.cumsum(npg, 0, dtype=torch.int32, out=ind[1:])
-        torch.sub(npg, 1, out=last)
-        last.mul_(-P).add_(s)  # last = seq - (pages - 1) * P
-        # kv_indices[j] = block_table[row(j), j - indptr[row(j)]], row(j) = #{b: indptr[b+1] <= j}
-        row, col, lin = self.row, self.col, self.lin
-        torch.searchsorted(ind[1:], self.j, right=True, out_int32=True, out=row)
-        row.clamp_(max=bs - 1)
-        torch.index_select(ind, 0, row, out=self.base)
-        torch.sub(self.j, self.base, out=col)
-        w = block_table.shape[1]
-        col.clamp_(0, w - 1).mul_(block_table.stride(1))
-        torch.clamp(row, max=n - 1, out=lin).mul_(block_table.stride(0)).add_(col)  # rows >= n: padding
-        span = (n - 1) * block_table.stride(0) + (w - 1) * block_table.stride(1) + 1
-        torch.index_select(block_table.as_strided((span,), (1,)), 0, lin, out=self.idx)
-        torch.index_select(padrow, 0, row, out=self.fill)  # padding rows and entries past the pages: pad_page
-        torch.ge(self.j, ind[bs], out=self.past)
-        self.idx.masked_fill_(self.fill.logical_or_(self.past), pad)
-        mask = self._chain_mask(s, padrow, bs) if self.q > 1 else None
         for gs in self.states.values():
-            batch = BatchMetadata(gs.plans[bs].mode, gs.qo_indptr[: bs + 1], ind, self.idx, last, custom_mask=mask)
-            gs.update(batch, bs)
-
-    def _chain_mask(self, s: torch.Tensor, padrow: torch.Tensor, bs: int) -> torch.Tensor:
-        """vLLM's verify batch as the core's custom mask: request ``b``'s row-major ``[q, kv_len]``
-        block, element ``(i, c)`` True iff ``c <= kv_len - q + i`` (prefix + causal chain; padded
-        rows all True). Computed over the whole static buffer (fixed shape)."""
-        q, kl, mi = self.q, self.kl[:bs], self.mask_indptr[: bs + 1]
-        kl.copy_(s)
-        torch.mul(kl, q, out=self.kq[:bs])
-        torch.cumsum(self.kq[:bs], 0, dtype=torch.int32, out=mi[1:])
-        r, off, k, t = self.m_row, self.m_off, self.m_kl, self.m_t
-        torch.searchsorted(mi[1:], self.e, right=True, out_int32=True, out=r)
-        r.clamp_(max=bs - 1)
-        torch.index_select(mi, 0, r, out=off)
-        torch.sub(self.e, off, out=off)  # offset in the request's block
-        torch.index_select(kl, 0, r, out=k)
-        torch.div(off, k, rounding_mode="floor", out=t)  # i
-        t.mul_(k.add_(1))  # i * (kv_len + 1)
-        torch.sub(off, t, out=t)  # c - i
-        torch.le(t, k.sub_(1 + q), out=self.mask)  # c - i <= kv_len - q
-        torch.index_select(padrow, 0, r, out=self.m_fill)
-        self.mask.logical_or_(self.m_fill)
-        if self.mask.device.type == "cpu":  # host-twin bookkeeping of the core wants the exact length
-            return self.mask[: int(mi[bs])]  # (CPU never captures; on CUDA the whole buffer, no sync)
-        return self.mask
+            gs.update_from_block_table(seq_lens, block_table, bs)
 
 
 @dataclass

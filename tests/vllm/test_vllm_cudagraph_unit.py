@@ -317,8 +317,8 @@ def test_support_levels_are_honest_per_provider(env, monkeypatch):
 
     spec16 = SimpleNamespace(block_size=16)
     assert triton.get_cudagraph_support(cfg(8, 2048), spec16) is CG.UNIFORM_BATCH
-    assert B.verify_scratch_bytes(cfg(1024, 131072), 16) > B.VERIFY_SCRATCH_BUDGET
-    assert triton.get_cudagraph_support(cfg(1024, 131072), spec16) is CG.UNIFORM_SINGLE_TOKEN_DECODE
+    assert B.verify_scratch_bytes(cfg(1024, 524288), 16) > B.VERIFY_SCRATCH_BUDGET
+    assert triton.get_cudagraph_support(cfg(1024, 524288), spec16) is CG.UNIFORM_SINGLE_TOKEN_DECODE
     monkeypatch.setenv("ATTNPLUG_PROVIDER_OVERRIDE", "reference")
     assert B.AttnplugTritonBackend.get_builder_cls().get_cudagraph_support(None, None) is CG.NEVER
 

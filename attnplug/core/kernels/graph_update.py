@@ -1,0 +1,133 @@
+"""Replay-time metadata of a CUDA-graph batch from the engine's block table: one Triton launch.
+
+vLLM hands a backend ``seq_lens [n]`` and ``block_table [n, W]`` on the device every step. Turning
+them into the core's page CSR (``kv_indptr``, ``kv_indices``, ``kv_last_page_len``), ``kv_lens``,
+FA3's padded block table and, for spec-decode verify, the causal-chain mask with fixed-shape torch
+ops took ~30 launches per step (searchsorted, index_select, cumsum, masked fills ...); this kernel
+writes all of them at once, in place, with no host sync and no allocation.
+
+Padded requests (``seq_lens <= 0``, and rows ``n..bs-1``) become the core's padded request
+(``pad_kv_len`` tokens on ``pad_page``; an all-True mask block), as ``GraphState.update`` pads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def graph_batch_from_block_table_kernel(
+    SEQ, BT, stride_bt_row, stride_bt_col, n, W,
+    KV_INDPTR, KV_INDICES, KV_LAST, KV_LENS,
+    BT_OUT, stride_bo_row,
+    MASK, MASK_INDPTR, MASK_FREE,
+    page_size, pad_page, pad_kv_len,
+    Q: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr,
+    HAS_BT_OUT: tl.constexpr, CHAIN_MASK: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(bs,)``: program ``b`` writes request ``b``'s pages (and mask block); program 0 also
+    writes the per-request vectors. Every program recomputes the ``bs`` prefix sums (``bs <= BLOCK_B``)."""
+    b = tl.program_id(0)
+    bs = tl.num_programs(0)
+    rows = tl.arange(0, BLOCK_B)
+    live = rows < bs
+    s = tl.load(SEQ + rows, mask=rows < n, other=0).to(tl.int32)
+    padrow = (s <= 0) & live
+    s = tl.where(padrow, pad_kv_len, s)
+    s = tl.where(live, s, 0)
+    npg = (s + page_size - 1) // page_size
+    me = rows == b
+    s_b = tl.sum(tl.where(me, s, 0), axis=0)
+    npg_b = tl.sum(tl.where(me, npg, 0), axis=0)
+    pad_b = tl.sum(tl.where(me & padrow, 1, 0), axis=0) > 0
+    start = tl.sum(tl.where(rows < b, npg, 0), axis=0)
+    if b == 0:
+        tl.store(KV_INDPTR + rows, 0, mask=rows == 0)
+        tl.store(KV_INDPTR + 1 + rows, tl.cumsum(npg, 0), mask=live)
+        tl.store(KV_LAST + rows, s - (npg - 1) * page_size, mask=live)
+        tl.store(KV_LENS + rows, s, mask=live)
+        if CHAIN_MASK:
+            tl.store(MASK_INDPTR + rows, tl.zeros([BLOCK_B], dtype=tl.int64), mask=rows == 0)
+            tl.store(MASK_INDPTR + 1 + rows, tl.cumsum(s.to(tl.int64) * Q, 0), mask=live)
+            tl.store(MASK_FREE + rows, s - Q, mask=live)
+    read = (b < n) & (pad_b == 0)  # a real row of the engine's table
+    row = BT + b.to(tl.int64) * stride_bt_row
+    for j0 in range(0, npg_b, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        m = j < npg_b
+        page = tl.load(row + j.to(tl.int64) * stride_bt_col, mask=m & (j < W) & read, other=pad_page)
+        tl.store(KV_INDICES + start + j, page.to(tl.int32), mask=m)
+        if HAS_BT_OUT:
+            tl.store(BT_OUT + b.to(tl.int64) * stride_bo_row + j, page.to(tl.int32), mask=m)
+    if CHAIN_MASK:
+        # request b's row-major [Q, kv_len] block: (i, c) visible iff c <= kv_len - Q + i
+        mstart = tl.sum(tl.where(rows < b, s, 0).to(tl.int64), axis=0) * Q
+        total = s_b * Q
+        for e0 in range(0, total, BLOCK_E):
+            e = e0 + tl.arange(0, BLOCK_E)
+            i = e // s_b
+            c = e - i * s_b
+            val = (c <= s_b - Q + i) | pad_b
+            tl.store(MASK + mstart + e, val.to(tl.uint8), mask=e < total)
+
+
+def graph_batch_from_block_table(
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    bs: int,
+    page_size: int,
+    pad_page: int,
+    pad_kv_len: int,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    kv_lens: torch.Tensor,
+    block_table_out: torch.Tensor | None = None,
+    q: int = 1,
+    mask: torch.Tensor | None = None,
+    mask_indptr: torch.Tensor | None = None,
+    mask_free: torch.Tensor | None = None,
+    max_batch: int | None = None,
+) -> None:
+    """Write a padded batch of ``bs`` requests into static buffers, in one launch.
+
+    Args:
+        seq_lens: ``[n]`` int32 / int64, ``n <= bs``: KV length of each request including this
+            step's ``q`` query tokens; ``<= 0`` marks an engine padding row.
+        block_table: ``[n, W]`` int32 / int64 page ids (any strides).
+        bs: padded batch size; rows ``n..bs-1`` are padded requests.
+        page_size, pad_page, pad_kv_len: page size; page and KV length of a padded request.
+        kv_indptr ``[>= bs+1]`` int32, kv_indices ``[>= nnz]`` int32, kv_last_page_len ``[>= bs]``
+            int32, kv_lens ``[>= bs]`` int32: outputs (CSR of the padded batch).
+        block_table_out: optional ``[>= bs, >= max pages of a request]`` int32, row stride any, column
+            stride 1: the padded batch as a block table (FA3); only each row's first pages are written.
+        q, mask ``[>= sum q*kv_len]`` uint8, mask_indptr ``[>= bs+1]`` int64, mask_free ``[>= bs]``
+            int32: with ``mask``, the causal-chain verify mask (prefix + chain; padded rows all True).
+        max_batch: largest ``bs`` this call site uses (sizes the in-kernel prefix sum; default ``bs``),
+            so that every ``bs`` reuses one compiled kernel.
+
+    Capacities are not checked (that would sync): every real request must be ``<= W`` pages, and the
+    outputs sized for ``bs`` requests of the graph family's largest length (``GraphState`` is).
+    """
+    n = seq_lens.shape[0]
+    if not 0 <= n <= bs:
+        raise ValueError(f"seq_lens has {n} rows, expected 0..bs={bs}")
+    if n and block_table.shape[0] < n:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows < {n} requests")
+    if block_table_out is not None and block_table_out.stride(1) != 1:
+        raise ValueError("block_table_out needs a contiguous column dim")
+    chain = mask is not None
+    dummy = kv_lens
+    W = block_table.shape[1] if block_table.dim() == 2 else 0
+    graph_batch_from_block_table_kernel[(bs,)](
+        seq_lens, block_table, block_table.stride(0), block_table.stride(1) if W else 1, n, W,
+        kv_indptr, kv_indices, kv_last_page_len, kv_lens,
+        dummy if block_table_out is None else block_table_out,
+        0 if block_table_out is None else block_table_out.stride(0),
+        mask if chain else dummy, mask_indptr if chain else dummy, mask_free if chain else dummy,
+        page_size, pad_page, pad_kv_len,
+        Q=q, BLOCK_B=triton.next_power_of_2(max(bs, max_batch or 1)), BLOCK_J=128, BLOCK_E=1024,
+        HAS_BT_OUT=block_table_out is not None, CHAIN_MASK=chain,
+    )  # fmt: skip
