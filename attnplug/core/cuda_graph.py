@@ -276,14 +276,18 @@ class GraphState:
             self._flashinfer_plan(plan, h, bs)
         return plan
 
-    def update_from_block_table(self, seq_lens: torch.Tensor, block_table: torch.Tensor, bs: int) -> Plan:
+    def update_from_block_table(self, seq_lens: torch.Tensor, block_table: torch.Tensor, bs: int,
+                                row_ids: torch.Tensor | None = None, entry_tokens: int = 1) -> Plan:
         """Replay-time update from the block-table form (vLLM's), in one Triton launch on the device.
 
         Args:
             seq_lens: ``[n]`` (``n <= bs``) KV length per request, this step's ``q`` tokens included;
                 ``<= 0`` (and rows ``n..bs-1``): padded request.
-            block_table: ``[n, W]`` page ids, any strides.
+            block_table: ``[rows, W]`` page ids, any strides; request ``b`` reads row ``b`` or ``row_ids[b]``.
             bs: a captured batch size.
+            row_ids: optional ``[n]`` table row per request (SGLang's ``req_pool_indices``).
+            entry_tokens: ``page_size`` for a token-slot table (SGLang's ``req_to_token``: page ``j`` is
+                ``table[row, j * P] // P``), 1 for a page table (vLLM's block table).
 
         Writes what :meth:`update` writes (verify mode: the causal-chain mask, ``c <= kv_len - q + i``,
         vLLM's linear spec decode; tree masks go through :meth:`update`) plus FA3's block table, with
@@ -304,7 +308,7 @@ class GraphState:
             v["kv_indptr"], self.kv_indices, v["kv_last_page_len"], v["kv_lens"],
             block_table_out=self.block_table if self.provider.name == "fa3" else None, q=self.q,
             mask=self.mask if verify else None, mask_indptr=v.get("mask_indptr"), mask_free=v.get("mask_free"),
-            max_batch=self.max_batch,
+            max_batch=self.max_batch, row_ids=row_ids, entry_tokens=entry_tokens,
         )  # fmt: skip
         return self.plans[bs]
 

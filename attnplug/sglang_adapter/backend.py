@@ -233,8 +233,10 @@ class AttnplugAttnBackend(AttentionBackend):
         step. With graph state: ``in_capture`` plans the padded batch of ``bs = batch_size`` requests
         (``bs - num_padding`` real ones, the rest SGLang's padding) once per ``bs`` into the static
         buffers of the core's ``GraphState``; a replay writes the real requests into those buffers in
-        place (``GraphState.update``: same buffers, padded slots refilled with the fill values, host
-        shapes from ``seq_lens_cpu``, no device->host read).
+        place, padded slots refilled with the fill values, no device->host read: a DECODE replay (triton,
+        fa3) in one launch from ``req_to_token`` (``GraphState.update_from_block_table``); FlashInfer
+        (host plan) and TARGET_VERIFY (SGLang's tree mask) through ``GraphState.update``, host shapes
+        from ``seq_lens_cpu``.
         """
         mode = self._graph_mode_of(forward_batch)
         if self._graphs is None or mode is None:
@@ -248,15 +250,24 @@ class AttnplugAttnBackend(AttentionBackend):
         real = bs - int(getattr(forward_batch, "num_padding", 0) or 0)
         self._forward_id += 1
         self._batch = None
-        batch = self._graph_batch(forward_batch, mode, real, host=in_capture)
         states = self._graphs[mode]
         if not states:  # no layer config known yet: the probe's (layers add theirs lazily)
             self._graph_state(mode, self._probe_key)
-        for gs in states.values():
-            if in_capture or bs not in gs.plans:
-                gs.prepare_capture(bs, batch)
-            else:
-                gs.update(batch, bs)
+        batch = None
+        if not in_capture and mode == "decode" and self.provider_name != "flashinfer" and all(
+                bs in gs.plans for gs in states.values()):  # fmt: skip
+            # decode replay: one launch per layer config from req_to_token, on the device
+            ids, rows = self._read_table(forward_batch, real)
+            for gs in states.values():
+                gs.update_from_block_table(forward_batch.seq_lens[:real], ids, bs, row_ids=rows,
+                                           entry_tokens=self.page_size)  # fmt: skip
+        else:
+            batch = self._graph_batch(forward_batch, mode, real, host=in_capture)
+            for gs in states.values():
+                if in_capture or bs not in gs.plans:
+                    gs.prepare_capture(bs, batch)
+                else:
+                    gs.update(batch, bs)
         self._graph_fwd = (mode, bs, batch)
         st = self._stats
         key = "GRAPH_" + forward_batch.forward_mode.name
@@ -353,11 +364,7 @@ class AttnplugAttnBackend(AttentionBackend):
         nnz = int(indptr[-1])
         last = torch.where(npg > 0, kv - (npg - 1) * P, 0).to(torch.int32)
         col = (torch.arange(nnz) - torch.repeat_interleave(indptr[:-1], npg, output_size=nnz)) * P
-        table = compat.kv_read_table(self.kv_index_translator, fb, self.req_to_token_pool.req_to_token,
-                                     fb.req_pool_indices[:B])
-        if table is None:
-            raise self._unsupported("translated (unified / virtual->physical) KV reads")
-        ids, rows = table
+        ids, rows = self._read_table(fb, B)
         nb = dict(non_blocking=True)
         row_of = torch.repeat_interleave(rows.long(), npg.to(rows.device, **nb), output_size=nnz)
         kv_indices = (ids[row_of, col.to(ids.device, **nb)].long() // P).to(torch.int32)
@@ -373,6 +380,14 @@ class AttnplugAttnBackend(AttentionBackend):
         elif self.provider_name != "flashinfer":  # device CSR: GraphState.update never reads it back
             qo, indptr, last = (t.to(dev, **nb) for t in (qo, indptr, last))
         return BatchMetadata(core_mode, qo, indptr, kv_indices, last, custom_mask=custom_mask)
+
+    def _read_table(self, fb, B: int):
+        """``(ids [rows, max_ctx], row_ids [B])``: the token-slot table the ``B`` real requests read."""
+        table = compat.kv_read_table(self.kv_index_translator, fb, self.req_to_token_pool.req_to_token,
+                                     fb.req_pool_indices[:B])
+        if table is None:
+            raise self._unsupported("translated (unified / virtual->physical) KV reads")
+        return table
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """Committed length SGLang gives padded requests of a graph batch: the core's ``FILL_SEQ_LEN``
@@ -479,7 +494,7 @@ class AttnplugAttnBackend(AttentionBackend):
             if gs is None or bs not in gs.plans:  # a layer config first seen now (warmup forward)
                 if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                     raise self._unsupported(f"a layer config {key} first seen inside CUDA-graph capture")
-                if batch.kv_indptr.device.type != "cpu":
+                if batch is None or batch.kv_indptr.device.type != "cpu":
                     raise self._unsupported(f"a layer config {key} first seen at CUDA-graph replay")
                 gs = self._graph_state(mode, key)
                 gs.prepare_capture(bs, batch)

@@ -164,3 +164,23 @@ def test_fa3_block_table_and_flashinfer_refusal():
     gs.plans, gs.provider = {1: None}, type("P", (), {"name": "flashinfer"})()
     with pytest.raises(UnsupportedFeature, match="attnplug: provider 'flashinfer'.*host"):
         gs.update_from_block_table(seq, table, 1)
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_token_table_with_row_ids(page):
+    """SGLang's dialect: token-slot rows of ``req_to_token`` picked by ``req_pool_indices``."""
+    bs, slots, ctx = 5, 7, 48
+    g = torch.Generator().manual_seed(page)
+    pages = torch.randperm(slots * ctx // page + 20, generator=g)[: slots * ctx // page].view(slots, ctx // page) + 20
+    tokens = (pages.repeat_interleave(page, 1) * page + torch.arange(ctx) % page).to(torch.int32)  # [slots, ctx]
+    row_ids = torch.tensor([5, 0, 3], dtype=torch.int64)
+    seq = torch.tensor([1, 48, 13], dtype=torch.int64)
+    gs = GraphState(cfg(page), "triton", bs, bs, bs * ctx, DEV, "decode", pad_page=PAD_PAGE, max_seq_len=ctx)
+    gs.prepare_capture(bs)
+    gs.update_from_block_table(seq.to(DEV), tokens.to(DEV), bs, row_ids=row_ids.to(DEV), entry_tokens=page)
+    want = expected(seq.tolist(), pages[row_ids], bs, page, gs.pad_kv_len, 1)
+    nnz = len(want["kv_indices"])
+    assert gs.kv_indptr[: bs + 1].cpu().tolist() == want["kv_indptr"]
+    assert gs.kv_indices[:nnz].cpu().tolist() == want["kv_indices"]
+    assert gs.kv_last_page_len[:bs].cpu().tolist() == want["kv_last_page_len"]
+    assert gs.kv_lens[:bs].cpu().tolist() == want["kv_lens"]

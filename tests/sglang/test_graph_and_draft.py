@@ -85,7 +85,12 @@ def _batch(runner, mode, n, kv_lens, seed):
 
 
 @pytest.mark.parametrize("mode, page_size", [("decode", 16), ("decode", 1), ("verify", 4)])
-def test_graph_capture_then_replay_matches_eager(mode, page_size):
+def test_graph_capture_then_replay_matches_eager(mode, page_size, monkeypatch):
+    from attnplug.core.cuda_graph import GraphState
+
+    launches = []  # the one-launch replay path (decode) vs GraphState.update (verify: SGLang's tree mask)
+    one_launch = GraphState.update_from_block_table
+    monkeypatch.setattr(GraphState, "update_from_block_table", lambda gs, *a, **k: launches.append(1) or one_launch(gs, *a, **k))
     n = 3 if mode == "verify" else 1
     bs, max_bs = 4, 4
     runner = make_runner(page_size)
@@ -133,6 +138,7 @@ def test_graph_capture_then_replay_matches_eager(mode, page_size):
             assert torch.equal(gs.mask[:m].bool(), fb.spec_info.custom_mask[:m])
             assert bool(gs.mask[m: m + pad * n * gs.pad_kv_len].all())
     assert be._stats.forwards.get("GRAPH_" + fb.forward_mode.name) == 2
+    assert len(launches) == (len(be._graphs["decode"]) if mode == "decode" else 0) and be._graphs[mode]
 
 
 def test_fill_value_is_the_core_constant():

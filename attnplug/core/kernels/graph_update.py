@@ -1,10 +1,12 @@
-"""Replay-time metadata of a CUDA-graph batch from the engine's block table: one Triton launch.
+"""Replay-time metadata of a CUDA-graph batch from the engine's page table: one Triton launch.
 
 vLLM hands a backend ``seq_lens [n]`` and ``block_table [n, W]`` on the device every step. Turning
 them into the core's page CSR (``kv_indptr``, ``kv_indices``, ``kv_last_page_len``), ``kv_lens``,
 FA3's padded block table and, for spec-decode verify, the causal-chain mask with fixed-shape torch
 ops took ~30 launches per step (searchsorted, index_select, cumsum, masked fills ...); this kernel
-writes all of them at once, in place, with no host sync and no allocation.
+writes all of them at once, in place, with no host sync and no allocation. SGLang's token-level
+``req_to_token`` rows, picked by ``req_pool_indices``, are read the same way (``row_ids``,
+``entry_tokens = P``).
 
 Padded requests (``seq_lens <= 0``, and rows ``n..bs-1``) become the core's padded request
 (``pad_kv_len`` tokens on ``pad_page``; an all-True mask block), as ``GraphState.update`` pads.
@@ -19,13 +21,13 @@ import triton.language as tl
 
 @triton.jit
 def graph_batch_from_block_table_kernel(
-    SEQ, BT, stride_bt_row, stride_bt_col, n, W,
+    SEQ, BT, stride_bt_row, stride_bt_col, n, W, ROW_IDX,
     KV_INDPTR, KV_INDICES, KV_LAST, KV_LENS,
     BT_OUT, stride_bo_row,
     MASK, MASK_INDPTR, MASK_FREE,
     page_size, pad_page, pad_kv_len,
     Q: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr,
-    HAS_BT_OUT: tl.constexpr, CHAIN_MASK: tl.constexpr,
+    HAS_BT_OUT: tl.constexpr, CHAIN_MASK: tl.constexpr, HAS_ROW_IDX: tl.constexpr, ENTRY_TOKENS: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(bs,)``: program ``b`` writes request ``b``'s pages (and mask block); program 0 also
     writes the per-request vectors. Every program recomputes the ``bs`` prefix sums (``bs <= BLOCK_B``)."""
@@ -53,11 +55,16 @@ def graph_batch_from_block_table_kernel(
             tl.store(MASK_INDPTR + 1 + rows, tl.cumsum(s.to(tl.int64) * Q, 0), mask=live)
             tl.store(MASK_FREE + rows, s - Q, mask=live)
     read = (b < n) & (pad_b == 0)  # a real row of the engine's table
-    row = BT + b.to(tl.int64) * stride_bt_row
+    r = b.to(tl.int64)
+    if HAS_ROW_IDX:
+        r = tl.load(ROW_IDX + b, mask=read, other=0).to(tl.int64)
+    row = BT + r * stride_bt_row
     for j0 in range(0, npg_b, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
         m = j < npg_b
-        page = tl.load(row + j.to(tl.int64) * stride_bt_col, mask=m & (j < W) & read, other=pad_page)
+        col = j.to(tl.int64) * ENTRY_TOKENS  # token-level tables: each page's first token slot
+        page = tl.load(row + col * stride_bt_col, mask=m & (col < W) & read, other=pad_page * ENTRY_TOKENS)
+        page = page // ENTRY_TOKENS
         tl.store(KV_INDICES + start + j, page.to(tl.int32), mask=m)
         if HAS_BT_OUT:
             tl.store(BT_OUT + b.to(tl.int64) * stride_bo_row + j, page.to(tl.int32), mask=m)
@@ -90,13 +97,17 @@ def graph_batch_from_block_table(
     mask_indptr: torch.Tensor | None = None,
     mask_free: torch.Tensor | None = None,
     max_batch: int | None = None,
+    row_ids: torch.Tensor | None = None,
+    entry_tokens: int = 1,
 ) -> None:
     """Write a padded batch of ``bs`` requests into static buffers, in one launch.
 
     Args:
         seq_lens: ``[n]`` int32 / int64, ``n <= bs``: KV length of each request including this
             step's ``q`` query tokens; ``<= 0`` marks an engine padding row.
-        block_table: ``[n, W]`` int32 / int64 page ids (any strides).
+        block_table: ``[rows, W]`` int32 / int64 page ids (any strides); request ``b`` reads row ``b``,
+            or ``row_ids[b]``. With ``entry_tokens = P`` a token-level table (SGLang's ``req_to_token``:
+            token slot ids, ``W`` tokens per row): page ``j`` = ``table[row, j * P] // P``.
         bs: padded batch size; rows ``n..bs-1`` are padded requests.
         page_size, pad_page, pad_kv_len: page size; page and KV length of a padded request.
         kv_indptr ``[>= bs+1]`` int32, kv_indices ``[>= nnz]`` int32, kv_last_page_len ``[>= bs]``
@@ -105,6 +116,8 @@ def graph_batch_from_block_table(
             stride 1: the padded batch as a block table (FA3); only each row's first pages are written.
         q, mask ``[>= sum q*kv_len]`` uint8, mask_indptr ``[>= bs+1]`` int64, mask_free ``[>= bs]``
             int32: with ``mask``, the causal-chain verify mask (prefix + chain; padded rows all True).
+        row_ids: optional ``[>= n]`` int32 / int64 table row of each request (SGLang's ``req_pool_indices``).
+        entry_tokens: table entries per page (1: a page table; ``P``: a token-slot table).
         max_batch: largest ``bs`` this call site uses (sizes the in-kernel prefix sum; default ``bs``),
             so that every ``bs`` reuses one compiled kernel.
 
@@ -114,7 +127,7 @@ def graph_batch_from_block_table(
     n = seq_lens.shape[0]
     if not 0 <= n <= bs:
         raise ValueError(f"seq_lens has {n} rows, expected 0..bs={bs}")
-    if n and block_table.shape[0] < n:
+    if n and row_ids is None and block_table.shape[0] < n:
         raise ValueError(f"block_table has {block_table.shape[0]} rows < {n} requests")
     if block_table_out is not None and block_table_out.stride(1) != 1:
         raise ValueError("block_table_out needs a contiguous column dim")
@@ -123,11 +136,13 @@ def graph_batch_from_block_table(
     W = block_table.shape[1] if block_table.dim() == 2 else 0
     graph_batch_from_block_table_kernel[(bs,)](
         seq_lens, block_table, block_table.stride(0), block_table.stride(1) if W else 1, n, W,
+        seq_lens if row_ids is None else row_ids,
         kv_indptr, kv_indices, kv_last_page_len, kv_lens,
         dummy if block_table_out is None else block_table_out,
         0 if block_table_out is None else block_table_out.stride(0),
         mask if chain else dummy, mask_indptr if chain else dummy, mask_free if chain else dummy,
         page_size, pad_page, pad_kv_len,
         Q=q, BLOCK_B=triton.next_power_of_2(max(bs, max_batch or 1)), BLOCK_J=128, BLOCK_E=1024,
-        HAS_BT_OUT=block_table_out is not None, CHAIN_MASK=chain,
+        HAS_BT_OUT=block_table_out is not None, CHAIN_MASK=chain, HAS_ROW_IDX=row_ids is not None,
+        ENTRY_TOKENS=entry_tokens,
     )  # fmt: skip
