@@ -277,7 +277,8 @@ class GraphState:
         return plan
 
     def update_from_block_table(self, seq_lens: torch.Tensor, block_table: torch.Tensor, bs: int,
-                                row_ids: torch.Tensor | None = None, entry_tokens: int = 1) -> Plan:
+                                row_ids: torch.Tensor | None = None, entry_tokens: int = 1,
+                                host_seq_lens: torch.Tensor | None = None) -> Plan:
         """Replay-time update from the block-table form (vLLM's), in one Triton launch on the device.
 
         Args:
@@ -288,19 +289,23 @@ class GraphState:
             row_ids: optional ``[n]`` table row per request (SGLang's ``req_pool_indices``).
             entry_tokens: ``page_size`` for a token-slot table (SGLang's ``req_to_token``: page ``j`` is
                 ``table[row, j * P] // P``), 1 for a page table (vLLM's block table).
+            host_seq_lens: ``[n]`` host copy of ``seq_lens``; FlashInfer (decode) needs it: its plan
+                reads ``kv_indptr`` / ``kv_last_page_len`` on the host, and gets ``kv_indices`` as the
+                device buffer this launch wrote (a device-to-device copy, no sync).
 
         Writes what :meth:`update` writes (verify mode: the causal-chain mask, ``c <= kv_len - q + i``,
         vLLM's linear spec decode; tree masks go through :meth:`update`) plus FA3's block table, with
         no host sync and no allocation; the plan's host twins are left as they were. Each request
-        must fit ``max_seq_len``. FlashInfer re-plans from host arrays and is refused here.
+        must fit ``max_seq_len``.
         """
         from .kernels.graph_update import graph_batch_from_block_table  # noqa: PLC0415 - triton is optional
 
         if bs not in self.plans:
             raise ValueError(f"bs={bs} was not captured; captured: {sorted(self.plans)}")
-        if self.provider.name == "flashinfer":
-            raise UnsupportedFeature("attnplug: provider 'flashinfer' re-plans from host kv_indptr / kv_last_page_len; "
-                                     "update_from_block_table works on the device only")
+        fi = self.provider.name == "flashinfer"
+        if fi and (host_seq_lens is None or self.mode != "decode"):
+            raise UnsupportedFeature("attnplug: provider 'flashinfer' plans on the host: update_from_block_table needs "
+                                     "host_seq_lens and decode mode (verify goes through update())")
         v = self._static_views(bs)
         verify = self.mode == "verify"
         graph_batch_from_block_table(
@@ -310,7 +315,22 @@ class GraphState:
             mask=self.mask if verify else None, mask_indptr=v.get("mask_indptr"), mask_free=v.get("mask_free"),
             max_batch=self.max_batch, row_ids=row_ids, entry_tokens=entry_tokens,
         )  # fmt: skip
+        if fi:
+            ind, last = self._host_csr(host_seq_lens, bs)
+            self._flashinfer_plan(self.plans[bs], dict(kv_indptr=ind, kv_indices=self.kv_indices[: int(ind[-1])],
+                                                       kv_last_page_len=last), bs)  # fmt: skip
         return self.plans[bs]
+
+    def _host_csr(self, seq_lens: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host ``kv_indptr [bs+1]`` / ``kv_last_page_len [bs]`` of the padded batch of ``seq_lens [n]``
+        (the same padding as the kernel: ``<= 0`` and rows ``n..bs-1`` are padded requests)."""
+        P, n = self.config.page_size, seq_lens.shape[0]
+        s = torch.full((bs,), self.pad_kv_len, dtype=_I32)
+        s[:n] = torch.where(seq_lens.cpu() > 0, seq_lens.cpu(), self.pad_kv_len).to(_I32)
+        npg = (s + P - 1) // P
+        ind = torch.zeros(bs + 1, dtype=_I32)
+        torch.cumsum(npg, 0, dtype=_I32, out=ind[1:])
+        return ind, s - (npg - 1) * P
 
     def _flashinfer_plan(self, plan: Plan, h: dict | None, bs: int) -> None:
         cfg = self.config

@@ -233,10 +233,10 @@ class AttnplugAttnBackend(AttentionBackend):
         step. With graph state: ``in_capture`` plans the padded batch of ``bs = batch_size`` requests
         (``bs - num_padding`` real ones, the rest SGLang's padding) once per ``bs`` into the static
         buffers of the core's ``GraphState``; a replay writes the real requests into those buffers in
-        place, padded slots refilled with the fill values, no device->host read: a DECODE replay (triton,
-        fa3) in one launch from ``req_to_token`` (``GraphState.update_from_block_table``); FlashInfer
-        (host plan) and TARGET_VERIFY (SGLang's tree mask) through ``GraphState.update``, host shapes
-        from ``seq_lens_cpu``.
+        place, padded slots refilled with the fill values, no device->host read: a DECODE replay in one
+        launch from ``req_to_token`` (``GraphState.update_from_block_table``; FlashInfer's host plan
+        takes its lengths from ``seq_lens_cpu``); TARGET_VERIFY (SGLang's tree mask) through
+        ``GraphState.update``, host shapes from ``seq_lens_cpu``.
         """
         mode = self._graph_mode_of(forward_batch)
         if self._graphs is None or mode is None:
@@ -254,13 +254,16 @@ class AttnplugAttnBackend(AttentionBackend):
         if not states:  # no layer config known yet: the probe's (layers add theirs lazily)
             self._graph_state(mode, self._probe_key)
         batch = None
-        if not in_capture and mode == "decode" and self.provider_name != "flashinfer" and all(
-                bs in gs.plans for gs in states.values()):  # fmt: skip
-            # decode replay: one launch per layer config from req_to_token, on the device
+        host_seq = getattr(forward_batch, "seq_lens_cpu", None)
+        host_seq = None if host_seq is None or self.provider_name != "flashinfer" else host_seq[:real]
+        fast = mode == "decode" and (self.provider_name != "flashinfer" or host_seq is not None)
+        if fast and not in_capture and all(bs in gs.plans for gs in states.values()):
+            # decode replay: one launch per layer config from req_to_token, on the device (FlashInfer
+            # then plans from the host lengths and that launch's device kv_indices: no device read)
             ids, rows = self._read_table(forward_batch, real)
             for gs in states.values():
                 gs.update_from_block_table(forward_batch.seq_lens[:real], ids, bs, row_ids=rows,
-                                           entry_tokens=self.page_size)  # fmt: skip
+                                           entry_tokens=self.page_size, host_seq_lens=host_seq)  # fmt: skip
         else:
             batch = self._graph_batch(forward_batch, mode, real, host=in_capture)
             for gs in states.values():

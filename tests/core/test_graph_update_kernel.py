@@ -147,8 +147,8 @@ def test_replay_after_block_table_update_equals_reference():
     assert torch.allclose(out[2:].float().cpu(), torch.full((2, 4, D), 0.25)), "padding rows read the pad page"
 
 
-def test_fa3_block_table_and_flashinfer_refusal():
-    """The kernel's block-table output (FA3's) holds each request's pages; FlashInfer is refused."""
+def test_fa3_block_table():
+    """The kernel's block-table output (FA3's) holds each request's pages, nothing past them."""
     P, bs = 4, 3
     i32 = dict(dtype=torch.int32, device=DEV)
     seq = torch.tensor([9, 0], **i32)
@@ -160,10 +160,33 @@ def test_fa3_block_table_and_flashinfer_refusal():
     assert outs[0][:4].cpu().tolist() == [0, 3, 4, 5] and outs[1][:5].cpu().tolist() == [5, 6, 7, PAD_PAGE, PAD_PAGE]
     with pytest.raises(ValueError, match="seq_lens has 2 rows"):
         graph_batch_from_block_table(seq, table, 1, P, PAD_PAGE, 1, *outs)
-    gs = GraphState.__new__(GraphState)
-    gs.plans, gs.provider = {1: None}, type("P", (), {"name": "flashinfer"})()
-    with pytest.raises(UnsupportedFeature, match="attnplug: provider 'flashinfer'.*host"):
-        gs.update_from_block_table(seq, table, 1)
+
+
+def test_flashinfer_plans_from_host_lengths_and_the_device_indices(monkeypatch):
+    """FlashInfer's replay: host kv_indptr / last-page lengths from ``host_seq_lens`` (no device read),
+    kv_indices = the static buffer the launch wrote (FlashInfer copies it device to device)."""
+    page, bs = 4, 4
+    gs = GraphState(cfg(page), "triton", bs, bs, 64, DEV, "decode", pad_page=PAD_PAGE, max_seq_len=40)
+    gs.prepare_capture(bs)
+    monkeypatch.setattr(gs, "provider", type("FakeFlashInfer", (), {"name": "flashinfer"})())
+    calls = []
+    monkeypatch.setattr(gs, "_flashinfer_plan", lambda plan, h, b: calls.append((plan, h, b)))
+    seq = torch.tensor([9, 0, 13], dtype=torch.int64)
+    table = random_table(1, 3, page, 10, torch.int32, False)
+    with pytest.raises(UnsupportedFeature, match="attnplug: provider 'flashinfer'.*host_seq_lens"):
+        gs.update_from_block_table(seq.to(DEV), table.to(DEV), bs)
+    gs.update_from_block_table(seq.to(DEV), table.to(DEV), bs, host_seq_lens=seq)
+    (plan, h, b), = calls
+    want = expected(seq.tolist(), table, bs, page, gs.pad_kv_len, 1)
+    assert plan is gs.plans[bs] and b == bs
+    assert h["kv_indptr"].device.type == "cpu" and h["kv_indptr"].tolist() == want["kv_indptr"]
+    assert h["kv_last_page_len"].device.type == "cpu" and h["kv_last_page_len"].tolist() == want["kv_last_page_len"]
+    assert h["kv_indices"].data_ptr() == gs.kv_indices.data_ptr() and h["kv_indices"].cpu().tolist() == want["kv_indices"]
+    vgs = GraphState(cfg(page), "triton", bs, bs * 2, 64, DEV, "verify", num_draft_tokens=2, max_seq_len=40)
+    vgs.prepare_capture(bs)
+    monkeypatch.setattr(vgs, "provider", gs.provider)
+    with pytest.raises(UnsupportedFeature, match="verify goes through update"):
+        vgs.update_from_block_table(seq.to(DEV), table.to(DEV), bs, host_seq_lens=seq)
 
 
 @pytest.mark.parametrize("page", [1, 4])

@@ -141,6 +141,29 @@ def test_graph_capture_then_replay_matches_eager(mode, page_size, monkeypatch):
     assert len(launches) == (len(be._graphs["decode"]) if mode == "decode" else 0) and be._graphs[mode]
 
 
+def test_flashinfer_decode_replay_passes_host_lengths(monkeypatch):
+    """attnplug_flashinfer's decode replay: the one launch gets ``seq_lens_cpu`` of the real rows for
+    FlashInfer's host plan (the provider itself needs CUDA: a triton state stands in for it here)."""
+    from attnplug.core.cuda_graph import GraphState
+
+    calls = []
+    one_launch = GraphState.update_from_block_table
+    monkeypatch.setattr(GraphState, "update_from_block_table", lambda gs, *a, **k: calls.append(k) or one_launch(gs, *a, **k))
+    runner, layer, bs = make_runner(16), make_layer(0), 4
+    be = make_backend(runner)
+    be.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs)
+    for step, kv_lens in enumerate([[21, 35], [9, 40, 17]]):
+        reqs, _, fb = _batch(runner, "decode", 1, kv_lens, seed=20 + step)
+        be.provider_name = "flashinfer" if step else "triton"
+        be.init_forward_metadata_out_graph(_padded(fb, bs, 1), in_capture=step == 0)
+        q, k, v = _qkv(bs, seed=step)
+        out = be.forward(q, k, v, layer, _padded(fb, bs, 1))
+        torch.testing.assert_close(out[: fb.batch_size], dense_reference(runner, reqs, layer, q[: fb.batch_size],
+                                                                         [1] * fb.batch_size), **TOL)  # fmt: skip
+    assert calls and all(torch.equal(c["host_seq_lens"], fb.seq_lens_cpu) for c in calls)
+    assert all(c["host_seq_lens"].device.type == "cpu" for c in calls)
+
+
 def test_fill_value_is_the_core_constant():
     be = make_backend(make_runner(1), provider="reference")
     assert be.get_cuda_graph_seq_len_fill_value() == FILL_SEQ_LEN == 1
