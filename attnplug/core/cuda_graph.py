@@ -30,6 +30,8 @@ builds it and SGLang/FA3 assume); FA3's ``max_seqlen_k = max_seq_len``.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .config import AttentionConfig, UnsupportedFeature
@@ -39,6 +41,15 @@ from .providers import get_provider_cls
 
 FILL_SEQ_LEN = 1  # committed length of a padded request (SGLang's CUDA-graph seq-len fill value)
 _I32 = torch.int32
+# Opt-in until run on a GPU: FlashInfer decode replays from a device page table
+# (update_from_block_table + host lengths): SGLang without the device->host read of kv_indices,
+# vLLM with FULL decode graphs. Off: the replay paths measured on the H200.
+FLASHINFER_DEVICE_REPLAY_ENV = "ATTNPLUG_FLASHINFER_DEVICE_REPLAY"
+
+
+def flashinfer_device_replay() -> bool:
+    """``ATTNPLUG_FLASHINFER_DEVICE_REPLAY=1``: the engines use FlashInfer's device-table replay."""
+    return os.environ.get(FLASHINFER_DEVICE_REPLAY_ENV, "0") == "1"
 
 
 class GraphState:
@@ -291,7 +302,8 @@ class GraphState:
                 ``table[row, j * P] // P``), 1 for a page table (vLLM's block table).
             host_seq_lens: ``[n]`` host copy of ``seq_lens``; FlashInfer (decode) needs it: its plan
                 reads ``kv_indptr`` / ``kv_last_page_len`` on the host, and gets ``kv_indices`` as the
-                device buffer this launch wrote (a device-to-device copy, no sync).
+                device buffer this launch wrote (a device-to-device copy, no sync). The launch then
+                reads these host lengths (copied over), so plan and buffers cannot disagree.
 
         Writes what :meth:`update` writes (verify mode: the causal-chain mask, ``c <= kv_len - q + i``,
         vLLM's linear spec decode; tree masks go through :meth:`update`) plus FA3's block table, with
@@ -306,6 +318,8 @@ class GraphState:
         if fi and (host_seq_lens is None or self.mode != "decode"):
             raise UnsupportedFeature("attnplug: provider 'flashinfer' plans on the host: update_from_block_table needs "
                                      "host_seq_lens and decode mode (verify goes through update())")
+        if fi:  # the launch reads the lengths the host plan reads: device buffers and plan agree
+            seq_lens = host_seq_lens.to(self.device, non_blocking=True)
         v = self._static_views(bs)
         verify = self.mode == "verify"
         graph_batch_from_block_table(

@@ -235,7 +235,8 @@ class AttnplugAttnBackend(AttentionBackend):
         buffers of the core's ``GraphState``; a replay writes the real requests into those buffers in
         place, padded slots refilled with the fill values, no device->host read: a DECODE replay in one
         launch from ``req_to_token`` (``GraphState.update_from_block_table``; FlashInfer's host plan
-        takes its lengths from ``seq_lens_cpu``); TARGET_VERIFY (SGLang's tree mask) through
+        takes its lengths from ``seq_lens_cpu``, opt-in: ``ATTNPLUG_FLASHINFER_DEVICE_REPLAY=1``); else
+        (FlashInfer by default, TARGET_VERIFY with SGLang's tree mask) through
         ``GraphState.update``, host shapes from ``seq_lens_cpu``.
         """
         mode = self._graph_mode_of(forward_batch)
@@ -254,9 +255,12 @@ class AttnplugAttnBackend(AttentionBackend):
         if not states:  # no layer config known yet: the probe's (layers add theirs lazily)
             self._graph_state(mode, self._probe_key)
         batch = None
+        from attnplug.core.cuda_graph import flashinfer_device_replay
+
         host_seq = getattr(forward_batch, "seq_lens_cpu", None)
         host_seq = None if host_seq is None or self.provider_name != "flashinfer" else host_seq[:real]
-        fast = mode == "decode" and (self.provider_name != "flashinfer" or host_seq is not None)
+        fi_ok = host_seq is not None and flashinfer_device_replay()  # opt-in until run on a GPU
+        fast = mode == "decode" and (self.provider_name != "flashinfer" or fi_ok)
         if fast and not in_capture and all(bs in gs.plans for gs in states.values()):
             # decode replay: one launch per layer config from req_to_token, on the device (FlashInfer
             # then plans from the host lengths and that launch's device kv_indices: no device read)

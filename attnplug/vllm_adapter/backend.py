@@ -34,7 +34,7 @@ from attnplug.core import (
     ProviderUnavailable,
     UnsupportedFeature,
 )
-from attnplug.core.cuda_graph import GraphState
+from attnplug.core.cuda_graph import GraphState, flashinfer_device_replay
 from attnplug.core.kv_layout import write_kv_fixed_shape
 from attnplug.core.plan import Plan
 from attnplug.core.providers import get_provider_cls
@@ -197,8 +197,8 @@ class AttnplugBackend(AttentionBackend):
 GRAPH_SUPPORT: dict[str, tuple[str, str]] = {
     "triton": ("UNIFORM_BATCH", "mixed prefill/decode batches are not captured (no ALWAYS)"),
     "fa3": ("UNIFORM_SINGLE_TOKEN_DECODE", "the core's fa3 verify path is not graph-capturable"),
-    "flashinfer": ("NEVER", "FlashInfer's replay re-plans from host kv_indptr / last-page lengths, which "
-                   "vLLM only has on the device: a device->host sync per forward"),
+    "flashinfer": ("NEVER", "FlashInfer plans on the host before each replay; FULL decode graphs from vLLM's host "
+                   "sequence lengths are opt-in until measured on a GPU: ATTNPLUG_FLASHINFER_DEVICE_REPLAY=1"),
     "reference": ("NEVER", "the float32 reference provider cannot be captured in a CUDA graph"),
 }
 
@@ -262,6 +262,7 @@ class _UniformGraphs:
                  device, pad_page: int, q: int = 1):  # fmt: skip
         P = page_size
         self.page_size, self.max_batch, self.pad_page, self.q = P, max_batch, pad_page, q
+        self.host_lengths = provider == "flashinfer"  # its plan reads kv_indptr / last-page lengths on the host
         self.max_pages = max_batch * -(-max_seq_len // P)  # every real request is <= max_seq_len
         mode = "decode" if q == 1 else "verify"
         self.states = {cfg: GraphState(cfg, provider, max_batch, max_batch * q, self.max_pages, device, mode,
@@ -277,13 +278,15 @@ class _UniformGraphs:
     def planned(self, bs: int) -> bool:
         return bs <= self.max_batch and all(bs in gs.plans for gs in self.states.values())
 
-    def refresh(self, seq_lens: torch.Tensor, block_table: torch.Tensor, bs: int) -> None:
-        """Write the batch into every ``GraphState``'s static buffers (capture-safe, in place).
+    def refresh(self, seq_lens: torch.Tensor, block_table: torch.Tensor, bs: int,
+                host_seq_lens: torch.Tensor | None = None) -> None:
+        """Write the batch into every ``GraphState``'s static buffers (capture-safe, in place; with
+        FlashInfer, whose plan needs ``host_seq_lens``, outside graphs only).
 
         ``seq_lens [n]`` / ``block_table [n, W]`` with ``n <= bs``: rows ``n..bs-1`` are padding
         too (a vLLM that pads the tokens of a uniform batch but not its requests)."""
         for gs in self.states.values():
-            gs.update_from_block_table(seq_lens, block_table, bs)
+            gs.update_from_block_table(seq_lens, block_table, bs, host_seq_lens=host_seq_lens)
 
 
 @dataclass
@@ -320,8 +323,13 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
 
     @classmethod
     def graph_support(cls) -> str:
-        """CUDA-graph level of this backend's provider: a key of ``GRAPH_SUPPORT``."""
-        return GRAPH_SUPPORT.get(cls.BACKEND.provider(), ("NEVER", ""))[0]
+        """CUDA-graph level of this backend's provider: a key of ``GRAPH_SUPPORT``; FlashInfer with
+        ``ATTNPLUG_FLASHINFER_DEVICE_REPLAY=1``: single-token decode (spec-verify batches - its
+        custom-mask plan packs the mask on the host - and in-graph draft updates are not captured)."""
+        provider = cls.BACKEND.provider()
+        if provider == "flashinfer" and flashinfer_device_replay():
+            return "UNIFORM_SINGLE_TOKEN_DECODE"
+        return GRAPH_SUPPORT.get(provider, ("NEVER", ""))[0]
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -339,7 +347,10 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         backend = self.BACKEND
         self._graphs: dict[int, _UniformGraphs] | None = None  # per q, created on first graph / draft use
         self._level = self.get_cudagraph_support(vllm_config, kv_cache_spec).name
-        self.supports_draft_decode_metadata_update = self._level != "NEVER"
+        # FlashInfer re-plans on the host: no in-place (in-graph) draft update; its drafts build eagerly
+        self.supports_draft_decode_metadata_update = self._level != "NEVER" and backend.provider() != "flashinfer"
+        spec = getattr(getattr(vllm_config, "speculative_config", None), "num_speculative_tokens", None)
+        self._spec_tokens = int(spec or 0)
         self.page_size = kv_cache_spec.block_size
         head_v = getattr(kv_cache_spec, "head_size_v", kv_cache_spec.head_size)
         if head_v != kv_cache_spec.head_size:
@@ -393,6 +404,8 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
     def _refuse_graphs(self, what: str) -> UnsupportedFeature:
         provider = self.BACKEND.provider()
         why = GRAPH_SUPPORT.get(provider, ("NEVER", "unknown provider"))[1]
+        if provider == "flashinfer" and flashinfer_device_replay():
+            why = "FlashInfer plans on the host before each replay"
         return self.BACKEND.refuse(f"{what} with provider '{provider}' ({why})")
 
     def _uniform_rows(self, cam) -> tuple[int, int] | None:
@@ -427,7 +440,8 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         g.plan_for(bs)  # no-op once this bs is planned (replay)
         n = cam.num_reqs
         md = AttnplugGraphMetadata(g, bs, compat.seq_lens(cam)[:n], cam.block_table_tensor[:n])
-        g.refresh(md.seq_lens, md.block_table, bs)
+        host = compat.host_seq_lens(cam, self._spec_tokens == 0) if g.host_lengths else None
+        g.refresh(md.seq_lens, md.block_table, bs, host)
         STATS["builds"] += 1
         STATS["graph_builds"] += 1
         _write_marker()
@@ -460,16 +474,20 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         if shape is not None:
             bs, q = shape
             g = self._graph_family(1) if q == 1 else (self._graphs or {}).get(q)
-            if g is not None and (g.planned(bs) or (q == 1 and bs <= g.max_batch)):
+            # every decode bs that fits (V2's fused drafts update them in place); FlashInfer (a wrapper
+            # and host plan per bs, no in-place drafts): the captured sizes only
+            fits = q == 1 and bs <= g.max_batch and self.supports_draft_decode_metadata_update if g else False
+            if g is not None and (g.planned(bs) or fits):
                 return self._build_graph(cam, g, bs)
         return self._build_eager(common_prefix_len, cam, fast_build)
 
     def build_for_drafting(self, common_attn_metadata: CommonAttentionMetadata, draft_index: int):
         """Draft steps after the first are single-token decodes over the real requests: static
-        buffers (planned once per batch size), refreshed in place; anything else builds eagerly."""
+        buffers (planned once per batch size), refreshed in place; anything else (and every step
+        with FlashInfer, which plans on the host) builds eagerly."""
         cam = common_attn_metadata
         shape = self._uniform_rows(cam)
-        g = self._graph_family(1) if shape and shape[1] == 1 else None
+        g = self._graph_family(1) if shape and shape[1] == 1 and self.supports_draft_decode_metadata_update else None
         if g is not None and shape[0] <= g.max_batch:
             return self._build_graph(cam, g, shape[0])
         return self._build_eager(0, cam, True)
@@ -477,6 +495,8 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
     def update_draft_decode_metadata(self, metadata) -> None:
         """Re-read the vLLM buffers ``metadata`` references (``seq_lens``, block table, mutated in
         place by the speculator) into the static buffers: device ops, in place, capture-safe."""
+        if not self.supports_draft_decode_metadata_update:
+            raise self._refuse_graphs("in-place (capturable) draft metadata updates")
         if not isinstance(metadata, AttnplugGraphMetadata):
             raise self._refuse_graphs("in-place draft metadata update of a non-decode (eager) batch")
         metadata.graphs.refresh(metadata.seq_lens, metadata.block_table, metadata.bs)

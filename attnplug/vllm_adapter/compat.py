@@ -240,6 +240,21 @@ def seq_lens(cam):
     return cam.seq_lens[: cam.num_reqs]
 
 
+def host_seq_lens(cam, upper_bound_is_exact: bool) -> torch.Tensor:
+    """``[num_reqs]`` host copy of ``seq_lens`` (FlashInfer plans on the host), read from the device
+    only where vLLM has no host copy. ``seq_lens_cpu_upper_bound`` (0.26+) is exact without
+    speculative decoding (``upper_bound_is_exact``; vLLM's own FlashInfer backend uses it the same
+    way); 0.26 may carry ``_seq_lens_cpu``; else ``seq_lens.cpu()``, a sync, as vLLM's FlashInfer does."""
+    n = cam.num_reqs
+    bound = getattr(cam, "seq_lens_cpu_upper_bound", None)
+    if upper_bound_is_exact and bound is not None:
+        return bound[:n]
+    cached = getattr(cam, "_seq_lens_cpu", None)
+    if cached is not None:
+        return cached[:n]
+    return cam.seq_lens[:n].cpu()
+
+
 def layer_impls(vllm_config, layer_names) -> list:
     """The ``impl`` objects of the attention layers ``layer_names`` (built before the builders)."""
     ctx = vllm_config.compilation_config.static_forward_context if vllm_config is not None else {}

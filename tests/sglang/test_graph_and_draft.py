@@ -142,13 +142,15 @@ def test_graph_capture_then_replay_matches_eager(mode, page_size, monkeypatch):
 
 
 def test_flashinfer_decode_replay_passes_host_lengths(monkeypatch):
-    """attnplug_flashinfer's decode replay: the one launch gets ``seq_lens_cpu`` of the real rows for
-    FlashInfer's host plan (the provider itself needs CUDA: a triton state stands in for it here)."""
+    """attnplug_flashinfer's decode replay with ATTNPLUG_FLASHINFER_DEVICE_REPLAY=1: the one launch gets
+    ``seq_lens_cpu`` of the real rows for FlashInfer's host plan (the provider itself needs CUDA: a
+    triton state stands in for it here); without the flag, GraphState.update as measured."""
     from attnplug.core.cuda_graph import GraphState
 
     calls = []
     one_launch = GraphState.update_from_block_table
     monkeypatch.setattr(GraphState, "update_from_block_table", lambda gs, *a, **k: calls.append(k) or one_launch(gs, *a, **k))
+    monkeypatch.setenv("ATTNPLUG_FLASHINFER_DEVICE_REPLAY", "1")  # opt-in until run on a GPU
     runner, layer, bs = make_runner(16), make_layer(0), 4
     be = make_backend(runner)
     be.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs)
@@ -162,6 +164,10 @@ def test_flashinfer_decode_replay_passes_host_lengths(monkeypatch):
                                                                          [1] * fb.batch_size), **TOL)  # fmt: skip
     assert calls and all(torch.equal(c["host_seq_lens"], fb.seq_lens_cpu) for c in calls)
     assert all(c["host_seq_lens"].device.type == "cpu" for c in calls)
+    monkeypatch.delenv("ATTNPLUG_FLASHINFER_DEVICE_REPLAY")  # default: the replay measured on the H200
+    calls.clear()
+    be.init_forward_metadata_out_graph(_padded(fb, bs, 1))
+    assert calls == []
 
 
 def test_fill_value_is_the_core_constant():

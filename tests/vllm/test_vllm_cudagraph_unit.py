@@ -296,6 +296,42 @@ def test_update_draft_decode_metadata_in_place(env, first):
         assert not torch.allclose(stale, want, atol=1e-4), "the update must matter"
 
 
+@needs_graphs
+@pytest.mark.parametrize("spec", [0, 2])
+def test_flashinfer_graph_builds_get_exact_host_lengths(env, monkeypatch, spec):
+    """FlashInfer plans on the host: a graph build hands the core vLLM's host sequence lengths -
+    ``seq_lens_cpu_upper_bound`` without speculative decoding (exact then), else the device values
+    (never the optimistic bound); its drafts build eagerly and never update in place. (FlashInfer
+    needs CUDA: a triton builder stands in, switched to the host-lengths path.)"""
+    from attnplug.core.cuda_graph import GraphState
+    from attnplug.vllm_adapter.backend import AttnplugGraphMetadata, AttnplugMetadata
+
+    calls = []
+    one_launch = GraphState.update_from_block_table
+    monkeypatch.setattr(GraphState, "update_from_block_table", lambda gs, *a, **k: calls.append(k) or one_launch(gs, *a, **k))
+    impl, builder = make(env, f"cg_fi_host_{spec}")
+    builder._spec_tokens = spec
+    b = Batch([6, 13, 3], bs=4, seed=4)
+    cam = b.cam()
+    cam.seq_lens_cpu_upper_bound = b.seq_lens + 5  # optimistic (async spec decode): usable only when exact
+    if spec == 0:
+        cam.seq_lens_cpu_upper_bound = b.seq_lens.clone()
+    builder._graph_family(1).host_lengths = True
+    md = builder.build(0, cam)
+    assert isinstance(md, AttnplugGraphMetadata)
+    (kw,) = calls
+    assert kw["host_seq_lens"].device.type == "cpu" and torch.equal(kw["host_seq_lens"], b.seq_lens)
+    from_bound = kw["host_seq_lens"].data_ptr() == cam.seq_lens_cpu_upper_bound.data_ptr()
+    assert from_bound == (spec == 0), "the host bound, and only where it is exact"
+    torch.testing.assert_close(forward(impl, b.kv_cache, md, b.q)[:3], reference(b, impl), atol=1e-5, rtol=1e-5)
+    builder.supports_draft_decode_metadata_update = False  # what a flashinfer builder sets
+    assert isinstance(builder.build_for_drafting(cam, draft_index=1), AttnplugMetadata)
+    from attnplug.core import UnsupportedFeature
+
+    with pytest.raises(UnsupportedFeature, match="in-place .capturable. draft metadata updates"):
+        builder.update_draft_decode_metadata(md)
+
+
 def test_support_levels_are_honest_per_provider(env, monkeypatch):
     from vllm.v1.attention.backend import AttentionCGSupport as CG
 
@@ -304,9 +340,13 @@ def test_support_levels_are_honest_per_provider(env, monkeypatch):
     monkeypatch.delenv("ATTNPLUG_PROVIDER_OVERRIDE", raising=False)
     level = {n: getattr(B, n).get_builder_cls().get_cudagraph_support(None, None)
              for n in ("AttnplugTritonBackend", "AttnplugFA3Backend", "AttnplugFlashInferBackend")}  # fmt: skip
-    assert level == {"AttnplugTritonBackend": CG.UNIFORM_BATCH,
-                     "AttnplugFA3Backend": CG.UNIFORM_SINGLE_TOKEN_DECODE, "AttnplugFlashInferBackend": CG.NEVER}
+    assert level == {"AttnplugTritonBackend": CG.UNIFORM_BATCH, "AttnplugFA3Backend": CG.UNIFORM_SINGLE_TOKEN_DECODE,
+                     "AttnplugFlashInferBackend": CG.NEVER}
     assert {n: getattr(B, n).get_builder_cls()._cudagraph_support for n in level} == level
+    monkeypatch.setenv("ATTNPLUG_FLASHINFER_DEVICE_REPLAY", "1")  # FULL decode graphs, opt-in until run on a GPU
+    fi = B.AttnplugFlashInferBackend.get_builder_cls()
+    assert fi.get_cudagraph_support(None, None) is CG.UNIFORM_SINGLE_TOKEN_DECODE
+    monkeypatch.delenv("ATTNPLUG_FLASHINFER_DEVICE_REPLAY")
     # spec decode: verify graphs only where their static buffers fit the budget
     triton = B.AttnplugTritonBackend.get_builder_cls()
 
@@ -336,5 +376,5 @@ def test_reference_provider_refuses_graphs_and_drafts_eagerly(env, monkeypatch):
     md = builder.build_for_drafting(b.cam(), draft_index=1)
     assert isinstance(md, AttnplugMetadata)
     torch.testing.assert_close(forward(impl, b.kv_cache, md, b.q)[:2], reference(b, impl), atol=1e-6, rtol=1e-6)
-    with pytest.raises(UnsupportedFeature, match="in-place draft metadata update"):
+    with pytest.raises(UnsupportedFeature, match="in-place .capturable. draft metadata updates.*'reference'"):
         builder.update_draft_decode_metadata(md)
