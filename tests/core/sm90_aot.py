@@ -1,0 +1,145 @@
+"""Compile every Triton kernel launch attnplug makes, as it makes it, for Hopper (sm90 cubin) on a
+machine without a GPU: run by tests/core/test_kernels_compile_sm90.py in a subprocess without the
+interpreter.
+
+The core runs its real plan/run code on CPU tensors for a set of representative batches (decode with
+and without KV splits, long-context decode, causal prefill, tree verify, soft cap + sliding window,
+HND fp16, head_dim 256, LSE output, the fa3 merge, the KV write and the replay-metadata kernel in its
+vLLM / SGLang / FA3 / chain-mask forms); each ``kernel[grid](...)`` is recorded instead of launched,
+its arguments turned into a Triton signature (tensor -> pointer of its dtype, int -> i32/i64, float
+-> fp32, constexprs by value; ``UPCAST`` False as on a GPU; ``num_warps`` / ``num_stages`` as
+launched) and compiled through Triton's NVIDIA pipeline to a cubin (ptxas included). The provider's
+SM count is set to the H200's 132 so the split heuristics pick the GPU's configurations.
+
+    python tests/core/sm90_aot.py          # prints "compiled N distinct launches for sm90"
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") != "1", "run without the Triton interpreter"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import attnplug.core.kernels.attention as attention_mod  # noqa: E402
+import attnplug.core.kernels.graph_update as graph_mod  # noqa: E402
+import attnplug.core.kernels.kv_write as kv_mod  # noqa: E402
+import attnplug.core.kernels.merge as merge_mod  # noqa: E402
+from attnplug.core import AttentionConfig, ForwardMode, PagedAttention  # noqa: E402
+from attnplug.core.cuda_graph import GraphState  # noqa: E402
+from attnplug.core.providers.triton import TritonProvider  # noqa: E402
+
+from batches import random_case  # noqa: E402
+
+H200_SMS = 132
+DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+          torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1"}  # fmt: skip
+LAUNCHES: dict[tuple, tuple] = {}
+
+
+class Recorder:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kw)`` records the launch."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            sig, const, opts = signature(self.fn, args, kw)
+            LAUNCHES.setdefault((self.fn.__name__, tuple(sig.items()), tuple(const.items()), tuple(opts.items())),
+                                (self.fn, sig, const, opts))  # fmt: skip
+
+        return launch
+
+
+def signature(fn, args, kw):
+    names = fn.arg_names
+    bound = dict(zip(names, args))
+    bound.update({k: v for k, v in kw.items() if k in names})
+    opts = {k: kw[k] for k in ("num_warps", "num_stages") if k in kw}
+    sig, const = {}, {}
+    for i, (name, p) in enumerate(zip(names, fn.params)):
+        v = bound[name]
+        if p.is_constexpr:
+            sig[name], const[(i,)] = "constexpr", (False if name == "UPCAST" else v)  # UPCAST: CPU only
+        elif isinstance(v, torch.Tensor):
+            sig[name] = "*" + DTYPES[v.dtype]
+        elif isinstance(v, bool):
+            sig[name] = "i1"
+        elif isinstance(v, int):
+            sig[name] = "i32" if -(2**31) <= v < 2**31 else "i64"
+        elif isinstance(v, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: argument {name} of type {type(v).__name__}")
+    return sig, const, opts
+
+
+def record_all() -> None:
+    for mod, names in ((attention_mod, ["paged_attention_kernel"]), (merge_mod, ["merge_splits_kernel", "merge_state_kernel"]),
+                       (kv_mod, ["write_kv_kernel"]), (graph_mod, ["graph_batch_from_block_table_kernel"])):  # fmt: skip
+        for n in names:
+            setattr(mod, n, Recorder(getattr(mod, n)))
+    TritonProvider.check_available = classmethod(lambda cls, device: None)  # CPU tensors, compiled triton
+    llama = AttentionConfig(32, 8, 128, 16, torch.bfloat16)
+    cases = [  # (config, mode, q lens, prefix lens, with LSE)
+        (llama, ForwardMode.DECODE, [1] * 4, [99, 1999, 32, 700], False),  # KV splits + merge
+        (llama, ForwardMode.DECODE, [1], [32767], False),  # >= 32 splits: the small-tile decode
+        (llama, ForwardMode.DECODE, [1] * 64, [1023] * 64, False),  # no split
+        (llama, ForwardMode.EXTEND, [37, 200], [0, 50], False),  # causal prefill
+        (llama, ForwardMode.TARGET_VERIFY, [8, 8], [300, 40], False),  # tree mask
+        (llama, ForwardMode.EXTEND, [5, 9], [7, 0], True),  # LSE output
+        (AttentionConfig(8, 8, 64, 1, torch.float16, "HND", None, 30.0, 63), ForwardMode.EXTEND, [12, 3], [100, 2], False),
+        (AttentionConfig(8, 2, 256, 16, torch.float16), ForwardMode.EXTEND, [20], [40], False),  # head_dim 256
+        (AttentionConfig(8, 2, 256, 16, torch.float16), ForwardMode.DECODE, [1, 1], [3000, 5], False),
+        (AttentionConfig(4, 4, 64, 16, torch.float32), ForwardMode.DECODE, [1, 1], [10, 5], False),
+    ]
+    for cfg, mode, q_lens, prefix, with_lse in cases:
+        c = random_case(mode, q_lens, prefix, cfg, "cpu")
+        attn = PagedAttention(cfg, "triton", "cpu")
+        attn.provider._sms = H200_SMS
+        attn.plan(c.batch, c.num_pages)
+        out = torch.empty_like(c.q)
+        lse = torch.empty(c.q.shape[:2], dtype=torch.float32) if with_lse else None
+        attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=lse)
+    v = torch.zeros(6, 32, 128, dtype=torch.bfloat16)
+    s = torch.zeros(32, 6)
+    merge_mod.merge_state(v, s.t(), v, s.t(), v, s.t())  # the fa3 tree merge (transposed LSE)
+    for dt, idx in ((torch.bfloat16, torch.int64), (torch.float16, torch.int32)):
+        cache = torch.zeros(2, 10, 16, 8, 128, dtype=dt)
+        kv = torch.zeros(3, 16, 128, dtype=dt)
+        kv_mod.write_kv_paged(kv[:, :8], kv[:, 8:], cache[0], cache[1], torch.zeros(3, dtype=idx))
+    for mode, q in (("decode", 1), ("verify", 4)):  # vLLM: page table; chain mask
+        gs = GraphState(llama, "triton", 8, 8 * q, 800, "cpu", mode, num_draft_tokens=q, max_seq_len=1600)
+        gs.plans[4] = None  # replay metadata only: no attention plan needed
+        gs.update_from_block_table(torch.zeros(4, dtype=torch.int32), torch.zeros(4, 100, dtype=torch.int32), 4)
+    gs = GraphState(llama, "triton", 8, 8, 800, "cpu", "decode", max_seq_len=1600)
+    gs.plans[4] = None  # SGLang: token-slot table + row ids
+    gs.update_from_block_table(torch.zeros(3, dtype=torch.int64), torch.zeros(5, 1600, dtype=torch.int32), 4,
+                               row_ids=torch.zeros(3, dtype=torch.int64), entry_tokens=16)  # fmt: skip
+    i32 = torch.zeros(64, dtype=torch.int32)  # FA3's block table output
+    graph_mod.graph_batch_from_block_table(i32[:4], i32.view(4, 16), 4, 16, 0, 1, i32, i32, i32, i32,
+                                           block_table_out=torch.zeros(4, 16, dtype=torch.int32), max_batch=8)  # fmt: skip
+
+
+def main() -> None:
+    record_all()
+    target = GPUTarget("cuda", 90, 32)
+    kinds = {}
+    for fn, sig, const, opts in LAUNCHES.values():
+        src = ASTSource(fn=fn, signature=sig, constexprs=const)
+        cubin = triton.compile(src, target=target, options=opts).asm["cubin"]
+        assert len(cubin) > 1000, (fn.__name__, len(cubin))
+        kinds[fn.__name__] = kinds.get(fn.__name__, 0) + 1
+    print(" ".join(f"{k}={n}" for k, n in sorted(kinds.items())))
+    print(f"compiled {len(LAUNCHES)} distinct launches for sm90")
+
+
+if __name__ == "__main__":
+    main()
