@@ -25,11 +25,14 @@ replay path, copies into the fixed buffers; for a custom mask FlashInfer itself 
 Fixed at capture (python launch arguments): the triton tile list (``bs * ceil(q/BLOCK_Q)`` tiles),
 its split count (``num_kv_splits`` or the heuristic at ``max_seq_len``), ``mask_free = kv_len - q``
 in verify mode (the prefix must be visible to every draft token, as :func:`build_tree_verify_mask`
-builds it and SGLang/FA3 assume); FA3's ``max_seqlen_k = max_seq_len``.
+builds it and SGLang/FA3 assume); FA3's ``max_seqlen_k = max_seq_len``. fa3 verify: FA3 on the prefix
+(``seqused_k = mask_free``, the static view), attnplug's Triton kernel on the tree part (keys from
+``kv_start = mask_free``, static tiles, one split), LSE-merged into ``out``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -122,8 +125,19 @@ class GraphState:
             self._ws = (torch.empty(n * config.head_dim, dtype=torch.float32, device=dev),
                         torch.empty(n, dtype=torch.float32, device=dev))
         elif name == "fa3":
-            if mode == "verify":
-                raise UnsupportedFeature("attnplug: fa3 tree verify (prefix + dense tree + merge) is not graph-capturable yet")
+            if mode == "verify":  # FA3 on the prefix + the Triton kernel on the tree part, LSE-merged
+                if config.window_left >= 0:
+                    raise UnsupportedFeature("attnplug: provider 'fa3' does not support a tree mask together "
+                                             "with a sliding window")
+                from .kernels.merge import merge_state  # noqa: PLC0415 - triton is optional
+                from .providers.triton import TritonProvider  # noqa: PLC0415
+
+                self.provider._tree, self.provider._merge = TritonProvider(config, self.device), merge_state
+                self._tiles = (torch.zeros(max_tokens, **i32), torch.zeros(max_tokens, **i32))
+                hd = (max_tokens, config.num_qo_heads, config.head_dim)
+                self._prefix_out = torch.empty(hd, dtype=config.dtype, device=dev)
+                self._tree_out = torch.empty(hd, dtype=torch.float32, device=dev)
+                self._tree_lse = torch.empty(hd[:2], dtype=torch.float32, device=dev)
             w = -(-self.max_seq_len // P)
             self.block_table = torch.zeros(mb, w, **i32)
             self._bt_idx = torch.zeros(mb, w, dtype=torch.int64, device=dev)
@@ -211,6 +225,14 @@ class GraphState:
                 softcap=cfg.logits_soft_cap, scale=cfg.scale,
             )
             plan.extra["fa3_tree"] = None
+            if self.mode == "verify":  # prefix = the mask-free columns (kv_len - q), the tree part after it
+                prefix = v["mask_free"]
+                plan.extra["fa3_args"].update(seqused_k=prefix, causal=False, window=(-1, -1))
+                tree_plan = dataclasses.replace(plan, extra={"kv_start": prefix, "num_kv_splits": 1})
+                self.provider._tree.plan(tree_plan, tile_buffers=self._tiles)
+                n = bs * q
+                plan.extra["fa3_tree"] = dict(prefix_lens=prefix, prefix_out=self._prefix_out[:n], tree_plan=tree_plan,
+                                              tree_out=self._tree_out[:n], tree_lse=self._tree_lse[:n])  # fmt: skip
         elif name == "flashinfer":
             fi, ws, layout = self.provider._fi, self.provider._workspace, cfg.kv_layout
             if self.mode == "decode":

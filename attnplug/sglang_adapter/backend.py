@@ -289,7 +289,7 @@ class AttnplugAttnBackend(AttentionBackend):
         distinct layer config (from the model's ``RadixAttention`` layers, else lazily at warmup).
 
         Raises:
-            UnsupportedFeature: the provider cannot be captured (``reference``; ``fa3`` tree verify).
+            UnsupportedFeature: the provider cannot be captured (``reference``; ``fa3`` verify with a sliding window).
         """
         from attnplug.core.cuda_graph import GraphState  # noqa: F401 - fail early if missing
 

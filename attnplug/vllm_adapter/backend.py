@@ -196,7 +196,8 @@ class AttnplugBackend(AttentionBackend):
 # CUDA-graph level per core provider, and why it is not higher.
 GRAPH_SUPPORT: dict[str, tuple[str, str]] = {
     "triton": ("UNIFORM_BATCH", "mixed prefill/decode batches are not captured (no ALWAYS)"),
-    "fa3": ("UNIFORM_SINGLE_TOKEN_DECODE", "the core's fa3 verify path is not graph-capturable"),
+    "fa3": ("UNIFORM_SINGLE_TOKEN_DECODE", "spec-verify graphs with fa3 (capturable in the core since 2026-11-29, "
+            "CPU-tested) are not yet run on a GPU"),
     "flashinfer": ("NEVER", "FlashInfer plans on the host before each replay; FULL decode graphs from vLLM's host "
                    "sequence lengths are opt-in until measured on a GPU: ATTNPLUG_FLASHINFER_DEVICE_REPLAY=1"),
     "reference": ("NEVER", "the float32 reference provider cannot be captured in a CUDA graph"),

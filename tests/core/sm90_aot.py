@@ -4,7 +4,7 @@ interpreter.
 
 The core runs its real plan/run code on CPU tensors for a set of representative batches (decode with
 and without KV splits, long-context decode, causal prefill, tree verify, soft cap + sliding window,
-HND fp16, head_dim 256, LSE output, the fa3 merge, the KV write and the replay-metadata kernel in its
+HND fp16, head_dim 256, LSE output, fa3's tree part (keys from ``kv_start``) and merge, the KV write and the replay-metadata kernel in its
 vLLM / SGLang / FA3 / chain-mask forms); each ``kernel[grid](...)`` is recorded instead of launched,
 its arguments turned into a Triton signature (tensor -> pointer of its dtype, int -> i32/i64, float
 -> fp32, constexprs by value; ``UPCAST`` False as on a GPU; ``num_warps`` / ``num_stages`` as
@@ -100,11 +100,13 @@ def record_all() -> None:
         (AttentionConfig(8, 2, 256, 16, torch.float16), ForwardMode.DECODE, [1, 1], [3000, 5], False),
         (AttentionConfig(4, 4, 64, 16, torch.float32), ForwardMode.DECODE, [1, 1], [10, 5], False),
     ]
-    for cfg, mode, q_lens, prefix, with_lse in cases:
+    cases.append((llama, ForwardMode.TARGET_VERIFY, [4, 4], [500, 9], False, True))  # fa3's tree part
+    for cfg, mode, q_lens, prefix, with_lse, *tree in cases:
         c = random_case(mode, q_lens, prefix, cfg, "cpu")
         attn = PagedAttention(cfg, "triton", "cpu")
         attn.provider._sms = H200_SMS
-        attn.plan(c.batch, c.num_pages)
+        extra = {"kv_start": torch.tensor(prefix, dtype=torch.int32), "num_kv_splits": 1} if tree else {}
+        attn.plan(c.batch, c.num_pages, **extra)
         out = torch.empty_like(c.q)
         lse = torch.empty(c.q.shape[:2], dtype=torch.float32) if with_lse else None
         attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=lse)

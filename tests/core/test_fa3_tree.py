@@ -75,3 +75,48 @@ def test_tree_mask_hiding_prefix_is_refused():
     plan = make_plan(cfg, c.batch, num_pages=c.num_pages)
     with pytest.raises(UnsupportedFeature, match="provider 'fa3' does not support a tree mask that hides part of the prefix"):
         fa3_on_cpu(cfg).plan(plan)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_tree_verify_graph_state_replay_equals_reference(page, monkeypatch):
+    """The fa3 provider's verify under a GraphState (the CUDA-graph path: static buffers, padded
+    batches, in-place updates): prefix through the FA3 stand-in on the static block table and
+    ``seqused_k = mask_free``, tree part through the Triton kernel on static tiles, LSE-merged. Both
+    update paths: a tree mask (``update``) and vLLM's chain mask (``update_from_block_table``)."""
+    import attnplug.core.cuda_graph as cg
+    from attnplug.core import BatchMetadata
+    from attnplug.core.cuda_graph import GraphState
+
+    real_cls = cg.get_provider_cls
+    monkeypatch.setattr(cg, "get_provider_cls", lambda name: (lambda c, d: fa3_on_cpu(c)) if name == "fa3" else real_cls(name))
+    cfg, q, max_bs, pad_page = AttentionConfig(8, 2, 64, page, torch.bfloat16), 4, 3, 0
+    gs = GraphState(cfg, "fa3", max_batch=max_bs, max_tokens=max_bs * q, max_pages=400, device=DEV, mode="verify",
+                    num_draft_tokens=q, pad_page=pad_page, max_seq_len=200)  # fmt: skip
+    plans = {bs: gs.prepare_capture(bs) for bs in range(1, max_bs + 1)}
+    for bs, B, seed in ((3, 2, 1), (3, 3, 2), (1, 1, 3), (2, 1, 4)):
+        c = random_case(ForwardMode.TARGET_VERIFY, [q] * B, [40 + 9 * seed, 3, 77][:B], cfg, device=DEV, seed=seed)
+        k, v = c.k_cache, c.v_cache  # padded requests read pad_page (a page of some request here: read only)
+        assert gs.update(c.batch, bs) is plans[bs]
+        qpad = torch.cat([c.q, torch.randn(bs * q - B * q, *c.q.shape[1:]).to(c.q)])
+        out = torch.full_like(qpad, math.nan)
+        gs.run(bs, qpad, k, v, out)
+        ref, _ = reference_attention(make_plan(cfg, c.batch, c.num_pages, device=DEV), c.q, k, v)
+        assert rel_err(out[: B * q], ref) <= 1e-2, f"bs={bs} B={B}"
+        assert torch.isfinite(out[B * q :]).all()
+    # vLLM's chain mask from a device block table
+    B, bs = 2, 3
+    seq = torch.tensor([50, 9], dtype=torch.int32)
+    W = -(-60 // page)
+    table = (torch.randperm(2 * W) + 1).view(2, W).to(torch.int32)
+    gs.update_from_block_table(seq.to(DEV), table.to(DEV), bs)
+    mask = torch.cat([torch.tensor([[col <= s - q + i for col in range(s)] for i in range(q)]).flatten() for s in seq.tolist()])
+    batch = BatchMetadata.from_block_table(ForwardMode.TARGET_VERIFY, torch.arange(B + 1, dtype=torch.int32) * q, table,
+                                           seq, page, custom_mask=mask)  # fmt: skip
+    g = torch.Generator().manual_seed(9)
+    kv_shape = cfg.kv_cache_shape(2 * W + 1)
+    k, v = (torch.randn(kv_shape, generator=g).to(cfg.dtype).to(DEV) for _ in range(2))
+    qpad = torch.randn(bs * q, 8, 64, generator=g).to(cfg.dtype).to(DEV)
+    out = torch.full_like(qpad, math.nan)
+    gs.run(bs, qpad, k, v, out)
+    ref, _ = reference_attention(make_plan(cfg, batch, 2 * W + 1, device=DEV), qpad[: B * q], k, v)
+    assert rel_err(out[: B * q], ref) <= 1e-2
