@@ -39,7 +39,7 @@ import torch
 
 from .config import AttentionConfig, UnsupportedFeature
 from .metadata import BatchMetadata, ForwardMode
-from .plan import Plan
+from .plan import Plan, _leading_visible_columns
 from .providers import get_provider_cls
 
 FILL_SEQ_LEN = 1  # committed length of a padded request (SGLang's CUDA-graph seq-len fill value)
@@ -183,7 +183,20 @@ class GraphState:
             if batch.custom_mask is not None and batch.custom_mask.device.type == "cpu":
                 tail = torch.ones(int(mi[-1]) - batch.custom_mask.numel(), dtype=torch.bool)
                 h["mask"] = torch.cat([batch.custom_mask.bool(), tail]).to(torch.uint8)
+                self._check_prefix_visible(h, bs)
         return h
+
+    def _check_prefix_visible(self, h: dict, bs: int) -> None:
+        """The verify graphs' contract, checked where the mask is on the host (capture, CPU): every
+        draft token sees the whole committed prefix (``mask_free = kv_len - q``; the kernels skip
+        the mask there). A device mask (a replay) is not read back: that would sync."""
+        free = _leading_visible_columns(h["mask"], h["mask_indptr"], h["q_lens"], h["kv_lens"])
+        hidden = torch.nonzero(free < h["mask_free"])
+        if hidden.numel():
+            b = int(hidden[0])
+            raise UnsupportedFeature(
+                f"attnplug: provider '{self.provider.name}' CUDA-graph verify needs every draft token to see the "
+                f"whole committed prefix; request {b}'s mask hides prefix column {int(free[b])} of {int(h['mask_free'][b])}")
 
     # -- capture / replay --------------------------------------------------------------------------
     def prepare_capture(self, bs: int, batch: BatchMetadata | None = None) -> Plan:

@@ -127,3 +127,16 @@ def test_refusals():
         gs.update(case("decode", 3, 16, 0).batch)
     with pytest.raises(ValueError, match="max_pages"):
         gs.update(random_case(ForwardMode.DECODE, [1, 1], [3000, 3000], cfg(16), DEVICE).batch)
+
+
+def test_verify_mask_hiding_the_prefix_is_refused():
+    """The verify graphs assume every draft token sees the whole committed prefix (mask_free =
+    kv_len - q): a host mask that hides a prefix column fails loudly instead of being ignored."""
+    gs = state("verify", 16)
+    gs.prepare_capture(2)
+    c = random_case(ForwardMode.TARGET_VERIFY, [N_DRAFT] * 2, [10, 20], cfg(16), "cpu", seed=3)
+    assert gs.update(c.batch, 2) is gs.plans[2]  # a tree mask over the draft tokens only: fine
+    kv0 = 10 + N_DRAFT
+    c.batch.custom_mask[kv0 + 5] = False  # request 0, draft token 1, prefix column 5
+    with pytest.raises(UnsupportedFeature, match="attnplug: provider 'triton' CUDA-graph verify .* request 0's mask hides prefix column 5 of 10"):
+        gs.update(c.batch, 2)
