@@ -23,7 +23,6 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
     from .core import PROVIDER_NAMES, AttentionConfig, BatchMetadata, ForwardMode, PagedAttention
-    from .core.providers import get_provider_cls
     from .core.reference import reference_attention
 
     gen = torch.Generator().manual_seed(args.seed)

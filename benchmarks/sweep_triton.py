@@ -3,7 +3,7 @@
     bash scripts/gpu_run.sh python3 benchmarks/sweep_triton.py > sweep.jsonl
 Prints one JSON line per (row, config): median ms via triton.testing.do_bench.
 """
-import itertools, json, math, sys
+import itertools, json, math
 import torch, triton.testing as tt
 from attnplug.core import AttentionConfig, BatchMetadata, ForwardMode, PagedAttention
 

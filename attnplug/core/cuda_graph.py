@@ -167,7 +167,7 @@ class GraphState:
         """Host twins of the padded batch (``None`` when the inputs live on the device)."""
         if batch.kv_indptr.device.type != "cpu" or batch.kv_last_page_len.device.type != "cpu":
             return None
-        B, pad, P = batch.batch_size, bs - batch.batch_size, self.config.page_size
+        pad, P = bs - batch.batch_size, self.config.page_size
         n = int(batch.kv_indices.numel())
         ind = torch.cat([batch.kv_indptr.to(_I32), n + torch.arange(1, pad + 1, dtype=_I32) * self.pad_pages])
         idx = torch.cat([batch.kv_indices.cpu().to(_I32), torch.full((pad * self.pad_pages,), self.pad_page, dtype=_I32)])

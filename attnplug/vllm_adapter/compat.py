@@ -27,6 +27,10 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("vllm.attnplug")
 

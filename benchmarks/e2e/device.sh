@@ -28,7 +28,8 @@ queue() {  # queue GPU NAME TIMEOUT NEEDS... -- CMD
   $L add $LANES --gpu "$gpu" --name "$name" --timeout "$to" "${needs[@]}" -- "$@"
 }
 vllm_job() {  # GPU BACKEND [extra engine_run args]
-  local gpu=$1 b=$2; shift 2; local tag=${b}${1:+-eager}
+  local gpu=$1 b=$2; shift 2; local tag=$b
+  [[ " $* " == *" --eager "* ]] && tag+=-eager; [[ " $* " == *" --env "* ]] && tag+=-env
   queue "$gpu" "vllm-$tag" 480 $V/.ready-b $MODEL/attnplug_random.json -- \
     "VLLM_CACHE_ROOT=/tmp/vcache$gpu FLASHINFER_WORKSPACE_BASE=/tmp/fi-vllm PYTHONPATH=/tmp/apsite-vllm-a:$V python3 $R/bin/engine_run.py vllm $b --model $MODEL --out $RES/vllm-$tag.json $*"
 }
@@ -60,7 +61,7 @@ vllm-a)
   vllm_job 0 FLASH_ATTN;      vllm_job $g1 FLASHINFER
   vllm_job 0 ATTNPLUG_FA3;    vllm_job $g1 ATTNPLUG_FLASHINFER
   vllm_job 0 TRITON_ATTN;     vllm_job $g1 ATTNPLUG_TRITON --eager --rows 0,1
-  vllm_job 0 ATTNPLUG_TRITON
+  vllm_job 0 ATTNPLUG_TRITON; vllm_job $g1 ATTNPLUG_FLASHINFER --env ATTNPLUG_FLASHINFER_DEVICE_REPLAY=1
   $L wait $LANES --max "${max:-15}" --out "$OUT" --results $RES ;;
 vllm-b)
   xz -dc .bundle/vllm/b/deps.tar.xz | tar xf - -C $V &&
@@ -77,6 +78,7 @@ sglang-a)
   # attnplug, draft extend eager (SGLang captures it only for its own backend classes)
   sglang_job $g1 attnplug_triton eagle-attnplug_triton --eagle-draft $DRAFT --rows 0
   sglang_job 0 attnplug_fa3 attnplug_fa3
+  sglang_job 0 attnplug_flashinfer attnplug_flashinfer-env --env ATTNPLUG_FLASHINFER_DEVICE_REPLAY=1
   sglang_job $g1 attnplug_flashinfer eagle-attnplug_flashinfer --eagle-draft $DRAFT --rows 0
   sglang_job 0 attnplug_fa3 eagle-attnplug_fa3 --eagle-draft $DRAFT --eager --rows 0  # fa3 tree verify: no graphs
   sglang_job $g1 attnplug_triton attnplug_triton-eager --eager --rows 0,1

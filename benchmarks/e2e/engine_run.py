@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import inspect
 import json
+import os
 import random
 import sys
 import time
@@ -125,7 +126,11 @@ def main() -> None:
     ap.add_argument("--eagle-draft", default=None, help="SGLang only: EAGLE draft dir (topk 4, 3 steps, 8 draft tokens)")
     ap.add_argument("--rows", default="all", help="'all', 'none', or comma list of row indices")
     ap.add_argument("--smoke", action="store_true", help="CPU check of this script: tiny model, short prompts")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="set before the engine starts, recorded in the result (e.g. ATTNPLUG_FLASHINFER_DEVICE_REPLAY=1)")
     a = ap.parse_args()
+    env = dict(kv.split("=", 1) for kv in a.env)
+    os.environ.update(env)
     global VOCAB_HI
     VOCAB_HI = min(VOCAB_HI, json.load(open(f"{a.model}/config.json"))["vocab_size"])
     if a.smoke:
@@ -135,7 +140,7 @@ def main() -> None:
     t0 = time.time()
     eng = (VLLM if a.engine == "vllm" else SGLang)(a)
     res = {"engine": a.engine, "engine_version": eng.version, "backend": a.backend, "eager": a.eager,
-           "eagle": bool(a.eagle_draft), "init_s": round(time.time() - t0, 1)}
+           "eagle": bool(a.eagle_draft), "env": env, "init_s": round(time.time() - t0, 1)}
     print(f"engine_run: {a.engine} {eng.version} {a.backend} up in {res['init_s']} s", flush=True)
     t = time.time()
     res["correctness"] = eng.generate(corr_prompts(), CORR_TOKENS, logprobs=True)

@@ -35,7 +35,8 @@ def first_divergence(ours: dict, ref: dict):
 
 
 def key(r: dict) -> str:
-    return r["backend"] + ("-eager" if r.get("eager") else "") + ("-eagle" if r.get("eagle") else "")
+    env = "".join(f"+{k}={v}" for k, v in sorted((r.get("env") or {}).items()))
+    return r["backend"] + env + ("-eager" if r.get("eager") else "") + ("-eagle" if r.get("eagle") else "")
 
 
 def main() -> None:

@@ -128,7 +128,7 @@ def test_same_buffers_as_update(mode):
 def test_replay_after_block_table_update_equals_reference():
     """Attention through the updated plan equals the float32 reference on the real rows; the padding
     row and the engine padding row (seq_len 0) read only the pad page."""
-    page, bs, H, D = 16, 4, 2, 32
+    page, bs, D = 16, 4, 32
     gs = GraphState(cfg(page), "triton", bs, bs, 40, DEV, "decode", pad_page=PAD_PAGE, max_seq_len=160)
     plan = gs.prepare_capture(bs)
     g = torch.Generator().manual_seed(5)

@@ -184,8 +184,8 @@ def test_kv_start_restricts_keys(page):
     # reference: the same mask with every key before kv_start hidden
     cut = c.batch.custom_mask.clone()
     off = 0
-    for ql, kl, st in zip(q_lens.tolist(), kv_lens.tolist(), start.tolist()):
-        cut[off : off + ql * kl].view(ql, kl)[:, :st] = False
+    for ql, kl, s0 in zip(q_lens.tolist(), kv_lens.tolist(), start.tolist()):
+        cut[off : off + ql * kl].view(ql, kl)[:, :s0] = False
         off += ql * kl
     c.batch.custom_mask = cut
     ref, _ = reference_attention(PagedAttention(c.config, "reference", "cpu").plan(c.batch, num_pages=c.num_pages), c.q.cpu(), c.k_cache.cpu(), c.v_cache.cpu())

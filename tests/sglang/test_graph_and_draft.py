@@ -9,7 +9,6 @@ SGLang's own ``generate_draft_decode_kv_indices`` (run by the Triton interpreter
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -294,7 +293,7 @@ def test_multistep_draft_graph_capture_and_replay():
     layer = make_layer(0)
     be = make_draft(runner, topk, steps, provider="triton")
     be.init_cuda_graph_state(max_bs=4, max_num_tokens=4 * topk)
-    ptrs = None
+    ptrs, gss = None, []  # the states captured in round 0
     for rnd, seq in enumerate([[7, 13], [10, 3]]):  # capture, then replay of another batch (in-place update)
         reqs, fb, draft_slots = _draft_batch(runner, topk, steps, seq, seed=rnd)
         fill = torch.full((bs - 2,), FILL_SEQ_LEN, dtype=torch.int64)

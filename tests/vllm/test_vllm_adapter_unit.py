@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import pickle
 import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
