@@ -19,6 +19,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_every_kernel_launch_compiles_for_sm90(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine compiles and runs every kernel in the other tests")
     try:
         import triton.backends.nvidia  # noqa: F401
     except ImportError:
