@@ -83,3 +83,37 @@ def test_prompts() -> list[list[int]]:
         [1] + [rng.randrange(3, 512) for _ in range(150)],
         [1, 7, 7],
     ]
+
+
+def make_tiny_eagle_draft(path: str | os.PathLike, target: str | os.PathLike, seed: int = 1) -> Path:
+    """Create (once) a one-layer EAGLE(-1) draft head with random weights for the tiny Llama in
+    ``target`` (vLLM's ``EagleLlamaForCausalLM`` layout: ``embed_tokens``, ``fc [H, 2H]``, one
+    decoder layer without input norm; the target's ``lm_head`` is shared). Acceptance is
+    meaningless with random weights; it drives the engine's drafting and verify paths."""
+    import torch
+    from safetensors.torch import save_file
+
+    path, target = Path(path), Path(target)
+    cfg = json.loads((target / "config.json").read_text())
+    cfg.update(architectures=["EagleLlamaForCausalLM"], num_hidden_layers=1)
+    stamp = path / "attnplug_tiny.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == {"seed": seed, **cfg}:
+        return path
+    g = torch.Generator().manual_seed(seed)
+    H, I, D = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    hq, hkv, std = cfg["num_attention_heads"] * D, cfg["num_key_value_heads"] * D, TINY_LLAMA["initializer_range"]
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * std).contiguous()
+
+    p = "layers.0."
+    tensors = {"embed_tokens.weight": w(cfg["vocab_size"], H), "fc.weight": w(H, 2 * H),
+               p + "self_attn.q_proj.weight": w(hq, H), p + "self_attn.k_proj.weight": w(hkv, H),
+               p + "self_attn.v_proj.weight": w(hkv, H), p + "self_attn.o_proj.weight": w(H, hq),
+               p + "mlp.gate_proj.weight": w(I, H), p + "mlp.up_proj.weight": w(I, H), p + "mlp.down_proj.weight": w(H, I),
+               p + "post_attention_layernorm.weight": torch.ones(H)}  # fmt: skip
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    stamp.write_text(json.dumps({"seed": seed, **cfg}))
+    return path

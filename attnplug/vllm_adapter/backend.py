@@ -65,7 +65,7 @@ _HARMLESS_FLAGS = {"head_size", "dtype", "kv_cache_dtype", "block_size", "device
 
 # Per-process counters, proof that attnplug (not vLLM's own backend) computed attention.
 STATS: dict = {"pid": os.getpid(), "backends": {}, "builds": 0, "graph_builds": 0, "layer_runs": 0, "kv_writes": 0,
-               "prefix_hit_requests": 0, "max_cached_prefix": 0}  # fmt: skip
+               "prefix_hit_requests": 0, "max_cached_prefix": 0, "draft_builds": 0, "spec_verify_builds": 0}  # fmt: skip
 
 
 def _write_marker() -> None:
@@ -474,6 +474,8 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         shape = self._uniform_rows(cam)
         if shape is not None:
             bs, q = shape
+            if q > 1 and self._spec_tokens and q == 1 + self._spec_tokens:
+                STATS["spec_verify_builds"] += 1  # a verify batch of the speculative decoder
             g = self._graph_family(1) if q == 1 else (self._graphs or {}).get(q)
             # every decode bs that fits (V2's fused drafts update them in place); FlashInfer (a wrapper
             # and host plan per bs, no in-place drafts): the captured sizes only
@@ -486,6 +488,7 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         """Draft steps after the first are single-token decodes over the real requests: static
         buffers (planned once per batch size), refreshed in place; anything else (and every step
         with FlashInfer, which plans on the host) builds eagerly."""
+        STATS["draft_builds"] += 1
         cam = common_attn_metadata
         shape = self._uniform_rows(cam)
         g = self._graph_family(1) if shape and shape[1] == 1 and self.supports_draft_decode_metadata_update else None

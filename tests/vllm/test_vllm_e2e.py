@@ -52,9 +52,17 @@ def runs(setup):
     """The LLM-API engines: attnplug, native (plugin installed, not selected, with triton,
     flashinfer and FA3 shadowed by broken installs), native with the plugin disabled, and two
     runs attnplug must refuse at startup."""
+    from attnplug.tiny_model import make_tiny_eagle_draft
+
     wd, model, prompts = setup
+    draft = str(make_tiny_eagle_draft(wd / "tiny-eagle", model))
+    eagle = dict(method="eagle", model=draft, num_speculative_tokens=2)
     specs = {
         "attnplug": (llm_job(model, prompts, "attnplug_triton", 16), {}),
+        # EAGLE: vLLM picks the drafter's backend separately (speculative_config.attention_backend)
+        "eagle": (llm_job(model, prompts, "attnplug_triton", 16,
+                          speculative_config={**eagle, "attention_backend": "ATTNPLUG_TRITON"}), {}),
+        "native_eagle": (llm_job(model, prompts, None, 32, speculative_config=eagle), {}),
         "native": (llm_job(model, prompts, None, 32), {"PYTHONPATH": f"{BROKEN_LIBS}{os.pathsep}{REPO}"}),
         "no_plugin": (llm_job(model, prompts, None, 32), {"VLLM_PLUGINS": ""}),
         "flashinfer": (llm_job(model, prompts, "attnplug_flashinfer", 16), {}),
@@ -117,6 +125,21 @@ def test_installed_but_unselected_changes_nothing(runs):
     assert native.markers == [] and "attnplug:" not in native.output  # ...but never ran
     assert native.results == bare.results  # token ids and logprobs bit-identical
     assert "`triton.backends` could not be imported" in native.output  # the broken triton was the one seen
+
+
+def test_eagle_speculative_decoding_through_attnplug(runs, hf_tokens):
+    """vLLM's EAGLE proposer with attnplug as target and drafter backend: greedy tokens equal HF's
+    and vLLM's own EAGLE run (CPU_ATTN); the drafter's layers, its draft steps (build_for_drafting)
+    and the target's verify batches (1 + 2 tokens per request) all went through attnplug."""
+    ours, native = runs["eagle"].check_ok(), runs["native_eagle"].check_ok()
+    for i, want in enumerate(hf_tokens):
+        assert ours.results[i]["token_ids"] == want, f"prompt {i}: attnplug EAGLE vs HF transformers"
+        assert native.results[i]["token_ids"] == want, f"prompt {i}: vLLM CPU_ATTN EAGLE vs HF transformers"
+    assert "EAGLE drafter KV cache initialized" in ours.output
+    (m,) = ours.markers
+    assert len(m["backends"]["ATTNPLUG_TRITON"]) == 2, m  # the target's builder and the drafter's
+    assert m["draft_builds"] > 0 and m["spec_verify_builds"] > 0, m
+    assert native.markers == [] and "attnplug:" not in native.output
 
 
 def test_flashinfer_refused_on_cpu_with_install_hint(runs):
