@@ -32,7 +32,6 @@ builds it and SGLang/FA3 assume); FA3's ``max_seqlen_k = max_seq_len``. fa3 veri
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
@@ -126,18 +125,9 @@ class GraphState:
                         torch.empty(n, dtype=torch.float32, device=dev))
         elif name == "fa3":
             if mode == "verify":  # FA3 on the prefix + the Triton kernel on the tree part, LSE-merged
-                if config.window_left >= 0:
-                    raise UnsupportedFeature("attnplug: provider 'fa3' does not support a tree mask together "
-                                             "with a sliding window")
-                from .kernels.merge import merge_state  # noqa: PLC0415 - triton is optional
-                from .providers.triton import TritonProvider  # noqa: PLC0415
-
-                self.provider._tree, self.provider._merge = TritonProvider(config, self.device), merge_state
+                self.provider.check_tree_config()
                 self._tiles = (torch.zeros(max_tokens, **i32), torch.zeros(max_tokens, **i32))
-                hd = (max_tokens, config.num_qo_heads, config.head_dim)
-                self._prefix_out = torch.empty(hd, dtype=config.dtype, device=dev)
-                self._tree_out = torch.empty(hd, dtype=torch.float32, device=dev)
-                self._tree_lse = torch.empty(hd[:2], dtype=torch.float32, device=dev)
+                self._tree_bufs = self.provider.tree_buffers(max_tokens, dev)
             w = -(-self.max_seq_len // P)
             self.block_table = torch.zeros(mb, w, **i32)
             self._bt_idx = torch.zeros(mb, w, dtype=torch.int64, device=dev)
@@ -241,11 +231,8 @@ class GraphState:
             if self.mode == "verify":  # prefix = the mask-free columns (kv_len - q), the tree part after it
                 prefix = v["mask_free"]
                 plan.extra["fa3_args"].update(seqused_k=prefix, causal=False, window=(-1, -1))
-                tree_plan = dataclasses.replace(plan, extra={"kv_start": prefix, "num_kv_splits": 1})
-                self.provider._tree.plan(tree_plan, tile_buffers=self._tiles)
-                n = bs * q
-                plan.extra["fa3_tree"] = dict(prefix_lens=prefix, prefix_out=self._prefix_out[:n], tree_plan=tree_plan,
-                                              tree_out=self._tree_out[:n], tree_lse=self._tree_lse[:n])  # fmt: skip
+                plan.extra["fa3_tree"] = self.provider.plan_tree_part(
+                    plan, prefix, tile_buffers=self._tiles, buffers={k: b[: bs * q] for k, b in self._tree_bufs.items()})
         elif name == "flashinfer":
             fi, ws, layout = self.provider._fi, self.provider._workspace, cfg.kv_layout
             if self.mode == "decode":
@@ -375,7 +362,8 @@ class GraphState:
         (the same padding as the kernel: ``<= 0`` and rows ``n..bs-1`` are padded requests)."""
         P, n = self.config.page_size, seq_lens.shape[0]
         s = torch.full((bs,), self.pad_kv_len, dtype=_I32)
-        s[:n] = torch.where(seq_lens.cpu() > 0, seq_lens.cpu(), self.pad_kv_len).to(_I32)
+        host = seq_lens.cpu()
+        s[:n] = torch.where(host > 0, host, self.pad_kv_len).to(_I32)
         npg = (s + P - 1) // P
         ind = torch.zeros(bs + 1, dtype=_I32)
         torch.cumsum(npg, 0, dtype=_I32, out=ind[1:])

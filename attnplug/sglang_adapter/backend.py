@@ -254,9 +254,9 @@ class AttnplugAttnBackend(AttentionBackend):
         states = self._graphs[mode]
         if not states:  # no layer config known yet: the probe's (layers add theirs lazily)
             self._graph_state(mode, self._probe_key)
-        batch = None
         from attnplug.core.cuda_graph import flashinfer_device_replay
 
+        batch = None
         host_seq = getattr(forward_batch, "seq_lens_cpu", None)
         host_seq = None if host_seq is None or self.provider_name != "flashinfer" else host_seq[:real]
         fi_ok = host_seq is not None and flashinfer_device_replay()  # opt-in until run on a GPU

@@ -204,6 +204,15 @@ GRAPH_SUPPORT: dict[str, tuple[str, str]] = {
 }
 
 
+def graph_level(provider: str) -> tuple[str, str]:
+    """``(level, why it is not higher)`` of a core provider: ``GRAPH_SUPPORT``, except FlashInfer
+    with ``ATTNPLUG_FLASHINFER_DEVICE_REPLAY=1``: single-token decode (spec-verify batches - its
+    custom-mask plan packs the mask on the host - and in-graph draft updates are not captured)."""
+    if provider == "flashinfer" and flashinfer_device_replay():
+        return "UNIFORM_SINGLE_TOKEN_DECODE", "FlashInfer plans on the host before each replay"
+    return GRAPH_SUPPORT.get(provider, ("NEVER", "unknown provider"))
+
+
 VERIFY_SCRATCH_BUDGET = 1 << 30  # bytes of static spec-verify buffers a builder may hold
 
 
@@ -324,13 +333,8 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
 
     @classmethod
     def graph_support(cls) -> str:
-        """CUDA-graph level of this backend's provider: a key of ``GRAPH_SUPPORT``; FlashInfer with
-        ``ATTNPLUG_FLASHINFER_DEVICE_REPLAY=1``: single-token decode (spec-verify batches - its
-        custom-mask plan packs the mask on the host - and in-graph draft updates are not captured)."""
-        provider = cls.BACKEND.provider()
-        if provider == "flashinfer" and flashinfer_device_replay():
-            return "UNIFORM_SINGLE_TOKEN_DECODE"
-        return GRAPH_SUPPORT.get(provider, ("NEVER", ""))[0]
+        """CUDA-graph level of this backend's provider (:func:`graph_level`)."""
+        return graph_level(cls.BACKEND.provider())[0]
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -404,9 +408,7 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
     # -- CUDA graphs and EAGLE drafting ------------------------------------------------------------
     def _refuse_graphs(self, what: str) -> UnsupportedFeature:
         provider = self.BACKEND.provider()
-        why = GRAPH_SUPPORT.get(provider, ("NEVER", "unknown provider"))[1]
-        if provider == "flashinfer" and flashinfer_device_replay():
-            why = "FlashInfer plans on the host before each replay"
+        why = graph_level(provider)[1]
         return self.BACKEND.refuse(f"{what} with provider '{provider}' ({why})")
 
     def _uniform_rows(self, cam) -> tuple[int, int] | None:

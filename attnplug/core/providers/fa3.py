@@ -187,15 +187,18 @@ class FA3Provider(Provider):
         plan.extra["fa3_tree"] = None
         if plan.mask is None:
             return
-        if cfg.window_left >= 0:
-            raise self.unsupported("a custom (tree) mask together with a sliding window")
         plan.extra["fa3_tree"] = self._plan_tree(plan)
         args.update(seqused_k=plan.extra["fa3_tree"]["prefix_lens"], causal=False, window=(-1, -1),
                     max_seqlen_k=max(int((plan.kv_lens_cpu - plan.q_lens_cpu).max()), 1))
 
+    def check_tree_config(self) -> None:
+        """Raise if this config cannot run a tree-masked verify (FA3 computes the prefix unmasked)."""
+        if self.config.window_left >= 0:
+            raise self.unsupported("a custom (tree) mask together with a sliding window")
+
     def _plan_tree(self, plan: Plan) -> dict:
         """Check the mask's prefix columns are all visible; plan the tree part (draft keys only)."""
-        cfg, dev = self.config, plan.device
+        self.check_tree_config()
         prefix = (plan.kv_lens_cpu - plan.q_lens_cpu).to(torch.int32)
         hidden = plan.mask_free_cpu < prefix  # make_plan counted each mask's leading all-visible columns
         if bool(hidden.any()):
@@ -204,22 +207,29 @@ class FA3Provider(Provider):
                 f"a tree mask that hides part of the prefix (request {b}): FA3 computes the prefix "
                 "without a mask; only the last q_len x q_len block may be arbitrary"
             )
-        prefix = prefix.to(dev)
+        return self.plan_tree_part(plan, prefix.to(plan.device))
+
+    def tree_buffers(self, num_tokens: int, device) -> dict:
+        """Scratch of the tree-verify split for ``num_tokens`` rows: ``prefix_out [T, Hq, D]`` (dtype),
+        ``tree_out [T, Hq, D]`` and ``tree_lse [T, Hq]`` float32."""
+        cfg, hd = self.config, (num_tokens, self.config.num_qo_heads, self.config.head_dim)
+        return dict(prefix_out=torch.empty(hd, dtype=cfg.dtype, device=device),
+                    tree_out=torch.empty(hd, dtype=torch.float32, device=device),
+                    tree_lse=torch.empty(hd[:2], dtype=torch.float32, device=device))  # fmt: skip
+
+    def plan_tree_part(self, plan: Plan, prefix: torch.Tensor, tile_buffers=None, buffers: dict | None = None) -> dict:
+        """The tree part of a verify ``plan``: attnplug's Triton kernel on keys ``>= prefix[b]``
+        (``[B]`` int32 on the device; one split), LSE-merged with FA3's prefix part in :meth:`run`.
+        ``tile_buffers`` / ``buffers`` (:meth:`tree_buffers`): static storage (CUDA graphs). Callers
+        run :meth:`check_tree_config` first."""
         if self._tree is None:  # triton is imported only once a tree mask is planned
             from ..kernels.merge import merge_state  # noqa: PLC0415
             from .triton import TritonProvider  # noqa: PLC0415
 
-            self._tree, self._merge = TritonProvider(cfg, self.device), merge_state
+            self._tree, self._merge = TritonProvider(self.config, self.device), merge_state
         tree_plan = dataclasses.replace(plan, extra={"kv_start": prefix, "num_kv_splits": 1})
-        self._tree.plan(tree_plan)
-        t, h, d = plan.num_tokens, cfg.num_qo_heads, cfg.head_dim
-        return dict(
-            prefix_lens=prefix,
-            prefix_out=torch.empty(t, h, d, dtype=cfg.dtype, device=dev),
-            tree_plan=tree_plan,
-            tree_out=torch.empty(t, h, d, dtype=torch.float32, device=dev),
-            tree_lse=torch.empty(t, h, dtype=torch.float32, device=dev),
-        )
+        self._tree.plan(tree_plan, tile_buffers=tile_buffers)
+        return dict(prefix_lens=prefix, tree_plan=tree_plan, **(buffers or self.tree_buffers(plan.num_tokens, plan.device)))
 
     def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None) -> None:
         """``q [T, Hq, D]``, caches ``[num_pages, P, Hkv, D]`` -> ``out [T, Hq, D]`` (+ natural-log ``lse [T, Hq]``)."""
