@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +33,17 @@ DETERMINISTIC_BACKENDS: tuple[str, ...] = ()
 
 
 def _factory(name: str, model_runner):
-    """SGLang backend factory: ``model_runner -> AttentionBackend`` (imports the backend lazily)."""
+    """SGLang backend factory: ``model_runner -> AttentionBackend`` (imports the backend lazily).
+
+    Raises:
+        RuntimeError: this SGLang is outside the tested range and its interface changed
+            (``compat.engine_refusal``), naming attnplug, both versions and what changed.
+    """
+    from . import compat
+
+    refusal = compat.engine_refusal()
+    if refusal:
+        raise RuntimeError(f"{refusal} (selected: {name})")
     from .backend import AttnplugAttnBackend
 
     return AttnplugAttnBackend(model_runner, backend_name=name)
@@ -83,22 +92,21 @@ def _around_create_backend(orig, factory, backend_name, backend_map, error_templ
     return orig(factory, backend_name, ours, error_template, *args, **kwargs)
 
 
-def _enable_triton_interpreter_on_cpu(result, server_args, *args, **kwargs):
-    """AFTER-hook of ``ServerArgs`` resolution, in the launcher before the scheduler is spawned.
+def _prepare_selected_providers(result, server_args, *args, **kwargs):
+    """AFTER-hook of ``ServerArgs`` resolution, in the launcher before the scheduler is spawned: the
+    providers of the selected attnplug backends prepare the processes SGLang spawns for
+    ``--device`` (the triton provider turns the Triton interpreter on for CPU; triton cannot switch
+    it on once imported). Does nothing when no attnplug backend is selected."""
+    from attnplug import engine_glue
 
-    On ``--device cpu`` with ``attnplug_triton`` selected, set ``TRITON_INTERPRET=1`` so that the
-    spawned scheduler imports triton with the interpreter on (it cannot be switched on once triton
-    is imported). Does nothing otherwise, or when the user set ``TRITON_INTERPRET`` themselves.
-    """
     try:
         names = {getattr(server_args, f, None) for f in
                  ("attention_backend", "prefill_attention_backend", "decode_attention_backend")}
-        if ("attnplug_triton" in names and str(getattr(server_args, "device", "")) == "cpu"
-                and "TRITON_INTERPRET" not in os.environ):
-            os.environ["TRITON_INTERPRET"] = "1"
-            logger.info("attnplug: attnplug_triton on --device cpu: TRITON_INTERPRET=1 for the SGLang processes")
+        device = str(getattr(server_args, "device", "") or "cuda")
+        for name in names & set(BACKENDS):
+            engine_glue.prepare_process(engine_glue.provider_for(BACKENDS[name]), device)
     except Exception as e:  # noqa: BLE001 - never break argument resolution
-        logger.warning("attnplug: could not check for the Triton interpreter (%s)", e)
+        logger.warning("attnplug: could not prepare the selected attnplug providers (%s)", e)
     return None  # keep SGLang's result
 
 
@@ -107,10 +115,13 @@ def register() -> None:
     try:
         from . import compat
 
+        refusal = compat.engine_refusal()
+        if refusal:  # the names stay selectable; choosing one raises this message (_factory)
+            logger.error("%s", refusal)
         for name in BACKENDS:
             compat.register_attention_backend(name, functools.partial(_factory, name))
         compat.add_attention_backend_choices(list(BACKENDS))
-        compat.after_server_args_resolved(_enable_triton_interpreter_on_cpu)
+        compat.after_server_args_resolved(_prepare_selected_providers)
         # EAGLE: SGLang has no draft-backend registry; hook its private factory (version-guarded).
         if compat.install_draft_backend_hook(_around_create_backend):
             compat.add_draft_attention_backend_choices(list(DRAFT_BACKENDS))

@@ -213,34 +213,20 @@ DRAFT_FACTORY_TARGET = "sglang.srt.speculative.draft_utils.DraftBackendFactory._
 
 
 def _version_tuple(v: str) -> tuple:
-    """``"0.5.23"`` -> ``(0, 5, 23)``; a part with a suffix (``"23rc1"``) keeps its leading number."""
-    out = []
-    for part in v.split("+")[0].split("."):
-        lead = ""
-        for ch in part:
-            if not ch.isdigit():
-                break
-            lead += ch
-        if not lead:
-            break
-        out.append(int(lead))
-        if lead != part:
-            break
-    if not out:
-        raise ValueError(f"not a version: {v!r}")
-    return tuple(out)
+    """``"0.5.23"`` -> ``(0, 5, 23)`` (``attnplug._contract.version_tuple``)."""
+    from attnplug._contract import version_tuple
+
+    return version_tuple(v)
 
 
 def draft_hook_refusal(version: str | None = None) -> str | None:
     """``None`` when the installed SGLang is in :data:`DRAFT_HOOK_VERSIONS`, else the reason (a
     complete, user-facing message)."""
+    from attnplug._contract import in_range
+
     v = sglang_version() if version is None else version
     lo, hi = DRAFT_HOOK_VERSIONS
-    try:
-        ok = _version_tuple(lo) <= _version_tuple(v)[:3] <= _version_tuple(hi)
-    except ValueError:
-        ok = False
-    if ok:
+    if in_range(v, lo, hi):
         return None
     return (f"attnplug: EAGLE speculative decoding with an attnplug_* attention backend needs SGLang "
             f"{lo}..{hi} (attnplug hooks SGLang's private DraftBackendFactory, whose API it checked only "
@@ -361,3 +347,95 @@ def draft_decode_window(model_runner) -> tuple[int, int]:
         return 0, 0
     w, s = resolve_draft_decode_window(model_runner)
     return int(w), int(s)
+
+
+# -- the interface contract (tests/sglang/test_contract_sglang.py checks it against each release's
+# sources; at registration it is checked on releases outside TESTED_SGLANG) ---------------------------
+#: SGLang releases attnplug was run against (inclusive): 0.5.17 (H200, CPU), 0.5.23 (CPU CI; the newest).
+TESTED_SGLANG = ("0.5.17", "0.5.23")
+_BASE = "sglang.srt.layers.attention.base_attn_backend"
+_CHOICES = _CHOICE_MODULES
+_OURS = "attnplug.sglang_adapter.backend:AttnplugAttnBackend."
+_DRAFT = "attnplug.sglang_adapter.draft:AttnplugMultiStepDraftBackend."
+
+
+def _contract():
+    from attnplug._contract import attr, call, callsite, const, override
+
+    opt = {"required": False}
+    pool, fbi = "sglang.srt.mem_cache.memory_pool", "sglang.srt.model_executor.forward_batch_info"
+    return (
+        # plugin loading, registry, CLI choices, hooks
+        const("sglang.srt.plugins", "GENERAL_PLUGINS_GROUP", "sglang.srt.plugins"),
+        attr("sglang.srt.layers.attention.attention_registry", "ATTENTION_BACKENDS"),
+        call("sglang.srt.layers.attention.attention_registry", "register_attention_backend", npos=1),
+        attr(_CHOICES, "ATTENTION_BACKEND_CHOICES"),
+        attr(_CHOICES, "add_attention_backend_choices", **opt),
+        call("sglang.srt.plugins.hook_registry", "HookRegistry.register", npos=3, lead=("target", "hook", "hook_type")),
+        attr("sglang.srt.plugins.hook_registry", "HookType.AFTER"),
+        attr("sglang.srt.plugins.hook_registry", "HookType.AROUND"),
+        attr("sglang.srt.server_args", "ServerArgs.resolve_once|__post_init__"),
+        # the AttentionBackend contract (CUDA-graph API included)
+        call(_BASE, "AttentionBackend", npos=0, why="super().__init__()"),
+        *(override(_BASE, f"AttentionBackend.{m}", _OURS + m) for m in
+          ("init_forward_metadata", "init_forward_metadata_out_graph", "init_forward_metadata_in_graph",
+           "init_cuda_graph_state", "get_cuda_graph_seq_len_fill_value", "forward_extend", "forward_decode")),
+        # what the backend reads from the model runner, the pools, the batch and the layer
+        *(attr("sglang.srt.model_executor.model_runner", f"ModelRunner.{a}") for a in
+          ("device", "req_to_token_pool", "token_to_kv_pool", "model_config")),
+        attr("sglang.srt.model_executor.model_runner", "ModelRunner.page_size", **opt),
+        attr("sglang.srt.model_executor.model_runner", "ModelRunner.kv_index_translator", **opt),
+        call(pool, "MHATokenToKVPool.set_kv_buffer", npos=4),
+        call(pool, "MHATokenToKVPool.get_key_buffer", npos=1),
+        call(pool, "MHATokenToKVPool.get_value_buffer", npos=1),
+        *(attr(pool, f"MHATokenToKVPool.{a}") for a in ("head_num", "head_dim", "dtype")),
+        call(pool, "KVWriteLoc.for_batch", npos=1, **opt),
+        *(attr(fbi, f"ForwardMode.{m}") for m in ("EXTEND", "DECODE", "MIXED", "TARGET_VERIFY", "IDLE")),
+        *(attr(fbi, f"ForwardBatch.{f}") for f in
+          ("forward_mode", "batch_size", "seq_lens", "seq_lens_cpu", "req_pool_indices", "out_cache_loc",
+           "extend_seq_lens", "spec_info")),
+        *(attr("sglang.srt.layers.radix_attention", f"RadixAttention.{a}") for a in
+          ("layer_id", "tp_q_head_num", "tp_k_head_num", "qk_head_dim", "v_head_dim", "scaling", "logit_cap",
+           "sliding_window_size", "is_cross_attention", "attn_type")),
+        call("sglang.srt.runtime_context", "get_parallel", npos=0, **opt),
+    )
+
+
+def _draft_contract():
+    """EAGLE draft path (hooked only for SGLang in :data:`DRAFT_HOOK_VERSIONS`)."""
+    from attnplug._contract import attr, call, callsite
+
+    runner = "sglang.srt.speculative.eagle_draft_cuda_graph_runner"
+    return (
+        call("sglang.srt.speculative.draft_utils", "DraftBackendFactory._create_backend", npos=3,
+             lead=("backend_name", "backend_map", "error_template")),
+        *(attr("sglang.srt.speculative.draft_utils", f"DraftBackendFactory.{a}")
+          for a in ("draft_model_runner", "topk", "speculative_num_steps")),
+        *(callsite(runner, m, _DRAFT + m, recv="draft_attn_backend") for m in
+          ("init_cuda_graph_state", "init_forward_metadata_in_graph", "init_forward_metadata_out_graph")),
+        callsite("sglang.srt.speculative.eagle_worker_v2", "init_forward_metadata", _DRAFT + "init_forward_metadata",
+                 recv="draft_attn_backend"),
+    )
+
+
+_REFUSAL: dict[str, str | None] = {}
+
+
+def engine_refusal(version: str | None = None, engine_root: str | None = None) -> str | None:
+    """``None`` when attnplug can serve this SGLang, else the reason (complete, user-facing): outside
+    :data:`TESTED_SGLANG` the installed sources are checked against :data:`CONTRACT` (``ast``, nothing
+    imported); anything gone or changed refuses (``attnplug._contract.refusal``)."""
+    import logging
+
+    from attnplug import _contract
+
+    v = sglang_version() if version is None else version
+    key = f"{v}@{engine_root}"
+    if key not in _REFUSAL:
+        _REFUSAL[key] = _contract.refusal("SGLang", "sglang", v, TESTED_SGLANG, CONTRACT,
+                                          logging.getLogger(__name__), engine_root)
+    return _REFUSAL[key]
+
+
+CONTRACT = _contract()
+DRAFT_CONTRACT = _draft_contract()

