@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from ..core import PagedAttention, ProviderUnavailable, UnsupportedFeature
-from ..core.providers.flashinfer import INSTALL_HINT as FI_HINT
+from ..core.providers import install_hint
 from .workloads import Work
 
 
@@ -71,7 +71,7 @@ def _flashinfer():
     try:
         import flashinfer  # noqa: PLC0415
     except Exception as e:
-        raise Unavailable(f"{FI_HINT}; {e!r}") from e
+        raise Unavailable(f"flashinfer is unavailable ({e!r}); to install: {install_hint('flashinfer')}") from e
     return flashinfer
 
 

@@ -12,7 +12,7 @@ import torch
 
 from .config import AttentionConfig
 from .metadata import BatchMetadata
-from .plan import Plan, check_run_inputs, make_plan
+from .plan import Plan, PlanOptions, check_run_inputs, make_plan
 from .providers import get_provider_cls
 
 
@@ -21,7 +21,7 @@ class PagedAttention:
 
     Args:
         config: static configuration shared by the layers that use this object.
-        provider: ``"triton"``, ``"flashinfer"``, ``"fa3"`` or ``"reference"``.
+        provider: a registered provider name (``"triton"``, ``"flashinfer"``, ``"fa3"``, ``"reference"``).
         device: device of q and the KV cache.
 
     Raises:
@@ -45,13 +45,16 @@ class PagedAttention:
             raise RuntimeError("attnplug: run() called before plan()")
         return self._plan
 
-    def plan(self, batch: BatchMetadata, num_pages: int | None = None, **provider_kwargs) -> Plan:
+    def plan(self, batch: BatchMetadata, num_pages: int | None = None, **knobs) -> Plan:
         """Validate ``batch`` and build every kernel argument of this forward.
 
-        ``provider_kwargs`` are provider tuning knobs (e.g. ``num_kv_splits`` for triton).
+        ``knobs``: :class:`~attnplug.core.plan.PlanOptions` the provider reads (e.g. ``num_kv_splits``
+        for triton); an unknown knob, or one this provider does not read, raises ``ValueError``.
         """
+        options = PlanOptions.parse(knobs)
+        self.provider.check_options(options)
         plan = make_plan(self.config, batch, num_pages=num_pages, device=self.device)
-        plan.extra.update(provider_kwargs)
+        plan.options = options
         self.provider.plan(plan)
         self._plan = plan
         return plan

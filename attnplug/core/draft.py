@@ -22,14 +22,13 @@ the device in **one** host->device copy into preallocated shared buffers, and re
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import torch
 
 from .config import AttentionConfig, UnsupportedFeature
 from .metadata import BatchMetadata, ForwardMode
-from .plan import Plan, make_plan
+from .plan import Plan, PlanOptions, make_plan
 from .providers import get_provider_cls
 
 _I32 = torch.int32
@@ -113,6 +112,50 @@ def draft_step_metadata(
     return indptr.to(_I32), torch.where(pre, pre_val, dr_val).to(_I32)
 
 
+def step_batches_from_token_table(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    draft_columns: torch.Tensor,
+    num_steps: int,
+) -> list[BatchMetadata]:
+    """Every draft step's metadata read from a token-slot table (SGLang's ``req_to_token``), without
+    reading the table back to the host (the CUDA-graph path of a multi-step draft).
+
+    Args:
+        req_to_token: ``[rows, max_ctx]`` token slots (``page * P + offset``), any device.
+        req_pool_indices: ``[B]`` row of each request.
+        seq_lens: ``[B]`` host committed prefix lengths.
+        draft_columns: ``[B, topk, >= num_steps]`` host, the table column holding each draft token's slot.
+        num_steps: attention steps.
+
+    Returns:
+        ``num_steps`` DECODE :class:`BatchMetadata` at token granularity (``page_size = 1``) over
+        ``B*topk`` rows, row ``b*topk + j`` = prefix slots of ``b`` then ``draft_columns[b, j, :i+1]``:
+        ``qo_indptr`` / ``kv_indptr`` / ``kv_last_page_len`` on the host, ``kv_indices`` gathered on
+        the table's device (host index arrays, one gather per step).
+    """
+    seq = seq_lens.cpu().long()
+    B, K = draft_columns.shape[:2]
+    tok_indptr = torch.zeros(B + 1, dtype=torch.int64)
+    torch.cumsum(seq, 0, out=tok_indptr[1:])
+    n = int(tok_indptr[-1])
+    req_of = torch.repeat_interleave(torch.arange(B), seq, output_size=n)  # request of each prefix token
+    col_of = torch.arange(n) - tok_indptr[req_of]  # its column in the table
+    reqs = torch.arange(B)[:, None, None].expand_as(draft_columns)
+    dev, nb = req_to_token.device, dict(non_blocking=True)
+    rows = req_pool_indices.to(dev, **nb).long()
+    R = B * K
+    out = []
+    for i in range(num_steps):
+        indptr, b_idx = draft_step_metadata(seq, tok_indptr, req_of, reqs, i)  # request of each entry
+        _, c_idx = draft_step_metadata(seq, tok_indptr, col_of, draft_columns, i)  # its table column
+        kv_indices = req_to_token[rows[b_idx.to(dev, **nb).long()], c_idx.to(dev, **nb).long()].to(_I32)
+        out.append(BatchMetadata(ForwardMode.DECODE, torch.arange(R + 1, dtype=_I32), indptr, kv_indices,
+                                 torch.ones(R, dtype=_I32)))  # fmt: skip
+    return out
+
+
 class MultiStepDraftPlanner:
     """Plans every draft step of an EAGLE draft at once (one host->device copy, shared buffers).
 
@@ -120,10 +163,10 @@ class MultiStepDraftPlanner:
         config: attention config of the draft layers (``page_size`` = the cache's ``P``).
         topk, num_steps: branches per request and draft steps (``num_steps`` plans per call).
         max_batch: largest ``B``.
-        provider: ``"triton"``, ``"flashinfer"``, ``"fa3"`` or ``"reference"``.
+        provider: a registered provider name.
         device: device of q and the cache.
         max_prefix_tokens: capacity, largest ``sum(seq_len)`` of a batch.
-        num_kv_splits: force the triton split count (default: its heuristic per step).
+        num_kv_splits: force the split count of providers that split (default: theirs, per step).
 
     The plans returned by :meth:`plan` stay valid until the next :meth:`plan` (they view the shared
     buffers). ``run(step, ...)`` takes the cache in its paged shape (the token view is internal).
@@ -148,36 +191,17 @@ class MultiStepDraftPlanner:
         self.num_kv_splits = num_kv_splits
         if config.kv_layout == "HND" and config.page_size > 1:
             raise UnsupportedFeature("attnplug: multi-step draft on an HND cache needs page_size 1 (token slots)")
-        cls = get_provider_cls(provider)
-        p0 = cls(self.tok_config, self.device)
-        # FlashInfer wrappers hold one plan each: one provider per step sharing the float workspace
-        self.providers = [p0] + [copy.copy(p0) for _ in range(num_steps - 1)]
-        if provider == "flashinfer":
-            for p in self.providers[1:]:
-                p._wrappers = {}
+        p0 = get_provider_cls(provider)(self.tok_config, self.device)
+        self.providers = p0.step_providers(num_steps)  # plans of every step stay valid at once
         R, S = max_batch * topk, num_steps
         self._head_cap = 2 * R + 1 + S * (2 * R + 1)
         self._idx_cap = S * topk * max_prefix_tokens + R * S * (S + 1) // 2
         self._buf = torch.zeros(self._head_cap + self._idx_cap, dtype=_I32, device=self.device)
         self._pin = self.device.type == "cuda"
-        self._tiles = self._workspace = None
-        if provider == "triton":
-            self._tiles = (torch.arange(R, dtype=_I32, device=self.device), torch.zeros(R, dtype=_I32, device=self.device))
-            s_max = max(self._splits(p0, r, max_prefix_tokens + S) for r in range(1, R + 1))
-            n = R * config.num_qo_heads * s_max
-            self._workspace = (
-                torch.empty(n * config.head_dim, dtype=torch.float32, device=self.device),
-                torch.empty(n, dtype=torch.float32, device=self.device),
-            )
+        # the providers' own static memory (e.g. triton's tiles and split partials), shared by the steps
+        self._static = p0.static_buffers(max_rows=R, max_tokens=R, max_kv_len=max_prefix_tokens + S, q=1,
+                                         num_kv_splits=num_kv_splits)  # fmt: skip
         self.plans: list[Plan] = []
-
-    def _splits(self, provider, rows: int, max_kv_len: int) -> int:
-        if self.num_kv_splits is not None:
-            return max(1, self.num_kv_splits)
-        if not hasattr(provider, "_splits"):
-            return 1
-        fake = type("P", (), {"extra": {}, "max_kv_len": max_kv_len})()
-        return provider._splits(fake, rows, 0)
 
     @property
     def provider_name(self) -> str:
@@ -268,13 +292,9 @@ class MultiStepDraftPlanner:
                 qo_indptr_cpu=qo_h, kv_indptr_cpu=ind_h, kv_indices_cpu=idx_h, kv_last_page_len_cpu=last_h,
                 q_lens_cpu=torch.ones(R, dtype=_I32), kv_lens_cpu=len_h,
             )
-            prov = self.providers[i]
-            if self._tiles is not None:
-                plan.extra["num_kv_splits"] = self._splits(prov, R, plan.max_kv_len)
-                prov.plan(plan, tile_buffers=self._tiles, tiles_ready=True, split_workspace=self._workspace)
-                assert plan.extra["triton"].block_q == 1, "decode tiles are one row each"
-            else:
-                prov.plan(plan)
+            if self.num_kv_splits is not None:
+                plan.options = PlanOptions(num_kv_splits=self.num_kv_splits)
+            self.providers[i].plan(plan, static=self._static)
             self.plans.append(plan)
         return self.plans
 

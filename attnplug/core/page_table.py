@@ -186,7 +186,10 @@ def csr_from_req_to_token(
         seq_lens: ``[B]`` int32/int64 tokens per request.
 
     Returns:
-        ``kv_indptr [B+1]``, ``kv_indices [nnz_pages]``, ``kv_last_page_len [B]``, all int32.
+        ``kv_indptr [B+1]``, ``kv_indices [nnz_pages]``, ``kv_last_page_len [B]``, all int32;
+        ``kv_indptr`` / ``kv_last_page_len`` on ``seq_lens``' device, ``kv_indices`` on the table's.
+        With host ``seq_lens`` and ``check=False`` nothing is read back from the table's device
+        (CUDA-graph replays: sizes from the engine's host lengths, one gather on the device).
 
     Raises:
         ValueError: slots are negative or not page aligned (token ``t`` not at ``page * P + t % P``
@@ -208,10 +211,10 @@ def csr_from_req_to_token(
             raise ValueError(f"seq_lens must be <= max_ctx = {req_to_token.shape[1]}, got {int(seq_lens.max())}")
     dev = req_to_token.device
     seq_lens = seq_lens.to(_I32)
-    max_len = int(seq_lens.max()) if seq_lens.numel() else 0
-    rows = req_to_token[req_pool_indices.long(), :max_len]  # [B, max_len]
-    pos = torch.arange(max_len, device=dev)
     if check:
+        max_len = int(seq_lens.max()) if seq_lens.numel() else 0
+        rows = req_to_token[req_pool_indices.long().to(dev), :max_len]  # [B, max_len]
+        pos = torch.arange(max_len, device=dev)
         valid = pos[None, :] < seq_lens[:, None]
         slots = rows[valid]
         _check_nonneg("req_to_token (used slots)", slots)
@@ -224,11 +227,16 @@ def csr_from_req_to_token(
                 f"token {t} has slot {int(rows[b, t])}, expected page * {page_size} + {t % page_size} with the "
                 f"page of token {(t // page_size) * page_size}"
             )
+    # index arrays on seq_lens' device (host lengths: no device read), one gather on the table's device
     num_pages = _ceil_pages(seq_lens, page_size)
-    heads = rows[:, ::page_size]  # [B, ceil(max_len / P)]
-    mask = torch.arange(heads.shape[1], device=dev)[None, :] < num_pages[:, None]
-    kv_indices = (heads[mask] // page_size).to(_I32)
-    return _indptr(num_pages), kv_indices, _last_page_len(seq_lens, page_size).to(_I32)
+    indptr = _indptr(num_pages)
+    nnz = int(indptr[-1])
+    req = torch.repeat_interleave(torch.arange(num_pages.shape[0], device=num_pages.device), num_pages, output_size=nnz)
+    col = (torch.arange(nnz, device=num_pages.device) - indptr[:-1].long()[req]) * page_size
+    nb = dict(non_blocking=True)
+    row = req_pool_indices.to(dev, **nb).long()[req.to(dev, **nb)]
+    kv_indices = (req_to_token[row, col.to(dev, **nb)].long() // page_size).to(_I32)
+    return indptr, kv_indices, _last_page_len(seq_lens, page_size).to(_I32)
 
 
 def req_to_token_from_csr(

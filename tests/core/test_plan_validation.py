@@ -96,8 +96,18 @@ def test_unknown_and_unavailable_providers():
         PagedAttention(AttentionConfig(8, 2, 512, 16), "triton", "cuda" if torch.cuda.is_available() else "cpu")
     if not torch.cuda.is_available():
         for name in ("flashinfer", "fa3"):
-            with pytest.raises(ProviderUnavailable, match=f"provider '{name}' needs a (CUDA|Hopper) GPU"):
+            with pytest.raises(ProviderUnavailable, match=f"provider '{name}' is unavailable: it needs a (CUDA|Hopper CUDA) GPU"
+                               ".*To install: .*pip install"):
                 PagedAttention(CFG, name, "cpu")
+
+
+def test_unknown_and_foreign_plan_options():
+    attn = PagedAttention(CFG, "reference", "cpu")
+    c = random_case(ForwardMode.DECODE, [1, 1], [5, 9], CFG, seed=2)
+    with pytest.raises(ValueError, match=r"unknown plan option\(s\) \['num_splits'\]"):
+        attn.plan(c.batch, num_pages=c.num_pages, num_splits=2)
+    with pytest.raises(ValueError, match=r"provider 'reference' has no plan option\(s\) \['num_kv_splits'\]"):
+        attn.plan(c.batch, num_pages=c.num_pages, num_kv_splits=2)
 
 
 def test_mask_free_columns():

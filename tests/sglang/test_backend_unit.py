@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -232,9 +233,9 @@ def test_multistep_draft_decode_refused():
         be.init_forward_metadata(fb)
 
 
-@pytest.mark.parametrize("name, hint", [("attnplug_flashinfer", "flashinfer"), ("attnplug_fa3", "FlashAttention-3")])
+@pytest.mark.parametrize("name, hint", [("attnplug_flashinfer", "flashinfer-python"), ("attnplug_fa3", "FlashAttention-3")])
 def test_gpu_backends_refused_on_cpu_with_install_hint(name, hint):
-    with pytest.raises(ProviderUnavailable, match=rf"attnplug: backend '{name}' cannot start.*Install hint: .*{hint}"):
+    with pytest.raises(ProviderUnavailable, match=rf"attnplug: backend '{name}' cannot start.*To install: .*{hint}"):
         make_backend(make_runner(1), name=name)
 
 
@@ -276,6 +277,11 @@ def test_log_line_and_marker(tmp_path, monkeypatch, caplog):
 
 
 def test_triton_on_cpu_without_interpreter_refused(monkeypatch):
+    import attnplug.core.providers.triton as tp
+
     monkeypatch.delenv("TRITON_INTERPRET")
-    with pytest.raises(UnsupportedFeature, match="attnplug_triton.*--device cpu without the Triton interpreter.*TRITON_INTERPRET=1"):
+    make_backend(make_runner(1))  # the provider prepares the process: the variable is set again ...
+    assert os.environ["TRITON_INTERPRET"] == "1"
+    monkeypatch.setattr(tp, "triton_interpreter_active", lambda: False)  # ... too late once triton is compiled
+    with pytest.raises(ProviderUnavailable, match="attnplug_triton.*provider 'triton'.*Triton interpreter.*TRITON_INTERPRET=1"):
         make_backend(make_runner(1))

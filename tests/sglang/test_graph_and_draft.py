@@ -140,33 +140,48 @@ def test_graph_capture_then_replay_matches_eager(mode, page_size, monkeypatch):
     assert len(launches) == (len(be._graphs["decode"]) if mode == "decode" else 0) and be._graphs[mode]
 
 
-def test_flashinfer_decode_replay_passes_host_lengths(monkeypatch):
-    """attnplug_flashinfer's decode replay with ATTNPLUG_FLASHINFER_DEVICE_REPLAY=1: the one launch gets
-    ``seq_lens_cpu`` of the real rows for FlashInfer's host plan (the provider itself needs CUDA: a
-    triton state stands in for it here); without the flag, GraphState.update as measured."""
+def _toy_provider():
+    """``tests/toy_provider.py`` registered: a provider that re-plans on the host (as FlashInfer)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import toy_provider
+
+    toy_provider.register()
+    return toy_provider
+
+
+def test_host_planning_provider_decode_replay_passes_host_lengths(monkeypatch):
+    """A provider that re-plans on the host (FlashInfer; here the toy provider, one file + one registry
+    line, no adapter edit): decode replays go through the one launch with ``seq_lens_cpu`` of the real
+    rows for its host plan, and give the dense reference; without ``seq_lens_cpu`` the host path."""
     from attnplug.core.cuda_graph import GraphState
 
+    toy = _toy_provider()
     calls = []
     one_launch = GraphState.update_from_block_table
     monkeypatch.setattr(GraphState, "update_from_block_table", lambda gs, *a, **k: calls.append(k) or one_launch(gs, *a, **k))
-    monkeypatch.setenv("ATTNPLUG_FLASHINFER_DEVICE_REPLAY", "1")  # opt-in until run on a GPU
     runner, layer, bs = make_runner(16), make_layer(0), 4
-    be = make_backend(runner)
+    be = make_backend(runner, provider=toy.TOY)
     be.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs)
     for step, kv_lens in enumerate([[21, 35], [9, 40, 17]]):
         reqs, _, fb = _batch(runner, "decode", 1, kv_lens, seed=20 + step)
-        be.provider_name = "flashinfer" if step else "triton"
         be.init_forward_metadata_out_graph(_padded(fb, bs, 1), in_capture=step == 0)
         q, k, v = _qkv(bs, seed=step)
         out = be.forward(q, k, v, layer, _padded(fb, bs, 1))
         torch.testing.assert_close(out[: fb.batch_size], dense_reference(runner, reqs, layer, q[: fb.batch_size],
                                                                          [1] * fb.batch_size), **TOL)  # fmt: skip
-    assert calls and all(torch.equal(c["host_seq_lens"], fb.seq_lens_cpu) for c in calls)
-    assert all(c["host_seq_lens"].device.type == "cpu" for c in calls)
-    monkeypatch.delenv("ATTNPLUG_FLASHINFER_DEVICE_REPLAY")  # default: the replay measured on the H200
+    states = list(be._graphs["decode"].values())  # one per layer config
+    assert len(calls) == len(states) >= 1  # the replay (one launch per layer config), not the capture
+    assert all(torch.equal(c["host_seq_lens"], fb.seq_lens_cpu) and c["host_seq_lens"].device.type == "cpu"
+               for c in calls)  # fmt: skip
+    assert all(gs.graph.refreshes[-1] == (bs, True) for gs in states)
     calls.clear()
-    be.init_forward_metadata_out_graph(_padded(fb, bs, 1))
-    assert calls == []
+    fb_no_host = _padded(fb, bs, 1)
+    fb_no_host.seq_lens_cpu = None  # no host lengths: the host path (GraphState.update)
+    be.init_forward_metadata_out_graph(fb_no_host)
+    assert calls == [] and all(gs.graph.refreshes[-1] == (bs, False) for gs in states)
 
 
 def test_fill_value_is_the_core_constant():
@@ -516,16 +531,20 @@ def test_decode_graph_runner_protocol(mode, page_size):
         torch.testing.assert_close(out[: B * n], dense, **TOL)
 
 
-def test_draft_graph_runner_protocol():
-    """What SGLang's EAGLEDraftCudaGraphRunner does with the container, in both releases:
+@pytest.mark.parametrize("provider", ["triton", "toy"])
+def test_draft_graph_runner_protocol(provider):
+    """What SGLang's EAGLEDraftCudaGraphRunner does with the container, in both releases (with
+    attnplug's triton and with the toy provider, which re-plans on the host):
     ``init_cuda_graph_state(max_bs, max_bs * topk)``, ``attn_backends[0].get_cuda_graph_seq_len_fill_value()``;
     capture over fill-value rows; replay with ``batch_size``, ``seq_lens(_cpu)`` and
     ``req_pool_indices`` swapped for the padded buffers and NO ``num_padding`` (padded rows are planned
     like real ones, reading a stale pool row), then ``init_forward_metadata_out_graph(fb)``."""
     topk, steps, max_bs = 2, 3, 4
+    if provider == "toy":
+        _toy_provider()
     runner = make_runner(4, is_draft_worker=True)
     layer = make_layer(0)
-    be = make_draft(runner, topk, steps, provider="triton")
+    be = make_draft(runner, topk, steps, provider=provider)
     be.init_cuda_graph_state(max_bs, max_bs * topk)
     fill = be.attn_backends[0].get_cuda_graph_seq_len_fill_value()
     bs = 4

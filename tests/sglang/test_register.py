@@ -82,10 +82,10 @@ def test_cli_accepts_backend_only_through_the_plugin(tiny_model):
     assert "AFTER: attnplug_triton" in r.stdout, r.stdout + r.stderr[-3000:]
 
 
-def test_interpreter_hook_only_acts_when_attnplug_triton_runs_on_cpu(monkeypatch):
+def test_prepare_hook_only_acts_when_attnplug_triton_runs_on_cpu(monkeypatch):
     from types import SimpleNamespace
 
-    hook = adapter._enable_triton_interpreter_on_cpu
+    hook = adapter._prepare_selected_providers
     for backend, device in [("torch_native", "cpu"), ("triton", "cpu"), ("attnplug_triton", "cuda")]:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
         assert hook("result", SimpleNamespace(attention_backend=backend, device=device)) is None
@@ -105,4 +105,4 @@ def test_register_hooks_server_args_resolution():
     target = compat.server_args_resolution_target()
     assert target.endswith(".resolve_once" if compat.sglang_version() == "0.5.23" else ".__post_init__")
     hooks = HookRegistry._hooks[target]
-    assert [h for _, h, _ in hooks].count(adapter._enable_triton_interpreter_on_cpu) == 1
+    assert [h for _, h, _ in hooks].count(adapter._prepare_selected_providers) == 1

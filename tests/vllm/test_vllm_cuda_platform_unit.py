@@ -89,8 +89,8 @@ def test_cuda_auto_selection_never_picks_attnplug(cuda_selection):
 
 def test_cuda_graph_levels_seen_by_cuda_selection(cuda_selection):
     levels = {n: cuda_selection[n]["sm90"]["cg"] for n in ("ATTNPLUG_TRITON", "ATTNPLUG_FLASHINFER", "ATTNPLUG_FA3")}
-    assert levels == {"ATTNPLUG_TRITON": "UNIFORM_BATCH", "ATTNPLUG_FLASHINFER": "NEVER",
-                      "ATTNPLUG_FA3": "UNIFORM_SINGLE_TOKEN_DECODE"}  # fmt: skip
+    assert levels == {"ATTNPLUG_TRITON": "UNIFORM_BATCH", "ATTNPLUG_FLASHINFER": "UNIFORM_SINGLE_TOKEN_DECODE",
+                      "ATTNPLUG_FA3": "UNIFORM_BATCH"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -182,8 +182,8 @@ def test_fa3_capability_check_only_on_cuda_selection(monkeypatch):
 @pytest.mark.parametrize("spec_tokens", [0, 3])
 def test_default_cudagraph_mode_resolves_per_backend(monkeypatch, spec_tokens):
     """vLLM's own resolution of the default FULL_AND_PIECEWISE from each backend's level: FULL
-    decode graphs (plus spec verify for triton) where the level allows, PIECEWISE otherwise; never
-    an error."""
+    decode graphs (plus spec verify for triton and fa3) where the level allows, PIECEWISE otherwise;
+    never an error."""
     import inspect
 
     from vllm.config import CompilationConfig
@@ -192,8 +192,8 @@ def test_default_cudagraph_mode_resolves_per_backend(monkeypatch, spec_tokens):
     from attnplug.vllm_adapter import backend as B
 
     monkeypatch.delenv("ATTNPLUG_PROVIDER_OVERRIDE", raising=False)
-    want = {"AttnplugTritonBackend": "FULL_AND_PIECEWISE", "AttnplugFlashInferBackend": "PIECEWISE",
-            "AttnplugFA3Backend": "PIECEWISE" if spec_tokens else "FULL_AND_PIECEWISE"}  # fmt: skip
+    want = {"AttnplugTritonBackend": "FULL_AND_PIECEWISE", "AttnplugFA3Backend": "FULL_AND_PIECEWISE",
+            "AttnplugFlashInferBackend": "PIECEWISE" if spec_tokens else "FULL_AND_PIECEWISE"}  # fmt: skip
     got = {}
     for name in want:
         cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)

@@ -103,7 +103,7 @@ def graph_buffers(builder, md):
     plan = md.plan_for(next(iter(builder.attention)))
     gs = next(iter(md.graphs.states.values()))
     ts = [plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len, plan.kv_lens, plan.qo_indptr, gs.kv_indices]
-    ts += [v for v in plan.extra.values() if isinstance(v, torch.Tensor)]
+    ts += [v for v in vars(plan.state).values() if isinstance(v, torch.Tensor)] if plan.state is not None else []
     return plan, [t.data_ptr() for t in ts]
 
 
@@ -296,39 +296,58 @@ def test_update_draft_decode_metadata_in_place(env, first):
         assert not torch.allclose(stale, want, atol=1e-4), "the update must matter"
 
 
-@needs_graphs
+@pytest.fixture
+def toy(monkeypatch):
+    """``tests/toy_provider.py`` (one file + one registry line) run by every attnplug backend: a
+    provider that re-plans on the host before a replay, as FlashInfer does, with the reference's math."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import toy_provider
+
+    toy_provider.register()
+    monkeypatch.setenv("ATTNPLUG_PROVIDER_OVERRIDE", toy_provider.TOY)
+    return toy_provider
+
+
 @pytest.mark.parametrize("spec", [0, 2])
-def test_flashinfer_graph_builds_get_exact_host_lengths(env, monkeypatch, spec):
-    """FlashInfer plans on the host: a graph build hands the core vLLM's host sequence lengths -
-    ``seq_lens_cpu_upper_bound`` without speculative decoding (exact then), else the device values
-    (never the optimistic bound); its drafts build eagerly and never update in place. (FlashInfer
-    needs CUDA: a triton builder stands in, switched to the host-lengths path.)"""
+def test_host_planning_provider_graph_builds_get_exact_host_lengths(env, monkeypatch, toy, spec):
+    """A provider that plans on the host (FlashInfer; here the toy provider, no adapter edit): single-token
+    decode graphs; a graph build hands the core vLLM's host sequence lengths - ``seq_lens_cpu_upper_bound``
+    without speculative decoding (exact then), else the device values (never the optimistic bound);
+    its drafts build eagerly and never update in place."""
+    from vllm.v1.attention.backend import AttentionCGSupport as CG
+
+    from attnplug.core import UnsupportedFeature
     from attnplug.core.cuda_graph import GraphState
     from attnplug.vllm_adapter.backend import AttnplugGraphMetadata, AttnplugMetadata
 
     calls = []
     one_launch = GraphState.update_from_block_table
     monkeypatch.setattr(GraphState, "update_from_block_table", lambda gs, *a, **k: calls.append(k) or one_launch(gs, *a, **k))
-    impl, builder = make(env, f"cg_fi_host_{spec}")
+    impl, builder = make(env, f"cg_toy_host_{spec}")
+    assert builder.get_cudagraph_support(None, None) is CG.UNIFORM_SINGLE_TOKEN_DECODE
+    assert not builder.supports_draft_decode_metadata_update
     builder._spec_tokens = spec
     b = Batch([6, 13, 3], bs=4, seed=4)
     cam = b.cam()
     cam.seq_lens_cpu_upper_bound = b.seq_lens + 5  # optimistic (async spec decode): usable only when exact
     if spec == 0:
         cam.seq_lens_cpu_upper_bound = b.seq_lens.clone()
-    builder._graph_family(1).host_lengths = True
-    md = builder.build(0, cam)
+    md = builder.build_for_cudagraph_capture(cam)
     assert isinstance(md, AttnplugGraphMetadata)
     (kw,) = calls
     assert kw["host_seq_lens"].device.type == "cpu" and torch.equal(kw["host_seq_lens"], b.seq_lens)
     from_bound = kw["host_seq_lens"].data_ptr() == cam.seq_lens_cpu_upper_bound.data_ptr()
     assert from_bound == (spec == 0), "the host bound, and only where it is exact"
     torch.testing.assert_close(forward(impl, b.kv_cache, md, b.q)[:3], reference(b, impl), atol=1e-5, rtol=1e-5)
-    builder.supports_draft_decode_metadata_update = False  # what a flashinfer builder sets
+    b2 = Batch([11, 2], bs=4, seed=5)  # a replay of another batch through build()
+    md2 = builder.build(0, b2.cam())
+    assert isinstance(md2, AttnplugGraphMetadata) and len(calls) == 2
+    torch.testing.assert_close(forward(impl, b2.kv_cache, md2, b2.q)[:2], reference(b2, impl), atol=1e-5, rtol=1e-5)
     assert isinstance(builder.build_for_drafting(cam, draft_index=1), AttnplugMetadata)
-    from attnplug.core import UnsupportedFeature
-
-    with pytest.raises(UnsupportedFeature, match="in-place .capturable. draft metadata updates"):
+    with pytest.raises(UnsupportedFeature, match="in-place .capturable. draft metadata updates.*'toy'.*re-plans on the host"):
         builder.update_draft_decode_metadata(md)
 
 
@@ -340,13 +359,11 @@ def test_support_levels_are_honest_per_provider(env, monkeypatch):
     monkeypatch.delenv("ATTNPLUG_PROVIDER_OVERRIDE", raising=False)
     level = {n: getattr(B, n).get_builder_cls().get_cudagraph_support(None, None)
              for n in ("AttnplugTritonBackend", "AttnplugFA3Backend", "AttnplugFlashInferBackend")}  # fmt: skip
-    assert level == {"AttnplugTritonBackend": CG.UNIFORM_BATCH, "AttnplugFA3Backend": CG.UNIFORM_SINGLE_TOKEN_DECODE,
-                     "AttnplugFlashInferBackend": CG.NEVER}
+    # from each provider's graph_support: device-refreshed decode + verify -> UNIFORM_BATCH; FlashInfer
+    # re-plans on the host (vLLM's verify masks live on the device) -> single-token decode
+    assert level == {"AttnplugTritonBackend": CG.UNIFORM_BATCH, "AttnplugFA3Backend": CG.UNIFORM_BATCH,
+                     "AttnplugFlashInferBackend": CG.UNIFORM_SINGLE_TOKEN_DECODE}
     assert {n: getattr(B, n).get_builder_cls()._cudagraph_support for n in level} == level
-    monkeypatch.setenv("ATTNPLUG_FLASHINFER_DEVICE_REPLAY", "1")  # FULL decode graphs, opt-in until run on a GPU
-    fi = B.AttnplugFlashInferBackend.get_builder_cls()
-    assert fi.get_cudagraph_support(None, None) is CG.UNIFORM_SINGLE_TOKEN_DECODE
-    monkeypatch.delenv("ATTNPLUG_FLASHINFER_DEVICE_REPLAY")
     # spec decode: verify graphs only where their static buffers fit the budget
     triton = B.AttnplugTritonBackend.get_builder_cls()
 

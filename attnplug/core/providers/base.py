@@ -1,26 +1,124 @@
-"""Provider contract: ``plan`` once per forward (host work allowed), ``run`` per layer (none)."""
+"""The provider contract: everything specific to one kernel library, behind one interface.
+
+A provider decides, for its library:
+
+* **capabilities** - :meth:`Provider.check_available` (device, library), :meth:`Provider.check_config`
+  (features of an :class:`~attnplug.core.config.AttentionConfig`), :meth:`Provider.check_capability`
+  (a CUDA compute capability, before any device exists), :attr:`Provider.graph_support` (what its
+  CUDA graphs can replay, and why not more), :meth:`Provider.prepare_process` (what a process must
+  do before the library is imported, e.g. the Triton interpreter on CPU);
+* **one forward** - :meth:`Provider.plan` (host work, once per forward; the launch arguments go into
+  ``plan.state``, typed) and :meth:`Provider.run` (per layer, launches only);
+* **static buffers** - :meth:`Provider.static_buffers` (storage that lets ``plan`` write into fixed
+  memory: multi-step drafts and CUDA graphs) and :meth:`Provider.graph` (its part of a
+  :class:`~attnplug.core.cuda_graph.GraphState`: capture-time plans and the in-place refresh before
+  a replay, a :class:`ProviderGraph`);
+* **draft steps** - :meth:`Provider.step_providers` (one instance per draft step when a plan lives
+  inside the library's object, as FlashInfer's wrappers);
+* **tree verify** - :meth:`Provider.check_tree_config`;
+* its **install hint** - the registry table in :mod:`attnplug.core.providers`.
+
+``GraphState``, the draft planner and the engine adapters ask these; they never compare names.
+A new provider is one module implementing this class plus one line in the registry table.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from ..config import AttentionConfig, UnsupportedFeature
-from ..plan import Plan
+from ..plan import Plan, PlanOptions
+
+if TYPE_CHECKING:
+    from ..cuda_graph import GraphState
 
 
 class ProviderUnavailable(RuntimeError):
     """The provider cannot run on this machine (missing GPU or library); the message says how to fix it."""
 
 
+@dataclass(frozen=True)
+class GraphSupport:
+    """What a provider's CUDA graphs can replay (:attr:`Provider.graph_support`).
+
+    Attributes:
+        decode: single-token batches replay from static buffers (``GraphState`` decode mode, and
+            the steps of a multi-step draft).
+        verify: uniform multi-token batches (spec-decode verify with a tree or chain mask) replay.
+        device_refresh: the refresh before a replay is device work only (so it can itself be
+            captured, e.g. vLLM's in-graph draft updates, and runs from a device page table in every
+            mode). ``False``: the provider re-plans on the host before each replay, from host
+            lengths (``kv_indptr`` / ``kv_last_page_len``), and from a device page table only in
+            decode mode.
+        reason: what is not supported and why (shown in refusals); ``""`` when everything is.
+    """
+
+    decode: bool
+    verify: bool
+    device_refresh: bool
+    reason: str = ""
+
+
+NO_GRAPHS = GraphSupport(False, False, False, "it plans and runs with host work per forward")
+
+
+class ProviderGraph:
+    """A provider's part of one :class:`~attnplug.core.cuda_graph.GraphState` (one graph family).
+
+    ``GraphState`` owns the provider-neutral static buffers (page CSR, lengths, mask) and calls:
+
+    * :meth:`plan` once per captured batch size ``bs`` (outside the graph; host work allowed): the
+      plan's tensors are views of the static buffers, and ``plan.state`` must only reference
+      static memory, so that a refreshed buffer is what the captured launches read;
+    * :meth:`refresh` after every replay-time rewrite of those buffers (in place; host work only
+      when :attr:`GraphSupport.device_refresh` is False).
+
+    Attributes:
+        block_table: ``[max_batch, W]`` int32 when the provider reads a padded block table (FA3):
+            ``GraphState``'s one-launch update writes its rows too. ``None`` otherwise.
+    """
+
+    block_table: torch.Tensor | None = None
+
+    def __init__(self, provider: "Provider", gs: "GraphState"):
+        self.provider, self.gs = provider, gs
+        self.static = provider.static_buffers(max_rows=gs.max_batch, max_tokens=gs.max_tokens,
+                                              max_kv_len=gs.max_seq_len, q=gs.q, num_kv_splits=gs.num_kv_splits)
+
+    def plan(self, plan: Plan, bs: int) -> None:
+        """Plan the padded batch of ``bs`` requests into static memory (default: ``Provider.plan``
+        with :meth:`Provider.static_buffers`)."""
+        self.provider.plan(plan, static=self.static)
+
+    def refresh(self, plan: Plan, bs: int, host: dict | None, device_table: bool) -> None:
+        """After the static buffers of ``bs`` were rewritten. ``host``: host twins of the padded
+        batch (``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, ...) or ``None``;
+        ``device_table``: the one-launch update from a device page table wrote them (and
+        :attr:`block_table`). Default: nothing to do."""
+
+    def check_device_table_update(self, host_seq_lens: torch.Tensor | None) -> None:
+        """Raise :class:`UnsupportedFeature` when a one-launch update from a device page table
+        cannot refresh this provider's plan (default: it always can)."""
+
+
 class Provider(ABC):
     """One kernel library behind the core's plan/run contract.
 
-    Subclasses set ``name`` and implement ``check_config``, ``plan`` and ``run``.
+    Subclasses set ``name`` (the registry key), ``OPTIONS`` and implement ``plan`` and ``run``;
+    everything else has a default that fits a provider with no special needs.
     """
 
-    name: str = "?"
+    name: ClassVar[str] = "?"
+    #: Plan knobs (:class:`~attnplug.core.plan.PlanOptions` fields) this provider reads.
+    OPTIONS: ClassVar[frozenset[str]] = frozenset()
+    #: What its CUDA graphs can replay (see :class:`GraphSupport`).
+    graph_support: ClassVar[GraphSupport] = NO_GRAPHS
+    #: Its part of a ``GraphState`` (subclass of :class:`ProviderGraph`).
+    graph_cls: ClassVar[type[ProviderGraph]] = ProviderGraph
 
     def __init__(self, config: AttentionConfig, device: torch.device):
         self.config = config
@@ -28,19 +126,53 @@ class Provider(ABC):
         self.check_available(device)
         self.check_config(config)
 
+    # -- capabilities ---------------------------------------------------------------------------------
     @classmethod
     def check_available(cls, device: torch.device) -> None:
-        """Raise :class:`ProviderUnavailable` when this provider cannot run on ``device``."""
+        """Raise :class:`ProviderUnavailable` (with the install hint) when this provider cannot run on ``device``."""
+
+    @classmethod
+    def check_capability(cls, major: int, minor: int) -> str | None:
+        """Why this provider cannot run on a CUDA device of compute capability ``major.minor``
+        (checked before a device exists, e.g. by an engine's backend selector); ``None`` if it can."""
+        return None
+
+    @classmethod
+    def prepare_process(cls, device_type: str) -> None:
+        """What this process must do before the provider's library is imported (called by the
+        engine adapters when the provider is selected; default: nothing)."""
+
+    @classmethod
+    def unavailable(cls, reason: str) -> ProviderUnavailable:
+        """A :class:`ProviderUnavailable` naming attnplug, this provider, ``reason`` and the install hint."""
+        from . import install_hint  # noqa: PLC0415 - the registry imports this module
+
+        return ProviderUnavailable(f"attnplug: provider '{cls.name}' is unavailable: {reason}. "
+                                   f"To install: {install_hint(cls.name)}")  # fmt: skip
 
     def check_config(self, config: AttentionConfig) -> None:
         """Raise :class:`UnsupportedFeature` for configurations this provider cannot compute."""
 
+    def check_tree_config(self) -> None:
+        """Raise :class:`UnsupportedFeature` if a tree-masked verify cannot run with this config."""
+
     def unsupported(self, feature: str) -> UnsupportedFeature:
         return UnsupportedFeature(f"attnplug: provider '{self.name}' does not support {feature}")
 
+    def check_options(self, options: PlanOptions) -> None:
+        """``ValueError`` naming a knob this provider does not read."""
+        extra = sorted(options.set_fields() - self.OPTIONS)
+        if extra:
+            raise ValueError(f"attnplug: provider '{self.name}' has no plan option(s) {extra}; "
+                             f"it reads {sorted(self.OPTIONS) or 'none'}")  # fmt: skip
+
+    # -- one forward ------------------------------------------------------------------------------------
     @abstractmethod
-    def plan(self, plan: Plan) -> None:
-        """Add this provider's kernel arguments to ``plan.extra`` (host work allowed here)."""
+    def plan(self, plan: Plan, static: Any = None) -> None:
+        """Build this forward's launch arguments into ``plan.state`` (host work allowed here).
+
+        ``static``: from :meth:`static_buffers`; when given, ``plan.state`` must reference only that
+        memory and the plan's own tensors (CUDA graphs, multi-step drafts)."""
 
     @abstractmethod
     def run(
@@ -54,3 +186,24 @@ class Provider(ABC):
     ) -> None:
         """Write attention of ``q [T, Hq, D]`` over the paged cache into ``out [T, Hq, D]``
         (and the natural-log LSE into ``lse [T, Hq]`` float32 when given). No host work."""
+
+    # -- static memory, graphs, drafts ----------------------------------------------------------------
+    def static_buffers(self, max_rows: int, max_tokens: int, max_kv_len: int, q: int = 1,
+                       num_kv_splits: int | None = None) -> Any:
+        """Storage for plans of up to ``max_rows`` requests / ``max_tokens`` query tokens, each with
+        ``q`` tokens and at most ``max_kv_len`` keys, passed back to :meth:`plan` as ``static``.
+        Default: ``None`` (the provider's plan holds no memory of its own)."""
+        return None
+
+    def graph(self, gs: "GraphState") -> ProviderGraph:
+        """This provider's part of ``gs`` (raises :class:`UnsupportedFeature` when
+        :attr:`graph_support` cannot serve ``gs.mode``)."""
+        g = self.graph_support
+        if not (g.decode if gs.mode == "decode" else g.verify):
+            raise self.unsupported(f"CUDA graphs of {gs.mode} batches ({g.reason})")
+        return self.graph_cls(self, gs)
+
+    def step_providers(self, num_steps: int) -> list["Provider"]:
+        """Providers for ``num_steps`` draft steps whose plans must all stay valid at once
+        (default: this one, shared: its plans live in the ``Plan`` objects)."""
+        return [self] * num_steps

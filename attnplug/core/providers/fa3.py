@@ -42,17 +42,13 @@ from typing import Callable
 import torch
 
 from ..config import AttentionConfig
-from ..plan import Plan
-from .base import Provider, ProviderUnavailable
+from ..pages import num_pages
+from ..plan import Plan, PlanOptions
+from .base import GraphSupport, Provider, ProviderGraph
 
 logger = logging.getLogger("attnplug")
 
 HEAD_DIMS = (64, 96, 128, 192, 256)
-INSTALL_HINT = (
-    "attnplug: provider 'fa3' needs a Hopper GPU (sm90) and a FlashAttention-3 build: "
-    "pip install flash-attn-3 (hopper build of https://github.com/Dao-AILab/flash-attention), "
-    "or pip install sgl-kernel, or vllm (vllm.vllm_flash_attn with _vllm_fa3_C)"
-)
 
 
 @dataclass(frozen=True)
@@ -136,13 +132,98 @@ def load_fa3() -> FA3Lib:
             return _LIB
         except Exception as e:  # ImportError, or a broken install
             errors.append(f"{name}: {e!r}")
-    raise ProviderUnavailable(f"{INSTALL_HINT}; tried: " + "; ".join(errors))
+    raise FA3Provider.unavailable("no FlashAttention-3 build imports; tried: " + "; ".join(errors))
+
+
+@dataclass
+class FA3Args:
+    """Arguments of one paged FA3 call (:meth:`FA3Lib.paged`)."""
+
+    block_table: torch.Tensor  # [B, W] int32
+    cu_seqlens_q: torch.Tensor  # [B+1] int32
+    seqused_k: torch.Tensor  # [B] int32 keys per request
+    max_seqlen_q: int
+    max_seqlen_k: int
+    causal: bool
+    window: tuple[int, int]
+    softcap: float
+    scale: float
+
+
+@dataclass
+class FA3Tree:
+    """The tree part of a tree-masked verify: attnplug's Triton kernel on keys ``>= prefix_lens[b]``
+    and the scratch its LSE merge with FA3's prefix part uses."""
+
+    prefix_lens: torch.Tensor  # [B] int32 on the device
+    tree_plan: Plan
+    prefix_out: torch.Tensor  # [T, Hq, D] dtype
+    tree_out: torch.Tensor  # [T, Hq, D] float32
+    tree_lse: torch.Tensor  # [T, Hq] float32
+
+
+@dataclass
+class FA3State:
+    """``plan.state``: the FA3 call, and the tree part of a tree-masked verify (else ``None``)."""
+
+    args: FA3Args
+    tree: FA3Tree | None
+
+
+class FA3Graph(ProviderGraph):
+    """FA3 under CUDA graphs: a padded block table ``[max_batch, ceil(max_seq_len / P)]`` read by FA3
+    (``max_seqlen_k = max_seq_len``), rewritten in place before each replay - by the graph state's
+    one-launch update from a device page table, or here from the static CSR (``GraphState.update``).
+    Verify: FA3 on the prefix (``seqused_k = mask_free = kv_len - q``, the static view) and the Triton
+    kernel on the tree part over static tiles (one split), LSE-merged."""
+
+    def __init__(self, provider: "FA3Provider", gs):
+        super().__init__(provider, gs)
+        dev, mb = gs.device, gs.max_batch
+        self.tree_static = self.tree_bufs = None
+        if gs.mode == "verify":
+            provider.check_tree_config()
+            self.tree_static = provider.tree_provider().static_buffers(
+                max_rows=mb, max_tokens=gs.max_tokens, max_kv_len=gs.max_seq_len, q=gs.q, num_kv_splits=1)
+            self.tree_bufs = provider.tree_buffers(gs.max_tokens, dev)
+        w = num_pages(gs.max_seq_len, provider.config.page_size)
+        self.block_table = torch.zeros(mb, w, dtype=torch.int32, device=dev)
+        self._bt_idx = torch.zeros(mb, w, dtype=torch.int64, device=dev)
+        self._bt_col = torch.arange(w, dtype=torch.int64, device=dev)
+
+    def plan(self, plan: Plan, bs: int) -> None:
+        p, gs = self.provider, self.gs
+        cfg, v = p.config, gs.static_views(bs)
+        w = cfg.window_left
+        args = FA3Args(block_table=self.block_table[:bs], cu_seqlens_q=v["qo_indptr"], seqused_k=v["kv_lens"],
+                       max_seqlen_q=gs.q, max_seqlen_k=gs.max_seq_len, causal=True,
+                       window=(w, 0) if w >= 0 else (-1, -1), softcap=cfg.logits_soft_cap, scale=cfg.scale)  # fmt: skip
+        tree = None
+        if gs.mode == "verify":  # prefix = the mask-free columns (kv_len - q), the tree part after it
+            prefix = v["mask_free"]
+            args.seqused_k, args.causal, args.window = prefix, False, (-1, -1)
+            tree = p.plan_tree_part(plan, prefix, static=self.tree_static,
+                                    buffers={k: b[: bs * gs.q] for k, b in self.tree_bufs.items()})
+        plan.state = FA3State(args, tree)
+
+    def refresh(self, plan: Plan, bs: int, host: dict | None, device_table: bool) -> None:
+        """Block-table rows from the static CSR, on the device (the one-launch update wrote them already)."""
+        if device_table:
+            return
+        gs = self.gs
+        w = self.block_table.shape[1]
+        idx = self._bt_idx[:bs]
+        torch.add(gs.kv_indptr[:bs, None], self._bt_col[None, :w], out=idx)
+        idx.clamp_(max=gs.kv_indices.numel() - 1)  # entries past a row's pages: any valid id
+        torch.index_select(gs.kv_indices, 0, idx.view(-1), out=self.block_table[:bs].view(-1))
 
 
 class FA3Provider(Provider):
-    """FlashAttention-3 paged attention; tree-masked verify = FA3 prefix + dense tree block, LSE-merged."""
+    """FlashAttention-3 paged attention; tree-masked verify = FA3 prefix + Triton tree part, LSE-merged."""
 
     name = "fa3"
+    graph_support = GraphSupport(decode=True, verify=True, device_refresh=True)
+    graph_cls = FA3Graph
 
     def __init__(self, config: AttentionConfig, device: torch.device):
         super().__init__(config, device)
@@ -151,13 +232,17 @@ class FA3Provider(Provider):
         logger.info("attnplug: fa3 provider uses %s", self.lib.source)
 
     @classmethod
+    def check_capability(cls, major: int, minor: int) -> str | None:
+        return None if major == 9 else f"compute capability sm{major}{minor} (FA3 runs on Hopper, sm90, only)"
+
+    @classmethod
     def check_available(cls, device: torch.device) -> None:
         device = torch.device(device)
         if device.type != "cuda" or not torch.cuda.is_available():
-            raise ProviderUnavailable(f"{INSTALL_HINT}; got device {str(device)!r}")
-        cap = torch.cuda.get_device_capability(device)
-        if cap[0] != 9:
-            raise ProviderUnavailable(f"{INSTALL_HINT}; this GPU is sm{cap[0]}{cap[1]}, FA3 runs on sm90 only")
+            raise cls.unavailable(f"it needs a Hopper CUDA GPU; got device {str(device)!r}")
+        why = cls.check_capability(*torch.cuda.get_device_capability(device))
+        if why is not None:
+            raise cls.unavailable(f"this GPU has {why}")
         load_fa3()
 
     def check_config(self, config: AttentionConfig) -> None:
@@ -168,35 +253,32 @@ class FA3Provider(Provider):
         if config.kv_layout != "NHD":
             raise self.unsupported("kv_layout='HND' (FA3 reads paged KV as [num_pages, page_size, Hkv, D])")
 
-    def plan(self, plan: Plan) -> None:
+    def plan(self, plan: Plan, static=None) -> None:
         """Block table + seq lens on device; for a tree mask also the split into prefix and tree parts."""
         from ..page_table import block_table_from_csr  # noqa: PLC0415
 
         cfg = self.config
-        max_pages = max(1, -(-plan.max_kv_len // cfg.page_size))
+        max_pages = max(1, num_pages(plan.max_kv_len, cfg.page_size))
         block_table, seq_lens = block_table_from_csr(
             plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len, cfg.page_size, max_pages, check=False
         )
         window = (cfg.window_left, 0 if plan.causal else -1) if cfg.window_left >= 0 else (-1, -1)
-        args = dict(
-            block_table=block_table, cu_seqlens_q=plan.qo_indptr, seqused_k=seq_lens,
-            max_seqlen_q=max(plan.max_q_len, 1), max_seqlen_k=max(plan.max_kv_len, 1), causal=plan.causal,
-            window=window, softcap=cfg.logits_soft_cap, scale=cfg.scale,
-        )
-        plan.extra["fa3_args"] = args
-        plan.extra["fa3_tree"] = None
-        if plan.mask is None:
-            return
-        plan.extra["fa3_tree"] = self._plan_tree(plan)
-        args.update(seqused_k=plan.extra["fa3_tree"]["prefix_lens"], causal=False, window=(-1, -1),
-                    max_seqlen_k=max(int((plan.kv_lens_cpu - plan.q_lens_cpu).max()), 1))
+        args = FA3Args(block_table=block_table, cu_seqlens_q=plan.qo_indptr, seqused_k=seq_lens,
+                       max_seqlen_q=max(plan.max_q_len, 1), max_seqlen_k=max(plan.max_kv_len, 1), causal=plan.causal,
+                       window=window, softcap=cfg.logits_soft_cap, scale=cfg.scale)  # fmt: skip
+        tree = None
+        if plan.mask is not None:
+            tree = self._plan_tree(plan)
+            args.seqused_k, args.causal, args.window = tree.prefix_lens, False, (-1, -1)
+            args.max_seqlen_k = max(int((plan.kv_lens_cpu - plan.q_lens_cpu).max()), 1)
+        plan.state = FA3State(args, tree)
 
     def check_tree_config(self) -> None:
         """Raise if this config cannot run a tree-masked verify (FA3 computes the prefix unmasked)."""
         if self.config.window_left >= 0:
             raise self.unsupported("a custom (tree) mask together with a sliding window")
 
-    def _plan_tree(self, plan: Plan) -> dict:
+    def _plan_tree(self, plan: Plan) -> FA3Tree:
         """Check the mask's prefix columns are all visible; plan the tree part (draft keys only)."""
         self.check_tree_config()
         prefix = (plan.kv_lens_cpu - plan.q_lens_cpu).to(torch.int32)
@@ -209,6 +291,15 @@ class FA3Provider(Provider):
             )
         return self.plan_tree_part(plan, prefix.to(plan.device))
 
+    def tree_provider(self):
+        """attnplug's Triton provider for the tree part (triton is imported only once a tree is planned)."""
+        if self._tree is None:
+            from ..kernels.merge import merge_state  # noqa: PLC0415
+            from .triton import TritonProvider  # noqa: PLC0415
+
+            self._tree, self._merge = TritonProvider(self.config, self.device), merge_state
+        return self._tree
+
     def tree_buffers(self, num_tokens: int, device) -> dict:
         """Scratch of the tree-verify split for ``num_tokens`` rows: ``prefix_out [T, Hq, D]`` (dtype),
         ``tree_out [T, Hq, D]`` and ``tree_lse [T, Hq]`` float32."""
@@ -217,28 +308,27 @@ class FA3Provider(Provider):
                     tree_out=torch.empty(hd, dtype=torch.float32, device=device),
                     tree_lse=torch.empty(hd[:2], dtype=torch.float32, device=device))  # fmt: skip
 
-    def plan_tree_part(self, plan: Plan, prefix: torch.Tensor, tile_buffers=None, buffers: dict | None = None) -> dict:
+    def plan_tree_part(self, plan: Plan, prefix: torch.Tensor, static=None, buffers: dict | None = None) -> FA3Tree:
         """The tree part of a verify ``plan``: attnplug's Triton kernel on keys ``>= prefix[b]``
         (``[B]`` int32 on the device; one split), LSE-merged with FA3's prefix part in :meth:`run`.
-        ``tile_buffers`` / ``buffers`` (:meth:`tree_buffers`): static storage (CUDA graphs). Callers
-        run :meth:`check_tree_config` first."""
-        if self._tree is None:  # triton is imported only once a tree mask is planned
-            from ..kernels.merge import merge_state  # noqa: PLC0415
-            from .triton import TritonProvider  # noqa: PLC0415
-
-            self._tree, self._merge = TritonProvider(self.config, self.device), merge_state
-        tree_plan = dataclasses.replace(plan, extra={"kv_start": prefix, "num_kv_splits": 1})
-        self._tree.plan(tree_plan, tile_buffers=tile_buffers)
-        return dict(prefix_lens=prefix, tree_plan=tree_plan, **(buffers or self.tree_buffers(plan.num_tokens, plan.device)))
+        ``static`` (the Triton provider's static buffers) / ``buffers`` (:meth:`tree_buffers`): static
+        storage (CUDA graphs). Callers run :meth:`check_tree_config` first."""
+        tree = self.tree_provider()
+        tree_plan = dataclasses.replace(plan, options=PlanOptions(kv_start=prefix, num_kv_splits=1), state=None)
+        tree.plan(tree_plan, static=static)
+        return FA3Tree(prefix_lens=prefix, tree_plan=tree_plan,
+                       **(buffers or self.tree_buffers(plan.num_tokens, plan.device)))  # fmt: skip
 
     def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None) -> None:
         """``q [T, Hq, D]``, caches ``[num_pages, P, Hkv, D]`` -> ``out [T, Hq, D]`` (+ natural-log ``lse [T, Hq]``)."""
-        tree = plan.extra["fa3_tree"]
+        st: FA3State = plan.state
+        a = vars(st.args)  # no copy: FA3Args' fields are paged()'s keyword arguments
+        tree = st.tree
         if tree is None:
-            s = self.lib.paged(q, k_cache, v_cache, out, return_lse=lse is not None, **plan.extra["fa3_args"])
+            s = self.lib.paged(q, k_cache, v_cache, out, return_lse=lse is not None, **a)
             if lse is not None:
                 lse.copy_(s.t())
             return
-        s_a = self.lib.paged(q, k_cache, v_cache, tree["prefix_out"], return_lse=True, **plan.extra["fa3_args"])
-        self._tree.run(tree["tree_plan"], q, k_cache, v_cache, tree["tree_out"], tree["tree_lse"])
-        self._merge(tree["prefix_out"], s_a.t(), tree["tree_out"], tree["tree_lse"], out, lse)
+        s_a = self.lib.paged(q, k_cache, v_cache, tree.prefix_out, return_lse=True, **a)
+        self._tree.run(tree.tree_plan, q, k_cache, v_cache, tree.tree_out, tree.tree_lse)
+        self._merge(tree.prefix_out, s_a.t(), tree.tree_out, tree.tree_lse, out, lse)

@@ -12,7 +12,8 @@ Kernels (flashinfer-python >= 0.6; written against 0.6.14):
 Backend knob: ``attn.plan(batch, prefill_backend="fa2" | "fa3" | "auto")`` or the environment
 variable ``ATTNPLUG_FLASHINFER_BACKEND``; ``"auto"`` (default) picks ``"fa3"`` on sm90, else ``"fa2"``.
 
-``plan`` calls exactly one wrapper ``plan`` per forward (host work, JIT compile on first use).
+``plan`` calls exactly one wrapper ``plan`` per forward (host work, JIT compile on first use);
+``plan.state`` is a :class:`FlashInferState`.
 ``run`` calls only ``wrapper.run(q, (k_cache, v_cache), out=out, lse=lse)``: no allocation, no sync.
 One wrapper holds one plan: planning again replaces the previous forward's plan (FlashInfer semantics).
 
@@ -23,16 +24,18 @@ requested ``run`` rescales it in place (``lse *= ln 2``; one elementwise kernel,
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 
 from ..config import AttentionConfig
 from ..metadata import ForwardMode
 from ..plan import Plan
-from .base import Provider, ProviderUnavailable
+from .base import GraphSupport, Provider, ProviderGraph
 
 logger = logging.getLogger("attnplug")
 
@@ -40,10 +43,6 @@ LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-KV partials)
 HEAD_DIMS = (64, 128, 256)
-INSTALL_HINT = (
-    "attnplug: provider 'flashinfer' needs a CUDA GPU and the flashinfer library: "
-    "pip install flashinfer-python (see https://docs.flashinfer.ai/installation.html)"
-)
 
 
 def _import_flashinfer():
@@ -52,10 +51,81 @@ def _import_flashinfer():
     return flashinfer
 
 
+@dataclass
+class FlashInferState:
+    """``plan.state``: the planned wrapper this forward runs and its kernel family."""
+
+    wrapper: object
+    backend: str  # "decode-tc", "fa2" or "fa3"
+
+
+class FlashInferGraph(ProviderGraph):
+    """FlashInfer under CUDA graphs: one ``use_cuda_graph=True`` wrapper per batch size over the
+    graph state's static page CSR; before each replay the wrapper is planned again on the host
+    (FlashInfer's replay path: its plan writes the fixed buffers the captured kernels read).
+
+    Decode plans from host ``kv_indptr`` / ``kv_last_page_len`` and the *device* ``kv_indices``
+    (a device-to-device copy, no sync): from ``GraphState.update_from_block_table`` with the
+    engine's host lengths, or from ``GraphState.update``'s host twins. Verify (custom mask) plans
+    from the static device buffers; FlashInfer packs the mask bits itself (a sync), so verify
+    replays go through ``GraphState.update`` only - the host path that stays.
+    """
+
+    def __init__(self, provider: "FlashInferProvider", gs):
+        super().__init__(provider, gs)
+        self.wrappers: dict[int, object] = {}
+        if gs.mode == "verify":
+            self.mask_bits = torch.zeros(gs.max_mask // 8 + gs.max_batch + 8, dtype=torch.uint8, device=gs.device)
+            self.mask_bits_indptr = torch.zeros(gs.max_batch + 1, dtype=torch.int32, device=gs.device)
+
+    def plan(self, plan: Plan, bs: int) -> None:
+        p, gs = self.provider, self.gs
+        v = gs.static_views(bs)
+        fi, layout = p._fi, p.config.kv_layout
+        if gs.mode == "decode":
+            wr = fi.BatchDecodeWithPagedKVCacheWrapper(
+                p._workspace, layout, use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=v["kv_indptr"],
+                paged_kv_indices_buffer=gs.kv_indices, paged_kv_last_page_len_buffer=v["kv_last_page_len"])
+            backend = "decode-tc"
+        else:
+            wr = fi.BatchPrefillWithPagedKVCacheWrapper(
+                p._workspace, layout, use_cuda_graph=True, qo_indptr_buf=v["qo_indptr"], paged_kv_indptr_buf=v["kv_indptr"],
+                paged_kv_indices_buf=gs.kv_indices, paged_kv_last_page_len_buf=v["kv_last_page_len"],
+                custom_mask_buf=self.mask_bits, mask_indptr_buf=self.mask_bits_indptr[: bs + 1], backend="fa2")
+            backend = "fa2"
+        self.wrappers[bs] = wr
+        plan.state = FlashInferState(wr, backend)
+
+    def refresh(self, plan: Plan, bs: int, host: dict | None, device_table: bool) -> None:
+        if host is None:
+            raise ValueError("attnplug: provider 'flashinfer' plans on the host: a graph replay needs host "
+                             "kv_indptr / kv_last_page_len (host metadata, or host_seq_lens)")
+        p, gs, wr = self.provider, self.gs, self.wrappers[bs]
+        if gs.mode == "decode":
+            wr.plan(host["kv_indptr"], host["kv_indices"], host["kv_last_page_len"], *p.heads(), **p.plan_kwargs())
+        else:
+            v = gs.static_views(bs)
+            mask = gs.mask[: int(host["mask_indptr"][-1])].view(torch.bool)
+            wr.plan(v["qo_indptr"], v["kv_indptr"], gs.kv_indices[: host["kv_indices"].numel()], v["kv_last_page_len"],
+                    *p.heads(), custom_mask=mask, causal=False, **p.plan_kwargs())
+
+    def check_device_table_update(self, host_seq_lens: torch.Tensor | None) -> None:
+        if self.gs.mode != "decode" or host_seq_lens is None:
+            raise self.provider.unsupported(
+                "a graph replay from a device page table without host sequence lengths, or in verify mode "
+                "(FlashInfer plans on the host and packs a custom mask there: use GraphState.update)")
+
+
 class FlashInferProvider(Provider):
     """FlashInfer paged attention (decode: tensor-core decode; extend/verify: paged prefill)."""
 
     name = "flashinfer"
+    OPTIONS = frozenset({"prefill_backend"})
+    graph_support = GraphSupport(
+        decode=True, verify=True, device_refresh=False,
+        reason="FlashInfer plans on the host before each replay (no in-graph metadata updates; a replay from a "
+               "device page table needs host lengths, and verify masks are packed on the host)")  # fmt: skip
+    graph_cls = FlashInferGraph
 
     def __init__(self, config: AttentionConfig, device: torch.device):
         super().__init__(config, device)
@@ -73,17 +143,26 @@ class FlashInferProvider(Provider):
     def check_available(cls, device: torch.device) -> None:
         device = torch.device(device)
         if device.type != "cuda" or not torch.cuda.is_available():
-            raise ProviderUnavailable(f"{INSTALL_HINT}; got device {str(device)!r}")
+            raise cls.unavailable(f"it needs a CUDA GPU; got device {str(device)!r}")
         try:
             _import_flashinfer()
         except Exception as e:  # ImportError, or a broken install (missing CUDA libs, ABI mismatch)
-            raise ProviderUnavailable(f"{INSTALL_HINT}; import flashinfer failed: {e!r}") from e
+            raise cls.unavailable(f"import flashinfer failed: {e!r}") from e
 
     def check_config(self, config: AttentionConfig) -> None:
         if config.dtype not in (torch.float16, torch.bfloat16):
             raise self.unsupported(f"dtype {config.dtype} (FlashInfer attention runs float16/bfloat16)")
         if config.head_dim not in HEAD_DIMS:
             raise self.unsupported(f"head_dim={config.head_dim} (FlashInfer kernels: {HEAD_DIMS})")
+
+    def step_providers(self, num_steps: int) -> list["FlashInferProvider"]:
+        """A wrapper holds one plan: one provider per draft step (own wrappers, shared workspace)."""
+        steps = [self]
+        for _ in range(num_steps - 1):
+            p = copy.copy(self)
+            p._wrappers = {}
+            steps.append(p)
+        return steps
 
     def resolve_backend(self, backend: str) -> str:
         """``"auto"`` -> ``"fa3"`` on sm90 (CUDA >= 12.3), else ``"fa2"``; checks explicit choices."""
@@ -114,18 +193,20 @@ class FlashInferProvider(Provider):
             self._wrappers[key] = w
         return w
 
-    def plan(self, plan: Plan) -> None:
-        """Plan the one wrapper this forward needs; stores it in ``plan.extra['flashinfer_wrapper']``."""
+    def heads(self) -> tuple[int, int, int, int]:
+        """``(Hq, Hkv, D, P)``: the shape arguments of every wrapper ``plan``."""
         cfg = self.config
-        common = dict(
-            pos_encoding_mode="NONE",
-            window_left=cfg.window_left,
-            logits_soft_cap=cfg.logits_soft_cap,
-            q_data_type=cfg.dtype,
-            kv_data_type=cfg.dtype,
-            sm_scale=cfg.scale,
-        )
-        heads = (cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.page_size)
+        return cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.page_size
+
+    def plan_kwargs(self) -> dict:
+        """The keyword arguments of every wrapper ``plan`` (numerics of this config)."""
+        cfg = self.config
+        return dict(pos_encoding_mode="NONE", window_left=cfg.window_left, logits_soft_cap=cfg.logits_soft_cap,
+                    q_data_type=cfg.dtype, kv_data_type=cfg.dtype, sm_scale=cfg.scale)  # fmt: skip
+
+    def plan(self, plan: Plan, static=None) -> None:
+        """Plan the one wrapper this forward needs (``plan.state``, a :class:`FlashInferState`)."""
+        heads, common = self.heads(), self.plan_kwargs()
         if plan.mode == ForwardMode.DECODE:
             w = self._wrapper("decode", "auto")
             # host indptr / last_page_len: FlashInfer schedules on the CPU, no device->host sync
@@ -140,19 +221,18 @@ class FlashInferProvider(Provider):
                 custom_mask=plan.mask.view(torch.bool), causal=False, **common,
             )
         else:
-            knob = plan.extra.get("prefill_backend")
+            knob = plan.options.prefill_backend
             backend = self.resolve_backend(knob) if knob is not None else self.default_backend
             w = self._wrapper("prefill", backend)
             w.plan(
                 plan.qo_indptr_cpu, plan.kv_indptr_cpu, plan.kv_indices, plan.kv_last_page_len_cpu, *heads,
                 causal=plan.causal, **common,
             )
-        plan.extra["flashinfer_wrapper"] = w
-        plan.extra["flashinfer_backend"] = backend
+        plan.state = FlashInferState(w, backend)
 
     def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None) -> None:
         """``q [T, Hq, D]``, caches in ``config.kv_layout`` -> ``out [T, Hq, D]`` (+ natural-log ``lse [T, Hq]``)."""
-        plan.extra["flashinfer_wrapper"].run(q, (k_cache, v_cache), out=out, lse=lse, return_lse=lse is not None)
+        plan.state.wrapper.run(q, (k_cache, v_cache), out=out, lse=lse, return_lse=lse is not None)
         if lse is not None:
             lse.mul_(LN2)  # log2 -> natural log, in place
 

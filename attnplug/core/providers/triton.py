@@ -7,19 +7,24 @@ On a machine without CUDA it runs on CPU tensors under the Triton interpreter (`
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
 
 from ..config import AttentionConfig
+from ..pages import num_pages
 from ..plan import Plan
-from .base import Provider, ProviderUnavailable
+from .base import GraphSupport, Provider, ProviderGraph
+
+logger = logging.getLogger("attnplug")
 
 
 @dataclass
-class TritonArgs:
-    """Per-forward launch arguments (built in ``plan``)."""
+class TritonState:
+    """Per-forward launch arguments (``plan.state``, built in ``plan``)."""
 
     tile_req: torch.Tensor  # [num_tiles] int32, request of each tile
     tile_qstart: torch.Tensor  # [num_tiles] int32, first query token of the tile within its request
@@ -32,6 +37,21 @@ class TritonArgs:
     num_stages: int
     partial: torch.Tensor | None  # [T, Hq, S, D] float32 when split
     partial_lse: torch.Tensor | None  # [T, Hq, S] float32 (base-2) when split
+    kv_start: torch.Tensor | None  # [B] int32: attend only to keys >= kv_start[b]
+
+
+@dataclass
+class TritonStatic:
+    """Static memory of triton plans (:meth:`TritonProvider.static_buffers`): the tile list is copied
+    into ``tile_req`` / ``tile_qstart`` (the first ``identity_rows`` entries already hold the decode
+    tile list ``arange / 0``, so single-token plans copy nothing); split partials are views of
+    ``partial`` / ``partial_lse``."""
+
+    tile_req: torch.Tensor  # [max_tiles] int32
+    tile_qstart: torch.Tensor  # [max_tiles] int32
+    partial: torch.Tensor  # [n * D] float32
+    partial_lse: torch.Tensor  # [n] float32
+    identity_rows: int
 
 
 def triton_interpreter_active() -> bool:
@@ -55,37 +75,53 @@ def _num_sms(device: torch.device) -> int:
     return 1
 
 
+class TritonGraph(ProviderGraph):
+    """Triton under CUDA graphs: the split count of each batch size is fixed at capture (the
+    heuristic at ``max_seq_len``, or ``num_kv_splits``); tiles and split partials are static."""
+
+    def __init__(self, provider: "TritonProvider", gs):
+        super().__init__(provider, gs)
+        self.splits = {bs: provider.split_count(bs, gs.max_seq_len, gs.num_kv_splits) for bs in range(1, gs.max_batch + 1)}
+
+    def plan(self, plan: Plan, bs: int) -> None:
+        plan.options = dataclasses.replace(plan.options, num_kv_splits=self.splits[bs])
+        self.provider.plan(plan, static=self.static)
+
+
 class TritonProvider(Provider):
     name = "triton"
+    OPTIONS = frozenset({"num_kv_splits", "block_m", "block_n", "num_warps", "num_stages", "kv_start"})
+    graph_support = GraphSupport(decode=True, verify=True, device_refresh=True)
+    graph_cls = TritonGraph
+
+    @classmethod
+    def prepare_process(cls, device_type: str) -> None:
+        """On CPU the kernels run through the Triton interpreter, which triton reads when it is first
+        imported: set ``TRITON_INTERPRET=1`` for this process (if triton is not imported yet) and the
+        engine processes it spawns (a user's own setting wins). Too late for a process that already
+        imported triton: :meth:`check_available` then says so."""
+        if device_type == "cpu" and "TRITON_INTERPRET" not in os.environ:
+            os.environ["TRITON_INTERPRET"] = "1"
+            logger.info("attnplug: provider 'triton' on CPU: TRITON_INTERPRET=1 (Triton interpreter)")
 
     @classmethod
     def check_available(cls, device: torch.device) -> None:
-        try:
-            import triton  # noqa: F401
-        except Exception as e:  # ImportError, or a broken install
-            raise ProviderUnavailable(
-                f"attnplug: provider 'triton' needs the triton package ({e}); pip install triton"
-            ) from e
-        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ProviderUnavailable(
-                "attnplug: provider 'triton' on CPU tensors needs the Triton interpreter: set "
-                "TRITON_INTERPRET=1 before triton is imported"
-            )
-        if device.type == "cpu":
-            import triton
-
-            if not triton_interpreter_active():
-                raise ProviderUnavailable(
-                    "attnplug: provider 'triton' on CPU needs the Triton interpreter, but triton was imported "
-                    "in compiled mode: TRITON_INTERPRET=1 must be set before anything imports triton"
-                )
-            if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
-                raise ProviderUnavailable(
-                    f"attnplug: provider 'triton' on CPU needs triton>=3.7 (its interpreter handles "
-                    f"scalar loop bounds); found triton {triton.__version__}: pip install 'triton>=3.7'"
-                )
+        device = torch.device(device)
         if device.type not in ("cpu", "cuda"):
-            raise ProviderUnavailable(f"attnplug: provider 'triton' does not run on device {device}")
+            raise cls.unavailable(f"it does not run on device {device}")
+        try:
+            import triton
+        except Exception as e:  # ImportError, or a broken install
+            raise cls.unavailable(f"import triton failed: {e!r}") from e
+        if device.type == "cpu":
+            if not triton_interpreter_active():
+                raise cls.unavailable(
+                    "on CPU it needs the Triton interpreter, but triton was imported in compiled mode: "
+                    "TRITON_INTERPRET=1 must be set before anything imports triton (the engine adapters "
+                    "set it in the launcher when an attnplug triton backend is selected on CPU)")  # fmt: skip
+            if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
+                raise cls.unavailable(f"on CPU it needs triton >= 3.7 (its interpreter handles scalar loop "
+                                      f"bounds); found triton {triton.__version__}")  # fmt: skip
 
     def check_config(self, config: AttentionConfig) -> None:
         if config.head_dim > 256:
@@ -116,74 +152,81 @@ class TritonProvider(Provider):
             return block_q, block_m, 128, 8, 3
         return block_q, block_m, 32, 4, 3
 
-    def _splits(self, plan: Plan, num_tiles: int, block_n: int) -> int:
-        forced = plan.extra.get("num_kv_splits")
+    def split_count(self, num_tiles: int, max_kv_len: int, forced: int | None = None) -> int:
+        """Split-KV chunks per tile: ``forced``, else enough programs to fill the SMs (2x, 4x for
+        tiny batches), at most one split per 512 keys and 64 in all."""
         if forced is not None:
             return max(1, int(forced))
         programs = num_tiles * self.config.num_kv_heads
-        if programs >= self._sms or plan.max_kv_len < 1024:
+        if programs >= self._sms or max_kv_len < 1024:
             return 1
-        by_len = plan.max_kv_len // 512
+        by_len = max_kv_len // 512
         target = (2 if programs >= 16 else 4) * self._sms  # tiny batches: oversubscribe harder
-        return max(1, min(64, by_len, -(-target // max(programs, 1))))
+        return max(1, min(64, by_len, num_pages(target, max(programs, 1))))
 
-    def plan(
-        self,
-        plan: Plan,
-        *,
-        tile_buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
-        tiles_ready: bool = False,
-        split_workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> None:
-        """Tuning knobs in ``plan.extra`` (from ``PagedAttention.plan(**kw)``): ``num_kv_splits``,
-        ``block_m``, ``block_n``, ``num_warps``, ``num_stages``; ``kv_start`` (``[B]`` int32 on the
-        device): attend only to keys at positions ``>= kv_start[b]`` (the fa3 provider's tree part).
+    def static_buffers(self, max_rows: int, max_tokens: int, max_kv_len: int, q: int = 1,
+                       num_kv_splits: int | None = None) -> TritonStatic:
+        """Tiles for ``max_tokens`` rows (the first ``max_rows`` hold the decode tile list) and split
+        partials for the largest ``rows * q * splits(rows)`` over ``rows <= max_rows`` (none when
+        every batch runs unsplit)."""
+        cfg, dev = self.config, self.device
+        splits = (self.split_count(r, max_kv_len, num_kv_splits) for r in range(1, max_rows + 1))
+        n = max((r * q * s for r, s in enumerate(splits, 1) if s > 1), default=0) * cfg.num_qo_heads
+        return TritonStatic(
+            tile_req=torch.arange(max(max_tokens, max_rows), dtype=torch.int32, device=dev),
+            tile_qstart=torch.zeros(max(max_tokens, max_rows), dtype=torch.int32, device=dev),
+            partial=torch.empty(n * cfg.head_dim, dtype=torch.float32, device=dev),
+            partial_lse=torch.empty(n, dtype=torch.float32, device=dev),
+            identity_rows=max_rows,
+        )
 
-        Static buffers (CUDA graphs, multi-step draft; default: allocate per plan):
-        ``tile_buffers = (tile_req, tile_qstart)``, flat int32 device tensors with room for every
-        tile; the tile list is copied into their prefix. ``split_workspace = (partial, partial_lse)``,
-        flat float32 device tensors of at least ``T*Hq*S*D`` / ``T*Hq*S`` elements; the split
-        partials are views of them.
-        """
-        cfg = self.config
+    def plan(self, plan: Plan, static: TritonStatic | None = None) -> None:
+        """Block sizes, the tile list (host, once) and the split count; knobs from ``plan.options``.
+        With ``static`` the tile list and the split partials live in its memory."""
+        cfg, o = self.config, plan.options
         block_q, block_m, block_n, warps, stages = self._blocks(plan)
-        x = plan.extra
-        block_m = x.get("block_m", block_m)
-        block_q = max(1, block_m // cfg.group_size) if "block_m" in x else block_q
-        block_n, warps, stages = x.get("block_n", block_n), x.get("num_warps", warps), x.get("num_stages", stages)
+        if o.block_m is not None:
+            block_m, block_q = o.block_m, max(1, o.block_m // cfg.group_size)
+        block_n = o.block_n or block_n
+        warps, stages = o.num_warps or warps, o.num_stages or stages
         q_lens = plan.q_lens_cpu.to(torch.int64)
         counts = (q_lens + block_q - 1) // block_q
         num_tiles = int(counts.sum())
-        tile_req = torch.repeat_interleave(torch.arange(plan.batch_size), counts)
-        first = torch.cumsum(counts, 0) - counts
-        tile_q = (torch.arange(num_tiles) - torch.repeat_interleave(first, counts)) * block_q
-        splits = self._splits(plan, num_tiles, block_n)
-        if plan.max_q_len <= 1 and splits >= 32 and self.config.head_dim <= 128 and "block_n" not in x:
+        splits = self.split_count(num_tiles, plan.max_kv_len, o.num_kv_splits)
+        if plan.max_q_len <= 1 and splits >= 32 and cfg.head_dim <= 128 and o.block_n is None:
             block_n, warps, stages = 64, 2, 2  # many short splits: small tiles (H200 sweep, 1x32768)
-        partial = partial_lse = None
         shape = (plan.num_tokens, cfg.num_qo_heads, splits, cfg.head_dim)
-        if splits > 1 and split_workspace is not None:
+        partial = partial_lse = None
+        identity = bool((counts == 1).all()) and block_q >= plan.max_q_len  # one tile per request, from token 0
+        if static is not None and identity and num_tiles <= static.identity_rows:
+            tile_req, tile_q = static.tile_req[:num_tiles], static.tile_qstart[:num_tiles]
+        else:
+            tile_req = torch.repeat_interleave(torch.arange(plan.batch_size), counts)
+            first = torch.cumsum(counts, 0) - counts
+            tile_q = (torch.arange(num_tiles) - torch.repeat_interleave(first, counts)) * block_q
+            tile_req, tile_q = tile_req.to(torch.int32), tile_q.to(torch.int32)
+            if static is not None:
+                if num_tiles > static.tile_req.numel():
+                    raise ValueError(f"attnplug: {num_tiles} triton tiles exceed the static capacity "
+                                     f"{static.tile_req.numel()}")  # fmt: skip
+                tile_req = static.tile_req[:num_tiles].copy_(tile_req, non_blocking=True)
+                tile_q = static.tile_qstart[:num_tiles].copy_(tile_q, non_blocking=True)
+                static.identity_rows = 0  # the decode tile list is overwritten
+            else:
+                tile_req, tile_q = tile_req.to(self.device), tile_q.to(self.device)
+        if splits > 1 and static is not None:
             n = shape[0] * shape[1] * shape[2]
-            partial, partial_lse = split_workspace[0][: n * shape[3]].view(shape), split_workspace[1][:n].view(shape[:3])
+            if n > static.partial_lse.numel():
+                raise ValueError(f"attnplug: {splits} splits of {plan.num_tokens} tokens exceed the static split "
+                                 f"workspace ({static.partial_lse.numel() // cfg.num_qo_heads} token-splits)")
+            partial, partial_lse = static.partial[: n * shape[3]].view(shape), static.partial_lse[:n].view(shape[:3])
         elif splits > 1:
             partial = torch.empty(shape, dtype=torch.float32, device=self.device)
             partial_lse = torch.empty(shape[:3], dtype=torch.float32, device=self.device)
-        tile_req, tile_q = tile_req.to(torch.int32), tile_q.to(torch.int32)
-        if tile_buffers is not None:
-            req_buf, q_buf = tile_buffers[0][:num_tiles], tile_buffers[1][:num_tiles]
-            tile_req, tile_q = (req_buf, q_buf) if tiles_ready else (req_buf.copy_(tile_req), q_buf.copy_(tile_q))
-        plan.extra["triton"] = TritonArgs(
-            tile_req=tile_req.to(self.device),
-            tile_qstart=tile_q.to(self.device),
-            num_tiles=num_tiles,
-            num_splits=splits,
-            block_q=block_q,
-            block_m=block_m,
-            block_n=block_n,
-            num_warps=warps,
-            num_stages=stages,
-            partial=partial,
-            partial_lse=partial_lse,
+        plan.state = TritonState(
+            tile_req=tile_req, tile_qstart=tile_q, num_tiles=num_tiles, num_splits=splits, block_q=block_q,
+            block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, partial=partial,
+            partial_lse=partial_lse, kv_start=o.kv_start,
         )
 
     # -- run --------------------------------------------------------------------------------------
@@ -191,7 +234,7 @@ class TritonProvider(Provider):
         from ..kernels.attention import paged_attention_kernel
         from ..kernels.merge import merge_splits
 
-        a: TritonArgs = plan.extra["triton"]
+        a: TritonState = plan.state
         if a.num_tiles == 0:
             return
         cfg = self.config
@@ -210,11 +253,10 @@ class TritonProvider(Provider):
         mask = plan.mask if plan.mask is not None else plan.kv_lens
         mask_indptr = plan.mask_indptr if plan.mask_indptr is not None else plan.kv_lens
         mask_free = plan.mask_free if plan.mask_free is not None else plan.kv_lens
-        kv_start = plan.extra.get("kv_start")
         paged_attention_kernel[(a.num_tiles, cfg.num_kv_heads, a.num_splits)](
             q, k_cache, v_cache, o, l,
             plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, a.tile_req, a.tile_qstart,
-            mask, mask_indptr, mask_free, kv_start if kv_start is not None else plan.kv_lens,
+            mask, mask_indptr, mask_free, a.kv_start if a.kv_start is not None else plan.kv_lens,
             cfg.scale, cfg.logits_soft_cap, cfg.window_left, a.num_splits,
             q.stride(0), q.stride(1),
             *ks, *vs, *o_strides, *l_strides,
@@ -224,7 +266,7 @@ class TritonProvider(Provider):
             SOFT_CAP=cfg.logits_soft_cap > 0, WINDOW=cfg.window_left >= 0,
             SPLIT=split, STORE_LSE=lse is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            UPCAST=q.device.type == "cpu", HAS_KV_START=kv_start is not None,
+            UPCAST=q.device.type == "cpu", HAS_KV_START=a.kv_start is not None,
             num_warps=a.num_warps, num_stages=a.num_stages,
         )
         if split:
