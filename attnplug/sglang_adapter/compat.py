@@ -195,6 +195,13 @@ def plain_mha_pool_cls():
     return MHATokenToKVPool
 
 
+def versions_info() -> str:
+    """``attnplug X, SGLang Y`` for the "active" log line."""
+    import attnplug
+
+    return f"attnplug {attnplug.__version__}, SGLang {sglang_version()}"
+
+
 def sglang_version() -> str:
     try:
         from importlib.metadata import version

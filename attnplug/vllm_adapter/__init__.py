@@ -32,6 +32,7 @@ def register() -> None:
     try:
         from . import compat
 
+        compat.route_core_logging()
         compat.register_backends(BACKENDS)
     except Exception:  # a broken plugin must never stop vLLM from starting
         logger.exception("attnplug: registering the vLLM attention backends failed; they are unavailable")

@@ -104,3 +104,20 @@ def test_refusal_outside_the_tested_range(broken_sglang, monkeypatch):
     monkeypatch.setattr(compat, "engine_refusal", lambda *a, **k: msg)
     with pytest.raises(RuntimeError, match=r"SGLang 0\.6\.0 is outside the tested range.*\(selected: attnplug_triton\)"):
         sglang_adapter._factory("attnplug_triton", object())
+
+
+def test_active_line_names_attnplug_and_sglang_versions(caplog):
+    import logging
+
+    from sglang.srt.runtime_context import get_parallel
+    from sglang_helpers import make_runner
+
+    from attnplug.sglang_adapter.backend import AttnplugAttnBackend
+
+    with caplog.at_level(logging.INFO, logger="attnplug.sglang_adapter.backend"):
+        with get_parallel().override(attn_tp_size=1, attn_dcp_size=1):
+            AttnplugAttnBackend(make_runner(16), backend_name="attnplug_triton")
+    want = f"head_dim 64, attnplug {attnplug.__version__}, SGLang {compat.sglang_version()})"
+    lines = [r.getMessage() for r in caplog.records if "attnplug_triton active" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].endswith(want), lines
+    assert compat.sglang_version() == "0.5.23"
