@@ -18,6 +18,8 @@ class PagedCase:
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     num_pages: int
+    q_lens: list[int] | None = None  # as constructed (not derived from the page table)
+    kv_lens: list[int] | None = None
 
 
 def random_case(
@@ -66,7 +68,51 @@ def random_case(
         mask = torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.bool)
     batch = BatchMetadata(mode, qo_indptr, kv_indptr, kv_indices, last, custom_mask=mask)
     dev = torch.device(device)
-    return PagedCase(config, batch, q.to(dev), k_cache.to(dev), v_cache.to(dev), num_pages)
+    return PagedCase(config, batch, q.to(dev), k_cache.to(dev), v_cache.to(dev), num_pages, list(q_lens), kv_lens)
+
+
+def dense_reference(case: PagedCase) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 attention of ``case`` from its construction (``q_lens`` / ``kv_lens`` lists, the page ids
+    and mask it was built with), one token at a time: an oracle that shares no code with the core
+    (not ``make_plan``, not ``reference.py``). Returns ``(out [T, Hq, D], lse [T, Hq])`` (natural log;
+    a row that sees no key: 0 and ``-inf``)."""
+    cfg, b_ = case.config, case.batch
+    assert case.q_lens is not None and case.kv_lens is not None, "case built without its lengths"
+    P, g = cfg.page_size, cfg.num_qo_heads // cfg.num_kv_heads
+    ind, idx = b_.kv_indptr.tolist(), b_.kv_indices.tolist()
+    k_all, v_all, q_all = case.k_cache.detach().cpu().double(), case.v_cache.detach().cpu().double(), case.q.detach().cpu().double()
+    outs, lses, t0, m0 = [], [], 0, 0
+    for b, (ql, kl) in enumerate(zip(case.q_lens, case.kv_lens)):
+        pages = idx[ind[b] : ind[b + 1]]
+        assert len(pages) == -(-kl // P), f"request {b}: {len(pages)} pages for {kl} tokens of page size {P}"
+        tok = [(pages[t // P], t % P) for t in range(kl)]
+        if cfg.kv_layout == "NHD":
+            k = torch.stack([k_all[p, o] for p, o in tok]) if kl else k_all.new_zeros(0, cfg.num_kv_heads, cfg.head_dim)
+            v = torch.stack([v_all[p, o] for p, o in tok]) if kl else k.clone()
+        else:
+            k = torch.stack([k_all[p, :, o] for p, o in tok]) if kl else k_all.new_zeros(0, cfg.num_kv_heads, cfg.head_dim)
+            v = torch.stack([v_all[p, :, o] for p, o in tok]) if kl else k.clone()
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        q = q_all[t0 : t0 + ql]
+        s = torch.einsum("qhd,khd->hqk", q, k) * cfg.scale
+        if cfg.logits_soft_cap > 0:
+            s = cfg.logits_soft_cap * torch.tanh(s / cfg.logits_soft_cap)
+        pos = torch.arange(kl - ql, kl)[:, None]
+        key = torch.arange(kl)[None, :]
+        if b_.custom_mask is not None:
+            vis = b_.custom_mask[m0 : m0 + ql * kl].cpu().bool().view(ql, kl)
+            m0 += ql * kl
+        else:
+            vis = (key <= pos) if b_.causal else torch.ones(ql, kl, dtype=torch.bool)
+        if cfg.window_left >= 0:
+            vis = vis & (key >= pos - cfg.window_left)
+        s = s.masked_fill(~vis[None], float("-inf"))
+        lse = torch.logsumexp(s, -1)  # [H, q]
+        p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+        outs.append(torch.einsum("hqk,khd->qhd", p, v))
+        lses.append(lse.transpose(0, 1))
+        t0 += ql
+    return torch.cat(outs), torch.cat(lses)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -128,3 +174,54 @@ def triton_launch(plan) -> dict:
     a = plan.state  # TritonState
     return dict(num_splits=a.num_splits, block_n=a.block_n, block_m=a.block_m, block_q=a.block_q,
                 partial_lse=a.partial_lse, partial=a.partial, num_tiles=a.num_tiles)
+
+
+# ---- multi-step draft: cases and an oracle that shares no code with core/draft.py ----------------------
+def draft_case(seq_lens: list[int], page: int, topk: int, steps: int, seed: int):
+    """Random prefix CSR over permuted pages + distinct draft token slots taken from spare pages.
+
+    Returns ``(kv_indptr, kv_indices, kv_last_page_len, draft_slots [B, topk, steps], num_pages)``."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(seq_lens)
+    npg = [-(-s // page) for s in seq_lens]
+    n_draft = B * topk * steps
+    spare = -(-n_draft // page) + 2
+    num_pages = sum(npg) + spare
+    perm = torch.randperm(num_pages, generator=g).to(torch.int32)
+    kv_indices = perm[: sum(npg)].clone()
+    kv_indptr = torch.tensor([0] + npg, dtype=torch.int32).cumsum(0).to(torch.int32)
+    last = torch.tensor([(s - 1) % page + 1 if s else 0 for s in seq_lens], dtype=torch.int32)
+    spare_slots = (perm[sum(npg) :].long()[:, None] * page + torch.arange(page)).flatten()
+    draft = spare_slots[torch.randperm(spare_slots.numel(), generator=g)[:n_draft]].view(B, topk, steps)
+    return kv_indptr, kv_indices, last, draft.to(torch.int32), num_pages
+
+
+def draft_rows(kv_indptr, kv_indices, seq_lens: list[int], draft, page: int, step: int) -> list[list[int]]:
+    """Token slots each draft row ``b*topk + j`` attends to at ``step``, one python loop per token:
+    the prefix of request ``b`` then its branch's draft tokens ``0..step``."""
+    rows = []
+    B, K, _ = draft.shape
+    for b in range(B):
+        pages = kv_indices[int(kv_indptr[b]) : int(kv_indptr[b + 1])].tolist()
+        prefix = [pages[t // page] * page + t % page for t in range(seq_lens[b])]
+        for j in range(K):
+            rows.append(prefix + draft[b, j, : step + 1].tolist())
+    return rows
+
+
+def dense_rows(q, k_cache, v_cache, rows: list[list[int]], config) -> torch.Tensor:
+    """float64 softmax attention of row ``r`` of ``q [R, Hq, D]`` over exactly the token slots
+    ``rows[r]`` of an NHD paged cache (slot = page * P + offset). Returns ``[R, Hq, D]`` float64."""
+    kf = k_cache.detach().cpu().double().reshape(-1, config.num_kv_heads, config.head_dim)
+    vf = v_cache.detach().cpu().double().reshape(-1, config.num_kv_heads, config.head_dim)
+    g = config.num_qo_heads // config.num_kv_heads
+    qd = q.detach().cpu().double()
+    out = torch.zeros(qd.shape, dtype=torch.float64)
+    for r, slots in enumerate(rows):
+        k = kf[torch.tensor(slots, dtype=torch.long)].repeat_interleave(g, 1)  # [n, Hq, D]
+        v = vf[torch.tensor(slots, dtype=torch.long)].repeat_interleave(g, 1)
+        s = torch.einsum("hd,nhd->hn", qd[r], k) * config.scale
+        if config.logits_soft_cap > 0:
+            s = config.logits_soft_cap * torch.tanh(s / config.logits_soft_cap)
+        out[r] = torch.einsum("hn,nhd->hd", s.softmax(-1), v)
+    return out

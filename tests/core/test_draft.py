@@ -13,42 +13,13 @@ from attnplug.core import AttentionConfig, BatchMetadata, ForwardMode, PagedAtte
 from attnplug.core.draft import MultiStepDraftPlanner, build_tree_verify_mask
 from attnplug.core.reference import reference_attention
 
-from batches import rel_err
+from batches import dense_rows, draft_case, draft_rows, rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def cfg(page, hq=4, hkv=2, d=32, dtype=torch.bfloat16, layout="NHD"):
     return AttentionConfig(hq, hkv, d, page, dtype, kv_layout=layout)
-
-
-def draft_case(seq_lens, page, topk, steps, seed):
-    """Random prefix CSR over permuted pages + distinct draft slots taken from spare pages."""
-    g = torch.Generator().manual_seed(seed)
-    B = len(seq_lens)
-    npg = [-(-s // page) for s in seq_lens]
-    n_draft = B * topk * steps
-    spare = -(-n_draft // page) + 2
-    num_pages = sum(npg) + spare
-    perm = torch.randperm(num_pages, generator=g).to(torch.int32)
-    kv_indices = perm[: sum(npg)].clone()
-    kv_indptr = torch.tensor([0] + npg, dtype=torch.int32).cumsum(0).to(torch.int32)
-    last = torch.tensor([(s - 1) % page + 1 if s else 0 for s in seq_lens], dtype=torch.int32)
-    spare_slots = (perm[sum(npg):].long()[:, None] * page + torch.arange(page)).flatten()
-    draft = spare_slots[torch.randperm(spare_slots.numel(), generator=g)[:n_draft]].view(B, topk, steps)
-    return kv_indptr, kv_indices, last, draft.to(torch.int32), num_pages
-
-
-def brute_rows(kv_indptr, kv_indices, seq_lens, draft, page, step):
-    """Expected token-slot list of every row (b, j) at ``step``, one python loop per token."""
-    rows = []
-    B, K, _ = draft.shape
-    for b in range(B):
-        pages = kv_indices[int(kv_indptr[b]) : int(kv_indptr[b + 1])].tolist()
-        prefix = [pages[t // page] * page + t % page for t in range(seq_lens[b])]
-        for j in range(K):
-            rows.append(prefix + draft[b, j, : step + 1].tolist())
-    return rows
 
 
 @settings(max_examples=25, deadline=None)
@@ -67,7 +38,7 @@ def test_step_metadata_equals_brute_force(data, page, topk, steps):
     assert len(plans) == steps
     lo, hi = pl._buf.data_ptr(), pl._buf.data_ptr() + pl._buf.numel() * 4
     for i, p in enumerate(plans):
-        exp = brute_rows(ind, idx, seq_lens, draft, page, i)
+        exp = draft_rows(ind, idx, seq_lens, draft, page, i)
         R = len(seq_lens) * topk
         assert p.batch_size == R and p.config.page_size == 1
         assert p.kv_lens_cpu.tolist() == [len(r) for r in exp]
@@ -79,20 +50,6 @@ def test_step_metadata_equals_brute_force(data, page, topk, steps):
             d, h = getattr(p, name), getattr(p, name + "_cpu")
             assert torch.equal(d.cpu(), h), name
             assert lo <= d.data_ptr() < hi or d.numel() == 0, f"{name} outside the shared buffer"
-
-
-def dense_draft(q, k_cache, v_cache, rows, config, page):
-    """Softmax over exactly the listed token slots, per row, float32."""
-    out = torch.zeros(q.shape, dtype=torch.float32)
-    kf = k_cache.float().reshape(-1, config.num_kv_heads, config.head_dim)
-    vf = v_cache.float().reshape(-1, config.num_kv_heads, config.head_dim)
-    g = config.group_size
-    for r, slots in enumerate(rows):
-        k = kf[torch.tensor(slots)].repeat_interleave(g, 1)  # [n, Hq, D]
-        v = vf[torch.tensor(slots)].repeat_interleave(g, 1)
-        s = torch.einsum("hd,nhd->hn", q[r].float(), k) * config.scale
-        out[r] = torch.einsum("hn,nhd->hd", s.softmax(-1), v)
-    return out
 
 
 @pytest.mark.parametrize("page,topk,steps,splits", [(16, 2, 3, 1), (1, 4, 2, 2), (16, 1, 2, 3)])
@@ -110,7 +67,7 @@ def test_draft_attention_equals_dense(page, topk, steps, splits):
         q = torch.randn(R, c.num_qo_heads, c.head_dim, generator=g).to(c.dtype)
         out = torch.full_like(q, math.nan).to(DEVICE)
         pl.run(i, q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), out)
-        ref = dense_draft(q, k_cache, v_cache, brute_rows(ind, idx, seq_lens, draft, page, i), c, page)
+        ref = dense_rows(q, k_cache, v_cache, draft_rows(ind, idx, seq_lens, draft, page, i), c)
         assert rel_err(out.cpu(), ref) < 1e-2, f"step {i}"
 
 
@@ -197,5 +154,5 @@ def test_tree_verify_attention(page, seed):
         pl = int(prefix[b])
         for i in range(n):
             rows.append([slot(t) for t in range(pl)] + [slot(pl + a) for a in sorted(ancestors(par[b].tolist(), i))])
-    dense = dense_draft(q, k_cache, v_cache, rows, c, page)
+    dense = dense_rows(q, k_cache, v_cache, rows, c)
     assert rel_err(out.cpu(), dense) < 1e-2

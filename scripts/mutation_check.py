@@ -1,0 +1,320 @@
+#!/usr/bin/env python3
+"""Mutation check: every named bug below must make the CPU core suite fail ("be killed").
+
+Each mutation is an exact find/replace on one source file. The snippet must occur exactly once in the
+file, or the check FAILS (a refactor that moves the code must update the snippet here; a mutation
+must never silently become a no-op). Each mutant runs a targeted, fast subset of tests/core (``-x``,
+the first failure kills it) in a temporary copy of the repository (``attnplug/`` and ``tests/``), so
+the working tree is never modified, whatever happens (Ctrl-C included). Before the mutants, the
+union of the subsets runs once on the unmutated copy: it must pass, or a "kill" would mean nothing.
+
+    .venvs/core/bin/python scripts/mutation_check.py            # all mutations (CI: scripts/test.sh core)
+    .venvs/core/bin/python scripts/mutation_check.py -k mask     # names containing "mask"
+    .venvs/core/bin/python scripts/mutation_check.py --list
+
+Prints a kill table (mutation, file, tests run, killed?, seconds) and exits non-zero unless every
+selected mutation was killed and the baseline passed. ``--budget`` (seconds, default 600) bounds the
+whole run: mutants not started within it are reported as NOT RUN and fail the check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+K = "attnplug/core/kernels/attention.py"
+MG = "attnplug/core/kernels/merge.py"
+PL = "attnplug/core/plan.py"
+PT = "attnplug/core/page_table.py"
+GU = "attnplug/core/kernels/graph_update.py"
+DR = "attnplug/core/draft.py"
+
+KP = "tests/core/test_kernel_paths.py"
+KT = "tests/core/test_kernels.py"
+GD = "tests/core/test_graph_draft_oracles.py"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str
+    find: str
+    replace: str
+    tests: tuple[str, ...]  # pytest node ids / files, relative to the repo root
+    what: str
+
+
+MUTATIONS = [
+    # -- attention kernel ------------------------------------------------------------------------------
+    Mutation("mask_free_ignored", K,
+             "free_hi = tl.minimum(hi, tl.load(mask_free + b))", "free_hi = hi",
+             (f"{KP}::test_verify_prefix_longer_than_default_block", f"{KP}::test_verify_small_block_n_forced",
+              f"{KP}::test_mask_free_counts_only_leading_visible_columns"),
+             "phase 1 (no mask work) runs over the whole row: the custom mask is ignored below the row end"),
+    Mutation("causal_shift_dropped", K,
+             "pos = kv_len - q_len + tok  # absolute position", "pos = tok  # absolute position",
+             (f"{KT}::test_extend",),
+             "query i sits at position i instead of kv_len - q_len + i (causal mask aligned top-left)"),
+    Mutation("causal_fast_path_past_diagonal", K,
+             "free_hi = tl.minimum(hi, kv_len - q_len + q0 + 1)", "free_hi = hi",
+             (f"{KP}::test_several_tiles_per_request",),
+             "phase 1 (no causal mask) runs up to the tile's last visible key: early rows see the future"),
+    Mutation("k_v_strides_swapped", K,
+             "    stride_kp, stride_kt, stride_kh,\n    stride_vp, stride_vt, stride_vh,\n",
+             "    stride_vp, stride_vt, stride_vh,\n    stride_kp, stride_kt, stride_kh,\n",
+             (f"{KP}::test_k_and_v_caches_with_different_strides",),
+             "K is read with V's strides and V with K's"),
+    Mutation("online_softmax_no_rescale", K,
+             "acc = acc * alpha[:, None] + tl.dot(p, v", "acc = acc + tl.dot(p, v",
+             (f"{KP}::test_several_tiles_per_request", f"{KT}::test_decode"),
+             "the running output is not rescaled when the running max grows"),
+    Mutation("split_chunk_drops_a_key", K,
+             "hi = tl.minimum(hi, lo + chunk)", "hi = tl.minimum(hi, lo + chunk - 1)",
+             (f"{KP}::test_keys_land_in_several_splits",),
+             "each split stops one key short of the next split's first key"),
+    Mutation("window_start_off_by_one", K,
+             "lo = tl.maximum(0, kv_len - q_len + q0 - window_left)",
+             "lo = tl.maximum(0, kv_len - q_len + q0 - window_left + 1)",
+             (f"{KT}::test_softcap_and_window_and_scale", f"{KP}::test_several_tiles_per_request"),
+             "the sliding window drops its oldest key"),
+    Mutation("kv_start_ignored", K,
+             "lo = tl.maximum(lo, tl.load(kv_start + b))", "lo = lo",
+             (f"{KT}::test_kv_start_restricts_keys",),
+             "the fa3 tree part attends to the prefix keys too"),
+    Mutation("gqa_wrong_kv_head", K,
+             "head = kvh * GROUP + rows % GROUP",
+             "head = (kvh * GROUP + rows % GROUP + GROUP) % (GROUP * tl.num_programs(1))",
+             (f"{KT}::test_decode",),
+             "GQA packing pairs each query head group with the next KV head"),
+    # -- merge kernels -----------------------------------------------------------------------------------
+    Mutation("split_merge_skipped", MG,
+             "s_ok = sp < num_splits", "s_ok = sp < 1",
+             (f"{KP}::test_keys_land_in_several_splits", f"{KP}::test_merge_splits_against_torch"),
+             "only split 0 is merged: the other splits' keys are lost"),
+    Mutation("merge_state_wrong_weight", MG,
+             "wb = tl.exp2(sb - m_safe)", "wb = tl.exp2(sa - m_safe)",
+             (f"{KP}::test_merge_state_against_torch",),
+             "state b is weighted with state a's LSE"),
+    # -- planner (validation, lengths, mask-free columns) -----------------------------------------------
+    Mutation("kv_len_last_page_off_by_one", PL,
+             "(num_req_pages - 1) * page + last, torch.zeros_like(last)",
+             "(num_req_pages - 1) * page + last - 1, torch.zeros_like(last)",
+             (f"{KP}::test_page_sizes_1_and_256",),
+             "kv_len counts one token less in the last page"),
+    Mutation("mask_free_counts_all_visible_columns", PL,
+             "out[b] = int(torch.cumprod(cols.to(torch.int32), 0).sum())", "out[b] = int(cols.sum())",
+             (f"{KP}::test_mask_free_counts_only_leading_visible_columns",),
+             "mask_free counts every all-visible column, not only the leading ones"),
+    Mutation("last_page_len_validation_loose", PL,
+             "((last < 1) | (last > page))[has_pages]", "((last < 1) | (last > page + 1))[has_pages]",
+             ("tests/core/test_plan_validation.py::test_bad_batch",),
+             "a last page holding page_size + 1 tokens is accepted"),
+    # -- page-table converters -------------------------------------------------------------------------
+    Mutation("page_table_last_page_len_off_by_one", PT,
+             "(seq_lens - 1) % page_size + 1, torch.zeros_like(seq_lens)",
+             "seq_lens % page_size + 1, torch.zeros_like(seq_lens)",
+             ("tests/core/test_page_table.py::test_block_table_round_trip",),
+             "converters give a last-page length one too large (and 1 for a full page)"),
+    Mutation("block_table_one_page_too_many", PT,
+             "mask = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < num_pages[:, None]",
+             "mask = torch.arange(block_table.shape[1], device=block_table.device)[None, :] <= num_pages[:, None]",
+             ("tests/core/test_page_table.py::test_block_table_round_trip",),
+             "block table -> CSR takes one page past each request's last page"),
+    Mutation("slot_mapping_wrong_page", PT,
+             "pages = block_table[req_ids.long(), pos // page_size].long()",
+             "pages = block_table[req_ids.long(), (pos + 1) // page_size].long()",
+             ("tests/core/test_page_table.py::test_slot_mapping_matches_reference",),
+             "the last token of a page is mapped into the next page"),
+    # -- CUDA-graph metadata update kernel ----------------------------------------------------------------
+    Mutation("graph_update_wrong_request_row", GU,
+             "row = BT + r * stride_bt_row", "row = BT + b * stride_bt_row",
+             ("tests/core/test_graph_update_kernel.py::test_token_table_with_row_ids",
+              f"{GD}::test_graph_replay_from_token_table_matches_reference"),
+             "request b reads table row b instead of its row id (SGLang's req_pool_indices)"),
+    Mutation("graph_update_last_page_off_by_one", GU,
+             "tl.store(KV_LAST + rows, s - (npg - 1) * page_size, mask=live)",
+             "tl.store(KV_LAST + rows, s - (npg - 1) * page_size - 1, mask=live)",
+             (f"{GD}::test_graph_replay_from_block_table_matches_reference",),
+             "replay metadata: last-page length one short (FlashInfer's plan and the host twins read it)"),
+    Mutation("graph_update_chain_mask_hides_self", GU,
+             "val = (c <= s_b - Q + i) | pad_b", "val = (c < s_b - Q + i) | pad_b",
+             (f"{GD}::test_graph_replay_from_block_table_matches_reference",),
+             "verify replay: each draft token does not see itself"),
+    # -- draft planner (pure functions) --------------------------------------------------------------------
+    Mutation("draft_step_drops_current_token", DR,
+             "kv_len = seq + step + 1", "kv_len = seq + step",
+             (f"{GD}::test_every_draft_step_matches_dense",),
+             "draft step i attends to draft tokens 0..i-1 only"),
+    Mutation("prefix_token_slots_wrong_offset", DR,
+             "slots = kv_indices.long()[kv_indptr.long()[req] + t // P] * P + t % P",
+             "slots = kv_indices.long()[kv_indptr.long()[req] + t // P] * P + (t + 1) % P",
+             (f"{GD}::test_every_draft_step_matches_dense",),
+             "prefix token t is read from slot t+1 of its page"),
+    Mutation("draft_rows_use_branch_0", DR,
+             "dr_val = draft_slots.reshape(B * K, -1).long()[row, ",
+             "dr_val = draft_slots.reshape(B * K, -1).long()[row // K * K, ",
+             (f"{GD}::test_every_draft_step_matches_dense",),
+             "every branch attends to branch 0's draft tokens"),
+]
+
+
+def check_snippets(muts: list[Mutation]) -> list[str]:
+    """Every snippet occurs exactly once in its file (else: the error lines)."""
+    errors = []
+    for m in muts:
+        text = (REPO / m.file).read_text()
+        n = text.count(m.find)
+        if n != 1:
+            errors.append(f"{m.name}: snippet found {n} times in {m.file} (must be exactly 1): {m.find!r}")
+        for t in m.tests:
+            if not (REPO / t.split("::")[0]).is_file():
+                errors.append(f"{m.name}: test file {t.split('::')[0]} does not exist")
+    return errors
+
+
+def copy_tree(dst: Path) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis")
+    for sub in ("attnplug", "tests"):
+        shutil.copytree(REPO / sub, dst / sub, ignore=ignore, symlinks=True)
+    for f in ("pyproject.toml",):
+        if (REPO / f).exists():
+            shutil.copy2(REPO / f, dst / f)
+
+
+def pytest_cmd(tests: list[str]) -> list[str]:
+    return [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", "-o",
+            "addopts=", *tests]  # fmt: skip
+
+
+def env_for(copy: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(copy) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env.setdefault("TRITON_INTERPRET", "1")
+    return env
+
+
+def run(cmd: list[str], cwd: Path, env: dict, timeout: float) -> tuple[int, str, float]:
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=False)  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        rc = 124
+    except KeyboardInterrupt:
+        proc.kill()
+        proc.wait()
+        raise
+    return rc, out, time.time() - t0
+
+
+def summary_line(out: str) -> str:
+    lines = [l for l in out.strip().splitlines() if re.search(r"\b(passed|failed|error|no tests ran)\b", l)]
+    return lines[-1].strip("= ") if lines else (out.strip().splitlines() or ["(no output)"])[-1]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("-k", default="", help="only mutations whose name contains this")
+    ap.add_argument("--list", action="store_true", help="list the mutations and exit")
+    ap.add_argument("--budget", type=float, default=600.0, help="seconds for the whole check")
+    ap.add_argument("--timeout", type=float, default=180.0, help="seconds per test run")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary copy (prints its path)")
+    a = ap.parse_args()
+    muts = [m for m in MUTATIONS if a.k in m.name]
+    if a.list:
+        for m in muts:
+            print(f"{m.name:40s} {m.file:40s} {m.what}")
+        return 0
+    if not muts:
+        print(f"mutation_check: no mutation matches -k {a.k!r}")
+        return 2
+    errors = check_snippets(muts)
+    if errors:
+        print("mutation_check: FAILED before running anything: a mutation would be a no-op", file=sys.stderr)
+        for e in errors:
+            print("  " + e, file=sys.stderr)
+        return 1
+    t_start = time.time()
+    tmp = Path(tempfile.mkdtemp(prefix="attnplug-mutants-"))
+    try:
+        copy_tree(tmp)
+        env = env_for(tmp)
+        probe = subprocess.run([sys.executable, "-c", "import attnplug; print(attnplug.__file__)"], cwd=tmp, env=env,
+                               capture_output=True, text=True)  # fmt: skip
+        where = probe.stdout.strip()
+        if probe.returncode != 0 or not where.startswith(str(tmp)):
+            print(f"mutation_check: the copy's attnplug is not the one imported ({where or probe.stderr[-500:]})",
+                  file=sys.stderr)  # fmt: skip
+            return 1
+        union = list(dict.fromkeys(t for m in muts for t in m.tests))
+        print(f"mutation_check: {len(muts)} mutations, {len(union)} test selections, copy in {tmp}", flush=True)
+        rc, out, secs = run(pytest_cmd(union), tmp, env, a.timeout * 2)
+        print(f"baseline (unmutated): {summary_line(out)} [{secs:.0f} s]", flush=True)
+        if rc != 0:
+            print(out[-6000:], file=sys.stderr)
+            print("mutation_check: FAILED: the selected tests fail without any mutation", file=sys.stderr)
+            return 1
+        rows = []
+        for m in muts:
+            path = tmp / m.file
+            original = path.read_text()
+            left = a.budget - (time.time() - t_start)
+            if left < 5:
+                rows.append((m, "NOT RUN (budget)", 0.0, "", ""))
+                continue
+            try:
+                path.write_text(original.replace(m.find, m.replace, 1))
+                rc, out, secs = run(pytest_cmd(list(m.tests)), tmp, env, min(a.timeout, left))
+            finally:
+                path.write_text(original)
+            failed = re.search(r"\b\d+ failed\b", summary_line(out)) is not None
+            if rc == 1 and failed:
+                verdict = "killed"
+            elif rc == 0:
+                verdict = "SURVIVED"
+            elif rc == 124:
+                verdict = "TIMEOUT"
+            else:
+                verdict = f"ERROR rc={rc}"
+            first = next((l for l in out.splitlines() if l.startswith(("FAILED", "ERROR"))), "")
+            rows.append((m, verdict, secs, summary_line(out), first))
+            print(f"  {m.name}: {verdict} ({secs:.0f} s) {first[:150]}", flush=True)
+            if verdict != "killed" and verdict != "SURVIVED":
+                print(out[-3000:], flush=True)
+    finally:
+        if a.keep:
+            print(f"mutation_check: kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    total = time.time() - t_start
+    w1 = max(len(m.name) for m in muts)
+    w2 = max(len(m.file) for m in muts)
+    print()
+    print(f"{'mutation':{w1}s}  {'file':{w2}s}  {'killed?':10s} {'time':>6s}  tests run")
+    print(f"{'-' * w1}  {'-' * w2}  {'-' * 10} {'-' * 6}  {'-' * 40}")
+    for m, verdict, secs, summ, _ in rows:
+        tests = ", ".join(t.split("::")[-1] if "::" in t else t for t in m.tests)
+        print(f"{m.name:{w1}s}  {m.file:{w2}s}  {verdict:10s} {secs:5.0f}s  {tests} ({summ})")
+    killed = sum(1 for r in rows if r[1] == "killed")
+    ok = killed == len(muts)
+    print(f"\nmutation_check: {killed}/{len(muts)} mutations killed in {total:.0f} s -> {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
