@@ -2,12 +2,16 @@
 
     python -m attnplug.demo_sglang [--page-size 16] [--max-new-tokens 16] [--model-dir DIR]
 
-Makes the tiny model, launches ``python -m sglang.launch_server ... --attention-backend
-attnplug_triton`` on 127.0.0.1, sends ``/generate`` with token ids, prints the output ids, then does
-the same with SGLang's ``torch_native`` backend and says whether they match (exit 1 if not).
-On a machine without CUDA it runs SGLang's CPU engine (``--device cpu``, ``SGLANG_USE_CPU_ENGINE=1``);
-SGLang then needs an importable ``sgl_kernel``: the test-only CPU shim of a source checkout
-(``tests/sglang/sgl_kernel_shim``) is used when no real one is installed.
+Run it in an environment with SGLang and attnplug installed. Makes the tiny model (in a new
+temporary folder unless --model-dir), launches ``python -m sglang.launch_server ...
+--attention-backend attnplug_triton`` on 127.0.0.1, sends ``/generate`` with token ids, prints the
+output ids, then does the same with SGLang's ``torch_native`` backend and says whether they match
+(exit 1 if not).
+
+On a machine without CUDA it runs SGLang's CPU engine (``--device cpu``, ``SGLANG_USE_CPU_ENGINE=1``).
+SGLang then imports ``sgl_kernel``, whose wheel is CUDA-only: without an installed one, give a
+stand-in with ``--sgl-kernel-shim DIR`` (or ``ATTNPLUG_SGL_KERNEL_SHIM``), e.g. the test-only shim of
+attnplug's source tree, ``tests/sglang/sgl_kernel_shim`` (found by itself when run from a checkout).
 """
 
 from __future__ import annotations
@@ -25,15 +29,18 @@ from attnplug.local_server import free_port, post_json, stop_process_group, wait
 WAVES = [[0, 1, 3, 4], [2]]  # prompt 2 shares a 96-token prefix with prompt 1: it runs second, from the cache
 
 
-def _server_env(cpu: bool) -> dict[str, str]:
+def _server_env(cpu: bool, shim: str | None) -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
     if cpu:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         if importlib.util.find_spec("sgl_kernel") is None:
-            shim = Path(__file__).resolve().parents[1] / "tests" / "sglang" / "sgl_kernel_shim"
-            if not shim.is_dir():
-                sys.exit("demo_sglang: SGLang on CPU needs an importable sgl_kernel (none installed, no source-checkout shim)")
-            print(f"demo_sglang: using the test-only CPU sgl_kernel shim {shim}")
+            checkout = Path(__file__).resolve().parents[1] / "tests" / "sglang" / "sgl_kernel_shim"
+            shim = Path(shim) if shim else checkout if checkout.is_dir() else None
+            if shim is None or not (shim / "sgl_kernel").is_dir():
+                sys.exit("demo_sglang: SGLang's CPU engine imports sgl_kernel, whose wheel is CUDA-only, and none is "
+                         "installed here: pass --sgl-kernel-shim DIR (a folder holding a sgl_kernel package, e.g. "
+                         "tests/sglang/sgl_kernel_shim of attnplug's source tree)")
+            print(f"demo_sglang: using the CPU sgl_kernel stand-in {shim}")
             env["PYTHONPATH"] = os.pathsep.join([str(shim)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
 
@@ -53,7 +60,7 @@ def serve_and_generate(model: Path, backend: str, prompts: list[list[int]], args
     else:
         cmd += ["--disable-cuda-graph"]  # attnplug's CUDA-graph support is issue 6
     log = tempfile.NamedTemporaryFile("w+", prefix=f"demo_sglang_{backend}_", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, env=_server_env(cpu), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=_server_env(cpu, args.sgl_kernel_shim), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         try:
             wait_healthy(proc, f"http://127.0.0.1:{port}", log.name, args.timeout)
@@ -75,12 +82,18 @@ def serve_and_generate(model: Path, backend: str, prompts: list[list[int]], args
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--page-size", type=int, default=1)
-    ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "attnplug_tiny_llama")
-    ap.add_argument("--timeout", type=float, default=300, help="seconds to wait for each server")
+    ap = argparse.ArgumentParser(prog="python -m attnplug.demo_sglang", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--page-size", type=int, default=1, help="SGLang --page-size (default: 1)")
+    ap.add_argument("--max-new-tokens", type=int, default=16, help="greedy tokens per prompt (default: 16)")
+    ap.add_argument("--model-dir", type=Path, default=None,
+                    help="where the tiny model is written (default: a new temporary folder)")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds to wait for each server (default: 300)")
+    ap.add_argument("--sgl-kernel-shim", default=os.environ.get("ATTNPLUG_SGL_KERNEL_SHIM"),
+                    help="CPU only, when no sgl_kernel is installed: a folder holding a stand-in sgl_kernel package")
     args = ap.parse_args(argv)
+    if args.model_dir is None:
+        args.model_dir = Path(tempfile.mkdtemp(prefix="attnplug-demo-sglang-"))
 
     import torch
 

