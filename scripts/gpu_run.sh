@@ -7,7 +7,11 @@
 #   bash scripts/gpu_run.sh python -m attnplug.bench --out "$OUT/bench"
 #   bash scripts/gpu_run.sh --all "$OUT"     # everything in one call (<= ~9.5 min worst case, ~5 typical), logs under $OUT:
 #       FlashInfer JIT warm-up (background) || pytest tests/gpu tests/core -k "not flashinfer";
-#       then pytest -k flashinfer; then the benchmark (JSON/markdown/PNG in $OUT/bench)
+#       then pytest -k flashinfer; then the benchmark (JSON/markdown/PNG in $OUT/bench).
+#       Exits 1 when any of the three steps fails (non-zero exit, timeout: 124); writes
+#       $OUT/summary.txt (one line a step + overall) and $OUT/gpu_run.junit.xml (one case a step;
+#       each pytest step also writes its own junit). ATTNPLUG_GPU_SELFTEST_FAIL=1 adds a failing test
+#       (tests/gpu/test_gpu_selftest.py) to show the non-zero exit.
 #
 # Idempotent: a second call on a still-warm machine skips the install. FlashInfer's JIT cache goes to
 # $FLASHINFER_WORKSPACE_BASE (default /tmp/attnplug-fi), so it is also reused while the machine is warm.
@@ -48,16 +52,55 @@ except Exception as e:
 PY
 if [[ ${1:-} == --all ]]; then
   out=${2:-${OUT:-/tmp/attnplug-out}}; mkdir -p "$out"
+  # Commands (overridable, plain words, no quoting: tests/core/test_gpu_run_script.py runs this on CPU
+  # with stand-ins).
+  read -ra PYTEST <<< "${ATTNPLUG_GPU_PYTEST:-python3 -m pytest}"
+  read -ra BENCH <<< "${ATTNPLUG_GPU_BENCH:-python3 -m attnplug.bench}"
+  read -ra WARMUP <<< "${ATTNPLUG_GPU_WARMUP:-python3 -m attnplug.bench.jit_warmup}"
+  read -ra TEST_PATHS <<< "${ATTNPLUG_GPU_TEST_PATHS:-tests/gpu tests/core}"
+  TIMEOUT_ARGS=()  # per-test timeout when pytest-timeout is installed (it is in the GPU bundle)
+  [[ $("${PYTEST[@]}" --help 2>/dev/null || true) == *"--timeout="* ]] && TIMEOUT_ARGS=(--timeout 120)
+  summary=$out/summary.txt; : > "$summary"
+  names=(); rcs=(); secs=()
+  # step NAME TIMEOUT LOG CMD...: run, keep its exit status (timeout: 124), show the log's tail
+  step() {
+    local name=$1 limit=$2 log=$3 t0=$SECONDS rc; shift 3
+    timeout "$limit" "$@" >"$log" 2>&1; rc=$?
+    tail -n 60 "$log"
+    names+=("$name"); rcs+=("$rc"); secs+=($((SECONDS - t0)))
+    printf '%-17s %s (exit %s, %ss, log %s)\n' "$name" "$( ((rc == 0)) && echo PASS || echo FAIL)" "$rc" \
+      $((SECONDS - t0)) "$(basename "$log")" >>"$summary"
+    echo "gpu_run.sh: $name exit $rc"
+  }
   set +e
-  timeout 270 python3 -m attnplug.bench.jit_warmup >"$out/jit_warmup.log" 2>&1 &
+  timeout 270 "${WARMUP[@]}" >"$out/jit_warmup.log" 2>&1 &
   warm=$!
-  timeout 240 python3 -m pytest tests/gpu tests/core -q -rs -k "not flashinfer" --timeout 120 \
-    --junitxml="$out/pytest_triton_fa3.xml" 2>&1 | tee "$out/pytest_triton_fa3.log" | tail -n 60
-  wait $warm; cat "$out/jit_warmup.log"
-  timeout 130 python3 -m pytest tests/gpu -q -rs -k flashinfer --timeout 120 \
-    --junitxml="$out/pytest_flashinfer.xml" 2>&1 | tee "$out/pytest_flashinfer.log" | tail -n 40
-  timeout 150 python3 -m attnplug.bench --out "$out/bench" --time-budget 95 >"$out/bench.log" 2>&1
-  echo "bench exit $?"; tail -n 75 "$out/bench.log"
+  step pytest_main 240 "$out/pytest_triton_fa3.log" "${PYTEST[@]}" "${TEST_PATHS[@]}" -q -rs -k "not flashinfer" \
+    "${TIMEOUT_ARGS[@]}" --junitxml="$out/pytest_triton_fa3.xml"
+  wait $warm; echo "jit warm-up exit $? (informational)"; tail -n 20 "$out/jit_warmup.log"
+  step pytest_flashinfer 130 "$out/pytest_flashinfer.log" "${PYTEST[@]}" tests/gpu -q -rs -k flashinfer \
+    "${TIMEOUT_ARGS[@]}" --junitxml="$out/pytest_flashinfer.xml"
+  step bench 150 "$out/bench.log" "${BENCH[@]}" --out "$out/bench" --time-budget 95
+  set -e
+  failed=0
+  for rc in "${rcs[@]}"; do ((rc == 0)) || failed=$((failed + 1)); done
+  echo "overall: $( ((failed == 0)) && echo PASS || echo FAIL) ($failed of ${#rcs[@]} steps failed)" >>"$summary"
+  # one junit file over the steps (each pytest step also wrote its own, per test)
+  python3 - "$out/gpu_run.junit.xml" "$failed" "${#rcs[@]}" "${names[@]}" "${rcs[@]}" "${secs[@]}" <<'PY'
+import sys
+from xml.sax.saxutils import quoteattr
+path, failed, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+names, rcs, secs = sys.argv[4:4 + n], sys.argv[4 + n:4 + 2 * n], sys.argv[4 + 2 * n:4 + 3 * n]
+cases = []
+for name, rc, s in zip(names, rcs, secs):
+    body = "" if rc == "0" else f'<failure message={quoteattr(f"exit status {rc}")}/>'
+    cases.append(f'  <testcase classname="gpu_run" name={quoteattr(name)} time="{s}">{body}</testcase>')
+with open(path, "w") as f:
+    f.write(f'<?xml version="1.0" encoding="utf-8"?>\n<testsuite name="gpu_run" tests="{n}" failures="{failed}">\n')
+    f.write("\n".join(cases) + "\n</testsuite>\n")
+PY
+  echo "=== gpu_run.sh summary ($summary) ==="; cat "$summary"
+  ((failed == 0)) || exit 1
   exit 0
 fi
 if [[ $# -gt 0 ]]; then exec "$@"; fi

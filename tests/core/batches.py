@@ -126,7 +126,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 # block (floored), so one wrong row among hundreds cannot hide in a whole-output norm.
 TOLERANCES = {
     torch.float32: dict(rel=1e-5, abs=1e-5),
-    torch.bfloat16: dict(rel=2e-2, abs=2e-2),
+    torch.bfloat16: dict(rel=2e-2, abs=4e-2),  # CPU calibration: worst rel 1.0e-2, abs 2.1e-2 (|out| up to ~4)
     torch.float16: dict(rel=4e-3, abs=4e-3),
 }
 

@@ -1,8 +1,10 @@
-"""Every provider (triton, flashinfer, fa3) on CUDA, every forward mode, against the float32 reference.
+"""Every provider (triton, flashinfer, fa3) on CUDA, every forward mode, against the float32 reference,
+errors per request and head (``batches.assert_close_per_request_head``).
 
-Skipped with a reason without CUDA or without the provider's library. Cases whose configuration a
-provider refuses (``UnsupportedFeature``: e.g. fa3 + HND, fa3 + window + tree mask) are skipped with
-the refusal as the reason, so ``-rs`` lists what each provider does not cover.
+Skipped without CUDA. On CUDA, a configuration a provider refuses (``UnsupportedFeature``) FAILS unless
+it is in ``EXPECTED_REFUSALS`` (then the refusal itself is asserted: e.g. fa3 + HND, fa3 + window +
+tree mask, fa3 + a mask hiding prefix keys); a provider whose library is missing fails unless
+``ATTNPLUG_GPU_OPTIONAL_PROVIDERS`` names it (``tests/gpu/gpu_expectations.py``).
 
 FlashInfer compiles every (dtype, head_dim, window, soft-cap, backend) variant just in time (tens of
 seconds each). By default only the base config (bf16, d128) runs its extends on the "fa3" template;
@@ -26,7 +28,8 @@ from attnplug.core import (
 from attnplug.core.providers import get_provider_cls
 from attnplug.core.reference import reference_attention
 
-from batches import random_case, rel_err
+from batches import assert_close_per_request_head, random_case, rel_err
+from gpu_expectations import expect_refusal, provider_unavailable, unexpected_refusal
 
 CUDA = torch.cuda.is_available()
 FULL = os.environ.get("ATTNPLUG_GPU_TESTS_FULL") == "1"
@@ -61,26 +64,37 @@ MODES = {
 }
 
 
-def _attn(provider: str, config: AttentionConfig) -> PagedAttention:
+# (provider, config name, mode) -> regex of the refusal: configurations refused ON PURPOSE. Any other
+# refusal fails; a listed one must still be refused (its test asserts it).
+FA3_HND = r"provider 'fa3' does not support kv_layout='HND'"
+EXPECTED_REFUSALS = {("fa3", "gqa4-d128-p16-bf16-hnd", m): FA3_HND for m in MODES}
+EXPECTED_REFUSALS[("fa3", "gqa4-d128-p16-bf16-window48", "verify_tree")] = \
+    r"provider 'fa3' does not support a custom \(tree\) mask together with a sliding window"
+for _name in CONFIGS:  # FA3 computes the prefix without a mask (the window refusal comes first there)
+    EXPECTED_REFUSALS.setdefault(("fa3", _name, "verify_random_mask"),
+                                 r"sliding window" if "window" in _name else r"hides part of the prefix")
+
+
+def _attn(provider: str, config: AttentionConfig, key=None) -> PagedAttention:
     if not CUDA:
         pytest.skip("needs CUDA (no GPU here)")
     try:
         return PagedAttention(config, provider, "cuda")
     except ProviderUnavailable as e:
-        pytest.skip(f"provider {provider!r} unavailable: {e}")
+        provider_unavailable(provider, e)
     except UnsupportedFeature as e:
-        pytest.skip(f"refused by {provider}: {e}")
+        unexpected_refusal(key or (provider, config), e)
 
 
 def _plan_kwargs(provider: str, base: bool) -> dict:
     return {"prefill_backend": "fa2"} if provider == "flashinfer" and not (base or FULL) else {}
 
 
-def _check(attn: PagedAttention, case, plan_kwargs: dict) -> None:
+def _check(attn: PagedAttention, case, plan_kwargs: dict, key=None) -> None:
     try:
         plan = attn.plan(case.batch, num_pages=case.num_pages, **plan_kwargs)
     except UnsupportedFeature as e:
-        pytest.skip(f"refused by {attn.provider_name}: {e}")
+        unexpected_refusal(key or attn.provider_name, e)
     attn.check_inputs(case.q, case.k_cache, case.v_cache)
     hq = case.config.num_qo_heads
     out = torch.full_like(case.q, math.nan)
@@ -91,6 +105,7 @@ def _check(attn: PagedAttention, case, plan_kwargs: dict) -> None:
     assert not torch.isnan(out).any(), "NaN in output"
     err = rel_err(out, ref)
     assert err <= TOL, f"output relative L2 error {err:.2e} > {TOL}"
+    assert_close_per_request_head(out, ref, case.batch.qo_indptr, case.config.dtype, f"{attn.provider_name} vs reference")
     fin = torch.isfinite(ref_lse)
     assert not torch.isnan(lse[fin]).any(), "NaN in LSE"
     lerr = float((lse[fin] - ref_lse[fin]).abs().max()) if fin.any() else 0.0
@@ -104,12 +119,22 @@ def _check(attn: PagedAttention, case, plan_kwargs: dict) -> None:
 def test_provider_matches_reference(provider, cfg_name, mode):
     config, base = CONFIGS[cfg_name]
     fmode, q_lens, prefix_lens, mask_kind = MODES[mode]
-    if provider == "fa3" and mask_kind == "random":
-        pytest.skip("fa3 refuses masks that hide prefix keys (see test_fa3_refuses_prefix_mask)")
-    attn = _attn(provider, config)
+    key = (provider, cfg_name, mode)
     seed = zlib.crc32(f"{cfg_name}/{mode}".encode()) % 10_000
+    if not CUDA:
+        pytest.skip("needs CUDA (no GPU here)")
     case = random_case(fmode, q_lens, prefix_lens, config, "cuda", seed=seed, mask_kind=mask_kind)
-    _check(attn, case, _plan_kwargs(provider, base))
+    if key in EXPECTED_REFUSALS:  # refused on purpose: the refusal (at construction or plan) is the result
+        try:
+            get_provider_cls(provider).check_available(torch.device("cuda"))
+        except ProviderUnavailable as e:
+            provider_unavailable(provider, e)
+        with expect_refusal(EXPECTED_REFUSALS, key):
+            PagedAttention(config, provider, "cuda").plan(case.batch, num_pages=case.num_pages,
+                                                          **_plan_kwargs(provider, base))
+        return
+    attn = _attn(provider, config, key)
+    _check(attn, case, _plan_kwargs(provider, base), key)
 
 
 @pytest.mark.gpu
@@ -206,7 +231,7 @@ def test_refuses_float32(provider):
     try:
         cls.check_available(torch.device("cuda"))
     except ProviderUnavailable as e:
-        pytest.skip(str(e))
+        provider_unavailable(provider, e)
     with pytest.raises(UnsupportedFeature, match="float32"):
         PagedAttention(_cfg(dtype=torch.float32), provider, "cuda")
 
@@ -216,3 +241,37 @@ def test_plan_is_the_core_plan():
     for fmode, q_lens, prefix_lens, kind in MODES.values():
         case = random_case(fmode, q_lens, prefix_lens, _cfg(), "cpu", seed=0, mask_kind=kind)
         make_plan(case.config, case.batch, num_pages=case.num_pages)
+
+
+def test_expected_refusals_are_cases_and_match_the_providers_messages():
+    """CPU check of ``EXPECTED_REFUSALS`` (so the H200 run cannot fail on a stale list): every key is a
+    parametrized case, and the provider refuses it with a matching message. fa3 cannot be built here
+    (no GPU): its instance skips ``__init__`` (availability, library loading); ``check_config`` and
+    ``plan`` run for real on CPU tensors up to the refusal."""
+    from attnplug.core.providers.fa3 import FA3Provider
+
+    for key, pattern in EXPECTED_REFUSALS.items():
+        provider, cfg_name, mode = key
+        assert provider in PROVIDERS and cfg_name in CONFIGS and mode in MODES, key
+        assert provider == "fa3", f"{key}: this check knows how to build fa3 only"
+        config, _ = CONFIGS[cfg_name]
+        fmode, q_lens, prefix_lens, mask_kind = MODES[mode]
+        case = random_case(fmode, q_lens, prefix_lens, config, "cpu", seed=0, mask_kind=mask_kind)
+        prov = FA3Provider.__new__(FA3Provider)
+        prov.config, prov.device, prov._tree, prov._merge = config, torch.device("cpu"), None, None
+        with pytest.raises(UnsupportedFeature, match=pattern):
+            prov.check_config(config)
+            prov.plan(make_plan(config, case.batch, num_pages=case.num_pages, device="cpu"))
+    # and the cases not listed are not refused by those checks (fa3, every config and mode)
+    for cfg_name, (config, _) in CONFIGS.items():
+        for mode, (fmode, q_lens, prefix_lens, mask_kind) in MODES.items():
+            if ("fa3", cfg_name, mode) in EXPECTED_REFUSALS:
+                continue
+            prov = FA3Provider.__new__(FA3Provider)
+            prov.config, prov.device, prov._tree, prov._merge = config, torch.device("cpu"), None, None
+            prov.check_config(config)
+            if mask_kind == "random" or fmode == ForwardMode.TARGET_VERIFY:
+                case = random_case(fmode, q_lens, prefix_lens, config, "cpu", seed=0, mask_kind=mask_kind)
+                prov.check_tree_config()
+                pl = make_plan(config, case.batch, num_pages=case.num_pages, device="cpu")
+                assert bool((pl.mask_free_cpu >= pl.kv_lens_cpu - pl.q_lens_cpu).all()), (cfg_name, mode)
