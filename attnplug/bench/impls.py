@@ -44,10 +44,16 @@ def _workspace(device) -> torch.Tensor:
 
 
 # ---- attnplug providers -------------------------------------------------------------------
-def _provider(name: str):
+def _provider(name: str, cascade: str | None = None):
+    """attnplug's ``name`` provider; ``cascade="off"``: shared-prefix rows without cascade (the
+    default follows ``$ATTNPLUG_CASCADE``, i.e. the cost model)."""
+    label = f"attnplug.{name}" + (".nocascade" if cascade == "off" else "")
+
     def make(work: Work):
+        if cascade == "off" and not work.row.cascade_row:
+            raise NotApplicable("cascade on/off is compared on the shared-prefix rows")
         try:
-            attn = PagedAttention(work.config, name, work.q.device)
+            attn = PagedAttention(work.config, name, work.q.device, cascade=cascade)
         except ProviderUnavailable as e:
             raise Unavailable(str(e)) from e
         except UnsupportedFeature as e:
@@ -55,8 +61,9 @@ def _provider(name: str):
         try:
             attn.plan(work.batch, num_pages=work.num_pages)  # first plan: JIT builds, caches
             t0 = time.perf_counter()
-            attn.plan(work.batch, num_pages=work.num_pages)
-            work.extra[f"attnplug.{name}.plan_ms"] = (time.perf_counter() - t0) * 1e3
+            plan = attn.plan(work.batch, num_pages=work.num_pages)
+            work.extra[f"{label}.plan_ms"] = (time.perf_counter() - t0) * 1e3
+            work.extra[f"{label}.cascade"] = plan.cascade is not None
         except UnsupportedFeature as e:
             raise NotApplicable(str(e)) from e
         q, k, v = work.q, work.k_cache, work.v_cache
@@ -113,6 +120,28 @@ def _fi_prefill(backend: str):
         return lambda: w.run(q, kv)
 
     return make
+
+
+def _fi_cascade(work: Work):
+    """FlashInfer's ``MultiLevelCascadeAttentionWrapper``: level 0 = every query over the shared pages,
+    level 1 = each request over its own pages (FlashInfer's documented cascade layout)."""
+    r, c, b = work.row, work.config, work.batch
+    if not r.shared:
+        raise NotApplicable("cascade wrapper: shared-prefix rows")
+    fi, dev, P = _flashinfer(), work.q.device, c.page_size
+    S = r.shared // P
+    ind, idx = b.kv_indptr.long(), b.kv_indices
+    keep = torch.arange(idx.numel()) - torch.repeat_interleave(ind[:-1], ind[1:] - ind[:-1]) >= S
+    i32 = dict(dtype=torch.int32, device=dev)
+    qo = [torch.tensor([0, r.batch * r.q_len], **i32), b.qo_indptr.to(dev)]
+    kv_indptr = [torch.tensor([0, S], **i32), (ind - torch.arange(r.batch + 1) * S).to(**i32)]
+    kv_indices = [idx[:S].to(dev), idx[keep].to(dev)]
+    last = [torch.tensor([P], **i32), b.kv_last_page_len.to(dev)]
+    w = fi.MultiLevelCascadeAttentionWrapper(2, _workspace(dev), c.kv_layout)
+    w.plan(qo, kv_indptr, kv_indices, last, c.num_qo_heads, c.num_kv_heads, c.head_dim, P, causal=True,
+           **_fi_common(work))
+    q, kv = work.q, (work.k_cache, work.v_cache)
+    return lambda: w.run(q, kv)
 
 
 # ---- FA3 called directly -------------------------------------------------------------------------
@@ -173,7 +202,11 @@ IMPLS = [
     Impl("attnplug.triton", "triton", False, _provider("triton")),
     Impl("attnplug.flashinfer", "flashinfer", False, _provider("flashinfer")),
     Impl("attnplug.fa3", "fa3", False, _provider("fa3")),
+    Impl("attnplug.triton.nocascade", "triton", False, _provider("triton", "off")),
+    Impl("attnplug.flashinfer.nocascade", "flashinfer", False, _provider("flashinfer", "off")),
+    Impl("attnplug.fa3.nocascade", "fa3", False, _provider("fa3", "off")),
     Impl("flashinfer.decode_tc", "flashinfer", True, _fi_decode),
+    Impl("flashinfer.cascade", "flashinfer", True, _fi_cascade),
     Impl("flashinfer.prefill_fa3", "flashinfer", True, _fi_prefill("fa3")),
     Impl("flashinfer.prefill_fa2", "flashinfer", True, _fi_prefill("fa2")),
     Impl("fa3.paged", "fa3", True, _fa3_direct),

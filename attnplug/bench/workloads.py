@@ -21,6 +21,12 @@ class Row:
     batch: int
     q_len: int
     prefix: int
+    shared: int = 0  # leading prefix tokens all requests share (engine layout: same page ids), else 0
+
+    @property
+    def cascade_row(self) -> bool:
+        """A shared-prefix row, or its unshared twin: attnplug runs with cascade on and off."""
+        return self.shared > 0 or self.name.endswith("unshared")
 
     @property
     def mode(self) -> ForwardMode:
@@ -42,6 +48,8 @@ FULL_ROWS = [
     Row("prefill 1x8192", "prefill", 1, 8192, 0),
     Row("extend 8x(512+4096)", "prefill", 8, 512, 4096),
     Row("verify 32x(4096+64 tree)", "verify", 32, 64, 4096),
+    Row("cascade decode 64x(8192+256)", "decode", 64, 1, 8192 + 256, shared=8192),
+    Row("decode 64x(8192+256) unshared", "decode", 64, 1, 8192 + 256),
 ]
 QUICK_CONFIG = dict(num_qo_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
 QUICK_ROWS = [
@@ -49,6 +57,7 @@ QUICK_ROWS = [
     Row("prefill 2x48", "prefill", 2, 48, 0),
     Row("extend 2x(16+40)", "prefill", 2, 16, 40),
     Row("verify 2x(40+8 tree)", "verify", 2, 8, 40),
+    Row("cascade decode 6x(64+16)", "decode", 6, 1, 80, shared=64),
 ]
 
 
@@ -80,8 +89,27 @@ def random_tree_mask(q_len: int, gen: torch.Generator) -> torch.Tensor:
     return m
 
 
+def build_shared(row: Row, config: AttentionConfig, device: torch.device, seed: int = 0) -> Work:
+    """A shared-prefix row: every request's prompt starts with the same ``row.shared`` tokens, laid
+    out by the core's prefix-caching KV manager (:mod:`attnplug.bench.shared_prefix`)."""
+    from ..core.page_table import block_table_from_csr  # noqa: PLC0415
+    from .shared_prefix import prompts, shared_prefix_batch  # noqa: PLC0415
+
+    toks = prompts([(row.batch, row.shared)], row.prefix - row.shared, seed=seed)
+    batch, q, k, v, num_pages = shared_prefix_batch(config, row.mode, toks, row.q_len, seed, device)
+    bt, seq = block_table_from_csr(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, config.page_size)
+    esz = torch.empty(0, dtype=config.dtype).element_size()
+    kv_tokens = row.shared + row.batch * (row.prefix + row.q_len - row.shared)  # each distinct page once
+    nbytes = 2 * q.numel() * esz + 2 * kv_tokens * config.num_kv_heads * config.head_dim * esz
+    keys = row.q_len * (row.prefix + row.q_len) - row.q_len * (row.q_len - 1) / 2
+    flops = 4.0 * config.num_qo_heads * config.head_dim * keys * row.batch
+    return Work(row, config, batch, q, k, v, num_pages, bt.to(device), seq.to(device), None, nbytes, flops)
+
+
 def build(row: Row, config: AttentionConfig, device: torch.device, seed: int = 0) -> Work:
     """Random q / paged KV (random permuted page table) for ``row``."""
+    if row.shared:
+        return build_shared(row, config, device, seed)
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     P, B = config.page_size, row.batch

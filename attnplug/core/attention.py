@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .cascade import cascade_mode, plan_cascade, run_cascade
 from .config import AttentionConfig
 from .metadata import BatchMetadata
 from .plan import Plan, PlanOptions, check_run_inputs, make_plan
@@ -24,15 +25,23 @@ class PagedAttention:
         provider: a registered provider name (``"triton"``, ``"flashinfer"``, ``"fa3"``, ``"reference"``).
         device: device of q and the KV cache.
 
+        cascade: shared-prefix (cascade) attention, ``"off"`` / ``"auto"`` / ``"always"``
+            (default: ``$ATTNPLUG_CASCADE``, else ``"auto"``; see :mod:`attnplug.core.cascade`).
+
     Raises:
         ProviderUnavailable: the provider cannot run here (message has an install hint).
         UnsupportedFeature: the provider cannot compute this configuration.
     """
 
-    def __init__(self, config: AttentionConfig, provider: str = "triton", device: torch.device | str = "cuda"):
+    def __init__(self, config: AttentionConfig, provider: str = "triton", device: torch.device | str = "cuda",
+                 cascade: str | None = None):  # fmt: skip
         self.config = config
         self.device = torch.device(device)
         self.provider = get_provider_cls(provider)(config, self.device)
+        # fp8 KV: the scale used where run() gets none (a tensor, so that kernels read it on the device)
+        self._unit_scale = torch.ones(1, dtype=torch.float32, device=self.device) if config.kv_quantized else None
+        self.cascade = cascade_mode(cascade)
+        self._prefix_provider = None  # the cascade's prefix part: a second, independently planned instance
         self._plan: Plan | None = None
 
     @property
@@ -55,7 +64,14 @@ class PagedAttention:
         self.provider.check_options(options)
         plan = make_plan(self.config, batch, num_pages=num_pages, device=self.device)
         plan.options = options
-        self.provider.plan(plan)
+        plan.cascade = plan_cascade(plan, self.cascade)
+        if plan.cascade is None:
+            self.provider.plan(plan)
+        else:  # shared prefixes: the provider plans the suffix and the prefix parts instead
+            if self._prefix_provider is None:
+                self._prefix_provider = self.provider.step_providers(2)[1]
+            self.provider.plan(plan.cascade.suffix)
+            self._prefix_provider.plan(plan.cascade.prefix)
         self._plan = plan
         return plan
 
@@ -70,14 +86,26 @@ class PagedAttention:
         v_cache: torch.Tensor,
         out: torch.Tensor | None = None,
         lse: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        q_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of ``q [T, Hq, D]`` over the paged cache; returns ``out [T, Hq, D]``.
 
         ``lse [T, Hq]`` float32, when given, receives the natural-log LSE of each row. Pass ``out``
         to avoid an allocation (required under CUDA-graph capture).
+
+        fp8 KV cache (``config.kv_dtype``): ``k_scale`` / ``v_scale`` are the layer's one-element
+        float32 scales on the device (keys = ``k_cache * k_scale``; default 1), read by the kernels
+        on the device (a graph captures them, in-place updates apply); ``q_scale`` is the scale
+        providers that quantize q to fp8 (fa3) use (default 1). Ignored for unquantized caches.
         """
+        scales = self.config.scale_kwargs(self._unit_scale, k_scale, v_scale, q_scale)
         plan = self._plan
         if out is None:
             out = torch.empty_like(q)
-        self.provider.run(plan, q, k_cache, v_cache, out, lse)
+        if plan.cascade is None:
+            self.provider.run(plan, q, k_cache, v_cache, out, lse, **scales)
+        else:
+            run_cascade(plan.cascade, self.provider, self._prefix_provider, q, k_cache, v_cache, out, lse, **scales)
         return out

@@ -277,6 +277,7 @@ def test_update_draft_decode_metadata_in_place(env, first):
     """V2's fused path: build once (V2 calls build()), then only update_draft_decode_metadata
     between steps (the speculator mutates the persistent seq_lens / block table it references)."""
     impl, builder = make(env, f"cg_draft_v2_{first}")
+    builder._spec_tokens = 2  # V2's fused drafting runs with speculative decoding configured
     assert builder.supports_draft_decode_metadata_update
     b = Batch([7, 2, 11, 4], seed=3)
     cam = b.cam()

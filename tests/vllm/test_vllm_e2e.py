@@ -58,7 +58,9 @@ def runs(setup):
     draft = str(make_tiny_eagle_draft(wd / "tiny-eagle", model))
     eagle = dict(method="eagle", model=draft, num_speculative_tokens=2)
     specs = {
-        "attnplug": (llm_job(model, prompts, "attnplug_triton", 16), {}),
+        # cascade off: single-token decodes then run on the CUDA-graph static buffers (on CPU too);
+        # with cascade on they plan eagerly (test_vllm_cascade_e2e.py)
+        "attnplug": (llm_job(model, prompts, "attnplug_triton", 16), {"ATTNPLUG_CASCADE": "0"}),
         # EAGLE: vLLM picks the drafter's backend separately (speculative_config.attention_backend)
         "eagle": (llm_job(model, prompts, "attnplug_triton", 16,
                           speculative_config={**eagle, "attention_backend": "ATTNPLUG_TRITON"}), {}),

@@ -46,30 +46,34 @@ def merge_splits_kernel(
 
 @triton.jit
 def merge_state_kernel(
-    VA, SA, VB, SB, VO, SO,
+    VA, SA, VB, SB, VO, SO, ROWS,
     stride_at, stride_ah, stride_bt, stride_bh, stride_ot, stride_oh,
     stride_sat, stride_sah, stride_sbt, stride_sbh, stride_sot, stride_soh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):
-    """Grid ``(T, H)``: merge two states with natural-log LSE (rows ``[T, H, D]``, LSE ``[T, H]``)."""
+    """Grid ``(T, H)``: merge two states with natural-log LSE (rows ``[T, H, D]``, LSE ``[T, H]``).
+    With ``HAS_ROWS`` state A and the output are read/written at row ``ROWS[t]``, state B at ``t``."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    ta = t
+    if HAS_ROWS:
+        ta = tl.load(ROWS + t).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    sa = tl.load(SA + t * stride_sat + h * stride_sah) * 1.4426950408889634
+    sa = tl.load(SA + ta * stride_sat + h * stride_sah) * 1.4426950408889634
     sb = tl.load(SB + t * stride_sbt + h * stride_sbh) * 1.4426950408889634
     m = tl.maximum(sa, sb)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     wa = tl.exp2(sa - m_safe)
     wb = tl.exp2(sb - m_safe)
     tot = wa + wb
-    va = tl.load(VA + t * stride_at + h * stride_ah + d, mask=d_ok, other=0.0).to(tl.float32)
+    va = tl.load(VA + ta * stride_at + h * stride_ah + d, mask=d_ok, other=0.0).to(tl.float32)
     vb = tl.load(VB + t * stride_bt + h * stride_bh + d, mask=d_ok, other=0.0).to(tl.float32)
     inv = 1.0 / tl.where(tot > 0.0, tot, 1.0)
-    tl.store(VO + t * stride_ot + h * stride_oh + d, ((va * wa + vb * wb) * inv).to(VO.dtype.element_ty), mask=d_ok)
+    tl.store(VO + ta * stride_ot + h * stride_oh + d, ((va * wa + vb * wb) * inv).to(VO.dtype.element_ty), mask=d_ok)
     if STORE_LSE:
         res = tl.where(tot > 0.0, (m_safe + tl.log2(tl.where(tot > 0.0, tot, 1.0))) * 0.6931471805599453, float("-inf"))
-        tl.store(SO + t * stride_sot + h * stride_soh, res)
+        tl.store(SO + ta * stride_sot + h * stride_soh, res)
 
 
 def merge_splits(partial: torch.Tensor, partial_lse2: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None) -> None:
@@ -102,6 +106,7 @@ def merge_state(
     s_b: torch.Tensor,
     v_out: torch.Tensor,
     s_out: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> None:
     """Merge two attention states over disjoint key sets (natural-log LSE).
 
@@ -110,14 +115,17 @@ def merge_state(
         s_a, s_b: ``[T, H]`` float32 natural-log LSE (any strides, e.g. a transposed ``[H, T]``).
         v_out: ``[T, H, D]`` result (may alias ``v_a``).
         s_out: optional ``[T, H]`` float32, receives the merged LSE (may alias ``s_a``).
+        rows: optional ``[Tb]`` int64: merge only rows ``rows[i]`` of ``v_a / s_a / v_out / s_out``
+            with row ``i`` of ``v_b / s_b [Tb, ...]`` (the cascade's prefix part); others untouched.
     """
-    T, H, D = v_a.shape
+    T, H, D = v_b.shape if rows is not None else v_a.shape
     if T == 0:
         return
     merge_state_kernel[(T, H)](
-        v_a, s_a, v_b, s_b, v_out, s_out if s_out is not None else s_a,
+        v_a, s_a, v_b, s_b, v_out, s_out if s_out is not None else s_a, rows if rows is not None else s_a,
         v_a.stride(0), v_a.stride(1), v_b.stride(0), v_b.stride(1), v_out.stride(0), v_out.stride(1),
         s_a.stride(0), s_a.stride(1), s_b.stride(0), s_b.stride(1),
         *((s_out.stride(0), s_out.stride(1)) if s_out is not None else (0, 0)),
-        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), STORE_LSE=s_out is not None, num_warps=4,
+        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), STORE_LSE=s_out is not None, HAS_ROWS=rows is not None,
+        num_warps=4,
     )

@@ -1,0 +1,281 @@
+"""Shared-prefix (cascade) attention: read a prefix that several requests share once per group.
+
+Requests of one batch often share a prefix (a system prompt, few-shot examples, ``n > 1``
+sampling, search branches) that the engine's prefix cache maps to the *same physical pages*.
+Plain paged attention still reads those pages once per request. Cascade splits each forward in two:
+
+* **prefix part** - one virtual request per *group* of requests sharing ``pages`` leading page ids:
+  all the group's query rows packed together, non-causal, over the shared pages only (every query
+  of the group sits after the shared prefix, so it sees all of it);
+* **suffix part** - every request over its remaining keys (the unshared pages and this forward's
+  tokens) with its own mask: causal bottom-right, or the custom (tree) mask's remaining columns;
+
+then an exact merge of the two softmax states by their log-sum-exp
+(:func:`attnplug.core.kernels.merge.merge_state`, with a row map when the group's rows are not
+contiguous). Each part is an ordinary :class:`~attnplug.core.plan.Plan` run by the same provider,
+so every provider gets cascade through its own ``plan`` / ``run``.
+
+Grouping happens on the host from the page table alone, once per forward (:func:`find_groups`):
+a request may share its *shareable* pages - whole pages before its first query token, and before
+any column its mask hides. A first-page check settles the common "nothing shared" case; one group
+(every candidate starts on the same page) is found by a vectorized longest-common-prefix; several
+or nested groups go through the core's radix tree (:func:`~attnplug.core.radix_tree.shared_prefix_groups`).
+:func:`cascade_pays` is the cost model.
+
+Environment: ``ATTNPLUG_CASCADE`` = ``0`` (off), ``1`` / unset (on where the cost model says it
+pays), ``always`` (every shared group, e.g. for tests).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .metadata import ForwardMode
+from .plan import Plan
+
+CASCADE_ENV = "ATTNPLUG_CASCADE"
+MODES = ("off", "auto", "always")
+#: KV bytes a forward must save (per layer) before the extra prefix launch and merge pay (~8 us of
+#: H200 bandwidth at ~4 TB/s, about two kernel launches).
+MIN_SAVED_BYTES = 32 << 20
+#: Largest mean query rows per grouped request for which cascade pays: with more, every tile of
+#: queries re-reads the prefix in both schemes, and the prefix part saves nothing.
+MAX_ROWS_PER_REQUEST = 16
+
+
+def cascade_mode(value: str | None = None) -> str:
+    """``"off"`` / ``"auto"`` / ``"always"`` from ``value`` or ``$ATTNPLUG_CASCADE``."""
+    v = (os.environ.get(CASCADE_ENV, "1") if value is None else value).strip().lower()
+    mode = {"0": "off", "off": "off", "1": "auto", "auto": "auto", "on": "auto", "always": "always"}.get(v)
+    if mode is None:
+        raise ValueError(f"attnplug: {CASCADE_ENV} must be 0, 1 or always, got {v!r}")
+    return mode
+
+
+@dataclass(frozen=True)
+class Group:
+    """Requests ``members`` (sorted batch indices) whose first ``pages`` page ids are the same."""
+
+    pages: int
+    members: np.ndarray
+
+
+def shareable_pages(plan: Plan) -> np.ndarray:
+    """``[B]`` int64: leading pages request ``b`` may share - whole pages before its first query token
+    and before the first column its custom mask hides. All zero with a sliding window (the prefix's
+    visibility then differs per query)."""
+    if plan.config.window_left >= 0:
+        return np.zeros(plan.batch_size, dtype=np.int64)
+    P = plan.config.page_size
+    committed = plan.kv_lens_cpu.numpy().astype(np.int64) - plan.q_lens_cpu.numpy()
+    if plan.mask_free_cpu is not None:
+        committed = np.minimum(committed, plan.mask_free_cpu.numpy())
+    return np.maximum(committed, 0) // P
+
+
+def first_pages_repeat(kv_indptr: np.ndarray, kv_indices: np.ndarray) -> np.ndarray | None:
+    """The requests' first page ids, sorted, if two are equal (a shared prefix is possible); else
+    ``None`` - the whole check when nothing is shared (a gather, a sort, a compare)."""
+    if kv_indices.size == 0:
+        return None
+    first = kv_indices.take(np.minimum(kv_indptr[:-1], kv_indices.size - 1))
+    first.sort()
+    return first if first.size > 1 and (first[1:] == first[:-1]).any() else None
+
+
+def find_groups(kv_indptr: np.ndarray, kv_indices: np.ndarray, shareable: np.ndarray, min_pages: int = 1) -> list[Group]:
+    """Groups of requests sharing at least ``min_pages`` leading page ids (host, once per forward).
+
+    Args:
+        kv_indptr: ``[B+1]`` page CSR offsets; kv_indices: ``[nnz]`` page ids.
+        shareable: ``[B]`` pages of each request that may be shared (:func:`shareable_pages`).
+
+    Returns:
+        Disjoint groups of >= 2 requests, each with its shared page count (``<=`` every member's
+        ``shareable``); ``[]`` when nothing is shared. Every member's first ``pages`` page ids are
+        checked equal (the prefix part reads the first member's).
+    """
+    first = first_pages_repeat(kv_indptr, kv_indices)
+    if first is None:
+        return []  # no two requests start on the same page: nothing is shared
+    cand = np.flatnonzero(shareable >= min_pages)
+    if cand.size < 2:
+        return []
+    starts = kv_indptr[cand]
+    if first[0] == first[-1] and cand.size == kv_indptr.size - 1:  # every request starts on one page
+        m = int(shareable[cand].min())
+        step = np.diff(starts)
+        if step.size and (step == step[0]).all() and step[0] > 0:  # equal page counts: a strided view
+            rows = np.lib.stride_tricks.as_strided(kv_indices[starts[0]:], (cand.size, m),
+                                                   (kv_indices.strides[0] * int(step[0]), kv_indices.strides[0]))
+        else:
+            rows = kv_indices[starts[:, None] + np.arange(m)]
+        same = rows == rows[0]
+        lcp = np.where(same.all(axis=1), m, np.argmin(same, axis=1))  # leading pages equal to the first member's
+        low = int(lcp.min())
+        if low >= min_pages and low * 2 >= int(lcp[1:].max()):  # about one common length: a single group
+            return [Group(low, cand)]
+    # several groups or nested prefixes: the radix tree over each candidate's shareable page ids
+    from .radix_tree import shared_prefix_groups  # noqa: PLC0415
+
+    seqs = [kv_indices[s : s + n].tolist() for s, n in zip(starts.tolist(), shareable[cand].tolist())]
+    return [Group(d, cand[np.asarray(idx)]) for d, idx in shared_prefix_groups(seqs, 1, min_pages)]
+
+
+def cascade_pays(plan: Plan, groups: list[Group]) -> bool:
+    """The cost model: the KV bytes the shared reads save must outweigh the prefix launch and the
+    merge (:data:`MIN_SAVED_BYTES`), and the grouped requests must have few query rows each
+    (:data:`MAX_ROWS_PER_REQUEST`; long extends re-read the prefix per query tile either way)."""
+    if not groups:
+        return False
+    cfg = plan.config
+    page_bytes = 2 * cfg.page_size * cfg.num_kv_heads * cfg.head_dim * cfg.dtype.itemsize
+    saved = sum((g.members.size - 1) * g.pages for g in groups) * page_bytes
+    q_lens = plan.q_lens_cpu.numpy()
+    grouped = np.concatenate([g.members for g in groups])
+    return saved >= MIN_SAVED_BYTES and float(q_lens[grouped].mean()) <= MAX_ROWS_PER_REQUEST
+
+
+@dataclass
+class CascadePlan:
+    """One forward split into a suffix plan and a prefix plan, plus the merge's scratch.
+
+    Attributes:
+        groups: the shared-prefix groups.
+        suffix: every request over its unshared keys (same requests, rows and mode as the forward).
+        prefix: one virtual request per group: its members' query rows, non-causal, its shared pages.
+        rows: ``[Tp]`` int64 on the device, the query row of each prefix-part row; ``None`` when the
+            prefix part's rows are exactly ``0..T-1`` (one group of every request, in order).
+        q_part, out_part: ``[Tp, Hq, D]`` scratch (``q_part`` only with ``rows``); lse_part ``[Tp, Hq]``
+            and lse_suffix ``[T, Hq]`` float32.
+    """
+
+    groups: list[Group]
+    suffix: Plan
+    prefix: Plan
+    rows: torch.Tensor | None
+    q_part: torch.Tensor | None
+    out_part: torch.Tensor
+    lse_part: torch.Tensor
+    lse_suffix: torch.Tensor
+
+    @property
+    def shared_tokens(self) -> int:
+        """KV tokens the grouping reads once instead of once per member (summed over groups)."""
+        P = self.suffix.config.page_size
+        return sum((g.members.size - 1) * g.pages * P for g in self.groups)
+
+
+def _i32(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+
+
+def build_cascade_plan(plan: Plan, groups: list[Group]) -> CascadePlan:
+    """Split ``plan`` by ``groups`` (host index work, one host->device copy per tensor)."""
+    cfg, dev, P = plan.config, plan.device, plan.config.page_size
+    B = plan.batch_size
+    indptr, indices = plan.kv_indptr_cpu.numpy(), plan.kv_indices_cpu.numpy()
+    qo = plan.qo_indptr_cpu.numpy()
+    q_lens = plan.q_lens_cpu.numpy()
+    shared = np.zeros(B, dtype=np.int64)
+    for g in groups:
+        shared[g.members] = g.pages
+    to_dev = lambda a: a.to(dev, non_blocking=True)  # noqa: E731
+
+    # suffix: drop each request's shared pages; lengths, mask columns and mask-free bound shift with them
+    counts = np.diff(indptr) - shared
+    s_indptr = np.zeros(B + 1, dtype=np.int64)
+    np.cumsum(counts, out=s_indptr[1:])
+    keep = [indices[a + s : b] for a, s, b in zip(indptr[:-1].tolist(), shared.tolist(), indptr[1:].tolist())]
+    s_indices = np.concatenate(keep) if keep else indices[:0]
+    kv_lens = plan.kv_lens_cpu.numpy().astype(np.int64) - shared * P
+    s_last = np.where(counts > 0, plan.kv_last_page_len_cpu.numpy(), 0)  # a query-less request may lose every page
+    mask = mask_indptr_cpu = mask_free_cpu = None
+    if plan.mask is not None:
+        mi = plan.mask_indptr_cpu.numpy()
+        sizes = q_lens.astype(np.int64) * kv_lens
+        mask_indptr_cpu = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(sizes, out=mask_indptr_cpu[1:])
+        old_kv = kv_lens + shared * P
+        pieces = [mi[b] + np.arange(int(q_lens[b]))[:, None] * old_kv[b] + shared[b] * P + np.arange(int(kv_lens[b]))
+                  for b in range(B) if sizes[b]]  # fmt: skip
+        idx = np.concatenate([p.ravel() for p in pieces]) if pieces else np.zeros(0, dtype=np.int64)
+        mask = plan.mask[to_dev(torch.from_numpy(idx))]
+        mask_free_cpu = np.maximum(plan.mask_free_cpu.numpy() - shared * P, 0)
+    suffix = Plan(
+        config=cfg, mode=plan.mode, batch_size=B, num_tokens=plan.num_tokens, max_q_len=plan.max_q_len,
+        max_kv_len=int(kv_lens.max()) if B else 0, causal=plan.causal, device=dev,
+        qo_indptr=plan.qo_indptr, kv_indptr=to_dev(_i32(s_indptr)), kv_indices=to_dev(_i32(s_indices)),
+        kv_last_page_len=to_dev(_i32(s_last)), kv_lens=to_dev(_i32(kv_lens)),
+        qo_indptr_cpu=plan.qo_indptr_cpu, kv_indptr_cpu=_i32(s_indptr), kv_indices_cpu=_i32(s_indices),
+        kv_last_page_len_cpu=_i32(s_last), q_lens_cpu=plan.q_lens_cpu, kv_lens_cpu=_i32(kv_lens),
+        mask=mask,
+        mask_indptr=None if mask is None else to_dev(torch.from_numpy(mask_indptr_cpu)),
+        mask_indptr_cpu=None if mask is None else torch.from_numpy(mask_indptr_cpu),
+        mask_free=None if mask is None else to_dev(_i32(mask_free_cpu)),
+        mask_free_cpu=None if mask is None else _i32(mask_free_cpu),
+        options=plan.options,
+    )  # fmt: skip
+
+    # prefix: group g = its members' query rows over the first member's shared pages
+    G = len(groups)
+    members = np.concatenate([g.members for g in groups])
+    m_len = q_lens[members].astype(np.int64)
+    m_off = np.cumsum(m_len) - m_len  # first prefix-part row of each member
+    rows = np.repeat(qo[members] - m_off, m_len) + np.arange(int(m_len.sum()))  # query row of each part row
+    g_rows = np.array([int(q_lens[g.members].sum()) for g in groups], dtype=np.int64)
+    g_pages = np.array([g.pages for g in groups], dtype=np.int64)
+    p_qo, p_indptr = np.zeros(G + 1, dtype=np.int64), np.zeros(G + 1, dtype=np.int64)
+    np.cumsum(g_rows, out=p_qo[1:])
+    np.cumsum(g_pages, out=p_indptr[1:])
+    p_indices = np.concatenate([indices[indptr[g.members[0]] : indptr[g.members[0]] + g.pages] for g in groups])
+    p_last, p_kv = np.full(G, P, dtype=np.int64), g_pages * P
+    Tp = int(p_qo[-1])
+    prefix = Plan(
+        config=cfg, mode=ForwardMode.EXTEND, batch_size=G, num_tokens=Tp, max_q_len=int(g_rows.max()),
+        max_kv_len=int(p_kv.max()), causal=False, device=dev,
+        qo_indptr=to_dev(_i32(p_qo)), kv_indptr=to_dev(_i32(p_indptr)), kv_indices=to_dev(_i32(p_indices)),
+        kv_last_page_len=to_dev(_i32(p_last)), kv_lens=to_dev(_i32(p_kv)),
+        qo_indptr_cpu=_i32(p_qo), kv_indptr_cpu=_i32(p_indptr), kv_indices_cpu=_i32(p_indices),
+        kv_last_page_len_cpu=_i32(p_last), q_lens_cpu=_i32(g_rows), kv_lens_cpu=_i32(p_kv),
+    )  # fmt: skip
+    identity = Tp == plan.num_tokens and bool((rows == np.arange(Tp)).all())
+    hd = (cfg.num_qo_heads, cfg.head_dim)
+    return CascadePlan(
+        groups=groups, suffix=suffix, prefix=prefix,
+        rows=None if identity else to_dev(torch.from_numpy(rows.astype(np.int64))),
+        q_part=None if identity else torch.empty((Tp, *hd), dtype=cfg.dtype, device=dev),
+        out_part=torch.empty((Tp, *hd), dtype=cfg.dtype, device=dev),
+        lse_part=torch.empty((Tp, hd[0]), dtype=torch.float32, device=dev),
+        lse_suffix=torch.empty((plan.num_tokens, hd[0]), dtype=torch.float32, device=dev),
+    )  # fmt: skip
+
+
+def plan_cascade(plan: Plan, mode: str) -> CascadePlan | None:
+    """The cascade split of ``plan`` under ``mode`` (:func:`cascade_mode`), or ``None`` to run it whole."""
+    if mode == "off" or plan.batch_size < 2:
+        return None
+    indptr, indices = plan.kv_indptr_cpu.numpy(), plan.kv_indices_cpu.numpy()
+    if first_pages_repeat(indptr, indices) is None:
+        return None
+    groups = find_groups(indptr, indices, shareable_pages(plan))
+    if not groups or (mode == "auto" and not cascade_pays(plan, groups)):
+        return None
+    return build_cascade_plan(plan, groups)
+
+
+def run_cascade(cp: CascadePlan, suffix_provider, prefix_provider, q: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None = None) -> None:
+    """``out [T, Hq, D]`` (+ natural-log ``lse [T, Hq]``) of the whole forward: the suffix part into
+    ``out``, the prefix part into scratch, merged in place by LSE. Launches only (no host work)."""
+    from .kernels.merge import merge_state  # noqa: PLC0415 - triton is imported only when cascade runs
+
+    s_lse = lse if lse is not None else cp.lse_suffix
+    suffix_provider.run(cp.suffix, q, k_cache, v_cache, out, s_lse)
+    qp = q if cp.rows is None else torch.index_select(q, 0, cp.rows, out=cp.q_part)
+    prefix_provider.run(cp.prefix, qp, k_cache, v_cache, cp.out_part, cp.lse_part)
+    merge_state(out, s_lse, cp.out_part, cp.lse_part, out, s_lse, rows=cp.rows)

@@ -1,0 +1,43 @@
+"""Cascade (shared-prefix) attention through vLLM on CPU: requests whose prompts share a 200-token
+system prompt hit vLLM's prefix cache (the same KV blocks), attnplug_triton groups them and reads
+the shared blocks once per decode step; tokens equal vLLM's own CPU backend, and the worker's
+markers prove the cascade forwards ran."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_test_helpers import MAX_TOKENS, run_jobs, workdir
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+
+
+@pytest.fixture(scope="module")
+def cascade_runs():
+    from attnplug.tiny_model import make_tiny_llama, shared_prefix_prompts
+
+    wd = workdir()
+    model = str(make_tiny_llama(wd / "tiny-llama"))
+    prompts = shared_prefix_prompts()
+
+    def job(backend, block):  # prompt 0 first (it fills the prefix cache), then the others together
+        return dict(model=model, prompts=prompts, backend=backend, block_size=block, max_tokens=MAX_TOKENS,
+                    batches=[[0], list(range(1, len(prompts)))])  # fmt: skip
+
+    specs = {"cascade": (job("attnplug_triton", 16), {"ATTNPLUG_CASCADE": "always"}),
+             "native": (job(None, 32), {})}  # fmt: skip
+    return prompts, run_jobs(wd, specs)
+
+
+def test_cascade_tokens_equal_native_and_cascade_ran(cascade_runs):
+    prompts, runs = cascade_runs
+    ours, native = runs["cascade"].check_ok(), runs["native"].check_ok()
+    for i in range(len(prompts)):
+        assert ours.results[i]["token_ids"] == native.results[i]["token_ids"], i
+    assert all(ours.results[i]["num_cached_tokens"] >= 192 for i in range(1, len(prompts)))  # prefix-cache hits
+    (m,) = [m for m in ours.markers if m["layer_runs"]]
+    assert "cascade always" in " ".join(m["backends"]["ATTNPLUG_TRITON"])
+    # every decode step of the 4 grouped requests, and the extends of their prompts' own tokens
+    assert m["cascade_forwards"] >= MAX_TOKENS - 1, m
+    assert m["cascade_shared_tokens"] >= (len(prompts) - 2) * 192 * (MAX_TOKENS - 1), m
