@@ -177,13 +177,19 @@ def test_a_refused_backend_fails_at_selection_with_the_message(monkeypatch):
 
     msg = "attnplug 0.1.0: vLLM 9.9 is outside the tested range 0.26.0..0.33.0 and its interface changed: X"
     monkeypatch.setattr(compat, "engine_refusal", lambda *a, **k: msg)
-    compat.register_backends({"ATTNPLUG_REFUSALTEST": ("triton", "attnplug.vllm_adapter.backend.AttnplugTritonBackend")})
-    member = compat._enum()["ATTNPLUG_REFUSALTEST"]
-    assert member.value == "attnplug.vllm_adapter.compat.refused_backend_ATTNPLUG_REFUSALTEST"
-    with pytest.raises(RuntimeError, match="outside the tested range"):
-        resolve_obj_by_qualname(member.value)
-    with pytest.raises(RuntimeError, match="outside the tested range"):
-        compat.select_on_cpu("ATTNPLUG_REFUSALTEST", member.value, {})
+    members, patched = {}, []  # vLLM's enum and CPU platform stay untouched (the other tests use them)
+    monkeypatch.setattr(compat, "add_backend_member", lambda name, path: members.setdefault(name, path))
+    monkeypatch.setattr(compat, "patch_cpu_platform", patched.append)
+    from attnplug.vllm_adapter import BACKENDS
+
+    compat.register_backends(BACKENDS)
+    assert members == {n: f"attnplug.vllm_adapter.compat.refused_backend_{n}" for n in BACKENDS}
+    assert patched == [{n: (p, members[n]) for n, (p, _) in BACKENDS.items()}]
+    for name, path in members.items():
+        with pytest.raises(RuntimeError, match="outside the tested range"):
+            resolve_obj_by_qualname(path)
+        with pytest.raises(RuntimeError, match="outside the tested range"):
+            compat.select_on_cpu(name, path, {})
 
 
 def test_the_resolved_triton_is_in_the_compatibility_table():
