@@ -13,7 +13,7 @@ import torch
 from .cascade import cascade_mode, plan_cascade, run_cascade
 from .config import AttentionConfig
 from .metadata import BatchMetadata
-from .plan import Plan, PlanOptions, check_run_inputs, make_plan
+from .plan import Plan, PlanOptions, check_run_bounds, check_run_inputs, make_plan
 from .providers import get_provider_cls
 
 
@@ -101,7 +101,8 @@ class PagedAttention:
         providers that quantize q to fp8 (fa3) use (default 1). Ignored for unquantized caches.
         """
         scales = self.config.scale_kwargs(self._unit_scale, k_scale, v_scale, q_scale)
-        plan = self._plan
+        plan = self.current_plan
+        check_run_bounds(plan, q, k_cache, v_cache, out)
         if out is None:
             out = torch.empty_like(q)
         if plan.cascade is None:

@@ -60,6 +60,23 @@ class BatchMetadata:
         return int(self.qo_indptr.numel()) - 1
 
     @classmethod
+    def _check_args(cls, mode, qo_indptr, batch_size: int, custom_mask, causal) -> None:
+        """What the classmethods can check before building (``make_plan`` checks the values):
+        ``ValueError`` naming the argument."""
+        if not isinstance(mode, ForwardMode):
+            raise ValueError(f"mode must be a ForwardMode, got {mode!r}")
+        if not isinstance(qo_indptr, torch.Tensor) or qo_indptr.dtype != torch.int32 or qo_indptr.dim() != 1:
+            got = f"{qo_indptr.dtype} shape {list(qo_indptr.shape)}" if isinstance(qo_indptr, torch.Tensor) else type(qo_indptr).__name__
+            raise ValueError(f"qo_indptr must be a 1-D torch.int32 tensor, got {got}")
+        if qo_indptr.shape[0] != batch_size + 1:
+            raise ValueError(f"qo_indptr must have B+1 = {batch_size + 1} elements, got {qo_indptr.shape[0]}")
+        if custom_mask is not None and (not isinstance(custom_mask, torch.Tensor) or custom_mask.dim() != 1
+                                        or custom_mask.dtype not in (torch.bool, torch.uint8)):  # fmt: skip
+            raise ValueError("custom_mask must be None or a 1-D torch.bool (or uint8) tensor")
+        if not isinstance(causal, bool):
+            raise ValueError(f"causal must be a bool, got {causal!r}")
+
+    @classmethod
     def from_block_table(
         cls,
         mode: ForwardMode,
@@ -70,10 +87,16 @@ class BatchMetadata:
         custom_mask: torch.Tensor | None = None,
         causal: bool = True,
     ) -> "BatchMetadata":
-        """Build from the block-table dialect (vLLM / FA3): ``block_table [B, max_pages]``, ``seq_lens [B]``."""
+        """Build from the block-table dialect (vLLM / FA3): ``block_table [B, max_pages]``, ``seq_lens [B]``.
+
+        Raises:
+            ValueError: naming the argument (the converter's checks, then ``mode``, ``qo_indptr``'s
+                type and length, ``custom_mask``'s type, ``causal``); ``make_plan`` checks the values.
+        """
         from .page_table import csr_from_block_table
 
         kv_indptr, kv_indices, last = csr_from_block_table(block_table, seq_lens, page_size)
+        cls._check_args(mode, qo_indptr, last.shape[0], custom_mask, causal)
         return cls(mode, qo_indptr, kv_indptr, kv_indices, last, custom_mask, causal)
 
     @classmethod
@@ -88,8 +111,13 @@ class BatchMetadata:
         custom_mask: torch.Tensor | None = None,
         causal: bool = True,
     ) -> "BatchMetadata":
-        """Build from SGLang's token-level ``req_to_token [slots, max_ctx]`` dialect."""
+        """Build from SGLang's token-level ``req_to_token [slots, max_ctx]`` dialect.
+
+        Raises:
+            ValueError: as :meth:`from_block_table`.
+        """
         from .page_table import csr_from_req_to_token
 
         kv_indptr, kv_indices, last = csr_from_req_to_token(req_to_token, req_pool_indices, seq_lens, page_size)
+        cls._check_args(mode, qo_indptr, last.shape[0], custom_mask, causal)
         return cls(mode, qo_indptr, kv_indptr, kv_indices, last, custom_mask, causal)

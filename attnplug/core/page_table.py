@@ -17,6 +17,7 @@ All converters are loop-free torch ops. Validation (``check=True``) syncs with t
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -33,9 +34,13 @@ _I32 = torch.int32
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+_I32_MAX = 2**31 - 1
+MAX_PAGE_SIZE = 1 << 20  # far above any engine's; keeps every token count of an int32 table in int64 range
+
+
 def _check_page_size(page_size: int) -> None:
-    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
-        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or not 1 <= page_size <= MAX_PAGE_SIZE:
+        raise ValueError(f"page_size must be an int in 1..{MAX_PAGE_SIZE}, got {page_size!r}")
 
 
 def _check_tensor(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...] = (_I32,)) -> torch.Tensor:
@@ -45,7 +50,29 @@ def _check_tensor(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ..
         raise ValueError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {list(t.shape)}")
+    if t.device.type == "meta":
+        raise ValueError(f"{name} must be on a real device (cpu or an accelerator), got {t.device}")
     return t
+
+
+def _check_same_device(name: str, t: torch.Tensor, other: str, ref: torch.Tensor, host_ok: bool = False) -> None:
+    """``t`` must be on ``ref``'s device (or on the host, where ``host_ok``)."""
+    if t.device != ref.device and not (host_ok and t.device.type == "cpu"):
+        where = f"the host or {ref.device}" if host_ok else str(ref.device)
+        raise ValueError(f"{name} must be on {where} (the device of {other}), got {t.device}")
+
+
+def _check_count(name: str, value: object, lo: int, hi: int = _I32_MAX) -> int:
+    """An int argument in ``lo..hi`` (numpy ints accepted, bools not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= value <= hi:
+        raise ValueError(f"{name} must be an int in {lo}..{hi}, got {value!r}")
+    return int(value)
+
+
+def _check_total_pages(name: str, num_pages: torch.Tensor) -> None:
+    """The page count of a whole batch must index an int32 array."""
+    if num_pages.numel() and int(num_pages.sum()) > _I32_MAX:
+        raise ValueError(f"{name}: the batch needs {int(num_pages.sum())} pages, more than int32 page tables hold")
 
 
 def _check_len(name: str, t: torch.Tensor, n: int, what: str) -> None:
@@ -59,7 +86,8 @@ def _check_nonneg(name: str, t: torch.Tensor) -> None:
 
 
 def _ceil_pages(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
-    return (seq_lens + page_size - 1) // page_size
+    """Pages per request, int64 (no int32 overflow next to 2**31 tokens)."""
+    return (seq_lens.long() + page_size - 1) // page_size
 
 
 def _last_page_len(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -68,7 +96,7 @@ def _last_page_len(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
 
 def _indptr(counts: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(counts.shape[0] + 1, dtype=_I32, device=counts.device)
-    out[1:] = torch.cumsum(counts, 0)
+    out[1:] = torch.cumsum(counts, 0)  # callers checked the total fits int32
     return out
 
 
@@ -83,12 +111,17 @@ def _check_csr(
         raise ValueError("kv_indptr must have length B+1 >= 1, got 0")
     batch = kv_indptr.shape[0] - 1
     _check_len("kv_last_page_len", kv_last_page_len, batch, "B = len(kv_indptr) - 1")
+    _check_same_device("kv_last_page_len", kv_last_page_len, "kv_indptr", kv_indptr)
     if int(kv_indptr[0]) != 0:
         raise ValueError(f"kv_indptr[0] must be 0, got {int(kv_indptr[0])}")
-    num_pages = kv_indptr[1:] - kv_indptr[:-1]
+    num_pages = kv_indptr[1:].long() - kv_indptr[:-1].long()  # int64: int32 differences can wrap
     _check_nonneg("kv_indptr differences (pages per request)", num_pages)
+    if num_pages.numel() and int(num_pages.max()) * page_size > _I32_MAX:
+        raise ValueError(f"kv_indptr: a request of {int(num_pages.max())} pages of {page_size} tokens exceeds int32 "
+                         "token counts")
     if kv_indices is not None:
         _check_tensor("kv_indices", kv_indices, 1)
+        _check_same_device("kv_indices", kv_indices, "kv_indptr", kv_indptr)
         if int(kv_indptr[-1]) != kv_indices.shape[0]:
             raise ValueError(f"kv_indptr[-1] must equal len(kv_indices) = {kv_indices.shape[0]}, got {int(kv_indptr[-1])}")
         _check_nonneg("kv_indices", kv_indices)
@@ -100,7 +133,7 @@ def _check_csr(
             f"kv_last_page_len[{b}] must be in 1..{page_size} (or 0 for a request with 0 pages), "
             f"got {int(kv_last_page_len[b])} with {int(num_pages[b])} pages"
         )
-    return num_pages
+    return num_pages.to(_I32)
 
 
 def seq_lens_from_csr(
@@ -129,12 +162,15 @@ def csr_from_block_table(
         _check_tensor("block_table", block_table, 2)
         _check_tensor("seq_lens", seq_lens, 1)
         _check_len("seq_lens", seq_lens, block_table.shape[0], "B = block_table.shape[0]")
+        _check_same_device("seq_lens", seq_lens, "block_table", block_table)
         _check_nonneg("seq_lens", seq_lens)
     num_pages = _ceil_pages(seq_lens, page_size)
     if check and num_pages.numel() and int(num_pages.max()) > block_table.shape[1]:
         raise ValueError(
             f"seq_lens need up to {int(num_pages.max())} pages but block_table has max_pages={block_table.shape[1]}"
         )
+    if check:
+        _check_total_pages("seq_lens", num_pages)
     mask = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < num_pages[:, None]
     kv_indices = block_table[mask].to(_I32)
     if check:
@@ -157,12 +193,16 @@ def block_table_from_csr(
         ``block_table [B, max_pages]`` int32 (padding 0; ``max_pages`` defaults to the largest
         page count), ``seq_lens [B]`` int32.
     """
+    if check:
+        _check_tensor("kv_indices", kv_indices, 1)
     num_pages = _check_csr(kv_indptr, kv_indices, kv_last_page_len, page_size) if check else kv_indptr[1:] - kv_indptr[:-1]
     need = int(num_pages.max()) if num_pages.numel() else 0
     if max_pages is None:
         max_pages = need
-    elif max_pages < need:
-        raise ValueError(f"max_pages must be >= {need} (largest page count), got {max_pages}")
+    else:
+        max_pages = _check_count("max_pages", max_pages, 0)
+        if max_pages < need:
+            raise ValueError(f"max_pages must be >= {need} (largest page count), got {max_pages}")
     batch = num_pages.shape[0]
     block_table = torch.zeros(batch, max_pages, dtype=_I32, device=kv_indptr.device)
     mask = torch.arange(max_pages, device=kv_indptr.device)[None, :] < num_pages[:, None]
@@ -201,6 +241,8 @@ def csr_from_req_to_token(
         _check_tensor("req_pool_indices", req_pool_indices, 1, _INDEX_DTYPES)
         _check_tensor("seq_lens", seq_lens, 1, _INDEX_DTYPES)
         _check_len("seq_lens", seq_lens, req_pool_indices.shape[0], "B = len(req_pool_indices)")
+        _check_same_device("req_pool_indices", req_pool_indices, "req_to_token", req_to_token, host_ok=True)
+        _check_same_device("seq_lens", seq_lens, "req_to_token", req_to_token, host_ok=True)
         _check_nonneg("seq_lens", seq_lens)
         _check_nonneg("req_pool_indices", req_pool_indices)
         if req_pool_indices.numel() and int(req_pool_indices.max()) >= req_to_token.shape[0]:
@@ -209,6 +251,7 @@ def csr_from_req_to_token(
             )
         if seq_lens.numel() and int(seq_lens.max()) > req_to_token.shape[1]:
             raise ValueError(f"seq_lens must be <= max_ctx = {req_to_token.shape[1]}, got {int(seq_lens.max())}")
+        _check_total_pages("seq_lens", _ceil_pages(seq_lens, page_size))
     dev = req_to_token.device
     seq_lens = seq_lens.to(_I32)
     if check:
@@ -256,12 +299,13 @@ def req_to_token_from_csr(
         sequence columns), ``req_pool_indices [B]`` int32 (``arange(B)``), ``seq_lens [B]`` int32.
     """
     if check:
+        _check_tensor("kv_indices", kv_indices, 1)
         _check_csr(kv_indptr, kv_indices, kv_last_page_len, page_size)
     seq_lens = seq_lens_from_csr(kv_indptr, kv_last_page_len, page_size, check=False)
     batch = seq_lens.shape[0]
     need = int(seq_lens.max()) if batch else 0
-    max_ctx = need if max_ctx is None else max_ctx
-    num_req_slots = batch if num_req_slots is None else num_req_slots
+    max_ctx = need if max_ctx is None else _check_count("max_ctx", max_ctx, 0)
+    num_req_slots = batch if num_req_slots is None else _check_count("num_req_slots", num_req_slots, 0)
     if max_ctx < need:
         raise ValueError(f"max_ctx must be >= {need} (longest sequence), got {max_ctx}")
     if num_req_slots < batch:
@@ -296,6 +340,8 @@ def slot_mapping(
         _check_tensor("positions", positions, 1, _INDEX_DTYPES)
         _check_tensor("req_ids", req_ids, 1, _INDEX_DTYPES)
         _check_len("req_ids", req_ids, positions.shape[0], "T = len(positions)")
+        _check_same_device("positions", positions, "block_table", block_table)
+        _check_same_device("req_ids", req_ids, "block_table", block_table)
         _check_nonneg("positions", positions)
         _check_nonneg("req_ids", req_ids)
         if req_ids.numel() and int(req_ids.max()) >= block_table.shape[0]:
@@ -337,8 +383,15 @@ def slot_mapping_from_csr(
         _check_tensor("positions", positions, 1, _INDEX_DTYPES)
         _check_tensor("req_ids", req_ids, 1, _INDEX_DTYPES)
         _check_len("req_ids", req_ids, positions.shape[0], "T = len(positions)")
+        for name, t in (("kv_indices", kv_indices), ("positions", positions), ("req_ids", req_ids)):
+            _check_same_device(name, t, "kv_indptr", kv_indptr)
         _check_nonneg("positions", positions)
         _check_nonneg("req_ids", req_ids)
+        if kv_indptr.shape[0] < 1 or int(kv_indptr[0]) != 0:
+            raise ValueError(f"kv_indptr must start with 0 (length B+1 >= 1), got {kv_indptr[:1].tolist()}")
+        _check_nonneg("kv_indptr differences (pages per request)", kv_indptr[1:].long() - kv_indptr[:-1].long())
+        if int(kv_indptr[-1]) != kv_indices.shape[0]:
+            raise ValueError(f"kv_indptr[-1] must equal len(kv_indices) = {kv_indices.shape[0]}, got {int(kv_indptr[-1])}")
         if req_ids.numel() and int(req_ids.max()) >= kv_indptr.shape[0] - 1:
             raise ValueError(f"req_ids must be < B = {kv_indptr.shape[0] - 1}, got {int(req_ids.max())}")
     rid = req_ids.long()

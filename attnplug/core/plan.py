@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import numpy as np
 import torch
 
 from .config import AttentionConfig
@@ -40,16 +41,23 @@ class PlanOptions:
 
     def set_fields(self) -> set[str]:
         """Names of the knobs that are set (not ``None``)."""
-        return {f.name for f in fields(self) if getattr(self, f.name) is not None}
+        if self is _NO_OPTIONS:
+            return set()
+        return {n for n in _OPTION_NAMES if getattr(self, n) is not None}
 
     @classmethod
     def parse(cls, knobs: dict) -> "PlanOptions":
         """Options from keyword arguments; ``ValueError`` naming an unknown knob."""
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(knobs) - names)
+        if not knobs and cls is PlanOptions:
+            return _NO_OPTIONS  # frozen: one shared instance (the common case costs nothing)
+        unknown = sorted(set(knobs) - _OPTION_NAMES)
         if unknown:
-            raise ValueError(f"attnplug: unknown plan option(s) {unknown}; known: {sorted(names)}")
+            raise ValueError(f"attnplug: unknown plan option(s) {unknown}; known: {sorted(_OPTION_NAMES)}")
         return cls(**knobs)
+
+
+_OPTION_NAMES = frozenset(f.name for f in fields(PlanOptions))
+_NO_OPTIONS = PlanOptions()
 
 
 @dataclass
@@ -69,6 +77,10 @@ class Plan:
             (``kv_len - q_len`` for a verify tree over a visible prefix); kernels skip mask work there.
         options: the caller's tuning knobs (:class:`PlanOptions`).
         state: the provider's typed per-forward state (its launch arguments), set by ``Provider.plan``.
+        cascade: the forward's shared-prefix split (:class:`~attnplug.core.cascade.CascadePlan`), whose
+            suffix and prefix plans the provider planned instead of this one; ``None`` otherwise.
+        max_page_id: the largest page id in ``kv_indices`` (-1 without pages): ``PagedAttention.run``
+            refuses a cache with fewer pages, so an unchecked ``num_pages`` cannot read out of bounds.
     """
 
     config: AttentionConfig
@@ -97,40 +109,105 @@ class Plan:
     mask_free_cpu: torch.Tensor | None = None
     options: PlanOptions = field(default_factory=lambda: PlanOptions())
     state: Any = None
+    cascade: Any = None
+    max_page_id: int = -1
 
 
-def _check_index_tensor(name: str, t: Any, numel: int | None = None) -> torch.Tensor:
+_I32_MAX = 2**31 - 1
+# small-vector idioms: argmin/argmax and count_nonzero cost a fraction of a ufunc reduction (min/max/any)
+_nnz = np.count_nonzero
+_ALL_TRUE_WORD = np.uint64(0x0101010101010101)  # eight bytes of a bool array, all True
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``a`` and ``b`` are one device (an index of ``None`` means the current one of that type)."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    dt = t.device
+    if dt.type != "cpu" and not _same_device(dt, device):
+        raise ValueError(f"{name} must be on the host (cpu) or on the plan's device {device}, got {dt}")
+
+
+def _host_index(name: str, t: Any, device: torch.device, numel: int | None = None) -> tuple[torch.Tensor, np.ndarray]:
+    """Check one int32 index tensor; returns its contiguous host copy (the input itself when it is a
+    contiguous host tensor) and a numpy view of that copy."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor of dtype torch.int32, got {type(t).__name__}")
     if t.dtype != torch.int32:
         raise ValueError(f"{name} must have dtype torch.int32, got {t.dtype}")
     if t.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
-    if numel is not None and t.numel() != numel:
-        raise ValueError(f"{name} must have {numel} elements, got {t.numel()}")
-    return t.cpu()
+    if numel is not None and t.shape[0] != numel:
+        raise ValueError(f"{name} must have {numel} elements, got {t.shape[0]}")
+    if not t.is_cpu:
+        _check_device(name, t, device)
+        t = t.cpu()
+    t = t.contiguous()  # kernels index the device twin as a flat array
+    return t, t.numpy()
 
 
-def _check_indptr(name: str, indptr: torch.Tensor, total: int | None) -> None:
-    if indptr.numel() == 0 or int(indptr[0]) != 0:
+def _check_indptr(name: str, indptr: np.ndarray, diffs: np.ndarray, total: int | None) -> None:
+    if indptr.shape[0] == 0 or indptr[0] != 0:
         raise ValueError(f"{name}[0] must be 0")
-    if bool((indptr[1:] < indptr[:-1]).any()):
-        raise ValueError(f"{name} must be non-decreasing")
-    if total is not None and int(indptr[-1]) != total:
+    # int32 differences can wrap: with every value in [0, indptr[-1]] they cannot
+    u = indptr.view(np.uint32)
+    if diffs.shape[0] and (diffs[diffs.argmin()] < 0 or u[u.argmax()] > indptr[-1]):
+        raise ValueError(f"{name} must be non-decreasing from 0, got {_short(indptr)}")
+    if total is not None and indptr[-1] != total:
         raise ValueError(f"{name}[-1] must equal {total}, got {int(indptr[-1])}")
+
+
+def _short(a: np.ndarray, n: int = 8) -> str:
+    """``a`` for an error message: the first ``n`` values, then how many more."""
+    head = a[:n].tolist()
+    return f"{head}{f' ... ({a.shape[0] - n} more)' if a.shape[0] > n else ''}"
+
+
+def _mask_free_np(mask: np.ndarray, mask_indptr: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray) -> np.ndarray:
+    """``[B]`` int32: per request, the leading KV columns of its mask that are True in every row.
+
+    ``mask``: flat contiguous bool (request ``b``'s rows at ``mask_indptr[b]``, each ``kv_lens[b]``
+    long). Vectorized: finds the hidden (False) entries eight bytes at a time (a verify tree has few
+    of them), then the smallest hidden column per request."""
+    n = mask.shape[0]
+    n8 = n & ~7
+    parts = []
+    if n8:
+        cand = np.flatnonzero(mask[:n8].view(np.uint64) != _ALL_TRUE_WORD)
+        if cand.shape[0]:
+            pos = (cand[:, None] * 8 + np.arange(8)).ravel()
+            parts.append(pos[~mask[pos]])
+    if n8 < n:
+        parts.append(n8 + np.flatnonzero(~mask[n8:]))
+    free = kv_lens.astype(np.int64)
+    hidden = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    if hidden.shape[0]:
+        req = np.searchsorted(mask_indptr, hidden, side="right") - 1
+        col = (hidden - mask_indptr[req]) % free[req]
+        starts = np.flatnonzero(np.concatenate(([True], req[1:] != req[:-1])))
+        free[req[starts]] = np.minimum(free[req[starts]], np.minimum.reduceat(col, starts))
+    free[q_lens == 0] = 0
+    return free.astype(np.int32)
 
 
 def _leading_visible_columns(
     mask: torch.Tensor, mask_indptr: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor
 ) -> torch.Tensor:
-    """``[B]`` int32: per request, how many leading KV columns of its mask are True in every row."""
-    out = torch.zeros(q_lens.numel(), dtype=torch.int32)
-    for b, (ql, kl) in enumerate(zip(q_lens.tolist(), kv_lens.tolist())):
-        if ql and kl:
-            lo = int(mask_indptr[b])
-            cols = mask[lo : lo + ql * kl].view(ql, kl).bool().all(0)
-            out[b] = int(torch.cumprod(cols.to(torch.int32), 0).sum())
-    return out
+    """``[B]`` int32: per request, how many leading KV columns of its mask are True in every row
+    (host tensors; ``mask`` bool or uint8, nonzero = visible)."""
+    m = mask.contiguous().numpy()
+    m = m if m.dtype == np.bool_ else m != 0
+    return torch.from_numpy(_mask_free_np(m, mask_indptr.numpy().astype(np.int64), q_lens.numpy(), kv_lens.numpy()))
+
+
+def _check_num_pages(num_pages: Any) -> int | None:
+    if num_pages is None:
+        return None
+    if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 0:
+        raise ValueError(f"num_pages must be None or an int >= 0, got {num_pages!r}")
+    return int(num_pages)
 
 
 def make_plan(
@@ -144,96 +221,187 @@ def make_plan(
     Args:
         config: static attention configuration.
         batch: the forward's metadata (host or device tensors; host is cheaper).
-        num_pages: number of pages in the KV cache; page ids must be in ``[0, num_pages)``.
+        num_pages: number of pages in the KV cache; page ids must be in ``[0, num_pages)``
+            (``None``: only ``>= 0`` is checked here; ``PagedAttention.run`` checks the cache's size).
         device: where kernel arguments live (default: the device of ``batch.kv_indices``).
 
     Raises:
         ValueError: naming the argument and the expected value.
+
+    Host cost: one pass of numpy over the host int32 arrays (no per-request Python, no torch op
+    with a fixed overhead); ``benchmarks/plan_cost.py`` measures it.
     """
+    if not isinstance(batch, BatchMetadata):
+        raise ValueError(f"batch must be a BatchMetadata, got {type(batch).__name__}")
     if not isinstance(batch.mode, ForwardMode):
         raise ValueError(f"mode must be a ForwardMode, got {batch.mode!r}")
-    device = torch.device(device) if device is not None else batch.kv_indices.device
-    qo_indptr = _check_index_tensor("qo_indptr", batch.qo_indptr)
-    bsz = qo_indptr.numel() - 1
+    if not isinstance(batch.causal, (bool, np.bool_)):
+        raise ValueError(f"causal must be a bool, got {batch.causal!r}")
+    num_pages = _check_num_pages(num_pages)
+    if device is None:  # the device of kv_indices
+        if not isinstance(batch.kv_indices, torch.Tensor):
+            raise ValueError(f"kv_indices must be a torch.Tensor of dtype torch.int32, got {type(batch.kv_indices).__name__}")
+        device = batch.kv_indices.device
+        if device.type == "meta":
+            raise ValueError("kv_indices must be on a real device (it sets the plan's device), got meta")
+    else:
+        device = _plan_device(device)
+    on_host = device.type == "cpu"
+    if not on_host and device.type == "meta":
+        raise ValueError(f"device must be a real device, got {device}")
+    qo_t, qo = _host_index("qo_indptr", batch.qo_indptr, device)
+    bsz = qo.shape[0] - 1
     if bsz < 0:
         raise ValueError("qo_indptr must have at least 1 element (B+1 with B >= 0)")
-    kv_indptr = _check_index_tensor("kv_indptr", batch.kv_indptr, bsz + 1)
-    kv_indices = _check_index_tensor("kv_indices", batch.kv_indices)
-    last = _check_index_tensor("kv_last_page_len", batch.kv_last_page_len, bsz)
-    _check_indptr("qo_indptr", qo_indptr, None)
-    _check_indptr("kv_indptr", kv_indptr, kv_indices.numel())
+    kvp_t, kvp = _host_index("kv_indptr", batch.kv_indptr, device, bsz + 1)
+    idx_t, idx = _host_index("kv_indices", batch.kv_indices, device)
+    last_t, last = _host_index("kv_last_page_len", batch.kv_last_page_len, device, bsz)
+    q_lens = qo[1:] - qo[:-1]
+    _check_indptr("qo_indptr", qo, q_lens, None)
+    npages = kvp[1:] - kvp[:-1]
+    nnz = idx.shape[0]
+    _check_indptr("kv_indptr", kvp, npages, nnz)
 
     page = config.page_size
-    num_req_pages = kv_indptr[1:] - kv_indptr[:-1]
-    has_pages = num_req_pages > 0
-    if bool(((last < 1) | (last > page))[has_pages].any()):
-        raise ValueError(f"kv_last_page_len must be in 1..page_size={page} for requests with pages")
-    if bool((last != 0)[~has_pages].any()):
-        raise ValueError("kv_last_page_len must be 0 for requests without pages")
-    if kv_indices.numel():
-        lo, hi = int(kv_indices.min()), int(kv_indices.max())
-        if lo < 0 or (num_pages is not None and hi >= num_pages):
+    if nnz * page > _I32_MAX:
+        raise ValueError(f"kv_indices: {nnz} pages of {page} tokens exceed int32 token counts (max {_I32_MAX})")
+    # every request with pages has kv_last_page_len in 1..page_size, every other one 0:
+    # lo = 1 with pages, 0 without; last - lo must lie in [0, lo * (page_size - 1)]
+    lo_last = np.minimum(npages, 1)
+    if bsz and _nnz((last - lo_last).view(np.uint32) > lo_last * (page - 1)):  # a negative reads as >= 2**31
+        bad = (npages > 0) & ((last < 1) | (last > page))
+        if bad.any():
+            b = int(np.argmax(bad))
+            raise ValueError(f"kv_last_page_len must be in 1..page_size={page} for requests with pages, "
+                             f"got {int(last[b])} for request {b}")
+        b = int(np.argmax((npages == 0) & (last != 0)))
+        raise ValueError(f"kv_last_page_len must be 0 for requests without pages, got {int(last[b])} for request {b}")
+    max_page_id = -1
+    if nnz:  # one pass: a negative id read as uint32 is >= 2**31, above every valid id
+        ids = idx.view(np.uint32)
+        max_page_id = int(ids[ids.argmax()])
+        if max_page_id > _I32_MAX or (num_pages is not None and max_page_id >= num_pages):
             raise ValueError(
-                f"kv_indices must be in [0, num_pages={num_pages}), got values in [{lo}, {hi}]"
+                f"kv_indices must be in [0, num_pages={num_pages}), got values in [{int(idx.min())}, {int(idx.max())}]"
             )
-    kv_lens = torch.where(has_pages, (num_req_pages - 1) * page + last, torch.zeros_like(last))
-    q_lens = qo_indptr[1:] - qo_indptr[:-1]
-    if bool((q_lens > kv_lens).any()):
-        b = int(torch.nonzero(q_lens > kv_lens)[0])
-        raise ValueError(
-            f"request {b}: q_len={int(q_lens[b])} exceeds kv_len={int(kv_lens[b])}; the KV of the new "
-            "tokens must be in the cache (kv_len counts prefix + new tokens)"
-        )
-    if batch.mode == ForwardMode.DECODE and bool((q_lens != 1).any()):
-        raise ValueError(f"DECODE needs q_len == 1 for every request, got q_lens={q_lens.tolist()}")
+    kv_lens = (npages - lo_last) * page + last  # (pages - 1) * P + last, 0 without pages; int32: nnz * P fits
+    if bsz:
+        over = q_lens > kv_lens
+        if _nnz(over):
+            b = int(np.argmax(over))
+            raise ValueError(
+                f"qo_indptr: request {b}'s q_len={int(q_lens[b])} exceeds kv_len={int(kv_lens[b])} (from kv_indptr / "
+                "kv_last_page_len); the KV of the new tokens must be in the cache (kv_len counts prefix + new tokens)"
+            )
+        max_q_len, max_kv_len = int(q_lens[q_lens.argmax()]), int(kv_lens[kv_lens.argmax()])
+    else:
+        max_q_len = max_kv_len = 0
+    if batch.mode is ForwardMode.DECODE and bsz and (max_q_len != 1 or q_lens[q_lens.argmin()] != 1):
+        raise ValueError(f"DECODE needs q_len == 1 for every request (qo_indptr), got q_lens={_short(q_lens, 16)}")
 
+    q_lens_t, kv_lens_t = torch.from_numpy(q_lens), torch.from_numpy(kv_lens)
     mask = mask_indptr = mask_indptr_cpu = mask_free = mask_free_cpu = None
     if batch.custom_mask is not None:
         cm = batch.custom_mask
         if not isinstance(cm, torch.Tensor) or cm.dtype not in (torch.bool, torch.uint8) or cm.dim() != 1:
-            raise ValueError("custom_mask must be a 1-D torch.bool tensor")
-        sizes = (q_lens.to(torch.int64) * kv_lens.to(torch.int64))
-        mask_indptr_cpu = torch.zeros(bsz + 1, dtype=torch.int64)
-        torch.cumsum(sizes, 0, out=mask_indptr_cpu[1:])
-        expected = int(mask_indptr_cpu[-1])
-        if cm.numel() != expected:
-            raise ValueError(
-                f"custom_mask must have sum(q_len*kv_len)={expected} elements, got {cm.numel()}"
-            )
-        mask = cm.to(device=device, dtype=torch.uint8)
-        mask_indptr = mask_indptr_cpu.to(device)
-        mask_free_cpu = _leading_visible_columns(cm.cpu(), mask_indptr_cpu, q_lens, kv_lens)
-        mask_free = mask_free_cpu.to(device)
+            got = f"{cm.dtype} shape {tuple(cm.shape)}" if isinstance(cm, torch.Tensor) else type(cm).__name__
+            raise ValueError(f"custom_mask must be a 1-D torch.bool (or uint8) tensor, got {got}")
+        _check_device("custom_mask", cm, device)
+        mi = np.zeros(bsz + 1, dtype=np.int64)
+        np.cumsum(q_lens.astype(np.int64) * kv_lens, out=mi[1:])
+        expected = int(mi[-1])
+        if cm.shape[0] != expected:
+            raise ValueError(f"custom_mask must have sum(q_len*kv_len)={expected} elements, got {cm.shape[0]}")
+        host = cm.cpu().contiguous()
+        m = host.numpy()
+        mask_free_np = _mask_free_np(m if m.dtype == np.bool_ else m != 0, mi, q_lens, kv_lens)
+        mask = cm.contiguous().view(torch.uint8) if cm.dtype == torch.bool else cm.contiguous()
+        mask_indptr_cpu, mask_free_cpu = torch.from_numpy(mi), torch.from_numpy(mask_free_np)
+        if on_host:
+            mask_indptr, mask_free = mask_indptr_cpu, mask_free_cpu
+        else:
+            mask = mask.to(device, non_blocking=True)
+            mask_indptr = mask_indptr_cpu.to(device, non_blocking=True)
+            mask_free = mask_free_cpu.to(device, non_blocking=True)
     elif batch.mode == ForwardMode.TARGET_VERIFY and not batch.causal:
         raise ValueError("TARGET_VERIFY without custom_mask must be causal (a chain of draft tokens)")
 
-    to_dev = lambda t: t.to(device=device, non_blocking=True)  # noqa: E731
+    if on_host:  # the host arrays are the kernel arguments
+        d_qo, d_kvp, d_idx, d_last, d_kv = qo_t, kvp_t, idx_t, last_t, kv_lens_t
+    else:  # one host->device copy of the five int32 arrays, viewed back apart
+        flat = np.concatenate((qo, kvp, last, kv_lens, idx))
+        dev = torch.from_numpy(flat).to(device, non_blocking=True)
+        n1 = bsz + 1
+        d_qo, d_kvp = dev[:n1], dev[n1 : 2 * n1]
+        d_last, d_kv, d_idx = dev[2 * n1 : 2 * n1 + bsz], dev[2 * n1 + bsz : 2 * n1 + 2 * bsz], dev[2 * n1 + 2 * bsz :]
     return Plan(
         config=config,
         mode=batch.mode,
         batch_size=bsz,
-        num_tokens=int(qo_indptr[-1]),
-        max_q_len=int(q_lens.max()) if bsz else 0,
-        max_kv_len=int(kv_lens.max()) if bsz else 0,
-        causal=batch.causal if mask is None else False,
+        num_tokens=int(qo[-1]),
+        max_q_len=max_q_len,
+        max_kv_len=max_kv_len,
+        causal=bool(batch.causal) if mask is None else False,
         device=device,
-        qo_indptr=to_dev(qo_indptr),
-        kv_indptr=to_dev(kv_indptr),
-        kv_indices=to_dev(kv_indices),
-        kv_last_page_len=to_dev(last),
-        kv_lens=to_dev(kv_lens.to(torch.int32)),
-        qo_indptr_cpu=qo_indptr,
-        kv_indptr_cpu=kv_indptr,
-        kv_indices_cpu=kv_indices,
-        kv_last_page_len_cpu=last,
-        q_lens_cpu=q_lens,
-        kv_lens_cpu=kv_lens.to(torch.int32),
+        qo_indptr=d_qo,
+        kv_indptr=d_kvp,
+        kv_indices=d_idx,
+        kv_last_page_len=d_last,
+        kv_lens=d_kv,
+        qo_indptr_cpu=qo_t,
+        kv_indptr_cpu=kvp_t,
+        kv_indices_cpu=idx_t,
+        kv_last_page_len_cpu=last_t,
+        q_lens_cpu=q_lens_t,
+        kv_lens_cpu=kv_lens_t,
         mask=mask,
         mask_indptr=mask_indptr,
         mask_indptr_cpu=mask_indptr_cpu,
         mask_free=mask_free,
         mask_free_cpu=mask_free_cpu,
+        max_page_id=max_page_id,
     )
+
+
+_DEVICES: dict = {}
+
+
+def _plan_device(device: Any) -> torch.device:
+    """``device`` as a ``torch.device`` that exists here (checked once per distinct value)."""
+    try:
+        return _DEVICES[device]
+    except (KeyError, TypeError):
+        pass
+    try:
+        d = torch.device(device)
+        if d.type != "meta":
+            torch.empty(0, device=d)
+    except (RuntimeError, TypeError, AssertionError, ValueError) as e:
+        raise ValueError(f"device must be a torch device available here, got {device!r} ({e})") from e
+    try:
+        if len(_DEVICES) < 64:
+            _DEVICES[device] = d
+    except TypeError:
+        pass
+    return d
+
+
+def check_run_bounds(plan: Plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     out: torch.Tensor | None) -> None:
+    """The per-layer guard of ``PagedAttention.run`` (a few integer compares, no device work): the
+    kernels index ``q`` / ``out`` up to ``plan.num_tokens`` rows and the caches up to page
+    ``plan.max_page_id``, so smaller tensors would be read (written) out of bounds.
+
+    Raises:
+        ValueError: naming the argument; :func:`check_run_inputs` checks everything else once.
+    """
+    n, top = plan.num_tokens, plan.max_page_id
+    if q.shape[0] < n or (out is not None and out.shape[0] < n) or k_cache.shape[0] <= top or v_cache.shape[0] <= top:
+        for name, t, need in (("q", q, n), ("out", out, n)):
+            if t is not None and t.shape[0] < need:
+                raise ValueError(f"{name} must have >= num_tokens={need} rows (the plan's), got {t.shape[0]}")
+        name, t = ("k_cache", k_cache) if k_cache.shape[0] <= top else ("v_cache", v_cache)
+        raise ValueError(f"{name} has {t.shape[0]} pages but the plan's kv_indices reach page {top}")
 
 
 def check_run_inputs(

@@ -12,6 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..config import AttentionConfig
@@ -131,6 +132,24 @@ class TritonProvider(Provider):
         self._sms = _num_sms(self.device)
 
     # -- plan -------------------------------------------------------------------------------------
+    def _identity_tiles(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``arange(n)`` / ``zeros(n)`` int32 on the device, the tile list of single-tile requests:
+        views of two buffers kept per provider (grown by doubling), cached per ``n`` (read-only
+        kernel arguments; no tensor is made per plan)."""
+        tiles = getattr(self, "_tiles", None)
+        if tiles is None:
+            tiles = self._tiles = {}
+        views = tiles.get(n)
+        if views is None:
+            iota = getattr(self, "_iota", None)
+            if iota is None or iota[0].numel() < n:
+                cap = max(64, 1 << max(0, n - 1).bit_length())
+                iota = self._iota = (torch.arange(cap, dtype=torch.int32, device=self.device),
+                                     torch.zeros(cap, dtype=torch.int32, device=self.device))
+                tiles.clear()
+            views = tiles[n] = (iota[0][:n], iota[1][:n])
+        return views
+
     def _blocks(self, plan: Plan) -> tuple[int, int, int, int, int]:
         """(block_q, block_m, block_n, num_warps, num_stages) for this batch.
 
@@ -189,22 +208,33 @@ class TritonProvider(Provider):
             block_m, block_q = o.block_m, max(1, o.block_m // cfg.group_size)
         block_n = o.block_n or block_n
         warps, stages = o.num_warps or warps, o.num_stages or stages
-        q_lens = plan.q_lens_cpu.to(torch.int64)
-        counts = (q_lens + block_q - 1) // block_q
-        num_tiles = int(counts.sum())
+        # tile list on the host in numpy (a handful of vector ops, no per-request Python)
+        q_lens = plan.q_lens_cpu.numpy()
+        nreq = q_lens.shape[0]
+        # one tile per request, from token 0 (decode, short verify): the list is arange / zeros
+        identity = nreq == 0 or (q_lens[q_lens.argmin()] >= 1 and q_lens[q_lens.argmax()] <= block_q)
+        if identity:
+            counts, num_tiles = None, nreq
+        else:
+            counts = (q_lens.astype(np.int64) + (block_q - 1)) // block_q
+            ends = np.cumsum(counts)
+            num_tiles = int(ends[-1])
         splits = self.split_count(num_tiles, plan.max_kv_len, o.num_kv_splits)
         if plan.max_q_len <= 1 and splits >= 32 and cfg.head_dim <= 128 and o.block_n is None:
             block_n, warps, stages = 64, 2, 2  # many short splits: small tiles (H200 sweep, 1x32768)
         shape = (plan.num_tokens, cfg.num_qo_heads, splits, cfg.head_dim)
         partial = partial_lse = None
-        identity = bool((counts == 1).all()) and block_q >= plan.max_q_len  # one tile per request, from token 0
         if static is not None and identity and num_tiles <= static.identity_rows:
             tile_req, tile_q = static.tile_req[:num_tiles], static.tile_qstart[:num_tiles]
+        elif static is None and identity:
+            tile_req, tile_q = self._identity_tiles(num_tiles)
         else:
-            tile_req = torch.repeat_interleave(torch.arange(plan.batch_size), counts)
-            first = torch.cumsum(counts, 0) - counts
-            tile_q = (torch.arange(num_tiles) - torch.repeat_interleave(first, counts)) * block_q
-            tile_req, tile_q = tile_req.to(torch.int32), tile_q.to(torch.int32)
+            if identity:
+                tile_req, tile_q = np.arange(num_tiles, dtype=np.int32), np.zeros(num_tiles, dtype=np.int32)
+            else:
+                tile_req = np.repeat(np.arange(nreq, dtype=np.int32), counts)
+                tile_q = ((np.arange(num_tiles) - (ends - counts)[tile_req]) * block_q).astype(np.int32)
+            tile_req, tile_q = torch.from_numpy(tile_req), torch.from_numpy(tile_q)
             if static is not None:
                 if num_tiles > static.tile_req.numel():
                     raise ValueError(f"attnplug: {num_tiles} triton tiles exceed the static capacity "
@@ -212,7 +242,7 @@ class TritonProvider(Provider):
                 tile_req = static.tile_req[:num_tiles].copy_(tile_req, non_blocking=True)
                 tile_q = static.tile_qstart[:num_tiles].copy_(tile_q, non_blocking=True)
                 static.identity_rows = 0  # the decode tile list is overwritten
-            else:
+            elif self.device.type != "cpu":
                 tile_req, tile_q = tile_req.to(self.device), tile_q.to(self.device)
         if splits > 1 and static is not None:
             n = shape[0] * shape[1] * shape[2]
