@@ -166,6 +166,10 @@ def main(argv=None) -> int:
         best = min((r["ms"] for r in recs if r.get("library") and r.get("ms")), default=None)
         for r in recs:
             r["vs_best_lib"] = best / r["ms"] if best and r.get("ms") else None
+            # the same family's own library kernel (fp8 acceptance: provider >= 0.95x its library's kernel)
+            own = min((x["ms"] for x in recs if x.get("library") and x.get("ms") and x["family"] == r.get("family")),
+                      default=None)  # fmt: skip
+            r["vs_own_lib"] = own / r["ms"] if own and r.get("ms") and not r.get("library") else None
         res["rows"].extend(recs)
         del work, ref
         if device.type == "cuda":

@@ -3,6 +3,12 @@
 Each ``make_*`` takes a :class:`~attnplug.bench.workloads.Work` and returns ``fn`` (no arguments,
 returns the ``[T, Hq, D]`` output; only kernel launches) or raises :class:`Unavailable` /
 :class:`NotApplicable`. Host-side setup (plans, block tables, JIT) happens in ``make_*``.
+
+fp8 rows (``row.kv == "fp8"``, e4m3 KV with per-layer scales): attnplug's providers get the scale
+tensors; the libraries run their own fp8 kernels as they are called directly: FlashInfer's fa2
+templates with ``kv_data_type`` fp8 and its host-float ``k_scale`` / ``v_scale``; FA3 with q quantized
+to e4m3 beforehand (untimed: the engine's layer does it) and ``q/k/v_descale``; attnplug's own fp8
+kernel through ``Provider.run`` (no ``PagedAttention`` layer) as the triton family's anchor.
 """
 
 from __future__ import annotations
@@ -68,9 +74,26 @@ def _provider(name: str, cascade: str | None = None):
             raise NotApplicable(str(e)) from e
         q, k, v = work.q, work.k_cache, work.v_cache
         out = torch.empty_like(q)
-        return lambda: attn.run(q, k, v, out=out)
+        scales = work.extra.get("scales", {})
+        return lambda: attn.run(q, k, v, out=out, **scales)
 
     return make
+
+
+def _triton_kernel_fp8(work: Work):
+    """attnplug's fp8 Triton kernel called directly (``TritonProvider.run`` on a plan, without the
+    ``PagedAttention`` layer): the triton family's library anchor on fp8 rows."""
+    if work.row.kv != "fp8":
+        raise NotApplicable("the direct-kernel anchor runs on fp8 rows")
+    try:
+        attn = PagedAttention(work.config, "triton", work.q.device, cascade="off")
+    except ProviderUnavailable as e:
+        raise Unavailable(str(e)) from e
+    plan = attn.plan(work.batch, num_pages=work.num_pages)
+    prov, q, k, v = attn.provider, work.q, work.k_cache, work.v_cache
+    out, sc = torch.empty_like(q), work.extra["scales"]
+    ks, vs = sc["k_scale"], sc["v_scale"]
+    return lambda: prov.run(plan, q, k, v, out, None, k_scale=ks, v_scale=vs) or out
 
 
 # ---- FlashInfer called directly ----------------------------------------------------------------
@@ -84,18 +107,27 @@ def _flashinfer():
 
 def _fi_common(work: Work) -> dict:
     c = work.config
-    return dict(q_data_type=c.dtype, kv_data_type=c.dtype, sm_scale=c.scale)
+    return dict(q_data_type=c.dtype, kv_data_type=c.kv_dtype, sm_scale=c.scale)
+
+
+def _fi_scales(work: Work) -> dict:
+    """fp8 rows: FlashInfer's own scale arguments (host floats) to ``run``; else none."""
+    if work.row.kv != "fp8":
+        return {}
+    ks, vs = work.extra["scale_floats"]
+    return dict(k_scale=ks, v_scale=vs)
 
 
 def _fi_decode(work: Work):
     if work.row.kind != "decode":
         raise NotApplicable("decode kernel")
     fi, c, b = _flashinfer(), work.config, work.batch
-    w = fi.BatchDecodeWithPagedKVCacheWrapper(_workspace(work.q.device), c.kv_layout, use_tensor_cores=True)
+    extra = {"backend": "fa2"} if work.row.kv == "fp8" else {}  # bf16 q + fp8 KV: the fa2 template
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(_workspace(work.q.device), c.kv_layout, use_tensor_cores=True, **extra)
     w.plan(b.kv_indptr, b.kv_indices.to(work.q.device), b.kv_last_page_len, c.num_qo_heads, c.num_kv_heads,
            c.head_dim, c.page_size, **_fi_common(work))
-    q, kv = work.q, (work.k_cache, work.v_cache)
-    return lambda: w.run(q, kv)
+    q, kv, sc = work.q, (work.k_cache, work.v_cache), _fi_scales(work)
+    return lambda: w.run(q, kv, **sc)
 
 
 def _fi_prefill(backend: str):
@@ -107,6 +139,8 @@ def _fi_prefill(backend: str):
             raise NotApplicable(f"FlashInfer's {backend} template has no custom mask")
         if backend == "fa3" and torch.cuda.get_device_capability(work.q.device)[0] != 9:
             raise Unavailable("fa3 template needs sm90")
+        if backend == "fa3" and work.row.kv == "fp8":
+            raise NotApplicable("FlashInfer's fa3 template reads fp8 KV only with an fp8 query")
         dev = work.q.device
         w = fi.BatchPrefillWithPagedKVCacheWrapper(_workspace(dev), c.kv_layout, backend=backend)
         if work.row.kind == "verify":
@@ -116,8 +150,8 @@ def _fi_prefill(backend: str):
         else:
             w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices.to(dev), b.kv_last_page_len, c.num_qo_heads,
                    c.num_kv_heads, c.head_dim, c.page_size, causal=True, **_fi_common(work))
-        q, kv = work.q, (work.k_cache, work.v_cache)
-        return lambda: w.run(q, kv)
+        q, kv, sc = work.q, (work.k_cache, work.v_cache), _fi_scales(work)
+        return lambda: w.run(q, kv, **sc)
 
     return make
 
@@ -164,12 +198,21 @@ def _fa3_direct(work: Work):
     cu_q = work.batch.qo_indptr.to(q.device)
     bt, sl = work.block_table, work.seq_lens
     kv_len = r.prefix + r.q_len
+    fp8 = {}
+    if r.kv == "fp8":  # FA3's fp8 kernel: q, k, v e4m3, per-(sequence, KV head) descales, bf16 out
+        from ..core.kv_layout import quantize_fp8  # noqa: PLC0415
+
+        shape = (r.batch, c.num_kv_heads)
+        sc = work.extra["scales"]
+        fp8 = dict(q_descale=torch.ones(shape, device=q.device), k_descale=sc["k_scale"].expand(shape),
+                   v_descale=sc["v_scale"].expand(shape))  # fmt: skip
+        q = quantize_fp8(q, 1.0, torch.float8_e4m3fn)  # the engine's layer quantizes q (untimed here)
     if lib.varlen_style:  # vLLM's flash_attn_varlen_func(..., block_table=, seqused_k=, fa_version=3)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=c.dtype, device=q.device)
         return lambda: lib.fn(q, k, v, r.q_len, cu_q, kv_len, seqused_k=sl, softmax_scale=c.scale, causal=True,
-                              block_table=bt, out=out, fa_version=3)
+                              block_table=bt, out=out, fa_version=3, **fp8)
     return lambda: lib.fn(q, k, v, cache_seqlens=sl, page_table=bt, cu_seqlens_q=cu_q, max_seqlen_q=r.q_len,
-                          softmax_scale=c.scale, causal=True)
+                          softmax_scale=c.scale, causal=True, **fp8)
 
 
 # ---- PyTorch: gather the pages, then scaled_dot_product_attention ------------------------------
@@ -179,6 +222,7 @@ def _torch_sdpa(work: Work):
         raise NotApplicable("bench's torch path gathers NHD pages")
     B, ql, kv_len = r.batch, r.q_len, r.prefix + r.q_len
     q, kc, vc, bt = work.q, work.k_cache, work.v_cache, work.block_table.long()
+    ks, vs = work.extra["scale_floats"] if r.kv == "fp8" else (None, None)
     mask = None
     if work.tree is not None:
         mask = work.tree[:, None]  # [B, 1, q, kv]
@@ -189,6 +233,8 @@ def _torch_sdpa(work: Work):
     def fn():
         k = kc[bt].reshape(B, -1, c.num_kv_heads, c.head_dim)[:, :kv_len].transpose(1, 2)
         v = vc[bt].reshape(B, -1, c.num_kv_heads, c.head_dim)[:, :kv_len].transpose(1, 2)
+        if ks is not None:  # fp8: dequantize the gathered pages
+            k, v = k.to(q.dtype) * ks, v.to(q.dtype) * vs
         qq = q.view(B, ql, c.num_qo_heads, c.head_dim).transpose(1, 2)
         o = torch.nn.functional.scaled_dot_product_attention(
             qq, k, v, attn_mask=mask, is_causal=is_causal, scale=c.scale, enable_gqa=True
@@ -205,6 +251,7 @@ IMPLS = [
     Impl("attnplug.triton.nocascade", "triton", False, _provider("triton", "off")),
     Impl("attnplug.flashinfer.nocascade", "flashinfer", False, _provider("flashinfer", "off")),
     Impl("attnplug.fa3.nocascade", "fa3", False, _provider("fa3", "off")),
+    Impl("attnplug_kernel.triton_fp8", "triton", True, _triton_kernel_fp8),
     Impl("flashinfer.decode_tc", "flashinfer", True, _fi_decode),
     Impl("flashinfer.cascade", "flashinfer", True, _fi_cascade),
     Impl("flashinfer.prefill_fa3", "flashinfer", True, _fi_prefill("fa3")),

@@ -18,7 +18,8 @@ import torch
 
 def specs(full: bool = False) -> list[list]:
     """Two batches: what the benchmark and most tests need (base bf16/d128 fa2 + fa3, cascade,
-    packbits), then the test variants (fp16/d64, soft cap, sliding window)."""
+    packbits, bf16 + fp8 e4m3 KV), then the test variants (fp16/d64, soft cap, sliding window, the
+    other fp8 KV dtypes)."""
     from flashinfer.jit import gen_batch_prefill_module  # noqa: PLC0415
     from flashinfer.jit.cascade import gen_cascade_module  # noqa: PLC0415
     from flashinfer.jit.quantization import gen_quantization_module  # noqa: PLC0415
@@ -32,6 +33,12 @@ def specs(full: bool = False) -> list[list]:
     for i, (dt, d, swa, cap, fa3) in enumerate(variants):
         for backend in ("fa2", "fa3") if sm90 and (fa3 or full) else ("fa2",):
             out[min(i, 1)].append(gen_batch_prefill_module(backend, dt, dt, dt, torch.int32, d, d, 0, swa, cap, False))
+    # fp8 KV (issue 15): q / out in the model dtype, K/V e4m3 or e5m2, fa2 template (decode and prefill);
+    # bf16 + e4m3 d128 is the benchmark's, all four the GPU tests' (tests/gpu/test_fp8_gpu.py)
+    for dt, kv in ((bf16, torch.float8_e4m3fn), (bf16, torch.float8_e5m2), (fp16, torch.float8_e4m3fn),
+                   (fp16, torch.float8_e5m2)):  # fmt: skip
+        out[0 if (dt, kv) == (bf16, torch.float8_e4m3fn) else 1].append(
+            gen_batch_prefill_module("fa2", dt, kv, dt, torch.int32, 128, 128, 0, False, False, False))
     return out
 
 

@@ -50,17 +50,19 @@ def markdown(res: dict) -> str:
         "",
         "ms: median of CUDA-event timings (`triton.testing.do_bench`, L2 flushed). GB/s counts Q+K+V+O bytes; "
         "TFLOP/s counts causal FLOPs 4·H·D·(q·kv − q(q−1)/2). *vs best lib* = best direct-library ms / this ms "
-        "(> 1: faster than the best library kernel of the row). err: relative L2 vs the float32 reference "
-        "on the first requests, checked before timing.",
+        "(> 1: faster than the best library kernel of the row); *vs own lib* = the same family's library kernel "
+        "ms / this ms (fp8 rows: triton's own is attnplug's fp8 kernel called directly). err: relative L2 vs "
+        "the float32 reference on the first requests (fp8 rows: on the dequantized cache), checked before timing.",
         "",
-        "| row | implementation | ms | GB/s | TFLOP/s | vs best lib | err | anchor | plan ms | note |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| row | implementation | ms | GB/s | TFLOP/s | vs best lib | vs own lib | err | anchor | plan ms | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
         anchor = anchors.get(r["row"], {}).get(r["impl"])
         lines.append(
             f"| {r['row']} | {r['impl']} | {_fmt(r.get('ms'), 4)} | {_fmt(r.get('GBps'), 0)} | "
-            f"{_fmt(r.get('TFLOPs'), 1)} | {_fmt(r.get('vs_best_lib'), 2)} | {_err(r.get('err'))} | "
+            f"{_fmt(r.get('TFLOPs'), 1)} | {_fmt(r.get('vs_best_lib'), 2)} | {_fmt(r.get('vs_own_lib'), 2)} | "
+            f"{_err(r.get('err'))} | "
             f"{_fmt(anchor)} | {_fmt(r.get('plan_ms'), 2)} | {_note(r.get('status', ''))} |"
         )
     return "\n".join(lines) + "\n"
@@ -76,7 +78,8 @@ def summary(res: dict) -> str:
         if r.get("ms"):
             fig = f"{r['TFLOPs']:7.1f} TFLOP/s" if r["kind"] == "prefill" else f"{r['GBps']:7.0f} GB/s   "
             vs = f"{r['vs_best_lib']:.2f}x" if r.get("vs_best_lib") else "  -  "
-            lines.append(f"{r['row']:26s} {r['impl']:24s} {r['ms']:9.4f} ms {fig} {vs:>6s} err {r['err']:.1e}"
+            own = f" own {r['vs_own_lib']:.2f}x" if r.get("vs_own_lib") else ""
+            lines.append(f"{r['row']:26s} {r['impl']:24s} {r['ms']:9.4f} ms {fig} {vs:>6s}{own} err {r['err']:.1e}"
                          + (f"  anchor {anchors[r['row']][r['impl']]}" if r["impl"] in anchors.get(r["row"], {}) else ""))
         else:
             lines.append(f"{r['row']:26s} {r['impl']:24s} {_note(r.get('status', ''), 70)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ class Row:
     q_len: int
     prefix: int
     shared: int = 0  # leading prefix tokens all requests share (engine layout: same page ids), else 0
+    kv: str = ""  # "fp8": an fp8 (e4m3) KV cache with per-layer scales, else the model dtype
 
     @property
     def cascade_row(self) -> bool:
@@ -50,6 +52,10 @@ FULL_ROWS = [
     Row("verify 32x(4096+64 tree)", "verify", 32, 64, 4096),
     Row("cascade decode 64x(8192+256)", "decode", 64, 1, 8192 + 256, shared=8192),
     Row("decode 64x(8192+256) unshared", "decode", 64, 1, 8192 + 256),
+    # fp8 (e4m3) KV cache, q and output bf16 (issue 15): compare with the bf16 rows of the same shape
+    Row("decode 64x4096 fp8", "decode", 64, 1, 4095, kv="fp8"),
+    Row("decode 1x32768 fp8", "decode", 1, 1, 32767, kv="fp8"),
+    Row("prefill 4x4096 fp8", "prefill", 4, 4096, 0, kv="fp8"),
 ]
 QUICK_CONFIG = dict(num_qo_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
 QUICK_ROWS = [
@@ -58,7 +64,9 @@ QUICK_ROWS = [
     Row("extend 2x(16+40)", "prefill", 2, 16, 40),
     Row("verify 2x(40+8 tree)", "verify", 2, 8, 40),
     Row("cascade decode 6x(64+16)", "decode", 6, 1, 80, shared=64),
+    Row("decode 4x100 fp8", "decode", 4, 1, 99, kv="fp8"),
 ]
+FP8_SCALES = (1 / 64, 1 / 48)  # k, v: N(0, 1) values / scale reach ~300 (e4m3 max 448): the range is used
 
 
 @dataclass
@@ -106,8 +114,33 @@ def build_shared(row: Row, config: AttentionConfig, device: torch.device, seed: 
     return Work(row, config, batch, q, k, v, num_pages, bt.to(device), seq.to(device), None, nbytes, flops)
 
 
+def _quantize_kv(work: Work) -> Work:
+    """An fp8 row: the caches quantized to e4m3 with :data:`FP8_SCALES` (as the KV write stores them),
+    the config's ``kv_dtype`` set, the scales in ``work.extra["scales"]`` (device tensors, attnplug's
+    ``run``) and ``work.extra["scale_floats"]`` (host floats, FlashInfer's own API); KV bytes at 1 B."""
+    from ..core.kv_layout import quantize_fp8  # noqa: PLC0415
+
+    fp8 = torch.float8_e4m3fn
+    ks, vs = FP8_SCALES
+    dev = work.q.device
+    work.config = dataclasses.replace(work.config, kv_dtype=fp8)
+    work.k_cache = quantize_fp8(work.k_cache, ks, fp8)
+    work.v_cache = quantize_fp8(work.v_cache, vs, fp8)
+    work.extra["scales"] = dict(k_scale=torch.tensor([ks], device=dev), v_scale=torch.tensor([vs], device=dev))
+    work.extra["scale_floats"] = (ks, vs)
+    c = work.config
+    kv_bytes = 2 * work.row.batch * (work.row.prefix + work.row.q_len) * c.num_kv_heads * c.head_dim
+    esz = torch.empty(0, dtype=c.dtype).element_size()
+    work.nbytes = 2 * work.q.numel() * esz + kv_bytes  # q and out in the model dtype, K/V one byte each
+    return work
+
+
 def build(row: Row, config: AttentionConfig, device: torch.device, seed: int = 0) -> Work:
     """Random q / paged KV (random permuted page table) for ``row``."""
+    if row.kv == "fp8":
+        work = build(dataclasses.replace(row, kv=""), config, device, seed)
+        work.row = row
+        return _quantize_kv(work)
     if row.shared:
         return build_shared(row, config, device, seed)
     gen = torch.Generator().manual_seed(seed)
@@ -160,9 +193,11 @@ def sub_plan(work: Work, nb: int) -> tuple[Plan, int]:
 
 
 def reference(work: Work, nb: int) -> torch.Tensor:
-    """Float32 reference output of the first ``nb`` requests: ``[t, Hq, D]``."""
+    """Float32 reference output of the first ``nb`` requests: ``[t, Hq, D]`` (fp8 rows: on the
+    dequantized cache)."""
     plan, t = sub_plan(work, nb)
-    out, _ = reference_attention(plan, work.q[:t], work.k_cache, work.v_cache)
+    sc = work.extra.get("scales", {})
+    out, _ = reference_attention(plan, work.q[:t], work.k_cache, work.v_cache, sc.get("k_scale"), sc.get("v_scale"))
     return out
 
 

@@ -269,13 +269,14 @@ def plan_cascade(plan: Plan, mode: str) -> CascadePlan | None:
 
 
 def run_cascade(cp: CascadePlan, suffix_provider, prefix_provider, q: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None = None) -> None:
+                v_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None = None, **scales) -> None:
     """``out [T, Hq, D]`` (+ natural-log ``lse [T, Hq]``) of the whole forward: the suffix part into
-    ``out``, the prefix part into scratch, merged in place by LSE. Launches only (no host work)."""
+    ``out``, the prefix part into scratch, merged in place by LSE. Launches only (no host work).
+    ``scales``: fp8 KV, the layer's scale tensors (``Provider.run``), for both parts."""
     from .kernels.merge import merge_state  # noqa: PLC0415 - triton is imported only when cascade runs
 
     s_lse = lse if lse is not None else cp.lse_suffix
-    suffix_provider.run(cp.suffix, q, k_cache, v_cache, out, s_lse)
+    suffix_provider.run(cp.suffix, q, k_cache, v_cache, out, s_lse, **scales)
     qp = q if cp.rows is None else torch.index_select(q, 0, cp.rows, out=cp.q_part)
-    prefix_provider.run(cp.prefix, qp, k_cache, v_cache, cp.out_part, cp.lse_part)
+    prefix_provider.run(cp.prefix, qp, k_cache, v_cache, cp.out_part, cp.lse_part, **scales)
     merge_state(out, s_lse, cp.out_part, cp.lse_part, out, s_lse, rows=cp.rows)

@@ -8,6 +8,32 @@ from dataclasses import dataclass
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: Quantized KV-cache dtypes (per-layer scale, ``value = stored * scale``).
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: Engine names of KV-cache dtypes (vLLM ``--kv-cache-dtype``, SGLang ``--kv-cache-dtype``); ``"fp8"``
+#: is e4m3 (vLLM on CUDA and CPU). ``"auto"`` / ``None``: the model dtype.
+KV_DTYPE_NAMES = {
+    "float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+    "float": torch.float32, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}  # fmt: skip
+
+
+def kv_dtype_from_name(name: str | torch.dtype | None, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV-cache dtype an engine's ``kv_cache_dtype`` setting names (``"auto"`` / ``None``: the
+    model dtype; a torch dtype passes through). ``ValueError`` for a name attnplug does not know."""
+    if name is None or name == "auto":
+        return model_dtype
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in KV_DTYPE_NAMES:
+        raise ValueError(f"attnplug: unknown KV-cache dtype {name!r}; known: auto, {', '.join(KV_DTYPE_NAMES)}")
+    return KV_DTYPE_NAMES[name]
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """``dtype`` is a quantized (fp8) KV dtype."""
+    return dtype in FP8_KV_DTYPES
 SUPPORTED_LAYOUTS = ("NHD", "HND")
 MAX_PAGE_SIZE = 256
 
@@ -31,6 +57,10 @@ class AttentionConfig:
         logits_soft_cap: ``> 0`` applies ``cap * tanh(s / cap)`` to the scaled logits; 0 disables.
         window_left: sliding window: query at position ``p`` sees keys ``p - window_left .. p``;
             ``-1`` disables.
+        kv_dtype: dtype of k_cache / v_cache: ``None`` (default) = ``dtype``; else ``dtype`` itself or
+            an fp8 dtype (``torch.float8_e4m3fn``, ``torch.float8_e5m2``): the cache then holds
+            ``value / scale`` quantized with saturation (per-layer ``k_scale`` / ``v_scale`` tensors,
+            passed to ``PagedAttention.run``) and every provider dequantizes on read.
     """
 
     num_qo_heads: int
@@ -42,6 +72,7 @@ class AttentionConfig:
     sm_scale: float | None = None
     logits_soft_cap: float = 0.0
     window_left: int = -1
+    kv_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if self.num_qo_heads <= 0 or self.num_kv_heads <= 0:
@@ -64,6 +95,16 @@ class AttentionConfig:
             raise ValueError(f"logits_soft_cap must be >= 0, got {self.logits_soft_cap}")
         if self.window_left < -1:
             raise ValueError(f"window_left must be -1 (off) or >= 0, got {self.window_left}")
+        if self.kv_dtype is None:
+            object.__setattr__(self, "kv_dtype", self.dtype)  # normalized: equal configs compare equal
+        elif self.kv_dtype != self.dtype and not is_fp8(self.kv_dtype):
+            raise ValueError(f"kv_dtype must be None, the model dtype {self.dtype} or one of {FP8_KV_DTYPES}, "
+                             f"got {self.kv_dtype}")  # fmt: skip
+
+    @property
+    def kv_quantized(self) -> bool:
+        """The KV cache is fp8: stored values times the layer's k/v scale are the keys/values."""
+        return is_fp8(self.kv_dtype)
 
     @property
     def group_size(self) -> int:
@@ -74,6 +115,16 @@ class AttentionConfig:
     def scale(self) -> float:
         """Softmax scale actually used."""
         return self.sm_scale if self.sm_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def scale_kwargs(self, unit: torch.Tensor | None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None, q_scale: torch.Tensor | None = None) -> dict:
+        """The scale keyword arguments of ``Provider.run``: ``{}`` for an unquantized cache (the
+        scales mean nothing there), else ``k_scale`` / ``v_scale`` / ``q_scale`` with ``unit`` (a
+        one-element float32 ones tensor on the device) for each one not given."""
+        if not self.kv_quantized:
+            return {}
+        pick = lambda t: unit if t is None else t  # noqa: E731
+        return dict(k_scale=pick(k_scale), v_scale=pick(v_scale), q_scale=pick(q_scale))
 
     def kv_cache_shape(self, num_pages: int) -> tuple[int, int, int, int]:
         """Shape of one of k_cache / v_cache in this config's layout."""

@@ -88,6 +88,7 @@ class GraphState:
         self.max_seq_len = max_seq_len or max_pages * P
         self.num_kv_splits = num_kv_splits
         self.provider = get_provider_cls(provider)(config, self.device)
+        self._unit_scale = torch.ones(1, dtype=torch.float32, device=self.device) if config.kv_quantized else None
         self.pad_kv_len = FILL_SEQ_LEN + (self.q if mode == "verify" else 0)
         self.pad_pages = num_pages(self.pad_kv_len, P)
         self.pad_last = last_page_len(self.pad_kv_len, P)
@@ -294,7 +295,10 @@ class GraphState:
         return self.plans[bs]
 
     def run(self, bs: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-            lse: torch.Tensor | None = None) -> torch.Tensor:
-        """Launch the ``bs`` plan: ``q [bs*q, Hq, D]`` -> ``out [bs*q, Hq, D]``; no host work (capturable)."""
-        self.provider.run(self.plans[bs], q, k_cache, v_cache, out, lse)
+            lse: torch.Tensor | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+            q_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Launch the ``bs`` plan: ``q [bs*q, Hq, D]`` -> ``out [bs*q, Hq, D]``; no host work (capturable).
+        fp8 KV: the layer's scales as in ``PagedAttention.run`` (device tensors: captured, updated in place)."""
+        scales = self.config.scale_kwargs(self._unit_scale, k_scale, v_scale, q_scale)
+        self.provider.run(self.plans[bs], q, k_cache, v_cache, out, lse, **scales)
         return out

@@ -193,6 +193,7 @@ class MultiStepDraftPlanner:
             raise UnsupportedFeature("attnplug: multi-step draft on an HND cache needs page_size 1 (token slots)")
         p0 = get_provider_cls(provider)(self.tok_config, self.device)
         self.providers = p0.step_providers(num_steps)  # plans of every step stay valid at once
+        self._unit_scale = torch.ones(1, dtype=torch.float32, device=self.device) if config.kv_quantized else None
         R, S = max_batch * topk, num_steps
         self._head_cap = 2 * R + 1 + S * (2 * R + 1)
         self._idx_cap = S * topk * max_prefix_tokens + R * S * (S + 1) // 2
@@ -306,11 +307,16 @@ class MultiStepDraftPlanner:
         v_cache: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        q_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of draft step ``step``: ``q [B*topk, Hq, D]`` (row ``b*topk+j``) over the paged
-        caches (``config`` shape) -> ``out [B*topk, Hq, D]`` (+ natural-log ``lse [B*topk, Hq]``)."""
+        caches (``config`` shape) -> ``out [B*topk, Hq, D]`` (+ natural-log ``lse [B*topk, Hq]``).
+        fp8 KV: the layer's scales as in ``PagedAttention.run``."""
+        scales = self.config.scale_kwargs(self._unit_scale, k_scale, v_scale, q_scale)
         self.providers[step].run(
-            self.plans[step], q, token_view(k_cache, self.config), token_view(v_cache, self.config), out, lse
+            self.plans[step], q, token_view(k_cache, self.config), token_view(v_cache, self.config), out, lse, **scales
         )
         return out
 

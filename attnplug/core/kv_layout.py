@@ -4,6 +4,10 @@
 * ``HND``: ``[num_pages, num_kv_heads, page_size, head_dim]``.
 
 Slot ``s`` addresses token offset ``s % page_size`` of page ``s // page_size``.
+
+fp8 caches (``torch.float8_e4m3fn`` / ``torch.float8_e5m2``) hold ``x / scale`` clamped to the fp8
+range, then rounded to nearest even (vLLM's ``reshape_and_cache_flash``: float32 division, saturation
+to the largest finite value): :func:`quantize_fp8`; reads multiply by the scale (:func:`dequantize`).
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ from enum import Enum
 
 import torch
 
-__all__ = ["KVLayout", "MAX_PAGE_SIZE", "kv_cache_shape", "to_nhd", "from_nhd", "allocate_kv_cache", "write_kv"]
+__all__ = ["KVLayout", "MAX_PAGE_SIZE", "kv_cache_shape", "to_nhd", "from_nhd", "allocate_kv_cache", "write_kv",
+           "quantize_fp8", "dequantize"]
 
 MAX_PAGE_SIZE = 256
 
@@ -75,6 +80,35 @@ def allocate_kv_cache(
     return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
 
+def _is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
+    """``x / scale`` (float32) clamped to ``dtype``'s finite range, then cast (round to nearest even):
+    the engines' fp8 KV quantization with saturation. ``scale``: a float or a one-element tensor."""
+    if not _is_fp8(dtype):
+        raise ValueError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    big = torch.finfo(dtype).max
+    s = scale.reshape(()).float() if isinstance(scale, torch.Tensor) else float(scale)
+    return (x.float() / s).clamp_(-big, big).to(dtype)
+
+
+def dequantize(cache: torch.Tensor, scale: torch.Tensor | float | None) -> torch.Tensor:
+    """float32 values of a cache: ``cache * scale`` for fp8, ``cache`` itself (upcast) otherwise."""
+    x = cache.float()
+    if _is_fp8(cache.dtype) and scale is not None:
+        x = x * (scale.reshape(()).float() if isinstance(scale, torch.Tensor) else float(scale))
+    return x
+
+
+def _to_cache(x: torch.Tensor, cache: torch.Tensor, scale) -> torch.Tensor:
+    """``x`` in the cache's dtype: quantized with saturation for fp8 (scale ``None`` = 1), cast otherwise."""
+    if _is_fp8(cache.dtype):
+        return quantize_fp8(x, 1.0 if scale is None else scale, cache.dtype)
+    return x.to(cache.dtype)
+
+
 def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -82,11 +116,14 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     layout: KVLayout | str = KVLayout.NHD,
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
 ) -> None:
     """Scatter new tokens into the paged cache in place.
 
     Args:
-        k, v: ``[T, H_kv, D]`` new keys / values (cast to the cache dtype).
+        k, v: ``[T, H_kv, D]`` new keys / values (cast to the cache dtype; fp8 caches: quantized,
+            :func:`quantize_fp8` with ``k_scale`` / ``v_scale``, default 1).
         k_cache, v_cache: paged caches in ``layout``.
         slot_mapping: ``[T]`` int32/int64 slot per token; negative = padding, skipped.
     """
@@ -107,13 +144,13 @@ def write_kv(
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     page, off = slots // page_size, slots % page_size
-    kn[page, off] = k[keep].to(kn.dtype)
-    vn[page, off] = v[keep].to(vn.dtype)
+    kn[page, off] = _to_cache(k[keep], kn, k_scale)
+    vn[page, off] = _to_cache(v[keep], vn, v_scale)
 
 
 def write_kv_fixed_shape(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    scratch_page: int,
+    scratch_page: int, k_scale: torch.Tensor | float | None = None, v_scale: torch.Tensor | float | None = None,
 ) -> None:
     """:func:`write_kv` (NHD ``[pages, P, H_kv, D]``) in fixed-shape torch ops: no host sync, no
     data-dependent shape. Padding tokens (slot < 0) go to the first slot of ``scratch_page`` (a page
@@ -127,5 +164,5 @@ def write_kv_fixed_shape(
     slots = torch.where(keep, slot_mapping, scratch_page * page_size).long()
     page, off = slots // page_size, slots % page_size
     keep = keep[:, None, None]
-    k_cache[page, off] = torch.where(keep, k[:T].to(k_cache.dtype), k_cache[page, off])
-    v_cache[page, off] = torch.where(keep, v[:T].to(v_cache.dtype), v_cache[page, off])
+    k_cache[page, off] = torch.where(keep, _to_cache(k[:T], k_cache, k_scale), k_cache[page, off])
+    v_cache[page, off] = torch.where(keep, _to_cache(v[:T], v_cache, v_scale), v_cache[page, off])

@@ -416,8 +416,9 @@ def check_run_inputs(
     if tuple(q.shape) != exp_q:
         raise ValueError(f"q must have shape [num_tokens, num_qo_heads, head_dim]={list(exp_q)}, got {list(q.shape)}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != config.dtype:
-            raise ValueError(f"{name} must have dtype {config.dtype}, got {t.dtype}")
+        want = config.dtype if name == "q" else config.kv_dtype  # fp8 KV: the cache's own dtype
+        if t.dtype != want:
+            raise ValueError(f"{name} must have dtype {want}, got {t.dtype}")
     exp_c = config.kv_cache_shape(k_cache.shape[0])
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if tuple(t.shape) != exp_c:

@@ -48,13 +48,16 @@ def request_mask(plan: Plan, b: int, q_len: int, kv_len: int, device: torch.devi
 
 
 def reference_attention(
-    plan: Plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    plan: Plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    k_scale: torch.Tensor | float | None = None, v_scale: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact float32 paged attention.
 
     Args:
         q: ``[num_tokens, Hq, D]``.
         k_cache, v_cache: paged caches in ``plan.config.kv_layout``.
+        k_scale, v_scale: fp8 caches: keys = ``k_cache * k_scale`` (values alike; default 1), the
+            float32 dequantized cache the attention runs on. Ignored for unquantized caches.
 
     Returns:
         ``(out [num_tokens, Hq, D] float32, lse [num_tokens, Hq] float32)``; ``lse`` is the natural
@@ -62,6 +65,8 @@ def reference_attention(
         and lse ``-inf``.
     """
     cfg = plan.config
+    ks = float(k_scale) if cfg.kv_quantized and k_scale is not None else 1.0  # a host read: the oracle may sync
+    vs = float(v_scale) if cfg.kv_quantized and v_scale is not None else 1.0
     out = torch.zeros(q.shape[0], cfg.num_qo_heads, cfg.head_dim, dtype=torch.float32, device=q.device)
     lse = torch.full((q.shape[0], cfg.num_qo_heads), -math.inf, dtype=torch.float32, device=q.device)
     qo, kvp = plan.qo_indptr_cpu.tolist(), plan.kv_indptr_cpu.tolist()
@@ -72,8 +77,8 @@ def reference_attention(
         if q_len == 0:
             continue
         pages = plan.kv_indices_cpu[kvp[b] : kvp[b + 1]].to(k_cache.device)
-        k = gather_kv(cfg, k_cache, pages, kv_len).repeat_interleave(cfg.group_size, dim=1)
-        v = gather_kv(cfg, v_cache, pages, kv_len).repeat_interleave(cfg.group_size, dim=1)
+        k = (gather_kv(cfg, k_cache, pages, kv_len) * ks).repeat_interleave(cfg.group_size, dim=1)
+        v = (gather_kv(cfg, v_cache, pages, kv_len) * vs).repeat_interleave(cfg.group_size, dim=1)
         qb = q[q0:q1].float()  # [q_len, Hq, D]
         s = torch.einsum("qhd,khd->hqk", qb, k) * cfg.scale
         if cfg.logits_soft_cap > 0:

@@ -16,6 +16,12 @@ pads requests with ``seq_len = get_cuda_graph_seq_len_fill_value()`` = the core'
 EAGLE multi-step draft: ``draft.AttnplugMultiStepDraftBackend`` (its ``attn_backends`` are subclasses
 of this class).
 
+fp8 KV pool (``--kv-cache-dtype fp8_e4m3 | fp8_e5m2``: the pool's dtype): the adapter quantizes the
+new K/V itself (``x / scale`` saturated to the fp8 range, as attnplug's vLLM write; SGLang's pool would
+cast without saturation) and hands fp8 tensors to ``set_kv_buffer``, which stores them as they are;
+attention dequantizes with the same scales: ``layer.k_scale`` / ``layer.v_scale`` (tensors SGLang's
+KV-cache quant method loads from a checkpoint), 1 when the layer has none - as SGLang's own backends.
+
 All math is the core's. Whatever the core or this adapter cannot compute is refused with an
 ``UnsupportedFeature`` naming attnplug, the backend and the feature: at startup (constructor) when
 the model says so, else at the first forward that needs it.
@@ -77,7 +83,8 @@ class AttnplugAttnBackend(AttentionBackend):
         self._extend_modes = compat.extend_like_modes()
 
         pool = self.token_to_kv_pool
-        self.num_kv_heads, self.head_dim, self.dtype = int(pool.head_num), int(pool.head_dim), pool.dtype
+        self.num_kv_heads, self.head_dim = int(pool.head_num), int(pool.head_dim)
+        self.dtype, self.kv_dtype = model_runner.model_config.dtype, pool.dtype  # kv_dtype: the model's or fp8
         mc = model_runner.model_config
         self.num_qo_heads = int(mc.get_num_attention_heads(compat.attn_tp_size()))
         slots = int(pool.get_key_buffer(getattr(pool, "start_layer", 0)).shape[0])
@@ -105,9 +112,10 @@ class AttnplugAttnBackend(AttentionBackend):
         self._probe_key = (self.num_qo_heads, self.num_kv_heads, self.head_dim, None, 0.0, -1)
         probe = self._make_attention(self._probe_key)
         logger.info(
-            "attnplug: %s active (provider %s, page %d, layout NHD, dtype %s, heads %d/%d, head_dim %d, %s)",
+            "attnplug: %s active (provider %s, page %d, layout NHD, dtype %s, heads %d/%d, head_dim %d, %s%s)",
             self.backend_name, probe.provider_name, self.page_size, str(self.dtype).replace("torch.", ""),
             self.num_qo_heads, self.num_kv_heads, self.head_dim, compat.versions_info(),
+            f", kv_dtype {str(self.kv_dtype).replace('torch.', '')}" if self.kv_dtype != self.dtype else "",
         )
         self._write_marker()
 
@@ -135,13 +143,22 @@ class AttnplugAttnBackend(AttentionBackend):
             raise self._unsupported(
                 f"the KV pool {type(self.token_to_kv_pool).__name__} (only {pool_cls.__name__}: no hybrid "
                 "sliding-window/mamba, MLA, quantized or page-major pools)")
+        if getattr(self.token_to_kv_pool, "is_quantized_kv_cache", False):  # a KV quant method owns the bytes
+            qm = getattr(getattr(self.token_to_kv_pool, "quant_method", None), "name", "?")
+            raise self._unsupported(f"a quantized KV pool (quant method {qm!r}: the pool quantizes and scales "
+                                    "itself; attnplug reads plain fp8 pools with per-layer scales)")
         layout = getattr(self.token_to_kv_pool, "kv_cache_layout", "nhd")
         if layout != "nhd":
             raise self._unsupported(f"KV cache layout {layout!r} (only 'nhd')")
+        from attnplug.core.config import FP8_KV_DTYPES
+
         kv_dtype = getattr(runner, "kv_cache_dtype", self.token_to_kv_pool.dtype)
-        if kv_dtype != runner.model_config.dtype or kv_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        plain = kv_dtype == runner.model_config.dtype and kv_dtype in (torch.float16, torch.bfloat16, torch.float32)
+        if not plain and kv_dtype not in FP8_KV_DTYPES:
             raise self._unsupported(f"KV cache dtype {kv_dtype} with model dtype {runner.model_config.dtype} "
-                                    "(fp8 / quantized KV cache)")
+                                    "(the model's dtype, fp8_e4m3 or fp8_e5m2 only)")
+        if self.token_to_kv_pool.dtype != kv_dtype:
+            raise self._unsupported(f"a KV pool of dtype {self.token_to_kv_pool.dtype} for kv_cache_dtype {kv_dtype}")
         tr = self.kv_index_translator
         if tr is not None and getattr(tr, "reads_are_translated", False):
             raise self._unsupported("translated (unified / virtual->physical) KV pools")
@@ -175,15 +192,17 @@ class AttnplugAttnBackend(AttentionBackend):
     # -- per-config core objects --------------------------------------------------------------------
     def _make_attention(self, key: tuple):
         """A ``PagedAttention`` for ``key = (Hq, Hkv, D, sm_scale, soft_cap, window_left)``."""
-        from attnplug.core import AttentionConfig, PagedAttention, ProviderUnavailable
+        from attnplug.core import AttentionConfig, PagedAttention, ProviderUnavailable, UnsupportedFeature
 
         hq, hkv, d, scale, cap, window = key
-        cfg = AttentionConfig(hq, hkv, d, self.page_size, self.dtype, "NHD", scale, cap, window)
+        cfg = AttentionConfig(hq, hkv, d, self.page_size, self.dtype, "NHD", scale, cap, window, self.kv_dtype)
         try:
             return PagedAttention(cfg, provider=self.provider_name, device=self.device)
         except ProviderUnavailable as e:  # the provider's reason and install hint
             why = str(e).removeprefix("attnplug: ")
             raise ProviderUnavailable(f"attnplug: backend '{self.backend_name}' cannot start on {self.device}: {why}") from e
+        except UnsupportedFeature as e:  # e.g. an fp8 dtype the provider does not read
+            raise self._unsupported(f"this configuration ({str(e).removeprefix('attnplug: ')})") from e
 
     def _attention(self, key: tuple):
         """The cached ``PagedAttention`` of ``key`` (one per distinct layer config, usually one)."""
@@ -454,8 +473,14 @@ class AttnplugAttnBackend(AttentionBackend):
         self._check_layer(layer, kwargs)
         if not self._metadata_ready():
             raise RuntimeError(f"attnplug: backend '{self.backend_name}': forward before init_forward_metadata")
+        scales = self._scales(layer)
         if save_kv_cache and k is not None and v is not None:
             # k, v: [T, Hkv, D]; the KV of the new tokens must be in the cache before run().
+            if scales:  # fp8: quantized here with saturation; the pool stores fp8 tensors as they are
+                from attnplug.core.kv_layout import quantize_fp8
+
+                k = quantize_fp8(k, scales["k_scale"], self.kv_dtype)
+                v = quantize_fp8(v, scales["v_scale"], self.kv_dtype)
             self.token_to_kv_pool.set_kv_buffer(layer, compat.write_loc(fb), k, v)
         key = self._layer_key(layer)
         hq, d = layer.tp_q_head_num, layer.qk_head_dim
@@ -464,16 +489,28 @@ class AttnplugAttnBackend(AttentionBackend):
         shape = (self.num_pages, self.page_size, self.num_kv_heads, d)
         k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).view(shape)
         v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id).view(shape)
-        self._run(key, q3, k_cache, v_cache, out)
+        self._run(key, q3, k_cache, v_cache, out, scales)
         self._stats.layer_runs += 1
         return out.view(-1, hq * d)
+
+    def _scales(self, layer) -> dict:
+        """fp8 KV pool: the layer's scale tensors (``layer.k_scale`` / ``v_scale``, SGLang's KV quant
+        method), a ones tensor where the layer has none; ``{}`` for an unquantized pool."""
+        if self.kv_dtype == self.dtype:
+            return {}
+        if getattr(self, "_unit_scale", None) is None:
+            self._unit_scale = torch.ones(1, dtype=torch.float32, device=self.device)
+        pick = lambda t: self._unit_scale if t is None else t  # noqa: E731
+        return dict(k_scale=pick(getattr(layer, "k_scale", None)), v_scale=pick(getattr(layer, "v_scale", None)))
 
     def _metadata_ready(self) -> bool:
         """This forward's metadata was built (eagerly or into the graph state)."""
         return self._batch is not None or self._graph_fwd is not None
 
-    def _run(self, key, q3, k_cache, v_cache, out) -> None:
-        """One layer's attention: the captured graph plan of ``key``, else the eager plan."""
+    def _run(self, key, q3, k_cache, v_cache, out, scales: dict | None = None) -> None:
+        """One layer's attention: the captured graph plan of ``key``, else the eager plan.
+        ``scales``: fp8 KV, the layer's (:meth:`_scales`)."""
+        scales = scales or {}
         if self._graph_fwd is not None:
             mode, bs, batch = self._graph_fwd
             gs = self._graphs[mode].get(key)
@@ -484,20 +521,20 @@ class AttnplugAttnBackend(AttentionBackend):
                     raise self._unsupported(f"a layer config {key} first seen at CUDA-graph replay")
                 gs = self._graph_state(mode, key)
                 gs.prepare_capture(bs, batch)
-            gs.run(bs, q3, k_cache, v_cache, out)
+            gs.run(bs, q3, k_cache, v_cache, out, **scales)
             return
         attn = self._plan(key)
         n = attn.current_plan.num_tokens
         if q3.shape[0] > n:  # q / out_cache_loc padded to a prefill CUDA-graph bucket (breakable graphs)
             out[n:].zero_()
             q3, out = q3[:n], out[:n]
-        attn.run(q3, k_cache, v_cache, out=out)
+        attn.run(q3, k_cache, v_cache, out=out, **scales)
 
     # -- proof of life ---------------------------------------------------------------------------------
     def _write_marker(self) -> None:
         st = self._stats
         engine_glue.write_marker("sglang", dict(
             backend=self.backend_name, provider=self.provider_name, page_size=self.page_size, layout="NHD",
-            dtype=str(self.dtype), forwards=st.forwards, layer_runs=st.layer_runs,
+            dtype=str(self.dtype), kv_dtype=str(self.kv_dtype), forwards=st.forwards, layer_runs=st.layer_runs,
             max_cached_prefix=st.max_cached_prefix, max_kv_len=st.max_kv_len,
             triton_interpret=os.environ.get("TRITON_INTERPRET")))

@@ -44,8 +44,8 @@ class AttnplugDraftStepBackend(AttnplugAttnBackend):
     def _metadata_ready(self) -> bool:
         return self._parent.metadata_ready()
 
-    def _run(self, key, q3, k_cache, v_cache, out) -> None:
-        self._parent._run_step(self._step, key, q3, k_cache, v_cache, out)
+    def _run(self, key, q3, k_cache, v_cache, out, scales: dict | None = None) -> None:
+        self._parent._run_step(self._step, key, q3, k_cache, v_cache, out, scales or {})
 
 
 class AttnplugMultiStepDraftBackend:
@@ -154,7 +154,8 @@ class AttnplugMultiStepDraftBackend:
             self._planned[key] = self._forward_id
         return planner
 
-    def _run_step(self, step: int, key: tuple, q3, k_cache, v_cache, out) -> None:
+    def _run_step(self, step: int, key: tuple, q3, k_cache, v_cache, out, scales: dict | None = None) -> None:
+        scales = scales or {}  # fp8 KV: the layer's scale tensors
         from attnplug.core.draft import token_view
 
         if self._graph_fwd is not None:
@@ -168,11 +169,11 @@ class AttnplugMultiStepDraftBackend:
                 gs = self._graph_state(step, key)
                 gs.prepare_capture(rows, batches[step])
             cfg = self.attn_backends[0]._attention(key).config
-            gs.run(rows, q3, token_view(k_cache, cfg), token_view(v_cache, cfg), out)
+            gs.run(rows, q3, token_view(k_cache, cfg), token_view(v_cache, cfg), out, **scales)
             return
         if self._inputs is None:
             raise RuntimeError(f"attnplug: backend '{self.backend_name}': draft forward before init_forward_metadata")
-        self._plan(key).run(step, q3, k_cache, v_cache, out)
+        self._plan(key).run(step, q3, k_cache, v_cache, out, **scales)
 
     # -- CUDA graphs ----------------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:

@@ -14,6 +14,13 @@
 
 Shapes: ``query [T, Hq, D]``, ``key/value [T, Hkv, D]``, ``output [T, Hq, D]``; a layer's
 ``kv_cache`` is vLLM's ``[num_blocks, Hkv, block_size, 2*D]`` view (see ``compat.split_kv_cache``).
+
+fp8 KV cache (``--kv-cache-dtype fp8 | fp8_e4m3 | fp8_e5m2``, where the provider reads it: its
+``KV_DTYPES``): vLLM allocates the cache as uint8 bytes; the impl views them as the fp8 dtype, the KV
+write quantizes with saturation and attention dequantizes, both with the layer's own scale tensors
+``layer._k_scale`` / ``layer._v_scale`` (and ``layer._q_scale`` for fa3's query quantization): device
+tensors read by the kernels, so checkpoint scales and in-place updates (0.26's
+``--calculate-kv-scales``) apply, and CUDA graphs capture them.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from attnplug.core import (
     UnsupportedFeature,
 )
 from attnplug import engine_glue
+from attnplug.core.config import KV_DTYPE_NAMES, is_fp8, kv_dtype_from_name
 from attnplug.core.cuda_graph import GraphState
 from attnplug.core.kv_layout import write_kv_fixed_shape
 from attnplug.core.pages import num_pages
@@ -53,7 +61,21 @@ from .compat import (
 
 logger = logging.getLogger("vllm.attnplug")
 
-KV_CACHE_DTYPES = ["auto", "float16", "bfloat16"]
+KV_CACHE_DTYPES = ["auto", "float16", "bfloat16"]  # any provider (the model's own dtype)
+FP8_CACHE_DTYPES = ["fp8", "fp8_e4m3", "fp8_e5m2"]  # vLLM's names; a provider's KV_DTYPES says which it reads
+
+
+def kv_cache_dtypes(provider: str) -> list[str]:
+    """vLLM ``kv_cache_dtype`` names a core provider can run: the unquantized ones, plus the fp8
+    names whose dtype is in the provider's ``KV_DTYPES``."""
+    reads = get_provider_cls(provider).KV_DTYPES
+    return KV_CACHE_DTYPES + [n for n in FP8_CACHE_DTYPES if KV_DTYPE_NAMES[n] in reads]
+
+
+def fp8_cache_dtype(kv_cache_dtype: str | None) -> torch.dtype | None:
+    """The fp8 torch dtype a vLLM ``kv_cache_dtype`` names (its uint8 cache holds these bytes), or ``None``."""
+    dt = KV_DTYPE_NAMES.get(kv_cache_dtype or "auto")
+    return dt if dt is not None and is_fp8(dt) else None
 # Selector flags (vLLM's AttentionSelectorConfig) that change nothing for attnplug.
 _HARMLESS_FLAGS = {"head_size", "dtype", "kv_cache_dtype", "block_size", "device_capability",
                    "has_sliding_window", "use_kv_connector"}  # fmt: skip
@@ -128,10 +150,12 @@ class AttnplugBackend(AttentionBackend):
         if dtype is not None and dtype not in cls.supported_dtypes:
             r.append(f"dtype {dtype} (supported: float16, bfloat16, float32)")
         if kvd not in (None, "auto"):
-            if kvd not in KV_CACHE_DTYPES:
-                r.append(f"kv_cache_dtype '{kvd}' (supported: auto, float16, bfloat16; no fp8)")
-            elif dtype is not None and kvd != str(dtype).removeprefix("torch."):
-                r.append(f"kv_cache_dtype '{kvd}' with model dtype {dtype} (the KV cache must have the model's dtype)")
+            why = cls.kv_cache_dtype_refusal(kvd)
+            if why:
+                r.append(why)
+            elif dtype is not None and kvd in KV_CACHE_DTYPES and kvd != str(dtype).removeprefix("torch."):
+                r.append(f"kv_cache_dtype '{kvd}' with model dtype {dtype} (an unquantized KV cache must have "
+                         "the model's dtype)")  # fmt: skip
         if not cls.supports_block_size(bs):
             r.append(f"block_size {bs} (supported: 1..256)")
         cap = cfg.get("device_capability")  # CUDA selection only (vLLM's DeviceCapability)
@@ -152,6 +176,15 @@ class AttnplugBackend(AttentionBackend):
             if value and key not in _HARMLESS_FLAGS and key != "attn_type":
                 r.append(names.get(key, f"{key} (unknown to attnplug)"))
         return r
+
+    @classmethod
+    def kv_cache_dtype_refusal(cls, kv_cache_dtype: str | None) -> str | None:
+        """Why this backend's provider cannot run vLLM ``kv_cache_dtype`` (``None``: it can)."""
+        provider = cls.provider()
+        ok = kv_cache_dtypes(provider)
+        if kv_cache_dtype in (None, *ok):
+            return None
+        return (f"kv_cache_dtype '{kv_cache_dtype}' with provider '{provider}' (supported: {', '.join(ok)})")
 
     @classmethod
     def validate_configuration(cls, **cfg) -> list[str]:
@@ -209,18 +242,20 @@ def verify_scratch_bytes(vllm_config, page_size: int) -> int:
     return q * (tokens + max_batch * (1 + q))
 
 
-def write_kv_capturable(key, value, k_cache, v_cache, slot_mapping, scratch_block: int) -> None:
+def write_kv_capturable(key, value, k_cache, v_cache, slot_mapping, scratch_block: int, k_scale=None,
+                        v_scale=None) -> None:
     """``write_kv`` (NHD ``k_cache/v_cache [pages, P, Hkv, D]``) without host sync, so it can be
     captured in a CUDA graph (the core's ``write_kv`` reads ``slot_mapping.max()`` and masks by
     boolean index). Where Triton runs (CUDA, or the interpreter on CPU): the core's one-launch
     kernel ``write_kv_paged``. Else (CPU without the interpreter, e.g. provider ``reference``): the
-    core's fixed-shape torch version, padding sent to vLLM's null block ``scratch_block``."""
+    core's fixed-shape torch version, padding sent to vLLM's null block ``scratch_block``. fp8
+    caches: quantized with saturation by ``k_scale`` / ``v_scale`` (the layer's scale tensors)."""
     if k_cache.is_cuda or triton_interpreter_active():
         from attnplug.core.kernels.kv_write import write_kv_paged  # noqa: PLC0415 - triton is optional
 
-        write_kv_paged(key, value, k_cache, v_cache, slot_mapping)
+        write_kv_paged(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
-    write_kv_fixed_shape(key, value, k_cache, v_cache, slot_mapping, scratch_block)
+    write_kv_fixed_shape(key, value, k_cache, v_cache, slot_mapping, scratch_block, k_scale, v_scale)
 
 
 @dataclass
@@ -300,10 +335,11 @@ class AttnplugGraphMetadata:
     def plan_for(self, key: AttentionConfig) -> Plan:
         return self.graphs.states[key].plans[self.bs]
 
-    def run(self, key: AttentionConfig, query, k_cache, v_cache, output) -> None:
-        """``output[:T] = attention(query[:T])``, ``T = bs * q``; launches kernels only (capturable)."""
+    def run(self, key: AttentionConfig, query, k_cache, v_cache, output, **scales) -> None:
+        """``output[:T] = attention(query[:T])``, ``T = bs * q``; launches kernels only (capturable).
+        ``scales``: fp8 KV, the layer's scale tensors (``GraphState.run``)."""
         t = self.num_tokens
-        self.graphs.states[key].run(self.bs, query[:t], k_cache, v_cache, output[:t])
+        self.graphs.states[key].run(self.bs, query[:t], k_cache, v_cache, output[:t], **scales)
 
 
 class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
@@ -347,9 +383,12 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         provider = backend.provider()
         engine_glue.prepare_process(provider, torch.device(device).type)
         self.attention: dict[AttentionConfig, PagedAttention] = {}
+        model_dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", None)
+        if not isinstance(model_dtype, torch.dtype):  # no model config (unit tests): the spec's, unquantized
+            model_dtype = kv_cache_spec.dtype
         for impl in compat.layer_impls(vllm_config, layer_names):
             try:
-                cfg = impl.core_key = impl.core_config(self.page_size, kv_cache_spec.dtype)
+                cfg = impl.core_key = impl.core_config(self.page_size, model_dtype)
                 if cfg not in self.attention:
                     self.attention[cfg] = PagedAttention(cfg, provider, device)
             except ProviderUnavailable:
@@ -359,7 +398,8 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
                 raise backend.refuse(f"this layer configuration: {e}") from e
         for cfg, attn in self.attention.items():
             info = (f"provider {attn.provider_name}, layout {cfg.kv_layout}, page {cfg.page_size}, "
-                    f"dtype {str(cfg.dtype).removeprefix('torch.')}, heads {cfg.num_qo_heads}/{cfg.num_kv_heads}, "
+                    f"dtype {str(cfg.dtype).removeprefix('torch.')}, kv_dtype {str(cfg.kv_dtype).removeprefix('torch.')}, "
+                    f"heads {cfg.num_qo_heads}/{cfg.num_kv_heads}, "
                     f"head_dim {cfg.head_dim}, window {cfg.window_left}, soft_cap {cfg.logits_soft_cap}")  # fmt: skip
             logger.info("attnplug: %s active (%s, %s)", backend.NAME, info, compat.versions_info())
             STATS["backends"].setdefault(backend.NAME, []).append(info)
@@ -507,8 +547,9 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
             raise b.refuse("ALiBi slopes")
         if sinks is not None:
             raise b.refuse("attention sinks")
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise b.refuse(f"kv_cache_dtype '{kv_cache_dtype}' (supported: auto, float16, bfloat16; no fp8)")
+        why = b.kv_cache_dtype_refusal(kv_cache_dtype)
+        if why:
+            raise b.refuse(why)
         unknown = sorted(k for k, v in extra.items() if v)
         if unknown:
             raise b.refuse(f"layer options {unknown}")
@@ -518,14 +559,29 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
         self.window_left = sliding_window - 1 if sliding_window else -1  # vLLM's window includes the query
         self.logits_soft_cap = float(logits_soft_cap or 0.0)
         self.kv_cache_dtype = kv_cache_dtype
+        self.fp8_dtype = fp8_cache_dtype(kv_cache_dtype)  # the bytes of vLLM's uint8 cache, or None
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.core_key: AttentionConfig | None = None  # set by the builder
         b.check_available(compat.current_device())
 
     def core_config(self, page_size: int, dtype: torch.dtype) -> AttentionConfig:
+        """The core config of this layer; ``dtype``: the model's (an fp8 cache: ``kv_dtype``)."""
+        kv_dtype = kv_dtype_from_name(self.kv_cache_dtype, dtype)
         return AttentionConfig(self.num_heads, self.num_kv_heads, self.head_size, page_size, dtype, "NHD",
-                               self.scale, self.logits_soft_cap, self.window_left)  # fmt: skip
+                               self.scale, self.logits_soft_cap, self.window_left, kv_dtype)  # fmt: skip
+
+    def kv_views(self, kv_cache):
+        """``(k_cache, v_cache)`` NHD views of vLLM's layer cache, in the fp8 dtype for an fp8 cache."""
+        if self.fp8_dtype is not None and kv_cache.dtype != self.fp8_dtype:
+            kv_cache = kv_cache.view(self.fp8_dtype)  # vLLM allocates fp8 caches as uint8
+        return compat.split_kv_cache(kv_cache, self.head_size)
+
+    def scales(self, layer) -> dict:
+        """fp8 KV: the layer's scale tensors (device, read by the kernels); ``{}`` otherwise."""
+        if self.fp8_dtype is None:
+            return {}
+        return dict(k_scale=layer._k_scale, v_scale=layer._v_scale, q_scale=getattr(layer, "_q_scale", None))
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         """Scatter ``key/value [>=T, Hkv, D]`` to ``slot_mapping [T]`` (negative = padding).
@@ -533,9 +589,11 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
         vLLM's FULL CUDA graphs (uniform decode / spec verify) capture this call, so it must not
         sync with the host or depend on data for shapes: :func:`write_kv_capturable`. The CPU
         tests with ``ATTNPLUG_TRITON`` run its GPU kernel through the Triton interpreter."""
-        k_cache, v_cache = compat.split_kv_cache(kv_cache, self.head_size)
+        k_cache, v_cache = self.kv_views(kv_cache)
         n = slot_mapping.shape[0]
-        write_kv_capturable(key[:n], value[:n], k_cache, v_cache, slot_mapping, compat.null_block_id())
+        sc = self.scales(layer)
+        write_kv_capturable(key[:n], value[:n], k_cache, v_cache, slot_mapping, compat.null_block_id(),
+                            sc.get("k_scale"), sc.get("v_scale"))  # fmt: skip
         STATS["kv_writes"] += 1
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
@@ -545,14 +603,15 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
             raise self.BACKEND.refuse("fused output quantization")
         if attn_metadata is None:  # profiling / warm-up run
             return output
-        k_cache, v_cache = compat.split_kv_cache(kv_cache, self.head_size)
+        k_cache, v_cache = self.kv_views(kv_cache)
+        scales = self.scales(layer)
         if isinstance(attn_metadata, AttnplugGraphMetadata):  # static buffers: kernels only
-            attn_metadata.run(self.core_key, query, k_cache, v_cache, output)
+            attn_metadata.run(self.core_key, query, k_cache, v_cache, output, **scales)
             STATS["layer_runs"] += 1
             return output
         attn, plan = attn_metadata.attention_for(self.core_key)
         t = plan.num_tokens
-        attn.run(query[:t], k_cache, v_cache, out=output[:t])
+        attn.run(query[:t], k_cache, v_cache, out=output[:t], **scales)
         STATS["layer_runs"] += 1
         return output
 
@@ -561,7 +620,8 @@ def _make_backend(name: str) -> type[AttnplugBackend]:
     provider, path = BACKENDS[name]
     cls_name = path.rsplit(".", 1)[1]
     ns = {"__module__": __name__}
-    backend = type(cls_name, (AttnplugBackend,), {**ns, "NAME": name, "PROVIDER": provider})
+    backend = type(cls_name, (AttnplugBackend,), {**ns, "NAME": name, "PROVIDER": provider,
+                                                  "supported_kv_cache_dtypes": kv_cache_dtypes(provider)})  # fmt: skip
     backend.IMPL = type(cls_name.replace("Backend", "Impl"), (AttnplugImpl,), {**ns, "BACKEND": backend})
     level = AttentionCGSupport[graph_level(provider)[0]]  # the default provider's honest level
     backend.BUILDER = type(

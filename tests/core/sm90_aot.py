@@ -4,7 +4,8 @@ interpreter.
 
 The core runs its real plan/run code on CPU tensors for a set of representative batches (decode with
 and without KV splits, long-context decode, causal prefill, tree verify, soft cap + sliding window,
-HND fp16, head_dim 256, LSE output, fa3's tree part (keys from ``kv_start``) and merge, the KV write and the replay-metadata kernel in its
+HND fp16, head_dim 256, LSE output, fa3's tree part (keys from ``kv_start``) and merge, fp8 KV caches
+(e4m3 / e5m2: attention dequantizing on load, the quantizing KV write, fa3's query quantization), the KV write and the replay-metadata kernel in its
 vLLM / SGLang / FA3 / chain-mask forms); each ``kernel[grid](...)`` is recorded instead of launched,
 its arguments turned into a Triton signature (tensor -> pointer of its dtype, int -> i32/i64, float
 -> fp32, constexprs by value; ``UPCAST`` False as on a GPU; ``num_warps`` / ``num_stages`` as
@@ -39,7 +40,8 @@ from batches import random_case  # noqa: E402
 
 H200_SMS = 132
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-          torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1"}  # fmt: skip
+          torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv",
+          torch.float8_e5m2: "fp8e5"}  # fmt: skip
 LAUNCHES: dict[tuple, tuple] = {}
 
 
@@ -83,7 +85,8 @@ def signature(fn, args, kw):
 
 def record_all() -> None:
     for mod, names in ((attention_mod, ["paged_attention_kernel"]), (merge_mod, ["merge_splits_kernel", "merge_state_kernel"]),
-                       (kv_mod, ["write_kv_kernel"]), (graph_mod, ["graph_batch_from_block_table_kernel"])):  # fmt: skip
+                       (kv_mod, ["write_kv_kernel", "quantize_rows_kernel"]),
+                       (graph_mod, ["graph_batch_from_block_table_kernel"])):  # fmt: skip
         for n in names:
             setattr(mod, n, Recorder(getattr(mod, n)))
     TritonProvider.check_available = classmethod(lambda cls, device: None)  # CPU tensors, compiled triton
@@ -101,15 +104,32 @@ def record_all() -> None:
         (AttentionConfig(4, 4, 64, 16, torch.float32), ForwardMode.DECODE, [1, 1], [10, 5], False),
     ]
     cases.append((llama, ForwardMode.TARGET_VERIFY, [4, 4], [500, 9], False, True))  # fa3's tree part
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    llama8 = AttentionConfig(32, 8, 128, 16, torch.bfloat16, kv_dtype=e4m3)  # fp8 KV: dequantized on load
+    cases += [
+        (llama8, ForwardMode.DECODE, [1] * 4, [99, 1999, 32, 700], False),  # splits + merge
+        (llama8, ForwardMode.DECODE, [1], [32767], False),  # the small-tile long decode
+        (llama8, ForwardMode.DECODE, [1] * 64, [1023] * 64, False),
+        (llama8, ForwardMode.EXTEND, [37, 200], [0, 50], True),  # causal prefill, LSE
+        (llama8, ForwardMode.TARGET_VERIFY, [8, 8], [300, 40], False),  # tree mask
+        (llama8, ForwardMode.TARGET_VERIFY, [4, 4], [500, 9], False, True),  # fa3's tree part on fp8 KV
+        (AttentionConfig(32, 8, 128, 16, torch.float16, kv_dtype=e5m2), ForwardMode.DECODE, [1] * 4, [99, 1999, 32, 700], False),
+        (AttentionConfig(8, 8, 64, 1, torch.float16, "HND", None, 30.0, 63, e5m2), ForwardMode.EXTEND, [12, 3], [100, 2], False),
+        (AttentionConfig(8, 2, 256, 16, torch.bfloat16, kv_dtype=e4m3), ForwardMode.EXTEND, [20], [40], False),
+    ]  # fmt: skip
     for cfg, mode, q_lens, prefix, with_lse, *tree in cases:
         c = random_case(mode, q_lens, prefix, cfg, "cpu")
+        scales = {}
+        if cfg.kv_quantized:  # random_case draws the caches in the model dtype
+            c.k_cache, c.v_cache = c.k_cache.to(cfg.kv_dtype), c.v_cache.to(cfg.kv_dtype)
+            scales = dict(k_scale=torch.ones(1), v_scale=torch.ones(()))
         attn = PagedAttention(cfg, "triton", "cpu")
         attn.provider._sms = H200_SMS
         extra = {"kv_start": torch.tensor(prefix, dtype=torch.int32), "num_kv_splits": 1} if tree else {}
         attn.plan(c.batch, c.num_pages, **extra)
         out = torch.empty_like(c.q)
         lse = torch.empty(c.q.shape[:2], dtype=torch.float32) if with_lse else None
-        attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=lse)
+        attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=lse, **scales)
     v = torch.zeros(6, 32, 128, dtype=torch.bfloat16)
     s = torch.zeros(32, 6)
     merge_mod.merge_state(v, s.t(), v, s.t(), v, s.t())  # the fa3 tree merge (transposed LSE)
@@ -117,6 +137,13 @@ def record_all() -> None:
         cache = torch.zeros(2, 10, 16, 8, 128, dtype=dt)
         kv = torch.zeros(3, 16, 128, dtype=dt)
         kv_mod.write_kv_paged(kv[:, :8], kv[:, 8:], cache[0], cache[1], torch.zeros(3, dtype=idx))
+    for cdt, dt in ((e4m3, torch.bfloat16), (e5m2, torch.float16), (e4m3, torch.float32)):  # quantizing writes
+        cache = torch.zeros(2, 10, 16, 8, 128, dtype=cdt)
+        kv = torch.zeros(3, 16, 128, dtype=dt)
+        kv_mod.write_kv_paged(kv[:, :8], kv[:, 8:], cache[0], cache[1], torch.zeros(3, dtype=torch.int64),
+                              torch.ones(()), torch.ones(1))  # fmt: skip
+    q = torch.zeros(5, 32, 128, dtype=torch.bfloat16)  # fa3's query quantization
+    kv_mod.quantize_fp8_rows(q, torch.ones(()), torch.empty(5, 32, 128, dtype=e4m3))
     for mode, q in (("decode", 1), ("verify", 4)):  # vLLM: page table; chain mask
         gs = GraphState(llama, "triton", 8, 8 * q, 800, "cpu", mode, num_draft_tokens=q, max_seq_len=1600)
         gs.plans[4] = None  # replay metadata only: no attention plan needed

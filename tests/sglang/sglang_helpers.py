@@ -113,11 +113,11 @@ class Requests:
         )
 
 
-def dense_reference(runner, reqs: Requests, layer, q, q_lens, masks=None, cap: float = 0.0):
+def dense_reference(runner, reqs: Requests, layer, q, q_lens, masks=None, cap: float = 0.0, scales=(1.0, 1.0)):
     """Plain-torch float64 attention over each request's whole KV (read through req_to_token).
 
-    q: ``[T, Hq*D]``; masks: per request ``[q_len, kv_len]`` bool or None (causal, bottom-right).
-    Returns ``[T, Hq*D]``.
+    q: ``[T, Hq*D]``; masks: per request ``[q_len, kv_len]`` bool or None (causal, bottom-right);
+    scales: ``(k_scale, v_scale)`` an fp8 pool's values are multiplied by. Returns ``[T, Hq*D]``.
     """
     pool = runner.token_to_kv_pool
     kb, vb = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
@@ -125,8 +125,8 @@ def dense_reference(runner, reqs: Requests, layer, q, q_lens, masks=None, cap: f
     for b, ql in enumerate(q_lens):
         n = reqs.kv_lens[b]
         slots = runner.req_to_token_pool.req_to_token[reqs.rows[b], :n].long()
-        k = kb[slots].double().repeat_interleave(HQ // HKV, 1)
-        v = vb[slots].double().repeat_interleave(HQ // HKV, 1)
+        k = (kb[slots].double() * float(scales[0])).repeat_interleave(HQ // HKV, 1)
+        v = (vb[slots].double() * float(scales[1])).repeat_interleave(HQ // HKV, 1)
         qb = q[t: t + ql].view(ql, HQ, D).double()
         s = torch.einsum("qhd,khd->hqk", qb, k) * layer.scaling
         if cap > 0:

@@ -180,8 +180,8 @@ def test_plan_once_per_forward_run_per_layer(monkeypatch):
 
 
 # -- refusals: named attnplug + backend + feature ------------------------------------------------------
-def _fp8(r):
-    r.kv_cache_dtype = torch.float8_e4m3fn
+def _fp8(r):  # fp8_e4m3 / e5m2 pools are read (tests/sglang/test_fp8_sglang.py); ROCm's fnuz is not
+    r.kv_cache_dtype = torch.float8_e4m3fnuz
 
 
 def _mla(r):
@@ -193,7 +193,7 @@ def _mla(r):
 @pytest.mark.parametrize("mutate, feature", [
     (lambda r: setattr(r.model_config, "is_encoder_decoder", True), "encoder-decoder"),
     (_mla, "MLA"),
-    (_fp8, "fp8"),
+    (_fp8, "float8_e4m3fnuz"),
     (lambda r: setattr(r, "kv_index_translator", SimpleNamespace(reads_are_translated=True)), "translated"),
     (lambda r: setattr(r, "token_to_kv_pool", SimpleNamespace(**vars(r.token_to_kv_pool))), "KV pool"),
 ])

@@ -50,7 +50,8 @@ for name in ("ATTNPLUG_TRITON", "ATTNPLUG_FLASHINFER", "ATTNPLUG_FA3"):
     out[name] = {"sm90": select(name, (9, 0)), "sm80": select(name, (8, 0)),
                  "fp32": select(name, (9, 0), dtype=torch.float32),
                  "window": select(name, (9, 0), has_sliding_window=True),
-                 "fp8": select(name, (9, 0), kv_cache_dtype="fp8"), "mla": select(name, (9, 0), use_mla=True),
+                 "fp8": select(name, (9, 0), kv_cache_dtype="fp8"), "e5m2": select(name, (9, 0), kv_cache_dtype="fp8_e5m2"),
+                 "mla": select(name, (9, 0), use_mla=True),
                  "sink": select(name, (9, 0), has_sink=True), "encoder": select(name, (9, 0), attn_type="encoder_only")}
 out["auto"] = select(None, (9, 0))
 print("RESULT " + json.dumps(out))
@@ -71,10 +72,14 @@ def test_cuda_platform_selects_attnplug_classes(cuda_selection, name):
     from attnplug.vllm_adapter import BACKENDS
 
     r = cuda_selection[name]
-    for case in ("sm90", "fp32", "window"):
+    for case in ("sm90", "fp32", "window", "fp8"):  # fp8 (e4m3) KV: every provider reads it
         assert r[case].get("path") == BACKENDS[name][1] and r[case]["name"] == name, (case, r[case])
-    for case, feature in (("fp8", "kv_cache_dtype 'fp8'"), ("mla", "MLA"), ("sink", "attention sinks"),
-                          ("encoder", "encoder_only")):  # fmt: skip
+    refused = [("mla", "MLA"), ("sink", "attention sinks"), ("encoder", "encoder_only")]
+    if name == "ATTNPLUG_FA3":  # FA3 has no e5m2 kernels
+        refused.append(("e5m2", "kv_cache_dtype 'fp8_e5m2' with provider 'fa3'"))
+    else:
+        assert r["e5m2"].get("path") == BACKENDS[name][1], r["e5m2"]
+    for case, feature in refused:
         err = r[case].get("error", "")
         assert err.startswith("ValueError") and f"attnplug {name}" in err and feature in err, (case, r[case])
     if name == "ATTNPLUG_FA3":  # refused at selection on a non-Hopper GPU, naming the reason

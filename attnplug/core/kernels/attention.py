@@ -16,7 +16,12 @@ Design (after the Triton fused-attention tutorial and vLLM's unified attention):
   Blocks that every row of a tile sees whole (below the causal diagonal; before ``mask_free[b]``,
   the custom mask's leading all-visible columns, e.g. a verify tree's prefix) skip all mask work.
 
-Softmax runs in base 2 on fp32 logits; P is cast to the KV dtype for the PV product. Under the
+Softmax runs in base 2 on fp32 logits; P is cast to the KV dtype for the PV product.
+
+fp8 KV (``KV_FP8``): K/V blocks are loaded as fp8 and converted to q's dtype (exact: every e4m3 /
+e5m2 value is a bf16 / fp16 value), so both products are the usual 16-bit tensor-core dots; the
+per-layer scales (one-element float32 tensors ``K_SCALE`` / ``V_SCALE``, read on the device) are
+folded in exactly: ``k_scale`` into the softmax scale, ``v_scale`` into the final normalization. Under the
 Triton interpreter (CPU), whose ``tl.dot`` mishandles 16-bit floats, operands are upcast to fp32
 after the same roundings (``UPCAST``).
 """
@@ -41,6 +46,7 @@ def _attend_block(
     sm_scale, soft_cap, window_left, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One ``BLOCK_N`` block of keys ``[n0, n0+BLOCK_N)`` (clipped to ``hi``) into the online softmax."""
     n = n0 + tl.arange(0, BLOCK_N)
@@ -49,6 +55,8 @@ def _attend_block(
     in_page = n % PAGE_SIZE
     k_off = page * stride_kp + in_page * stride_kt + kvh * stride_kh
     k = tl.load(K + k_off[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    if KV_FP8:  # dequantize: the scale is in sm_scale
+        k = k.to(q.dtype)
     if UPCAST:
         k = k.to(tl.float32)
     s = tl.dot(q, k, input_precision=DOT_PRECISION)
@@ -72,6 +80,8 @@ def _attend_block(
     l_i = l_i * alpha + tl.sum(p, 1)
     v_off = page * stride_vp + in_page * stride_vt + kvh * stride_vh
     v = tl.load(V + v_off[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    if KV_FP8:  # dequantize: the scale is applied to the output
+        v = v.to(q.dtype)
     p = p.to(v.dtype)
     if UPCAST:
         p = p.to(tl.float32)
@@ -84,7 +94,7 @@ def _attend_block(
 def paged_attention_kernel(
     Q, K, V, O, LSE,
     qo_indptr, kv_indptr, kv_indices, kv_lens, tile_req, tile_qstart,
-    mask, mask_indptr, mask_free, kv_start,
+    mask, mask_indptr, mask_free, kv_start, K_SCALE, V_SCALE,
     sm_scale, soft_cap, window_left, num_splits,
     stride_qt, stride_qh,
     stride_kp, stride_kt, stride_kh,
@@ -95,12 +105,13 @@ def paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr,
     SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    HAS_KV_START: tl.constexpr,
+    HAS_KV_START: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Grid ``(num_tiles, Hkv, num_splits)``.
 
     Q ``[T, Hq, D]``; K/V paged caches (strides given); O ``[T, Hq, D]`` (or fp32 partials
     ``[T, Hq, S, D]`` when SPLIT); LSE ``[T, Hq]`` natural log (or base-2 partials ``[T, Hq, S]``).
+    ``KV_FP8``: K/V hold ``value / scale`` in fp8; ``K_SCALE`` / ``V_SCALE`` one-element float32.
     """
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -125,6 +136,8 @@ def paged_attention_kernel(
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:  # the Triton interpreter cannot dot 16-bit floats: compute in fp32 there
         q = q.to(tl.float32)
+    if KV_FP8:  # logits s = q . (k8 * k_scale) = (q . k8) * k_scale; out = (P @ v8) * v_scale (below)
+        sm_scale = sm_scale * tl.load(K_SCALE)
 
     # visible KV range of this tile: [lo, hi)
     hi = kv_len
@@ -161,18 +174,20 @@ def paged_attention_kernel(
         m_i, l_i, acc = _attend_block(
             q, K, V, kv_indices, page_base, kvh, n0, hi, m_i, l_i, acc, row_ok, pos, mask_row, d, d_ok,
             sm_scale, soft_cap, window_left, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-            BLOCK_N, PAGE_SIZE, False, False, False, SOFT_CAP, DOT_PRECISION, UPCAST,
+            BLOCK_N, PAGE_SIZE, False, False, False, SOFT_CAP, DOT_PRECISION, UPCAST, KV_FP8,
         )
     # Phase 2: the rest (diagonal blocks, masked columns, window, the ragged end).
     for n0 in range(free_hi, hi, BLOCK_N):
         m_i, l_i, acc = _attend_block(
             q, K, V, kv_indices, page_base, kvh, n0, hi, m_i, l_i, acc, row_ok, pos, mask_row, d, d_ok,
             sm_scale, soft_cap, window_left, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-            BLOCK_N, PAGE_SIZE, CAUSAL, HAS_MASK, WINDOW, SOFT_CAP, DOT_PRECISION, UPCAST,
+            BLOCK_N, PAGE_SIZE, CAUSAL, HAS_MASK, WINDOW, SOFT_CAP, DOT_PRECISION, UPCAST, KV_FP8,
         )
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if KV_FP8:
+        out = out * tl.load(V_SCALE)
     lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     t_glob = (q_start + tok).to(tl.int64)
     o_ptrs = O + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]

@@ -5,6 +5,12 @@ The engines' own backends write the cache with one fused kernel per layer (vLLM'
 inside a decode CUDA graph of a 32-layer model measured 0.79-0.89 ms per step on the H200 against
 0.053-0.058 ms for this kernel (benchmarks/kv_write_bench.py, benchmarks/NOTES.md). This kernel does no host sync and allocates nothing, so it can be captured;
 padding tokens (``slot < 0``) are skipped by a mask, not by a data-dependent shape.
+
+fp8 caches: ``x / scale`` in float32, clamped to the largest finite fp8 value (NaN stays NaN), then
+rounded to nearest even - vLLM's ``reshape_and_cache_flash`` with ``__NV_SATFINITE``, bit-equal to
+``attnplug.core.kv_layout.quantize_fp8``. The rounding is done here in float32 bits
+(:func:`fp8_round`) and the cast only sees exact fp8 values: the Triton interpreter's own
+float32 -> e5m2 cast drops the carry of a rounding into the exponent (124.5 -> 64).
 """
 
 from __future__ import annotations
@@ -14,14 +20,52 @@ import triton
 import triton.language as tl
 
 
+def fp8_constants(dtype: torch.dtype) -> dict:
+    """Constexprs of :func:`quantize_to_fp8` for ``dtype``: ``FP8_MAX`` (largest finite value),
+    ``MANT`` (mantissa bits), ``MIN_NORMAL`` and ``SUB_MAGIC`` (``1.5 * 2**23`` subnormal spacings:
+    adding and subtracting it rounds to the subnormal grid, to nearest even)."""
+    if dtype == torch.float8_e4m3fn:
+        return dict(FP8_MAX=448.0, MANT=3, MIN_NORMAL=2.0**-6, SUB_MAGIC=1.5 * 2.0**-9 * 2.0**23)
+    if dtype == torch.float8_e5m2:
+        return dict(FP8_MAX=57344.0, MANT=2, MIN_NORMAL=2.0**-14, SUB_MAGIC=1.5 * 2.0**-16 * 2.0**23)
+    raise ValueError(f"not an fp8 dtype: {dtype}")
+
+
+@triton.jit
+def fp8_round(x, MANT: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr):
+    """float32 ``x`` (within the fp8 range) rounded to the fp8 grid, nearest even, still float32."""
+    DROP: tl.constexpr = 23 - MANT
+    HALF: tl.constexpr = (1 << (DROP - 1)) - 1
+    bits = x.to(tl.int32, bitcast=True)
+    bits = ((bits + HALF + ((bits >> DROP) & 1)) >> DROP) << DROP  # a carry moves into the exponent
+    normal = bits.to(tl.float32, bitcast=True)
+    a = tl.abs(x)
+    sub = (a + SUB_MAGIC) - SUB_MAGIC  # fixed spacing below MIN_NORMAL
+    sub = tl.where(x < 0, -sub, sub)
+    return tl.where(a < MIN_NORMAL, sub, normal)
+
+
+@triton.jit
+def quantize_to_fp8(x, scale, FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                    SUB_MAGIC: tl.constexpr):  # fmt: skip
+    """``x / scale`` (float32) saturated to ``[-FP8_MAX, FP8_MAX]`` (NaN kept) and rounded to the fp8 grid."""
+    y = x.to(tl.float32) / scale
+    y = tl.minimum(tl.maximum(y, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                   propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
+    return fp8_round(y, MANT, MIN_NORMAL, SUB_MAGIC)
+
+
 @triton.jit
 def write_kv_kernel(
-    K, V, KC, VC, SLOT, page_size,
+    K, V, KC, VC, SLOT, page_size, K_SCALE, V_SCALE,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcp, stride_kco, stride_kch, stride_vcp, stride_vco, stride_vch,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_NORMAL: tl.constexpr,
+    SUB_MAGIC: tl.constexpr,
 ):
-    """Grid ``(T,)``: token ``t`` -> slot ``SLOT[t]`` (``page * page_size + offset``; < 0: skip)."""
+    """Grid ``(T,)``: token ``t`` -> slot ``SLOT[t]`` (``page * page_size + offset``; < 0: skip).
+    ``FP8``: quantize with the one-element float32 scales ``K_SCALE`` / ``V_SCALE``."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOT + t).to(tl.int64)
     keep = slot >= 0
@@ -34,15 +78,53 @@ def write_kv_kernel(
     # bool becomes int32 under the Triton 3.9 interpreter, which refuses it as a load/store mask
     m = (h < tl.where(keep, NUM_HEADS, 0)) & (d < HEAD_DIM)
     k = tl.load(K + t * stride_kt + h * stride_kh + d, mask=m)
-    tl.store(KC + page * stride_kcp + off * stride_kco + h * stride_kch + d, k.to(KC.dtype.element_ty), mask=m)
     v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=m)
+    if FP8:
+        k = quantize_to_fp8(k, tl.load(K_SCALE), FP8_MAX, MANT, MIN_NORMAL, SUB_MAGIC)
+        v = quantize_to_fp8(v, tl.load(V_SCALE), FP8_MAX, MANT, MIN_NORMAL, SUB_MAGIC)
+    tl.store(KC + page * stride_kcp + off * stride_kco + h * stride_kch + d, k.to(KC.dtype.element_ty), mask=m)
     tl.store(VC + page * stride_vcp + off * stride_vco + h * stride_vch + d, v.to(VC.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def quantize_rows_kernel(
+    X, Y, SCALE, stride_xt, stride_xh, stride_yt, stride_yh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
+    MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr,
+):
+    """Grid ``(T, H)``: ``Y[t, h] = fp8(X[t, h] / SCALE)``, saturated (as the KV write)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    m = d < HEAD_DIM
+    x = tl.load(X + t * stride_xt + h * stride_xh + d, mask=m)
+    y = quantize_to_fp8(x, tl.load(SCALE), FP8_MAX, MANT, MIN_NORMAL, SUB_MAGIC)
+    tl.store(Y + t * stride_yt + h * stride_yh + d, y.to(Y.dtype.element_ty), mask=m)
+
+
+def quantize_fp8_rows(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out [T, H, D]`` (fp8) = ``x [T, H, D] / scale`` saturated and rounded like the fp8 KV write
+    (vLLM's static per-tensor ``QuantFP8`` of the query); ``scale`` a one-element float32 device
+    tensor. One launch, no sync, no allocation: capturable. Head dims contiguous."""
+    if x.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError(f"x and out must have a contiguous last dim, got strides {x.stride()} / {out.stride()}")
+    T, H, D = x.shape
+    if T:
+        quantize_rows_kernel[(T, H)](x, out, scale, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+                                     HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), **fp8_constants(out.dtype))  # fmt: skip
+    return out
+
+
 def write_kv_paged(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
     """``k_cache[slot // P, slot % P] = k[t]`` (same for ``v``) for every ``t`` with ``slot >= 0``.
+
+    fp8 caches (``torch.float8_e4m3fn`` / ``torch.float8_e5m2``, both the same dtype) store
+    ``k[t] / k_scale`` saturated and rounded (see the module docstring); ``k_scale`` / ``v_scale``
+    are one-element float32 tensors on the device (read by the kernel: in-place updates apply,
+    CUDA graphs capture the pointer), required for fp8 and unused otherwise.
 
     Args:
         k, v: ``[>= T, H_kv, D]`` new keys / values (rows past ``T`` are ignored); head dim contiguous.
@@ -60,9 +142,16 @@ def write_kv_paged(
     for name, x in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous head dim (stride 1), got strides {x.stride()}")
+    fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if fp8 and (v_cache.dtype != k_cache.dtype or k_scale is None or v_scale is None):
+        raise ValueError("attnplug: an fp8 KV write needs k_cache and v_cache of one fp8 dtype and k_scale / "
+                         f"v_scale tensors; got {k_cache.dtype} / {v_cache.dtype}, scales {k_scale is not None} / "
+                         f"{v_scale is not None}")  # fmt: skip
+    consts = fp8_constants(k_cache.dtype) if fp8 else dict(FP8_MAX=0.0, MANT=0, MIN_NORMAL=0.0, SUB_MAGIC=0.0)
     write_kv_kernel[(T,)](
-        k, v, k_cache, v_cache, slot_mapping, P,
+        k, v, k_cache, v_cache, slot_mapping, P, k_scale if fp8 else slot_mapping, v_scale if fp8 else slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_HEADS=H, HEAD_DIM=D, BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D),
+        FP8=fp8, **consts,
     )  # fmt: skip

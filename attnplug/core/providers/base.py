@@ -4,7 +4,8 @@ A provider decides, for its library:
 
 * **capabilities** - :meth:`Provider.check_available` (device, library), :meth:`Provider.check_config`
   (features of an :class:`~attnplug.core.config.AttentionConfig`), :meth:`Provider.check_capability`
-  (a CUDA compute capability, before any device exists), :attr:`Provider.graph_support` (what its
+  (a CUDA compute capability, before any device exists), :attr:`Provider.KV_DTYPES` (the KV-cache
+  dtypes it reads, fp8 included or not), :attr:`Provider.graph_support` (what its
   CUDA graphs can replay, and why not more), :meth:`Provider.prepare_process` (what a process must
   do before the library is imported, e.g. the Triton interpreter on CPU);
 * **one forward** - :meth:`Provider.plan` (host work, once per forward; the launch arguments go into
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..config import AttentionConfig, UnsupportedFeature
+from ..config import SUPPORTED_DTYPES, AttentionConfig, UnsupportedFeature
 from ..plan import Plan, PlanOptions
 
 if TYPE_CHECKING:
@@ -119,11 +120,15 @@ class Provider(ABC):
     graph_support: ClassVar[GraphSupport] = NO_GRAPHS
     #: Its part of a ``GraphState`` (subclass of :class:`ProviderGraph`).
     graph_cls: ClassVar[type[ProviderGraph]] = ProviderGraph
+    #: KV-cache dtypes it reads (``config.kv_dtype``): a provider that lists an fp8 dtype dequantizes
+    #: with the per-layer scales its :meth:`run` receives. Default: unquantized caches only.
+    KV_DTYPES: ClassVar[frozenset[torch.dtype]] = frozenset(SUPPORTED_DTYPES)
 
     def __init__(self, config: AttentionConfig, device: torch.device):
         self.config = config
         self.device = device
         self.check_available(device)
+        self.check_kv_dtype(config)
         self.check_config(config)
 
     # -- capabilities ---------------------------------------------------------------------------------
@@ -152,6 +157,12 @@ class Provider(ABC):
 
     def check_config(self, config: AttentionConfig) -> None:
         """Raise :class:`UnsupportedFeature` for configurations this provider cannot compute."""
+
+    def check_kv_dtype(self, config: AttentionConfig) -> None:
+        """Raise :class:`UnsupportedFeature` when ``config.kv_dtype`` is not in :attr:`KV_DTYPES`."""
+        if config.kv_dtype not in self.KV_DTYPES:
+            names = ", ".join(sorted(str(d).removeprefix("torch.") for d in self.KV_DTYPES))
+            raise self.unsupported(f"KV-cache dtype {str(config.kv_dtype).removeprefix('torch.')} (it reads: {names})")
 
     def check_tree_config(self) -> None:
         """Raise :class:`UnsupportedFeature` if a tree-masked verify cannot run with this config."""
@@ -183,9 +194,18 @@ class Provider(ABC):
         v_cache: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        q_scale: torch.Tensor | None = None,
     ) -> None:
         """Write attention of ``q [T, Hq, D]`` over the paged cache into ``out [T, Hq, D]``
-        (and the natural-log LSE into ``lse [T, Hq]`` float32 when given). No host work."""
+        (and the natural-log LSE into ``lse [T, Hq]`` float32 when given). No host work.
+
+        Scales are passed only for an fp8 ``config.kv_dtype`` (a provider without fp8 in
+        :attr:`KV_DTYPES` never receives them): ``k_scale``, ``v_scale`` - one-element float32
+        device tensors, keys = ``k_cache * k_scale`` (values alike) - and ``q_scale``, the scale a
+        provider that quantizes q to fp8 (fa3) divides by (others ignore it). Read on the device:
+        in-place updates apply, CUDA graphs capture them."""
 
     # -- static memory, graphs, drafts ----------------------------------------------------------------
     def static_buffers(self, max_rows: int, max_tokens: int, max_kv_len: int, q: int = 1,

@@ -26,6 +26,13 @@ TARGET_VERIFY with a tree mask (FA3 has no arbitrary mask) is split in two and m
 * ``attnplug.core.kernels.merge.merge_state`` (natural-log LSE, strided: FA3's ``[Hq, T]`` LSE is
   read in place) merges the two into ``out``/``lse``.
 
+fp8 KV cache (``torch.float8_e4m3fn`` only: FA3 has no e5m2 kernels; model dtype bfloat16 only: its
+fp8 kernels write bfloat16) as vLLM's FLASH_ATTN runs it on Hopper: ``run`` quantizes q to e4m3 with
+``q_scale`` (saturated, like the KV write; one Triton launch into a buffer of the plan) and passes
+``q_descale`` / ``k_descale`` / ``v_descale`` = the layer's scale tensors expanded to
+``[num_seqs, Hkv]`` (views: device reads, captured by graphs). The tree part of a tree verify is
+attnplug's Triton kernel, which dequantizes fp8 itself.
+
 Sliding window together with a tree mask is refused. ``run`` does no host work, no sync and no
 allocation of attnplug's own (the FA3 libraries allocate their LSE themselves). hopper/sgl_kernel
 builds have no ``out=`` argument, so their result is copied into ``out``.
@@ -60,16 +67,20 @@ class FA3Lib:
     varlen_style: bool  # vLLM's flash_attn_varlen_func (out=, block_table=) vs *_with_kvcache
 
     def paged(self, q, k_cache, v_cache, out, *, block_table, cu_seqlens_q, seqused_k, max_seqlen_q,
-              max_seqlen_k, causal, window, softcap, scale, return_lse):
-        """``q [T, Hq, D]``, caches ``[num_pages, P, Hkv, D]`` -> writes ``out``; returns lse ``[Hq, T]`` or None."""
+              max_seqlen_k, causal, window, softcap, scale, return_lse, descale=None):
+        """``q [T, Hq, D]``, caches ``[num_pages, P, Hkv, D]`` -> writes ``out``; returns lse ``[Hq, T]`` or None.
+        ``descale``: fp8 (q, k, v all e4m3): ``{"q_descale": ..., "k_descale": ..., "v_descale": ...}``,
+        each ``[num_seqs, Hkv]`` float32 (every build takes these keyword arguments)."""
+        fp8 = descale or {}
         if self.varlen_style:
             r = self.fn(q, k_cache, v_cache, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k=seqused_k,
                         softmax_scale=scale, causal=causal, window_size=list(window), softcap=softcap,
-                        block_table=block_table, return_softmax_lse=return_lse, out=out, fa_version=3)
+                        block_table=block_table, return_softmax_lse=return_lse, out=out, fa_version=3, **fp8)
         else:
             r = self.fn(q, k_cache, v_cache, cache_seqlens=seqused_k, page_table=block_table,
                         cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, softmax_scale=scale,
-                        causal=causal, window_size=tuple(window), softcap=softcap, return_softmax_lse=return_lse)
+                        causal=causal, window_size=tuple(window), softcap=softcap, return_softmax_lse=return_lse,
+                        **fp8)
         o, s = (r[0], r[1]) if return_lse else (r, None)
         if o.data_ptr() != out.data_ptr():
             out.copy_(o.view_as(out))
@@ -164,10 +175,13 @@ class FA3Tree:
 
 @dataclass
 class FA3State:
-    """``plan.state``: the FA3 call, and the tree part of a tree-masked verify (else ``None``)."""
+    """``plan.state``: the FA3 call, and the tree part of a tree-masked verify (else ``None``);
+    fp8 KV: ``q8`` the ``[T, Hq, D]`` e4m3 buffer q is quantized into, ``num_seqs`` the descale rows."""
 
     args: FA3Args
     tree: FA3Tree | None
+    q8: torch.Tensor | None = None
+    num_seqs: int = 0
 
 
 class FA3Graph(ProviderGraph):
@@ -187,6 +201,7 @@ class FA3Graph(ProviderGraph):
                 max_rows=mb, max_tokens=gs.max_tokens, max_kv_len=gs.max_seq_len, q=gs.q, num_kv_splits=1)
             self.tree_bufs = provider.tree_buffers(gs.max_tokens, dev)
         w = num_pages(gs.max_seq_len, provider.config.page_size)
+        self.q8 = provider.q8_buffer(gs.max_tokens)  # fp8 KV: the quantized q, static
         self.block_table = torch.zeros(mb, w, dtype=torch.int32, device=dev)
         self._bt_idx = torch.zeros(mb, w, dtype=torch.int64, device=dev)
         self._bt_col = torch.arange(w, dtype=torch.int64, device=dev)
@@ -204,7 +219,7 @@ class FA3Graph(ProviderGraph):
             args.seqused_k, args.causal, args.window = prefix, False, (-1, -1)
             tree = p.plan_tree_part(plan, prefix, static=self.tree_static,
                                     buffers={k: b[: bs * gs.q] for k, b in self.tree_bufs.items()})
-        plan.state = FA3State(args, tree)
+        plan.state = FA3State(args, tree, None if self.q8 is None else self.q8[: bs * gs.q], bs)
 
     def refresh(self, plan: Plan, bs: int, host: dict | None, device_table: bool) -> None:
         """Block-table rows from the static CSR, on the device (the one-launch update wrote them already)."""
@@ -224,6 +239,7 @@ class FA3Provider(Provider):
     name = "fa3"
     graph_support = GraphSupport(decode=True, verify=True, device_refresh=True)
     graph_cls = FA3Graph
+    KV_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float8_e4m3fn))  # FA3 has no e5m2 kernels
 
     def __init__(self, config: AttentionConfig, device: torch.device):
         super().__init__(config, device)
@@ -252,7 +268,16 @@ class FA3Provider(Provider):
             raise self.unsupported(f"head_dim={config.head_dim} (FA3 kernels: {HEAD_DIMS})")
         if config.kv_layout != "NHD":
             raise self.unsupported("kv_layout='HND' (FA3 reads paged KV as [num_pages, page_size, Hkv, D])")
+        if config.kv_quantized and config.dtype != torch.bfloat16:
+            raise self.unsupported(f"an fp8 KV cache with dtype {config.dtype} (FA3's fp8 kernels take an fp8 "
+                                   "query and write bfloat16: bfloat16 models only)")  # fmt: skip
 
+    def q8_buffer(self, num_tokens: int) -> torch.Tensor | None:
+        """fp8 KV: the ``[num_tokens, Hq, D]`` e4m3 buffer ``run`` quantizes q into; else ``None``."""
+        cfg = self.config
+        if not cfg.kv_quantized:
+            return None
+        return torch.empty(num_tokens, cfg.num_qo_heads, cfg.head_dim, dtype=cfg.kv_dtype, device=self.device)
     def plan(self, plan: Plan, static=None) -> None:
         """Block table + seq lens on device; for a tree mask also the split into prefix and tree parts."""
         from ..page_table import block_table_from_csr  # noqa: PLC0415
@@ -271,7 +296,7 @@ class FA3Provider(Provider):
             tree = self._plan_tree(plan)
             args.seqused_k, args.causal, args.window = tree.prefix_lens, False, (-1, -1)
             args.max_seqlen_k = max(int((plan.kv_lens_cpu - plan.q_lens_cpu).max()), 1)
-        plan.state = FA3State(args, tree)
+        plan.state = FA3State(args, tree, self.q8_buffer(plan.num_tokens), plan.batch_size)
 
     def check_tree_config(self) -> None:
         """Raise if this config cannot run a tree-masked verify (FA3 computes the prefix unmasked)."""
@@ -319,16 +344,28 @@ class FA3Provider(Provider):
         return FA3Tree(prefix_lens=prefix, tree_plan=tree_plan,
                        **(buffers or self.tree_buffers(plan.num_tokens, plan.device)))  # fmt: skip
 
-    def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None) -> None:
-        """``q [T, Hq, D]``, caches ``[num_pages, P, Hkv, D]`` -> ``out [T, Hq, D]`` (+ natural-log ``lse [T, Hq]``)."""
+    def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None,
+            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+            q_scale: torch.Tensor | None = None) -> None:
+        """``q [T, Hq, D]``, caches ``[num_pages, P, Hkv, D]`` -> ``out [T, Hq, D]`` (+ natural-log ``lse [T, Hq]``).
+        fp8 KV: one-element float32 scale tensors (see the module docstring)."""
         st: FA3State = plan.state
         a = vars(st.args)  # no copy: FA3Args' fields are paged()'s keyword arguments
         tree = st.tree
+        q_fa, descale, scales = q, None, {}
+        if st.q8 is not None:  # fp8: q quantized like vLLM's query quant; per-(seq, kv head) descales are views
+            from ..kernels.kv_write import quantize_fp8_rows  # noqa: PLC0415 - triton only when fp8 runs
+
+            q_fa = quantize_fp8_rows(q, q_scale, st.q8[: q.shape[0]])
+            shape = (st.num_seqs, self.config.num_kv_heads)
+            descale = dict(q_descale=q_scale.reshape(1, 1).expand(shape), k_descale=k_scale.reshape(1, 1).expand(shape),
+                           v_descale=v_scale.reshape(1, 1).expand(shape))  # fmt: skip
+            scales = dict(k_scale=k_scale, v_scale=v_scale)
         if tree is None:
-            s = self.lib.paged(q, k_cache, v_cache, out, return_lse=lse is not None, **a)
+            s = self.lib.paged(q_fa, k_cache, v_cache, out, return_lse=lse is not None, descale=descale, **a)
             if lse is not None:
                 lse.copy_(s.t())
             return
-        s_a = self.lib.paged(q, k_cache, v_cache, tree.prefix_out, return_lse=True, **a)
-        self._tree.run(tree.tree_plan, q, k_cache, v_cache, tree.tree_out, tree.tree_lse)
+        s_a = self.lib.paged(q_fa, k_cache, v_cache, tree.prefix_out, return_lse=True, descale=descale, **a)
+        self._tree.run(tree.tree_plan, q, k_cache, v_cache, tree.tree_out, tree.tree_lse, **scales)
         self._merge(tree.prefix_out, s_a.t(), tree.tree_out, tree.tree_lse, out, lse)

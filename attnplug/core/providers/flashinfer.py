@@ -17,6 +17,14 @@ variable ``ATTNPLUG_FLASHINFER_BACKEND``; ``"auto"`` (default) picks ``"fa3"`` o
 ``run`` calls only ``wrapper.run(q, (k_cache, v_cache), out=out, lse=lse)``: no allocation, no sync.
 One wrapper holds one plan: planning again replaces the previous forward's plan (FlashInfer semantics).
 
+fp8 KV cache (e4m3 / e5m2, ``kv_data_type``; q stays in the model dtype): FlashInfer's "fa2"
+templates, which dequantize K/V in shared memory (its sm90 "fa3" template needs an fp8 query: not
+used, an explicit ``prefill_backend="fa3"`` is refused). FlashInfer takes ``k_scale`` / ``v_scale``
+as host floats (folded into ``sm_scale`` and an ``out *= v_scale`` after the kernel); attnplug's
+scales are device tensors (in-place updates, CUDA graphs), so ``run`` applies them on the device:
+``q * k_scale`` into a buffer of the plan (one elementwise launch; logits ``(q k_scale) . k8``) and
+``out *= v_scale`` (the same launch FlashInfer makes itself for ``v_scale != 1``).
+
 LSE: FlashInfer writes base-2 log-sum-exp; the core's contract is natural log, so when ``lse`` is
 requested ``run`` rescales it in place (``lse *= ln 2``; one elementwise kernel, no allocation).
 ``lse`` must be a contiguous ``[T, Hq]`` float32 tensor on the device.
@@ -32,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import AttentionConfig
+from ..config import FP8_KV_DTYPES, AttentionConfig
 from ..metadata import ForwardMode
 from ..plan import Plan
 from .base import GraphSupport, Provider, ProviderGraph
@@ -57,6 +65,7 @@ class FlashInferState:
 
     wrapper: object
     backend: str  # "decode-tc", "fa2" or "fa3"
+    q_buf: torch.Tensor | None = None  # fp8 KV: [T, Hq, D] q * k_scale
 
 
 class FlashInferGraph(ProviderGraph):
@@ -85,7 +94,8 @@ class FlashInferGraph(ProviderGraph):
         if gs.mode == "decode":
             wr = fi.BatchDecodeWithPagedKVCacheWrapper(
                 p._workspace, layout, use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=v["kv_indptr"],
-                paged_kv_indices_buffer=gs.kv_indices, paged_kv_last_page_len_buffer=v["kv_last_page_len"])
+                paged_kv_indices_buffer=gs.kv_indices, paged_kv_last_page_len_buffer=v["kv_last_page_len"],
+                **p.decode_backend_kwargs())
             backend = "decode-tc"
         else:
             wr = fi.BatchPrefillWithPagedKVCacheWrapper(
@@ -94,7 +104,7 @@ class FlashInferGraph(ProviderGraph):
                 custom_mask_buf=self.mask_bits, mask_indptr_buf=self.mask_bits_indptr[: bs + 1], backend="fa2")
             backend = "fa2"
         self.wrappers[bs] = wr
-        plan.state = FlashInferState(wr, backend)
+        plan.state = FlashInferState(wr, backend, p.q_buffer(bs * gs.q))
 
     def refresh(self, plan: Plan, bs: int, host: dict | None, device_table: bool) -> None:
         if host is None:
@@ -126,6 +136,7 @@ class FlashInferProvider(Provider):
         reason="FlashInfer plans on the host before each replay (no in-graph metadata updates; a replay from a "
                "device page table needs host lengths, and verify masks are packed on the host)")  # fmt: skip
     graph_cls = FlashInferGraph
+    KV_DTYPES = frozenset((torch.float16, torch.bfloat16) + FP8_KV_DTYPES)
 
     def __init__(self, config: AttentionConfig, device: torch.device):
         super().__init__(config, device)
@@ -179,7 +190,24 @@ class FlashInferProvider(Provider):
             return "fa3" if sm90a else "fa2"
         if backend == "fa3" and not sm90a:
             raise self.unsupported(f"prefill_backend='fa3' on sm{major}x (the fa3 template needs sm90a)")
+        if self.config.kv_quantized:  # the sm90 template reads fp8 KV only with an fp8 query
+            if backend == "fa3":
+                raise self.unsupported("prefill_backend='fa3' with an fp8 KV cache (FlashInfer's sm90 template needs "
+                                       "an fp8 query; attnplug reads fp8 KV through FlashInfer's fa2 template)")
+            return "fa2"
         return backend
+
+    def decode_backend_kwargs(self) -> dict:
+        """Extra constructor arguments of a decode wrapper: fp8 KV pins FlashInfer's fa2 template
+        (its "auto" would pick the sm90 template, which needs an fp8 query)."""
+        return {"backend": "fa2"} if self.config.kv_quantized else {}
+
+    def q_buffer(self, num_tokens: int) -> torch.Tensor | None:
+        """fp8 KV: the ``[num_tokens, Hq, D]`` buffer ``run`` writes ``q * k_scale`` into; else ``None``."""
+        if not self.config.kv_quantized:
+            return None
+        cfg = self.config
+        return torch.empty(num_tokens, cfg.num_qo_heads, cfg.head_dim, dtype=cfg.dtype, device=self.device)
 
     def _wrapper(self, kind: str, backend: str):
         key = (kind, backend)
@@ -187,7 +215,8 @@ class FlashInferProvider(Provider):
         if w is None:
             layout = self.config.kv_layout
             if kind == "decode":
-                w = self._fi.BatchDecodeWithPagedKVCacheWrapper(self._workspace, layout, use_tensor_cores=True)
+                w = self._fi.BatchDecodeWithPagedKVCacheWrapper(self._workspace, layout, use_tensor_cores=True,
+                                                                **self.decode_backend_kwargs())  # fmt: skip
             else:
                 w = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, layout, backend=backend)
             self._wrappers[key] = w
@@ -202,7 +231,7 @@ class FlashInferProvider(Provider):
         """The keyword arguments of every wrapper ``plan`` (numerics of this config)."""
         cfg = self.config
         return dict(pos_encoding_mode="NONE", window_left=cfg.window_left, logits_soft_cap=cfg.logits_soft_cap,
-                    q_data_type=cfg.dtype, kv_data_type=cfg.dtype, sm_scale=cfg.scale)  # fmt: skip
+                    q_data_type=cfg.dtype, kv_data_type=cfg.kv_dtype, sm_scale=cfg.scale)  # fmt: skip
 
     def plan(self, plan: Plan, static=None) -> None:
         """Plan the one wrapper this forward needs (``plan.state``, a :class:`FlashInferState`)."""
@@ -228,11 +257,18 @@ class FlashInferProvider(Provider):
                 plan.qo_indptr_cpu, plan.kv_indptr_cpu, plan.kv_indices, plan.kv_last_page_len_cpu, *heads,
                 causal=plan.causal, **common,
             )
-        plan.state = FlashInferState(w, backend)
+        plan.state = FlashInferState(w, backend, self.q_buffer(plan.num_tokens))
 
-    def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None) -> None:
-        """``q [T, Hq, D]``, caches in ``config.kv_layout`` -> ``out [T, Hq, D]`` (+ natural-log ``lse [T, Hq]``)."""
-        plan.state.wrapper.run(q, (k_cache, v_cache), out=out, lse=lse, return_lse=lse is not None)
+    def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None,
+            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, q_scale=None) -> None:
+        """``q [T, Hq, D]``, caches in ``config.kv_layout`` -> ``out [T, Hq, D]`` (+ natural-log ``lse [T, Hq]``).
+        fp8 KV: ``k_scale`` / ``v_scale`` one-element float32 device tensors (see the module docstring)."""
+        st: FlashInferState = plan.state
+        if st.q_buf is not None:  # 1-element views: the products are computed in float32, then rounded
+            q = torch.mul(q, k_scale.reshape(1), out=st.q_buf[: q.shape[0]])
+        st.wrapper.run(q, (k_cache, v_cache), out=out, lse=lse, return_lse=lse is not None)
+        if st.q_buf is not None:
+            out.mul_(v_scale.reshape(1))
         if lse is not None:
             lse.mul_(LN2)  # log2 -> natural log, in place
 

@@ -1,12 +1,14 @@
 """The ``reference`` provider: the float32 oracle, on any device (slow; for tests and demos).
 
-It reads the plan's host twins per request, so it cannot be replayed from static buffers.
+It reads the plan's host twins per request, so it cannot be replayed from static buffers. fp8 KV:
+attention of the float32 dequantized cache (``cache * scale``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..config import FP8_KV_DTYPES, SUPPORTED_DTYPES
 from ..plan import Plan
 from ..reference import reference_attention
 from .base import GraphSupport, Provider
@@ -15,12 +17,14 @@ from .base import GraphSupport, Provider
 class ReferenceProvider(Provider):
     name = "reference"
     graph_support = GraphSupport(False, False, False, "the float32 reference loops over requests on the host")
+    KV_DTYPES = frozenset(SUPPORTED_DTYPES + FP8_KV_DTYPES)
 
     def plan(self, plan: Plan, static=None) -> None:
         pass
 
-    def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None) -> None:
-        o, s = reference_attention(plan, q, k_cache, v_cache)
+    def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None,
+            k_scale=None, v_scale=None, q_scale=None) -> None:
+        o, s = reference_attention(plan, q, k_cache, v_cache, k_scale, v_scale)
         out.copy_(o)
         if lse is not None:
             lse.copy_(s)

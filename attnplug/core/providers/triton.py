@@ -3,6 +3,7 @@
 ``plan`` picks block sizes and the split count, builds the tile list on the host once and keeps
 the split workspace; ``run`` only launches (one kernel, plus the merge when split).
 On a machine without CUDA it runs on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1``).
+fp8 KV caches (e4m3 / e5m2) are dequantized on load inside the kernel, every mode.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..config import AttentionConfig
+from ..config import FP8_KV_DTYPES, SUPPORTED_DTYPES, AttentionConfig
 from ..pages import num_pages
 from ..plan import Plan
 from .base import GraphSupport, Provider, ProviderGraph
@@ -94,6 +95,7 @@ class TritonProvider(Provider):
     OPTIONS = frozenset({"num_kv_splits", "block_m", "block_n", "num_warps", "num_stages", "kv_start"})
     graph_support = GraphSupport(decode=True, verify=True, device_refresh=True)
     graph_cls = TritonGraph
+    KV_DTYPES = frozenset(SUPPORTED_DTYPES + FP8_KV_DTYPES)
 
     @classmethod
     def prepare_process(cls, device_type: str) -> None:
@@ -260,7 +262,8 @@ class TritonProvider(Provider):
         )
 
     # -- run --------------------------------------------------------------------------------------
-    def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None) -> None:
+    def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None,
+            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, q_scale=None) -> None:
         from ..kernels.attention import paged_attention_kernel
         from ..kernels.merge import merge_splits
 
@@ -283,10 +286,12 @@ class TritonProvider(Provider):
         mask = plan.mask if plan.mask is not None else plan.kv_lens
         mask_indptr = plan.mask_indptr if plan.mask_indptr is not None else plan.kv_lens
         mask_free = plan.mask_free if plan.mask_free is not None else plan.kv_lens
+        fp8 = cfg.kv_quantized  # scales: one-element float32 device tensors (PagedAttention.run's defaults)
         paged_attention_kernel[(a.num_tiles, cfg.num_kv_heads, a.num_splits)](
             q, k_cache, v_cache, o, l,
             plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, a.tile_req, a.tile_qstart,
             mask, mask_indptr, mask_free, a.kv_start if a.kv_start is not None else plan.kv_lens,
+            k_scale if fp8 else plan.kv_lens, v_scale if fp8 else plan.kv_lens,
             cfg.scale, cfg.logits_soft_cap, cfg.window_left, a.num_splits,
             q.stride(0), q.stride(1),
             *ks, *vs, *o_strides, *l_strides,
@@ -296,7 +301,7 @@ class TritonProvider(Provider):
             SOFT_CAP=cfg.logits_soft_cap > 0, WINDOW=cfg.window_left >= 0,
             SPLIT=split, STORE_LSE=lse is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            UPCAST=q.device.type == "cpu", HAS_KV_START=a.kv_start is not None,
+            UPCAST=q.device.type == "cpu", HAS_KV_START=a.kv_start is not None, KV_FP8=fp8,
             num_warps=a.num_warps, num_stages=a.num_stages,
         )
         if split:
