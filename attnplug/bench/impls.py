@@ -122,7 +122,9 @@ def _fi_decode(work: Work):
     if work.row.kind != "decode":
         raise NotApplicable("decode kernel")
     fi, c, b = _flashinfer(), work.config, work.batch
-    extra = {"backend": "fa2"} if work.row.kv == "fp8" else {}  # bf16 q + fp8 KV: the fa2 template
+    from ..core.providers.flashinfer import fa2_decode_kwargs  # noqa: PLC0415
+
+    extra = fa2_decode_kwargs(fi) if work.row.kv == "fp8" else {}  # bf16 q + fp8 KV: the fa2 template
     w = fi.BatchDecodeWithPagedKVCacheWrapper(_workspace(work.q.device), c.kv_layout, use_tensor_cores=True, **extra)
     w.plan(b.kv_indptr, b.kv_indices.to(work.q.device), b.kv_last_page_len, c.num_qo_heads, c.num_kv_heads,
            c.head_dim, c.page_size, **_fi_common(work))

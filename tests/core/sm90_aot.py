@@ -114,6 +114,7 @@ def record_all() -> None:
         (llama8, ForwardMode.TARGET_VERIFY, [8, 8], [300, 40], False),  # tree mask
         (llama8, ForwardMode.TARGET_VERIFY, [4, 4], [500, 9], False, True),  # fa3's tree part on fp8 KV
         (AttentionConfig(32, 8, 128, 16, torch.float16, kv_dtype=e5m2), ForwardMode.DECODE, [1] * 4, [99, 1999, 32, 700], False),
+        (AttentionConfig(32, 8, 128, 16, torch.bfloat16, kv_dtype=e5m2), ForwardMode.EXTEND, [37, 200], [0, 50], False),
         (AttentionConfig(8, 8, 64, 1, torch.float16, "HND", None, 30.0, 63, e5m2), ForwardMode.EXTEND, [12, 3], [100, 2], False),
         (AttentionConfig(8, 2, 256, 16, torch.bfloat16, kv_dtype=e4m3), ForwardMode.EXTEND, [20], [40], False),
     ]  # fmt: skip

@@ -313,7 +313,7 @@ def fake_fa3_fp8(q, k_cache, v_cache, max_seqlen_q, cu_seqlens_q, max_seqlen_k, 
         lse[:, q0:q1] = torch.logsumexp(s, -1)
         o[q0:q1] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
     out.copy_(o)
-    return out, lse
+    return (out, lse) if return_softmax_lse else out
 
 
 def fa3_on_cpu(cfg):

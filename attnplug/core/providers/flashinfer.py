@@ -53,6 +53,16 @@ WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace 
 HEAD_DIMS = (64, 128, 256)
 
 
+def fa2_decode_kwargs(fi) -> dict:
+    """Constructor arguments pinning a ``BatchDecodeWithPagedKVCacheWrapper`` to FlashInfer's fa2
+    template (fp8 KV with a 16-bit query: its ``"auto"`` may pick the sm90 template, which reads fp8
+    KV only with an fp8 query); ``{}`` on a FlashInfer whose decode wrapper has no ``backend``."""
+    import inspect  # noqa: PLC0415
+
+    params = inspect.signature(fi.BatchDecodeWithPagedKVCacheWrapper.__init__).parameters
+    return {"backend": "fa2"} if "backend" in params else {}
+
+
 def _import_flashinfer():
     import flashinfer  # noqa: PLC0415 (lazy: never needed to import attnplug)
 
@@ -200,7 +210,7 @@ class FlashInferProvider(Provider):
     def decode_backend_kwargs(self) -> dict:
         """Extra constructor arguments of a decode wrapper: fp8 KV pins FlashInfer's fa2 template
         (its "auto" would pick the sm90 template, which needs an fp8 query)."""
-        return {"backend": "fa2"} if self.config.kv_quantized else {}
+        return fa2_decode_kwargs(self._fi) if self.config.kv_quantized else {}
 
     def q_buffer(self, num_tokens: int) -> torch.Tensor | None:
         """fp8 KV: the ``[num_tokens, Hq, D]`` buffer ``run`` writes ``q * k_scale`` into; else ``None``."""
