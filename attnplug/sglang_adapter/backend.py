@@ -53,6 +53,8 @@ class _Stats:
     layer_runs: int = 0  # PagedAttention.run calls
     max_cached_prefix: int = 0  # longest KV prefix an EXTEND query read from the cache
     max_kv_len: int = 0
+    cascade_forwards: int = 0  # forwards that read shared prefixes once per group (cascade)
+    cascade_shared_tokens: int = 0  # KV tokens those forwards did not read again
 
 
 class AttnplugAttnBackend(AttentionBackend):
@@ -112,9 +114,9 @@ class AttnplugAttnBackend(AttentionBackend):
         self._probe_key = (self.num_qo_heads, self.num_kv_heads, self.head_dim, None, 0.0, -1)
         probe = self._make_attention(self._probe_key)
         logger.info(
-            "attnplug: %s active (provider %s, page %d, layout NHD, dtype %s, heads %d/%d, head_dim %d, %s%s)",
+            "attnplug: %s active (provider %s, page %d, layout NHD, dtype %s, heads %d/%d, head_dim %d, cascade %s, %s%s)",
             self.backend_name, probe.provider_name, self.page_size, str(self.dtype).replace("torch.", ""),
-            self.num_qo_heads, self.num_kv_heads, self.head_dim, compat.versions_info(),
+            self.num_qo_heads, self.num_kv_heads, self.head_dim, probe.cascade, compat.versions_info(),
             f", kv_dtype {str(self.kv_dtype).replace('torch.', '')}" if self.kv_dtype != self.dtype else "",
         )
         self._write_marker()
@@ -443,9 +445,11 @@ class AttnplugAttnBackend(AttentionBackend):
             self._batch = None
             return
         self._batch, q_lens, kv_lens = self._batch_metadata(fb)
-        for key in self._attn:
-            self._plan(key)
+        cascaded = [self._plan(key).current_plan.cascade for key in self._attn]
         st = self._stats
+        if cascaded and cascaded[0] is not None:
+            st.cascade_forwards += 1
+            st.cascade_shared_tokens += cascaded[0].shared_tokens
         st.forwards[fb.forward_mode.name] = st.forwards.get(fb.forward_mode.name, 0) + 1
         if len(kv_lens):
             st.max_kv_len = max(st.max_kv_len, int(kv_lens.max()))
@@ -537,4 +541,5 @@ class AttnplugAttnBackend(AttentionBackend):
             backend=self.backend_name, provider=self.provider_name, page_size=self.page_size, layout="NHD",
             dtype=str(self.dtype), kv_dtype=str(self.kv_dtype), forwards=st.forwards, layer_runs=st.layer_runs,
             max_cached_prefix=st.max_cached_prefix, max_kv_len=st.max_kv_len,
+            cascade_forwards=st.cascade_forwards, cascade_shared_tokens=st.cascade_shared_tokens,
             triton_interpret=os.environ.get("TRITON_INTERPRET")))

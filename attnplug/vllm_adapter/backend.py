@@ -42,6 +42,7 @@ from attnplug.core import (
 )
 from attnplug import engine_glue
 from attnplug.core.config import KV_DTYPE_NAMES, is_fp8, kv_dtype_from_name
+from attnplug.core.cascade import cascade_mode
 from attnplug.core.cuda_graph import GraphState
 from attnplug.core.kv_layout import write_kv_fixed_shape
 from attnplug.core.pages import num_pages
@@ -82,7 +83,8 @@ _HARMLESS_FLAGS = {"head_size", "dtype", "kv_cache_dtype", "block_size", "device
 
 # Per-process counters, proof that attnplug (not vLLM's own backend) computed attention.
 STATS: dict = {"pid": os.getpid(), "backends": {}, "builds": 0, "graph_builds": 0, "layer_runs": 0, "kv_writes": 0,
-               "prefix_hit_requests": 0, "max_cached_prefix": 0, "draft_builds": 0, "spec_verify_builds": 0}  # fmt: skip
+               "prefix_hit_requests": 0, "max_cached_prefix": 0, "draft_builds": 0, "spec_verify_builds": 0,
+               "cascade_forwards": 0, "cascade_shared_tokens": 0}  # fmt: skip
 
 
 def _write_marker() -> None:
@@ -376,6 +378,7 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         self.supports_draft_decode_metadata_update = self._level != "NEVER" and graphs.device_refresh
         spec = getattr(getattr(vllm_config, "speculative_config", None), "num_speculative_tokens", None)
         self._spec_tokens = int(spec or 0)
+        self._cascade = cascade_mode() != "off"  # eager forwards may read shared prefixes once
         self.page_size = kv_cache_spec.block_size
         head_v = getattr(kv_cache_spec, "head_size_v", kv_cache_spec.head_size)
         if head_v != kv_cache_spec.head_size:
@@ -400,7 +403,8 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
             info = (f"provider {attn.provider_name}, layout {cfg.kv_layout}, page {cfg.page_size}, "
                     f"dtype {str(cfg.dtype).removeprefix('torch.')}, kv_dtype {str(cfg.kv_dtype).removeprefix('torch.')}, "
                     f"heads {cfg.num_qo_heads}/{cfg.num_kv_heads}, "
-                    f"head_dim {cfg.head_dim}, window {cfg.window_left}, soft_cap {cfg.logits_soft_cap}")  # fmt: skip
+                    f"head_dim {cfg.head_dim}, window {cfg.window_left}, soft_cap {cfg.logits_soft_cap}, "
+                    f"cascade {attn.cascade}")  # fmt: skip
             logger.info("attnplug: %s active (%s, %s)", backend.NAME, info, compat.versions_info())
             STATS["backends"].setdefault(backend.NAME, []).append(info)
         _write_marker()
@@ -424,6 +428,10 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
             hits = (p.q_lens_cpu > 1) & (prefix > 0)  # an extend on top of cached KV
             STATS["prefix_hit_requests"] += int(hits.sum())
             STATS["max_cached_prefix"] = max(STATS["max_cached_prefix"], int(prefix[hits].max()) if hits.any() else 0)
+        cascaded = [p.cascade for p in plans.values() if p.cascade is not None]
+        if cascaded:  # shared prefixes read once per group
+            STATS["cascade_forwards"] += 1
+            STATS["cascade_shared_tokens"] += cascaded[0].shared_tokens
         STATS["builds"] += 1
         _write_marker()
         return AttnplugMetadata(batch, self.attention, plans)
@@ -493,8 +501,9 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
         """Captured shapes (replay) update the static buffers in place; so do all single-token
-        decode batches that fit them (planned once per batch size), so that vLLM V2's fused draft
-        loop can ``update_draft_decode_metadata`` what ``build`` returned. Others: eager plans."""
+        decode batches that fit them (planned once per batch size) when vLLM V2's fused draft loop
+        may ``update_draft_decode_metadata`` what ``build`` returned (speculative decoding) or
+        cascade is off. Others: eager plans (where shared prefixes are read once: cascade)."""
         cam = common_attn_metadata
         shape = self._uniform_rows(cam)
         if shape is not None:
@@ -504,7 +513,8 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
             g = self._graph_family(1) if q == 1 else (self._graphs or {}).get(q)
             # every decode bs that fits (V2's fused drafts update them in place); FlashInfer (a wrapper
             # and host plan per bs, no in-place drafts): the captured sizes only
-            fits = q == 1 and bs <= g.max_batch and self.supports_draft_decode_metadata_update if g else False
+            in_place = self.supports_draft_decode_metadata_update and (self._spec_tokens > 0 or not self._cascade)
+            fits = q == 1 and bs <= g.max_batch and in_place if g else False
             if g is not None and (g.planned(bs) or fits):
                 return self._build_graph(cam, g, bs)
         return self._build_eager(common_prefix_len, cam, fast_build)
