@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Engine end-to-end runs on the offline H200 machine (issues 5-8), fed over consecutive device calls
+# Engine end-to-end runs on the offline H200 machine, fed over consecutive device calls
 # (each carries <= 64 MiB; the machine is kept only while calls follow each other within ~30 s).
 # Bundles: ../shared/tools/gpu-vllm-bundle.sh .bundle/vllm ; ../shared/tools/gpu-sglang-bundle.sh .bundle/sglang
 #
@@ -55,13 +55,11 @@ case $stage in
 vllm-a)
   setup
   mkdir -p $V && xz -dc .bundle/vllm/a/vllm-py-C.tar.xz | tar xf - -C $V && touch $V/.ready-a
-  # issue 5: the GPU suite (triton + fa3; flashinfer provider unchanged since its last H200 run) and the
-  # kernel benchmark, with flashinfer 0.6.14 and FA3 from the vLLM bundle
-  queue $g1 issue5-gpu-suite 420 $V/.ready-b -- "cd $R/repo && mkdir -p $RES/issue5 && export PYTHONPATH=$R/repo:$V FLASHINFER_WORKSPACE_BASE=/tmp/fi-vllm && timeout 200 python3 -m pytest tests/gpu tests/core -q -rs -k 'not flashinfer' --timeout 120 2>&1 | tee $RES/issue5/pytest_triton_fa3.log | tail -n 30; timeout 200 python3 -m attnplug.bench --out $RES/issue5/bench --time-budget 150 2>&1 | tail -n 60"
-  vllm_job 0 FLASH_ATTN;      vllm_job $g1 FLASHINFER
-  vllm_job 0 ATTNPLUG_FA3;    vllm_job $g1 ATTNPLUG_FLASHINFER
-  vllm_job 0 TRITON_ATTN;     vllm_job $g1 ATTNPLUG_TRITON --eager --rows 0,1
-  vllm_job 0 ATTNPLUG_TRITON; vllm_job $g1 ATTNPLUG_FLASHINFER --env ATTNPLUG_FLASHINFER_DEVICE_REPLAY=1
+  # ROWS (default all): engine_run --rows; the kernel suite runs in its own call (scripts/gpu_run.sh)
+  rows=${E2E_ROWS:+--rows $E2E_ROWS}
+  vllm_job 0 FLASH_ATTN $rows;      vllm_job $g1 ATTNPLUG_FLASHINFER $rows
+  vllm_job 0 ATTNPLUG_TRITON $rows; vllm_job $g1 FLASHINFER $rows
+  [[ -n ${E2E_FULL:-} ]] && { vllm_job 0 TRITON_ATTN; vllm_job $g1 ATTNPLUG_FA3; }
   $L wait $LANES --max "${max:-15}" --out "$OUT" --results $RES ;;
 vllm-b)
   xz -dc .bundle/vllm/b/deps.tar.xz | tar xf - -C $V &&
@@ -78,7 +76,6 @@ sglang-a)
   # attnplug, draft extend eager (SGLang captures it only for its own backend classes)
   sglang_job $g1 attnplug_triton eagle-attnplug_triton --eagle-draft $DRAFT --rows 0
   sglang_job 0 attnplug_fa3 attnplug_fa3
-  sglang_job 0 attnplug_flashinfer attnplug_flashinfer-env --env ATTNPLUG_FLASHINFER_DEVICE_REPLAY=1
   sglang_job $g1 attnplug_flashinfer eagle-attnplug_flashinfer --eagle-draft $DRAFT --rows 0
   sglang_job 0 attnplug_fa3 eagle-attnplug_fa3 --eagle-draft $DRAFT --eager --rows 0  # fa3 tree verify: no graphs
   sglang_job $g1 attnplug_triton attnplug_triton-eager --eager --rows 0,1
