@@ -117,7 +117,7 @@ def test_active_line_names_attnplug_and_sglang_versions(caplog):
     with caplog.at_level(logging.INFO, logger="attnplug.sglang_adapter.backend"):
         with get_parallel().override(attn_tp_size=1, attn_dcp_size=1):
             AttnplugAttnBackend(make_runner(16), backend_name="attnplug_triton")
-    want = f"head_dim 64, attnplug {attnplug.__version__}, SGLang {compat.sglang_version()})"
+    want = f", attnplug {attnplug.__version__}, SGLang {compat.sglang_version()})"
     lines = [r.getMessage() for r in caplog.records if "attnplug_triton active" in r.getMessage()]
     assert len(lines) == 1 and lines[0].endswith(want), lines
     assert compat.sglang_version() == "0.5.23"
