@@ -87,6 +87,26 @@ def first_pages_repeat(kv_indptr: np.ndarray, kv_indices: np.ndarray) -> np.ndar
     return first if first.size > 1 and (first[1:] == first[:-1]).any() else None
 
 
+def _lcp_group(kv_indices: np.ndarray, starts: np.ndarray, shareable: np.ndarray, members: np.ndarray,
+               min_pages: int) -> Group | None:
+    """One group of ``members`` (their first pages equal) with their common prefix, when their
+    longest common prefixes with the first member are about one length; ``None`` (nested prefixes:
+    the radix tree decides) otherwise. Vectorized: a ``[members, pages]`` compare."""
+    m = int(shareable.min())
+    step = np.diff(starts)
+    if step.size and (step == step[0]).all() and step[0] > 0:  # equal page counts: a strided view
+        rows = np.lib.stride_tricks.as_strided(kv_indices[starts[0]:], (members.size, m),
+                                               (kv_indices.strides[0] * int(step[0]), kv_indices.strides[0]))
+    else:
+        rows = kv_indices[starts[:, None] + np.arange(m)]
+    same = rows == rows[0]
+    lcp = np.where(same.all(axis=1), m, np.argmin(same, axis=1))  # leading pages equal to the first member's
+    low = int(lcp.min())
+    if low >= min_pages and low * 2 >= int(lcp[1:].max()):
+        return Group(low, members)
+    return None
+
+
 def find_groups(kv_indptr: np.ndarray, kv_indices: np.ndarray, shareable: np.ndarray, min_pages: int = 1) -> list[Group]:
     """Groups of requests sharing at least ``min_pages`` leading page ids (host, once per forward).
 
@@ -99,31 +119,28 @@ def find_groups(kv_indptr: np.ndarray, kv_indices: np.ndarray, shareable: np.nda
         ``shareable``); ``[]`` when nothing is shared. Every member's first ``pages`` page ids are
         checked equal (the prefix part reads the first member's).
     """
-    first = first_pages_repeat(kv_indptr, kv_indices)
-    if first is None:
+    if first_pages_repeat(kv_indptr, kv_indices) is None:
         return []  # no two requests start on the same page: nothing is shared
     cand = np.flatnonzero(shareable >= min_pages)
     if cand.size < 2:
         return []
     starts = kv_indptr[cand]
-    if first[0] == first[-1] and cand.size == kv_indptr.size - 1:  # every request starts on one page
-        m = int(shareable[cand].min())
-        step = np.diff(starts)
-        if step.size and (step == step[0]).all() and step[0] > 0:  # equal page counts: a strided view
-            rows = np.lib.stride_tricks.as_strided(kv_indices[starts[0]:], (cand.size, m),
-                                                   (kv_indices.strides[0] * int(step[0]), kv_indices.strides[0]))
-        else:
-            rows = kv_indices[starts[:, None] + np.arange(m)]
-        same = rows == rows[0]
-        lcp = np.where(same.all(axis=1), m, np.argmin(same, axis=1))  # leading pages equal to the first member's
-        low = int(lcp.min())
-        if low >= min_pages and low * 2 >= int(lcp[1:].max()):  # about one common length: a single group
-            return [Group(low, cand)]
-    # several groups or nested prefixes: the radix tree over each candidate's shareable page ids
-    from .radix_tree import shared_prefix_groups  # noqa: PLC0415
+    first = kv_indices[starts]
+    order = np.argsort(first, kind="stable")
+    bounds = np.flatnonzero(np.diff(first[order])) + 1  # requests starting on one page form a bucket
+    groups, nested = [], []
+    for bucket in np.split(order, bounds):
+        if bucket.size < 2:
+            continue
+        g = _lcp_group(kv_indices, starts[bucket], shareable[cand[bucket]], cand[bucket], min_pages)
+        (groups.append(g) if g is not None else nested.append(bucket))
+    if nested:  # nested prefixes inside a bucket: the radix tree over its members' shareable page ids
+        from .radix_tree import shared_prefix_groups  # noqa: PLC0415
 
-    seqs = [kv_indices[s : s + n].tolist() for s, n in zip(starts.tolist(), shareable[cand].tolist())]
-    return [Group(d, cand[np.asarray(idx)]) for d, idx in shared_prefix_groups(seqs, 1, min_pages)]
+        for bucket in nested:
+            seqs = [kv_indices[s : s + n].tolist() for s, n in zip(starts[bucket].tolist(), shareable[cand[bucket]].tolist())]
+            groups += [Group(d, cand[bucket[np.asarray(idx)]]) for d, idx in shared_prefix_groups(seqs, 1, min_pages)]
+    return groups
 
 
 def cascade_pays(plan: Plan, groups: list[Group]) -> bool:
