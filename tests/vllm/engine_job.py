@@ -2,10 +2,13 @@
 
 JOB: model, prompts (token ids), backend (None = vLLM's choice), block_size, max_tokens,
 batches (lists of prompt indexes generated one after another), engine_kwargs.
-OUT: {prompt index: {token_ids, logprobs (top-k per step), num_cached_tokens}}.
+OUT: {prompt index: {token_ids, logprobs (top-k per step), num_cached_tokens}}; with
+``engine_kwargs.disable_log_stats = False`` also ``metrics.json`` next to OUT: the engine's
+``vllm:spec_decode*`` counters (``LLM.get_metrics()``).
 """
 
 import json
+import os
 import sys
 
 
@@ -29,6 +32,11 @@ def main() -> None:
                           logprobs=[{str(t): lp.logprob for t, lp in d.items()} for d in c.logprobs])  # fmt: skip
     with open(sys.argv[2], "w") as f:
         json.dump(res, f)
+    if not kw.get("disable_log_stats", True):  # the engine's counters (speculative decoding: drafted / accepted)
+        metrics = {m.name: getattr(m, "value", getattr(m, "values", None)) for m in llm.get_metrics()
+                   if m.name.startswith("vllm:spec_decode")}  # fmt: skip
+        with open(os.path.join(os.path.dirname(sys.argv[2]), "metrics.json"), "w") as f:
+            json.dump(metrics, f)
 
 
 if __name__ == "__main__":

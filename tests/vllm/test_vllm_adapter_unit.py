@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_test_helpers import CORE_PROVIDER, VENV_PYTHON, subprocess_env
+from vllm_test_helpers import VENV_PYTHON, subprocess_env
 
 pytestmark = pytest.mark.vllm
 
@@ -23,8 +23,6 @@ def vllm_env():
     import os
 
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    if CORE_PROVIDER != "triton":
-        os.environ["ATTNPLUG_PROVIDER_OVERRIDE"] = CORE_PROVIDER
     from vllm.config import VllmConfig
     from vllm.plugins import load_general_plugins
 

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_test_helpers import CORE_PROVIDER
 
 pytestmark = pytest.mark.vllm
 
@@ -128,10 +127,6 @@ def check_csr(builder, md, b: Batch):
     return eager
 
 
-needs_graphs = pytest.mark.skipif(CORE_PROVIDER != "triton", reason="graph paths need the triton provider")
-
-
-@needs_graphs
 def test_capture_padded_batch_matches_eager_then_replay_updates_in_place(env):
     from attnplug.vllm_adapter.backend import AttnplugGraphMetadata, AttnplugMetadata
 
@@ -178,7 +173,6 @@ def test_capture_padded_batch_matches_eager_then_replay_updates_in_place(env):
     assert isinstance(builder._build_eager(0, b2.cam(2)), AttnplugMetadata)
 
 
-@needs_graphs
 def test_capture_and_replay_uniform_spec_verify_batch(env):
     """UNIFORM_BATCH: verify batches of q = 1 + num_speculative_tokens causal tokens per request,
     padded by vLLM, run through the core's verify graphs with the chain mask built on the device."""
@@ -254,7 +248,6 @@ def _draft_step(b: Batch, impl, cam):
     b.q = torch.randn(b.bs, Hq, D, generator=g, dtype=DT)
 
 
-@needs_graphs
 def test_build_for_drafting_sequence_matches_eager_and_reference(env):
     from attnplug.vllm_adapter.backend import AttnplugGraphMetadata
 
@@ -271,7 +264,6 @@ def test_build_for_drafting_sequence_matches_eager_and_reference(env):
         torch.testing.assert_close(out, reference(b, impl), atol=1e-5, rtol=1e-5)
 
 
-@needs_graphs
 @pytest.mark.parametrize("first", ["build_for_drafting", "build"])
 def test_update_draft_decode_metadata_in_place(env, first):
     """V2's fused path: build once (V2 calls build()), then only update_draft_decode_metadata

@@ -19,9 +19,9 @@ REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 BROKEN_LIBS = HERE / "broken_kernel_libs"  # triton / flashinfer / flash_attn_interface that fail to import
 VENV_PYTHON = sys.executable
-# The real triton provider (through the Triton interpreter on CPU) once it exists in the core;
-# until then the float32 reference provider stands in (named in every marker, so tests see it).
-CORE_PROVIDER = "triton" if (REPO / "attnplug/core/providers/triton.py").exists() else "reference"
+# The provider attnplug_triton must run (named in its active log line and marker). No fallback: if the
+# triton provider is missing or broken the tests fail; they never switch providers on their own.
+CORE_PROVIDER = "triton"
 MAX_TOKENS = 20
 ENGINE_TIMEOUT = 600
 
@@ -34,8 +34,6 @@ def subprocess_env(**extra: str | None) -> dict[str, str]:
         env.pop(k, None)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))  # fmt: skip
-    if CORE_PROVIDER != "triton":
-        env["ATTNPLUG_PROVIDER_OVERRIDE"] = CORE_PROVIDER
     for k, v in extra.items():
         if v is None:
             env.pop(k, None)
@@ -74,6 +72,8 @@ class EngineJob:
         self.output = self.log.read_text()
         out = self.dir / "out.json"
         self.results = {int(k): v for k, v in json.loads(out.read_text()).items()} if out.exists() else None
+        metrics = self.dir / "metrics.json"
+        self.metrics = json.loads(metrics.read_text()) if metrics.exists() else None
         self.markers = read_markers(self.marker_dir)
         return self
 
