@@ -19,7 +19,7 @@ import torch
 def specs(full: bool = False) -> list[list]:
     """Two batches: what the benchmark and most tests need (base bf16/d128 fa2 + fa3, cascade,
     packbits, bf16 + fp8 e4m3 KV), then the test variants (fp16/d64, soft cap, sliding window, the
-    other fp8 KV dtypes)."""
+    other fp8 KV dtypes) and the benchmark's bf16 d64 / d256 rows (fa2 + fa3)."""
     from flashinfer.jit import gen_batch_prefill_module  # noqa: PLC0415
     from flashinfer.jit.cascade import gen_cascade_module  # noqa: PLC0415
     from flashinfer.jit.quantization import gen_quantization_module  # noqa: PLC0415
@@ -28,7 +28,8 @@ def specs(full: bool = False) -> list[list]:
     bf16, fp16 = torch.bfloat16, torch.float16
     # (dtype, head_dim, sliding window, soft cap, with the fa3 template by default)
     variants = [(bf16, 128, False, False, True), (fp16, 64, False, False, False),
-                (bf16, 128, False, True, False), (bf16, 128, True, False, False)]
+                (bf16, 128, False, True, False), (bf16, 128, True, False, False),
+                (bf16, 64, False, False, True), (bf16, 256, False, False, True)]  # the bench's d64 / d256 rows
     out = [[gen_cascade_module(), gen_quantization_module()], []]
     for i, (dt, d, swa, cap, fa3) in enumerate(variants):
         for backend in ("fa2", "fa3") if sm90 and (fa3 or full) else ("fa2",):

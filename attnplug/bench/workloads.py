@@ -24,6 +24,7 @@ class Row:
     prefix: int
     shared: int = 0  # leading prefix tokens all requests share (engine layout: same page ids), else 0
     kv: str = ""  # "fp8": an fp8 (e4m3) KV cache with per-layer scales, else the model dtype
+    heads: tuple[int, ...] = ()  # (q heads, KV heads, head dim) of this row, else the run's config
 
     @property
     def cascade_row(self) -> bool:
@@ -46,6 +47,7 @@ FULL_ROWS = [
     Row("decode 16x16384", "decode", 16, 1, 16383),
     Row("decode 128x2048", "decode", 128, 1, 2047),
     Row("decode 1x32768", "decode", 1, 1, 32767),
+    Row("decode 4x32768", "decode", 4, 1, 32767),
     Row("prefill 4x4096", "prefill", 4, 4096, 0),
     Row("prefill 1x8192", "prefill", 1, 8192, 0),
     Row("extend 8x(512+4096)", "prefill", 8, 512, 4096),
@@ -56,6 +58,13 @@ FULL_ROWS = [
     Row("decode 64x4096 fp8", "decode", 64, 1, 4095, kv="fp8"),
     Row("decode 1x32768 fp8", "decode", 1, 1, 32767, kv="fp8"),
     Row("prefill 4x4096 fp8", "prefill", 4, 4096, 0, kv="fp8"),
+    # head dim 64 (Llama-3.2-1B: 32 q / 8 KV heads) and 256 (Gemma-2-9B: 16 q / 8 KV heads), issue 14
+    Row("prefill 4x4096 d64", "prefill", 4, 4096, 0, heads=(32, 8, 64)),
+    Row("decode 1x32768 d64", "decode", 1, 1, 32767, heads=(32, 8, 64)),
+    Row("decode 4x32768 d64", "decode", 4, 1, 32767, heads=(32, 8, 64)),
+    Row("prefill 4x4096 d256", "prefill", 4, 4096, 0, heads=(16, 8, 256)),
+    Row("decode 1x32768 d256", "decode", 1, 1, 32767, heads=(16, 8, 256)),
+    Row("decode 4x32768 d256", "decode", 4, 1, 32767, heads=(16, 8, 256)),
 ]
 QUICK_CONFIG = dict(num_qo_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
 QUICK_ROWS = [
@@ -137,6 +146,9 @@ def _quantize_kv(work: Work) -> Work:
 
 def build(row: Row, config: AttentionConfig, device: torch.device, seed: int = 0) -> Work:
     """Random q / paged KV (random permuted page table) for ``row``."""
+    if row.heads:  # this row's own head counts / head dim
+        hq, hkv, d = row.heads
+        config = dataclasses.replace(config, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d)
     if row.kv == "fp8":
         work = build(dataclasses.replace(row, kv=""), config, device, seed)
         work.row = row

@@ -4,15 +4,18 @@ interpreter.
 
 The core runs its real plan/run code on CPU tensors for a set of representative batches (decode with
 and without KV splits, long-context decode, causal prefill, tree verify, soft cap + sliding window,
-HND fp16, head_dim 256, LSE output, fa3's tree part (keys from ``kv_start``) and merge, fp8 KV caches
+HND fp16, head_dim 256, LSE output, fa3's tree part (keys from ``kv_start``) and merge, the Hopper
+prefill / split-decode kernels at the H200 sweep's candidate tiles (TMA pages, fused merge), fp8 KV caches
 (e4m3 / e5m2: attention dequantizing on load, the quantizing KV write, fa3's query quantization), the KV write and the replay-metadata kernel in its
 vLLM / SGLang / FA3 / chain-mask forms); each ``kernel[grid](...)`` is recorded instead of launched,
-its arguments turned into a Triton signature (tensor -> pointer of its dtype, int -> i32/i64, float
--> fp32, constexprs by value; ``UPCAST`` False as on a GPU; ``num_warps`` / ``num_stages`` as
-launched) and compiled through Triton's NVIDIA pipeline to a cubin (ptxas included). The provider's
+its arguments specialized as Triton's JIT does on a GPU (pointer / int dtypes, divisibility by 16,
+ints equal to 1 as constexprs, tensor descriptors; constexprs by value, ``UPCAST`` False as on a GPU;
+``num_warps`` / ``num_stages`` as launched) and compiled through Triton's NVIDIA pipeline to a cubin
+(ptxas included). The provider's
 SM count is set to the H200's 132 so the split heuristics pick the GPU's configurations.
 
     python tests/core/sm90_aot.py          # prints "compiled N distinct launches for sm90"
+    python tests/core/sm90_aot.py --stats  # and each launch's registers, stack (spills), shared memory
 """
 
 from __future__ import annotations
@@ -29,9 +32,12 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import attnplug.core.kernels.attention as attention_mod  # noqa: E402
+import attnplug.core.kernels.decode as decode_mod  # noqa: E402
 import attnplug.core.kernels.graph_update as graph_mod  # noqa: E402
 import attnplug.core.kernels.kv_write as kv_mod  # noqa: E402
 import attnplug.core.kernels.merge as merge_mod  # noqa: E402
+import attnplug.core.kernels.prefill as prefill_mod  # noqa: E402
+from attnplug.core.kernels import tiles  # noqa: E402
 from attnplug.core import AttentionConfig, ForwardMode, PagedAttention  # noqa: E402
 from attnplug.core.cuda_graph import GraphState  # noqa: E402
 from attnplug.core.providers.triton import TritonProvider  # noqa: E402
@@ -53,23 +59,39 @@ class Recorder:
 
     def __getitem__(self, grid):
         def launch(*args, **kw):
-            sig, const, opts = signature(self.fn, args, kw)
-            LAUNCHES.setdefault((self.fn.__name__, tuple(sig.items()), tuple(const.items()), tuple(opts.items())),
-                                (self.fn, sig, const, opts))  # fmt: skip
+            sig, const, opts, attrs = signature(self.fn, args, kw)
+            LAUNCHES.setdefault((self.fn.__name__, tuple(sig.items()), tuple(const.items()), tuple(opts.items()),
+                                 tuple((k, str(v)) for k, v in attrs.items())), (self.fn, sig, const, opts, attrs))  # fmt: skip
 
         return launch
 
 
 def signature(fn, args, kw):
+    """Triton signature, constexprs, options and attributes of one launch, specialized as the JIT
+    specializes it on a GPU (``native_specialize_impl``: pointers and ints divisible by 16 get
+    ``tt.divisibility``, an int equal to 1 becomes a constexpr, tensor descriptors keep their block
+    type), so the cubin is the one the GPU would build (vectorized, pipelined loads)."""
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+    except ImportError:  # an older layout: plain types, no attributes
+        native_specialize_impl = None
     names = fn.arg_names
     bound = dict(zip(names, args))
     bound.update({k: v for k, v in kw.items() if k in names})
     opts = {k: kw[k] for k in ("num_warps", "num_stages") if k in kw}
-    sig, const = {}, {}
+    sig, const, attrs = {}, {}, {}
     for i, (name, p) in enumerate(zip(names, fn.params)):
         v = bound[name]
         if p.is_constexpr:
             sig[name], const[(i,)] = "constexpr", (False if name == "UPCAST" else v)  # UPCAST: CPU only
+        elif native_specialize_impl is not None:
+            ty, spec = native_specialize_impl(BaseBackend, v, False, True, True)
+            sig[name] = ty
+            if ty == "constexpr":
+                const[(i,)] = v
+            elif spec:
+                attrs[(i,)] = BaseBackend.parse_attr(spec)
         elif isinstance(v, torch.Tensor):
             sig[name] = "*" + DTYPES[v.dtype]
         elif isinstance(v, bool):
@@ -80,11 +102,12 @@ def signature(fn, args, kw):
             sig[name] = "fp32"
         else:
             raise TypeError(f"{fn.__name__}: argument {name} of type {type(v).__name__}")
-    return sig, const, opts
+    return sig, const, opts, attrs
 
 
 def record_all() -> None:
     for mod, names in ((attention_mod, ["paged_attention_kernel"]), (merge_mod, ["merge_splits_kernel", "merge_state_kernel"]),
+                       (prefill_mod, ["prefill_kernel"]), (decode_mod, ["decode_kernel"]),
                        (kv_mod, ["write_kv_kernel", "quantize_rows_kernel"]),
                        (graph_mod, ["graph_batch_from_block_table_kernel"])):  # fmt: skip
         for n in names:
@@ -131,6 +154,7 @@ def record_all() -> None:
         out = torch.empty_like(c.q)
         lse = torch.empty(c.q.shape[:2], dtype=torch.float32) if with_lse else None
         attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=lse, **scales)
+    record_fast_paths(llama)
     v = torch.zeros(6, 32, 128, dtype=torch.bfloat16)
     s = torch.zeros(32, 6)
     merge_mod.merge_state(v, s.t(), v, s.t(), v, s.t())  # the fa3 tree merge (transposed LSE)
@@ -158,15 +182,86 @@ def record_all() -> None:
                                            block_table_out=torch.zeros(4, 16, dtype=torch.int32), max_batch=8)  # fmt: skip
 
 
+def record_fast_paths(llama) -> None:
+    """The Hopper paths (kernels/prefill.py, kernels/decode.py) at the configurations the H200 sweep
+    (benchmarks/sweep_triton.py) chooses among, forced through the tile table."""
+    d = lambda c, b: tiles.key(c.head_dim, c.group_size, b)  # noqa: E731
+    pf = lambda bm, bn, w, st, **kw: {"kernel": "prefill", "block_m": bm, "block_n": bn, "num_warps": w,  # noqa: E731
+                                      "num_stages": st, **kw}
+    dec = lambda bn, w, st, **kw: {"kernel": "decode", "block_n": bn, "num_warps": w, "num_stages": st, **kw}  # noqa: E731
+    e4m3 = torch.float8_e4m3fn
+    d64, d256 = AttentionConfig(32, 8, 64, 16, torch.bfloat16), AttentionConfig(16, 8, 256, 16, torch.bfloat16)
+    page64 = AttentionConfig(32, 8, 128, 64, torch.bfloat16)
+    runs = [  # (config, mode, q lens, prefix lens, with LSE, table entries)
+        (llama, ForwardMode.EXTEND, [300, 200], [0, 250], True, {d(llama, "prefill"): pf(128, 64, 8, 5)}),
+        (llama, ForwardMode.EXTEND, [300, 200], [0, 250], False, {d(llama, "prefill"): pf(128, 128, 8, 5, diag_n=64)}),
+        (llama, ForwardMode.EXTEND, [300, 200], [0, 250], False, {d(llama, "prefill"): pf(128, 64, 4, 3)}),
+        (page64, ForwardMode.EXTEND, [300], [100], False, {d(page64, "prefill"): pf(128, 64, 8, 5, tma=True)}),
+        (AttentionConfig(32, 8, 128, 16, torch.bfloat16, kv_dtype=e4m3), ForwardMode.EXTEND, [300], [40], False,
+         {d(llama, "prefill"): pf(128, 64, 8, 5)}),
+        (d64, ForwardMode.EXTEND, [300], [0], False, {d(d64, "prefill"): pf(128, 64, 4, 5)}),
+        (d256, ForwardMode.EXTEND, [300], [0], False, {d(d256, "prefill"): pf(64, 32, 4, 5)}),
+        (llama, ForwardMode.DECODE, [1], [32767], False, {d(llama, "decode_tiny"): dec(64, 4, 5, ctas_per_sm=2, fused_merge=True)}),
+        (llama, ForwardMode.DECODE, [1] * 4, [32767] * 4, True, {d(llama, "decode_split"): dec(128, 4, 5, ctas_per_sm=2)}),
+        (llama, ForwardMode.DECODE, [1] * 64, [4095] * 64, False, {d(llama, "decode"): dec(64, 4, 7)}),
+        (AttentionConfig(32, 8, 128, 16, torch.float16, "NHD", None, 30.0, 1000, e4m3), ForwardMode.DECODE, [1],
+         [5000], False, {d(llama, "decode_tiny"): dec(64, 2, 5, ctas_per_sm=4, fused_merge=True)}),
+        (d256, ForwardMode.DECODE, [1], [32767], False, {d(d256, "decode_tiny"): dec(64, 4, 5, ctas_per_sm=2, fused_merge=True)}),
+    ]  # fmt: skip
+    for cfg, mode, q_lens, prefix, with_lse, entries in runs:
+        c = random_case(mode, q_lens, prefix, cfg, "cpu")
+        scales = {}
+        if cfg.kv_quantized:
+            c.k_cache, c.v_cache = c.k_cache.to(cfg.kv_dtype), c.v_cache.to(cfg.kv_dtype)
+            scales = dict(k_scale=torch.ones(1), v_scale=torch.ones(()))
+        saved = dict(tiles.TILES)
+        tiles.TILES.update(entries)
+        try:
+            attn = PagedAttention(cfg, "triton", "cpu")
+            attn.provider._sms = H200_SMS
+            plan = attn.plan(c.batch, c.num_pages)
+        finally:
+            tiles.TILES.clear()
+            tiles.TILES.update(saved)
+        assert plan.state.kernel == next(iter(entries.values()))["kernel"], (cfg, plan.state.kernel)
+        out = torch.empty_like(c.q)
+        lse = torch.empty(c.q.shape[:2], dtype=torch.float32) if with_lse else None
+        attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=lse, **scales)
+
+
+def resource_usage(cubin: bytes) -> str:
+    """``REG:.. STACK:.. SHARED:..`` of a cubin (cuobjdump from Triton's NVIDIA backend), or ``?``."""
+    import re
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, timeout=60).stdout
+        except (OSError, subprocess.SubprocessError):
+            return "?"
+    m = re.search(r"REG:\d+ STACK:\d+ SHARED:\d+", out)
+    return m.group(0) if m else "?"
+
+
 def main() -> None:
     record_all()
     target = GPUTarget("cuda", 90, 32)
     kinds = {}
-    for fn, sig, const, opts in LAUNCHES.values():
-        src = ASTSource(fn=fn, signature=sig, constexprs=const)
-        cubin = triton.compile(src, target=target, options=opts).asm["cubin"]
+    stats = "--stats" in sys.argv  # registers / stack (spills) / static shared memory of each launch
+    for fn, sig, const, opts, attrs in LAUNCHES.values():
+        src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+        k = triton.compile(src, target=target, options=opts)
+        cubin = k.asm["cubin"]
         assert len(cubin) > 1000, (fn.__name__, len(cubin))
         kinds[fn.__name__] = kinds.get(fn.__name__, 0) + 1
+        if stats:
+            names = fn.arg_names
+            show = {names[i[0]]: v for i, v in const.items() if names[i[0]].isupper() and names[i[0]] not in ("UPCAST",)}
+            print(f"{fn.__name__} {opts} {resource_usage(cubin)} smem {k.metadata.shared} {show}", flush=True)
     print(" ".join(f"{k}={n}" for k, n in sorted(kinds.items())))
     print(f"compiled {len(LAUNCHES)} distinct launches for sm90")
 

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..config import FP8_KV_DTYPES, SUPPORTED_DTYPES, AttentionConfig
+from ..kernels import tiles as tile_table
 from ..pages import num_pages
 from ..plan import Plan
 from .base import GraphSupport, Provider, ProviderGraph
@@ -40,6 +41,10 @@ class TritonState:
     partial: torch.Tensor | None  # [T, Hq, S, D] float32 when split
     partial_lse: torch.Tensor | None  # [T, Hq, S] float32 (base-2) when split
     kv_start: torch.Tensor | None  # [B] int32: attend only to keys >= kv_start[b]
+    kernel: str = "paged"  # "paged" (kernels.attention), "prefill" (kernels.prefill), "decode" (kernels.decode)
+    diag_n: int = 0  # prefill: keys per block of the masked diagonal loop
+    tma: bool = False  # prefill: K/V through tensor descriptors (page size a multiple of block_n)
+    counters: torch.Tensor | None = None  # decode with fused merge: [B * Hkv] int32, zero between launches
 
 
 @dataclass
@@ -54,6 +59,7 @@ class TritonStatic:
     partial: torch.Tensor  # [n * D] float32
     partial_lse: torch.Tensor  # [n] float32
     identity_rows: int
+    counters: torch.Tensor | None = None  # [max_rows * Hkv] int32 zeros: the decode kernel's fused merge
 
 
 def triton_interpreter_active() -> bool:
@@ -152,38 +158,57 @@ class TritonProvider(Provider):
             views = tiles[n] = (iota[0][:n], iota[1][:n])
         return views
 
-    def _blocks(self, plan: Plan) -> tuple[int, int, int, int, int]:
-        """(block_q, block_m, block_n, num_warps, num_stages) for this batch.
+    def _entry(self, bucket: str) -> dict:
+        """This config's tile-table entry for ``bucket`` (:mod:`attnplug.core.kernels.tiles`)."""
+        return tile_table.lookup(self.config.head_dim, self.config.group_size, bucket)
 
-        Defaults from the H200 sweep of 2026-11-29 (``benchmarks/sweep_triton.py``, Llama-3-8B
-        shapes, d128; see benchmarks/NOTES.md); d > 128 halves the tiles to fit shared memory.
-        """
+    def _decode_bucket(self, programs: int) -> str:
+        """Decode bucket of a batch with ``programs = B * Hkv`` programs before any split."""
+        return "decode" if programs >= self._sms else ("decode_split" if programs >= 16 else "decode_tiny")
+
+    def _blocks(self, plan: Plan) -> tuple[int, int, int, int, int]:
+        """(block_q, block_m, block_n, num_warps, num_stages) for this batch, from the tile table
+        (:mod:`attnplug.core.kernels.tiles`: H200 sweeps, ``benchmarks/sweep_triton.py``); decode
+        batches that split refine theirs in :meth:`plan` once the split count is known."""
         cfg = self.config
         g = cfg.group_size
-        big_d = cfg.head_dim > 128
         if plan.max_q_len <= 1:  # decode: BLOCK_Q = 1, the GQA group fills the rows
-            return 1, max(16, _next_pow2(g)), (64 if big_d else 128), 4, (2 if big_d else 3)
-        block_m = max(64 if big_d else 128, _next_pow2(g))
+            e = self._entry("decode")
+            return 1, max(16, _next_pow2(g)), e.get("block_n", 128), e.get("num_warps", 4), e.get("num_stages", 3)
+        e = self._entry("prefill")
+        block_m = max(e.get("block_m", 128), _next_pow2(g))
+        bucket = "verify" if plan.mask is not None else "prefill"
         if plan.max_q_len * g < block_m:  # short queries (small verify trees / extends)
             block_m = max(16, _next_pow2(plan.max_q_len * g))
+            bucket = "verify" if plan.mask is not None else "short"
+        if bucket != "prefill":
+            e = self._entry(bucket)
+            if bucket == "verify" and plan.max_q_len * g >= e.get("block_m", block_m):
+                block_m = max(e.get("block_m", block_m), _next_pow2(g))
         block_q = max(1, block_m // g)
-        if big_d:
-            return block_q, block_m, 32, 4, 2
-        if plan.mask is not None:  # verify: long mask-free prefix, wide KV blocks pay
-            return block_q, block_m, 128, 8, 3
-        return block_q, block_m, 32, 4, 3
+        return block_q, block_m, e.get("block_n", 32), e.get("num_warps", 4), e.get("num_stages", 3)
+
+    def _prefill_kernel_ok(self, plan: Plan, splits: int) -> bool:
+        """The causal prefill kernel computes this batch: causal, no custom mask / window / soft cap /
+        ``kv_start``, no split, queries that fill the tiles."""
+        cfg = self.config
+        return (plan.causal and plan.mask is None and cfg.window_left < 0 and cfg.logits_soft_cap <= 0
+                and plan.options.kv_start is None and splits == 1 and plan.max_q_len > 1)  # fmt: skip
 
     def split_count(self, num_tiles: int, max_kv_len: int, forced: int | None = None) -> int:
-        """Split-KV chunks per tile: ``forced``, else enough programs to fill the SMs (2x, 4x for
-        tiny batches), at most one split per 512 keys and 64 in all."""
+        """Split-KV chunks per tile: ``forced``, else (when ``num_tiles * Hkv`` programs do not fill the
+        SMs and ``max_kv_len >= 1024``) enough programs for the table's ``ctas_per_sm`` per SM (seed:
+        2, 4 for fewer than 16 programs), at most ``max_splits`` (64) and one per ``min_split_keys``
+        (512) keys."""
         if forced is not None:
             return max(1, int(forced))
         programs = num_tiles * self.config.num_kv_heads
         if programs >= self._sms or max_kv_len < 1024:
             return 1
-        by_len = max_kv_len // 512
-        target = (2 if programs >= 16 else 4) * self._sms  # tiny batches: oversubscribe harder
-        return max(1, min(64, by_len, num_pages(target, max(programs, 1))))
+        e = self._entry(self._decode_bucket(programs))
+        by_len = max_kv_len // e.get("min_split_keys", 512)
+        target = e.get("ctas_per_sm", 2 if programs >= 16 else 4) * self._sms
+        return max(1, min(e.get("max_splits", 64), by_len, num_pages(target, max(programs, 1))))
 
     def static_buffers(self, max_rows: int, max_tokens: int, max_kv_len: int, q: int = 1,
                        num_kv_splits: int | None = None) -> TritonStatic:
@@ -199,6 +224,7 @@ class TritonProvider(Provider):
             partial=torch.empty(n * cfg.head_dim, dtype=torch.float32, device=dev),
             partial_lse=torch.empty(n, dtype=torch.float32, device=dev),
             identity_rows=max_rows,
+            counters=torch.zeros(max_rows * cfg.num_kv_heads, dtype=torch.int32, device=dev),
         )
 
     def plan(self, plan: Plan, static: TritonStatic | None = None) -> None:
@@ -222,8 +248,23 @@ class TritonProvider(Provider):
             ends = np.cumsum(counts)
             num_tiles = int(ends[-1])
         splits = self.split_count(num_tiles, plan.max_kv_len, o.num_kv_splits)
-        if plan.max_q_len <= 1 and splits >= 32 and cfg.head_dim <= 128 and o.block_n is None:
-            block_n, warps, stages = 64, 2, 2  # many short splits: small tiles (H200 sweep, 1x32768)
+        kernel, entry = "paged", self._entry("prefill")
+        if plan.max_q_len <= 1:
+            entry = self._entry("decode" if splits == 1 else self._decode_bucket(num_tiles * cfg.num_kv_heads))
+            if splits > 1:  # the split bucket's tiles (seed rule: below small_tiles_from_splits, decode_split's)
+                e = entry if splits >= entry.get("small_tiles_from_splits", 0) else self._entry("decode_split")
+                block_n = o.block_n or e.get("block_n", block_n)
+                warps, stages = o.num_warps or e.get("num_warps", warps), o.num_stages or e.get("num_stages", stages)
+            if (entry.get("kernel") == "decode" and plan.mask is None and o.kv_start is None
+                    and block_n >= 16):  # fmt: skip
+                kernel = "decode"
+        elif entry.get("kernel") == "prefill" and block_m == max(entry.get("block_m", 128), _next_pow2(cfg.group_size)) \
+                and self._prefill_kernel_ok(plan, splits):
+            kernel = "prefill"
+        fused = kernel == "decode" and splits > 1 and bool(entry.get("fused_merge", False))
+        diag_n = min(block_n, entry.get("diag_n", block_n)) if kernel == "prefill" else 0
+        tma = (kernel == "prefill" and bool(entry.get("tma", False)) and cfg.page_size % block_n == 0
+               and cfg.head_dim == _next_pow2(cfg.head_dim) and diag_n == block_n)  # fmt: skip
         shape = (plan.num_tokens, cfg.num_qo_heads, splits, cfg.head_dim)
         partial = partial_lse = None
         if static is not None and identity and num_tiles <= static.identity_rows:
@@ -255,10 +296,19 @@ class TritonProvider(Provider):
         elif splits > 1:
             partial = torch.empty(shape, dtype=torch.float32, device=self.device)
             partial_lse = torch.empty(shape[:3], dtype=torch.float32, device=self.device)
+        counters = None
+        if fused:  # zeroed once here (static: at allocation); every launch leaves them zero
+            n_cnt = num_tiles * cfg.num_kv_heads
+            if static is not None and static.counters is not None and static.counters.numel() >= n_cnt:
+                counters = static.counters[:n_cnt]
+            elif static is not None:
+                raise ValueError(f"attnplug: {num_tiles} decode tiles exceed the static merge counters")
+            else:
+                counters = torch.zeros(n_cnt, dtype=torch.int32, device=self.device)
         plan.state = TritonState(
             tile_req=tile_req, tile_qstart=tile_q, num_tiles=num_tiles, num_splits=splits, block_q=block_q,
             block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, partial=partial,
-            partial_lse=partial_lse, kv_start=o.kv_start,
+            partial_lse=partial_lse, kv_start=o.kv_start, kernel=kernel, diag_n=diag_n, tma=tma, counters=counters,
         )
 
     # -- run --------------------------------------------------------------------------------------
@@ -275,6 +325,10 @@ class TritonProvider(Provider):
             ks, vs = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)), (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
         else:
             ks, vs = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1)), (v_cache.stride(0), v_cache.stride(2), v_cache.stride(1))
+        if a.kernel == "prefill":
+            return self._run_prefill(plan, a, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale)
+        if a.kernel == "decode":
+            return self._run_decode(plan, a, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale)
         split = a.num_splits > 1
         if split:
             o, o_strides = a.partial, (a.partial.stride(0), a.partial.stride(1), a.partial.stride(2))
@@ -306,3 +360,69 @@ class TritonProvider(Provider):
         )
         if split:
             merge_splits(a.partial, a.partial_lse, out, lse)
+
+    def _run_prefill(self, plan: Plan, a: TritonState, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale) -> None:
+        """The causal prefill kernel (:mod:`attnplug.core.kernels.prefill`), grid ``(tiles, Hkv)``."""
+        from ..kernels.prefill import prefill_kernel
+
+        cfg = self.config
+        fp8 = cfg.kv_quantized
+        k_desc, v_desc = (_kv_descriptor(k_cache, ks, cfg, a.block_n), _kv_descriptor(v_cache, vs, cfg, a.block_n)) \
+            if a.tma else (k_cache, v_cache)
+        l = lse if lse is not None else out
+        prefill_kernel[(a.num_tiles, cfg.num_kv_heads)](
+            q, k_cache, v_cache, out, l, k_desc, v_desc,
+            plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, a.tile_req, a.tile_qstart,
+            k_scale if fp8 else plan.kv_lens, v_scale if fp8 else plan.kv_lens,
+            a.num_tiles, cfg.scale,
+            q.stride(0), q.stride(1), *ks, *vs, out.stride(0), out.stride(1),
+            *((lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)),
+            GROUP=cfg.group_size, BLOCK_Q=a.block_q, BLOCK_M=a.block_m, BLOCK_N=a.block_n, DIAG_N=a.diag_n,
+            HEAD_DIM=cfg.head_dim, BLOCK_D=_next_pow2(cfg.head_dim), PAGE_SIZE=cfg.page_size,
+            PAGE_TMA=a.tma, NUM_STAGES=a.num_stages, STORE_LSE=lse is not None,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=q.device.type == "cpu", KV_FP8=fp8,
+            num_warps=a.num_warps, num_stages=a.num_stages,
+        )
+
+    def _run_decode(self, plan: Plan, a: TritonState, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale) -> None:
+        """The split-KV decode kernel (:mod:`attnplug.core.kernels.decode`), grid ``(B, Hkv, splits)``;
+        the merge is fused (``a.counters``) or :func:`~attnplug.core.kernels.merge.merge_splits` after."""
+        from ..kernels.decode import decode_kernel
+        from ..kernels.merge import merge_splits
+
+        cfg = self.config
+        fp8 = cfg.kv_quantized
+        split, fused = a.num_splits > 1, a.counters is not None
+        p, pl = (a.partial, a.partial_lse) if split else (out, out)
+        l = lse if lse is not None else out
+        bd, gp = _next_pow2(cfg.head_dim), _next_pow2(cfg.group_size)
+        merge_s = max(2, _next_pow2(a.num_splits))
+        decode_kernel[(a.num_tiles, cfg.num_kv_heads, a.num_splits)](
+            q, k_cache, v_cache, out, l, p, pl, a.counters if fused else plan.kv_lens,
+            plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens,
+            k_scale if fp8 else plan.kv_lens, v_scale if fp8 else plan.kv_lens,
+            cfg.scale, cfg.logits_soft_cap, cfg.window_left, a.num_splits,
+            q.stride(0), q.stride(1), *ks, *vs, out.stride(0), out.stride(1),
+            *((lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)),
+            *((p.stride(0), p.stride(1), p.stride(2), pl.stride(0), pl.stride(1)) if split else (0, 0, 0, 0, 0)),
+            GROUP=cfg.group_size, BLOCK_M=max(16, gp), BLOCK_N=a.block_n, HEAD_DIM=cfg.head_dim, BLOCK_D=bd,
+            PAGE_SIZE=cfg.page_size, SOFT_CAP=cfg.logits_soft_cap > 0, WINDOW=cfg.window_left >= 0,
+            SPLIT=split, FUSED_MERGE=fused, MERGE_S=merge_s, MERGE_CHUNK=max(1, min(merge_s, 4096 // (gp * bd))),
+            NUM_STAGES=a.num_stages, STORE_LSE=lse is not None,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=q.device.type == "cpu", KV_FP8=fp8,
+            num_warps=a.num_warps, num_stages=a.num_stages,
+        )
+        if split and not fused:
+            merge_splits(a.partial, a.partial_lse, out, lse)
+
+
+def _kv_descriptor(cache: torch.Tensor, strides: tuple[int, int, int], cfg: AttentionConfig, block_n: int):
+    """A 4-D tensor descriptor over a K or V cache, dims ``(page, token, head, d)`` whatever the
+    layout (the strides say where each lives), block ``[1, block_n, 1, D]``: one page's rows of one
+    KV head (the prefill kernel's ``PAGE_TMA`` loads)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    sp, st, sh = strides
+    return TensorDescriptor(cache, [cache.shape[0], cfg.page_size, cfg.num_kv_heads, cfg.head_dim], [sp, st, sh, 1],
+                            [1, block_n, 1, cfg.head_dim])
+

@@ -1,0 +1,164 @@
+"""Triton split-KV decode over a paged KV cache with the merge fused in: the long-context decode path of
+the triton provider (one query token per request; no custom mask, no ``kv_start``).
+
+Grid ``(B, Hkv, S)``: request, KV head, split. A program holds the ``GROUP`` query heads of its KV
+head in the rows of a ``[BLOCK_M, D]`` tile (GQA packing, as in :mod:`.attention`) and streams its
+split's keys in ``BLOCK_N`` blocks. Every key before ``kv_len`` is visible to a decode token, so the
+loop runs without any mask; only the last, ragged block of the last split is masked. The loop is a
+``tl.range`` with ``NUM_STAGES``: K/V are gathered through the page table (page id, then the rows),
+a two-load chain for Triton's pipeliner, which keeps ``(NUM_STAGES - 1) // 2`` blocks in flight per
+program (so 5-7 stages, not 2-3, give a decode program blocks to stream while it computes).
+
+Splits (``SPLIT``): each program writes its partial output (fp32) and base-2 LSE to the workspace.
+``FUSED_MERGE``: then it bumps the ``(request, KV head)`` counter; the program that arrives last
+merges the ``S`` partials of its heads into ``O`` (and ``LSE``) and puts the counter back to 0, so
+the counters are zero again after every launch: no host work, no memset, safe to capture in a CUDA
+graph (the counters are static memory, zeroed once at allocation). Without ``FUSED_MERGE`` the
+provider runs :func:`.merge.merge_splits` after this kernel.
+
+Window (``WINDOW``): the decode token at ``kv_len - 1`` sees keys from ``kv_len - 1 - window_left``:
+just a lower bound, no mask. Soft cap, fp8 KV (``KV_FP8``, scales as in :mod:`.attention`) and the
+interpreter's fp32 dots (``UPCAST``) as in the other kernels.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .prefill import attend_block
+
+
+@triton.jit
+def decode_kernel(
+    Q, K, V, O, LSE, PO, PL, COUNTERS,
+    qo_indptr, kv_indptr, kv_indices, kv_lens, K_SCALE, V_SCALE,
+    sm_scale, soft_cap, window_left, num_splits,
+    stride_qt, stride_qh,
+    stride_kp, stride_kt, stride_kh,
+    stride_vp, stride_vt, stride_vh,
+    stride_ot, stride_oh,
+    stride_lt, stride_lh,
+    stride_pt, stride_ph, stride_ps,
+    stride_plt, stride_plh,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_S: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    NUM_STAGES: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    """Grid ``(B, Hkv, num_splits)``. Q ``[T, Hq, D]`` (request ``b``'s token at ``qo_indptr[b]``, none
+    when its ``q_len`` is 0); O ``[T, Hq, D]``; LSE ``[T, Hq]`` natural log (``STORE_LSE``).
+    ``SPLIT``: PO ``[T, Hq, S, D]`` fp32 partials, PL ``[T, Hq, S]`` base-2 LSE; ``FUSED_MERGE``:
+    COUNTERS ``[B * Hkv]`` int32, zero before and after the launch; ``MERGE_S`` = next power of 2 of
+    ``num_splits``, ``MERGE_CHUNK`` splits merged per step."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    t = tl.load(qo_indptr + b)
+    has_q = tl.load(qo_indptr + b + 1) > t  # a request without a query token writes nothing
+    kv_len = tl.where(has_q, tl.load(kv_lens + b), 0)
+    page_base = tl.load(kv_indptr + b)
+
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < tl.where(has_q, GROUP, 0)  # not `& has_q`: the 3.9 interpreter rejects block & scalar bool masks
+    head = kvh * GROUP + rows
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    t64 = t.to(tl.int64)
+    q = tl.load(Q + t64 * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                other=0.0)
+    P_DTYPE: tl.constexpr = q.dtype
+    if UPCAST:
+        q = q.to(tl.float32)
+    qk_scale = sm_scale
+    if not SOFT_CAP:
+        qk_scale = sm_scale * 1.4426950408889634
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(K_SCALE)
+
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(0, kv_len - 1 - window_left)
+    hi = kv_len
+    if SPLIT:
+        chunk = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), num_splits), BLOCK_N) * BLOCK_N
+        lo = lo + split * chunk
+        hi = tl.minimum(hi, lo + chunk)
+    full_hi = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in tl.range(lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):
+        m_i, l_i, acc = attend_block(q, K, V, K, V, kv_indices, page_base, n0, kvh, hi, rows, d, m_i, l_i, acc,
+                                     qk_scale, soft_cap, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                                     BLOCK_N, HEAD_DIM, PAGE_SIZE, False, False, False, SOFT_CAP, DOT_PRECISION, UPCAST,
+                                     KV_FP8, P_DTYPE)
+    if full_hi < hi:  # the ragged last block
+        m_i, l_i, acc = attend_block(q, K, V, K, V, kv_indices, page_base, full_hi, kvh, hi, rows, d, m_i, l_i, acc,
+                                     qk_scale, soft_cap, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                                     BLOCK_N, HEAD_DIM, PAGE_SIZE, False, True, False, SOFT_CAP, DOT_PRECISION, UPCAST,
+                                     KV_FP8, P_DTYPE)
+
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if KV_FP8:
+        out = out * tl.load(V_SCALE)
+    lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    if not SPLIT:
+        tl.store(O + t64 * stride_ot + head[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+        if STORE_LSE:
+            tl.store(LSE + t64 * stride_lt + head * stride_lh, lse2 * 0.6931471805599453, mask=row_ok)
+    else:
+        tl.store(PO + t64 * stride_pt + head[:, None] * stride_ph + split * stride_ps + d[None, :], out,
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(PL + t64 * stride_plt + head * stride_plh + split, lse2, mask=row_ok)
+        if FUSED_MERGE:
+            tl.debug_barrier()  # every thread's partial stores precede the (release) arrival
+            arrived = tl.atomic_add(COUNTERS + b * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:  # the last split of (b, kvh): merge, then re-arm the counter
+                tl.atomic_xchg(COUNTERS + b * tl.num_programs(1) + kvh, 0, sem="relaxed", scope="gpu")
+                _merge_group(O, LSE, PO, PL, t64, kvh, has_q, num_splits, stride_ot, stride_oh, stride_lt, stride_lh,
+                             stride_pt, stride_ph, stride_ps, stride_plt, stride_plh,
+                             GROUP, HEAD_DIM, BLOCK_D, MERGE_S, MERGE_CHUNK, STORE_LSE)
+
+
+@triton.jit
+def _merge_group(O, LSE, PO, PL, t64, kvh, has_q, num_splits, stride_ot, stride_oh, stride_lt, stride_lh,
+                 stride_pt, stride_ph, stride_ps, stride_plt, stride_plh,
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MERGE_S: tl.constexpr,
+                 MERGE_CHUNK: tl.constexpr, STORE_LSE: tl.constexpr):
+    """Merge the ``num_splits`` partials of the ``GROUP`` heads of ``kvh`` (token ``t64``) into O / LSE.
+    Partials were written by other programs of this launch: loads bypass L1 (``.cg``)."""
+    GP: tl.constexpr = triton.next_power_of_2(GROUP)
+    g = tl.arange(0, GP)
+    g_ok = g < tl.where(has_q, GROUP, 0)
+    head = kvh * GROUP + g
+    sp = tl.arange(0, MERGE_S)
+    lse = tl.load(PL + t64 * stride_plt + head[:, None] * stride_plh + sp[None, :],
+                  mask=g_ok[:, None] & (sp[None, :] < num_splits), other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(lse, 1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    tot = tl.sum(tl.exp2(lse - m_safe[:, None]), 1)
+    inv = 1.0 / tl.where(tot > 0.0, tot, 1.0)
+    d = tl.arange(0, BLOCK_D)
+    c = tl.arange(0, MERGE_CHUNK)
+    acc = tl.zeros([GP, BLOCK_D], tl.float32)
+    for s0 in tl.range(0, num_splits, MERGE_CHUNK, num_stages=2):
+        s = s0 + c
+        s_ok = s < num_splits
+        lc = tl.load(PL + t64 * stride_plt + head[:, None] * stride_plh + s[None, :],
+                     mask=g_ok[:, None] & s_ok[None, :], other=float("-inf"), cache_modifier=".cg")  # [GP, C]
+        w = tl.exp2(lc - m_safe[:, None]) * inv[:, None]
+        p = tl.load(PO + t64 * stride_pt + head[:, None, None] * stride_ph + s[None, :, None] * stride_ps
+                    + d[None, None, :], mask=g_ok[:, None, None] & s_ok[None, :, None] & (d[None, None, :] < HEAD_DIM),
+                    other=0.0, cache_modifier=".cg")  # [GP, C, D]
+        acc += tl.sum(p * w[:, :, None], 1)
+    tl.store(O + t64 * stride_ot + head[:, None] * stride_oh + d[None, :], acc.to(O.dtype.element_ty),
+             mask=g_ok[:, None] & (d[None, :] < HEAD_DIM))
+    if STORE_LSE:
+        res = tl.where(tot > 0.0, (m_safe + tl.log2(tl.where(tot > 0.0, tot, 1.0))) * 0.6931471805599453,
+                       float("-inf"))
+        tl.store(LSE + t64 * stride_lt + head * stride_lh, res, mask=g_ok)

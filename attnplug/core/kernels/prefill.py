@@ -1,0 +1,237 @@
+"""Triton causal prefill / extend over a paged KV cache: the Hopper path of the triton provider.
+
+Used for long-query batches without a custom mask, window, soft cap or KV splits (the provider's
+``_prefill_kernel_ok``); everything else runs :mod:`.attention`. Same tile list and GQA packing as
+:mod:`.attention` (a program = ``BLOCK_Q`` query tokens x the ``GROUP`` heads of one KV head, rows
+``r`` = token ``r // GROUP``, head ``r % GROUP``), so the provider's plans and CUDA-graph buffers are
+shared; what differs is the inner loop, written for wgmma-sized tiles (``BLOCK_M`` 128, 8 warps):
+
+* **Schedule**: program ``p`` of axis 0 takes tile ``num_tiles - 1 - p``: the tile list is in
+  request order with ascending query starts, so within a request the longest causal tiles (most
+  keys) launch first and the last wave is made of short tiles (the hardware hands out programs in
+  order as SMs free up: a dynamic longest-first schedule, no persistent loop needed). Axis 1 is the
+  KV head, so the programs running together share one request's K/V in L2.
+* **Causal block skipping**: keys ``[0, free_hi)`` that every row of the tile sees are streamed in
+  ``BLOCK_N`` blocks with no mask work at all (no compare, no select, no load masks); the diagonal
+  keys ``[free_hi, hi)`` (at most ``BLOCK_Q + BLOCK_N - 1`` of them) run a second, masked loop with
+  ``DIAG_N``-key blocks, so little of the masked triangle is computed and thrown away.
+* **Loads**: K/V of a block are gathered through the page table, one page id per key (the ids of a
+  block: one small contiguous load); ``PAGE_TMA`` (the page size a multiple of ``BLOCK_N``, the host
+  passes 4-D tensor descriptors): a block is one ``[BLOCK_N, D]`` tile of one page, one page id per
+  block, loaded by the Hopper copy engine (TMA). Loads sit in a ``tl.range`` with ``NUM_STAGES``:
+  Triton's pipeliner turns them into asynchronous copies; the page-id load and the row load form a
+  chain, so the rows run ``(NUM_STAGES - 1) // 2`` blocks ahead (5 stages: 2 blocks in flight while
+  one computes; 3 stages hide only the PV product: read off sm90 SASS compiled with Triton 3.6).
+* Softmax in base 2 on fp32 logits with the scale folded into one FMA (``s * scale - m``); masked
+  logits are ``-inf`` in the diagonal loop only. P is cast to the value dtype for the PV product.
+
+fp8 KV (``KV_FP8``) as in :mod:`.attention`: K/V blocks are loaded as fp8 and converted to q's dtype;
+``K_SCALE`` folds into the softmax scale, ``V_SCALE`` into the final normalization. ``UPCAST``: the
+CPU interpreter's ``tl.dot`` needs fp32 operands.
+
+Not used (Triton 3.6 on sm90, checked by compiling and reading the SASS): ``tl.range(...,
+warp_specialize=True)`` compiles to the very same SASS, pointer or TMA loads alike (the Hopper pass
+of open-source Triton leaves this loop alone; triton-lang/triton#9728 for its TMA-only scope);
+issuing the next block's ``Q K^T`` before this block's softmax (a loop-carried score tile) makes
+Triton wait on every wgmma k-step instead of overlapping; one page id per page reshaped into rows
+kept the row loads out of the pipeline (synchronous loads, spills at ``BLOCK_N`` 128).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .attention import _tanh
+
+
+@triton.jit
+def _kv_offsets(kv_indices, page_base, n0, kvh, stride_p, stride_t, stride_h, hi,
+                BLOCK: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """Row offsets ``[BLOCK]`` (int64) of keys ``n0 .. n0+BLOCK`` of KV head ``kvh`` and their
+    validity ``n < hi``. One page id per key: the ids of a block are one small contiguous load, which
+    the pipeliner copies asynchronously ahead of the rows (a one-id-per-page variant, reshaped to
+    rows, kept Triton 3.6 from pipelining the row loads: ``benchmarks/NOTES.md`` v4)."""
+    n = n0 + tl.arange(0, BLOCK)
+    ok = n < hi
+    if MASKED:
+        page = tl.load(kv_indices + page_base + n // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
+    else:
+        page = tl.load(kv_indices + page_base + n // PAGE_SIZE).to(tl.int64)
+    return page * stride_p + (n % PAGE_SIZE) * stride_t + kvh * stride_h, ok
+
+
+@triton.jit
+def _load_k(K, K_desc, kv_indices, page_base, n0, kvh, stride_p, stride_t, stride_h, hi, d,
+            BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_TMA: tl.constexpr,
+            MASKED: tl.constexpr):
+    """K of keys ``n0 .. n0+BLOCK`` as ``[BLOCK_D, BLOCK]`` (transposed for ``q @ k``)."""
+    if PAGE_TMA:  # the block lies in one page: one 2-D copy of [BLOCK, D] (rows past hi: masked later)
+        page = tl.load(kv_indices + page_base + n0 // PAGE_SIZE)
+        k = K_desc.load([page, n0 % PAGE_SIZE, kvh, 0]).reshape(BLOCK, d.shape[0]).T
+    else:
+        off, ok = _kv_offsets(kv_indices, page_base, n0, kvh, stride_p, stride_t, stride_h, hi,
+                              BLOCK, PAGE_SIZE, MASKED)
+        if MASKED:
+            k = tl.load(K + off[None, :] + d[:, None], mask=ok[None, :] & (d[:, None] < HEAD_DIM), other=0.0)
+        elif HEAD_DIM == d.shape[0]:
+            k = tl.load(K + off[None, :] + d[:, None])
+        else:
+            k = tl.load(K + off[None, :] + d[:, None], mask=(d[:, None] < HEAD_DIM), other=0.0)
+    return k
+
+
+@triton.jit
+def _load_v(V, V_desc, kv_indices, page_base, n0, kvh, stride_p, stride_t, stride_h, hi, d,
+            BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_TMA: tl.constexpr,
+            MASKED: tl.constexpr):
+    """V of keys ``n0 .. n0+BLOCK`` as ``[BLOCK, BLOCK_D]`` (rows past ``hi`` are zero)."""
+    if PAGE_TMA:
+        page = tl.load(kv_indices + page_base + n0 // PAGE_SIZE)
+        v = V_desc.load([page, n0 % PAGE_SIZE, kvh, 0]).reshape(BLOCK, d.shape[0])
+        if MASKED:  # rows past hi may be another request's keys (or garbage): P is 0 there, V must be finite
+            n = n0 + tl.arange(0, BLOCK)
+            v = tl.where((n < hi)[:, None], v, tl.zeros_like(v))
+    else:
+        off, ok = _kv_offsets(kv_indices, page_base, n0, kvh, stride_p, stride_t, stride_h, hi,
+                              BLOCK, PAGE_SIZE, MASKED)
+        if MASKED:
+            v = tl.load(V + off[:, None] + d[None, :], mask=ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+        elif HEAD_DIM == d.shape[0]:
+            v = tl.load(V + off[:, None] + d[None, :])
+        else:
+            v = tl.load(V + off[:, None] + d[None, :], mask=(d[None, :] < HEAD_DIM), other=0.0)
+    return v
+
+
+@triton.jit
+def attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i, l_i, acc, qk_scale, soft_cap,
+                 stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                 BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_TMA: tl.constexpr,
+                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 UPCAST: tl.constexpr, KV_FP8: tl.constexpr, P_DTYPE: tl.constexpr):
+    """Keys ``n0 .. n0+BLOCK`` of KV head ``kvh`` into the online softmax ``(m_i, l_i, acc)`` (base 2).
+
+    ``qk_scale``: softmax scale times log2(e) (``SOFT_CAP``: the plain softmax scale; logits become
+    ``cap * tanh(s * scale / cap)``). Not ``MASKED``: every key is visible and below ``hi``, no mask
+    work. ``MASKED``: keys with ``n > pos[row]`` (``CAUSAL``, the diagonal) or ``n >= hi`` (else: the
+    ragged end of a split) are hidden. Shared by the prefill and decode kernels."""
+    k = _load_k(K, K_desc, kv_indices, page_base, n0, kvh, stride_kp, stride_kt, stride_kh, hi, d,
+                BLOCK, HEAD_DIM, PAGE_SIZE, PAGE_TMA, MASKED)
+    if KV_FP8:  # dequantize: the scale is in qk_scale
+        k = k.to(P_DTYPE)
+    if UPCAST:
+        k = k.to(tl.float32)
+    s = tl.dot(q, k, input_precision=DOT_PRECISION)
+    if SOFT_CAP:
+        s = soft_cap * _tanh(s * (qk_scale / soft_cap)) * 1.4426950408889634
+    if MASKED:
+        n = n0 + tl.arange(0, BLOCK)
+        if not SOFT_CAP:
+            s = s * qk_scale
+        if CAUSAL:
+            s = tl.where(n[None, :] <= pos[:, None], s, float("-inf"))
+        else:
+            s = tl.where((n < hi)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+    elif SOFT_CAP:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+    else:  # the scale folded into one FMA
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load_v(V, V_desc, kv_indices, page_base, n0, kvh, stride_vp, stride_vt, stride_vh, hi, d,
+                BLOCK, HEAD_DIM, PAGE_SIZE, PAGE_TMA, MASKED)
+    if KV_FP8:
+        v = v.to(P_DTYPE)
+    p = p.to(P_DTYPE)
+    if UPCAST:
+        p = p.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def prefill_kernel(
+    Q, K, V, O, LSE, K_desc, V_desc,
+    qo_indptr, kv_indptr, kv_indices, kv_lens, tile_req, tile_qstart, K_SCALE, V_SCALE,
+    num_tiles, sm_scale,
+    stride_qt, stride_qh,
+    stride_kp, stride_kt, stride_kh,
+    stride_vp, stride_vt, stride_vh,
+    stride_ot, stride_oh,
+    stride_lt, stride_lh,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIAG_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    PAGE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr,
+    STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
+):
+    """Grid ``(num_tiles, Hkv)``. Causal (bottom-right aligned), no split.
+
+    Q ``[T, Hq, D]``; K/V paged caches (strides given; ``K_desc`` / ``V_desc``: 4-D tensor descriptors
+    ``[pages, PAGE_SIZE, Hkv, D]`` with block ``[1, BLOCK_N, 1, D]`` when ``PAGE_TMA``, else unused);
+    O ``[T, Hq, D]``; LSE ``[T, Hq]`` natural log (``STORE_LSE``).
+    """
+    tile = num_tiles - 1 - tl.program_id(0)  # longest causal tiles first (see the module docstring)
+    kvh = tl.program_id(1)
+
+    b = tl.load(tile_req + tile)
+    q0 = tl.load(tile_qstart + tile)
+    q_start = tl.load(qo_indptr + b)
+    q_len = tl.load(qo_indptr + b + 1) - q_start
+    kv_len = tl.load(kv_lens + b)
+    page_base = tl.load(kv_indptr + b)
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q0 + rows // GROUP
+    head = kvh * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    pos = kv_len - q_len + tok  # absolute position of each query row
+    d = tl.arange(0, BLOCK_D)
+
+    q_ptrs = Q + (q_start + tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    P_DTYPE: tl.constexpr = q.dtype
+    if UPCAST:
+        q = q.to(tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(K_SCALE)
+
+    pos0 = kv_len - q_len + q0  # the tile's first row: keys [0, pos0] are visible to every row
+    hi = tl.minimum(kv_len, pos0 + BLOCK_Q)
+    free_hi = (pos0 + 1) // BLOCK_N * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Phase 1: whole blocks below the diagonal: no mask work.
+    for n0 in tl.range(0, free_hi, BLOCK_N, num_stages=NUM_STAGES):
+        m_i, l_i, acc = attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i, l_i, acc,
+                                     qk_scale, 0.0, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                                     BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGE_TMA, False, True, False, DOT_PRECISION, UPCAST,
+                                     KV_FP8, P_DTYPE)
+    # Phase 2: the diagonal (and the ragged end of the keys), masked, in DIAG_N-key blocks.
+    DIAG_TMA: tl.constexpr = PAGE_TMA and DIAG_N == BLOCK_N
+    for n0 in tl.range(free_hi, hi, DIAG_N, num_stages=2):
+        m_i, l_i, acc = attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i, l_i, acc,
+                                     qk_scale, 0.0, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                                     DIAG_N, HEAD_DIM, PAGE_SIZE, DIAG_TMA, True, True, False, DOT_PRECISION, UPCAST,
+                                     KV_FP8, P_DTYPE)
+
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if KV_FP8:
+        out = out * tl.load(V_SCALE)
+    t_glob = (q_start + tok).to(tl.int64)
+    o_ptrs = O + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
+    if STORE_LSE:
+        lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(LSE + t_glob * stride_lt + head * stride_lh, lse2 * 0.6931471805599453, mask=row_ok)

@@ -1,0 +1,80 @@
+"""Tile configurations of the triton provider, per (head_dim bucket, GQA group, query bucket).
+
+Read by :meth:`attnplug.core.providers.triton.TritonProvider.plan` (no autotuning in the serving
+path). ``benchmarks/sweep_triton.py`` measures candidates on the GPU and rewrites :data:`TILES`
+(the block between the markers below); the seeds are the 2026-11-29 H200 choices
+(``benchmarks/results/h200-sweep-triton-2026-11-29.jsonl``, ``benchmarks/NOTES.md`` v1/v2), so a
+table that nothing re-measured behaves as the provider did before the table existed.
+
+Keys are ``"d{D}/g{G}/{bucket}"``: ``D`` = the head dim rounded up to 64 / 128 / 256, ``G`` = the
+GQA group rounded up to a power of two, or ``*`` for any group (an exact group wins). Buckets:
+
+* ``prefill``: queries fill a ``block_m`` tile (``max_q_len * G >= block_m``), no custom mask;
+* ``short``: shorter queries (the tile shrinks to ``next_pow2(max_q_len * G)`` rows);
+* ``verify``: a custom mask (tree verify);
+* ``decode``: one query token per request and ``B * Hkv >= SMs`` (no split);
+* ``decode_split``: one token, ``16 <= B * Hkv < SMs`` (split-KV); ``decode_tiny``: ``B * Hkv < 16``.
+
+Entry fields (all optional): ``kernel`` (``"paged"``: :mod:`.attention`; ``"prefill"``:
+:mod:`.prefill`, causal without mask / window / soft cap; ``"decode"``: :mod:`.decode`),
+``block_m``, ``block_n``, ``num_warps``, ``num_stages``; ``prefill``: ``diag_n`` (diagonal block),
+``tma`` (tensor-descriptor K/V loads when the page size is a multiple of ``block_n``); split buckets:
+``ctas_per_sm`` (split so that ``B * Hkv * splits`` reaches this many programs per SM),
+``max_splits``, ``min_split_keys``, ``fused_merge`` (``decode`` kernel: the last split merges);
+``small_tiles_from_splits`` (seed only: the tile fields apply from this many splits on, below it
+the ``decode_split`` tiles do: the 2026-11-29 rule).
+"""
+
+from __future__ import annotations
+
+# ---- BEGIN TILES (rewritten by benchmarks/sweep_triton.py) ----
+TILES: dict[str, dict] = {
+    # seeds: the 2026-11-29 H200 sweep (d128, Llama-3-8B shapes); d > 128 halves the tiles to fit shared memory
+    "d64/g*/decode": {"kernel": "paged", "block_n": 128, "num_warps": 4, "num_stages": 3},
+    "d64/g*/decode_split": {"kernel": "paged", "block_n": 128, "num_warps": 4, "num_stages": 3, "ctas_per_sm": 2},
+    "d64/g*/decode_tiny": {"kernel": "paged", "block_n": 64, "num_warps": 2, "num_stages": 2, "ctas_per_sm": 4,
+                           "small_tiles_from_splits": 32},
+    "d64/g*/prefill": {"kernel": "paged", "block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 3},
+    "d64/g*/short": {"kernel": "paged", "block_n": 32, "num_warps": 4, "num_stages": 3},
+    "d64/g*/verify": {"kernel": "paged", "block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
+    "d128/g*/decode": {"kernel": "paged", "block_n": 128, "num_warps": 4, "num_stages": 3},
+    "d128/g*/decode_split": {"kernel": "paged", "block_n": 128, "num_warps": 4, "num_stages": 3, "ctas_per_sm": 2},
+    "d128/g*/decode_tiny": {"kernel": "paged", "block_n": 64, "num_warps": 2, "num_stages": 2, "ctas_per_sm": 4,
+                            "small_tiles_from_splits": 32},
+    "d128/g*/prefill": {"kernel": "paged", "block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 3},
+    "d128/g*/short": {"kernel": "paged", "block_n": 32, "num_warps": 4, "num_stages": 3},
+    "d128/g*/verify": {"kernel": "paged", "block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
+    "d256/g*/decode": {"kernel": "paged", "block_n": 64, "num_warps": 4, "num_stages": 2},
+    "d256/g*/decode_split": {"kernel": "paged", "block_n": 64, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 2},
+    "d256/g*/decode_tiny": {"kernel": "paged", "block_n": 64, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 4},
+    "d256/g*/prefill": {"kernel": "paged", "block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2},
+    "d256/g*/short": {"kernel": "paged", "block_n": 32, "num_warps": 4, "num_stages": 2},
+    "d256/g*/verify": {"kernel": "paged", "block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2},
+}
+# ---- END TILES ----
+
+BUCKETS = ("prefill", "short", "verify", "decode", "decode_split", "decode_tiny")
+
+
+def head_dim_bucket(head_dim: int) -> int:
+    """64, 128 or 256: the power of two the head dim is padded to (at least 64)."""
+    return 64 if head_dim <= 64 else (128 if head_dim <= 128 else 256)
+
+
+def group_bucket(group: int) -> int:
+    """The GQA group rounded up to a power of two."""
+    return 1 << max(0, group - 1).bit_length()
+
+
+def key(head_dim: int, group: int | str, bucket: str) -> str:
+    g = group if group == "*" else group_bucket(int(group))
+    return f"d{head_dim_bucket(head_dim)}/g{g}/{bucket}"
+
+
+def lookup(head_dim: int, group: int, bucket: str, table: dict | None = None) -> dict:
+    """The entry for this shape: the exact group's, else the any-group one, else ``{}``."""
+    t = TILES if table is None else table
+    e = t.get(key(head_dim, group, bucket))
+    if e is None:
+        e = t.get(key(head_dim, "*", bucket))
+    return e or {}

@@ -1,0 +1,258 @@
+"""The triton provider's Hopper paths, forced through its tile table, against the float32 reference:
+the causal prefill kernel (``kernels/prefill.py``: mask-free blocks + masked diagonal, longest-first
+tile order, per-key page gather or tensor-descriptor pages) and the split-KV decode kernel
+(``kernels/decode.py``: unmasked stream, ragged tail, fused last-arriver merge with self-resetting
+counters), plus the table plumbing (bucket choice, split policy, seeds = the 2026-11-29 behaviour).
+
+On CPU these run under the Triton interpreter; on a CUDA machine compiled. The provider's SM count is
+set to the H200's 132 so the decode buckets and split counts are the GPU's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+from attnplug.core import AttentionConfig, BatchMetadata, ForwardMode, PagedAttention
+from attnplug.core.cuda_graph import GraphState
+from attnplug.core.kernels import tiles
+from attnplug.core.kv_layout import quantize_fp8
+from attnplug.core.plan import make_plan
+from attnplug.core.reference import reference_attention
+
+from batches import assert_close_per_request_head, random_case, rel_err, triton_launch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+H200_SMS = 132
+
+
+@contextlib.contextmanager
+def table(entries: dict):
+    """Tile-table entries in force inside the block (the rest of the table unchanged)."""
+    saved = dict(tiles.TILES)
+    tiles.TILES.update(entries)
+    try:
+        yield
+    finally:
+        tiles.TILES.clear()
+        tiles.TILES.update(saved)
+
+
+def run_case(c, entries, lse_too=True, scales=None, **plan_kwargs):
+    """Plan + run ``c`` with ``entries`` in the table; compare with the reference; return the plan."""
+    with table(entries):
+        attn = PagedAttention(c.config, "triton", DEVICE)
+        attn.provider._sms = H200_SMS
+        plan = attn.plan(c.batch, num_pages=c.num_pages, **plan_kwargs)
+    lse = torch.full((c.q.shape[0], c.config.num_qo_heads), math.nan, device=DEVICE) if lse_too else None
+    out = torch.full_like(c.q, math.nan)
+    attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=lse, **(scales or {}))
+    sc = (scales["k_scale"], scales["v_scale"]) if scales else ()
+    ref, ref_lse = reference_attention(plan, c.q, c.k_cache, c.v_cache, *sc)  # fp8: on the dequantized cache
+    assert not torch.isnan(out).any(), "NaN in output"
+    tol = None
+    if scales:  # V spans ~+-10 there: abs scaled to the values (as tests/core/test_fp8.py)
+        t = {torch.bfloat16: dict(rel=2e-2, abs=4e-2), torch.float16: dict(rel=4e-3, abs=4e-3)}[c.config.dtype]
+        tol = dict(rel=t["rel"], abs=t["abs"] * max(1.0, float(ref.abs().max())))
+    assert_close_per_request_head(out, ref, c.batch.qo_indptr, c.config.dtype, "fast path vs reference", tol)
+    if lse_too:
+        fin = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), fin), "LSE finiteness differs from reference"
+        assert rel_err(lse[fin], ref_lse[fin]) <= 1e-4
+    return plan
+
+
+def cfg(hq=8, hkv=2, d=64, page=16, dtype=torch.bfloat16, **kw):
+    return AttentionConfig(hq, hkv, d, page, dtype, **kw)
+
+
+def prefill_entry(c, **kw):
+    e = {"kernel": "prefill", "block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 3}
+    e.update(kw)
+    return {tiles.key(c.head_dim, c.group_size, "prefill"): e}
+
+
+# ---- prefill kernel ---------------------------------------------------------------------------
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+@pytest.mark.parametrize("page,dtype,group", [(1, BF16, 4), (16, FP32, 1), (16, BF16, 4), (64, BF16, 1), (64, FP32, 4)])
+def test_prefill_ragged(page, dtype, group):
+    """Ragged extends over cached prefixes (prefix 0 = plain prefill), random page tables, tiles
+    ending mid-request, a one-token request (its tile is mostly padding rows)."""
+    c = random_case(ForwardMode.EXTEND, [37, 70, 1, 19], [0, 50, 33, 130], cfg(2 * group, 2, page=page, dtype=dtype),
+                    DEVICE, seed=page + group)  # fmt: skip
+    plan = run_case(c, prefill_entry(c.config, block_m=max(16, 4 * group)))
+    launch = triton_launch(plan)
+    assert launch["kernel"] == "prefill" and launch["num_splits"] == 1 and launch["num_tiles"] > 4
+
+
+@pytest.mark.parametrize("block_n,diag_n", [(32, 32), (32, 16), (64, 16)])
+def test_prefill_blocks_and_diagonal(block_n, diag_n):
+    """Whole mask-free blocks, then a diagonal loop with smaller blocks; key counts that are not a
+    multiple of either (the last block of the diagonal is partly past kv_len)."""
+    c = random_case(ForwardMode.EXTEND, [93, 64, 7], [0, 61, 200], cfg(8, 2, d=64), DEVICE, seed=block_n + diag_n)
+    plan = run_case(c, prefill_entry(c.config, block_m=64, block_n=block_n, diag_n=diag_n))
+    assert triton_launch(plan)["kernel"] == "prefill"
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("page,block_n", [(64, 32), (32, 32)])
+def test_prefill_tensor_descriptor_pages(layout, page, block_n):
+    """Page size a multiple of block_n: K/V blocks through 4-D tensor descriptors (TMA on Hopper)."""
+    c = random_case(ForwardMode.EXTEND, [45, 80], [0, 100], cfg(8, 2, d=64, page=page, kv_layout=layout), DEVICE,
+                    seed=page)  # fmt: skip
+    plan = run_case(c, prefill_entry(c.config, block_m=64, block_n=block_n, tma=True))
+    assert plan.state.tma and triton_launch(plan)["kernel"] == "prefill"
+
+
+@pytest.mark.parametrize("d", [80, 256])
+def test_prefill_head_dims(d):
+    c = random_case(ForwardMode.EXTEND, [40, 9], [3, 70], cfg(4, 2, d=d, dtype=torch.float16), DEVICE, seed=d)
+    plan = run_case(c, prefill_entry(c.config, block_m=32, block_n=16))
+    assert triton_launch(plan)["kernel"] == "prefill"
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_prefill_fp8_kv(kv_dtype):
+    """fp8 KV: dequantized on load, k_scale in the softmax scale, v_scale on the output."""
+    base = cfg(8, 2, d=64)
+    c = random_case(ForwardMode.EXTEND, [50, 20], [10, 90], base, DEVICE, seed=5)
+    ks, vs = torch.tensor([4 / 100], device=DEVICE), torch.tensor(3 / 60, device=DEVICE)
+    c.k_cache = quantize_fp8(c.k_cache.float() * 4, ks, kv_dtype)
+    c.v_cache = quantize_fp8(c.v_cache.float() * 3, vs, kv_dtype)
+    c.config = cfg(8, 2, d=64, kv_dtype=kv_dtype)
+    plan = run_case(c, prefill_entry(c.config, block_m=32, block_n=16), scales={"k_scale": ks, "v_scale": vs})
+    assert triton_launch(plan)["kernel"] == "prefill"
+
+
+def planned_kernel(config, batch, entries, **plan_kwargs) -> dict:
+    """The triton launch choices for ``batch`` with ``entries`` in the table (plan only, no run)."""
+    with table(entries):
+        attn = PagedAttention(config, "triton", DEVICE)
+        attn.provider._sms = H200_SMS
+        return triton_launch(attn.plan(batch, num_pages=int(batch.kv_indices.max()) + 1, **plan_kwargs))
+
+
+def lengths_batch(mode, q_lens, kv_lens, page=16) -> BatchMetadata:
+    """Metadata only (identity page table), for plan-level checks of large shapes."""
+    n = [-(-k // page) for k in kv_lens]
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    return BatchMetadata(mode, i32([0] + q_lens).cumsum(0).to(torch.int32), i32([0] + n).cumsum(0).to(torch.int32),
+                         torch.arange(sum(n), dtype=torch.int32), i32([(k - 1) % page + 1 for k in kv_lens]))
+
+
+def test_prefill_kernel_only_where_it_applies():
+    """Window, soft cap, a custom mask, kv_start or a split keep the general kernel."""
+    b = lengths_batch(ForwardMode.EXTEND, [40, 30], [40, 90])
+    for kw in ({"window_left": 20}, {"logits_soft_cap": 30.0}, {}):
+        c = cfg(8, 2, **kw)
+        assert planned_kernel(c, b, prefill_entry(c))["kernel"] == ("prefill" if not kw else "paged")
+    assert planned_kernel(cfg(8, 2), b, prefill_entry(cfg(8, 2)), num_kv_splits=2)["kernel"] == "paged"
+    kv_start = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    assert planned_kernel(cfg(8, 2), b, prefill_entry(cfg(8, 2)), kv_start=kv_start)["kernel"] == "paged"
+    c = random_case(ForwardMode.TARGET_VERIFY, [8, 8], [40, 9], cfg(8, 2), DEVICE, seed=2)
+    assert planned_kernel(c.config, c.batch, prefill_entry(c.config))["kernel"] == "paged"
+
+
+# ---- decode kernel ------------------------------------------------------------------------------
+def decode_entries(c, fused=True, **kw):
+    e = {"kernel": "decode", "block_n": 32, "num_warps": 4, "num_stages": 3, "fused_merge": fused}
+    e.update(kw)
+    return {tiles.key(c.head_dim, c.group_size, b): dict(e) for b in ("decode", "decode_split", "decode_tiny")}
+
+
+@pytest.mark.parametrize("fused,page,dtype", [(True, 1, BF16), (True, 16, FP32), (False, 16, BF16), (False, 1, FP32)])
+def test_decode_split(fused, page, dtype):
+    """Long ragged contexts split over programs (ends not on block or chunk boundaries), merged in the
+    kernel by the last split (``fused``) or by merge_splits; counters are zero after the launch."""
+    c = random_case(ForwardMode.DECODE, [1] * 3, [40, 1499, 3001], cfg(8, 2, page=page, dtype=dtype), DEVICE, seed=page)
+    plan = run_case(c, decode_entries(c.config, fused, ctas_per_sm=1))
+    launch = triton_launch(plan)
+    assert launch["kernel"] == "decode" and launch["num_splits"] > 1
+    if fused:
+        assert plan.state.counters is not None and not plan.state.counters.any()
+
+
+@pytest.mark.parametrize("group", [1, 8])
+def test_decode_groups_and_forced_splits(group):
+    c = random_case(ForwardMode.DECODE, [1] * 4, [0, 37, 16, 300], cfg(2 * group, 2, d=32), DEVICE, seed=group)
+    for splits in (1, 5):
+        plan = run_case(c, decode_entries(c.config), num_kv_splits=splits)
+        assert triton_launch(plan)["num_splits"] == splits and triton_launch(plan)["kernel"] == "decode"
+
+
+@pytest.mark.parametrize("kw", [{"window_left": 50}, {"logits_soft_cap": 20.0}, {"kv_layout": "HND"}])
+def test_decode_window_softcap_layout(kw):
+    c = random_case(ForwardMode.DECODE, [1] * 3, [10, 700, 1200], cfg(8, 2, **kw), DEVICE, seed=7)
+    plan = run_case(c, decode_entries(c.config), num_kv_splits=3)
+    assert triton_launch(plan)["kernel"] == "decode"
+
+
+def test_decode_fp8_kv():
+    base = cfg(8, 2, d=64)
+    c = random_case(ForwardMode.DECODE, [1] * 3, [10, 700, 1200], base, DEVICE, seed=8)
+    ks, vs = torch.tensor([4 / 100], device=DEVICE), torch.tensor(3 / 60, device=DEVICE)
+    c.k_cache = quantize_fp8(c.k_cache.float() * 4, ks, torch.float8_e4m3fn)
+    c.v_cache = quantize_fp8(c.v_cache.float() * 3, vs, torch.float8_e4m3fn)
+    c.config = cfg(8, 2, d=64, kv_dtype=torch.float8_e4m3fn)
+    plan = run_case(c, decode_entries(c.config), scales={"k_scale": ks, "v_scale": vs}, num_kv_splits=4)
+    assert triton_launch(plan)["kernel"] == "decode"
+
+
+def test_decode_under_graph_state():
+    """GraphState with the fused decode: static counters, padded replays equal eager, counters stay 0."""
+    c0 = cfg(4, 2, d=32, page=16)
+    with table(decode_entries(c0)):
+        gs = GraphState(c0, "triton", max_batch=4, max_tokens=4, max_pages=300, device=DEVICE, mode="decode",
+                        pad_page=3, num_kv_splits=3)  # fmt: skip
+        plan = gs.prepare_capture(3)
+    assert triton_launch(plan)["kernel"] == "decode" and plan.state.counters is not None
+    for B, seed in ((2, 1), (3, 2)):
+        c = random_case(ForwardMode.DECODE, [1] * B, [40 * seed, 500, 90][:B], c0, DEVICE, seed=seed, extra_pages=4)
+        c.k_cache[3], c.v_cache[3] = 0.5, 0.25
+        with table(decode_entries(c0)):
+            assert gs.update(c.batch, 3) is plan
+        q = torch.cat([c.q, torch.randn(3 - B, *c.q.shape[1:]).to(c.q)])
+        out = torch.full_like(q, math.nan)
+        gs.run(3, q, c.k_cache, c.v_cache, out)
+        ref, _ = reference_attention(make_plan(c0, c.batch, c.num_pages, device=DEVICE), c.q, c.k_cache, c.v_cache)
+        assert rel_err(out[:B], ref) < 1e-2
+        assert torch.isfinite(out[B:]).all()
+        assert not plan.state.counters.any()
+
+
+# ---- the table ----------------------------------------------------------------------------------
+def test_seed_table_keeps_the_2026_11_29_choices():
+    """With the seeds, the provider picks what it picked before the table: the general kernel, the
+    swept block sizes, 64 splits of small tiles at 1x32768, 3 splits at 16x16384."""
+    llama = AttentionConfig(32, 8, 128, 16, torch.bfloat16)
+
+    def plan(mode, q, kv):
+        return planned_kernel(llama, lengths_batch(mode, q, kv), {})
+
+    p = plan(ForwardMode.EXTEND, [300, 200], [300, 250])
+    assert (p["kernel"], p["block_m"], p["block_n"]) == ("paged", 128, 32)
+    p = plan(ForwardMode.DECODE, [1], [32768])
+    assert (p["kernel"], p["num_splits"], p["block_n"]) == ("paged", 64, 64)
+    p = plan(ForwardMode.DECODE, [1] * 4, [32768] * 4)  # 32 programs: 9 splits, below the small-tile rule
+    assert (p["kernel"], p["num_splits"], p["block_n"]) == ("paged", 9, 128)
+    p = plan(ForwardMode.DECODE, [1] * 16, [16384] * 16)
+    assert (p["kernel"], p["num_splits"], p["block_n"]) == ("paged", 3, 128)
+    p = plan(ForwardMode.DECODE, [1] * 64, [4096] * 64)
+    assert (p["kernel"], p["num_splits"], p["block_n"]) == ("paged", 1, 128)
+    p = plan(ForwardMode.TARGET_VERIFY, [64] * 2, [4160] * 2)
+    assert (p["kernel"], p["block_m"], p["block_n"]) == ("paged", 128, 32)  # no mask here: the prefill tiles
+
+
+def test_table_keys_and_lookup():
+    assert tiles.key(128, 4, "prefill") == "d128/g4/prefill" and tiles.key(96, 3, "decode") == "d128/g4/decode"
+    assert tiles.key(256, "*", "verify") == "d256/g*/verify" and tiles.key(40, 1, "short") == "d64/g1/short"
+    t = {"d128/g*/prefill": {"block_n": 32}, "d128/g4/prefill": {"block_n": 64}}
+    assert tiles.lookup(128, 4, "prefill", t) == {"block_n": 64} and tiles.lookup(128, 8, "prefill", t) == {"block_n": 32}
+    assert tiles.lookup(64, 4, "prefill", t) == {}
+    for k, e in tiles.TILES.items():  # every entry names a known bucket and kernel
+        assert k.split("/")[2] in tiles.BUCKETS and e.get("kernel", "paged") in ("paged", "prefill", "decode"), k
