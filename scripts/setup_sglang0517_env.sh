@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Build (idempotently) a CPU-only SGLang 0.5.17 test environment in .venvs/sglang0517 (the SGLang
-# release of the H200 image: torch 2.11 there). NOT part of scripts/test.sh (CI time); run by hand:
+# release of the H200 image: torch 2.11 there). scripts/test.sh (suite sglang0517) runs the adapter unit
+# tests in it (test_backend_unit, test_graph_and_draft, test_register); the whole suite by hand:
 #   bash scripts/setup_sglang0517_env.sh
 #   .venvs/sglang0517/bin/python -m pytest tests/sglang -q -p no:cacheprovider -rs
+# (test_contract_sglang.py is written against 0.5.23's sources and fails on 0.5.17.)
 # The recipe of scripts/setup_sglang_env.sh (torch 2.14.1 on CPU, SGLang's pure-Python deps from
 # tests/sglang/requirements-cpu.txt, sglang with --no-deps, no GPU packages), then the pins where
 # sglang 0.5.17 differs from 0.5.23 (transformers, xgrammar, openai, timm) and sglang==0.5.17.

@@ -1,8 +1,8 @@
 """SGLang test environment (CPU): run with ``.venvs/sglang/bin/python -m pytest tests/sglang -q``.
 
 Build the venv with ``scripts/setup_sglang_env.sh`` (SGLang 0.5.23; the same suite runs against
-SGLang 0.5.17 in ``.venvs/sglang0517``, built by ``scripts/setup_sglang0517_env.sh``, not part of
-``scripts/test.sh``). Outside an SGLang venv (no ``sglang``) the whole
+SGLang 0.5.17 in ``.venvs/sglang0517``, built by ``scripts/setup_sglang0517_env.sh``; ``scripts/test.sh``
+runs the adapter unit tests there, suite ``sglang0517``). Outside an SGLang venv (no ``sglang``) the whole
 directory is skipped at collection. Sets, for this process and the subprocesses the tests start:
 ``SGLANG_USE_CPU_ENGINE=1`` (SGLang's CPU platform), ``HF_HUB_OFFLINE=1``, and puts the TEST-ONLY
 ``sgl_kernel_shim`` on the path (the real sgl_kernel wheel is CUDA-only). ``TRITON_INTERPRET`` is

@@ -24,6 +24,13 @@ from attnplug.tiny_model import test_prompts as tiny_prompts
 pytestmark = pytest.mark.sglang
 
 MAX_NEW = 16
+NUM_LAYERS = 2  # attnplug.tiny_model
+
+
+def check_layer_runs(m: dict) -> None:
+    """Exact: every counted forward ran all NUM_LAYERS layers through attnplug. The marker is written
+    when a forward is planned, before its layers run: the last forward's layer runs are not in it."""
+    assert m["layer_runs"] == NUM_LAYERS * (sum(m["forwards"].values()) - 1), m
 WAVES = [[0, 1, 3, 4], [2]]  # prompt 2 shares 96 tokens (+BOS) with prompt 1, which finishes first
 SHARED = 97
 
@@ -96,8 +103,9 @@ def test_engine_attnplug_triton_matches_torch_native_and_hf(engine_runs, hf_gree
     (m,) = _markers(markers[run])
     assert m["backend"] == "attnplug_triton" and m["provider"] == "triton" and m["page_size"] == page
     assert m["triton_interpret"] == "1"  # switched on by the backend itself (not in the test env)
-    assert m["forwards"].get("EXTEND", 0) >= 2 and m["forwards"].get("DECODE", 0) >= MAX_NEW - 1
-    assert m["layer_runs"] >= 2 * sum(m["forwards"].values()) - 2
+    # per mode: one prefill forward and MAX_NEW - 1 decode forwards per wave
+    assert m["forwards"] == {"EXTEND": len(WAVES), "DECODE": len(WAVES) * (MAX_NEW - 1)}, m
+    check_layer_runs(m)
     assert m["max_cached_prefix"] >= SHARED // page * page
 
 
@@ -115,6 +123,7 @@ def test_launch_server_http_generate(tiny_model, prompts, hf_greedy, tmp_path):
     proc = _launch(tiny_model, "attnplug_triton", port, log_path, tmp_path)
     try:
         wait_healthy(proc, f"http://127.0.0.1:{port}", log_path, timeout=300)
+        before = _markers(tmp_path)  # after the server's own warm-up request (if it sends one)
         sp = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
         got = {}
         for wave in WAVES:
@@ -127,8 +136,16 @@ def test_launch_server_http_generate(tiny_model, prompts, hf_greedy, tmp_path):
     assert [got[i]["output_ids"] for i in range(len(prompts))] == hf_greedy
     assert got[2]["meta_info"]["cached_tokens"] == SHARED
     assert "attnplug: attnplug_triton active (provider triton, page 1, layout NHD, dtype float32" in log
-    markers = _markers(tmp_path)
-    assert len(markers) == 1 and markers[0]["layer_runs"] > 0  # the scheduler process ran our backend
+    (m,) = _markers(tmp_path)  # one process (the scheduler) ran our backend, the one selected
+    assert (m["backend"], m["provider"], m["page_size"]) == ("attnplug_triton", "triton", 1), m
+    before = before[0] if before else {"forwards": {}, "pid": m["pid"]}
+    assert before["pid"] == m["pid"], (before, m)
+    # per mode, exact: each wave (one /generate request) is one prefill forward and MAX_NEW - 1 decodes
+    modes = set(m["forwards"]) | set(before["forwards"])
+    delta = {k: m["forwards"].get(k, 0) - before["forwards"].get(k, 0) for k in modes}
+    assert {k: n for k, n in delta.items() if n} == {"EXTEND": len(WAVES), "DECODE": len(WAVES) * (MAX_NEW - 1)}, (before, m)
+    check_layer_runs(m)
+    assert m["max_cached_prefix"] >= SHARED
 
 
 def test_attnplug_flashinfer_fails_at_startup_on_cpu(tiny_model, tmp_path):
@@ -140,8 +157,8 @@ def test_attnplug_flashinfer_fails_at_startup_on_cpu(tiny_model, tmp_path):
         stop_process_group(proc)
     log = log_path.read_text()
     assert rc != 0, log[-4000:]
-    assert "attnplug: backend 'attnplug_flashinfer' cannot start: provider 'flashinfer' is unavailable on cpu" in log
-    assert "Install hint:" in log and "flashinfer-python" in log
+    assert "attnplug: backend 'attnplug_flashinfer' cannot start on cpu: provider 'flashinfer' is unavailable" in log, log[-4000:]
+    assert "To install:" in log and "flashinfer-python" in log
     assert _markers(tmp_path) == []
 
 
