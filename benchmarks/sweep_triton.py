@@ -67,16 +67,19 @@ def prefill_candidates(d: int) -> list[dict]:
     p = lambda bm, bn, w, s, **kw: {"kernel": "prefill", "block_m": bm, "block_n": bn, "num_warps": w, "num_stages": s, **kw}
     if d <= 64:
         return [p(128, bn, w, s) for bn, w, s in ((64, 4, 5), (64, 8, 5), (128, 8, 5), (128, 4, 3), (128, 8, 3), (64, 4, 7),
-                                                 (128, 4, 5))] + [p(128, 128, 8, 5, diag_n=64)]
+                                                 (128, 4, 5))] + [p(128, 128, 8, 5, diag_n=64), p(128, 64, 4, 5, diag_n=0),
+                                                                  p(128, 128, 8, 5, diag_n=0)]
     if d <= 128:
         # 4 warps at 128 rows spill on sm90 (255 registers + stack, sm90_aot.py --stats): 8 warps only
         return [p(128, bn, w, s) for bn, w, s in ((64, 8, 5), (64, 8, 7), (128, 8, 5), (128, 8, 3), (64, 8, 3),
                                                  (64, 8, 6))] + [
             p(128, 128, 8, 5, diag_n=64), p(128, 64, 8, 5, diag_n=32),
+            p(128, 64, 8, 5, diag_n=0), p(128, 128, 8, 5, diag_n=0), p(128, 64, 8, 7, diag_n=0),
             {"kernel": "paged", "block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 5},
             {"kernel": "paged", "block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 5}]
     return [p(bm, bn, w, s) for bm, bn, w, s in ((64, 32, 4, 5), (64, 64, 4, 3), (128, 32, 8, 5), (128, 64, 8, 3),
-                                                 (64, 32, 4, 7), (128, 32, 8, 3))]
+                                                 (64, 32, 4, 7), (128, 32, 8, 3))] + [p(64, 32, 4, 5, diag_n=0),
+                                                                                      p(128, 32, 8, 5, diag_n=0)]
 
 
 def decode_candidates(d: int, split: bool) -> list[dict]:

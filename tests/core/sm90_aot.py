@@ -196,6 +196,7 @@ def record_fast_paths(llama) -> None:
         (llama, ForwardMode.EXTEND, [300, 200], [0, 250], True, {d(llama, "prefill"): pf(128, 64, 8, 5)}),
         (llama, ForwardMode.EXTEND, [300, 200], [0, 250], False, {d(llama, "prefill"): pf(128, 128, 8, 5, diag_n=64)}),
         (llama, ForwardMode.EXTEND, [300, 200], [0, 250], False, {d(llama, "prefill"): pf(128, 64, 4, 3)}),
+        (llama, ForwardMode.EXTEND, [300, 200], [0, 250], False, {d(llama, "prefill"): pf(128, 64, 8, 5, diag_n=0)}),
         (page64, ForwardMode.EXTEND, [300], [100], False, {d(page64, "prefill"): pf(128, 64, 8, 5, tma=True)}),
         (AttentionConfig(32, 8, 128, 16, torch.bfloat16, kv_dtype=e4m3), ForwardMode.EXTEND, [300], [40], False,
          {d(llama, "prefill"): pf(128, 64, 8, 5)}),

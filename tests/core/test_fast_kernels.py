@@ -88,12 +88,17 @@ def test_prefill_ragged(page, dtype, group):
     plan = run_case(c, prefill_entry(c.config, block_m=max(16, 4 * group)))
     launch = triton_launch(plan)
     assert launch["kernel"] == "prefill" and launch["num_splits"] == 1 and launch["num_tiles"] > 4
+    # the tile list ascends in causal work (the kernel runs it backwards: longest first, whole batch)
+    req, q0 = plan.state.tile_req.cpu(), plan.state.tile_qstart.cpu()
+    work = torch.tensor([k - q for k, q in zip(c.kv_lens, c.q_lens)])[req.long()] + q0
+    assert bool((work[1:] >= work[:-1]).all()) and sorted(zip(req.tolist(), q0.tolist())) == sorted(set(zip(req.tolist(), q0.tolist())))
 
 
-@pytest.mark.parametrize("block_n,diag_n", [(32, 32), (32, 16), (64, 16)])
+@pytest.mark.parametrize("block_n,diag_n", [(32, 32), (32, 16), (64, 16), (32, 0), (64, 0)])
 def test_prefill_blocks_and_diagonal(block_n, diag_n):
     """Whole mask-free blocks, then a diagonal loop with smaller blocks; key counts that are not a
-    multiple of either (the last block of the diagonal is partly past kv_len)."""
+    multiple of either (the last block of the diagonal is partly past kv_len). ``diag_n`` 0: one loop,
+    the causal mask behind a branch on the diagonal blocks."""
     c = random_case(ForwardMode.EXTEND, [93, 64, 7], [0, 61, 200], cfg(8, 2, d=64), DEVICE, seed=block_n + diag_n)
     plan = run_case(c, prefill_entry(c.config, block_m=64, block_n=block_n, diag_n=diag_n))
     assert triton_launch(plan)["kernel"] == "prefill"

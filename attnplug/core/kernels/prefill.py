@@ -6,15 +6,18 @@ Used for long-query batches without a custom mask, window, soft cap or KV splits
 ``r`` = token ``r // GROUP``, head ``r % GROUP``), so the provider's plans and CUDA-graph buffers are
 shared; what differs is the inner loop, written for wgmma-sized tiles (``BLOCK_M`` 128, 8 warps):
 
-* **Schedule**: program ``p`` of axis 0 takes tile ``num_tiles - 1 - p``: the tile list is in
-  request order with ascending query starts, so within a request the longest causal tiles (most
-  keys) launch first and the last wave is made of short tiles (the hardware hands out programs in
-  order as SMs free up: a dynamic longest-first schedule, no persistent loop needed). Axis 1 is the
-  KV head, so the programs running together share one request's K/V in L2.
+* **Schedule**: program ``p`` of axis 0 takes tile ``num_tiles - 1 - p`` of a list the provider sorts
+  by causal work (keys a tile sees), ascending: the longest tiles of the whole batch launch first
+  and the last wave is made of short ones (the hardware hands out programs in order as SMs free up:
+  a dynamic longest-first schedule over (request, head group, q tile), no persistent loop needed).
+  Axis 1 is the KV head, so the programs running together share their requests' K/V in L2.
 * **Causal block skipping**: keys ``[0, free_hi)`` that every row of the tile sees are streamed in
   ``BLOCK_N`` blocks with no mask work at all (no compare, no select, no load masks); the diagonal
   keys ``[free_hi, hi)`` (at most ``BLOCK_Q + BLOCK_N - 1`` of them) run a second, masked loop with
-  ``DIAG_N``-key blocks, so little of the masked triangle is computed and thrown away.
+  ``DIAG_N``-key blocks, so little of the masked triangle is computed and thrown away. ``DIAG_N`` 0:
+  one loop over every block instead, the causal select behind a scalar branch taken only on the
+  diagonal blocks (loads masked by ``hi`` throughout): the diagonal's loads are then prefetched like
+  the others instead of stalling the 1-2 iterations of a loop of their own.
 * **Loads**: K/V of a block are gathered through the page table, one page id per key (the ids of a
   block: one small contiguous load); ``PAGE_TMA`` (the page size a multiple of ``BLOCK_N``, the host
   passes 4-D tensor descriptors): a block is one ``[BLOCK_N, D]`` tile of one page, one page id per
@@ -109,15 +112,19 @@ def attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, po
                  stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                  BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_TMA: tl.constexpr,
                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 UPCAST: tl.constexpr, KV_FP8: tl.constexpr, P_DTYPE: tl.constexpr):
+                 UPCAST: tl.constexpr, KV_FP8: tl.constexpr, P_DTYPE: tl.constexpr, diag_from=0,
+                 MASK_FROM: tl.constexpr = False):
     """Keys ``n0 .. n0+BLOCK`` of KV head ``kvh`` into the online softmax ``(m_i, l_i, acc)`` (base 2).
 
     ``qk_scale``: softmax scale times log2(e) (``SOFT_CAP``: the plain softmax scale; logits become
     ``cap * tanh(s * scale / cap)``). Not ``MASKED``: every key is visible and below ``hi``, no mask
     work. ``MASKED``: keys with ``n > pos[row]`` (``CAUSAL``, the diagonal) or ``n >= hi`` (else: the
-    ragged end of a split) are hidden. Shared by the prefill and decode kernels."""
+    ragged end of a split) are hidden. ``MASK_FROM`` (prefill, one loop over all blocks): loads masked
+    by ``hi``, the causal mask applied only when ``n0 >= diag_from`` (a branch on a scalar: blocks below
+    the diagonal skip it). Shared by the prefill and decode kernels."""
+    LOAD_MASK: tl.constexpr = MASKED or MASK_FROM
     k = _load_k(K, K_desc, kv_indices, page_base, n0, kvh, stride_kp, stride_kt, stride_kh, hi, d,
-                BLOCK, HEAD_DIM, PAGE_SIZE, PAGE_TMA, MASKED)
+                BLOCK, HEAD_DIM, PAGE_SIZE, PAGE_TMA, LOAD_MASK)
     if KV_FP8:  # dequantize: the scale is in qk_scale
         k = k.to(P_DTYPE)
     if UPCAST:
@@ -139,12 +146,16 @@ def attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, po
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
     else:  # the scale folded into one FMA
+        if MASK_FROM:
+            if n0 >= diag_from:  # a diagonal block: -inf stays -inf through the scale
+                n = n0 + tl.arange(0, BLOCK)
+                s = tl.where(n[None, :] <= pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         p = tl.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_v(V, V_desc, kv_indices, page_base, n0, kvh, stride_vp, stride_vt, stride_vh, hi, d,
-                BLOCK, HEAD_DIM, PAGE_SIZE, PAGE_TMA, MASKED)
+                BLOCK, HEAD_DIM, PAGE_SIZE, PAGE_TMA, LOAD_MASK)
     if KV_FP8:
         v = v.to(P_DTYPE)
     p = p.to(P_DTYPE)
@@ -211,19 +222,26 @@ def prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # Phase 1: whole blocks below the diagonal: no mask work.
-    for n0 in tl.range(0, free_hi, BLOCK_N, num_stages=NUM_STAGES):
-        m_i, l_i, acc = attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i, l_i, acc,
-                                     qk_scale, 0.0, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                                     BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGE_TMA, False, True, False, DOT_PRECISION, UPCAST,
-                                     KV_FP8, P_DTYPE)
-    # Phase 2: the diagonal (and the ragged end of the keys), masked, in DIAG_N-key blocks.
-    DIAG_TMA: tl.constexpr = PAGE_TMA and DIAG_N == BLOCK_N
-    for n0 in tl.range(free_hi, hi, DIAG_N, num_stages=2):
-        m_i, l_i, acc = attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i, l_i, acc,
-                                     qk_scale, 0.0, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                                     DIAG_N, HEAD_DIM, PAGE_SIZE, DIAG_TMA, True, True, False, DOT_PRECISION, UPCAST,
-                                     KV_FP8, P_DTYPE)
+    if DIAG_N == 0:  # one pipelined loop: the diagonal blocks' loads are prefetched like the others
+        for n0 in tl.range(0, hi, BLOCK_N, num_stages=NUM_STAGES):
+            m_i, l_i, acc = attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i, l_i,
+                                         acc, qk_scale, 0.0, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
+                                         stride_vh, BLOCK_N, HEAD_DIM, PAGE_SIZE, False, False, True, False,
+                                         DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE, free_hi, True)
+    else:
+        # Phase 1: whole blocks below the diagonal: no mask work.
+        for n0 in tl.range(0, free_hi, BLOCK_N, num_stages=NUM_STAGES):
+            m_i, l_i, acc = attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i, l_i,
+                                         acc, qk_scale, 0.0, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
+                                         stride_vh, BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGE_TMA, False, True, False,
+                                         DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE)
+        # Phase 2: the diagonal (and the ragged end of the keys), masked, in DIAG_N-key blocks.
+        DIAG_TMA: tl.constexpr = PAGE_TMA and DIAG_N == BLOCK_N
+        for n0 in tl.range(free_hi, hi, DIAG_N, num_stages=2):
+            m_i, l_i, acc = attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i, l_i,
+                                         acc, qk_scale, 0.0, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
+                                         stride_vh, DIAG_N, HEAD_DIM, PAGE_SIZE, DIAG_TMA, True, True, False,
+                                         DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE)
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]

@@ -277,6 +277,9 @@ class TritonProvider(Provider):
             else:
                 tile_req = np.repeat(np.arange(nreq, dtype=np.int32), counts)
                 tile_q = ((np.arange(num_tiles) - (ends - counts)[tile_req]) * block_q).astype(np.int32)
+                if kernel == "prefill":  # ascending causal work: the kernel runs the list backwards, longest first
+                    order = np.argsort((plan.kv_lens_cpu.numpy() - q_lens)[tile_req] + tile_q, kind="stable")
+                    tile_req, tile_q = tile_req[order], tile_q[order]
             tile_req, tile_q = torch.from_numpy(tile_req), torch.from_numpy(tile_q)
             if static is not None:
                 if num_tiles > static.tile_req.numel():
