@@ -212,6 +212,10 @@ def compile_worker(args):
             done.append((i, key, json.dumps(cand, sort_keys=True), None))
         except Exception as e:  # e.g. out of shared memory: the candidate is dropped
             done.append((i, key, json.dumps(cand, sort_keys=True), f"{type(e).__name__}: {str(e)[:200]}"))
+            try:  # a fault that poisoned the context: leave the rest to the main process
+                torch.zeros(1, device=dev).add_(1).cpu()
+            except Exception:
+                break
     return done
 
 
@@ -274,11 +278,14 @@ def main(argv=None) -> int:
         groups[n * a.jobs // len(todo)].append(t)
     failed = {}
     ctx = mp.get_context("spawn")
-    with ctx.Pool(a.jobs) as pool:
-        for res in pool.imap_unordered(compile_worker, [(rows, g, a.smoke) for g in groups if g]):
-            for i, key, cand, err in res:
-                if err:
-                    failed[(i, cand)] = err
+    try:  # a worker also runs each candidate once: one that faults on the GPU fails there, not here
+        with ctx.Pool(a.jobs) as pool:
+            for res in pool.imap_unordered(compile_worker, [(rows, g, a.smoke) for g in groups if g]):
+                for i, key, cand, err in res:
+                    if err:
+                        failed[(i, cand)] = err
+    except Exception as e:  # a dead worker: what it did not compile compiles below, on first use
+        print(f"sweep: compile workers failed ({e!r}); continuing", flush=True)
     print(f"sweep: compiled in {time.time() - t0:.0f}s, {len(failed)} candidates failed", flush=True)
 
     # 2. time
