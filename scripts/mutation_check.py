@@ -8,7 +8,7 @@ the first failure kills it) in a temporary copy of the repository (``attnplug/``
 the working tree is never modified, whatever happens (Ctrl-C included). Before the mutants, the
 union of the subsets runs once on the unmutated copy: it must pass, or a "kill" would mean nothing.
 
-    .venvs/core/bin/python scripts/mutation_check.py            # all mutations (CI: scripts/test.sh core)
+    .venvs/core/bin/python scripts/mutation_check.py            # all mutations (CI: scripts/test.sh mutation)
     .venvs/core/bin/python scripts/mutation_check.py -k mask     # names containing "mask"
     .venvs/core/bin/python scripts/mutation_check.py --list
 
