@@ -96,6 +96,64 @@ def shared_prefix_prompts(n: int = 5, shared: int = 200, seed: int = 99) -> list
     return [head + [rng.randrange(3, 512) for _ in range(4 + 2 * i)] for i in range(n)]
 
 
+# Tiny configs of the architectures the refusal matrix needs (issue 17 §1): each changes attention in a
+# way the engines route to their attention backend. Common: vocab 512, hidden 256, 2 layers, 4 q heads.
+TINY_KINDS: dict[str, tuple[str, str, dict]] = {
+    # kind: (transformers config class, architecture, config overrides)
+    "mistral_sw": ("MistralConfig", "MistralForCausalLM",  # sliding window 24 (shorter than the long prompts)
+                   dict(num_key_value_heads=2, head_dim=64, intermediate_size=512, sliding_window=24)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",  # logit soft cap + sliding window on alternate layers
+               dict(num_key_value_heads=2, head_dim=64, intermediate_size=512, sliding_window=16,
+                    attn_logit_softcapping=20.0, final_logit_softcapping=30.0, query_pre_attn_scalar=64,
+                    tie_word_embeddings=True)),  # the engines' Gemma2 has no lm_head of its own
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(n_head=4, n_layer=2, tie_word_embeddings=True)),  # ALiBi
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",  # attention sinks (+ sliding window), MoE
+                dict(num_key_value_heads=2, head_dim=64, intermediate_size=256, num_local_experts=4,
+                     num_experts_per_tok=2, sliding_window=16, layer_types=["sliding_attention", "full_attention"])),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",  # MLA; dense MLP (no MoE layer)
+                    dict(num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=None, qk_nope_head_dim=32,
+                         qk_rope_head_dim=16, v_head_dim=32, intermediate_size=512, moe_intermediate_size=128,
+                         n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2, n_shared_experts=1)),
+    "bert": ("BertConfig", "BertModel", dict(intermediate_size=512)),  # encoder-only
+    "whisper": ("WhisperConfig", "WhisperForConditionalGeneration",  # encoder-decoder: cross attention
+                dict(d_model=256, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                     decoder_attention_heads=4, encoder_ffn_dim=512, decoder_ffn_dim=512, vocab_size=51865,
+                     num_mel_bins=80, max_source_positions=1500, max_target_positions=448)),
+}
+
+
+def make_tiny_model(path: str | os.PathLike, kind: str, seed: int = 0) -> Path:
+    """Create (once) a tiny random model of ``kind`` (a key of :data:`TINY_KINDS`, or ``"llama"``) in
+    ``path``: float32, large-variance weights (``initializer_range`` 0.2 where the config has one),
+    no tokenizer (engines run with ``skip_tokenizer_init`` and token ids). Whisper also gets its
+    feature extractor config (the engines' audio processor reads it)."""
+    import torch
+    import transformers
+
+    if kind == "llama":
+        return make_tiny_llama(path, seed)
+    cfg_name, arch, over = TINY_KINDS[kind]
+    path = Path(path)
+    base = dict(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+                initializer_range=0.2, init_std=0.2)  # fmt: skip
+    cfg_dict = {**base, **over}
+    stamp = path / "attnplug_tiny.json"
+    want = {"seed": seed, "kind": kind, **{k: v for k, v in cfg_dict.items()}}
+    if stamp.exists() and json.loads(stamp.read_text()) == want:
+        return path
+    cfg = getattr(transformers, cfg_name)(**cfg_dict)
+    cfg.architectures = [arch]
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(cfg).to(torch.float32)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    if kind == "whisper":
+        transformers.WhisperFeatureExtractor(feature_size=cfg.num_mel_bins).save_pretrained(path)
+    stamp.write_text(json.dumps(want))
+    return path
+
+
 def make_tiny_eagle_draft(path: str | os.PathLike, target: str | os.PathLike, seed: int = 1) -> Path:
     """Create (once) a one-layer EAGLE(-1) draft head with random weights for the tiny Llama in
     ``target`` (vLLM's ``EagleLlamaForCausalLM`` layout: ``embed_tokens``, ``fc [H, 2H]``, one

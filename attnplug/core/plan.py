@@ -130,9 +130,10 @@ def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{name} must be on the host (cpu) or on the plan's device {device}, got {dt}")
 
 
-def _host_index(name: str, t: Any, device: torch.device, numel: int | None = None) -> tuple[torch.Tensor, np.ndarray]:
+def _host_index(name: str, t: Any, device: torch.device, numel: int | None = None,
+                max_numel: int | None = None) -> tuple[torch.Tensor, np.ndarray]:
     """Check one int32 index tensor; returns its contiguous host copy (the input itself when it is a
-    contiguous host tensor) and a numpy view of that copy."""
+    contiguous host tensor) and a numpy view of that copy. ``max_numel`` is checked before any copy."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor of dtype torch.int32, got {type(t).__name__}")
     if t.dtype != torch.int32:
@@ -141,6 +142,8 @@ def _host_index(name: str, t: Any, device: torch.device, numel: int | None = Non
         raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
     if numel is not None and t.shape[0] != numel:
         raise ValueError(f"{name} must have {numel} elements, got {t.shape[0]}")
+    if max_numel is not None and t.shape[0] > max_numel:
+        raise ValueError(f"{name}: {t.shape[0]} pages exceed int32 token counts (at most {max_numel} pages of this size)")
     if not t.is_cpu:
         _check_device(name, t, device)
         t = t.cpu()
@@ -254,7 +257,7 @@ def make_plan(
     if bsz < 0:
         raise ValueError("qo_indptr must have at least 1 element (B+1 with B >= 0)")
     kvp_t, kvp = _host_index("kv_indptr", batch.kv_indptr, device, bsz + 1)
-    idx_t, idx = _host_index("kv_indices", batch.kv_indices, device)
+    idx_t, idx = _host_index("kv_indices", batch.kv_indices, device, max_numel=_I32_MAX // config.page_size)
     last_t, last = _host_index("kv_last_page_len", batch.kv_last_page_len, device, bsz)
     q_lens = qo[1:] - qo[:-1]
     _check_indptr("qo_indptr", qo, q_lens, None)
@@ -262,9 +265,7 @@ def make_plan(
     nnz = idx.shape[0]
     _check_indptr("kv_indptr", kvp, npages, nnz)
 
-    page = config.page_size
-    if nnz * page > _I32_MAX:
-        raise ValueError(f"kv_indices: {nnz} pages of {page} tokens exceed int32 token counts (max {_I32_MAX})")
+    page = config.page_size  # nnz * page <= int32 max: checked by _host_index before any copy
     # every request with pages has kv_last_page_len in 1..page_size, every other one 0:
     # lo = 1 with pages, 0 without; last - lo must lie in [0, lo * (page_size - 1)]
     lo_last = np.minimum(npages, 1)

@@ -1,0 +1,51 @@
+"""Bounded soak (issue 17 §4, CI version of ``python -m attnplug.bench.soak``): 1000 plan/run
+cycles with changing batch shapes (reference provider, tiny shapes: the triton interpreter is too
+slow for a CI loop) and 200 graph replays (triton ``GraphState``: ``update`` / ``update_from_block_table``
++ ``run``); host memory after warm-up must stay within a small fixed slack.
+
+Slack: tracemalloc (Python objects and numpy buffers) 64 KiB - what the live batch and plan of the
+last iteration hold varies with its size; RSS 8 MiB - glibc arenas move in page-sized steps. A leak
+of one small object per iteration (1000 x ~100 B) already exceeds the first.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import pytest
+import torch
+
+from attnplug.bench.soak import soak_graph_replay, soak_plan_run
+from attnplug.core import AttentionConfig
+
+TRACED_SLACK = 64 << 10
+RSS_SLACK = 8 << 20
+CFG = AttentionConfig(2, 1, 16, 16, torch.float32)
+
+
+@pytest.fixture
+def traced():
+    started = not tracemalloc.is_tracing()
+    if started:
+        tracemalloc.start()
+    yield
+    if started:
+        tracemalloc.stop()
+
+
+def _check(summary: dict) -> None:
+    for name, slack in (("traced", TRACED_SLACK), ("rss", RSS_SLACK)):
+        m = summary[name]
+        assert m["growth"] <= slack and m["max_over_warmup"] <= 2 * slack, (name, m)
+
+
+def test_plan_run_cycles_do_not_grow_host_memory(traced):
+    s = soak_plan_run(CFG, "reference", torch.device("cpu"), cycles=1000, warmup=200, sample_every=100, layers=1,
+                      max_batch=4, max_q=8, max_prefix=48)  # fmt: skip
+    _check(s.summary())
+
+
+def test_graph_replays_do_not_grow_host_memory(traced):
+    s = soak_graph_replay(CFG, "triton", torch.device("cpu"), replays=200, warmup=50, sample_every=50, max_batch=2,
+                          max_prefix=30)  # fmt: skip
+    _check(s.summary())
