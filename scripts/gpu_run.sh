@@ -11,7 +11,8 @@
 #       Exits 1 when any of the three steps fails (non-zero exit, timeout: 124); writes
 #       $OUT/summary.txt (one line a step + overall) and $OUT/gpu_run.junit.xml (one case a step;
 #       each pytest step also writes its own junit). ATTNPLUG_GPU_SELFTEST_FAIL=1 adds a failing test
-#       (tests/gpu/test_gpu_selftest.py) to show the non-zero exit.
+#       (tests/gpu/test_gpu_selftest.py) to show the non-zero exit. Overridable: ATTNPLUG_GPU_TEST_PATHS,
+#       ATTNPLUG_GPU_FI_PATHS, ATTNPLUG_GPU_{MAIN,FI,BENCH}_TIMEOUT (s), ATTNPLUG_GPU_BENCH_BUDGET (s).
 #
 # Idempotent: a second call on a still-warm machine skips the install. FlashInfer's JIT cache goes to
 # $FLASHINFER_WORKSPACE_BASE (default /tmp/attnplug-fi), so it is also reused while the machine is warm.
@@ -58,6 +59,10 @@ if [[ ${1:-} == --all ]]; then
   read -ra BENCH <<< "${ATTNPLUG_GPU_BENCH:-python3 -m attnplug.bench}"
   read -ra WARMUP <<< "${ATTNPLUG_GPU_WARMUP:-python3 -m attnplug.bench.jit_warmup}"
   read -ra TEST_PATHS <<< "${ATTNPLUG_GPU_TEST_PATHS:-tests/gpu tests/core}"
+  read -ra FI_PATHS <<< "${ATTNPLUG_GPU_FI_PATHS:-tests/gpu}"
+  # per-step limits (s) and the bench's own time budget, overridable for a session's batched call
+  t_main=${ATTNPLUG_GPU_MAIN_TIMEOUT:-240} t_fi=${ATTNPLUG_GPU_FI_TIMEOUT:-130}
+  t_bench=${ATTNPLUG_GPU_BENCH_TIMEOUT:-150} budget=${ATTNPLUG_GPU_BENCH_BUDGET:-95}
   TIMEOUT_ARGS=()  # per-test timeout when pytest-timeout is installed (it is in the GPU bundle)
   [[ $("${PYTEST[@]}" --help 2>/dev/null || true) == *"--timeout="* ]] && TIMEOUT_ARGS=(--timeout 120)
   summary=$out/summary.txt; : > "$summary"
@@ -75,12 +80,12 @@ if [[ ${1:-} == --all ]]; then
   set +e
   timeout 270 "${WARMUP[@]}" >"$out/jit_warmup.log" 2>&1 &
   warm=$!
-  step pytest_main 240 "$out/pytest_triton_fa3.log" "${PYTEST[@]}" "${TEST_PATHS[@]}" -q -rs -k "not flashinfer" \
+  step pytest_main "$t_main" "$out/pytest_triton_fa3.log" "${PYTEST[@]}" "${TEST_PATHS[@]}" -q -rs -k "not flashinfer" \
     "${TIMEOUT_ARGS[@]}" --junitxml="$out/pytest_triton_fa3.xml"
   wait $warm; echo "jit warm-up exit $? (informational)"; tail -n 20 "$out/jit_warmup.log"
-  step pytest_flashinfer 130 "$out/pytest_flashinfer.log" "${PYTEST[@]}" tests/gpu -q -rs -k flashinfer \
+  step pytest_flashinfer "$t_fi" "$out/pytest_flashinfer.log" "${PYTEST[@]}" "${FI_PATHS[@]}" -q -rs -k flashinfer \
     "${TIMEOUT_ARGS[@]}" --junitxml="$out/pytest_flashinfer.xml"
-  step bench 150 "$out/bench.log" "${BENCH[@]}" --out "$out/bench" --time-budget 95
+  step bench "$t_bench" "$out/bench.log" "${BENCH[@]}" --out "$out/bench" --time-budget "$budget"
   set -e
   failed=0
   for rc in "${rcs[@]}"; do ((rc == 0)) || failed=$((failed + 1)); done

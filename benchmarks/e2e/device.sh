@@ -7,6 +7,8 @@
 #     carry .bundle/vllm/a    bash benchmarks/e2e/device.sh vllm-a     # lanes, random model, vLLM jobs queued
 #     carry .bundle/vllm/b    bash benchmarks/e2e/device.sh vllm-b     # jobs start (+ issue-5 GPU suite)
 #                             bash benchmarks/e2e/device.sh wait [MAX_S]   # until done
+#     or, when both parts were unpacked into /tmp/vsite by earlier calls on the same warm machine:
+#     E2E_BACKENDS="FLASH_ATTN ATTNPLUG_FLASHINFER" E2E_ROWS=0,1 bash benchmarks/e2e/device.sh vllm-warm [MAX_S]
 #   SGLang 0.5.17 (same or another machine):
 #     carry .bundle/sglang/a  bash benchmarks/e2e/device.sh sglang-a   # lanes, model, SGLang jobs queued
 #     carry .bundle/sglang/b  bash benchmarks/e2e/device.sh sglang-b   # SGLang jobs start
@@ -61,6 +63,12 @@ vllm-a)
   vllm_job 0 ATTNPLUG_TRITON $rows; vllm_job $g1 FLASHINFER $rows
   [[ -n ${E2E_FULL:-} ]] && { vllm_job 0 TRITON_ATTN; vllm_job $g1 ATTNPLUG_FA3; }
   $L wait $LANES --max "${max:-15}" --out "$OUT" --results $RES ;;
+vllm-warm)  # both vLLM parts already unpacked into $V by earlier calls on this machine (no carry)
+  [[ -f $V/vllm/__init__.py && -f $V/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so ]] || { echo "vllm-warm: $V incomplete"; exit 1; }
+  setup; touch $V/.ready-a $V/.ready-b
+  rows=${E2E_ROWS:+--rows $E2E_ROWS}
+  for b in ${E2E_BACKENDS:-FLASH_ATTN ATTNPLUG_FLASHINFER}; do vllm_job 0 "$b" $rows; done
+  $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
 vllm-b)
   xz -dc .bundle/vllm/b/deps.tar.xz | tar xf - -C $V &&
     xz -dc .bundle/vllm/b/fa3.so.xz > $V/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so &&
