@@ -105,6 +105,7 @@ TINY_KINDS: dict[str, tuple[str, str, dict]] = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",  # logit soft cap + sliding window on alternate layers
                dict(num_key_value_heads=2, head_dim=64, intermediate_size=512, sliding_window=16,
                     attn_logit_softcapping=20.0, final_logit_softcapping=30.0, query_pre_attn_scalar=64,
+                    hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",  # SGLang reads the latter
                     tie_word_embeddings=True)),  # the engines' Gemma2 has no lm_head of its own
     "bloom": ("BloomConfig", "BloomForCausalLM", dict(n_head=4, n_layer=2, tie_word_embeddings=True)),  # ALiBi
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",  # attention sinks (+ sliding window), MoE

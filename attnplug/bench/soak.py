@@ -214,7 +214,7 @@ def main(argv=None) -> None:
                       graph_replay=dict(max_batch=4, max_prefix=64))  # fmt: skip
     else:  # Llama-3-8B attention, batches of up to 64 requests
         config = AttentionConfig(32, 8, 128, 16, torch.bfloat16)
-        shapes = dict(plan_run=dict(layers=4, max_batch=64, max_q=256, max_prefix=4096),
+        shapes = dict(plan_run=dict(layers=4, max_batch=64, max_q=64, max_prefix=4096),
                       graph_replay=dict(max_batch=64, max_prefix=4096))  # fmt: skip
     provider = args.provider or ("reference" if dev.type == "cpu" else "triton")
     tracemalloc.start()

@@ -73,6 +73,17 @@ def triton_interpreter_active() -> bool:
     return isinstance(tl.standard.sigmoid, InterpretedFunction)
 
 
+def _stable_order(key: np.ndarray) -> np.ndarray:
+    """``np.argsort(key, kind="stable")`` for small non-negative int keys, faster: one plain sort of
+    ``key << 32 | position`` (unique values, so any sort keeps equal keys in position order)."""
+    n = key.shape[0]
+    if n >= 1 << 32 or (n and int(key[key.argmin()]) < 0):
+        return np.argsort(key, kind="stable")
+    packed = (key.astype(np.int64) << 32) | np.arange(n, dtype=np.int64)
+    packed.sort()
+    return packed & 0xFFFFFFFF
+
+
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
@@ -278,7 +289,7 @@ class TritonProvider(Provider):
                 tile_req = np.repeat(np.arange(nreq, dtype=np.int32), counts)
                 tile_q = ((np.arange(num_tiles) - (ends - counts)[tile_req]) * block_q).astype(np.int32)
                 if kernel == "prefill":  # ascending causal work: the kernel runs the list backwards, longest first
-                    order = np.argsort((plan.kv_lens_cpu.numpy() - q_lens)[tile_req] + tile_q, kind="stable")
+                    order = _stable_order((plan.kv_lens_cpu.numpy() - q_lens)[tile_req] + tile_q)
                     tile_req, tile_q = tile_req[order], tile_q[order]
             tile_req, tile_q = torch.from_numpy(tile_req), torch.from_numpy(tile_q)
             if static is not None:
