@@ -5,8 +5,9 @@ shared by every provider) and ``PagedAttention.plan`` per provider, for 64 reque
     python benchmarks/plan_cost.py --device cuda --tag h200  # on a GPU: every provider that is available
 
 Rows: ``make_plan``; ``plan[p]`` = ``PagedAttention(config, p).plan(batch, num_pages=...)`` (options,
-``make_plan``, everything the core adds, the provider's ``plan``); ``provider.plan[p]`` = the
-provider's ``plan`` alone on a plan ``make_plan`` built. Target (issue 14): ``make_plan`` + the triton
+``make_plan``, the shared-prefix (cascade) planner, the provider's ``plan``); ``plan[p, cascade off]``
+the same with ``cascade="off"``; ``provider.plan[p]`` = the provider's ``plan`` alone on a plan
+``make_plan`` built. Target (issue 14): ``make_plan`` + the triton
 provider's ``plan`` <= 100 us for 64 requests.
 
 Method: the batch metadata is host int32 tensors (what the engine adapters pass); each measured
@@ -28,6 +29,7 @@ Workloads (Llama-3-8B attention: 32 q / 8 KV heads, d128, bf16, page 16; lengths
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -167,6 +169,9 @@ def main() -> None:
             p = make_plan(CONFIG, batch, num_pages=num_pages, device=dev)
             fns[f"plan[{name}]"] = lambda attn=attn: attn.plan(batch, num_pages=num_pages)
             fns[f"provider.plan[{name}]"] = lambda attn=attn, p=p: attn.provider.plan(p)
+            if "cascade" in inspect.signature(PagedAttention).parameters:  # the shared-prefix planner's share
+                off = PagedAttention(CONFIG, name, dev, cascade="off")
+                fns[f"plan[{name}, cascade off]"] = lambda off=off: off.plan(batch, num_pages=num_pages)
         row.update(time_calls(fns, args.warmup, args.calls))
         if "provider.plan[triton]" in row:
             row["make_plan+provider.plan[triton]"] = {

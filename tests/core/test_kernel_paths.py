@@ -240,9 +240,10 @@ def test_merge_splits_against_torch(store_lse, dtype):
     w = torch.softmax(lse2 * math.log(2), dim=-1).nan_to_num(0.0)
     want = (part * w[..., None]).sum(2)
     want_lse = torch.logsumexp(lse2 * math.log(2), dim=-1)
-    out = torch.full((T, H, D), math.nan, dtype=dtype)
-    lse = torch.full((T, H), math.nan) if store_lse else None
+    out = torch.full((T, H, D), math.nan, dtype=dtype, device=DEVICE)
+    lse = torch.full((T, H), math.nan, device=DEVICE) if store_lse else None
     merge_splits(part.to(DEVICE), lse2.to(DEVICE), out, lse)
+    out, lse = out.cpu(), (lse.cpu() if store_lse else None)
     qo = torch.arange(T + 1)
     assert_close_per_request_head(out, want, qo, dtype, "merge_splits output")
     assert float(out[2].float().abs().max()) == 0.0
@@ -262,9 +263,10 @@ def test_merge_state_against_torch(with_lse):
     s = torch.logaddexp(sa, sb)
     wa, wb = torch.exp(sa - s).nan_to_num(0.0), torch.exp(sb - s).nan_to_num(0.0)
     want = va * wa[..., None] + vb * wb[..., None]
-    vo = torch.full_like(va, math.nan)
-    so = torch.full_like(sa, math.nan) if with_lse else None
-    merge_state(va, sa, vb, sb, vo, so)
+    vo = torch.full_like(va, math.nan, device=DEVICE)
+    so = torch.full_like(sa, math.nan, device=DEVICE) if with_lse else None
+    merge_state(va.to(DEVICE), sa.to(DEVICE), vb.to(DEVICE), sb.to(DEVICE), vo, so)
+    vo, so = vo.cpu(), (so.cpu() if with_lse else None)
     assert_close_per_request_head(vo, want, torch.arange(T + 1), torch.float32, "merge_state output")
     if with_lse:
         fin = torch.isfinite(s)

@@ -28,28 +28,34 @@ the ``decode_split`` tiles do: the 2026-11-29 rule).
 from __future__ import annotations
 
 # ---- BEGIN TILES (rewritten by benchmarks/sweep_triton.py) ----
-TILES: dict[str, dict] = {
-    # seeds: the 2026-11-29 H200 sweep (d128, Llama-3-8B shapes); d > 128 halves the tiles to fit shared memory
-    "d64/g*/decode": {"kernel": "paged", "block_n": 128, "num_warps": 4, "num_stages": 3},
-    "d64/g*/decode_split": {"kernel": "paged", "block_n": 128, "num_warps": 4, "num_stages": 3, "ctas_per_sm": 2},
-    "d64/g*/decode_tiny": {"kernel": "paged", "block_n": 64, "num_warps": 2, "num_stages": 2, "ctas_per_sm": 4,
-                           "small_tiles_from_splits": 32},
-    "d64/g*/prefill": {"kernel": "paged", "block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 3},
-    "d64/g*/short": {"kernel": "paged", "block_n": 32, "num_warps": 4, "num_stages": 3},
-    "d64/g*/verify": {"kernel": "paged", "block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
-    "d128/g*/decode": {"kernel": "paged", "block_n": 128, "num_warps": 4, "num_stages": 3},
-    "d128/g*/decode_split": {"kernel": "paged", "block_n": 128, "num_warps": 4, "num_stages": 3, "ctas_per_sm": 2},
-    "d128/g*/decode_tiny": {"kernel": "paged", "block_n": 64, "num_warps": 2, "num_stages": 2, "ctas_per_sm": 4,
-                            "small_tiles_from_splits": 32},
-    "d128/g*/prefill": {"kernel": "paged", "block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 3},
-    "d128/g*/short": {"kernel": "paged", "block_n": 32, "num_warps": 4, "num_stages": 3},
-    "d128/g*/verify": {"kernel": "paged", "block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
-    "d256/g*/decode": {"kernel": "paged", "block_n": 64, "num_warps": 4, "num_stages": 2},
-    "d256/g*/decode_split": {"kernel": "paged", "block_n": 64, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 2},
-    "d256/g*/decode_tiny": {"kernel": "paged", "block_n": 64, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 4},
-    "d256/g*/prefill": {"kernel": "paged", "block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2},
-    "d256/g*/short": {"kernel": "paged", "block_n": 32, "num_warps": 4, "num_stages": 2},
-    "d256/g*/verify": {"kernel": "paged", "block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2},
+# sweep of 2026-12-01 on NVIDIA H200, triton 3.6.0: 8 entries chosen
+TILES: dict[str, dict] = {  # fmt: skip
+    'd128/g*/decode': {'kernel': 'paged', 'block_n': 128, 'num_warps': 4, 'num_stages': 3},
+    'd128/g*/decode_split': {'kernel': 'paged', 'block_n': 128, 'num_warps': 4, 'num_stages': 3, 'ctas_per_sm': 2},
+    'd128/g*/decode_tiny': {'kernel': 'paged', 'block_n': 64, 'num_warps': 2, 'num_stages': 2, 'ctas_per_sm': 4, 'small_tiles_from_splits': 32},
+    'd128/g*/prefill': {'kernel': 'paged', 'block_m': 128, 'block_n': 32, 'num_warps': 4, 'num_stages': 3},
+    'd128/g*/short': {'kernel': 'paged', 'block_n': 32, 'num_warps': 4, 'num_stages': 3},
+    'd128/g*/verify': {'kernel': 'paged', 'block_m': 128, 'block_n': 128, 'num_warps': 8, 'num_stages': 3},
+    'd128/g4/decode_tiny': {'block_n': 128, 'ctas_per_sm': 1, 'fused_merge': True, 'kernel': 'decode', 'num_stages': 5, 'num_warps': 4},
+    'd128/g4/prefill': {'block_m': 128, 'block_n': 128, 'kernel': 'prefill', 'num_stages': 3, 'num_warps': 8, 'tma': True},
+    'd256/g*/decode': {'kernel': 'paged', 'block_n': 64, 'num_warps': 4, 'num_stages': 2},
+    'd256/g*/decode_split': {'kernel': 'paged', 'block_n': 64, 'num_warps': 4, 'num_stages': 2, 'ctas_per_sm': 2},
+    'd256/g*/decode_tiny': {'kernel': 'paged', 'block_n': 64, 'num_warps': 4, 'num_stages': 2, 'ctas_per_sm': 4},
+    'd256/g*/prefill': {'kernel': 'paged', 'block_m': 64, 'block_n': 32, 'num_warps': 4, 'num_stages': 2},
+    'd256/g*/short': {'kernel': 'paged', 'block_n': 32, 'num_warps': 4, 'num_stages': 2},
+    'd256/g*/verify': {'kernel': 'paged', 'block_m': 64, 'block_n': 32, 'num_warps': 4, 'num_stages': 2},
+    'd256/g2/decode_split': {'block_n': 64, 'ctas_per_sm': 4, 'fused_merge': False, 'kernel': 'decode', 'num_stages': 5, 'num_warps': 4},
+    'd256/g2/decode_tiny': {'block_n': 32, 'ctas_per_sm': 2, 'fused_merge': True, 'kernel': 'decode', 'num_stages': 7, 'num_warps': 4},
+    'd256/g2/prefill': {'block_m': 128, 'block_n': 64, 'kernel': 'prefill', 'num_stages': 3, 'num_warps': 8},
+    'd64/g*/decode': {'kernel': 'paged', 'block_n': 128, 'num_warps': 4, 'num_stages': 3},
+    'd64/g*/decode_split': {'kernel': 'paged', 'block_n': 128, 'num_warps': 4, 'num_stages': 3, 'ctas_per_sm': 2},
+    'd64/g*/decode_tiny': {'kernel': 'paged', 'block_n': 64, 'num_warps': 2, 'num_stages': 2, 'ctas_per_sm': 4, 'small_tiles_from_splits': 32},
+    'd64/g*/prefill': {'kernel': 'paged', 'block_m': 128, 'block_n': 32, 'num_warps': 4, 'num_stages': 3},
+    'd64/g*/short': {'kernel': 'paged', 'block_n': 32, 'num_warps': 4, 'num_stages': 3},
+    'd64/g*/verify': {'kernel': 'paged', 'block_m': 128, 'block_n': 128, 'num_warps': 8, 'num_stages': 3},
+    'd64/g4/decode_split': {'block_n': 128, 'ctas_per_sm': 2, 'fused_merge': True, 'kernel': 'decode', 'num_stages': 5, 'num_warps': 4},
+    'd64/g4/decode_tiny': {'block_n': 128, 'ctas_per_sm': 1, 'fused_merge': True, 'kernel': 'decode', 'num_stages': 5, 'num_warps': 4},
+    'd64/g4/prefill': {'block_m': 128, 'block_n': 128, 'kernel': 'prefill', 'num_stages': 3, 'num_warps': 4},
 }
 # ---- END TILES ----
 
