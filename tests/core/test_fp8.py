@@ -283,6 +283,24 @@ def test_provider_kv_dtypes_and_refusals():
         fa3_on_cpu(fp16).check_config(fp16)
 
 
+@pytest.mark.parametrize("kv_dtype", [E4M3, E5M2])
+def test_flashinfer_prefill_template_on_fp8_is_fa2_on_hopper(monkeypatch, kv_dtype):
+    """FlashInfer's sm90 ("fa3") prefill template cannot compile a bf16 query over fp8 KV: on an sm90
+    GPU "auto" must pick fa2 for an fp8 cache (and fa3 for a bf16 one); an explicit fa3 is refused."""
+    from attnplug.core.providers.flashinfer import FlashInferProvider
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setitem(__import__("sys").modules, "flashinfer.utils", None)  # capability decides
+    for kv, want in ((kv_dtype, "fa2"), (torch.bfloat16, "fa3")):
+        prov = object.__new__(FlashInferProvider)  # skip check_available (needs a GPU and flashinfer)
+        prov.config, prov.device = AttentionConfig(8, 2, 64, 16, torch.bfloat16, kv_dtype=kv), torch.device("cuda")
+        assert prov.resolve_backend("auto") == want
+    with pytest.raises(UnsupportedFeature, match=r"attnplug: provider 'flashinfer' does not support prefill_backend='fa3' "
+                                                  r"with an fp8 KV cache"):
+        prov.config = AttentionConfig(8, 2, 64, 16, torch.bfloat16, kv_dtype=kv_dtype)
+        prov.resolve_backend("fa3")
+
+
 # ---- fa3 provider, fp8 path, with a stand-in for FA3 ------------------------------------------------
 def fake_fa3_fp8(q, k_cache, v_cache, max_seqlen_q, cu_seqlens_q, max_seqlen_k, *, seqused_k, softmax_scale, causal,
                  window_size, softcap, block_table, return_softmax_lse, out, fa_version, q_descale=None, k_descale=None,

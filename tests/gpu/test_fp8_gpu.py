@@ -38,6 +38,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA GPU 
 DEV = "cuda"
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 REL = 2e-2
+# FA3's fp8 kernels also round the softmax probabilities P to e4m3 before the PV product (2^-4 relative
+# per element), which the oracle does not model: over a few keys a (request, head) block reaches ~3%,
+# while the whole output stays under REL (seen on the H200: 7e-3 overall, 2.9e-2 worst block at 38 keys)
+FA3_BLOCK_REL = 5e-2
 KS, VS = 4 / 100, 3 / 60  # K ~ 4 N(0,1), V ~ 3 N(0,1): x / scale reaches ~1000, e4m3 saturates in places
 PROVIDERS = ["triton", "fa3", "flashinfer"]
 EXPECTED_REFUSALS = {
@@ -111,7 +115,8 @@ def test_fp8_provider_against_reference(provider, kv, dtype, page, mode):
     print(f"fp8 {provider} {kv} {str(dtype)[6:]} page {page} {mode}: rel err {err:.2e} "
           f"(vs unquantized q {exact_err:.2e})")
     assert not torch.isnan(out).any() and err <= REL, err
-    tol = dict(rel=REL, abs=REL * float(ref.abs().max()))
+    blk = FA3_BLOCK_REL if provider == "fa3" else REL  # the whole output stays under REL (asserted above)
+    tol = dict(rel=blk, abs=blk * float(ref.abs().max()))
     assert_close_per_request_head(out, ref, plan.qo_indptr_cpu, dtype, f"{provider} fp8 {kv} {mode}", tol)
     fin = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), fin) and rel_err(lse[fin], ref_lse[fin]) <= 2e-3

@@ -186,7 +186,8 @@ class FlashInferProvider(Provider):
         return steps
 
     def resolve_backend(self, backend: str) -> str:
-        """``"auto"`` -> ``"fa3"`` on sm90 (CUDA >= 12.3), else ``"fa2"``; checks explicit choices."""
+        """``"auto"`` -> ``"fa3"`` on sm90 (CUDA >= 12.3), else ``"fa2"``; ``"fa2"`` for an fp8 KV cache;
+        checks explicit choices."""
         if backend not in ("auto", "fa2", "fa3"):
             raise ValueError(f"prefill_backend must be 'auto', 'fa2' or 'fa3', got {backend!r}")
         major, _ = torch.cuda.get_device_capability(self.device)
@@ -196,15 +197,15 @@ class FlashInferProvider(Provider):
             sm90a = bool(is_sm90a_supported(self.device))
         except Exception:  # older/newer layout: fall back to the capability alone
             sm90a = major == 9
-        if backend == "auto":
-            return "fa3" if sm90a else "fa2"
-        if backend == "fa3" and not sm90a:
-            raise self.unsupported(f"prefill_backend='fa3' on sm{major}x (the fa3 template needs sm90a)")
         if self.config.kv_quantized:  # the sm90 template reads fp8 KV only with an fp8 query
             if backend == "fa3":
                 raise self.unsupported("prefill_backend='fa3' with an fp8 KV cache (FlashInfer's sm90 template needs "
                                        "an fp8 query; attnplug reads fp8 KV through FlashInfer's fa2 template)")
             return "fa2"
+        if backend == "auto":
+            return "fa3" if sm90a else "fa2"
+        if backend == "fa3" and not sm90a:
+            raise self.unsupported(f"prefill_backend='fa3' on sm{major}x (the fa3 template needs sm90a)")
         return backend
 
     def decode_backend_kwargs(self) -> dict:
