@@ -29,6 +29,8 @@ from attnplug.core import AttentionConfig, BatchMetadata, ForwardMode, PagedAtte
 from attnplug.core import page_table as pt
 from attnplug.core.plan import make_plan
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # triton runs compiled on a GPU, interpreted on CPU
+
 I32 = torch.int32
 I32_MAX = 2**31 - 1
 ABSURD = [-1, -7, -(2**31), 2**31 - 1, 2**31 - 2, 2**30, 65536]
@@ -286,11 +288,11 @@ def test_empty_batch_plans_and_runs():
     z = torch.zeros(1, dtype=I32)
     b = BatchMetadata(ForwardMode.DECODE, z, z, torch.zeros(0, dtype=I32), torch.zeros(0, dtype=I32))
     for provider in ("reference", "triton"):
-        attn = PagedAttention(cfg, provider, "cpu")
+        attn = PagedAttention(cfg, provider, DEV)
         p = attn.plan(b, num_pages=0)
         assert (p.batch_size, p.num_tokens, p.max_page_id) == (0, 0, -1)
-        cache = torch.zeros(cfg.kv_cache_shape(0))
-        assert attn.run(torch.zeros(0, 2, 16), cache, cache).shape == (0, 2, 16)
+        cache = torch.zeros(cfg.kv_cache_shape(0), device=DEV)
+        assert attn.run(torch.zeros(0, 2, 16, device=DEV), cache, cache).shape == (0, 2, 16)
 
 
 def test_wrapped_int32_indptr_is_refused():
@@ -331,10 +333,10 @@ def test_accepted_batches_read_only_their_own_tokens(case, seed):
     q = torch.randn(plan.num_tokens, cfg.num_qo_heads, cfg.head_dim, generator=torch.Generator().manual_seed(seed))
     outs = {}
     for provider in ("reference", "triton"):
-        attn = PagedAttention(cfg, provider, "cpu")
+        attn = PagedAttention(cfg, provider, DEV)
         attn.plan(batch, num_pages=num_pages)
-        lse = torch.empty(plan.num_tokens, cfg.num_qo_heads)
-        outs[provider] = (attn.run(q, k, v, lse=lse), lse)
+        lse = torch.empty(plan.num_tokens, cfg.num_qo_heads, device=DEV)
+        outs[provider] = (attn.run(q.to(DEV), k.to(DEV), v.to(DEV), lse=lse).cpu(), lse.cpu())
     (ro, rl), (to, tl) = outs["reference"], outs["triton"]
     assert torch.isfinite(ro).all() and torch.isfinite(to).all(), "a NaN slot outside the batch was read"
     torch.testing.assert_close(to, ro, atol=2e-4, rtol=2e-4)
@@ -348,10 +350,10 @@ def test_run_refuses_tensors_smaller_than_the_plan(provider):
     cfg = cfg_for(4)
     b = BatchMetadata(ForwardMode.EXTEND, torch.tensor([0, 3], dtype=I32), torch.tensor([0, 2], dtype=I32),
                       torch.tensor([1, 5], dtype=I32), torch.tensor([2], dtype=I32))  # fmt: skip
-    attn = PagedAttention(cfg, provider, "cpu")
+    attn = PagedAttention(cfg, provider, DEV)
     attn.plan(b)  # num_pages unknown here: run() checks the cache it gets
-    q = torch.randn(3, 2, 16)
-    full = torch.randn(cfg.kv_cache_shape(6))
+    q = torch.randn(3, 2, 16, device=DEV)
+    full = torch.randn(cfg.kv_cache_shape(6), device=DEV)
     attn.run(q, full, full)
     with pytest.raises(ValueError, match="k_cache has 5 pages but the plan's kv_indices reach page 5"):
         attn.run(q, full[:5], full)
@@ -360,7 +362,7 @@ def test_run_refuses_tensors_smaller_than_the_plan(provider):
     with pytest.raises(ValueError, match="q must have >= num_tokens=3 rows"):
         attn.run(q[:2], full, full)
     with pytest.raises(ValueError, match="out must have >= num_tokens=3 rows"):
-        attn.run(q, full, full, out=torch.empty(2, 2, 16))
+        attn.run(q, full, full, out=torch.empty(2, 2, 16, device=DEV))
 
 
 # ---- BatchMetadata classmethods and the page-table converters ---------------------------------------

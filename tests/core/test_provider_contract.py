@@ -58,6 +58,7 @@ def test_registry_and_install_hints():
 
 
 CFG = AttentionConfig(4, 2, 32, 16, torch.float32)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the one-launch replay update runs compiled on a GPU
 
 
 @pytest.mark.parametrize("mode, q_lens, prefix", [
@@ -80,36 +81,37 @@ def test_toy_graph_state(toy, mode):
     """Capture-time plan, padded replays through ``update`` (host metadata) and, in decode mode,
     the one-launch ``update_from_block_table`` with host lengths, each equal to the reference."""
     q = 1 if mode == "decode" else 3
-    gs = GraphState(CFG, toy, max_batch=4, max_tokens=4 * q, max_pages=64, device="cpu", mode=mode,
+    gs = GraphState(CFG, toy, max_batch=4, max_tokens=4 * q, max_pages=64, device=DEV, mode=mode,
                     num_draft_tokens=q, pad_page=0, max_seq_len=96)  # fmt: skip
     assert gs.needs_host_lengths and isinstance(gs.graph, toy_provider.ToyGraph)
     gs.prepare_capture(4)
     fm = ForwardMode.DECODE if mode == "decode" else ForwardMode.TARGET_VERIFY
     for seed, prefix in enumerate(([30, 2], [5, 60, 17])):
-        c = random_case(fm, [q] * len(prefix), prefix, CFG, seed=seed, extra_pages=3)
+        c = random_case(fm, [q] * len(prefix), prefix, CFG, DEV, seed=seed, extra_pages=3)
         gs.update(c.batch, 4)
-        out = torch.full((4 * q, 4, 32), math.nan)
-        qpad = torch.cat([c.q, torch.randn(4 * q - c.q.shape[0], 4, 32)])
+        out = torch.full((4 * q, 4, 32), math.nan, device=DEV)
+        qpad = torch.cat([c.q, torch.randn(4 * q - c.q.shape[0], 4, 32, device=DEV)])
         gs.run(4, qpad, c.k_cache, c.v_cache, out)
-        ref, _ = reference_attention(make_plan(CFG, c.batch, c.num_pages), c.q, c.k_cache, c.v_cache)
+        ref, _ = reference_attention(make_plan(CFG, c.batch, c.num_pages, device=DEV), c.q, c.k_cache, c.v_cache)
         assert rel_err(out[: c.q.shape[0]], ref) <= 1e-6
     assert [d for _, d in gs.graph.refreshes] == [False] * 3  # the capture's update, then two replays
     if mode == "verify":
         with pytest.raises(UnsupportedFeature, match="provider 'toy'"):
-            gs.update_from_block_table(torch.tensor([9]), torch.zeros(1, 8, dtype=torch.int32), 4,
+            gs.update_from_block_table(torch.tensor([9], device=DEV), torch.zeros(1, 8, dtype=torch.int32, device=DEV), 4,
                                        host_seq_lens=torch.tensor([9]))  # fmt: skip
         return
-    c = random_case(ForwardMode.DECODE, [1, 1, 1], [12, 40, 3], CFG, seed=7)
+    c = random_case(ForwardMode.DECODE, [1, 1, 1], [12, 40, 3], CFG, DEV, seed=7)
     from attnplug.core.page_table import block_table_from_csr
 
     bt, seq = block_table_from_csr(c.batch.kv_indptr, c.batch.kv_indices, c.batch.kv_last_page_len, 16)
+    host_seq, bt, seq = seq.cpu(), bt.to(DEV), seq.to(DEV)  # the engine's device table, lengths also on the host
     with pytest.raises(UnsupportedFeature, match="provider 'toy'.*host lengths"):
         gs.update_from_block_table(seq, bt, 4)
-    gs.update_from_block_table(seq, bt, 4, host_seq_lens=seq)
+    gs.update_from_block_table(seq, bt, 4, host_seq_lens=host_seq)
     assert gs.graph.refreshes[-1] == (4, True)
-    out = torch.full((4, 4, 32), math.nan)
-    gs.run(4, torch.cat([c.q, torch.randn(1, 4, 32)]), c.k_cache, c.v_cache, out)
-    ref, _ = reference_attention(make_plan(CFG, c.batch, c.num_pages), c.q, c.k_cache, c.v_cache)
+    out = torch.full((4, 4, 32), math.nan, device=DEV)
+    gs.run(4, torch.cat([c.q, torch.randn(1, 4, 32, device=DEV)]), c.k_cache, c.v_cache, out)
+    ref, _ = reference_attention(make_plan(CFG, c.batch, c.num_pages, device=DEV), c.q, c.k_cache, c.v_cache)
     assert rel_err(out[:3], ref) <= 1e-6
 
 
