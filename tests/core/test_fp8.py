@@ -160,6 +160,24 @@ def test_kv_write_refuses_fp8_without_scales():
         write_kv_paged(k.to(DEVICE), v.to(DEVICE), kc, kc.clone(), slots.to(DEVICE))
 
 
+@pytest.mark.parametrize("T", [1, 3, 32, 45])
+@pytest.mark.parametrize("kv_dtype", [E4M3, E5M2])
+def test_query_quantization_kernel_equals_torch(T, kv_dtype):
+    """fa3's query quantization (row blocks of one head a program, a partial last block) equals the
+    torch quantization bit for bit, saturation included; strided input rows, a prefix of the output."""
+    from attnplug.core.kernels.kv_write import quantize_fp8_rows
+
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, 4, 96, generator=g) * 300
+    wide = torch.zeros(T, 6, 96)
+    wide[:, :4] = x
+    s = torch.tensor(0.5)
+    out = torch.full((T + 2, 4, 96), 7.0).to(kv_dtype).to(DEVICE)
+    got = quantize_fp8_rows(wide.to(DEVICE)[:, :4], s.to(DEVICE), out[:T])
+    assert got.data_ptr() == out.data_ptr() and torch.equal(out[T:].cpu().float(), torch.full((2, 4, 96), 7.0))
+    assert torch.equal(got.cpu().float(), quantize_fp8(x, s, kv_dtype).float())
+
+
 def test_fixed_shape_write_quantizes_like_write_kv():
     k, v, slots, shape = _write_case(E5M2, 50.0, seed=3)
     ks, vs = torch.tensor(0.1), torch.tensor([0.2])

@@ -88,15 +88,16 @@ def write_kv_kernel(
 
 @triton.jit
 def quantize_rows_kernel(
-    X, Y, SCALE, stride_xt, stride_xh, stride_yt, stride_yh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
-    MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr,
+    X, Y, SCALE, T, stride_xt, stride_xh, stride_yt, stride_yh,
+    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, FP8_MAX: tl.constexpr,
+    MANT: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr,
 ):
-    """Grid ``(T, H)``: ``Y[t, h] = fp8(X[t, h] / SCALE)``, saturated (as the KV write)."""
-    t = tl.program_id(0).to(tl.int64)
+    """Grid ``(cdiv(T, BLOCK_T), H)``: ``Y[t, h] = fp8(X[t, h] / SCALE)`` for ``BLOCK_T`` rows of one
+    head a program, saturated (as the KV write)."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
     h = tl.program_id(1)
-    d = tl.arange(0, BLOCK_D)
-    m = d < HEAD_DIM
+    d = tl.arange(0, BLOCK_D)[None, :]
+    m = (t < T) & (d < HEAD_DIM)
     x = tl.load(X + t * stride_xt + h * stride_xh + d, mask=m)
     y = quantize_to_fp8(x, tl.load(SCALE), FP8_MAX, MANT, MIN_NORMAL, SUB_MAGIC)
     tl.store(Y + t * stride_yt + h * stride_yh + d, y.to(Y.dtype.element_ty), mask=m)
@@ -110,8 +111,10 @@ def quantize_fp8_rows(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -
         raise ValueError(f"x and out must have a contiguous last dim, got strides {x.stride()} / {out.stride()}")
     T, H, D = x.shape
     if T:
-        quantize_rows_kernel[(T, H)](x, out, scale, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-                                     HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), **fp8_constants(out.dtype))  # fmt: skip
+        block_t = min(32, triton.next_power_of_2(T))  # decode: one row; prefill: 32 rows x D a program
+        quantize_rows_kernel[(triton.cdiv(T, block_t), H)](
+            x, out, scale, T, x.stride(0), x.stride(1), out.stride(0), out.stride(1), HEAD_DIM=D, BLOCK_T=block_t,
+            BLOCK_D=triton.next_power_of_2(D), **fp8_constants(out.dtype))  # fmt: skip
     return out
 
 
