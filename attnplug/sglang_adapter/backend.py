@@ -233,8 +233,7 @@ class AttnplugAttnBackend(AttentionBackend):
         buffers of the core's ``GraphState``; a replay writes the real requests into those buffers in
         place, padded slots refilled with the fill values, no device->host read: a DECODE replay in one
         launch from ``req_to_token`` (``GraphState.update_from_block_table``; FlashInfer's host plan
-        takes its lengths from ``seq_lens_cpu``, opt-in: ``ATTNPLUG_FLASHINFER_DEVICE_REPLAY=1``); else
-        (FlashInfer by default, TARGET_VERIFY with SGLang's tree mask) through
+        takes its lengths from ``seq_lens_cpu``); else (TARGET_VERIFY with SGLang's tree mask) through
         ``GraphState.update``, host shapes from ``seq_lens_cpu``.
         """
         mode = self._graph_mode_of(forward_batch)
