@@ -14,6 +14,11 @@
 #     carry .bundle/sglang/b  bash benchmarks/e2e/device.sh sglang-b   # SGLang jobs start
 #     carry .bundle/fa3       bash benchmarks/e2e/device.sh fa3        # FA3 for attnplug_fa3 (cp vllm/b/fa3.so.xz + flash_attn_interface.py)
 #                             bash benchmarks/e2e/device.sh wait [MAX_S]
+#   Issue 18 (tensor parallel, speculation), on a machine where the engine's parts are unpacked (the
+#   calls above): TP=2 jobs hold both GPUs (queued on lane 0 only, CUDA_VISIBLE_DEVICES=0,1; NVLink
+#   multicast stays off: engine_run.py's TP_ENV), speculation jobs use repetitive prompts:
+#     bash benchmarks/e2e/device.sh vllm-tp | sglang-tp       # rows E2E_ROWS (default 0,1), native + attnplug
+#     bash benchmarks/e2e/device.sh vllm-spec | sglang-spec   # n-gram on/off, EAGLE graphs vs eager
 # Every call ends with `lanes.py wait` (returns early when all lanes are idle) and leaves
 # $OUT/lanes-logs.tar.gz: job logs, statuses, result JSONs, issue-5 pytest/bench output so far.
 set -uo pipefail
@@ -29,21 +34,31 @@ queue() {  # queue GPU NAME TIMEOUT NEEDS... -- CMD
   while [[ $1 != -- ]]; do needs+=(--needs "$1"); shift; done; shift
   $L add $LANES --gpu "$gpu" --name "$name" --timeout "$to" "${needs[@]}" -- "$@"
 }
-vllm_job() {  # GPU BACKEND [extra engine_run args]
-  local gpu=$1 b=$2; shift 2; local tag=$b
-  [[ " $* " == *" --eager "* ]] && tag+=-eager; [[ " $* " == *" --env "* ]] && tag+=-env
-  queue "$gpu" "vllm-$tag" 480 $V/.ready-b $MODEL/attnplug_random.json -- \
-    "VLLM_CACHE_ROOT=/tmp/vcache$gpu FLASHINFER_WORKSPACE_BASE=/tmp/fi-vllm PYTHONPATH=/tmp/apsite-vllm-a:$V python3 $R/bin/engine_run.py vllm $b --model $MODEL --out $RES/vllm-$tag.json $*"
+tags() {  # the result name's suffix for engine_run args
+  local t=""
+  [[ " $* " == *" --eager "* ]] && t+=-eager; [[ " $* " == *" --env "* ]] && t+=-env
+  [[ " $* " == *" --tp 2 "* ]] && t+=-tp2; [[ " $* " == *" --spec ngram "* ]] && t+=-ngram
+  [[ " $* " == *" --eagle-draft "* ]] && t+=-eagle; [[ " $* " == *" --prompts repeat "* ]] && t+=-repeat
+  echo "$t"
 }
-sglang_job() {  # GPU BACKEND NAME [extra engine_run args]
-  local gpu=$1 b=$2 name=$3; shift 3; local fa=(); [[ $b == *fa3* ]] && fa=($FA3/.ready)
+vllm_job() {  # GPU BACKEND [extra engine_run args]; GPU "0,1": both GPUs, queued on lane 0
+  local gpu=$1 b=$2; shift 2; local tag=$b$(tags "$@") vis=""
+  [[ $gpu == *,* ]] && { vis="CUDA_VISIBLE_DEVICES=$gpu"; gpu=0; }
+  queue "$gpu" "vllm-$tag" 480 $V/.ready-b $MODEL/attnplug_random.json -- \
+    "$vis VLLM_CACHE_ROOT=/tmp/vcache$gpu FLASHINFER_WORKSPACE_BASE=/tmp/fi-vllm PYTHONPATH=/tmp/apsite-vllm-a:$V python3 $R/bin/engine_run.py vllm $b --model $MODEL --out $RES/vllm-$tag.json $*"
+}
+sglang_job() {  # GPU BACKEND NAME [extra engine_run args]; GPU "0,1" as above. deep_gemm: a stand-in
+  # (benchmarks/e2e/stubs) for the import SGLang's EAGLE graph capture makes (never called for Llama;
+  # SGLANG_ENABLE_JIT_DEEPGEMM=0 so SGLang does not take the stand-in for DeepGEMM)
+  local gpu=$1 b=$2 name=$3; shift 3; local fa=() vis=""; [[ $b == *fa3* ]] && fa=($FA3/.ready)
+  [[ $gpu == *,* ]] && { vis="CUDA_VISIBLE_DEVICES=$gpu"; gpu=0; }
   queue "$gpu" "sglang-$name" 420 $S/.ready-b $MODEL/attnplug_random.json "${fa[@]}" -- \
-    "FLASHINFER_WORKSPACE_BASE=/tmp/fi-sglang PYTHONPATH=/tmp/apsite-sglang-a:$S:$FA3 python3 $R/bin/engine_run.py sglang $b --model $MODEL --out $RES/sglang-$name.json $*"
+    "$vis SGLANG_ENABLE_JIT_DEEPGEMM=0 FLASHINFER_WORKSPACE_BASE=/tmp/fi-sglang PYTHONPATH=/tmp/apsite-sglang-a:$S:$FA3:$R/stubs python3 $R/bin/engine_run.py sglang $b --model $MODEL --out $RES/sglang-$name.json $*"
 }
 
 setup() {  # idempotent: scripts snapshot, attnplug installed from this call's tree (entry points), lanes, model
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-  mkdir -p $R/bin $RES && cp benchmarks/e2e/*.py $R/bin/
+  mkdir -p $R/bin $RES && cp benchmarks/e2e/*.py $R/bin/ && rm -rf $R/stubs && cp -r benchmarks/e2e/stubs $R/stubs
   rm -rf $AP && python3 -m pip install -q --no-deps --no-index --no-build-isolation --target $AP . 2>&1 | tail -3
   grep -A1 plugins $AP/attnplug-*.dist-info/entry_points.txt
   [[ -d $R/repo ]] || { mkdir -p $R/repo && tar cf - --exclude=.bundle --exclude=.venvs --exclude=.git . | tar xf - -C $R/repo; }
@@ -96,6 +111,31 @@ fa3)  # vLLM's FA3 build as a standalone `vllm_flash_attn` package (sgl_kernel's
     cp .bundle/fa3/flash_attn_interface.py $FA3/vllm_flash_attn/ &&
     xz -dc .bundle/fa3/fa3.so.xz > $FA3/vllm_flash_attn/_vllm_fa3_C.abi3.so && touch $FA3/.ready && echo "fa3 installed"
   $L wait $LANES --max "${max:-480}" --out "$OUT" --results $RES ;;
+vllm-tp)  # vLLM parts already unpacked into $V (vllm-a / vllm-b earlier on this machine)
+  setup; rows="--rows ${E2E_ROWS:-0,1}"
+  for b in FLASH_ATTN ATTNPLUG_FA3 ATTNPLUG_TRITON FLASHINFER ATTNPLUG_FLASHINFER; do vllm_job 0,1 "$b" --tp 2 $rows; done
+  $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
+vllm-spec)
+  setup
+  for b in FLASH_ATTN ATTNPLUG_FA3 ATTNPLUG_TRITON; do
+    vllm_job 0 "$b" --prompts repeat --rows 0,1; vllm_job 1 "$b" --spec ngram --prompts repeat --rows 0,1
+  done
+  vllm_job 0 ATTNPLUG_TRITON --eagle-draft $DRAFT --rows 0; vllm_job 1 ATTNPLUG_TRITON --eagle-draft $DRAFT --eager --rows 0
+  vllm_job 0 ATTNPLUG_FA3 --eagle-draft $DRAFT --rows 0;    vllm_job 1 FLASH_ATTN --eagle-draft $DRAFT --rows 0
+  $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
+sglang-tp)  # SGLang parts already unpacked into $S (and FA3 for attnplug_fa3)
+  setup; rows="--rows ${E2E_ROWS:-0,1}"
+  for b in flashinfer attnplug_fa3 attnplug_triton attnplug_flashinfer; do sglang_job 0,1 "$b" "$b-tp2" --tp 2 $rows; done
+  $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
+sglang-spec)
+  setup
+  for b in flashinfer attnplug_fa3 attnplug_triton; do
+    sglang_job 0 "$b" "$b-repeat" --prompts repeat --rows 0,1
+    sglang_job 1 "$b" "$b-ngram-repeat" --spec ngram --prompts repeat --rows 0,1
+  done
+  sglang_job 0 attnplug_triton eagle-graphs-attnplug_triton --eagle-draft $DRAFT --rows 0
+  sglang_job 1 attnplug_triton eagle-eager-attnplug_triton --eagle-draft $DRAFT --eager --rows 0
+  $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
 wait)
   $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
 *) echo "unknown stage $stage"; exit 2 ;;

@@ -3,6 +3,9 @@
     python benchmarks/e2e/engine_run.py vllm   ATTNPLUG_TRITON --model /tmp/llama8b-rand --out res.json
     python benchmarks/e2e/engine_run.py sglang attnplug_fa3    --model /tmp/llama8b-rand --out res.json
     python benchmarks/e2e/engine_run.py sglang attnplug_triton --model M --eagle-draft /tmp/eagle-draft --out r.json
+    python benchmarks/e2e/engine_run.py vllm   ATTNPLUG_FA3 --model M --tp 2 --out r.json           # both GPUs
+    python benchmarks/e2e/engine_run.py vllm   ATTNPLUG_TRITON --model M --spec ngram --prompts repeat --out r.json
+    python benchmarks/e2e/engine_run.py vllm   ATTNPLUG_TRITON --model M --eagle-draft D --out r.json   # drafter on the same backend
 
 Correctness: 8 ragged prompts (37..3000 random token ids, fixed seed), 32 greedy tokens each with the
 top-5 logprobs of every step; ``report.py`` compares them across backends (first divergence per
@@ -11,6 +14,15 @@ prompt and the logprob gap there). Speed rows (batch x prompt -> new tokens): ou
 other prompts (compiles JIT kernels of every path outside the timed run); best of ``reps``.
 Engine defaults otherwise: CUDA graphs on, vLLM's torch.compile on (``--eager`` turns both off).
 Every run writes one JSON file; a crash writes none (the lane log has the traceback).
+
+Tensor parallel (``--tp N``): NVLink multicast stays off (:data:`TP_ENV`: the shared H200 host's rule,
+and no all-reduce path that would create multicast objects: vLLM's FlashInfer all-reduce fusion and
+symmetric memory off, custom all-reduce off in both engines). Speculation: ``--spec ngram`` (vLLM
+``{"method": "ngram"}``, 4 tokens, lookup 2..4; SGLang ``NGRAM``), ``--eagle-draft`` (vLLM: EAGLE, 2
+tokens, the drafter on the target's backend, both with dummy weights; SGLang: EAGLE topk 4 / 3 steps /
+8 draft tokens, draft with dummy weights). ``--prompts repeat``: prompts that repeat a random 32-token
+phrase (n-gram drafts get accepted). Each speed row then records ``accepted_per_step`` (tokens the
+target emits per verify step, the bonus token included) from the engine's counters.
 """
 
 from __future__ import annotations
@@ -29,10 +41,23 @@ ROWS = [(1, 1024, 128, 3), (64, 1024, 128, 2), (16, 3072, 256, 2), (8, 16384, 25
 CORR_LENS = [37, 200, 513, 1000, 1500, 2048, 3000, 777]
 CORR_TOKENS = 32
 VOCAB_HI = 128000
+# set for --tp > 1 (overriding the environment): keep NVLink multicast off, no all-reduce that uses it
+TP_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+          "VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_ALLREDUCE_USE_FLASHINFER": "0",
+          "VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm"}  # fmt: skip
+PROMPT_KIND = "random"
 
 
 def prompts(bs: int, plen: int, seed: int) -> list[list[int]]:
+    """``bs`` prompts of ``plen`` token ids: random, or (``--prompts repeat``) a random 32-token phrase
+    repeated, one phrase per prompt."""
     rng = random.Random(seed)
+    if PROMPT_KIND == "repeat":
+        out = []
+        for _ in range(bs):
+            phrase = [rng.randrange(3, VOCAB_HI) for _ in range(32)]
+            out.append((phrase * (plen // 32 + 1))[:plen])
+        return out
     return [[rng.randrange(3, VOCAB_HI) for _ in range(plen)] for _ in range(bs)]
 
 
@@ -51,8 +76,26 @@ class VLLM:
         kw = dict(dtype="bfloat16", max_model_len=MAX_LEN, gpu_memory_utilization=0.85, max_num_seqs=64)
         if a.smoke:
             kw = dict(dtype="float32", max_model_len=1024, max_num_seqs=8, gpu_memory_utilization=0.1)
+        if a.tp > 1:
+            kw.update(tensor_parallel_size=a.tp, disable_custom_all_reduce=True,
+                      compilation_config={"pass_config": {"fuse_allreduce_rms": False}})
+        if a.spec == "ngram":
+            kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                                        "prompt_lookup_min": 2}  # fmt: skip
+        elif a.eagle_draft:
+            kw["speculative_config"] = {"method": "eagle", "model": a.eagle_draft, "num_speculative_tokens": 2,
+                                        "attention_backend": a.backend}  # fmt: skip
+            kw["load_format"] = "dummy"  # the draft dir holds a config only; target and draft random alike
+        self.spec = bool(kw.get("speculative_config"))
         self.llm = LLM(model=a.model, skip_tokenizer_init=True, attention_backend=a.backend,
-                       enforce_eager=a.eager, seed=0, **kw)
+                       enforce_eager=a.eager, seed=0, disable_log_stats=not self.spec, **kw)
+
+    def spec_counters(self) -> dict:
+        """vLLM's speculative-decoding counters (drafts = verify steps, accepted tokens)."""
+        if not self.spec:
+            return {}
+        m = {x.name: getattr(x, "value", None) for x in self.llm.get_metrics() if x.name.startswith("vllm:spec_decode")}
+        return {"steps": m.get("vllm:spec_decode_num_drafts"), "accepted": m.get("vllm:spec_decode_num_accepted_tokens")}
 
     def generate(self, ps, n, logprobs=False):
         sp = self.SP(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=5 if logprobs else None)
@@ -78,11 +121,16 @@ class SGLang:
 
         self.version = sglang.__version__
         kw = {}
-        if a.eagle_draft:
+        if a.spec == "ngram":
+            kw = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=8)
+        elif a.eagle_draft:
             kw = dict(speculative_algorithm="EAGLE", speculative_draft_model_path=a.eagle_draft,
                       speculative_draft_load_format="dummy", speculative_num_steps=3, speculative_eagle_topk=4,
                       speculative_num_draft_tokens=8)
         kw.update(dtype="bfloat16", mem_fraction_static=0.8, context_length=MAX_LEN)
+        if a.tp > 1:
+            kw.update(tp_size=a.tp, disable_custom_all_reduce=True)
+        self.spec = "speculative_algorithm" in kw
         try:
             fields = {f.name for f in dataclasses.fields(ServerArgs)}
         except TypeError:
@@ -112,6 +160,9 @@ class SGLang:
             res.append(r)
         return res
 
+    def spec_counters(self) -> dict:
+        return {}  # per request: spec_verify_ct in each result
+
     def close(self):
         self.llm.shutdown()
 
@@ -123,24 +174,32 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs / torch.compile")
-    ap.add_argument("--eagle-draft", default=None, help="SGLang only: EAGLE draft dir (topk 4, 3 steps, 8 draft tokens)")
+    ap.add_argument("--eagle-draft", default=None, help="EAGLE draft dir (make_model.py --eagle-draft)")
+    ap.add_argument("--spec", choices=["none", "ngram"], default="none", help="n-gram speculative decoding")
+    ap.add_argument("--prompts", choices=["random", "repeat"], default="random", help="speed-row prompts")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs)")
     ap.add_argument("--rows", default="all", help="'all', 'none', or comma list of row indices")
     ap.add_argument("--smoke", action="store_true", help="CPU check of this script: tiny model, short prompts")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="set before the engine starts, recorded in the result (e.g. ATTNPLUG_FLASHINFER_DEVICE_REPLAY=1)")
     a = ap.parse_args()
     env = dict(kv.split("=", 1) for kv in a.env)
+    if a.tp > 1:
+        env.update(TP_ENV)
     os.environ.update(env)
-    global VOCAB_HI
+    global VOCAB_HI, PROMPT_KIND
+    PROMPT_KIND = a.prompts
     VOCAB_HI = min(VOCAB_HI, json.load(open(f"{a.model}/config.json"))["vocab_size"])
     if a.smoke:
-        global CORR_LENS, CORR_TOKENS
+        global CORR_LENS, CORR_TOKENS, ROWS
         CORR_LENS, CORR_TOKENS = [max(3, n // 20) for n in CORR_LENS], 6
+        ROWS = [(2, 96, 24, 1)]
     rows = ROWS if a.rows == "all" else [] if a.rows == "none" else [ROWS[int(i)] for i in a.rows.split(",")]
     t0 = time.time()
     eng = (VLLM if a.engine == "vllm" else SGLang)(a)
     res = {"engine": a.engine, "engine_version": eng.version, "backend": a.backend, "eager": a.eager,
-           "eagle": bool(a.eagle_draft), "env": env, "init_s": round(time.time() - t0, 1)}
+           "eagle": bool(a.eagle_draft), "spec": a.spec, "tp": a.tp, "prompts": a.prompts, "env": env,
+           "init_s": round(time.time() - t0, 1)}
     print(f"engine_run: {a.engine} {eng.version} {a.backend} up in {res['init_s']} s", flush=True)
     t = time.time()
     res["correctness"] = eng.generate(corr_prompts(), CORR_TOKENS, logprobs=True)
@@ -148,17 +207,27 @@ def main() -> None:
     res["rows"] = {}
     for k, (bs, plen, olen, reps) in enumerate(rows):
         eng.generate(prompts(bs, plen, seed=100 + k), 4)  # warm-up: same shape, other prompts
-        runs = []
+        runs, steps, emitted = [], 0, 0
         for r in range(reps):
             ps = prompts(bs, plen, seed=1000 * (k + 1) + r)
+            c0 = eng.spec_counters()
             t = time.perf_counter()
             outs = eng.generate(ps, olen)
             dt = time.perf_counter() - t
             ntok = sum(len(o["tokens"]) for o in outs)
             assert ntok == bs * olen, (ntok, bs, olen)
             runs.append(round(ntok / dt, 1))
+            c1 = eng.spec_counters()
+            if c1.get("steps") is not None:  # vLLM: counters over the run; each step emits accepted + 1
+                steps += c1["steps"] - c0["steps"]
+                emitted += (c1["accepted"] - c0["accepted"]) + (c1["steps"] - c0["steps"])
+            elif outs and "spec_verify_ct" in outs[0]:  # SGLang: verify steps per request
+                steps += sum(o["spec_verify_ct"] for o in outs)
+                emitted += ntok
         name = f"{bs}x{plen}->{olen}"
         res["rows"][name] = {"tok_s": max(runs), "runs": runs}
+        if steps:
+            res["rows"][name]["accepted_per_step"] = round(emitted / steps, 3)
         print(f"engine_run: {a.backend} {name}: {max(runs)} tok/s {runs}", flush=True)
     res["total_s"] = round(time.time() - t0, 1)
     with open(a.out, "w") as f:

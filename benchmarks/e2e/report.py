@@ -34,9 +34,21 @@ def first_divergence(ours: dict, ref: dict):
     return None, None
 
 
+def variant(r: dict) -> str:
+    """The run's setting besides backend / env / eager / EAGLE: ``""`` (default), e.g. ``-tp2``,
+    ``-ngram-repeat``, ``-repeat``."""
+    return ((f"-tp{r['tp']}" if r.get("tp", 1) > 1 else "") + ("-ngram" if r.get("spec") == "ngram" else "")
+            + ("-repeat" if r.get("prompts") == "repeat" else ""))  # fmt: skip
+
+
 def key(r: dict) -> str:
-    env = "".join(f"+{k}={v}" for k, v in sorted((r.get("env") or {}).items()))
-    return r["backend"] + env + ("-eager" if r.get("eager") else "") + ("-eagle" if r.get("eagle") else "")
+    env = "".join(f"+{k}={v}" for k, v in sorted((r.get("env") or {}).items()) if k not in TP_ENV_KEYS)
+    return (r["backend"] + env + variant(r) + ("-eager" if r.get("eager") else "")
+            + ("-eagle" if r.get("eagle") else ""))  # fmt: skip
+
+
+TP_ENV_KEYS = {"NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "VLLM_ALLREDUCE_USE_SYMM_MEM",
+               "VLLM_ALLREDUCE_USE_FLASHINFER", "VLLM_FLASHINFER_ALLREDUCE_BACKEND"}  # engine_run.TP_ENV, part of -tpN
 
 
 def main() -> None:
@@ -54,7 +66,7 @@ def main() -> None:
         r["job"] = os.path.basename(p)[:-5]  # the lane job (and log) of this run
         runs[key(r)] = r
     eng = a.engine
-    graph = {k: r for k, r in runs.items() if not r.get("eager") and not r.get("eagle")}
+    graph = {k: r for k, r in runs.items() if not r.get("eager") and not r.get("eagle") and not variant(r)}
     ours = [k for k in graph if k.lower().startswith("attnplug")]
     natives = [k for k in NATIVE[eng] if k in graph]
     rows = [row for r in graph.values() for row in r["rows"]]
@@ -128,6 +140,38 @@ def main() -> None:
             summary["correctness"].setdefault(ref, {})[k] = cells
             md.append(f"| {k} | " + " | ".join(cells) + f" | {eq}/8 |")
         md.append("")
+    # tensor parallel / n-gram / repetitive-prompt variants: each against the native runs of the same variant
+    variants = sorted({variant(r) for r in runs.values() if variant(r) and not r.get("eager") and not r.get("eagle")})
+    for v in variants:
+        vr = {r["backend"]: r for r in runs.values() if variant(r) == v and not r.get("eager") and not r.get("eagle")}
+        nat = [b for b in NATIVE[eng] if b in vr]
+        vrows = list(dict.fromkeys(row for r in vr.values() for row in r["rows"]))
+        md += [f"## Variant `{v}` (" + ", ".join(filter(None, [
+            f"tensor parallel {v.split('-tp')[1].split('-')[0]} GPUs" if "-tp" in v else "",
+            "n-gram speculation (accepted = tokens per verify step, bonus included)" if "-ngram" in v else "",
+            "prompts repeating a 32-token phrase" if "-repeat" in v else ""])) + ")", "",
+            "| backend | " + " | ".join(vrows) + " |", "|---|" + "---|" * len(vrows)]
+        for b in nat + [b for b in vr if b not in nat]:
+            cells = []
+            for row in vrows:
+                x = vr[b]["rows"].get(row)
+                if x is None:
+                    cells.append("-")
+                    continue
+                cell = f"{x['tok_s']:.0f}"
+                best = max((vr[n]["rows"][row]["tok_s"], n) for n in nat if row in vr[n]["rows"]) if nat and any(
+                    row in vr[n]["rows"] for n in nat) else None
+                if b not in nat and best:
+                    cell += f" ({x['tok_s'] / best[0]:.3f} vs {best[1]})"
+                    summary["targets"].setdefault(b + v, {})[row] = x["tok_s"] / best[0] >= 0.98
+                if "accepted_per_step" in x:
+                    cell += f", accepted {x['accepted_per_step']}"
+                base = runs.get(b + v.replace("-ngram", "")) if "-ngram" in v else None
+                if base and row in base["rows"]:
+                    cell += f", {x['tok_s'] / base['rows'][row]['tok_s']:.2f}x without speculation"
+                cells.append(cell)
+            md.append(f"| {b} | " + " | ".join(cells) + " |")
+        md.append("")
     # eager vs graphs, EAGLE
     extra = [k for k in runs if runs[k].get("eager") or runs[k].get("eagle")]
     if extra:
@@ -137,7 +181,10 @@ def main() -> None:
             note = ""
             if r.get("eagle"):
                 vc = [o.get("spec_verify_ct") for o in r["correctness"]]
-                if all(v for v in vc):
+                acc = [x["accepted_per_step"] for x in r["rows"].values() if "accepted_per_step" in x]
+                if acc:
+                    note = f"accepted tokens/verify step {acc[0]}; "
+                elif all(v for v in vc):
                     note = f"mean accepted tokens/verify step {sum(len(o['tokens']) for o in r['correctness']) / sum(vc):.2f}; "
                 base = graph.get(r["backend"])
                 if base:
