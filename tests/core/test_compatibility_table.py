@@ -103,3 +103,16 @@ def test_h200_rows_cite_a_committed_result(row):
     if row["component"] in ("triton", "FlashInfer", "torch", "vLLM", "SGLang"):  # the run names its version
         v = row["version"].split("+")[0]
         assert any(v in read(rel) for rel in cited if rel.endswith((".md", ".log"))), f"no cited file names {v}"
+
+
+def test_flashinfer_provider_warns_outside_the_h200_tested_versions():
+    """The FlashInfer rows run on the H200 are exactly the provider's tested versions; any other
+    version starts with a warning that names attnplug, the provider and the version."""
+    from attnplug.core.providers.flashinfer import TESTED_VERSIONS, untested_version_warning
+
+    on_h200 = {r["version"] for r in table() if r["component"] == "FlashInfer" and r["h200"] != "not tested"}
+    assert on_h200 == set(TESTED_VERSIONS)
+    for v in TESTED_VERSIONS:
+        assert untested_version_warning(v) is None and untested_version_warning(v + "+cu130") is None
+    msg = untested_version_warning("0.7.4")
+    assert msg and all(s in msg for s in ("attnplug", "'flashinfer'", "0.7.4", "0.6.14"))

@@ -51,6 +51,17 @@ LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-KV partials)
 HEAD_DIMS = (64, 128, 256)
+#: FlashInfer releases this provider has run against on a GPU (docs/compatibility.md); others get a warning
+TESTED_VERSIONS = ("0.6.14",)
+
+
+def untested_version_warning(version: str) -> str | None:
+    """The startup warning for a FlashInfer ``version`` outside :data:`TESTED_VERSIONS`, else ``None``."""
+    if version.split("+")[0] in TESTED_VERSIONS:
+        return None
+    return (f"attnplug: provider 'flashinfer' runs on flashinfer {version}, which attnplug has not been tested with "
+            f"(tested: {', '.join(TESTED_VERSIONS)}; docs/compatibility.md); its results are checked only by your "
+            "own comparison with the engine's backend")
 
 
 def fa2_decode_kwargs(fi) -> dict:
@@ -159,6 +170,9 @@ class FlashInferProvider(Provider):
             "attnplug: flashinfer %s on %s; prefill backend %r (decode: tensor cores; custom mask: fa2)",
             getattr(self._fi, "__version__", "?"), torch.cuda.get_device_name(device), self.default_backend,
         )
+        warning = untested_version_warning(str(getattr(self._fi, "__version__", "?")))
+        if warning:
+            logger.warning(warning)
 
     @classmethod
     def check_available(cls, device: torch.device) -> None:
