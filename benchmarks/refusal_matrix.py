@@ -306,10 +306,14 @@ def root_cause(log: str, fallback: str = "") -> str:
     return fallback[:400]
 
 
-def backend_named(line: str, backend: str) -> bool:
-    """``line`` is attnplug's message about ``backend``."""
-    low = line.lower()
-    return "attnplug" in low and backend.lower() in low
+def attnplug_message(res: dict, backend: str) -> str:
+    """The first of a run's error and its attnplug log lines that is attnplug's message about
+    ``backend``; ``""`` when none is."""
+    for line in [res.get("error", "")] + res.get("attnplug_lines", []):
+        low = line.lower()
+        if "attnplug" in low and backend.lower() in low:
+            return line
+    return ""
 
 
 def classify(run: dict, res: dict, refs: dict) -> tuple[str, str]:
@@ -338,8 +342,7 @@ def classify(run: dict, res: dict, refs: dict) -> tuple[str, str]:
                     same = res[k] == ref[k]
                 return ("equal", which) if same else ("MISMATCH", f"{which}: {res[k]} vs {ref[k]}")
         return "ERROR", "no output"
-    lines = [x for x in [res.get("error", "")] + res.get("attnplug_lines", []) if "attnplug" in x.lower()]
-    msg = next((x for x in lines if backend.lower() in x.lower()), "")
+    msg = attnplug_message(res, backend)
     low = msg.lower()
     if msg:
         if backend != "attnplug_triton" and ("cannot start on cpu" in low or "unavailable" in low):
@@ -467,8 +470,7 @@ def run_engine(engine: str, subset: str, only: list[str], out_dir: Path, timeout
         else:
             if res["ok"] and (run["ref"] == "default" or not (refs.get(key) or {}).get("ok")):
                 native_default(run["model"])  # the reference where the native backend lacks this option
-            if not res["ok"] and key not in refs and not any(backend_named(x, run["backend"]) for x in
-                                                             [res.get("error", "")] + res.get("attnplug_lines", [])):
+            if not res["ok"] and key not in refs and not attnplug_message(res, run["backend"]):
                 refs[key] = execute({**run, "backend": "native"})  # is it the engine's own failure? ask native
             status, detail = classify(run, res, refs)
         entry = {k: run[k] for k in ("option", "value", "model", "backend")}

@@ -63,13 +63,13 @@ if [[ ${1:-} == --all ]]; then
   # per-step limits (s) and the bench's own time budget, overridable for a session's batched call
   t_main=${ATTNPLUG_GPU_MAIN_TIMEOUT:-240} t_fi=${ATTNPLUG_GPU_FI_TIMEOUT:-130}
   t_bench=${ATTNPLUG_GPU_BENCH_TIMEOUT:-150} budget=${ATTNPLUG_GPU_BENCH_BUDGET:-95}
-  TIMEOUT_ARGS=()  # per-test timeout when pytest-timeout is installed (it is in the GPU bundle)
+  PYTEST_ARGS=()  # a per-test timeout when pytest-timeout is installed (it is in the GPU bundle), workers below
   help=$("${PYTEST[@]}" --help 2>/dev/null || true)
-  [[ $help == *"--timeout="* ]] && TIMEOUT_ARGS=(--timeout 120)
+  [[ $help == *"--timeout="* ]] && PYTEST_ARGS=(--timeout 120)
   # pytest-xdist (carry its wheels in .gpu/): 8 workers share the GPU and compile in parallel (~1.7x the
   # tests in the same time on the H200); -v streams each test's verdict, so a step cut by its time
   # limit still names what failed
-  [[ $help == *"--numprocesses"* && -z ${ATTNPLUG_GPU_PYTEST:-} ]] && TIMEOUT_ARGS+=(-n 8)
+  [[ $help == *"--numprocesses"* && -z ${ATTNPLUG_GPU_PYTEST:-} ]] && PYTEST_ARGS+=(-n 8)
   summary=$out/summary.txt; : > "$summary"
   names=(); rcs=(); secs=()
   # step NAME TIMEOUT LOG CMD...: run, keep its exit status (timeout: 124), show the log's tail
@@ -86,10 +86,10 @@ if [[ ${1:-} == --all ]]; then
   timeout 270 "${WARMUP[@]}" >"$out/jit_warmup.log" 2>&1 &
   warm=$!
   step pytest_main "$t_main" "$out/pytest_triton_fa3.log" "${PYTEST[@]}" "${TEST_PATHS[@]}" -v -rfEs -k "not flashinfer" \
-    "${TIMEOUT_ARGS[@]}" --junitxml="$out/pytest_triton_fa3.xml"
+    "${PYTEST_ARGS[@]}" --junitxml="$out/pytest_triton_fa3.xml"
   wait $warm; echo "jit warm-up exit $? (informational)"; tail -n 20 "$out/jit_warmup.log"
   step pytest_flashinfer "$t_fi" "$out/pytest_flashinfer.log" "${PYTEST[@]}" "${FI_PATHS[@]}" -v -rfEs -k flashinfer \
-    "${TIMEOUT_ARGS[@]}" --junitxml="$out/pytest_flashinfer.xml"
+    "${PYTEST_ARGS[@]}" --junitxml="$out/pytest_flashinfer.xml"
   step bench "$t_bench" "$out/bench.log" "${BENCH[@]}" --out "$out/bench" --time-budget "$budget"
   set -e
   failed=0

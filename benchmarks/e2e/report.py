@@ -51,6 +51,12 @@ TP_ENV_KEYS = {"NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_
                "VLLM_ALLREDUCE_USE_FLASHINFER", "VLLM_FLASHINFER_ALLREDUCE_BACKEND"}  # engine_run.TP_ENV, part of -tpN
 
 
+def best_native(by_backend: dict, natives: list[str], row: str) -> tuple[str, float] | None:
+    """``(backend, tok/s)`` of the fastest native run of ``row`` among ``by_backend`` (backend -> run)."""
+    tok = {n: by_backend[n]["rows"][row]["tok_s"] for n in natives if row in by_backend[n]["rows"]}
+    return max(tok.items(), key=lambda x: x[1]) if tok else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("results")
@@ -96,17 +102,17 @@ def main() -> None:
             cells = []
             for row in rows:
                 v = graph[k]["rows"].get(row, {}).get("tok_s")
-                nat = {n: graph[n]["rows"][row]["tok_s"] for n in natives if row in graph[n]["rows"]}
-                if v is None or not nat:
+                best = best_native(graph, natives, row)
+                if v is None or best is None:
                     cells.append("-")
                     continue
-                best_n = max(nat, key=nat.get)
-                r_best = v / nat[best_n]
+                best_n = best[0]
+                r_best = v / best[1]
                 ok = r_best >= 0.98
                 cell = f"{r_best:.3f} vs {best_n}"
                 nt = NATIVE_TRITON[eng]
-                if "triton" in k.lower() and nt in nat:
-                    r_t = v / nat[nt]
+                if "triton" in k.lower() and row in graph.get(nt, {}).get("rows", {}):
+                    r_t = v / graph[nt]["rows"][row]["tok_s"]
                     ok = ok and r_t >= 1.05
                     cell += f"; {r_t:.3f} vs {nt}"
                     summary["speed"].setdefault(k, {})[row] = {"vs_best": round(r_best, 4), "best": best_n,
@@ -159,11 +165,10 @@ def main() -> None:
                     cells.append("-")
                     continue
                 cell = f"{x['tok_s']:.0f}"
-                best = max((vr[n]["rows"][row]["tok_s"], n) for n in nat if row in vr[n]["rows"]) if nat and any(
-                    row in vr[n]["rows"] for n in nat) else None
+                best = best_native(vr, nat, row)
                 if b not in nat and best:
-                    cell += f" ({x['tok_s'] / best[0]:.3f} vs {best[1]})"
-                    summary["targets"].setdefault(b + v, {})[row] = x["tok_s"] / best[0] >= 0.98
+                    cell += f" ({x['tok_s'] / best[1]:.3f} vs {best[0]})"
+                    summary["targets"].setdefault(b + v, {})[row] = x["tok_s"] / best[1] >= 0.98
                 if "accepted_per_step" in x:
                     cell += f", accepted {x['accepted_per_step']}"
                 base = runs.get(b + v.replace("-ngram", "")) if "-ngram" in v else None

@@ -11,6 +11,7 @@ run with a wrong scale fails the tolerance), so a kernel that ignored them could
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -308,14 +309,14 @@ def test_flashinfer_prefill_template_on_fp8_is_fa2_on_hopper(monkeypatch, kv_dty
     from attnplug.core.providers.flashinfer import FlashInferProvider
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setitem(__import__("sys").modules, "flashinfer.utils", None)  # capability decides
+    monkeypatch.setitem(sys.modules, "flashinfer.utils", None)  # capability decides
     for kv, want in ((kv_dtype, "fa2"), (torch.bfloat16, "fa3")):
         prov = object.__new__(FlashInferProvider)  # skip check_available (needs a GPU and flashinfer)
         prov.config, prov.device = AttentionConfig(8, 2, 64, 16, torch.bfloat16, kv_dtype=kv), torch.device("cuda")
         assert prov.resolve_backend("auto") == want
+    prov.config = AttentionConfig(8, 2, 64, 16, torch.bfloat16, kv_dtype=kv_dtype)
     with pytest.raises(UnsupportedFeature, match=r"attnplug: provider 'flashinfer' does not support prefill_backend='fa3' "
                                                   r"with an fp8 KV cache"):
-        prov.config = AttentionConfig(8, 2, 64, 16, torch.bfloat16, kv_dtype=kv_dtype)
         prov.resolve_backend("fa3")
 
 

@@ -166,11 +166,12 @@ class FlashInferProvider(Provider):
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._wrappers: dict[tuple[str, str], object] = {}
         self.default_backend = self.resolve_backend(os.environ.get("ATTNPLUG_FLASHINFER_BACKEND", "auto"))
+        version = str(getattr(self._fi, "__version__", "?"))
         logger.info(
             "attnplug: flashinfer %s on %s; prefill backend %r (decode: tensor cores; custom mask: fa2)",
-            getattr(self._fi, "__version__", "?"), torch.cuda.get_device_name(device), self.default_backend,
+            version, torch.cuda.get_device_name(device), self.default_backend,
         )
-        warning = untested_version_warning(str(getattr(self._fi, "__version__", "?")))
+        warning = untested_version_warning(version)
         if warning:
             logger.warning(warning)
 
