@@ -20,6 +20,7 @@ import traceback
 import torch
 
 from attnplug.core import AttentionConfig, BatchMetadata, ForwardMode, PagedAttention, UnsupportedFeature
+from attnplug.core import pages as pg
 from attnplug.core.cuda_graph import GraphState
 from attnplug.core.draft import build_tree_verify_mask
 from attnplug.core.plan import make_plan
@@ -32,12 +33,10 @@ FAILS: list[str] = []
 
 def batch(mode: ForwardMode, q_lens, prefix, P: int, num_pages: int, g: torch.Generator) -> BatchMetadata:
     """Pages drawn at random from 1..num_pages-1 (page 0 is the graphs' pad page)."""
-    kv = [p + q for p, q in zip(prefix, q_lens)]
-    npg = [-(-k // P) for k in kv]
-    pages = (torch.randperm(num_pages - 1, generator=g)[: sum(npg)] + 1).to(torch.int32)
-    ind = torch.tensor([0] + npg).cumsum(0).to(torch.int32)
-    last = torch.tensor([(k - 1) % P + 1 if k else 0 for k in kv], dtype=torch.int32)
-    qo = torch.tensor([0] + list(q_lens)).cumsum(0).to(torch.int32)
+    kv = torch.tensor([p + q for p, q in zip(prefix, q_lens)], dtype=torch.int32)
+    npg = pg.num_pages(kv, P)
+    page_ids = (torch.randperm(num_pages - 1, generator=g)[: int(npg.sum())] + 1).to(torch.int32)
+    qo = pg.indptr_from_counts(torch.tensor(list(q_lens), dtype=torch.int32))
     mask = None
     if mode == ForwardMode.TARGET_VERIFY:
         parents = []
@@ -49,12 +48,12 @@ def batch(mode: ForwardMode, q_lens, prefix, P: int, num_pages: int, g: torch.Ge
             mask = build_tree_verify_mask(par, torch.tensor(prefix))
         else:  # ragged trees: all-visible prefix, causal chain over the drafts
             blocks = []
-            for q, k in zip(q_lens, kv):
+            for q, k in zip(q_lens, kv.tolist()):
                 m = torch.ones(q, k, dtype=torch.bool)
                 m[:, k - q:] = torch.tril(torch.ones(q, q, dtype=torch.bool))
                 blocks.append(m.flatten())
             mask = torch.cat(blocks)
-    return BatchMetadata(mode, qo, ind, pages, last, custom_mask=mask)
+    return BatchMetadata(mode, qo, pg.indptr_from_counts(npg), page_ids, pg.last_page_len(kv, P), custom_mask=mask)
 
 
 def check(tag: str, out: torch.Tensor, cfg, b: BatchMetadata, q, k, v, num_pages: int) -> None:

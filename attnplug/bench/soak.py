@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core import AttentionConfig, BatchMetadata, ForwardMode, PagedAttention
+from ..core import pages as pg
 from ..core.cuda_graph import GraphState
 from .workloads import random_tree_mask
 
@@ -106,20 +107,19 @@ def random_batch(gen: torch.Generator, config: AttentionConfig, max_batch: int, 
     q = [1 if mode == ForwardMode.DECODE else r(1, max_q) for _ in range(B)]
     if mode == ForwardMode.MIXED:
         q = [x if r(0, 1) else 1 for x in q]
-    kv = [x + r(0, max_prefix) for x in q]
-    npg = [-(-k // P) for k in kv]
-    ids = torch.randperm(num_pages, generator=gen)[: sum(npg)].to(torch.int32)
+    kv = torch.tensor([x + r(0, max_prefix) for x in q], dtype=torch.int32)
+    npg = pg.num_pages(kv, P)
+    ids = torch.randperm(num_pages, generator=gen)[: int(npg.sum())].to(torch.int32)
     mask = None
     if mode == ForwardMode.TARGET_VERIFY:
         blocks = []
-        for ql, kl in zip(q, kv):
+        for ql, kl in zip(q, kv.tolist()):
             m = torch.ones(ql, kl, dtype=torch.bool)
             m[:, kl - ql:] = random_tree_mask(ql, gen)
             blocks.append(m.flatten())
         mask = torch.cat(blocks)
-    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
-    return BatchMetadata(mode, i32([0] + q).cumsum(0).to(torch.int32), i32([0] + npg).cumsum(0).to(torch.int32), ids,
-                         i32([(k - 1) % P + 1 for k in kv]), custom_mask=mask)  # fmt: skip
+    qo = pg.indptr_from_counts(torch.tensor(q, dtype=torch.int32))
+    return BatchMetadata(mode, qo, pg.indptr_from_counts(npg), ids, pg.last_page_len(kv, P), custom_mask=mask)
 
 
 def _caches(config: AttentionConfig, num_pages: int, gen: torch.Generator, device: torch.device):
@@ -133,7 +133,7 @@ def soak_plan_run(config: AttentionConfig, provider: str, device: torch.device, 
                   seed: int = 0, deadline: float | None = None) -> Series:
     """``cycles`` plan + ``layers`` runs of fresh random batches through ``provider``."""
     gen = torch.Generator().manual_seed(seed)
-    pages_per = -(-(max_q + max_prefix) // config.page_size)
+    pages_per = pg.num_pages(max_q + max_prefix, config.page_size)
     num_pages = max_batch * pages_per + 8
     k, v = _caches(config, num_pages, gen, device)
     attn = PagedAttention(config, provider, device)
@@ -154,7 +154,7 @@ def soak_graph_replay(config: AttentionConfig, provider: str, device: torch.devi
     """``replays`` graph replays (decode): ``update`` / ``update_from_block_table`` + ``run`` (CUDA: replay)."""
     gen = torch.Generator().manual_seed(seed)
     P = config.page_size
-    max_pages_per = -(-(max_prefix + 1) // P)
+    max_pages_per = pg.num_pages(max_prefix + 1, P)
     num_pages = max_batch * max_pages_per + 8
     k, v = _caches(config, num_pages, gen, device)
     gs = GraphState(config, provider, max_batch=max_batch, max_tokens=max_batch, max_pages=max_batch * max_pages_per,
