@@ -52,12 +52,15 @@ ROWS = [
     ("prefill 4x4096 d256", "prefill", 4, 4096, 0, D256),
     ("decode 1x32768 d256", "decode", 1, 1, 32767, D256),
     ("decode 4x32768 d256", "decode", 4, 1, 32767, D256),
+    # fp8 (e4m3) KV caches: their own table entries (".../fp8"), candidates with and without fp16 dots
+    ("decode 64x4096 fp8", "decode", 64, 1, 4095, LLAMA),
+    ("decode 1x32768 fp8", "decode", 1, 1, 32767, LLAMA),
 ]
 # a page-64 prefill: where tensor-descriptor (TMA) K/V loads apply; decides the table's "tma" flag
 TMA_ROW = ("prefill 4x4096 page64", "prefill", 4, 4096, 0, LLAMA)
 # --smoke (CPU, Triton interpreter): the whole flow on tiny shapes, two candidates a row, SM count 132
 SMOKE_ROWS = [("prefill smoke", "prefill", 2, 80, 16, (8, 2, 64)), ("decode smoke", "decode", 2, 1, 2100, (8, 2, 64)),
-              ("prefill smoke page64", "prefill", 1, 70, 0, (8, 2, 64))]
+              ("prefill smoke page64", "prefill", 1, 70, 0, (8, 2, 64)), ("decode smoke fp8", "decode", 2, 1, 2100, (8, 2, 64))]
 SMOKE = {"on": False}
 
 
@@ -113,7 +116,7 @@ def row_config(row):
 
     hq, hkv, d = row[5]
     page = 64 if "page64" in row[0] else 16
-    return AttentionConfig(hq, hkv, d, page, torch.bfloat16)
+    return AttentionConfig(hq, hkv, d, page, torch.bfloat16, kv_dtype=torch.float8_e4m3fn if is_fp8(row) else None)
 
 
 def bucket_of(row, provider) -> str:
@@ -125,20 +128,26 @@ def bucket_of(row, provider) -> str:
     return provider._decode_bucket(row[2] * row_config(row).num_kv_heads)
 
 
+def is_fp8(row) -> bool:
+    return row[0].endswith(" fp8")
+
+
 def candidates(row, bucket: str) -> list[dict]:
     d = row[5][2]
     if bucket == "prefill":
         return prefill_candidates(d)
     if bucket == "verify":
         return verify_candidates(d)
-    return decode_candidates(d, bucket != "decode")
+    out = decode_candidates(d, bucket != "decode")
+    return [dict(c, fp8_f16=f) for c in out for f in (False, True)] if is_fp8(row) else out
 
 
 def build(row, device):
     from attnplug.bench.workloads import Row, build as wbuild
 
     name, kind, b, q, prefix, _ = row
-    return wbuild(Row(name, kind, b, q, prefix), row_config(row), device)
+    return wbuild(Row(name, kind, b, q, prefix, kv="fp8" if is_fp8(row) else ""),
+                  dataclasses.replace(row_config(row), kv_dtype=None), device)
 
 
 def plan_run(work, entry: dict | None, key: str):
@@ -177,7 +186,7 @@ def tasks(rows):
         if SMOKE["on"]:
             prov._sms = 132
         bucket = bucket_of(row, prov)
-        key = tiles.key(cfg.head_dim, cfg.group_size, bucket)
+        key = tiles.key(cfg.head_dim, cfg.group_size, bucket, fp8=is_fp8(row))
         cands = candidates(row, bucket)
         if SMOKE["on"]:  # small tiles the interpreter runs quickly
             cands = [dict(c, block_m=min(c.get("block_m", 32), 32), block_n=min(c.get("block_n", 32), 32), num_stages=3)

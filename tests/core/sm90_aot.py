@@ -169,6 +169,7 @@ def record_all() -> None:
                               torch.ones(()), torch.ones(1))  # fmt: skip
     q = torch.zeros(5, 32, 128, dtype=torch.bfloat16)  # fa3's query quantization
     kv_mod.quantize_fp8_rows(q, torch.ones(()), torch.empty(5, 32, 128, dtype=e4m3))
+    kv_mod.quantize_fp8_rows(q, torch.ones(()), torch.empty(5, 32, 128, dtype=e4m3), torch.empty_like(q))  # + tree q
     for mode, q in (("decode", 1), ("verify", 4)):  # vLLM: page table; chain mask
         gs = GraphState(llama, "triton", 8, 8 * q, 800, "cpu", mode, num_draft_tokens=q, max_seq_len=1600)
         gs.plans[4] = None  # replay metadata only: no attention plan needed
@@ -192,6 +193,7 @@ def record_fast_paths(llama) -> None:
     e4m3 = torch.float8_e4m3fn
     d64, d256 = AttentionConfig(32, 8, 64, 16, torch.bfloat16), AttentionConfig(16, 8, 256, 16, torch.bfloat16)
     page64 = AttentionConfig(32, 8, 128, 64, torch.bfloat16)
+    fp8 = AttentionConfig(32, 8, 128, 16, torch.bfloat16, kv_dtype=e4m3)
     runs = [  # (config, mode, q lens, prefix lens, with LSE, table entries)
         (llama, ForwardMode.EXTEND, [300, 200], [0, 250], True, {d(llama, "prefill"): pf(128, 64, 8, 5)}),
         (llama, ForwardMode.EXTEND, [300, 200], [0, 250], False, {d(llama, "prefill"): pf(128, 128, 8, 5, diag_n=64)}),
@@ -208,6 +210,11 @@ def record_fast_paths(llama) -> None:
         (AttentionConfig(32, 8, 128, 16, torch.float16, "NHD", None, 30.0, 1000, e4m3), ForwardMode.DECODE, [1],
          [5000], False, {d(llama, "decode_tiny"): dec(64, 2, 5, ctas_per_sm=4, fused_merge=True)}),
         (d256, ForwardMode.DECODE, [1], [32767], False, {d(d256, "decode_tiny"): dec(64, 4, 5, ctas_per_sm=2, fused_merge=True)}),
+        (fp8, ForwardMode.DECODE, [1] * 64, [4095] * 64, False, {d(llama, "decode") + "/fp8": dec(64, 4, 5, fp8_f16=True)}),
+        (fp8, ForwardMode.DECODE, [1] * 64, [4095] * 64, False, {d(llama, "decode") + "/fp8": {
+            "kernel": "paged", "block_n": 128, "num_warps": 4, "num_stages": 3, "fp8_f16": True}}),
+        (fp8, ForwardMode.DECODE, [1], [32767], True, {d(llama, "decode_tiny") + "/fp8": dec(
+            128, 4, 5, ctas_per_sm=1, fused_merge=True, fp8_f16=True)}),
     ]  # fmt: skip
     for cfg, mode, q_lens, prefix, with_lse, entries in runs:
         c = random_case(mode, q_lens, prefix, cfg, "cpu")

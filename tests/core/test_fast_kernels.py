@@ -208,6 +208,31 @@ def test_decode_fp8_kv():
     assert triton_launch(plan)["kernel"] == "decode"
 
 
+@pytest.mark.parametrize("kernel,kv_dtype", [("decode", torch.float8_e4m3fn), ("paged", torch.float8_e5m2)])
+def test_fp8_f16_dots(kernel, kv_dtype):
+    """fp8 entries with ``fp8_f16`` (fp16 dots on q * scale) in the decode and the paged kernel, split
+    and not, on a query of large values (|q| ~ 3000); fp8 caches fall back to the 16-bit entries; a
+    16-bit cache never reads the fp8 ones."""
+    base = cfg(8, 2, d=64)
+    c = random_case(ForwardMode.DECODE, [1] * 3, [10, 700, 1200], base, DEVICE, seed=9)
+    c.q = c.q * 3000
+    ks, vs = torch.tensor([4 / 100], device=DEVICE), torch.tensor(3 / 60, device=DEVICE)
+    c.k_cache = quantize_fp8(c.k_cache.float() * 4, ks, kv_dtype)
+    c.v_cache = quantize_fp8(c.v_cache.float() * 3, vs, kv_dtype)
+    c.config = cfg(8, 2, d=64, kv_dtype=kv_dtype)
+    e = decode_entries(c.config, block_n=32) if kernel == "decode" else {
+        tiles.key(64, 4, b): {"kernel": "paged", "block_n": 32, "num_warps": 4, "num_stages": 2}
+        for b in ("decode", "decode_split", "decode_tiny")}  # fmt: skip
+    fp8_e = {k + "/fp8": dict(v, fp8_f16=True) for k, v in e.items()}
+    for splits in (1, 4):
+        plan = run_case(c, {**e, **fp8_e}, scales={"k_scale": ks, "v_scale": vs}, num_kv_splits=splits)
+        assert triton_launch(plan)["kernel"] == kernel and plan.state.fp8_f16
+    plan = run_case(c, {k: dict(v, fp8_f16=True) for k, v in e.items()}, scales={"k_scale": ks, "v_scale": vs})
+    assert plan.state.fp8_f16  # fp8 falls back to the 16-bit entry, whose fields apply
+    c16 = random_case(ForwardMode.DECODE, [1] * 3, [10, 700, 1200], base, DEVICE, seed=9)
+    assert not run_case(c16, {**e, **fp8_e}).state.fp8_f16  # a 16-bit cache never reads the /fp8 entries
+
+
 def test_decode_under_graph_state():
     """GraphState with the fused decode: static counters, padded replays equal eager, counters stay 0."""
     c0 = cfg(4, 2, d=32, page=16)
@@ -264,5 +289,10 @@ def test_table_keys_and_lookup():
     t = {"d128/g*/prefill": {"block_n": 32}, "d128/g4/prefill": {"block_n": 64}}
     assert tiles.lookup(128, 4, "prefill", t) == {"block_n": 64} and tiles.lookup(128, 8, "prefill", t) == {"block_n": 32}
     assert tiles.lookup(64, 4, "prefill", t) == {}
+    t8 = {**t, "d128/g*/prefill/fp8": {"block_n": 16}}
+    assert tiles.key(128, 4, "decode", fp8=True) == "d128/g4/decode/fp8"
+    assert tiles.lookup(128, 4, "prefill", t8, fp8=True) == {"block_n": 16}  # fp8's own entry, any group
+    assert tiles.lookup(128, 4, "prefill", t8) == {"block_n": 64}  # 16-bit caches never read /fp8
+    assert tiles.lookup(128, 8, "verify", t8, fp8=True) == tiles.lookup(128, 8, "verify", t8)  # fallback
     for k, e in tiles.TILES.items():  # every entry names a known bucket and kernel
         assert k.split("/")[2] in tiles.BUCKETS and e.get("kernel", "paged") in ("paged", "prefill", "decode"), k

@@ -177,6 +177,10 @@ def test_query_quantization_kernel_equals_torch(T, kv_dtype):
     got = quantize_fp8_rows(wide.to(DEVICE)[:, :4], s.to(DEVICE), out[:T])
     assert got.data_ptr() == out.data_ptr() and torch.equal(out[T:].cpu().float(), torch.full((2, 4, 96), 7.0))
     assert torch.equal(got.cpu().float(), quantize_fp8(x, s, kv_dtype).float())
+    # the dequantized copy (fa3's tree part reads it): fp8 value times the scale, in the given dtype
+    dq = torch.full((T, 4, 96), math.nan, dtype=torch.bfloat16, device=DEVICE)
+    quantize_fp8_rows(wide.to(DEVICE)[:, :4], s.to(DEVICE), torch.empty_like(out[:T]), dq)
+    assert torch.equal(dq.cpu(), (quantize_fp8(x, s, kv_dtype).float() * 0.5).to(torch.bfloat16))
 
 
 def test_fixed_shape_write_quantizes_like_write_kv():

@@ -21,7 +21,10 @@ Softmax runs in base 2 on fp32 logits; P is cast to the KV dtype for the PV prod
 fp8 KV (``KV_FP8``): K/V blocks are loaded as fp8 and converted to q's dtype (exact: every e4m3 /
 e5m2 value is a bf16 / fp16 value), so both products are the usual 16-bit tensor-core dots; the
 per-layer scales (one-element float32 tensors ``K_SCALE`` / ``V_SCALE``, read on the device) are
-folded in exactly: ``k_scale`` into the softmax scale, ``v_scale`` into the final normalization. Under the
+folded in exactly: ``k_scale`` into the softmax scale, ``v_scale`` into the final normalization.
+``FP8_F16`` (a tile-table choice, paged and decode kernels): the dots run in fp16 instead, on
+``q * softmax_scale`` rounded to fp16 (10 mantissa bits, finite for ``|q| < 65504 / scale``, 7.4e5 at
+head dim 128) and P in fp16: fp8 -> fp16 is one hardware conversion per two values. Under the
 Triton interpreter (CPU), whose ``tl.dot`` mishandles 16-bit floats, operands are upcast to fp32
 after the same roundings (``UPCAST``).
 """
@@ -105,7 +108,7 @@ def paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr,
     SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    HAS_KV_START: tl.constexpr, KV_FP8: tl.constexpr,
+    HAS_KV_START: tl.constexpr, KV_FP8: tl.constexpr, FP8_F16: tl.constexpr = False,
 ):
     """Grid ``(num_tiles, Hkv, num_splits)``.
 
@@ -134,10 +137,14 @@ def paged_attention_kernel(
 
     q_ptrs = Q + (q_start + tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if KV_FP8:  # logits s = q . (k8 * k_scale) = (q . k8) * k_scale; out = (P @ v8) * v_scale (below)
+        if FP8_F16:  # fp16 dots: the softmax scale moves into q (see the module docstring)
+            q = (q.to(tl.float32) * sm_scale).to(tl.float16)
+            sm_scale = tl.load(K_SCALE)
+        else:
+            sm_scale = sm_scale * tl.load(K_SCALE)
     if UPCAST:  # the Triton interpreter cannot dot 16-bit floats: compute in fp32 there
         q = q.to(tl.float32)
-    if KV_FP8:  # logits s = q . (k8 * k_scale) = (q . k8) * k_scale; out = (P @ v8) * v_scale (below)
-        sm_scale = sm_scale * tl.load(K_SCALE)
 
     # visible KV range of this tile: [lo, hi)
     hi = kv_len

@@ -17,7 +17,7 @@ graph (the counters are static memory, zeroed once at allocation). Without ``FUS
 provider runs :func:`.merge.merge_splits` after this kernel.
 
 Window (``WINDOW``): the decode token at ``kv_len - 1`` sees keys from ``kv_len - 1 - window_left``:
-just a lower bound, no mask. Soft cap, fp8 KV (``KV_FP8``, scales as in :mod:`.attention`) and the
+just a lower bound, no mask. Soft cap, fp8 KV (``KV_FP8``, scales and ``FP8_F16`` as in :mod:`.attention`) and the
 interpreter's fp32 dots (``UPCAST``) as in the other kernels.
 """
 
@@ -45,7 +45,7 @@ def decode_kernel(
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_S: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     NUM_STAGES: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, FP8_F16: tl.constexpr = False,
 ):
     """Grid ``(B, Hkv, num_splits)``. Q ``[T, Hq, D]`` (request ``b``'s token at ``qo_indptr[b]``, none
     when its ``q_len`` is 0); O ``[T, Hq, D]``; LSE ``[T, Hq]`` natural log (``STORE_LSE``).
@@ -68,6 +68,9 @@ def decode_kernel(
     t64 = t.to(tl.int64)
     q = tl.load(Q + t64 * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
                 other=0.0)
+    if KV_FP8 and FP8_F16:  # fp16 dots on q * sm_scale (see :mod:`.attention`)
+        q = (q.to(tl.float32) * sm_scale).to(tl.float16)
+        sm_scale = 1.0
     P_DTYPE: tl.constexpr = q.dtype
     if UPCAST:
         q = q.to(tl.float32)

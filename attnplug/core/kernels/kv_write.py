@@ -88,33 +88,43 @@ def write_kv_kernel(
 
 @triton.jit
 def quantize_rows_kernel(
-    X, Y, SCALE, T, stride_xt, stride_xh, stride_yt, stride_yh,
+    X, Y, DQ, SCALE, T, stride_xt, stride_xh, stride_yt, stride_yh, stride_dt, stride_dh,
     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, FP8_MAX: tl.constexpr,
-    MANT: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr,
+    MANT: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, WRITE_DQ: tl.constexpr,
 ):
     """Grid ``(cdiv(T, BLOCK_T), H)``: ``Y[t, h] = fp8(X[t, h] / SCALE)`` for ``BLOCK_T`` rows of one
-    head a program, saturated (as the KV write)."""
+    head a program, saturated (as the KV write); ``WRITE_DQ``: also ``DQ[t, h] = Y[t, h] * SCALE`` in
+    DQ's dtype (the value the fp8 kernels compute with)."""
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)[None, :]
     m = (t < T) & (d < HEAD_DIM)
     x = tl.load(X + t * stride_xt + h * stride_xh + d, mask=m)
-    y = quantize_to_fp8(x, tl.load(SCALE), FP8_MAX, MANT, MIN_NORMAL, SUB_MAGIC)
+    scale = tl.load(SCALE)
+    y = quantize_to_fp8(x, scale, FP8_MAX, MANT, MIN_NORMAL, SUB_MAGIC)
     tl.store(Y + t * stride_yt + h * stride_yh + d, y.to(Y.dtype.element_ty), mask=m)
+    if WRITE_DQ:
+        tl.store(DQ + t * stride_dt + h * stride_dh + d, (y * scale).to(DQ.dtype.element_ty), mask=m)
 
 
-def quantize_fp8_rows(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def quantize_fp8_rows(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
+                      dequant_out: torch.Tensor | None = None) -> torch.Tensor:
     """``out [T, H, D]`` (fp8) = ``x [T, H, D] / scale`` saturated and rounded like the fp8 KV write
     (vLLM's static per-tensor ``QuantFP8`` of the query); ``scale`` a one-element float32 device
-    tensor. One launch, no sync, no allocation: capturable. Head dims contiguous."""
-    if x.stride(-1) != 1 or out.stride(-1) != 1:
-        raise ValueError(f"x and out must have a contiguous last dim, got strides {x.stride()} / {out.stride()}")
+    tensor. ``dequant_out [T, H, D]`` (optional, any float dtype): ``out * scale``, the query an fp8
+    kernel computes with, written by the same launch. One launch, no sync, no allocation: capturable.
+    Head dims contiguous."""
+    dq = out if dequant_out is None else dequant_out
+    if x.stride(-1) != 1 or out.stride(-1) != 1 or dq.stride(-1) != 1:
+        raise ValueError(f"x, out and dequant_out must have a contiguous last dim, got strides {x.stride()} / "
+                         f"{out.stride()} / {dq.stride()}")
     T, H, D = x.shape
     if T:
         block_t = min(32, triton.next_power_of_2(T))  # decode: one row; prefill: 32 rows x D a program
         quantize_rows_kernel[(triton.cdiv(T, block_t), H)](
-            x, out, scale, T, x.stride(0), x.stride(1), out.stride(0), out.stride(1), HEAD_DIM=D, BLOCK_T=block_t,
-            BLOCK_D=triton.next_power_of_2(D), **fp8_constants(out.dtype))  # fmt: skip
+            x, out, dq, scale, T, x.stride(0), x.stride(1), out.stride(0), out.stride(1), dq.stride(0), dq.stride(1),
+            HEAD_DIM=D, BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(D), WRITE_DQ=dequant_out is not None,
+            **fp8_constants(out.dtype))  # fmt: skip
     return out
 
 

@@ -7,7 +7,8 @@ path). ``benchmarks/sweep_triton.py`` measures candidates on the GPU and rewrite
 table that nothing re-measured behaves as the provider did before the table existed.
 
 Keys are ``"d{D}/g{G}/{bucket}"``: ``D`` = the head dim rounded up to 64 / 128 / 256, ``G`` = the
-GQA group rounded up to a power of two, or ``*`` for any group (an exact group wins). Buckets:
+GQA group rounded up to a power of two, or ``*`` for any group (an exact group wins); a ``/fp8``
+suffix: the entry for fp8 KV caches (they fall back to the 16-bit entries). Buckets:
 
 * ``prefill``: queries fill a ``block_m`` tile (``max_q_len * G >= block_m``), no custom mask;
 * ``short``: shorter queries (the tile shrinks to ``next_pow2(max_q_len * G)`` rows);
@@ -21,6 +22,7 @@ Entry fields (all optional): ``kernel`` (``"paged"``: :mod:`.attention`; ``"pref
 ``tma`` (tensor-descriptor K/V loads when the page size is a multiple of ``block_n``); split buckets:
 ``ctas_per_sm`` (split so that ``B * Hkv * splits`` reaches this many programs per SM),
 ``max_splits``, ``min_split_keys``, ``fused_merge`` (``decode`` kernel: the last split merges);
+``fp8_f16`` (fp8 entries, paged / decode kernels: fp16 dots, :mod:`.attention`);
 ``small_tiles_from_splits`` (seed only: the tile fields apply from this many splits on, below it
 the ``decode_split`` tiles do: the 2026-11-29 rule).
 """
@@ -72,15 +74,18 @@ def group_bucket(group: int) -> int:
     return 1 << max(0, group - 1).bit_length()
 
 
-def key(head_dim: int, group: int | str, bucket: str) -> str:
+def key(head_dim: int, group: int | str, bucket: str, fp8: bool = False) -> str:
     g = group if group == "*" else group_bucket(int(group))
-    return f"d{head_dim_bucket(head_dim)}/g{g}/{bucket}"
+    return f"d{head_dim_bucket(head_dim)}/g{g}/{bucket}" + ("/fp8" if fp8 else "")
 
 
-def lookup(head_dim: int, group: int, bucket: str, table: dict | None = None) -> dict:
-    """The entry for this shape: the exact group's, else the any-group one, else ``{}``."""
+def lookup(head_dim: int, group: int, bucket: str, table: dict | None = None, fp8: bool = False) -> dict:
+    """The entry for this shape: the exact group's, else the any-group one, else ``{}``; an fp8 KV
+    cache (``fp8``) first looks for its own entries (``.../fp8``), then takes the 16-bit ones."""
     t = TILES if table is None else table
-    e = t.get(key(head_dim, group, bucket))
-    if e is None:
-        e = t.get(key(head_dim, "*", bucket))
-    return e or {}
+    for f in ((True, False) if fp8 else (False,)):
+        for g in (group, "*"):
+            e = t.get(key(head_dim, g, bucket, f))
+            if e is not None:
+                return e
+    return {}

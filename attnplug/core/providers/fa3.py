@@ -31,7 +31,8 @@ fp8 kernels write bfloat16) as vLLM's FLASH_ATTN runs it on Hopper: ``run`` quan
 ``q_scale`` (saturated, like the KV write; one Triton launch into a buffer of the plan) and passes
 ``q_descale`` / ``k_descale`` / ``v_descale`` = the layer's scale tensors expanded to
 ``[num_seqs, Hkv]`` (views: device reads, captured by graphs). The tree part of a tree verify is
-attnplug's Triton kernel, which dequantizes fp8 itself.
+attnplug's Triton kernel, which dequantizes the fp8 cache itself and reads the same e4m3-rounded
+query (``q8 * q_scale``, written by the quantize launch), so both parts see one query.
 
 Sliding window together with a tree mask is refused. ``run`` does no host work, no sync and no
 allocation of attnplug's own (the FA3 libraries allocate their LSE themselves). hopper/sgl_kernel
@@ -171,6 +172,7 @@ class FA3Tree:
     prefix_out: torch.Tensor  # [T, Hq, D] dtype
     tree_out: torch.Tensor  # [T, Hq, D] float32
     tree_lse: torch.Tensor  # [T, Hq] float32
+    q_deq: torch.Tensor | None = None  # fp8 KV: [T, Hq, D] dtype, the e4m3-rounded query times q_scale
 
 
 @dataclass
@@ -327,11 +329,14 @@ class FA3Provider(Provider):
 
     def tree_buffers(self, num_tokens: int, device) -> dict:
         """Scratch of the tree-verify split for ``num_tokens`` rows: ``prefix_out [T, Hq, D]`` (dtype),
-        ``tree_out [T, Hq, D]`` and ``tree_lse [T, Hq]`` float32."""
+        ``tree_out [T, Hq, D]`` and ``tree_lse [T, Hq]`` float32; fp8 KV: ``q_deq [T, Hq, D]`` (dtype)."""
         cfg, hd = self.config, (num_tokens, self.config.num_qo_heads, self.config.head_dim)
-        return dict(prefix_out=torch.empty(hd, dtype=cfg.dtype, device=device),
+        bufs = dict(prefix_out=torch.empty(hd, dtype=cfg.dtype, device=device),
                     tree_out=torch.empty(hd, dtype=torch.float32, device=device),
                     tree_lse=torch.empty(hd[:2], dtype=torch.float32, device=device))  # fmt: skip
+        if cfg.kv_quantized:
+            bufs["q_deq"] = torch.empty(hd, dtype=cfg.dtype, device=device)
+        return bufs
 
     def plan_tree_part(self, plan: Plan, prefix: torch.Tensor, static=None, buffers: dict | None = None) -> FA3Tree:
         """The tree part of a verify ``plan``: attnplug's Triton kernel on keys ``>= prefix[b]``
@@ -356,7 +361,8 @@ class FA3Provider(Provider):
         if st.q8 is not None:  # fp8: q quantized like vLLM's query quant; per-(seq, kv head) descales are views
             from ..kernels.kv_write import quantize_fp8_rows  # noqa: PLC0415 - triton only when fp8 runs
 
-            q_fa = quantize_fp8_rows(q, q_scale, st.q8[: q.shape[0]])
+            q_fa = quantize_fp8_rows(q, q_scale, st.q8[: q.shape[0]],
+                                     None if tree is None else tree.q_deq[: q.shape[0]])
             shape = (st.num_seqs, self.config.num_kv_heads)
             descale = dict(q_descale=q_scale.reshape(1, 1).expand(shape), k_descale=k_scale.reshape(1, 1).expand(shape),
                            v_descale=v_scale.reshape(1, 1).expand(shape))  # fmt: skip
@@ -367,5 +373,6 @@ class FA3Provider(Provider):
                 lse.copy_(s.t())
             return
         s_a = self.lib.paged(q_fa, k_cache, v_cache, tree.prefix_out, return_lse=True, descale=descale, **a)
-        self._tree.run(tree.tree_plan, q, k_cache, v_cache, tree.tree_out, tree.tree_lse, **scales)
+        q_tree = q if st.q8 is None else tree.q_deq[: q.shape[0]]  # fp8: the query FA3's part reads
+        self._tree.run(tree.tree_plan, q_tree, k_cache, v_cache, tree.tree_out, tree.tree_lse, **scales)
         self._merge(tree.prefix_out, s_a.t(), tree.tree_out, tree.tree_lse, out, lse)

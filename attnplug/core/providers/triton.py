@@ -45,6 +45,7 @@ class TritonState:
     diag_n: int = 0  # prefill: keys per block of the masked diagonal loop
     tma: bool = False  # prefill: K/V through tensor descriptors (page size a multiple of block_n)
     counters: torch.Tensor | None = None  # decode with fused merge: [B * Hkv] int32, zero between launches
+    fp8_f16: bool = False  # fp8 KV, paged / decode kernels: fp16 dots on a pre-scaled query (tile-table field)
 
 
 @dataclass
@@ -171,7 +172,7 @@ class TritonProvider(Provider):
 
     def _entry(self, bucket: str) -> dict:
         """This config's tile-table entry for ``bucket`` (:mod:`attnplug.core.kernels.tiles`)."""
-        return tile_table.lookup(self.config.head_dim, self.config.group_size, bucket)
+        return tile_table.lookup(self.config.head_dim, self.config.group_size, bucket, fp8=self.config.kv_quantized)
 
     def _decode_bucket(self, programs: int) -> str:
         """Decode bucket of a batch with ``programs = B * Hkv`` programs before any split."""
@@ -323,6 +324,7 @@ class TritonProvider(Provider):
             tile_req=tile_req, tile_qstart=tile_q, num_tiles=num_tiles, num_splits=splits, block_q=block_q,
             block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, partial=partial,
             partial_lse=partial_lse, kv_start=o.kv_start, kernel=kernel, diag_n=diag_n, tma=tma, counters=counters,
+            fp8_f16=cfg.kv_quantized and kernel != "prefill" and bool(entry.get("fp8_f16", False)),
         )
 
     # -- run --------------------------------------------------------------------------------------
@@ -369,7 +371,7 @@ class TritonProvider(Provider):
             SOFT_CAP=cfg.logits_soft_cap > 0, WINDOW=cfg.window_left >= 0,
             SPLIT=split, STORE_LSE=lse is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            UPCAST=q.device.type == "cpu", HAS_KV_START=a.kv_start is not None, KV_FP8=fp8,
+            UPCAST=q.device.type == "cpu", HAS_KV_START=a.kv_start is not None, KV_FP8=fp8, FP8_F16=a.fp8_f16,
             num_warps=a.num_warps, num_stages=a.num_stages,
         )
         if split:
@@ -424,7 +426,7 @@ class TritonProvider(Provider):
             SPLIT=split, FUSED_MERGE=fused, MERGE_S=merge_s, MERGE_CHUNK=max(1, min(merge_s, 4096 // (gp * bd))),
             NUM_STAGES=a.num_stages, STORE_LSE=lse is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=q.device.type == "cpu", KV_FP8=fp8,
-            num_warps=a.num_warps, num_stages=a.num_stages,
+            FP8_F16=a.fp8_f16, num_warps=a.num_warps, num_stages=a.num_stages,
         )
         if split and not fused:
             merge_splits(a.partial, a.partial_lse, out, lse)
