@@ -308,10 +308,11 @@ def root_cause(log: str, fallback: str = "") -> str:
 
 def attnplug_message(res: dict, backend: str) -> str:
     """The first of a run's error and its attnplug log lines that is attnplug's message about
-    ``backend``; ``""`` when none is."""
+    ``backend`` (attnplug's messages start ``attnplug:``; an engine's own error that merely names the
+    backend, e.g. SGLang's list of backends a model requires, is not one); ``""`` when none is."""
     for line in [res.get("error", "")] + res.get("attnplug_lines", []):
         low = line.lower()
-        if "attnplug" in low and backend.lower() in low:
+        if "attnplug:" in low and backend.lower() in low:
             return line
     return ""
 

@@ -81,6 +81,10 @@ class AttnplugAttnBackend(AttentionBackend):
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.kv_index_translator = getattr(model_runner, "kv_index_translator", None)
         self.page_size = int(getattr(model_runner, "page_size", 1) or 1)
+        from attnplug.core.config import MAX_PAGE_SIZE
+
+        if not 1 <= self.page_size <= MAX_PAGE_SIZE:
+            raise self._unsupported(f"page size {self.page_size} (--page-size; supported: 1..{MAX_PAGE_SIZE})")
         self._check_model(model_runner)
         self._extend_modes = compat.extend_like_modes()
 
@@ -197,7 +201,10 @@ class AttnplugAttnBackend(AttentionBackend):
         from attnplug.core import AttentionConfig, PagedAttention, ProviderUnavailable, UnsupportedFeature
 
         hq, hkv, d, scale, cap, window = key
-        cfg = AttentionConfig(hq, hkv, d, self.page_size, self.dtype, "NHD", scale, cap, window, self.kv_dtype)
+        try:
+            cfg = AttentionConfig(hq, hkv, d, self.page_size, self.dtype, "NHD", scale, cap, window, self.kv_dtype)
+        except ValueError as e:  # a head count / head dim / dtype the core cannot describe
+            raise self._unsupported(f"this layer configuration ({str(e).removeprefix('attnplug: ')})") from e
         try:
             return PagedAttention(cfg, provider=self.provider_name, device=self.device)
         except ProviderUnavailable as e:  # the provider's reason and install hint

@@ -33,6 +33,14 @@ def make_backend(runner, name="attnplug_triton", provider=None):
         return AttnplugAttnBackend(runner, backend_name=name, provider=provider)
 
 
+def test_page_size_outside_the_core_range_is_refused_at_construction():
+    """SGLang accepts --page-size 512; attnplug's kernels take 1..256: refused by name, not a ValueError."""
+    runner = make_runner(16)
+    runner.page_size = 512
+    with pytest.raises(UnsupportedFeature, match=r"attnplug: backend 'attnplug_triton' does not support page size 512"):
+        make_backend(runner)
+
+
 def torch_native(runner):
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
