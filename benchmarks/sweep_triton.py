@@ -55,6 +55,8 @@ ROWS = [
     # fp8 (e4m3) KV caches: their own table entries (".../fp8"), candidates with and without fp16 dots
     ("decode 64x4096 fp8", "decode", 64, 1, 4095, LLAMA),
     ("decode 1x32768 fp8", "decode", 1, 1, 32767, LLAMA),
+    ("decode 4x32768 fp8", "decode", 4, 1, 32767, LLAMA),
+    ("prefill 4x4096 fp8", "prefill", 4, 4096, 0, LLAMA),
 ]
 # a page-64 prefill: where tensor-descriptor (TMA) K/V loads apply; decides the table's "tma" flag
 TMA_ROW = ("prefill 4x4096 page64", "prefill", 4, 4096, 0, LLAMA)
@@ -135,10 +137,11 @@ def is_fp8(row) -> bool:
 def candidates(row, bucket: str) -> list[dict]:
     d = row[5][2]
     if bucket == "prefill":
-        return prefill_candidates(d)
-    if bucket == "verify":
-        return verify_candidates(d)
-    out = decode_candidates(d, bucket != "decode")
+        out = prefill_candidates(d)
+    elif bucket == "verify":
+        out = verify_candidates(d)
+    else:
+        out = decode_candidates(d, bucket != "decode")
     return [dict(c, fp8_f16=f) for c in out for f in (False, True)] if is_fp8(row) else out
 
 

@@ -211,12 +211,15 @@ def record_fast_paths(llama) -> None:
          [5000], False, {d(llama, "decode_tiny"): dec(64, 2, 5, ctas_per_sm=4, fused_merge=True)}),
         (d256, ForwardMode.DECODE, [1], [32767], False, {d(d256, "decode_tiny"): dec(64, 4, 5, ctas_per_sm=2, fused_merge=True)}),
         (fp8, ForwardMode.DECODE, [1] * 64, [4095] * 64, False, {d(llama, "decode") + "/fp8": dec(64, 4, 5, fp8_f16=True)}),
+        (fp8, ForwardMode.EXTEND, [300], [40], False, {d(llama, "prefill") + "/fp8": pf(128, 64, 8, 5, fp8_f16=True)}),
         (fp8, ForwardMode.DECODE, [1] * 64, [4095] * 64, False, {d(llama, "decode") + "/fp8": {
             "kernel": "paged", "block_n": 128, "num_warps": 4, "num_stages": 3, "fp8_f16": True}}),
         (fp8, ForwardMode.DECODE, [1], [32767], True, {d(llama, "decode_tiny") + "/fp8": dec(
             128, 4, 5, ctas_per_sm=1, fused_merge=True, fp8_f16=True)}),
     ]  # fmt: skip
     for cfg, mode, q_lens, prefix, with_lse, entries in runs:
+        if cfg.kv_quantized:  # fp8 configs read the table's fp8 entries first: force those
+            entries = {k if k.endswith("/fp8") else k + "/fp8": v for k, v in entries.items()}
         c = random_case(mode, q_lens, prefix, cfg, "cpu")
         scales = {}
         if cfg.kv_quantized:

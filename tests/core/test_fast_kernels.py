@@ -121,17 +121,24 @@ def test_prefill_head_dims(d):
     assert triton_launch(plan)["kernel"] == "prefill"
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_prefill_fp8_kv(kv_dtype):
-    """fp8 KV: dequantized on load, k_scale in the softmax scale, v_scale on the output."""
+@pytest.mark.parametrize("kv_dtype,f16", [(torch.float8_e4m3fn, False), (torch.float8_e5m2, False),
+                                         (torch.float8_e4m3fn, True)])  # fmt: skip
+def test_prefill_fp8_kv(kv_dtype, f16):
+    """fp8 KV: dequantized on load, k_scale in the softmax scale, v_scale on the output; ``f16``: the
+    table's fp8 entry asks for fp16 dots on q * scale (a large-valued query)."""
     base = cfg(8, 2, d=64)
     c = random_case(ForwardMode.EXTEND, [50, 20], [10, 90], base, DEVICE, seed=5)
+    if f16:
+        c.q = c.q * 1000
     ks, vs = torch.tensor([4 / 100], device=DEVICE), torch.tensor(3 / 60, device=DEVICE)
     c.k_cache = quantize_fp8(c.k_cache.float() * 4, ks, kv_dtype)
     c.v_cache = quantize_fp8(c.v_cache.float() * 3, vs, kv_dtype)
     c.config = cfg(8, 2, d=64, kv_dtype=kv_dtype)
-    plan = run_case(c, prefill_entry(c.config, block_m=32, block_n=16), scales={"k_scale": ks, "v_scale": vs})
-    assert triton_launch(plan)["kernel"] == "prefill"
+    e = prefill_entry(c.config, block_m=32, block_n=16)
+    if f16:
+        e = {k + "/fp8": dict(v, fp8_f16=True) for k, v in e.items()}
+    plan = run_case(c, e, scales={"k_scale": ks, "v_scale": vs})
+    assert triton_launch(plan)["kernel"] == "prefill" and plan.state.fp8_f16 == f16
 
 
 def planned_kernel(config, batch, entries, **plan_kwargs) -> dict:

@@ -22,7 +22,7 @@ fp8 KV (``KV_FP8``): K/V blocks are loaded as fp8 and converted to q's dtype (ex
 e5m2 value is a bf16 / fp16 value), so both products are the usual 16-bit tensor-core dots; the
 per-layer scales (one-element float32 tensors ``K_SCALE`` / ``V_SCALE``, read on the device) are
 folded in exactly: ``k_scale`` into the softmax scale, ``v_scale`` into the final normalization.
-``FP8_F16`` (a tile-table choice, paged and decode kernels): the dots run in fp16 instead, on
+``FP8_F16`` (a tile-table choice, every kernel): the dots run in fp16 instead, on
 ``q * softmax_scale`` rounded to fp16 (10 mantissa bits, finite for ``|q| < 65504 / scale``, 7.4e5 at
 head dim 128) and P in fp16: fp8 -> fp16 is one hardware conversion per two values. Under the
 Triton interpreter (CPU), whose ``tl.dot`` mishandles 16-bit floats, operands are upcast to fp32

@@ -28,7 +28,7 @@ shared; what differs is the inner loop, written for wgmma-sized tiles (``BLOCK_M
 * Softmax in base 2 on fp32 logits with the scale folded into one FMA (``s * scale - m``); masked
   logits are ``-inf`` in the diagonal loop only. P is cast to the value dtype for the PV product.
 
-fp8 KV (``KV_FP8``) as in :mod:`.attention`: K/V blocks are loaded as fp8 and converted to q's dtype;
+fp8 KV (``KV_FP8``, ``FP8_F16``) as in :mod:`.attention`: K/V blocks are loaded as fp8 and converted to q's dtype;
 ``K_SCALE`` folds into the softmax scale, ``V_SCALE`` into the final normalization. ``UPCAST``: the
 CPU interpreter's ``tl.dot`` needs fp32 operands.
 
@@ -181,6 +181,7 @@ def prefill_kernel(
     DIAG_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     PAGE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr,
     STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
+    FP8_F16: tl.constexpr = False,
 ):
     """Grid ``(num_tiles, Hkv)``. Causal (bottom-right aligned), no split.
 
@@ -207,6 +208,9 @@ def prefill_kernel(
 
     q_ptrs = Q + (q_start + tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    if KV_FP8 and FP8_F16:  # fp16 dots on q * sm_scale (see :mod:`.attention`)
+        q = (q.to(tl.float32) * sm_scale).to(tl.float16)
+        sm_scale = 1.0
     P_DTYPE: tl.constexpr = q.dtype
     if UPCAST:
         q = q.to(tl.float32)

@@ -22,7 +22,7 @@ Entry fields (all optional): ``kernel`` (``"paged"``: :mod:`.attention`; ``"pref
 ``tma`` (tensor-descriptor K/V loads when the page size is a multiple of ``block_n``); split buckets:
 ``ctas_per_sm`` (split so that ``B * Hkv * splits`` reaches this many programs per SM),
 ``max_splits``, ``min_split_keys``, ``fused_merge`` (``decode`` kernel: the last split merges);
-``fp8_f16`` (fp8 entries, paged / decode kernels: fp16 dots, :mod:`.attention`);
+``fp8_f16`` (fp8 entries: fp16 dots, :mod:`.attention`);
 ``small_tiles_from_splits`` (seed only: the tile fields apply from this many splits on, below it
 the ``decode_split`` tiles do: the 2026-11-29 rule).
 """
@@ -30,7 +30,7 @@ the ``decode_split`` tiles do: the 2026-11-29 rule).
 from __future__ import annotations
 
 # ---- BEGIN TILES (rewritten by benchmarks/sweep_triton.py) ----
-# sweep of 2026-12-01 on NVIDIA H200, triton 3.6.0: 8 entries chosen
+# sweep of 2026-12-01 on NVIDIA H200, triton 3.6.0: 2 entries chosen
 TILES: dict[str, dict] = {  # fmt: skip
     'd128/g*/decode': {'kernel': 'paged', 'block_n': 128, 'num_warps': 4, 'num_stages': 3},
     'd128/g*/decode_split': {'kernel': 'paged', 'block_n': 128, 'num_warps': 4, 'num_stages': 3, 'ctas_per_sm': 2},
@@ -38,7 +38,9 @@ TILES: dict[str, dict] = {  # fmt: skip
     'd128/g*/prefill': {'kernel': 'paged', 'block_m': 128, 'block_n': 32, 'num_warps': 4, 'num_stages': 3},
     'd128/g*/short': {'kernel': 'paged', 'block_n': 32, 'num_warps': 4, 'num_stages': 3},
     'd128/g*/verify': {'kernel': 'paged', 'block_m': 128, 'block_n': 128, 'num_warps': 8, 'num_stages': 3},
+    'd128/g4/decode/fp8': {'block_n': 64, 'fp8_f16': True, 'kernel': 'decode', 'num_stages': 5, 'num_warps': 2},
     'd128/g4/decode_tiny': {'block_n': 128, 'ctas_per_sm': 1, 'fused_merge': True, 'kernel': 'decode', 'num_stages': 5, 'num_warps': 4},
+    'd128/g4/decode_tiny/fp8': {'block_n': 128, 'ctas_per_sm': 2, 'fp8_f16': True, 'fused_merge': True, 'kernel': 'decode', 'num_stages': 5, 'num_warps': 4},
     'd128/g4/prefill': {'block_m': 128, 'block_n': 128, 'kernel': 'prefill', 'num_stages': 3, 'num_warps': 8, 'tma': True},
     'd256/g*/decode': {'kernel': 'paged', 'block_n': 64, 'num_warps': 4, 'num_stages': 2},
     'd256/g*/decode_split': {'kernel': 'paged', 'block_n': 64, 'num_warps': 4, 'num_stages': 2, 'ctas_per_sm': 2},
