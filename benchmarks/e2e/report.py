@@ -36,9 +36,11 @@ def first_divergence(ours: dict, ref: dict):
 
 def variant(r: dict) -> str:
     """The run's setting besides backend / env / eager / EAGLE: ``""`` (default), e.g. ``-tp2``,
-    ``-ngram-repeat``, ``-repeat``."""
+    ``-ngram-repeat``, ``-repeat``, ``-kvfp8``, ``-shared``."""
+    kv = r.get("kv_cache_dtype") or "auto"
     return ((f"-tp{r['tp']}" if r.get("tp", 1) > 1 else "") + ("-ngram" if r.get("spec") == "ngram" else "")
-            + ("-repeat" if r.get("prompts") == "repeat" else ""))  # fmt: skip
+            + ("-repeat" if r.get("prompts") == "repeat" else "") + (f"-kv{kv}" if kv != "auto" else "")
+            + ("-shared" if r.get("prompts") == "shared" else ""))  # fmt: skip
 
 
 def key(r: dict) -> str:
@@ -133,10 +135,11 @@ def main() -> None:
         md += [f"Reference: {ref}", "", "| backend | " + " | ".join(f"p{i}" for i in range(8)) + " | equal |",
                "|---|" + "---|" * 9]
         for k in [x for x in runs if x != ref]:
-            if "correctness" not in runs[k]:
+            rk = ref + variant(runs[k]) if ref + variant(runs[k]) in runs else ref  # fp8 / TP runs: the native's own
+            if "correctness" not in runs[k] or rk == k or (rk != ref and variant(runs[k]) == ""):
                 continue
             cells, eq = [], 0
-            for o, rr in zip(runs[k]["correctness"], runs[ref]["correctness"]):
+            for o, rr in zip(runs[k]["correctness"], runs[rk]["correctness"]):
                 pos, gap = first_divergence(o, rr)
                 if pos is None:
                     cells.append("=")
@@ -144,7 +147,7 @@ def main() -> None:
                 else:
                     cells.append(f"@{pos} (gap {gap})" if gap is not None else f"@{pos} (not in top-5)")
             summary["correctness"].setdefault(ref, {})[k] = cells
-            md.append(f"| {k} | " + " | ".join(cells) + f" | {eq}/8 |")
+            md.append(f"| {k}{'' if rk == ref else f' (vs {rk})'} | " + " | ".join(cells) + f" | {eq}/8 |")
         md.append("")
     # tensor parallel / n-gram / repetitive-prompt variants: each against the native runs of the same variant
     variants = sorted({variant(r) for r in runs.values() if variant(r) and not r.get("eager") and not r.get("eagle")})
@@ -155,7 +158,11 @@ def main() -> None:
         md += [f"## Variant `{v}` (" + ", ".join(filter(None, [
             f"tensor parallel {v.split('-tp')[1].split('-')[0]} GPUs" if "-tp" in v else "",
             "n-gram speculation (accepted = tokens per verify step, bonus included)" if "-ngram" in v else "",
-            "prompts repeating a 32-token phrase" if "-repeat" in v else ""])) + ")", "",
+            "prompts repeating a 32-token phrase" if "-repeat" in v else "",
+            f"KV cache {v.split('-kv')[1].split('-')[0]} (KV = capacity in tokens vs the same backend's default run)"
+            if "-kv" in v else "",
+            "64 requests sharing an 8192-token system prompt, prefix cache warm (cascade = attnplug forwards that "
+            "read the shared prefix once)" if "-shared" in v else ""])) + ")", "",
             "| backend | " + " | ".join(vrows) + " |", "|---|" + "---|" * len(vrows)]
         for b in nat + [b for b in vr if b not in nat]:
             cells = []
@@ -174,6 +181,12 @@ def main() -> None:
                 base = runs.get(b + v.replace("-ngram", "")) if "-ngram" in v else None
                 if base and row in base["rows"]:
                     cell += f", {x['tok_s'] / base['rows'][row]['tok_s']:.2f}x without speculation"
+                plain, cap = runs.get(b), vr[b].get("kv_capacity_tokens")
+                if "-kv" in v and cap and plain and plain.get("kv_capacity_tokens"):
+                    cell += f", KV {cap / plain['kv_capacity_tokens']:.2f}x"
+                casc = sum(m.get("cascade_forwards", 0) for m in vr[b].get("markers") or [])
+                if "-shared" in v and b not in nat:
+                    cell += f", cascade {casc}"
                 cells.append(cell)
             md.append(f"| {b} | " + " | ".join(cells) + " |")
         md.append("")
