@@ -297,3 +297,124 @@ def run_cascade(cp: CascadePlan, suffix_provider, prefix_provider, q: torch.Tens
     qp = q if cp.rows is None else torch.index_select(q, 0, cp.rows, out=cp.q_part)
     prefix_provider.run(cp.prefix, qp, k_cache, v_cache, cp.out_part, cp.lse_part, **scales)
     merge_state(out, s_lse, cp.out_part, cp.lse_part, out, s_lse, rows=cp.rows)
+
+
+# -- CUDA graphs -------------------------------------------------------------------------------------
+def min_saved_pages(config, mode: str) -> int:
+    """Pages a decode graph's shared prefix must save, ``(members - 1) * shared``, before the prefix
+    part runs over it: :data:`MIN_SAVED_BYTES` of KV (``"auto"``), one page (``"always"``)."""
+    if mode == "always":
+        return 1
+    page_bytes = 2 * config.page_size * config.num_kv_heads * config.head_dim * config.kv_dtype.itemsize
+    return -(-MIN_SAVED_BYTES // page_bytes)
+
+
+def common_prefix_pages(kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_lens: np.ndarray, page_size: int) -> int:
+    """Leading page ids every request of a decode batch shares with request 0, within each one's
+    ``(kv_len - 1) // page_size`` shareable pages (host twin of
+    :func:`~attnplug.core.kernels.graph_update.batch_shared_pages`); 0 with fewer than two requests."""
+    B = kv_lens.shape[0]
+    if B < 2:
+        return 0
+    m = int(max(int(((kv_lens.astype(np.int64) - 1) // page_size).min()), 0))
+    if m == 0:
+        return 0
+    rows = kv_indices[kv_indptr[:-1, None].astype(np.int64) + np.arange(m)]
+    diff = rows != rows[:1]
+    return int(np.where(diff.any(axis=1), np.argmax(diff, axis=1), m).min())
+
+
+class CascadeGraph:
+    """The shared-prefix part of a decode :class:`~attnplug.core.cuda_graph.GraphState`: every real
+    request's leading pages common to the whole batch are read once, by a one-request non-causal
+    prefix plan of the ``bs`` query rows, and merged with the suffix plan's output by LSE. The group
+    is found at each replay update from the page table (``GraphState.update``: on the host;
+    ``update_from_block_table``: on the device, no sync); a batch without a prefix worth it
+    (:func:`min_saved_pages`) runs an empty prefix part (its launches return at once). Padded rows
+    ``B..bs-1`` see the shared prefix too (valid memory; their outputs are discarded anyway).
+
+    Static memory: ``shared [1]``, the prefix batch ``kv_indptr [2]`` / ``kv_indices [max_pages_per_request]``
+    / ``kv_lens [1]`` (int32), per ``bs`` a ``qo_indptr [2] = (0, bs)`` and the prefix plan, and the
+    merge's ``out_part [max_batch, Hq, D]``, ``lse_part`` / ``lse_suffix [max_batch, Hq]`` float32.
+    """
+
+    def __init__(self, gs, mode: str):
+        cfg, dev, P = gs.config, gs.device, gs.config.page_size
+        self.gs, self.mode = gs, mode
+        self.min_saved_pages = min_saved_pages(cfg, mode)
+        self.max_pages = -(-gs.max_seq_len // P)
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.shared = torch.zeros(1, **i32)
+        self.kv_indptr = torch.zeros(2, **i32)
+        self.kv_indices = torch.zeros(self.max_pages, **i32)
+        self.kv_lens = torch.zeros(1, **i32)
+        self.kv_last_page_len = torch.full((1,), P, **i32)
+        self.qo_indptr: dict[int, torch.Tensor] = {}
+        self.plans: dict[int, Plan] = {}
+        hd = (gs.max_batch, cfg.num_qo_heads)
+        self.out_part = torch.empty((*hd, cfg.head_dim), dtype=cfg.dtype, device=dev)
+        self.lse_part = torch.empty(hd, dtype=torch.float32, device=dev)
+        self.lse_suffix = torch.empty(hd, dtype=torch.float32, device=dev)
+        self.provider = type(gs.provider)(cfg, dev)  # the prefix part's own instance and static memory
+        self.static = self.provider.static_buffers(max_rows=1, max_tokens=gs.max_batch, max_kv_len=gs.max_seq_len,
+                                                   q=gs.max_batch, num_kv_splits=gs.num_kv_splits)  # fmt: skip
+        # one block_m for every bs (when the provider takes the knob): the tile lists of all bs are then
+        # prefixes of one list in the static memory
+        self.block_m = None
+        if "block_m" in self.provider.OPTIONS:
+            probe = self._plan(gs.max_batch)
+            self.provider.plan(probe)
+            self.block_m = getattr(probe.state, "block_m", None)
+
+    def _plan(self, bs: int) -> Plan:
+        gs, P = self.gs, self.gs.config.page_size
+        qo = self.qo_indptr.get(bs)
+        if qo is None:
+            qo = self.qo_indptr[bs] = torch.tensor([0, bs], dtype=torch.int32, device=gs.device)
+        i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+        return Plan(
+            config=gs.config, mode=ForwardMode.EXTEND, batch_size=1, num_tokens=bs, max_q_len=bs,
+            max_kv_len=self.max_pages * P, causal=False, device=gs.device,
+            qo_indptr=qo, kv_indptr=self.kv_indptr, kv_indices=self.kv_indices,
+            kv_last_page_len=self.kv_last_page_len, kv_lens=self.kv_lens,
+            qo_indptr_cpu=i32(0, bs), kv_indptr_cpu=i32(0, self.max_pages), kv_indices_cpu=torch.zeros(self.max_pages, dtype=torch.int32),
+            kv_last_page_len_cpu=i32(P), q_lens_cpu=i32(bs), kv_lens_cpu=i32(self.max_pages * P),
+        )  # fmt: skip
+
+    def prepare_capture(self, bs: int) -> None:
+        """The prefix plan of ``bs`` query rows (outside the graph)."""
+        import dataclasses  # noqa: PLC0415
+
+        plan = self._plan(bs)
+        if plan.max_q_len > 1 and self.block_m is not None:
+            plan.options = dataclasses.replace(plan.options, block_m=self.block_m)
+        self.provider.plan(plan, static=self.static)
+        self.plans[bs] = plan
+
+    def write_host(self, batch, shared: int) -> None:
+        """Host path: ``shared`` pages of request 0 of ``batch`` (host CSR) as the prefix batch."""
+        first = batch.kv_indices[: shared].to(torch.int32)
+        self.shared.fill_(shared)
+        self.kv_indptr[1:].fill_(shared)
+        self.kv_lens.fill_(shared * self.gs.config.page_size)
+        if shared:
+            self.kv_indices[:shared].copy_(first, non_blocking=True)
+
+    def host_shared(self, batch) -> int:
+        """The shared pages the host path cuts from ``batch`` (host CSR, ``DECODE``): the common
+        prefix when ``(B - 1) * shared`` clears :attr:`min_saved_pages`, else 0."""
+        P = self.gs.config.page_size
+        ind, idx = batch.kv_indptr.numpy(), batch.kv_indices.numpy()
+        kv = (np.diff(ind) - 1) * P + batch.kv_last_page_len.numpy()
+        s = common_prefix_pages(ind, idx, kv, P)
+        return s if (batch.batch_size - 1) * s >= self.min_saved_pages else 0
+
+    def run(self, bs: int, suffix: Plan, suffix_provider, q: torch.Tensor, k_cache: torch.Tensor,
+            v_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, **scales) -> None:
+        """``out [bs, Hq, D]``: the suffix plan, the prefix plan into scratch, merged by LSE (launches only)."""
+        from .kernels.merge import merge_state  # noqa: PLC0415
+
+        s_lse = lse if lse is not None else self.lse_suffix[:bs]
+        suffix_provider.run(suffix, q, k_cache, v_cache, out, s_lse, **scales)
+        self.provider.run(self.plans[bs], q, k_cache, v_cache, self.out_part[:bs], self.lse_part[:bs], **scales)
+        merge_state(out, s_lse, self.out_part[:bs], self.lse_part[:bs], out, s_lse)

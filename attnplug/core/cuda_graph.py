@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from .cascade import CascadeGraph, cascade_mode
 from .config import AttentionConfig, UnsupportedFeature
 from .metadata import BatchMetadata, ForwardMode
 from .pages import indptr_from_counts, last_page_len, num_pages, tokens_from_pages
@@ -58,9 +59,13 @@ class GraphState:
         pad_page: page id padded requests read.
         max_seq_len: largest ``kv_len`` of one request (default ``max_pages * page_size``).
         num_kv_splits: split-KV count under graphs, for providers that split (default: theirs).
+        cascade: shared-prefix attention in decode graphs, ``"off"`` / ``"auto"`` / ``"always"``
+            (:class:`~attnplug.core.cascade.CascadeGraph`: each update finds the leading pages all
+            real requests share; the captured launches read them once).
 
     Raises:
-        UnsupportedFeature: the provider cannot replay ``mode`` (its ``graph_support`` says why).
+        UnsupportedFeature: the provider cannot replay ``mode`` (its ``graph_support`` says why), or
+            ``cascade`` is on where the provider's graphs cannot run it (or ``mode`` is not decode).
     """
 
     def __init__(
@@ -76,6 +81,7 @@ class GraphState:
         pad_page: int = 0,
         max_seq_len: int | None = None,
         num_kv_splits: int | None = None,
+        cascade: str = "off",
     ):
         if mode not in ("decode", "verify"):
             raise ValueError(f"mode must be 'decode' or 'verify', got {mode!r}")
@@ -109,6 +115,12 @@ class GraphState:
             self.mask_free = torch.zeros(mb, **i32)
         self.plans: dict[int, Plan] = {}
         self.graph = self.provider.graph(self)  # the provider's static state; raises if it cannot replay mode
+        self.cascade = None
+        if cascade_mode(cascade) != "off":
+            if mode != "decode" or not self.provider.graph_support.cascade:
+                raise UnsupportedFeature(f"attnplug: provider '{self.provider.name}' does not support shared-prefix "
+                                         f"(cascade) attention in CUDA graphs of {mode} batches")  # fmt: skip
+            self.cascade = CascadeGraph(self, cascade_mode(cascade))
 
     @property
     def needs_host_lengths(self) -> bool:
@@ -195,6 +207,8 @@ class GraphState:
         )
         self.plans[bs] = plan
         self.graph.plan(plan, bs)
+        if self.cascade is not None:
+            self.cascade.prepare_capture(bs)
         self.update(batch, bs)
         return plan
 
@@ -218,6 +232,9 @@ class GraphState:
             raise ValueError(f"batch has {B} requests > bs={bs}")
         if n > self.max_pages:
             raise ValueError(f"batch needs {n} pages > max_pages={self.max_pages}")
+        if self.cascade is not None:
+            batch = self._cut_shared(batch)
+            n = int(batch.kv_indices.numel())
         nb = dict(non_blocking=True)
         # real requests
         self.kv_indptr[: B + 1].copy_(batch.kv_indptr, **nb)
@@ -250,6 +267,22 @@ class GraphState:
         self.graph.refresh(plan, bs, h, device_table=False)
         return plan
 
+    def _cut_shared(self, batch: BatchMetadata) -> BatchMetadata:
+        """Cascade, host path: write the prefix batch and return ``batch`` without its shared pages
+        (a device batch: nothing shared, it is not read back)."""
+        host = batch.kv_indptr.device.type == "cpu" and batch.kv_indices.device.type == "cpu" \
+            and batch.kv_last_page_len.device.type == "cpu"
+        shared = self.cascade.host_shared(batch) if host else 0
+        self.cascade.write_host(batch, shared)
+        if not shared:
+            return batch
+        ind = batch.kv_indptr.to(torch.int64)
+        counts = ind[1:] - ind[:-1]
+        pos = torch.arange(int(ind[-1])) - torch.repeat_interleave(ind[:-1], counts)  # page index within its request
+        keep = pos >= shared
+        return BatchMetadata(batch.mode, batch.qo_indptr, (ind - torch.arange(ind.numel()) * shared).to(_I32),
+                             batch.kv_indices[keep], batch.kv_last_page_len)  # fmt: skip
+
     def update_from_block_table(self, seq_lens: torch.Tensor, block_table: torch.Tensor, bs: int,
                                 row_ids: torch.Tensor | None = None, entry_tokens: int = 1,
                                 host_seq_lens: torch.Tensor | None = None) -> Plan:
@@ -273,7 +306,7 @@ class GraphState:
         table if it has one, with no host sync and no allocation (a host-planning provider aside);
         the plan's host twins are left as they were. Each request must fit ``max_seq_len``.
         """
-        from .kernels.graph_update import graph_batch_from_block_table  # noqa: PLC0415 - triton is optional
+        from .kernels.graph_update import batch_shared_pages, graph_batch_from_block_table  # noqa: PLC0415
 
         if bs not in self.plans:
             raise ValueError(f"bs={bs} was not captured; captured: {sorted(self.plans)}")
@@ -284,12 +317,18 @@ class GraphState:
             host = self._host_csr(host_seq_lens, bs)
         v = self.static_views(bs)
         verify = self.mode == "verify"
+        c = self.cascade
+        if c is not None:
+            batch_shared_pages(seq_lens, block_table, self.config.page_size, c.shared, row_ids=row_ids,
+                               entry_tokens=entry_tokens)  # fmt: skip
         graph_batch_from_block_table(
             seq_lens, block_table, bs, self.config.page_size, self.pad_page, self.pad_kv_len,
             v["kv_indptr"], self.kv_indices, v["kv_last_page_len"], v["kv_lens"],
             block_table_out=self.graph.block_table, q=self.q,
             mask=self.mask if verify else None, mask_indptr=v.get("mask_indptr"), mask_free=v.get("mask_free"),
             max_batch=self.max_batch, row_ids=row_ids, entry_tokens=entry_tokens,
+            shared=None if c is None else c.shared, prefix=None if c is None else (c.kv_indptr, c.kv_indices, c.kv_lens),
+            min_saved_pages=1 if c is None else c.min_saved_pages,
         )  # fmt: skip
         self.graph.refresh(self.plans[bs], bs, host, device_table=True)
         return self.plans[bs]
@@ -300,5 +339,8 @@ class GraphState:
         """Launch the ``bs`` plan: ``q [bs*q, Hq, D]`` -> ``out [bs*q, Hq, D]``; no host work (capturable).
         fp8 KV: the layer's scales as in ``PagedAttention.run`` (device tensors: captured, updated in place)."""
         scales = self.config.scale_kwargs(self._unit_scale, k_scale, v_scale, q_scale)
-        self.provider.run(self.plans[bs], q, k_cache, v_cache, out, lse, **scales)
+        if self.cascade is not None:
+            self.cascade.run(bs, self.plans[bs], self.provider, q, k_cache, v_cache, out, lse, **scales)
+        else:
+            self.provider.run(self.plans[bs], q, k_cache, v_cache, out, lse, **scales)
         return out

@@ -10,6 +10,11 @@ writes all of them at once, in place, with no host sync and no allocation. SGLan
 
 Padded requests (``seq_lens <= 0``, and rows ``n..bs-1``) become the core's padded request
 (``pad_kv_len`` tokens on ``pad_page``; an all-True mask block), as ``GraphState.update`` pads.
+
+Shared prefix (cascade under CUDA graphs, decode): :func:`batch_shared_pages` finds the leading
+page ids every real request shares with request 0 (one launch, an atomic minimum), and the update
+launch then writes each real request's *suffix* (its pages after the shared ones) and the shared
+pages as a one-request prefix batch, when the saving clears the cost model's bound.
 """
 
 from __future__ import annotations
@@ -25,12 +30,17 @@ def graph_batch_from_block_table_kernel(
     KV_INDPTR, KV_INDICES, KV_LAST, KV_LENS,
     BT_OUT, stride_bo_row,
     MASK, MASK_INDPTR, MASK_FREE,
+    SHARED, P_INDPTR, P_INDICES, P_LENS, min_saved_pages,
     page_size, pad_page, pad_kv_len,
     Q: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr,
     HAS_BT_OUT: tl.constexpr, CHAIN_MASK: tl.constexpr, HAS_ROW_IDX: tl.constexpr, ENTRY_TOKENS: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(bs,)``: program ``b`` writes request ``b``'s pages (and mask block); program 0 also
-    writes the per-request vectors. Every program recomputes the ``bs`` prefix sums (``bs <= BLOCK_B``)."""
+    writes the per-request vectors. Every program recomputes the ``bs`` prefix sums (``bs <= BLOCK_B``).
+    ``HAS_SHARED``: ``SHARED[0]`` leading pages are common to the real requests; when ``(n - 1) *
+    SHARED[0] >= min_saved_pages`` they are cut from every real request and program 0 writes them as
+    the prefix batch (``P_INDPTR [2]``, ``P_INDICES``, ``P_LENS [1]``), else the prefix batch is empty."""
     b = tl.program_id(0)
     bs = tl.num_programs(0)
     rows = tl.arange(0, BLOCK_B)
@@ -39,6 +49,11 @@ def graph_batch_from_block_table_kernel(
     padrow = (s <= 0) & live
     s = tl.where(padrow, pad_kv_len, s)
     s = tl.where(live, s, 0)
+    skip = 0
+    if HAS_SHARED:
+        shared = tl.load(SHARED).to(tl.int32)
+        skip = tl.where((n - 1) * shared >= min_saved_pages, shared, 0)
+        s = tl.where(live & (padrow == 0), s - skip * page_size, s)  # real requests keep their suffix
     npg = (s + page_size - 1) // page_size
     me = rows == b
     s_b = tl.sum(tl.where(me, s, 0), axis=0)
@@ -59,10 +74,21 @@ def graph_batch_from_block_table_kernel(
     if HAS_ROW_IDX:
         r = tl.load(ROW_IDX + b, mask=read, other=0).to(tl.int64)
     row = BT + r * stride_bt_row
+    skip_b = 0
+    if HAS_SHARED:
+        skip_b = tl.where(read, skip, 0)
+        if b == 0:  # the prefix batch: request 0's first `skip` pages (empty when not cut)
+            tl.store(P_INDPTR + rows, tl.where(rows == 0, 0, skip), mask=rows < 2)
+            tl.store(P_LENS, skip * page_size)
+            for j0 in range(0, skip, BLOCK_J):
+                j = j0 + tl.arange(0, BLOCK_J)
+                col = j.to(tl.int64) * ENTRY_TOKENS
+                page = tl.load(row + col * stride_bt_col, mask=j < skip, other=0) // ENTRY_TOKENS
+                tl.store(P_INDICES + j, page.to(tl.int32), mask=j < skip)
     for j0 in range(0, npg_b, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
         m = j < npg_b
-        col = j.to(tl.int64) * ENTRY_TOKENS  # token-level tables: each page's first token slot
+        col = (j + skip_b).to(tl.int64) * ENTRY_TOKENS  # token-level tables: each page's first token slot
         # `read` folded into the bound (a scalar bool `&` a block mask is int32 under triton 3.9's interpreter)
         page = tl.load(row + col * stride_bt_col, mask=m & (col < tl.where(read, W, 0)), other=pad_page * ENTRY_TOKENS)
         page = page // ENTRY_TOKENS
@@ -79,6 +105,57 @@ def graph_batch_from_block_table_kernel(
             c = e - i * s_b
             val = (c <= s_b - Q + i) | pad_b
             tl.store(MASK + mstart + e, val.to(tl.uint8), mask=e < total)
+
+
+@triton.jit
+def shared_pages_kernel(
+    SEQ, BT, stride_bt_row, stride_bt_col, n, W, ROW_IDX, SHARED, page_size,
+    BLOCK_J: tl.constexpr, HAS_ROW_IDX: tl.constexpr, ENTRY_TOKENS: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(n,)``, ``SHARED[0]`` preset to a bound: program ``b`` lowers it to the number of leading
+    page ids request ``b`` shares with request 0, within its shareable pages ``(seq_lens[b] - 1) // P``
+    (the last token, this step's query, is never shared). A padding row (``seq_lens <= 0``) at 0
+    leaves nothing shared; elsewhere padding rows take no part."""
+    b = tl.program_id(0)
+    s_b = tl.load(SEQ + b).to(tl.int32)
+    s_0 = tl.load(SEQ).to(tl.int32)
+    if s_0 <= 0:
+        tl.atomic_min(SHARED, 0)
+    elif s_b > 0:
+        lim = tl.minimum((s_b - 1) // page_size, (s_0 - 1) // page_size)
+        lim = tl.minimum(lim, W // ENTRY_TOKENS)
+        r0 = tl.zeros([], dtype=tl.int64)
+        rb = b.to(tl.int64)
+        if HAS_ROW_IDX:
+            r0 = tl.load(ROW_IDX).to(tl.int64)
+            rb = tl.load(ROW_IDX + b).to(tl.int64)
+        first = lim
+        for j0 in range(0, lim, BLOCK_J):
+            j = j0 + tl.arange(0, BLOCK_J)
+            m = j < lim
+            col = j.to(tl.int64) * ENTRY_TOKENS * stride_bt_col
+            p0 = tl.load(BT + r0 * stride_bt_row + col, mask=m, other=0) // ENTRY_TOKENS
+            pb = tl.load(BT + rb * stride_bt_row + col, mask=m, other=0) // ENTRY_TOKENS
+            first = tl.minimum(first, tl.min(tl.where(m & (p0 != pb), j, lim), axis=0))
+        tl.atomic_min(SHARED, first)
+
+
+def batch_shared_pages(seq_lens: torch.Tensor, block_table: torch.Tensor, page_size: int, shared: torch.Tensor,
+                       row_ids: torch.Tensor | None = None, entry_tokens: int = 1) -> None:
+    """``shared [1]`` int32 <- the leading page ids every real request of the engine's table shares
+    with request 0 (within each one's ``(seq_lens - 1) // page_size`` shareable pages); 0 with fewer
+    than two requests. Device work only (a fill and one launch, grid ``(n,)``): no sync. Arguments
+    as :func:`graph_batch_from_block_table`'s."""
+    n = seq_lens.shape[0]
+    shared.fill_(0 if n < 2 else 1 << 30)
+    if n < 2:
+        return
+    W = block_table.shape[1] if block_table.dim() == 2 else 0
+    shared_pages_kernel[(n,)](
+        seq_lens, block_table, block_table.stride(0), block_table.stride(1) if W else 1, n, W,
+        seq_lens if row_ids is None else row_ids, shared, page_size,
+        BLOCK_J=128, HAS_ROW_IDX=row_ids is not None, ENTRY_TOKENS=entry_tokens,
+    )  # fmt: skip
 
 
 def graph_batch_from_block_table(
@@ -100,6 +177,9 @@ def graph_batch_from_block_table(
     max_batch: int | None = None,
     row_ids: torch.Tensor | None = None,
     entry_tokens: int = 1,
+    shared: torch.Tensor | None = None,
+    prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    min_saved_pages: int = 1,
 ) -> None:
     """Write a padded batch of ``bs`` requests into static buffers, in one launch.
 
@@ -121,6 +201,11 @@ def graph_batch_from_block_table(
         entry_tokens: table entries per page (1: a page table; ``P``: a token-slot table).
         max_batch: largest ``bs`` this call site uses (sizes the in-kernel prefix sum; default ``bs``),
             so that every ``bs`` reuses one compiled kernel.
+        shared: optional ``[1]`` int32, leading pages common to the real requests
+            (:func:`batch_shared_pages`); with ``prefix = (kv_indptr [2], kv_indices [>= shared],
+            kv_lens [1])`` int32 and ``(n - 1) * shared >= min_saved_pages``, the shared pages are
+            written as a one-request prefix batch and cut from every real request (the outputs then
+            describe the suffixes); otherwise the prefix batch is empty and the requests whole.
 
     Capacities are not checked (that would sync): every real request must be ``<= W`` pages, and the
     outputs sized for ``bs`` requests of the graph family's largest length (``GraphState`` is).
@@ -134,6 +219,8 @@ def graph_batch_from_block_table(
         raise ValueError("block_table_out needs a contiguous column dim")
     chain = mask is not None
     dummy = kv_lens
+    if (shared is None) != (prefix is None):
+        raise ValueError("shared and prefix go together")
     W = block_table.shape[1] if block_table.dim() == 2 else 0
     graph_batch_from_block_table_kernel[(bs,)](
         seq_lens, block_table, block_table.stride(0), block_table.stride(1) if W else 1, n, W,
@@ -142,8 +229,9 @@ def graph_batch_from_block_table(
         dummy if block_table_out is None else block_table_out,
         0 if block_table_out is None else block_table_out.stride(0),
         mask if chain else dummy, mask_indptr if chain else dummy, mask_free if chain else dummy,
+        *((shared, *prefix) if shared is not None else (dummy,) * 4), max(1, int(min_saved_pages)),
         page_size, pad_page, pad_kv_len,
         Q=q, BLOCK_B=triton.next_power_of_2(max(bs, max_batch or 1)), BLOCK_J=128, BLOCK_E=1024,
         HAS_BT_OUT=block_table_out is not None, CHAIN_MASK=chain, HAS_ROW_IDX=row_ids is not None,
-        ENTRY_TOKENS=entry_tokens,
+        ENTRY_TOKENS=entry_tokens, HAS_SHARED=shared is not None,
     )  # fmt: skip

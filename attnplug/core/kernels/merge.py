@@ -3,7 +3,7 @@
 A state over a key set ``S`` is ``(v, s)``: the softmax-weighted value ``v`` and ``s = log sum exp``
 of the logits over ``S``. Two states over disjoint key sets merge exactly:
 ``s = log(e^{s_a} + e^{s_b})``, ``v = v_a e^{s_a - s} + v_b e^{s_b - s}``. An empty state has
-``s = -inf`` and contributes nothing.
+``s = -inf`` and contributes nothing (whatever its ``v`` holds).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def merge_splits_kernel(
         mask=s_ok[:, None] & (d[None, :] < HEAD_DIM),
         other=0.0,
     )
-    out = tl.sum(p * w[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)
+    out = tl.sum(tl.where(w[:, None] > 0.0, p * w[:, None], 0.0), 0) / tl.where(tot > 0.0, tot, 1.0)  # empty parts: nothing, NaN or not
     tl.store(O + t * stride_ot + h * stride_oh + d, out.to(O.dtype.element_ty), mask=d < HEAD_DIM)
     if STORE_LSE:
         res = tl.where(tot > 0.0, (m_safe + tl.log2(tl.where(tot > 0.0, tot, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -70,7 +70,8 @@ def merge_state_kernel(
     va = tl.load(VA + ta * stride_at + h * stride_ah + d, mask=d_ok, other=0.0).to(tl.float32)
     vb = tl.load(VB + t * stride_bt + h * stride_bh + d, mask=d_ok, other=0.0).to(tl.float32)
     inv = 1.0 / tl.where(tot > 0.0, tot, 1.0)
-    tl.store(VO + ta * stride_ot + h * stride_oh + d, ((va * wa + vb * wb) * inv).to(VO.dtype.element_ty), mask=d_ok)
+    acc = tl.where(wa > 0.0, va * wa, 0.0) + tl.where(wb > 0.0, vb * wb, 0.0)  # an empty state adds nothing, NaN or not
+    tl.store(VO + ta * stride_ot + h * stride_oh + d, (acc * inv).to(VO.dtype.element_ty), mask=d_ok)
     if STORE_LSE:
         res = tl.where(tot > 0.0, (m_safe + tl.log2(tl.where(tot > 0.0, tot, 1.0))) * 0.6931471805599453, float("-inf"))
         tl.store(SO + ta * stride_sot + h * stride_soh, res)

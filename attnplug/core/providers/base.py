@@ -56,12 +56,16 @@ class GraphSupport:
             lengths (``kv_indptr`` / ``kv_last_page_len``), and from a device page table only in
             decode mode.
         reason: what is not supported and why (shown in refusals); ``""`` when everything is.
+        cascade: decode graphs can read a shared prefix once (``GraphState(cascade=...)``): the
+            provider runs a one-request, non-causal prefix plan of ``bs`` query rows over device
+            lengths from static memory, next to the suffix plan.
     """
 
     decode: bool
     verify: bool
     device_refresh: bool
     reason: str = ""
+    cascade: bool = False
 
 
 NO_GRAPHS = GraphSupport(False, False, False, "it plans and runs with host work per forward")

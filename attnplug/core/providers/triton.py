@@ -111,7 +111,7 @@ class TritonGraph(ProviderGraph):
 class TritonProvider(Provider):
     name = "triton"
     OPTIONS = frozenset({"num_kv_splits", "block_m", "block_n", "num_warps", "num_stages", "kv_start"})
-    graph_support = GraphSupport(decode=True, verify=True, device_refresh=True)
+    graph_support = GraphSupport(decode=True, verify=True, device_refresh=True, cascade=True)
     graph_cls = TritonGraph
     KV_DTYPES = frozenset(SUPPORTED_DTYPES + FP8_KV_DTYPES)
 

@@ -1,0 +1,122 @@
+"""Shared-prefix (cascade) attention inside decode CUDA graphs: replay time of one layer's attention
+with ``GraphState(cascade=...)`` "auto" vs "off", on the issue's shared batch and on the same
+lengths with nothing shared, next to the eager cascade plan of the same batch (same run).
+
+    python benchmarks/cascade_graph_bench.py --out DIR      # GPU; JSON to DIR/cascade-graph.json
+
+64 requests x (8192 shared + 256 own) tokens + 1 decode token, 32/8 heads, d 128, page 16, bf16,
+laid out by the core's paged KV manager with its radix cache (``attnplug.bench.shared_prefix``).
+Each replay is checked against the float32 reference of the whole batch before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from attnplug.bench.shared_prefix import prompts, shared_prefix_batch
+from attnplug.core import AttentionConfig, ForwardMode, PagedAttention
+from attnplug.core.cuda_graph import GraphState
+from attnplug.core.plan import make_plan
+from attnplug.core.reference import reference_attention
+
+
+def timed_ms(fn, reps: int = 200) -> float:
+    """Median of ``reps`` CUDA-event timings of ``fn`` (after 20 warm calls); on CPU (the smoke run) one call."""
+    if not torch.cuda.is_available():
+        fn()
+        return float("nan")
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def row(cfg, spec, unique, dev) -> dict:
+    batch, q, k, v, num_pages = shared_prefix_batch(cfg, ForwardMode.DECODE, prompts(spec, unique), device=dev)
+    B = batch.batch_size
+    ref, _ = reference_attention(make_plan(cfg, batch, num_pages, device=dev), q, k, v)
+    res = {}
+    max_seq = int(((batch.kv_indptr[1:] - batch.kv_indptr[:-1]).max()) * cfg.page_size)
+    for mode in ("off", "auto"):
+        gs = GraphState(cfg, "triton", max_batch=B, max_tokens=B, max_pages=num_pages, device=dev,
+                        pad_page=num_pages - 1, max_seq_len=max_seq, cascade=mode)  # fmt: skip
+        gs.prepare_capture(B)
+        gs.update(batch, B)
+        out = torch.empty_like(q)
+        gs.run(B, q, k, v, out)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                gs.run(B, q, k, v, out)
+        else:  # the CPU smoke run (Triton interpreter): the same launches, no capture
+            g = type("Eager", (), {"replay": staticmethod(lambda: gs.run(B, q, k, v, out))})
+        out.zero_()
+        g.replay()
+        err = rel_err(out, ref)
+        res[f"graph_{mode}"] = dict(ms=timed_ms(g.replay), rel_err=err, finite=bool(torch.isfinite(out).all()),
+                                    shared_pages=int(gs.cascade.kv_lens) // cfg.page_size if gs.cascade else 0,
+                                    found_pages=int(gs.cascade.shared) if gs.cascade else 0)
+        seq = ((batch.kv_indptr[1:] - batch.kv_indptr[:-1] - 1) * cfg.page_size + batch.kv_last_page_len).to(torch.int32)
+        W = int((batch.kv_indptr[1:] - batch.kv_indptr[:-1]).max())
+        table = torch.zeros(B, W, dtype=torch.int32)
+        for b in range(B):
+            pages = batch.kv_indices[batch.kv_indptr[b]: batch.kv_indptr[b + 1]]
+            table[b, : pages.numel()] = pages
+        seq_d, table_d = seq.to(dev), table.to(dev)
+        res[f"graph_{mode}"]["update_from_block_table_ms"] = timed_ms(lambda: gs.update_from_block_table(seq_d, table_d, B))
+        gs.update_from_block_table(seq_d, table_d, B)
+        out.zero_()
+        g.replay()
+        res[f"graph_{mode}"]["rel_err_device_update"] = rel_err(out, ref)
+    for mode in ("off", "auto"):
+        attn = PagedAttention(cfg, "triton", dev, cascade=mode)
+        attn.plan(batch, num_pages=num_pages)
+        out = torch.empty_like(q)
+        attn.run(q, k, v, out=out)
+        res[f"eager_{mode}"] = dict(ms=timed_ms(lambda: attn.run(q, k, v, out=out)), rel_err=rel_err(out, ref))
+    res["graph_auto_over_off"] = res["graph_off"]["ms"] / res["graph_auto"]["ms"]
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--smoke", action="store_true", help="CPU (Triton interpreter), 4 x (64 + 8) tokens, no timing")
+    a = ap.parse_args()
+    if a.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        dev, cfg, n, shared, own = torch.device("cpu"), AttentionConfig(4, 2, 32, 16, torch.bfloat16), 4, 64, 8
+    else:
+        dev, cfg, n, shared, own = torch.device("cuda"), AttentionConfig(32, 8, 128, 16, torch.bfloat16), 64, 8192, 256
+    rows = {
+        f"{n}x({shared} shared + {own})": row(cfg, [(n, shared)], own, dev),
+        f"{n}x({shared} + {own}) nothing shared": row(cfg, [(1, shared)] * n, own, dev),
+    }
+    res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+           "rows": rows}
+    print(json.dumps(res, indent=1), flush=True)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "cascade-graph.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""Shared-prefix (cascade) attention inside decode CUDA graphs (``GraphState(cascade=...)``): the
+shared pages found at each update (host batch, device page table, token-slot table), the suffix /
+prefix buffers, and the replayed launches against the float32 reference of the whole batch."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from attnplug.bench.shared_prefix import prompts, shared_prefix_batch
+from attnplug.core import AttentionConfig, ForwardMode, UnsupportedFeature
+from attnplug.core.cascade import common_prefix_pages, min_saved_pages
+from attnplug.core.cuda_graph import GraphState
+from attnplug.core.kernels.merge import merge_state
+from attnplug.core.plan import make_plan
+from attnplug.core.reference import reference_attention
+
+from batches import rel_err
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+PAGE = 4
+PAD_PAGE = 0
+
+
+def cfg(dtype=torch.bfloat16):
+    return AttentionConfig(8, 2, 32, PAGE, dtype)
+
+
+# (groups of (requests, shared tokens), unique tokens each, common preamble, loners)
+CASES = {
+    "one group": ([(4, 40)], 6, 0, 0),
+    "ends mid-page": ([(3, 37)], 5, 0, 0),
+    "two groups, nothing common to all": ([(2, 20), (2, 20)], 5, 0, 0),
+    "nested: a preamble common to all": ([(2, 20), (2, 20)], 5, 13, 0),
+    "nothing shared": ([(1, 0)] * 4, 9, 0, 0),
+    "a loner": ([(3, 30)], 4, 0, 1),
+    "one request": ([(1, 30)], 4, 0, 0),
+}
+
+
+def brute_shared(batch) -> int:
+    """Leading page ids common to every request, within each one's (kv_len - 1) // P pages."""
+    ind, idx = batch.kv_indptr.tolist(), batch.kv_indices.tolist()
+    last = batch.kv_last_page_len.tolist()
+    rows = [idx[ind[b]: ind[b + 1]] for b in range(len(ind) - 1)]
+    if len(rows) < 2:
+        return 0
+    lim = min(((len(r) - 1) * PAGE + last[b] - 1) // PAGE for b, r in enumerate(rows))
+    s = 0
+    while s < lim and all(r[s] == rows[0][s] for r in rows):
+        s += 1
+    return s
+
+
+def make_case(name, seed=0, dtype=torch.bfloat16):
+    groups, unique, nested, loners = CASES[name]
+    toks = prompts(groups + [(1, 0)] * loners, unique, nested=nested, seed=seed)
+    c = cfg(dtype)
+    batch, q, k, v, num_pages = shared_prefix_batch(c, ForwardMode.DECODE, toks, seed=seed, device=DEV)
+    k[PAD_PAGE] = 0.5  # the pad page: finite (padded rows read it)
+    v[PAD_PAGE] = 0.25
+    return c, batch, q, k, v, num_pages
+
+
+def tables(batch, num_pages, seed):
+    """The batch as vLLM's block table ``[B, W]`` and as SGLang's token-slot table (permuted rows)."""
+    ind, idx = batch.kv_indptr.tolist(), batch.kv_indices.tolist()
+    B = len(ind) - 1
+    W = max(ind[b + 1] - ind[b] for b in range(B)) + 3
+    bt = torch.full((B, W), num_pages - 1, dtype=torch.int32)  # junk past each row's pages
+    for b in range(B):
+        bt[b, : ind[b + 1] - ind[b]] = torch.tensor(idx[ind[b]: ind[b + 1]], dtype=torch.int32)
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randperm(B + 2, generator=g)[:B]
+    tok = torch.full((B + 2, W * PAGE), 7, dtype=torch.int64)
+    tok[rows] = (bt.long()[:, :, None] * PAGE + torch.arange(PAGE)).reshape(B, W * PAGE)
+    last = batch.kv_last_page_len
+    seq = ((batch.kv_indptr[1:] - batch.kv_indptr[:-1] - 1) * PAGE + last).to(torch.int32)
+    return seq, bt, tok, rows
+
+
+def state(c, mode="always", max_batch=6, **kw):
+    return GraphState(c, "triton", max_batch=max_batch, max_tokens=max_batch, max_pages=400, device=DEV,
+                      pad_page=PAD_PAGE, max_seq_len=96, cascade=mode, **kw)
+
+
+def check_out(c, batch, q, k, v, num_pages, gs, bs):
+    B = batch.batch_size
+    qpad = torch.cat([q, torch.randn(bs - B, *q.shape[1:]).to(q)])
+    out = torch.full_like(qpad, math.nan)
+    lse = torch.full((bs, c.num_qo_heads), math.nan, dtype=torch.float32, device=DEV)
+    gs.run(bs, qpad, k, v, out, lse)
+    ref, ref_lse = reference_attention(make_plan(c, batch, num_pages, device=DEV), q, k, v)
+    assert rel_err(out[:B], ref) < 1e-2
+    assert torch.allclose(lse[:B], ref_lse.float(), atol=2e-2), "merged LSE is the whole batch's"
+    assert torch.isfinite(out[B:]).all(), "padded rows (the pad page, plus the shared prefix) stay finite"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_host_update_cuts_the_common_prefix_and_equals_reference(name):
+    c, batch, q, k, v, n = make_case(name)
+    gs = state(c)
+    bs = batch.batch_size + 1
+    gs.prepare_capture(bs)
+    gs.update(batch, bs)
+    want = brute_shared(batch)
+    kv = ((batch.kv_indptr[1:] - batch.kv_indptr[:-1] - 1) * PAGE + batch.kv_last_page_len).numpy()
+    assert common_prefix_pages(batch.kv_indptr.numpy(), batch.kv_indices.numpy(), kv, PAGE) == want
+    assert int(gs.cascade.shared) == want and int(gs.cascade.kv_lens) == want * PAGE
+    assert gs.cascade.kv_indices[:want].tolist() == batch.kv_indices[:want].tolist()
+    if name == "one group":
+        assert want == 10  # 40 shared tokens: 10 whole pages; each request's last token is its own
+    if name == "ends mid-page":
+        assert want == 9  # the tail of page 10 stays in every suffix
+    check_out(c, batch, q, k, v, n, gs, bs)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("form", ["block_table", "token_table"])
+def test_device_update_matches_host_update(name, form):
+    """The device path (vLLM block table; SGLang token slots with row ids) finds the same prefix and
+    writes the same suffix CSR as the host path, with no host read."""
+    c, batch, q, k, v, n = make_case(name, seed=3)
+    bs = batch.batch_size + 2
+    host, dev = state(c), state(c)
+    host.prepare_capture(bs)
+    dev.prepare_capture(bs)
+    host.update(batch, bs)
+    seq, bt, tok, rows = tables(batch, n, seed=5)
+    if form == "block_table":
+        dev.update_from_block_table(seq.to(DEV), bt.to(DEV), bs)
+    else:
+        dev.update_from_block_table(seq.to(DEV), tok.to(DEV), bs, row_ids=rows.to(DEV), entry_tokens=PAGE)
+    s = brute_shared(batch)
+    assert int(dev.cascade.shared) == s
+    hv, dv = host.static_views(bs), dev.static_views(bs)
+    for key in ("kv_indptr", "kv_last_page_len", "kv_lens"):
+        assert hv[key].tolist() == dv[key].tolist(), key
+    nnz = int(hv["kv_indptr"][-1])
+    assert hv["kv_indices"][:nnz].tolist() == dv["kv_indices"][:nnz].tolist()
+    for key in ("kv_indptr", "kv_lens"):
+        assert getattr(host.cascade, key).tolist() == getattr(dev.cascade, key).tolist(), key
+    assert dev.cascade.kv_indices[:s].tolist() == batch.kv_indices[:s].tolist()
+    check_out(c, batch, q, k, v, n, dev, bs)
+
+
+def test_cost_model_keeps_small_prefixes_whole():
+    """``auto``: a prefix saving less than MIN_SAVED_BYTES is not cut (empty prefix part), and the
+    result is still the whole batch's; ``always`` cuts it."""
+    c, batch, q, k, v, n = make_case("one group")
+    assert min_saved_pages(c, "auto") > 100 and min_saved_pages(c, "always") == 1
+    gs = state(c, mode="auto")
+    bs = batch.batch_size
+    gs.prepare_capture(bs)
+    seq, bt, *_ = tables(batch, n, seed=1)
+    gs.update_from_block_table(seq.to(DEV), bt.to(DEV), bs)
+    assert int(gs.cascade.shared) == 10 and int(gs.cascade.kv_lens) == 0  # found, not worth it
+    assert gs.static_views(bs)["kv_lens"].tolist() == seq.tolist()
+    check_out(c, batch, q, k, v, n, gs, bs)
+    gs.update(batch, bs)
+    assert int(gs.cascade.kv_lens) == 0
+    check_out(c, batch, q, k, v, n, gs, bs)
+
+
+def test_replays_change_the_group_in_place():
+    """One captured bs, successive batches with different prefixes (and none): every replay reads
+    the buffers the last update wrote; the plans and their tensors are never replaced."""
+    c = cfg()
+    gs = state(c)
+    bs = 5
+    plan = gs.prepare_capture(bs)
+    pplan = gs.cascade.plans[bs]
+    ptrs = (plan.kv_indices.data_ptr(), pplan.kv_indices.data_ptr(), pplan.kv_lens.data_ptr())
+    for name, seed in (("one group", 0), ("nothing shared", 1), ("nested: a preamble common to all", 2),
+                       ("ends mid-page", 3)):  # fmt: skip
+        _, batch, q, k, v, n = make_case(name, seed=seed)
+        seq, bt, *_ = tables(batch, n, seed)
+        gs.update_from_block_table(seq.to(DEV), bt.to(DEV), bs)
+        assert gs.plans[bs] is plan and gs.cascade.plans[bs] is pplan
+        assert (plan.kv_indices.data_ptr(), pplan.kv_indices.data_ptr(), pplan.kv_lens.data_ptr()) == ptrs
+        check_out(c, batch, q, k, v, n, gs, bs)
+
+
+def test_cascade_graphs_refused_where_not_supported():
+    c = cfg()
+    with pytest.raises(UnsupportedFeature, match=r"attnplug: provider 'triton' .*cascade.*verify"):
+        GraphState(c, "triton", max_batch=2, max_tokens=8, max_pages=10, device=DEV, mode="verify",
+                   num_draft_tokens=4, cascade="auto")  # fmt: skip
+    with pytest.raises(ValueError, match="ATTNPLUG_CASCADE"):
+        state(c, mode="sometimes")
+    assert state(c, mode="off").cascade is None
+
+
+def test_merge_ignores_an_empty_state_whatever_it_holds():
+    """An empty part (LSE -inf) contributes nothing even when its output holds NaN (an empty
+    prefix part's scratch)."""
+    g = torch.Generator().manual_seed(0)
+    va, vb = torch.randn(3, 2, 32, generator=g).to(DEV), torch.full((3, 2, 32), math.nan, device=DEV)
+    sa, sb = torch.randn(3, 2, generator=g).to(DEV), torch.full((3, 2), -math.inf, device=DEV)
+    out, so = torch.empty_like(va), torch.empty_like(sa)
+    merge_state(va, sa, vb, sb, out, so)
+    assert torch.equal(out, va) and torch.allclose(so, sa)
+    assert np.isfinite(out.cpu().numpy()).all()
