@@ -204,3 +204,19 @@ def test_merge_ignores_an_empty_state_whatever_it_holds():
     merge_state(va, sa, vb, sb, out, so)
     assert torch.equal(out, va) and torch.allclose(so, sa)
     assert np.isfinite(out.cpu().numpy()).all()
+
+
+def test_in_place_merge_leaves_rows_with_an_empty_state_untouched():
+    """In place (the cascade's suffix output is state A): rows whose state B is empty are neither
+    read nor rewritten; the others are the exact merge."""
+    g = torch.Generator().manual_seed(1)
+    va, vb = torch.randn(4, 2, 32, generator=g).to(DEV), torch.randn(4, 2, 32, generator=g).to(DEV)
+    sa, sb = torch.randn(4, 2, generator=g).to(DEV), torch.randn(4, 2, generator=g).to(DEV)
+    sb[1:3] = -math.inf
+    vb[1:3] = math.nan
+    want_v = (va * sa.exp()[..., None] + vb.nan_to_num() * sb.exp()[..., None]) / (sa.exp() + sb.exp())[..., None]
+    want_s = torch.logaddexp(sa, sb)
+    out, so = va.clone(), sa.clone()
+    merge_state(out, so, vb, sb, out, so)
+    assert torch.allclose(out, want_v, atol=1e-5) and torch.allclose(so, want_s, atol=1e-5)
+    assert torch.equal(out[1:3], va[1:3]) and torch.equal(so[1:3], sa[1:3])

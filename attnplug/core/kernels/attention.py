@@ -199,8 +199,8 @@ def paged_attention_kernel(
     t_glob = (q_start + tok).to(tl.int64)
     o_ptrs = O + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     if SPLIT:
-        o_ptrs += split * stride_os
-        tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
+        o_ptrs += split * stride_os  # a row with no key in this split: only its LSE (-inf; merges skip it)
+        tl.store(o_ptrs, out, mask=(row_ok & has)[:, None] & d_ok[None, :])
         tl.store(LSE + t_glob * stride_lt + head * stride_lh + split, lse2, mask=row_ok)
     else:
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

@@ -32,12 +32,12 @@ def merge_splits_kernel(
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m_safe)
     tot = tl.sum(w, 0)
-    p = tl.load(
+    p = tl.load(  # an empty split (weight 0) is not read: its partial may be unwritten
         P + t * stride_pt + h * stride_ph + sp[:, None] * stride_ps + d[None, :],
-        mask=s_ok[:, None] & (d[None, :] < HEAD_DIM),
+        mask=(s_ok & (w > 0.0))[:, None] & (d[None, :] < HEAD_DIM),
         other=0.0,
     )
-    out = tl.sum(tl.where(w[:, None] > 0.0, p * w[:, None], 0.0), 0) / tl.where(tot > 0.0, tot, 1.0)  # empty parts: nothing, NaN or not
+    out = tl.sum(p * w[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)
     tl.store(O + t * stride_ot + h * stride_oh + d, out.to(O.dtype.element_ty), mask=d < HEAD_DIM)
     if STORE_LSE:
         res = tl.where(tot > 0.0, (m_safe + tl.log2(tl.where(tot > 0.0, tot, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -50,9 +50,11 @@ def merge_state_kernel(
     stride_at, stride_ah, stride_bt, stride_bh, stride_ot, stride_oh,
     stride_sat, stride_sah, stride_sbt, stride_sbh, stride_sot, stride_soh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr, HAS_ROWS: tl.constexpr,
+    IN_PLACE: tl.constexpr,
 ):
     """Grid ``(T, H)``: merge two states with natural-log LSE (rows ``[T, H, D]``, LSE ``[T, H]``).
-    With ``HAS_ROWS`` state A and the output are read/written at row ``ROWS[t]``, state B at ``t``."""
+    With ``HAS_ROWS`` state A and the output are read/written at row ``ROWS[t]``, state B at ``t``.
+    ``IN_PLACE`` (the output is state A): a row whose state B is empty is neither read nor written."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     ta = t
@@ -67,14 +69,21 @@ def merge_state_kernel(
     wa = tl.exp2(sa - m_safe)
     wb = tl.exp2(sb - m_safe)
     tot = wa + wb
-    va = tl.load(VA + ta * stride_at + h * stride_ah + d, mask=d_ok, other=0.0).to(tl.float32)
-    vb = tl.load(VB + t * stride_bt + h * stride_bh + d, mask=d_ok, other=0.0).to(tl.float32)
+    zero = tl.zeros([BLOCK_D], tl.float32)  # weights as vectors: a scalar bool `&` a vector mask is int32 in the interpreter
+    need = d_ok
+    if IN_PLACE:
+        need = d_ok & (zero + wb > 0.0)
+    va = tl.load(VA + ta * stride_at + h * stride_ah + d, mask=need & (zero + wa > 0.0), other=0.0).to(tl.float32)
+    vb = tl.load(VB + t * stride_bt + h * stride_bh + d, mask=need & (zero + wb > 0.0), other=0.0).to(tl.float32)
     inv = 1.0 / tl.where(tot > 0.0, tot, 1.0)
-    acc = tl.where(wa > 0.0, va * wa, 0.0) + tl.where(wb > 0.0, vb * wb, 0.0)  # an empty state adds nothing, NaN or not
-    tl.store(VO + ta * stride_ot + h * stride_oh + d, (acc * inv).to(VO.dtype.element_ty), mask=d_ok)
+    # an empty state (weight 0) is not read: it adds nothing, whatever its scratch holds
+    tl.store(VO + ta * stride_ot + h * stride_oh + d, ((va * wa + vb * wb) * inv).to(VO.dtype.element_ty), mask=need)
     if STORE_LSE:
         res = tl.where(tot > 0.0, (m_safe + tl.log2(tl.where(tot > 0.0, tot, 1.0))) * 0.6931471805599453, float("-inf"))
-        tl.store(SO + ta * stride_sot + h * stride_soh, res)
+        if IN_PLACE:
+            tl.store(SO + ta * stride_sot + h * stride_soh, res, mask=wb > 0.0)
+        else:
+            tl.store(SO + ta * stride_sot + h * stride_soh, res)
 
 
 def merge_splits(partial: torch.Tensor, partial_lse2: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None) -> None:
@@ -122,11 +131,13 @@ def merge_state(
     T, H, D = v_b.shape if rows is not None else v_a.shape
     if T == 0:
         return
+    same = lambda x, y: x.data_ptr() == y.data_ptr() and x.stride() == y.stride()  # noqa: E731
+    in_place = same(v_out, v_a) and (s_out is None or same(s_out, s_a))
     merge_state_kernel[(T, H)](
         v_a, s_a, v_b, s_b, v_out, s_out if s_out is not None else s_a, rows if rows is not None else s_a,
         v_a.stride(0), v_a.stride(1), v_b.stride(0), v_b.stride(1), v_out.stride(0), v_out.stride(1),
         s_a.stride(0), s_a.stride(1), s_b.stride(0), s_b.stride(1),
         *((s_out.stride(0), s_out.stride(1)) if s_out is not None else (0, 0)),
         HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), STORE_LSE=s_out is not None, HAS_ROWS=rows is not None,
-        num_warps=4,
+        IN_PLACE=in_place, num_warps=4,
     )
