@@ -23,7 +23,9 @@ or nested groups go through the core's radix tree (:func:`~attnplug.core.radix_t
 :func:`cascade_pays` is the cost model.
 
 Environment: ``ATTNPLUG_CASCADE`` = ``0`` (off), ``1`` / unset (on where the cost model says it
-pays), ``always`` (every shared group, e.g. for tests).
+pays), ``always`` (every shared group, e.g. for tests). ``ATTNPLUG_CASCADE_GRAPHS`` = ``1``: decode
+CUDA graphs read the prefix common to the whole batch once too (:class:`CascadeGraph`, providers
+whose ``graph_support.cascade`` is set), under the same mode; ``0`` / unset: graphs replay without.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from .metadata import ForwardMode
 from .plan import Plan
 
 CASCADE_ENV = "ATTNPLUG_CASCADE"
+CASCADE_GRAPHS_ENV = "ATTNPLUG_CASCADE_GRAPHS"
 MODES = ("off", "auto", "always")
 #: KV bytes a forward must save (per layer) before the extra prefix launch and merge pay (~8 us of
 #: H200 bandwidth at ~4 TB/s, about two kernel launches).
@@ -54,6 +57,16 @@ def cascade_mode(value: str | None = None) -> str:
     if mode is None:
         raise ValueError(f"attnplug: {CASCADE_ENV} must be 0, 1 or always, got {v!r}")
     return mode
+
+
+def graph_cascade_mode(graph_support) -> str:
+    """The ``cascade`` argument of a decode ``GraphState`` for a provider with ``graph_support``:
+    :func:`cascade_mode` when ``$ATTNPLUG_CASCADE_GRAPHS`` is ``1`` and the provider's graphs can run
+    it, else ``"off"``."""
+    v = os.environ.get(CASCADE_GRAPHS_ENV, "0").strip().lower()
+    if v not in ("0", "1", "off", "on", ""):
+        raise ValueError(f"attnplug: {CASCADE_GRAPHS_ENV} must be 0 or 1, got {v!r}")
+    return cascade_mode() if v in ("1", "on") and graph_support.cascade else "off"
 
 
 @dataclass(frozen=True)

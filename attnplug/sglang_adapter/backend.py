@@ -38,6 +38,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from attnplug import engine_glue
+from attnplug.core.cascade import graph_cascade_mode
 from attnplug.core.pages import num_pages
 
 from . import compat
@@ -118,9 +119,11 @@ class AttnplugAttnBackend(AttentionBackend):
         self._probe_key = (self.num_qo_heads, self.num_kv_heads, self.head_dim, None, 0.0, -1)
         probe = self._make_attention(self._probe_key)
         logger.info(
-            "attnplug: %s active (provider %s, page %d, layout NHD, dtype %s, heads %d/%d, head_dim %d, cascade %s, %s%s)",
+            "attnplug: %s active (provider %s, page %d, layout NHD, dtype %s, heads %d/%d, head_dim %d, cascade %s, "
+            "in CUDA graphs %s, %s%s)",
             self.backend_name, probe.provider_name, self.page_size, str(self.dtype).replace("torch.", ""),
-            self.num_qo_heads, self.num_kv_heads, self.head_dim, probe.cascade, compat.versions_info(),
+            self.num_qo_heads, self.num_kv_heads, self.head_dim, probe.cascade,
+            "on" if graph_cascade_mode(type(probe.provider).graph_support) != "off" else "off", compat.versions_info(),
             f", kv_dtype {str(self.kv_dtype).replace('torch.', '')}" if self.kv_dtype != self.dtype else "",
         )
         self._write_marker()
@@ -324,6 +327,7 @@ class AttnplugAttnBackend(AttentionBackend):
         """The ``GraphState`` of ``(mode, layer key)``, created on first use."""
         from attnplug.core import UnsupportedFeature
         from attnplug.core.cuda_graph import GraphState
+        from attnplug.core.providers import get_provider_cls
 
         states = self._graphs[mode]
         gs = states.get(key)
@@ -333,9 +337,11 @@ class AttnplugAttnBackend(AttentionBackend):
             P = self.page_size
             max_pages = c["max_bs"] * num_pages(c["ctx"] + q, P)
             try:
+                cascade = graph_cascade_mode(get_provider_cls(self.provider_name).graph_support) \
+                    if mode == "decode" else "off"
                 gs = GraphState(self._attention(key).config, self.provider_name, max_batch=c["max_bs"],
                                 max_tokens=c["max_bs"] * q, max_pages=max_pages, device=self.device, mode=mode,
-                                num_draft_tokens=q, pad_page=0, max_seq_len=c["ctx"] + q)
+                                num_draft_tokens=q, pad_page=0, max_seq_len=c["ctx"] + q, cascade=cascade)
             except UnsupportedFeature as e:
                 raise self._unsupported(f"CUDA graphs here ({e}); start SGLang with --disable-cuda-graph") from e
             states[key] = gs

@@ -42,7 +42,7 @@ from attnplug.core import (
 )
 from attnplug import engine_glue
 from attnplug.core.config import KV_DTYPE_NAMES, is_fp8, kv_dtype_from_name
-from attnplug.core.cascade import cascade_mode
+from attnplug.core.cascade import cascade_mode, graph_cascade_mode
 from attnplug.core.cuda_graph import GraphState
 from attnplug.core.kv_layout import write_kv_fixed_shape
 from attnplug.core.pages import num_pages
@@ -293,8 +293,10 @@ class _UniformGraphs:
         self.page_size, self.max_batch, self.pad_page, self.q = P, max_batch, pad_page, q
         self.max_pages = max_batch * num_pages(max_seq_len, P)  # every real request is <= max_seq_len
         mode = "decode" if q == 1 else "verify"
+        cascade = graph_cascade_mode(get_provider_cls(provider).graph_support) if mode == "decode" else "off"
         self.states = {cfg: GraphState(cfg, provider, max_batch, max_batch * q, self.max_pages, device, mode,
-                                       num_draft_tokens=q, pad_page=pad_page, max_seq_len=max_seq_len)
+                                       num_draft_tokens=q, pad_page=pad_page, max_seq_len=max_seq_len,
+                                       cascade=cascade)
                        for cfg in attention}  # fmt: skip
         # the provider re-plans on the host before a replay: it needs host sequence lengths
         self.host_lengths = any(gs.needs_host_lengths for gs in self.states.values())
@@ -379,6 +381,7 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         spec = getattr(getattr(vllm_config, "speculative_config", None), "num_speculative_tokens", None)
         self._spec_tokens = int(spec or 0)
         self._cascade = cascade_mode() != "off"  # eager forwards may read shared prefixes once
+        self._graph_cascade = graph_cascade_mode(graphs) != "off"  # so may decode graphs (ATTNPLUG_CASCADE_GRAPHS=1)
         self.page_size = kv_cache_spec.block_size
         head_v = getattr(kv_cache_spec, "head_size_v", kv_cache_spec.head_size)
         if head_v != kv_cache_spec.head_size:
@@ -404,7 +407,7 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
                     f"dtype {str(cfg.dtype).removeprefix('torch.')}, kv_dtype {str(cfg.kv_dtype).removeprefix('torch.')}, "
                     f"heads {cfg.num_qo_heads}/{cfg.num_kv_heads}, "
                     f"head_dim {cfg.head_dim}, window {cfg.window_left}, soft_cap {cfg.logits_soft_cap}, "
-                    f"cascade {attn.cascade}")  # fmt: skip
+                    f"cascade {attn.cascade}, in CUDA graphs {'on' if self._graph_cascade else 'off'}")  # fmt: skip
             logger.info("attnplug: %s active (%s, %s)", backend.NAME, info, compat.versions_info())
             STATS["backends"].setdefault(backend.NAME, []).append(info)
         _write_marker()
@@ -513,7 +516,8 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
             g = self._graph_family(1) if q == 1 else (self._graphs or {}).get(q)
             # every decode bs that fits (V2's fused drafts update them in place); FlashInfer (a wrapper
             # and host plan per bs, no in-place drafts): the captured sizes only
-            in_place = self.supports_draft_decode_metadata_update and (self._spec_tokens > 0 or not self._cascade)
+            in_place = self.supports_draft_decode_metadata_update and (
+                self._spec_tokens > 0 or not self._cascade or self._graph_cascade)
             fits = q == 1 and bs <= g.max_batch and in_place if g else False
             if g is not None and (g.planned(bs) or fits):
                 return self._build_graph(cam, g, bs)

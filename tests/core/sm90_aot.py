@@ -109,7 +109,7 @@ def record_all() -> None:
     for mod, names in ((attention_mod, ["paged_attention_kernel"]), (merge_mod, ["merge_splits_kernel", "merge_state_kernel"]),
                        (prefill_mod, ["prefill_kernel"]), (decode_mod, ["decode_kernel"]),
                        (kv_mod, ["write_kv_kernel", "quantize_rows_kernel"]),
-                       (graph_mod, ["graph_batch_from_block_table_kernel"])):  # fmt: skip
+                       (graph_mod, ["graph_batch_from_block_table_kernel", "shared_pages_kernel"])):  # fmt: skip
         for n in names:
             setattr(mod, n, Recorder(getattr(mod, n)))
     TritonProvider.check_available = classmethod(lambda cls, device: None)  # CPU tensors, compiled triton
@@ -178,9 +178,31 @@ def record_all() -> None:
     gs.plans[4] = None  # SGLang: token-slot table + row ids
     gs.update_from_block_table(torch.zeros(3, dtype=torch.int64), torch.zeros(5, 1600, dtype=torch.int32), 4,
                                row_ids=torch.zeros(3, dtype=torch.int64), entry_tokens=16)  # fmt: skip
+    record_cascade_graph(llama)
     i32 = torch.zeros(64, dtype=torch.int32)  # FA3's block table output
     graph_mod.graph_batch_from_block_table(i32[:4], i32.view(4, 16), 4, 16, 0, 1, i32, i32, i32, i32,
                                            block_table_out=torch.zeros(4, 16, dtype=torch.int32), max_batch=8)  # fmt: skip
+
+
+def record_cascade_graph(llama) -> None:
+    """Decode graphs with cascade: the shared-pages search and the suffix / prefix update (page
+    table and token-slot table), then the replayed launches (suffix decode, split prefix part, merges)
+    planned for the H200's SM count."""
+    import attnplug.core.providers.triton as triton_provider_mod
+
+    num_sms = triton_provider_mod._num_sms
+    triton_provider_mod._num_sms = lambda device: H200_SMS
+    try:
+        gs = GraphState(llama, "triton", 64, 64, 64 * 530, "cpu", "decode", max_seq_len=8464, cascade="always")
+        gs.prepare_capture(64)
+        gs.update_from_block_table(torch.zeros(4, dtype=torch.int32), torch.zeros(4, 100, dtype=torch.int32), 64)
+        gs.update_from_block_table(torch.zeros(3, dtype=torch.int64), torch.zeros(5, 1600, dtype=torch.int32), 64,
+                                   row_ids=torch.zeros(3, dtype=torch.int64), entry_tokens=16)  # fmt: skip
+        q = torch.zeros(64, 32, 128, dtype=torch.bfloat16)
+        cache = torch.zeros(64 * 530 + 64, 16, 8, 128, dtype=torch.bfloat16)
+        gs.run(64, q, cache, cache, torch.empty_like(q))
+    finally:
+        triton_provider_mod._num_sms = num_sms
 
 
 def record_fast_paths(llama) -> None:
