@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from ..core import PagedAttention, ProviderUnavailable, UnsupportedFeature
+from ..core.cuda_graph import GraphState
 from ..core.providers import install_hint
 from .workloads import Work
 
@@ -76,6 +77,40 @@ def _provider(name: str, cascade: str | None = None):
         out = torch.empty_like(q)
         scales = work.extra.get("scales", {})
         return lambda: attn.run(q, k, v, out=out, **scales)
+
+    return make
+
+
+def _triton_graph(cascade: str):
+    """attnplug.triton decode as the engines replay it: a decode ``GraphState`` of the row's batch
+    size, updated from the device block table (one launch; with cascade, the shared-page search
+    first), then the captured graph (CPU: the same launches, uncaptured). ``cascade``: the graph
+    family's mode (``ATTNPLUG_CASCADE_GRAPHS=1`` in the engines)."""
+    label = "attnplug.triton.graph" + ("_cascade" if cascade != "off" else "")
+
+    def make(work: Work):
+        if work.row.kind != "decode" or not work.row.cascade_row:
+            raise NotApplicable("decode graphs are compared on the shared-prefix rows and their unshared twins")
+        cfg, q, k, v = work.config, work.q, work.k_cache, work.v_cache
+        B, dev = work.batch.batch_size, q.device
+        try:
+            gs = GraphState(cfg, "triton", max_batch=B, max_tokens=B, max_pages=work.num_pages, device=dev,
+                            max_seq_len=work.block_table.shape[1] * cfg.page_size, cascade=cascade)  # fmt: skip
+        except ProviderUnavailable as e:
+            raise Unavailable(str(e)) from e
+        gs.prepare_capture(B)
+        gs.update_from_block_table(work.seq_lens, work.block_table, B)
+        out, scales = torch.empty_like(q), work.extra.get("scales", {})
+        if gs.cascade is not None:
+            work.extra[f"{label}.shared_pages"] = int(gs.cascade.kv_lens) // cfg.page_size
+        if dev.type != "cuda":
+            return lambda: gs.run(B, q, k, v, out, **scales)
+        gs.run(B, q, k, v, out, **scales)  # compile outside the capture
+        torch.cuda.synchronize(dev)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            gs.run(B, q, k, v, out, **scales)
+        return lambda: g.replay() or out
 
     return make
 
@@ -253,6 +288,8 @@ IMPLS = [
     Impl("attnplug.triton.nocascade", "triton", False, _provider("triton", "off")),
     Impl("attnplug.flashinfer.nocascade", "flashinfer", False, _provider("flashinfer", "off")),
     Impl("attnplug.fa3.nocascade", "fa3", False, _provider("fa3", "off")),
+    Impl("attnplug.triton.graph", "triton", False, _triton_graph("off")),
+    Impl("attnplug.triton.graph_cascade", "triton", False, _triton_graph("auto")),
     Impl("attnplug_kernel.triton_fp8", "triton", True, _triton_kernel_fp8),
     Impl("flashinfer.decode_tc", "flashinfer", True, _fi_decode),
     Impl("flashinfer.cascade", "flashinfer", True, _fi_cascade),

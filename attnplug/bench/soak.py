@@ -204,6 +204,7 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=1000)
     ap.add_argument("--sample-every", type=int, default=250)
     ap.add_argument("--time-budget", type=float, default=0, help="seconds per phase; stop early (0: none)")
+    ap.add_argument("--phases", default="plan_run,graph_replay", help="comma-separated phases to run")
     ap.add_argument("--out", default=None, help="JSON path")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
@@ -221,8 +222,13 @@ def main(argv=None) -> None:
     res = dict(what="memory after warm-up: growth = end - first sample after warm-up (bytes)", device=str(dev),
                config=str(config), torch=torch.__version__, python=platform.python_version(),
                started=time.strftime("%Y-%m-%d %H:%M:%S"), phases={})  # fmt: skip
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    if not phases or set(phases) - {"plan_run", "graph_replay"}:
+        ap.error(f"--phases takes plan_run and/or graph_replay, got {args.phases!r}")
     for name, fn, prov, n in (("plan_run", soak_plan_run, provider, args.cycles),
                               ("graph_replay", soak_graph_replay, args.graph_provider, args.replays)):  # fmt: skip
+        if name not in phases:
+            continue
         t0 = time.time()
         deadline = t0 + args.time_budget if args.time_budget else None
         s = fn(config, prov, dev, n, args.warmup, args.sample_every, deadline=deadline, **shapes[name])

@@ -220,3 +220,22 @@ def test_in_place_merge_leaves_rows_with_an_empty_state_untouched():
     merge_state(out, so, vb, sb, out, so)
     assert torch.allclose(out, want_v, atol=1e-5) and torch.allclose(so, want_s, atol=1e-5)
     assert torch.equal(out[1:3], va[1:3]) and torch.equal(so[1:3], sa[1:3])
+
+
+@pytest.mark.parametrize("impl", ["attnplug.triton.graph", "attnplug.triton.graph_cascade"])
+def test_bench_graph_rows_compute_the_row(impl, monkeypatch):
+    """The benchmark's decode-graph implementations (``python -m attnplug.bench``) give the float32
+    reference on the shared-prefix row, the cascade one with the prefix cut (cost model forced)."""
+    from attnplug.bench import impls, workloads as W
+
+    monkeypatch.setattr("attnplug.core.cascade.MIN_SAVED_BYTES", 1)
+    row = next(r for r in W.QUICK_ROWS if r.shared)
+    work = W.build(row, AttentionConfig(**W.QUICK_CONFIG), torch.device(DEV))
+    fn = next(i for i in impls.IMPLS if i.name == impl).make(work)
+    out = fn()
+    assert W.rel_err(out[: row.batch], W.reference(work, row.batch)) < 1e-2
+    if impl.endswith("cascade"):
+        assert work.extra[f"{impl}.shared_pages"] == row.shared // work.config.page_size
+    plain = W.build(W.QUICK_ROWS[0], AttentionConfig(**W.QUICK_CONFIG), torch.device(DEV))  # no shared-prefix twin
+    with pytest.raises(impls.NotApplicable):
+        next(i for i in impls.IMPLS if i.name == impl).make(plain)
