@@ -369,15 +369,18 @@ class CascadeGraph:
         self.lse_part = torch.empty(hd, dtype=torch.float32, device=dev)
         self.lse_suffix = torch.empty(hd, dtype=torch.float32, device=dev)
         self.provider = type(gs.provider)(cfg, dev)  # the prefix part's own instance and static memory
-        self.static = self.provider.static_buffers(max_rows=1, max_tokens=gs.max_batch, max_kv_len=gs.max_seq_len,
-                                                   q=gs.max_batch, num_kv_splits=gs.num_kv_splits)  # fmt: skip
         # one block_m for every bs (when the provider takes the knob): the tile lists of all bs are then
-        # prefixes of one list in the static memory
-        self.block_m = None
+        # prefixes of one list in the static memory, of tiles of block_q query rows each
+        self.block_m, block_q = None, gs.max_batch
         if "block_m" in self.provider.OPTIONS:
             probe = self._plan(gs.max_batch)
             self.provider.plan(probe)
             self.block_m = getattr(probe.state, "block_m", None)
+            block_q = getattr(probe.state, "block_q", None) or gs.max_batch
+        # split partials for the largest tiles * block_q * splits(tiles) over the captured sizes
+        self.static = self.provider.static_buffers(max_rows=-(-gs.max_batch // block_q), max_tokens=gs.max_batch,
+                                                   max_kv_len=gs.max_seq_len, q=block_q,
+                                                   num_kv_splits=gs.num_kv_splits)  # fmt: skip
 
     def _plan(self, bs: int) -> Plan:
         gs, P = self.gs, self.gs.config.page_size
