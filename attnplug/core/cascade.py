@@ -30,6 +30,7 @@ whose ``graph_support.cascade`` is set), under the same mode; ``0`` / unset: gra
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 
 from .metadata import ForwardMode
+from .pages import num_pages, tokens_from_pages
 from .plan import Plan
 
 CASCADE_ENV = "ATTNPLUG_CASCADE"
@@ -100,20 +102,25 @@ def first_pages_repeat(kv_indptr: np.ndarray, kv_indices: np.ndarray) -> np.ndar
     return first if first.size > 1 and (first[1:] == first[:-1]).any() else None
 
 
+def _lcp_with_first(kv_indices: np.ndarray, starts: np.ndarray, m: int) -> np.ndarray:
+    """``[R]``: how many of the ``m`` pages from each ``starts[r]`` equal the first row's (vectorized:
+    a ``[R, m]`` compare; a strided view when the rows are equally spaced)."""
+    step = np.diff(starts)
+    if step.size and (step == step[0]).all() and step[0] > 0:  # equal page counts: a strided view
+        rows = np.lib.stride_tricks.as_strided(kv_indices[starts[0]:], (starts.size, m),
+                                               (kv_indices.strides[0] * int(step[0]), kv_indices.strides[0]))
+    else:
+        rows = kv_indices[starts[:, None].astype(np.int64) + np.arange(m)]
+    same = rows == rows[0]
+    return np.where(same.all(axis=1), m, np.argmin(same, axis=1))
+
+
 def _lcp_group(kv_indices: np.ndarray, starts: np.ndarray, shareable: np.ndarray, members: np.ndarray,
                min_pages: int) -> Group | None:
     """One group of ``members`` (their first pages equal) with their common prefix, when their
     longest common prefixes with the first member are about one length; ``None`` (nested prefixes:
     the radix tree decides) otherwise. Vectorized: a ``[members, pages]`` compare."""
-    m = int(shareable.min())
-    step = np.diff(starts)
-    if step.size and (step == step[0]).all() and step[0] > 0:  # equal page counts: a strided view
-        rows = np.lib.stride_tricks.as_strided(kv_indices[starts[0]:], (members.size, m),
-                                               (kv_indices.strides[0] * int(step[0]), kv_indices.strides[0]))
-    else:
-        rows = kv_indices[starts[:, None] + np.arange(m)]
-    same = rows == rows[0]
-    lcp = np.where(same.all(axis=1), m, np.argmin(same, axis=1))  # leading pages equal to the first member's
+    lcp = _lcp_with_first(kv_indices, starts, int(shareable.min()))
     low = int(lcp.min())
     if low >= min_pages and low * 2 >= int(lcp[1:].max()):
         return Group(low, members)
@@ -330,11 +337,7 @@ def common_prefix_pages(kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_lens: 
     if B < 2:
         return 0
     m = int(max(int(((kv_lens.astype(np.int64) - 1) // page_size).min()), 0))
-    if m == 0:
-        return 0
-    rows = kv_indices[kv_indptr[:-1, None].astype(np.int64) + np.arange(m)]
-    diff = rows != rows[:1]
-    return int(np.where(diff.any(axis=1), np.argmax(diff, axis=1), m).min())
+    return int(_lcp_with_first(kv_indices, kv_indptr[:-1], m).min()) if m else 0
 
 
 class CascadeGraph:
@@ -355,7 +358,7 @@ class CascadeGraph:
         cfg, dev, P = gs.config, gs.device, gs.config.page_size
         self.gs, self.mode = gs, mode
         self.min_saved_pages = min_saved_pages(cfg, mode)
-        self.max_pages = -(-gs.max_seq_len // P)
+        self.max_pages = num_pages(gs.max_seq_len, P)
         i32 = dict(dtype=torch.int32, device=dev)
         self.shared = torch.zeros(1, **i32)
         self.kv_indptr = torch.zeros(2, **i32)
@@ -378,7 +381,7 @@ class CascadeGraph:
             self.block_m = getattr(probe.state, "block_m", None)
             block_q = getattr(probe.state, "block_q", None) or gs.max_batch
         # split partials for the largest tiles * block_q * splits(tiles) over the captured sizes
-        self.static = self.provider.static_buffers(max_rows=-(-gs.max_batch // block_q), max_tokens=gs.max_batch,
+        self.static = self.provider.static_buffers(max_rows=num_pages(gs.max_batch, block_q), max_tokens=gs.max_batch,
                                                    max_kv_len=gs.max_seq_len, q=block_q,
                                                    num_kv_splits=gs.num_kv_splits)  # fmt: skip
 
@@ -399,8 +402,6 @@ class CascadeGraph:
 
     def prepare_capture(self, bs: int) -> None:
         """The prefix plan of ``bs`` query rows (outside the graph)."""
-        import dataclasses  # noqa: PLC0415
-
         plan = self._plan(bs)
         if plan.max_q_len > 1 and self.block_m is not None:
             plan.options = dataclasses.replace(plan.options, block_m=self.block_m)
@@ -420,9 +421,8 @@ class CascadeGraph:
         """The shared pages the host path cuts from ``batch`` (host CSR, ``DECODE``): the common
         prefix when ``(B - 1) * shared`` clears :attr:`min_saved_pages`, else 0."""
         P = self.gs.config.page_size
-        ind, idx = batch.kv_indptr.numpy(), batch.kv_indices.numpy()
-        kv = (np.diff(ind) - 1) * P + batch.kv_last_page_len.numpy()
-        s = common_prefix_pages(ind, idx, kv, P)
+        kv = tokens_from_pages(batch.kv_indptr[1:] - batch.kv_indptr[:-1], batch.kv_last_page_len, P)
+        s = common_prefix_pages(batch.kv_indptr.numpy(), batch.kv_indices.numpy(), kv.numpy(), P)
         return s if (batch.batch_size - 1) * s >= self.min_saved_pages else 0
 
     def run(self, bs: int, suffix: Plan, suffix_provider, q: torch.Tensor, k_cache: torch.Tensor,

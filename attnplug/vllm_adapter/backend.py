@@ -288,15 +288,14 @@ class _UniformGraphs:
     """
 
     def __init__(self, attention: dict, provider: str, page_size: int, max_batch: int, max_seq_len: int,
-                 device, pad_page: int, q: int = 1):  # fmt: skip
+                 device, pad_page: int, q: int = 1, cascade: str = "off"):  # fmt: skip
         P = page_size
         self.page_size, self.max_batch, self.pad_page, self.q = P, max_batch, pad_page, q
         self.max_pages = max_batch * num_pages(max_seq_len, P)  # every real request is <= max_seq_len
         mode = "decode" if q == 1 else "verify"
-        cascade = graph_cascade_mode(get_provider_cls(provider).graph_support) if mode == "decode" else "off"
         self.states = {cfg: GraphState(cfg, provider, max_batch, max_batch * q, self.max_pages, device, mode,
                                        num_draft_tokens=q, pad_page=pad_page, max_seq_len=max_seq_len,
-                                       cascade=cascade)
+                                       cascade=cascade if mode == "decode" else "off")
                        for cfg in attention}  # fmt: skip
         # the provider re-plans on the host before a replay: it needs host sequence lengths
         self.host_lengths = any(gs.needs_host_lengths for gs in self.states.values())
@@ -381,7 +380,8 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         spec = getattr(getattr(vllm_config, "speculative_config", None), "num_speculative_tokens", None)
         self._spec_tokens = int(spec or 0)
         self._cascade = cascade_mode() != "off"  # eager forwards may read shared prefixes once
-        self._graph_cascade = graph_cascade_mode(graphs) != "off"  # so may decode graphs (ATTNPLUG_CASCADE_GRAPHS=1)
+        self._graph_cascade_mode = graph_cascade_mode(graphs)  # so may decode graphs (ATTNPLUG_CASCADE_GRAPHS=1)
+        self._graph_cascade = self._graph_cascade_mode != "off"
         self.page_size = kv_cache_spec.block_size
         head_v = getattr(kv_cache_spec, "head_size_v", kv_cache_spec.head_size)
         if head_v != kv_cache_spec.head_size:
@@ -470,7 +470,8 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         if q not in self._graphs:
             max_batch, max_seq_len = compat.graph_limits(self.vllm_config)
             self._graphs[q] = _UniformGraphs(self.attention, self.BACKEND.provider(), self.page_size, max_batch,
-                                             max_seq_len, self.device, compat.null_block_id(), q)  # fmt: skip
+                                             max_seq_len, self.device, compat.null_block_id(), q,
+                                             self._graph_cascade_mode)  # fmt: skip
         return self._graphs[q]
 
     def _build_graph(self, cam, g: _UniformGraphs, bs: int) -> AttnplugGraphMetadata:
