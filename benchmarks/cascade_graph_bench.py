@@ -48,7 +48,57 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
-def row(cfg, spec, unique, dev) -> dict:
+def graph_ms(fn) -> float:
+    """Replay time of ``fn`` captured alone in a CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return timed_ms(g.replay)
+
+
+def parts(gs, B, q, k, v) -> dict:
+    """Replay time of each launch group of the cascade step, each captured alone: the suffix decode,
+    the prefix part (its split kernel and split merge), the LSE merge."""
+    from attnplug.core.kernels.merge import merge_state
+
+    c, out = gs.cascade, torch.empty_like(q)
+    s_lse = c.lse_suffix[:B]
+    return dict(
+        suffix=graph_ms(lambda: gs.provider.run(gs.plans[B], q, k, v, out, s_lse)),
+        prefix=graph_ms(lambda: c.provider.run(c.plans[B], q, k, v, c.out_part[:B], c.lse_part[:B])),
+        merge=graph_ms(lambda: merge_state(out, s_lse, c.out_part[:B], c.lse_part[:B], out, s_lse)),
+    )
+
+
+def prefix_sweep(gs, B, q, k, v) -> list[dict]:
+    """The prefix part's replay time over triton knobs (block_m, block_n, splits, warps, stages), fresh
+    plans on the same prefix batch; the default plan's first."""
+    import dataclasses
+    import itertools
+
+    from attnplug.core.plan import PlanOptions
+
+    c, rows = gs.cascade, []
+    op, lp = torch.empty_like(c.out_part[:B]), torch.empty_like(c.lse_part[:B])
+    configs = [dict()] + [dict(block_m=m, block_n=n, num_kv_splits=s, num_warps=w, num_stages=st)
+                          for m, n, s, w, st in itertools.product((64, 128), (64, 128), (16, 32, 64), (4, 8), (2, 3))]
+    for knobs in configs:
+        plan = c._plan(B)
+        plan.options = dataclasses.replace(PlanOptions(), **knobs)
+        try:
+            c.provider.plan(plan)
+            ms = graph_ms(lambda: c.provider.run(plan, q, k, v, op, lp))
+            st = plan.state
+            rows.append(dict(knobs=knobs, ms=ms, splits=st.num_splits, block_m=st.block_m, block_n=st.block_n,
+                             kernel=st.kernel))
+        except Exception as e:  # a knob set the kernel cannot compile (shared memory): recorded, not fatal
+            rows.append(dict(knobs=knobs, error=repr(e)[:200]))
+    return rows
+
+
+def row(cfg, spec, unique, dev, sweep=False) -> dict:
     batch, q, k, v, num_pages = shared_prefix_batch(cfg, ForwardMode.DECODE, prompts(spec, unique), device=dev)
     B = batch.batch_size
     ref, _ = reference_attention(make_plan(cfg, batch, num_pages, device=dev), q, k, v)
@@ -86,6 +136,10 @@ def row(cfg, spec, unique, dev) -> dict:
         out.zero_()
         g.replay()
         res[f"graph_{mode}"]["rel_err_device_update"] = rel_err(out, ref)
+        if mode == "auto" and gs.cascade is not None and dev.type == "cuda" and int(gs.cascade.kv_lens) > 0:
+            res["graph_auto"]["parts_ms"] = parts(gs, B, q, k, v)
+            if sweep:
+                res["prefix_sweep"] = prefix_sweep(gs, B, q, k, v)
     for mode in ("off", "auto"):
         attn = PagedAttention(cfg, "triton", dev, cascade=mode)
         attn.plan(batch, num_pages=num_pages)
@@ -100,6 +154,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--smoke", action="store_true", help="CPU (Triton interpreter), 4 x (64 + 8) tokens, no timing")
+    ap.add_argument("--sweep", action="store_true", help="also time the prefix part over triton knobs (GPU)")
     a = ap.parse_args()
     if a.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -107,7 +162,7 @@ def main() -> None:
     else:
         dev, cfg, n, shared, own = torch.device("cuda"), AttentionConfig(32, 8, 128, 16, torch.bfloat16), 64, 8192, 256
     rows = {
-        f"{n}x({shared} shared + {own})": row(cfg, [(n, shared)], own, dev),
+        f"{n}x({shared} shared + {own})": row(cfg, [(n, shared)], own, dev, sweep=a.sweep),
         f"{n}x({shared} + {own}) nothing shared": row(cfg, [(1, shared)] * n, own, dev),
     }
     res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,

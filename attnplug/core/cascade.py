@@ -402,9 +402,13 @@ class CascadeGraph:
 
     def prepare_capture(self, bs: int) -> None:
         """The prefix plan of ``bs`` query rows (outside the graph)."""
-        plan = self._plan(bs)
+        plan, knobs = self._plan(bs), {}
         if plan.max_q_len > 1 and self.block_m is not None:
-            plan.options = dataclasses.replace(plan.options, block_m=self.block_m)
+            knobs["block_m"] = self.block_m
+        if self.gs.num_kv_splits is not None and "num_kv_splits" in self.provider.OPTIONS:
+            knobs["num_kv_splits"] = self.gs.num_kv_splits  # the static split memory is sized by it
+        if knobs:
+            plan.options = dataclasses.replace(plan.options, **knobs)
         self.provider.plan(plan, static=self.static)
         self.plans[bs] = plan
 
@@ -427,10 +431,9 @@ class CascadeGraph:
 
     def run(self, bs: int, suffix: Plan, suffix_provider, q: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, **scales) -> None:
-        """``out [bs, Hq, D]``: the suffix plan, the prefix plan into scratch, merged by LSE (launches only)."""
-        from .kernels.merge import merge_state  # noqa: PLC0415
-
+        """``out [bs, Hq, D]``: the suffix plan, then the prefix plan merged into it by LSE
+        (:meth:`~attnplug.core.providers.base.Provider.run_merge`; launches only)."""
         s_lse = lse if lse is not None else self.lse_suffix[:bs]
         suffix_provider.run(suffix, q, k_cache, v_cache, out, s_lse, **scales)
-        self.provider.run(self.plans[bs], q, k_cache, v_cache, self.out_part[:bs], self.lse_part[:bs], **scales)
-        merge_state(out, s_lse, self.out_part[:bs], self.lse_part[:bs], out, s_lse)
+        self.provider.run_merge(self.plans[bs], q, k_cache, v_cache, out, s_lse, self.out_part[:bs],
+                                self.lse_part[:bs], **scales)  # fmt: skip

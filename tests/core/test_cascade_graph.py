@@ -14,7 +14,7 @@ from attnplug.bench.shared_prefix import prompts, shared_prefix_batch
 from attnplug.core import AttentionConfig, ForwardMode, UnsupportedFeature
 from attnplug.core.cascade import common_prefix_pages, min_saved_pages
 from attnplug.core.cuda_graph import GraphState
-from attnplug.core.kernels.merge import merge_state
+from attnplug.core.kernels.merge import merge_splits, merge_state
 from attnplug.core.plan import make_plan
 from attnplug.core.reference import reference_attention
 
@@ -116,6 +116,55 @@ def test_host_update_cuts_the_common_prefix_and_equals_reference(name):
     if name == "ends mid-page":
         assert want == 9  # the tail of page 10 stays in every suffix
     check_out(c, batch, q, k, v, n, gs, bs)
+
+
+@pytest.mark.parametrize("name", ["one group", "ends mid-page", "nothing shared", "one request"])
+def test_split_prefix_part_merges_into_the_suffix(name):
+    """Split-KV plans (forced, as long contexts get them): the prefix part's splits merge straight
+    into the suffix state (``TritonProvider.run_merge``, one merge launch), equal to the reference."""
+    c, batch, q, k, v, n = make_case(name, seed=7)
+    gs = state(c, num_kv_splits=3)
+    bs = batch.batch_size + 1
+    gs.prepare_capture(bs)
+    assert gs.cascade.plans[bs].state.num_splits == 3
+    gs.update(batch, bs)
+    check_out(c, batch, q, k, v, n, gs, bs)
+    seq, bt, *_ = tables(batch, n, seed=2)
+    gs.update_from_block_table(seq.to(DEV), bt.to(DEV), bs)
+    check_out(c, batch, q, k, v, n, gs, bs)
+
+
+def test_merge_splits_into_a_base_state():
+    """``merge_splits(base=True)``: splits merge into the state already in ``(out, lse)``; rows whose
+    splits are all empty are neither read nor written (their partials may hold NaN); an empty base
+    (LSE -inf, output NaN) contributes nothing."""
+    g = torch.Generator().manual_seed(4)
+    T, H, S, D = 5, 3, 4, 32
+    p = torch.randn(T, H, S, D, generator=g)
+    pl2 = torch.randn(T, H, S, generator=g) * 3
+    pl2[1] = -math.inf  # row 1: every split empty
+    p[1] = math.nan
+    pl2[2, :, 1:] = -math.inf  # row 2: one split with keys
+    p[2, :, 1:] = math.nan
+    base = torch.randn(T, H, D, generator=g).to(torch.bfloat16)
+    base_lse = torch.randn(T, H, generator=g)
+    base_lse[3] = -math.inf  # row 3: the base is empty
+    base[3] = math.nan
+    ln2 = math.log(2.0)
+    lse_all = torch.cat([pl2 * ln2, base_lse[..., None]], dim=2)  # natural log, [T, H, S + 1]
+    vals = torch.cat([p, base.float()[:, :, None]], dim=2)
+    w = torch.softmax(lse_all, dim=2).nan_to_num()
+    want = (vals.nan_to_num() * w[..., None]).sum(2)
+    want_lse = torch.logsumexp(lse_all, dim=2)
+    out, lse = base.clone().to(DEV), base_lse.clone().to(DEV)
+    merge_splits(p.to(DEV), pl2.to(DEV), out, lse, base=True)
+    out, lse = out.cpu(), lse.cpu()
+    keep = [0, 2, 3, 4]
+    assert rel_err(out[keep], want[keep]) < 1e-2 and torch.allclose(lse[keep], want_lse[keep], atol=1e-4)
+    assert torch.equal(out[1], base[1]) and torch.equal(lse[1], base_lse[1]), "all splits empty: untouched"
+    assert torch.isfinite(out[keep]).all()
+    with pytest.raises(ValueError, match="lse is required"):
+        merge_splits(p.to(DEV), pl2.to(DEV), out.to(DEV), None, base=True)
 
 
 @pytest.mark.parametrize("name", list(CASES))

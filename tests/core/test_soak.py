@@ -1,7 +1,8 @@
 """Bounded soak (issue 17 §4, CI version of ``python -m attnplug.bench.soak``): 1000 plan/run
 cycles with changing batch shapes (reference provider, tiny shapes: the triton interpreter is too
 slow for a CI loop) and 200 graph replays (triton ``GraphState``: ``update`` / ``update_from_block_table``
-+ ``run``); host memory after warm-up must stay within a small fixed slack.
++ ``run``; captured CUDA graphs where CUDA is available); host memory after warm-up must stay within
+a small fixed slack, device memory must not grow at all.
 
 Slack: tracemalloc (Python objects and numpy buffers) 64 KiB - what the live batch and plan of the
 last iteration hold varies with its size; RSS 8 MiB - glibc arenas move in page-sized steps. A leak
@@ -21,6 +22,7 @@ from attnplug.core import AttentionConfig
 TRACED_SLACK = 64 << 10
 RSS_SLACK = 8 << 20
 CFG = AttentionConfig(2, 1, 16, 16, torch.float32)
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: the Triton interpreter (conftest)
 
 
 @pytest.fixture
@@ -46,6 +48,10 @@ def test_plan_run_cycles_do_not_grow_host_memory(traced):
 
 
 def test_graph_replays_do_not_grow_host_memory(traced):
-    s = soak_graph_replay(CFG, "triton", torch.device("cpu"), replays=200, warmup=50, sample_every=50, max_batch=2,
+    """On a CUDA machine: real captured graphs, and device memory must not grow either."""
+    s = soak_graph_replay(CFG, "triton", DEV, replays=200, warmup=50, sample_every=50, max_batch=2,
                           max_prefix=30)  # fmt: skip
-    _check(s.summary())
+    summary = s.summary()
+    _check(summary)
+    if DEV.type == "cuda":
+        assert summary["cuda_alloc"]["growth"] == 0 and summary["cuda_reserved"]["growth"] == 0, summary

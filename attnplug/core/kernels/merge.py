@@ -19,9 +19,12 @@ def merge_splits_kernel(
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     stride_ot, stride_oh, stride_st, stride_sh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr,
+    BASE: tl.constexpr,
 ):
     """Grid ``(T, H)``: merge ``num_splits`` partials ``P [T,H,S,D]`` fp32 with base-2 LSE
-    ``PL [T,H,S]`` into ``O [T,H,D]`` (and natural-log ``LSE [T,H]``)."""
+    ``PL [T,H,S]`` into ``O [T,H,D]`` (and natural-log ``LSE [T,H]``). With ``BASE``, ``O`` / ``LSE``
+    already hold a state over other keys and the splits merge into it; a row whose splits are all
+    empty is neither read nor written."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.arange(0, BLOCK_S)
@@ -29,19 +32,36 @@ def merge_splits_kernel(
     s_ok = sp < num_splits
     lse = tl.load(PL + t * stride_lt + h * stride_lh + sp, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
+    sb = float("-inf")
+    if BASE:
+        sb = tl.load(LSE + t * stride_st + h * stride_sh) * 1.4426950408889634
+        m = tl.maximum(m, sb)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m_safe)
-    tot = tl.sum(w, 0)
+    tot_splits = tl.sum(w, 0)
     p = tl.load(  # an empty split (weight 0) is not read: its partial may be unwritten
         P + t * stride_pt + h * stride_ph + sp[:, None] * stride_ps + d[None, :],
         mask=(s_ok & (w > 0.0))[:, None] & (d[None, :] < HEAD_DIM),
         other=0.0,
     )
-    out = tl.sum(p * w[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)
-    tl.store(O + t * stride_ot + h * stride_oh + d, out.to(O.dtype.element_ty), mask=d < HEAD_DIM)
+    acc = tl.sum(p * w[:, None], 0)
+    tot = tot_splits
+    need = d < HEAD_DIM
+    if BASE:  # weights as vectors: a scalar bool `&` a vector mask is int32 in the interpreter
+        zero = tl.zeros([BLOCK_D], tl.float32)
+        need = need & (zero + tot_splits > 0.0)
+        wb = tl.exp2(sb - m_safe)
+        ob = tl.load(O + t * stride_ot + h * stride_oh + d, mask=need & (zero + wb > 0.0), other=0.0).to(tl.float32)
+        acc += ob * wb
+        tot += wb
+    out = acc / tl.where(tot > 0.0, tot, 1.0)
+    tl.store(O + t * stride_ot + h * stride_oh + d, out.to(O.dtype.element_ty), mask=need)
     if STORE_LSE:
         res = tl.where(tot > 0.0, (m_safe + tl.log2(tl.where(tot > 0.0, tot, 1.0))) * 0.6931471805599453, float("-inf"))
-        tl.store(LSE + t * stride_st + h * stride_sh, res)
+        if BASE:
+            tl.store(LSE + t * stride_st + h * stride_sh, res, mask=tot_splits > 0.0)
+        else:
+            tl.store(LSE + t * stride_st + h * stride_sh, res)
 
 
 @triton.jit
@@ -86,7 +106,8 @@ def merge_state_kernel(
             tl.store(SO + ta * stride_sot + h * stride_soh, res)
 
 
-def merge_splits(partial: torch.Tensor, partial_lse2: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+def merge_splits(partial: torch.Tensor, partial_lse2: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
+                 base: bool = False) -> None:
     """Merge split-KV partials.
 
     Args:
@@ -94,10 +115,14 @@ def merge_splits(partial: torch.Tensor, partial_lse2: torch.Tensor, out: torch.T
         partial_lse2: ``[T, H, S]`` float32 base-2 LSE of each partial (contiguous in S).
         out: ``[T, H, D]`` output (any float dtype; last dim contiguous).
         lse: optional ``[T, H]`` float32, receives the natural-log LSE.
+        base: ``out`` / ``lse`` (required) hold a state over a disjoint key set, and the splits merge
+            into it in place; rows whose splits are all empty stay untouched.
     """
     T, H, S, D = partial.shape
     if T == 0:
         return
+    if base and lse is None:
+        raise ValueError("attnplug: merge_splits(base=True) merges into (out, lse): lse is required")
     merge_splits_kernel[(T, H)](
         partial, partial_lse2, out, lse if lse is not None else partial_lse2, S,
         partial.stride(0), partial.stride(1), partial.stride(2),
@@ -105,7 +130,7 @@ def merge_splits(partial: torch.Tensor, partial_lse2: torch.Tensor, out: torch.T
         out.stride(0), out.stride(1),
         lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
         HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_S=max(triton.next_power_of_2(S), 2),
-        STORE_LSE=lse is not None, num_warps=4,
+        STORE_LSE=lse is not None, BASE=base, num_warps=4,
     )
 
 

@@ -11,6 +11,8 @@ GQA group rounded up to a power of two, or ``*`` for any group (an exact group w
 suffix: the entry for fp8 KV caches (they fall back to the 16-bit entries). Buckets:
 
 * ``prefill``: queries fill a ``block_m`` tile (``max_q_len * G >= block_m``), no custom mask;
+* ``noncausal``: like ``prefill`` without the causal mask (the cascade's shared-prefix parts: every
+  query row sees every key), the paged kernel with split-KV; falls back to the ``prefill`` entry;
 * ``short``: shorter queries (the tile shrinks to ``next_pow2(max_q_len * G)`` rows);
 * ``verify``: a custom mask (tree verify);
 * ``decode``: one query token per request and ``B * Hkv >= SMs`` (no split);
@@ -43,6 +45,7 @@ TILES: dict[str, dict] = {  # fmt: skip
     'd128/g4/decode_tiny': {'block_n': 128, 'ctas_per_sm': 1, 'fused_merge': True, 'kernel': 'decode', 'num_stages': 5, 'num_warps': 4},
     'd128/g4/decode_tiny/fp8': {'block_n': 128, 'ctas_per_sm': 2, 'fp8_f16': True, 'fused_merge': True, 'kernel': 'decode', 'num_stages': 5, 'num_warps': 4},
     'd128/g4/prefill': {'block_m': 128, 'block_n': 128, 'kernel': 'prefill', 'num_stages': 3, 'num_warps': 8, 'tma': True},
+    'd128/g4/noncausal': {'kernel': 'paged', 'block_m': 128, 'block_n': 64, 'num_warps': 4, 'num_stages': 2},
     'd128/g4/prefill/fp8': {'block_m': 128, 'block_n': 128, 'diag_n': 64, 'fp8_f16': True, 'kernel': 'prefill', 'num_stages': 5, 'num_warps': 8},
     'd256/g*/decode': {'kernel': 'paged', 'block_n': 64, 'num_warps': 4, 'num_stages': 2},
     'd256/g*/decode_split': {'kernel': 'paged', 'block_n': 64, 'num_warps': 4, 'num_stages': 2, 'ctas_per_sm': 2},
@@ -65,7 +68,7 @@ TILES: dict[str, dict] = {  # fmt: skip
 }
 # ---- END TILES ----
 
-BUCKETS = ("prefill", "short", "verify", "decode", "decode_split", "decode_tiny")
+BUCKETS = ("prefill", "noncausal", "short", "verify", "decode", "decode_split", "decode_tiny")
 
 
 def head_dim_bucket(head_dim: int) -> int:

@@ -211,6 +211,28 @@ class Provider(ABC):
         provider that quantizes q to fp8 (fa3) divides by (others ignore it). Read on the device:
         in-place updates apply, CUDA graphs capture them."""
 
+    def run_merge(
+        self,
+        plan: Plan,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        scratch_out: torch.Tensor,
+        scratch_lse: torch.Tensor,
+        **scales: torch.Tensor,
+    ) -> None:
+        """Merge attention of ``q [T, Hq, D]`` over this plan's keys into the state ``out [T, Hq, D]``,
+        ``lse [T, Hq]`` (float32, natural log), which holds attention over a disjoint key set (the
+        cascade's prefix part). Rows with no key in the plan leave ``out`` / ``lse`` untouched. No
+        host work. Default: :meth:`run` into ``scratch_out [T, Hq, D]`` / ``scratch_lse [T, Hq]``,
+        then the core's in-place :func:`~attnplug.core.kernels.merge.merge_state`."""
+        from ..kernels.merge import merge_state  # noqa: PLC0415 - triton is imported only when cascade runs
+
+        self.run(plan, q, k_cache, v_cache, scratch_out, scratch_lse, **scales)
+        merge_state(out, lse, scratch_out, scratch_lse, out, lse)
+
     # -- static memory, graphs, drafts ----------------------------------------------------------------
     def static_buffers(self, max_rows: int, max_tokens: int, max_kv_len: int, q: int = 1,
                        num_kv_splits: int | None = None) -> Any:

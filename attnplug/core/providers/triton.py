@@ -188,6 +188,8 @@ class TritonProvider(Provider):
             e = self._entry("decode")
             return 1, max(16, _next_pow2(g)), e.get("block_n", 128), e.get("num_warps", 4), e.get("num_stages", 3)
         e = self._entry("prefill")
+        if not plan.causal and plan.mask is None:  # cascade prefix parts: the paged kernel, split-KV
+            e = self._entry("noncausal") or e
         block_m = max(e.get("block_m", 128), _next_pow2(g))
         bucket = "verify" if plan.mask is not None else "prefill"
         if plan.max_q_len * g < block_m:  # short queries (small verify trees / extends)
@@ -330,6 +332,20 @@ class TritonProvider(Provider):
     # -- run --------------------------------------------------------------------------------------
     def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None,
             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, q_scale=None) -> None:
+        self._run(plan, q, k_cache, v_cache, out, lse, k_scale, v_scale)
+
+    def run_merge(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor,
+                  scratch_out: torch.Tensor, scratch_lse: torch.Tensor, **scales) -> None:
+        """A split plan of the paged kernel merges its splits straight into ``(out, lse)`` (one merge
+        launch, no scratch); other plans take the default (run into scratch, then merge)."""
+        a: TritonState = plan.state
+        if a.kernel != "paged" or a.num_splits == 1:
+            return super().run_merge(plan, q, k_cache, v_cache, out, lse, scratch_out, scratch_lse, **scales)
+        self._run(plan, q, k_cache, v_cache, out, lse, scales.get("k_scale"), scales.get("v_scale"), merge_base=True)
+
+    def _run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None,
+             k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, merge_base: bool = False) -> None:
+        """:meth:`run`; ``merge_base`` (paged kernel, split plans): the splits merge into ``(out, lse)``."""
         from ..kernels.attention import paged_attention_kernel
         from ..kernels.merge import merge_splits
 
@@ -375,7 +391,7 @@ class TritonProvider(Provider):
             num_warps=a.num_warps, num_stages=a.num_stages,
         )
         if split:
-            merge_splits(a.partial, a.partial_lse, out, lse)
+            merge_splits(a.partial, a.partial_lse, out, lse, base=merge_base)
 
     def _run_prefill(self, plan: Plan, a: TritonState, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale) -> None:
         """The causal prefill kernel (:mod:`attnplug.core.kernels.prefill`), grid ``(tiles, Hkv)``."""
