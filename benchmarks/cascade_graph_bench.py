@@ -64,11 +64,18 @@ def parts(gs, B, q, k, v) -> dict:
     from attnplug.core.kernels.merge import merge_state
 
     c, out = gs.cascade, torch.empty_like(q)
+    st = gs.plans[B].state
+    plan_info = dict(splits=st.num_splits, kernel=st.kernel, block_n=st.block_n)
+    if c is None:
+        return dict(suffix=graph_ms(lambda: gs.provider.run(gs.plans[B], q, k, v, out)), suffix_plan=plan_info)
     s_lse = c.lse_suffix[:B]
     return dict(
         suffix=graph_ms(lambda: gs.provider.run(gs.plans[B], q, k, v, out, s_lse)),
         prefix=graph_ms(lambda: c.provider.run(c.plans[B], q, k, v, c.out_part[:B], c.lse_part[:B])),
-        merge=graph_ms(lambda: merge_state(out, s_lse, c.out_part[:B], c.lse_part[:B], out, s_lse)),
+        merge_state=graph_ms(lambda: merge_state(out, s_lse, c.out_part[:B], c.lse_part[:B], out, s_lse)),
+        prefix_run_merge=graph_ms(lambda: c.provider.run_merge(c.plans[B], q, k, v, out, s_lse, c.out_part[:B],
+                                                               c.lse_part[:B])),
+        suffix_plan=plan_info,
     )
 
 
@@ -136,9 +143,9 @@ def row(cfg, spec, unique, dev, sweep=False) -> dict:
         out.zero_()
         g.replay()
         res[f"graph_{mode}"]["rel_err_device_update"] = rel_err(out, ref)
-        if mode == "auto" and gs.cascade is not None and dev.type == "cuda" and int(gs.cascade.kv_lens) > 0:
-            res["graph_auto"]["parts_ms"] = parts(gs, B, q, k, v)
-            if sweep:
+        if dev.type == "cuda":
+            res[f"graph_{mode}"]["parts_ms"] = parts(gs, B, q, k, v)
+            if sweep and mode == "auto" and int(gs.cascade.kv_lens) > 0:
                 res["prefix_sweep"] = prefix_sweep(gs, B, q, k, v)
     for mode in ("off", "auto"):
         attn = PagedAttention(cfg, "triton", dev, cascade=mode)
