@@ -65,7 +65,8 @@ def parts(gs, B, q, k, v) -> dict:
 
     c, out = gs.cascade, torch.empty_like(q)
     st = gs.plans[B].state
-    plan_info = dict(splits=st.num_splits, kernel=st.kernel, block_n=st.block_n)
+    plan_info = {k: getattr(st, a) for k, a in (("splits", "num_splits"), ("kernel", "kernel"), ("block_n", "block_n"))
+                 if hasattr(st, a)}  # fmt: skip
     if c is None:
         return dict(suffix=graph_ms(lambda: gs.provider.run(gs.plans[B], q, k, v, out)), suffix_plan=plan_info)
     s_lse = c.lse_suffix[:B]
@@ -105,14 +106,14 @@ def prefix_sweep(gs, B, q, k, v) -> list[dict]:
     return rows
 
 
-def row(cfg, spec, unique, dev, sweep=False) -> dict:
+def row(cfg, spec, unique, dev, provider="triton", sweep=False) -> dict:
     batch, q, k, v, num_pages = shared_prefix_batch(cfg, ForwardMode.DECODE, prompts(spec, unique), device=dev)
     B = batch.batch_size
     ref, _ = reference_attention(make_plan(cfg, batch, num_pages, device=dev), q, k, v)
     res = {}
     max_seq = int(((batch.kv_indptr[1:] - batch.kv_indptr[:-1]).max()) * cfg.page_size)
     for mode in ("off", "auto"):
-        gs = GraphState(cfg, "triton", max_batch=B, max_tokens=B, max_pages=num_pages, device=dev,
+        gs = GraphState(cfg, provider, max_batch=B, max_tokens=B, max_pages=num_pages, device=dev,
                         pad_page=num_pages - 1, max_seq_len=max_seq, cascade=mode)  # fmt: skip
         gs.prepare_capture(B)
         gs.update(batch, B)
@@ -145,10 +146,10 @@ def row(cfg, spec, unique, dev, sweep=False) -> dict:
         res[f"graph_{mode}"]["rel_err_device_update"] = rel_err(out, ref)
         if dev.type == "cuda":
             res[f"graph_{mode}"]["parts_ms"] = parts(gs, B, q, k, v)
-            if sweep and mode == "auto" and int(gs.cascade.kv_lens) > 0:
+            if sweep and provider == "triton" and mode == "auto" and int(gs.cascade.kv_lens) > 0:
                 res["prefix_sweep"] = prefix_sweep(gs, B, q, k, v)
     for mode in ("off", "auto"):
-        attn = PagedAttention(cfg, "triton", dev, cascade=mode)
+        attn = PagedAttention(cfg, provider, dev, cascade=mode)
         attn.plan(batch, num_pages=num_pages)
         out = torch.empty_like(q)
         attn.run(q, k, v, out=out)
@@ -162,16 +163,22 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--smoke", action="store_true", help="CPU (Triton interpreter), 4 x (64 + 8) tokens, no timing")
     ap.add_argument("--sweep", action="store_true", help="also time the prefix part over triton knobs (GPU)")
+    ap.add_argument("--providers", default="triton,fa3", help="providers whose decode graphs run cascade (GPU)")
     a = ap.parse_args()
     if a.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         dev, cfg, n, shared, own = torch.device("cpu"), AttentionConfig(4, 2, 32, 16, torch.bfloat16), 4, 64, 8
     else:
         dev, cfg, n, shared, own = torch.device("cuda"), AttentionConfig(32, 8, 128, 16, torch.bfloat16), 64, 8192, 256
-    rows = {
-        f"{n}x({shared} shared + {own})": row(cfg, [(n, shared)], own, dev, sweep=a.sweep),
-        f"{n}x({shared} + {own}) nothing shared": row(cfg, [(1, shared)] * n, own, dev),
-    }
+    providers = ["triton"] if a.smoke else [p for p in a.providers.split(",") if p]
+    rows = {}
+    for p in providers:
+        rows[f"{p} {n}x({shared} shared + {own})"] = row(cfg, [(n, shared)], own, dev, p, sweep=a.sweep)
+        rows[f"{p} {n}x({shared} + {own}) nothing shared"] = row(cfg, [(1, shared)] * n, own, dev, p)
+        if not a.smoke:  # shorter contexts, where an empty prefix part weighs more
+            rows[f"{p} 64x(768 + 256) nothing shared"] = row(cfg, [(1, 768)] * 64, 256, dev, p)
+            rows[f"{p} 8x(8192 + 256) nothing shared"] = row(cfg, [(1, 8192)] * 8, 256, dev, p)
+            rows[f"{p} 16x(2048 shared + 256)"] = row(cfg, [(16, 2048)], 256, dev, p)
     res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "rows": rows}
     print(json.dumps(res, indent=1), flush=True)

@@ -13,7 +13,8 @@ with a tree mask, 1..``max_batch`` requests, ragged lengths, permuted pages) and
 graph's ``replay``), with a random real batch size ``<= bs``.
 
 Memory is sampled every ``--sample-every`` iterations: ``tracemalloc`` current bytes (Python objects
-and numpy buffers), RSS (``/proc/self/statm``: also torch's host allocator), and on CUDA
+and numpy buffers), the same without what was allocated inside the ``triton`` package (its JIT cache
+grows by a compiled specialization whenever a new shape class arrives, also after warm-up), RSS (``/proc/self/statm``: also torch's host allocator), and on CUDA
 ``torch.cuda.memory_allocated`` / ``memory_reserved``. Growth = last sample minus the first sample
 after warm-up (``--warmup`` iterations); the largest sample after warm-up is reported too.
 """
@@ -48,6 +49,18 @@ def rss_bytes() -> int:
         return 0
 
 
+def traced_outside_triton() -> int:
+    """Bytes tracemalloc holds that were allocated outside the ``triton`` package: the Python heap
+    without Triton's JIT cache (each compiled specialization keeps its binary and IR texts, a few
+    MB, for the life of the process; a batch of a new shape class can add one at any time)."""
+    if not tracemalloc.is_tracing():
+        return 0
+    snap = tracemalloc.take_snapshot()
+    triton_dir = f"{os.sep}triton{os.sep}"
+    return sum(st.size for st in snap.statistics("filename")
+               if triton_dir not in (st.traceback[0].filename if st.traceback else ""))  # fmt: skip
+
+
 @dataclass
 class Series:
     """Memory samples of one phase."""
@@ -59,11 +72,13 @@ class Series:
     rss: list[int] = field(default_factory=list)
     cuda_alloc: list[int] = field(default_factory=list)
     cuda_reserved: list[int] = field(default_factory=list)
+    traced_outside_triton: list[int] = field(default_factory=list)
 
     def sample(self, it: int, device: torch.device) -> None:
         gc.collect()
         self.iters.append(it)
         self.traced.append(tracemalloc.get_traced_memory()[0])
+        self.traced_outside_triton.append(traced_outside_triton())
         self.rss.append(rss_bytes())
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -87,7 +102,7 @@ class Series:
         """Per metric: value at warm-up end, at the end, growth (end - warm-up), max after warm-up - warm-up."""
         first = next(i for i, it in enumerate(self.iters) if it >= self.warmup)
         out = {"samples": len(self.iters), "warmup_iters": self.warmup, "iters": self.iters[-1]}
-        for name in ("traced", "rss", "cuda_alloc", "cuda_reserved"):
+        for name in ("traced", "traced_outside_triton", "rss", "cuda_alloc", "cuda_reserved"):
             s = getattr(self, name)
             if s:
                 after = s[first:]
@@ -123,8 +138,9 @@ def random_batch(gen: torch.Generator, config: AttentionConfig, max_batch: int, 
 
 
 def _caches(config: AttentionConfig, num_pages: int, gen: torch.Generator, device: torch.device):
-    """Random K and V caches of ``num_pages`` pages on ``device``."""
-    return tuple(torch.randn(config.kv_cache_shape(num_pages), generator=gen).to(config.dtype).to(device)
+    """Random K and V caches of ``num_pages`` pages, drawn on ``device`` (seeded from ``gen``)."""
+    dgen = torch.Generator(device).manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    return tuple(torch.randn(config.kv_cache_shape(num_pages), generator=dgen, device=device, dtype=config.dtype)
                  for _ in range(2))  # fmt: skip
 
 
@@ -137,11 +153,13 @@ def soak_plan_run(config: AttentionConfig, provider: str, device: torch.device, 
     num_pages = max_batch * pages_per + 8
     k, v = _caches(config, num_pages, gen, device)
     attn = PagedAttention(config, provider, device)
+    qgen = torch.Generator(device).manual_seed(seed)  # queries drawn where they are used (up to 4096 x 32 x 128)
     s = Series(warmup, sample_every)
     for _ in s.iterations(cycles, device, deadline):
         batch = random_batch(gen, config, max_batch, max_q, max_prefix, num_pages)
         plan = attn.plan(batch, num_pages=num_pages)
-        q = torch.randn(plan.num_tokens, config.num_qo_heads, config.head_dim, generator=gen).to(config.dtype).to(device)
+        q = torch.randn(plan.num_tokens, config.num_qo_heads, config.head_dim, generator=qgen, device=device,
+                        dtype=config.dtype)  # fmt: skip
         out = torch.empty_like(q)
         for _ in range(layers):
             attn.run(q, k, v, out=out)
@@ -234,8 +252,8 @@ def main(argv=None) -> None:
         s = fn(config, prov, dev, n, args.warmup, args.sample_every, deadline=deadline, **shapes[name])
         summ = {"provider": prov, "requested": n, "seconds": round(time.time() - t0, 1), "shapes": shapes[name],
                 **s.summary(),
-                "series": {"iters": s.iters, "traced": s.traced, "rss": s.rss, "cuda_alloc": s.cuda_alloc,
-                           "cuda_reserved": s.cuda_reserved}}  # fmt: skip
+                "series": {"iters": s.iters, "traced": s.traced, "traced_outside_triton": s.traced_outside_triton,
+                           "rss": s.rss, "cuda_alloc": s.cuda_alloc, "cuda_reserved": s.cuda_reserved}}  # fmt: skip
         res["phases"][name] = summ
         print(name, {k: v for k, v in summ.items() if k != "series"}, flush=True)
         if args.out:

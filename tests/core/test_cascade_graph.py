@@ -18,6 +18,7 @@ from attnplug.core.kernels.merge import merge_splits, merge_state
 from attnplug.core.plan import make_plan
 from attnplug.core.reference import reference_attention
 
+import fa3_standin
 from batches import rel_err
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -25,8 +26,29 @@ PAGE = 4
 PAD_PAGE = 0
 
 
-def cfg(dtype=torch.bfloat16):
-    return AttentionConfig(8, 2, 32, PAGE, dtype)
+def cfg(dtype=torch.bfloat16, head_dim=32):
+    return AttentionConfig(8, 2, head_dim, PAGE, dtype)
+
+
+HEAD_DIM = {"triton": 32, "fa3": 64}  # FA3's smallest head dim is 64
+
+
+@pytest.fixture(params=["triton", "fa3"])
+def provider(request, monkeypatch):
+    """The provider whose decode graphs run the cascade: triton, and fa3 (the real FA3 on a Hopper
+    GPU; the FA3 stand-in on CPU, so the provider's own cascade logic runs in CI)."""
+    if request.param == "fa3":
+        if DEV == "cuda":
+            from attnplug.core.providers.fa3 import FA3Provider
+            from attnplug.core.providers.base import ProviderUnavailable
+
+            try:
+                FA3Provider.check_available(torch.device(DEV))
+            except ProviderUnavailable as e:
+                pytest.skip(f"no FA3 on this CUDA machine: {e}")
+        else:
+            fa3_standin.patch_fa3(monkeypatch)
+    return request.param
 
 
 # (groups of (requests, shared tokens), unique tokens each, common preamble, loners)
@@ -55,10 +77,10 @@ def brute_shared(batch) -> int:
     return s
 
 
-def make_case(name, seed=0, dtype=torch.bfloat16):
+def make_case(name, seed=0, dtype=torch.bfloat16, provider="triton"):
     groups, unique, nested, loners = CASES[name]
     toks = prompts(groups + [(1, 0)] * loners, unique, nested=nested, seed=seed)
-    c = cfg(dtype)
+    c = cfg(dtype, HEAD_DIM[provider])
     batch, q, k, v, num_pages = shared_prefix_batch(c, ForwardMode.DECODE, toks, seed=seed, device=DEV)
     k[PAD_PAGE] = 0.5  # the pad page: finite (padded rows read it)
     v[PAD_PAGE] = 0.25
@@ -82,8 +104,8 @@ def tables(batch, num_pages, seed):
     return seq, bt, tok, rows
 
 
-def state(c, mode="always", max_batch=6, **kw):
-    return GraphState(c, "triton", max_batch=max_batch, max_tokens=max_batch, max_pages=400, device=DEV,
+def state(c, mode="always", max_batch=6, provider="triton", **kw):
+    return GraphState(c, provider, max_batch=max_batch, max_tokens=max_batch, max_pages=400, device=DEV,
                       pad_page=PAD_PAGE, max_seq_len=96, cascade=mode, **kw)
 
 
@@ -100,9 +122,9 @@ def check_out(c, batch, q, k, v, num_pages, gs, bs):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_host_update_cuts_the_common_prefix_and_equals_reference(name):
-    c, batch, q, k, v, n = make_case(name)
-    gs = state(c)
+def test_host_update_cuts_the_common_prefix_and_equals_reference(name, provider):
+    c, batch, q, k, v, n = make_case(name, provider=provider)
+    gs = state(c, provider=provider)
     bs = batch.batch_size + 1
     gs.prepare_capture(bs)
     gs.update(batch, bs)
@@ -169,12 +191,12 @@ def test_merge_splits_into_a_base_state():
 
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("form", ["block_table", "token_table"])
-def test_device_update_matches_host_update(name, form):
+def test_device_update_matches_host_update(name, form, provider):
     """The device path (vLLM block table; SGLang token slots with row ids) finds the same prefix and
     writes the same suffix CSR as the host path, with no host read."""
-    c, batch, q, k, v, n = make_case(name, seed=3)
+    c, batch, q, k, v, n = make_case(name, seed=3, provider=provider)
     bs = batch.batch_size + 2
-    host, dev = state(c), state(c)
+    host, dev = state(c, provider=provider), state(c, provider=provider)
     host.prepare_capture(bs)
     dev.prepare_capture(bs)
     host.update(batch, bs)
@@ -196,12 +218,12 @@ def test_device_update_matches_host_update(name, form):
     check_out(c, batch, q, k, v, n, dev, bs)
 
 
-def test_cost_model_keeps_small_prefixes_whole():
+def test_cost_model_keeps_small_prefixes_whole(provider):
     """``auto``: a prefix saving less than MIN_SAVED_BYTES is not cut (empty prefix part), and the
     result is still the whole batch's; ``always`` cuts it."""
-    c, batch, q, k, v, n = make_case("one group")
+    c, batch, q, k, v, n = make_case("one group", provider=provider)
     assert min_saved_pages(c, "auto") > 100 and min_saved_pages(c, "always") == 1
-    gs = state(c, mode="auto")
+    gs = state(c, mode="auto", provider=provider)
     bs = batch.batch_size
     gs.prepare_capture(bs)
     seq, bt, *_ = tables(batch, n, seed=1)
@@ -214,18 +236,18 @@ def test_cost_model_keeps_small_prefixes_whole():
     check_out(c, batch, q, k, v, n, gs, bs)
 
 
-def test_replays_change_the_group_in_place():
+def test_replays_change_the_group_in_place(provider):
     """One captured bs, successive batches with different prefixes (and none): every replay reads
     the buffers the last update wrote; the plans and their tensors are never replaced."""
-    c = cfg()
-    gs = state(c)
+    c = cfg(head_dim=HEAD_DIM[provider])
+    gs = state(c, provider=provider)
     bs = 5
     plan = gs.prepare_capture(bs)
     pplan = gs.cascade.plans[bs]
     ptrs = (plan.kv_indices.data_ptr(), pplan.kv_indices.data_ptr(), pplan.kv_lens.data_ptr())
     for name, seed in (("one group", 0), ("nothing shared", 1), ("nested: a preamble common to all", 2),
                        ("ends mid-page", 3)):  # fmt: skip
-        _, batch, q, k, v, n = make_case(name, seed=seed)
+        _, batch, q, k, v, n = make_case(name, seed=seed, provider=provider)
         seq, bt, *_ = tables(batch, n, seed)
         gs.update_from_block_table(seq.to(DEV), bt.to(DEV), bs)
         assert gs.plans[bs] is plan and gs.cascade.plans[bs] is pplan

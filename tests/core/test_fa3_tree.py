@@ -10,43 +10,17 @@ import pytest
 import torch
 
 from attnplug.core import AttentionConfig, ForwardMode, UnsupportedFeature, make_plan
-from attnplug.core.providers.fa3 import FA3Lib, FA3Provider
+from attnplug.core.providers.fa3 import FA3Provider
 from attnplug.core.reference import reference_attention
 
+import fa3_standin
 from batches import random_case, rel_err
-
-
-def fake_fa3_varlen(q, k_cache, v_cache, max_seqlen_q, cu_seqlens_q, max_seqlen_k, *, seqused_k, softmax_scale,
-                    causal, window_size, softcap, block_table, return_softmax_lse, out, fa_version):
-    """Non-causal paged attention over the first ``seqused_k[b]`` keys (what the prefix call asks of FA3)."""
-    assert not causal and fa_version == 3
-    T, H, D = q.shape
-    P, hkv = k_cache.shape[1], k_cache.shape[2]
-    lse = torch.full((H, T), -math.inf, device=q.device)
-    o = torch.zeros(T, H, D, device=q.device)
-    for b in range(cu_seqlens_q.numel() - 1):
-        q0, q1, n = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seqused_k[b])
-        if n == 0:
-            continue
-        pages = block_table[b, : -(-n // P)].long()
-        k = k_cache[pages].reshape(-1, hkv, D)[:n].float().repeat_interleave(H // hkv, 1)
-        v = v_cache[pages].reshape(-1, hkv, D)[:n].float().repeat_interleave(H // hkv, 1)
-        s = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * softmax_scale
-        lse[:, q0:q1] = torch.logsumexp(s, -1)
-        o[q0:q1] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
-    out.copy_(o)
-    return out, lse
-
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # conftest: interpreter without CUDA
 
 
 def fa3_on_cpu(cfg: AttentionConfig) -> FA3Provider:
-    prov = object.__new__(FA3Provider)  # skip check_available (needs an sm90 GPU)
-    prov.config, prov.device = cfg, DEV
-    prov.lib = FA3Lib("fake", fake_fa3_varlen, varlen_style=True)
-    prov._tree = prov._merge = None
-    return prov
+    return fa3_standin.fa3_on_cpu(cfg, DEV)
 
 
 @pytest.mark.parametrize("page", [1, 16])

@@ -22,6 +22,7 @@ from attnplug.core.cuda_graph import GraphState
 from attnplug.core.kv_layout import dequantize, quantize_fp8, write_kv, write_kv_fixed_shape
 from attnplug.core.reference import reference_attention
 
+import fa3_standin
 from batches import TOLERANCES, assert_close_per_request_head, random_case, rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -325,46 +326,8 @@ def test_flashinfer_prefill_template_on_fp8_is_fa2_on_hopper(monkeypatch, kv_dty
 
 
 # ---- fa3 provider, fp8 path, with a stand-in for FA3 ------------------------------------------------
-def fake_fa3_fp8(q, k_cache, v_cache, max_seqlen_q, cu_seqlens_q, max_seqlen_k, *, seqused_k, softmax_scale, causal,
-                 window_size, softcap, block_table, return_softmax_lse, out, fa_version, q_descale=None, k_descale=None,
-                 v_descale=None):  # fmt: skip
-    """FA3's fp8 contract as the stand-in checks it: q, k, v e4m3; descales ``[num_seqs, Hkv]``
-    float32; bfloat16 output; attention of ``q * q_descale`` over ``k * k_descale`` / ``v * v_descale``."""
-    assert fa_version == 3 and q.dtype == k_cache.dtype == v_cache.dtype == E4M3 and out.dtype == torch.bfloat16
-    B, hkv = cu_seqlens_q.numel() - 1, k_cache.shape[2]
-    for t in (q_descale, k_descale, v_descale):
-        assert t is not None and t.shape == (B, hkv) and t.dtype == torch.float32
-    T, H, D = q.shape
-    P = k_cache.shape[1]
-    lse = torch.full((H, T), -math.inf, device=q.device)
-    o = torch.zeros(T, H, D, device=q.device)
-    for b in range(B):
-        q0, q1, n = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seqused_k[b])
-        if n == 0 or q1 == q0:
-            continue
-        pages = block_table[b, : -(-n // P)].long()
-        k = k_cache[pages].reshape(-1, hkv, D)[:n].float() * k_descale[b][None, :, None]
-        v = v_cache[pages].reshape(-1, hkv, D)[:n].float() * v_descale[b][None, :, None]
-        k, v = k.repeat_interleave(H // hkv, 1), v.repeat_interleave(H // hkv, 1)
-        qb = q[q0:q1].float() * q_descale[b].repeat_interleave(H // hkv)[None, :, None]
-        s = torch.einsum("qhd,khd->hqk", qb, k) * softmax_scale
-        if causal:
-            pos = torch.arange(n - (q1 - q0), n, device=q.device)[:, None]
-            s = s.masked_fill(torch.arange(n, device=q.device)[None, :] > pos, -math.inf)
-        lse[:, q0:q1] = torch.logsumexp(s, -1)
-        o[q0:q1] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
-    out.copy_(o)
-    return (out, lse) if return_softmax_lse else out
-
-
 def fa3_on_cpu(cfg):
-    from attnplug.core.providers.fa3 import FA3Lib, FA3Provider
-
-    prov = object.__new__(FA3Provider)  # skip check_available (needs an sm90 GPU)
-    prov.config, prov.device = cfg, torch.device(DEVICE)
-    prov.lib = FA3Lib("fake", fake_fa3_fp8, varlen_style=True)
-    prov._tree = prov._merge = None
-    return prov
+    return fa3_standin.fa3_on_cpu(cfg, DEVICE)
 
 
 @pytest.mark.parametrize("mode,q_lens,prefix", [(ForwardMode.DECODE, [1, 1, 1], [50, 0, 17]),

@@ -35,8 +35,15 @@ def traced():
         tracemalloc.stop()
 
 
-def _check(summary: dict) -> None:
-    for name, slack in (("traced", TRACED_SLACK), ("rss", RSS_SLACK)):
+def _check(summary: dict, device: torch.device) -> None:
+    """Host memory after warm-up within its slack: the Python heap without Triton's JIT cache
+    always; the whole heap and RSS where no kernel is compiled (CPU: the interpreter), since a
+    compiled specialization of a new shape class (kept for the process's life, not a leak) can
+    arrive after any warm-up."""
+    checks = [("traced_outside_triton", TRACED_SLACK)]
+    if device.type == "cpu":
+        checks += [("traced", TRACED_SLACK), ("rss", RSS_SLACK)]
+    for name, slack in checks:
         m = summary[name]
         assert m["growth"] <= slack and m["max_over_warmup"] <= 2 * slack, (name, m)
 
@@ -44,7 +51,7 @@ def _check(summary: dict) -> None:
 def test_plan_run_cycles_do_not_grow_host_memory(traced):
     s = soak_plan_run(CFG, "reference", torch.device("cpu"), cycles=1000, warmup=200, sample_every=100, layers=1,
                       max_batch=4, max_q=8, max_prefix=48)  # fmt: skip
-    _check(s.summary())
+    _check(s.summary(), torch.device("cpu"))
 
 
 def test_graph_replays_do_not_grow_host_memory(traced):
@@ -52,6 +59,6 @@ def test_graph_replays_do_not_grow_host_memory(traced):
     s = soak_graph_replay(CFG, "triton", DEV, replays=200, warmup=50, sample_every=50, max_batch=2,
                           max_prefix=30)  # fmt: skip
     summary = s.summary()
-    _check(summary)
+    _check(summary, torch.device(DEV))
     if DEV.type == "cuda":
         assert summary["cuda_alloc"]["growth"] == 0 and summary["cuda_reserved"]["growth"] == 0, summary

@@ -239,7 +239,7 @@ class FA3Provider(Provider):
     """FlashAttention-3 paged attention; tree-masked verify = FA3 prefix + Triton tree part, LSE-merged."""
 
     name = "fa3"
-    graph_support = GraphSupport(decode=True, verify=True, device_refresh=True)
+    graph_support = GraphSupport(decode=True, verify=True, device_refresh=True, cascade=True)
     graph_cls = FA3Graph
     KV_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float8_e4m3fn))  # FA3 has no e5m2 kernels
 
@@ -281,14 +281,23 @@ class FA3Provider(Provider):
             return None
         return torch.empty(num_tokens, cfg.num_qo_heads, cfg.head_dim, dtype=cfg.kv_dtype, device=self.device)
     def plan(self, plan: Plan, static=None) -> None:
-        """Block table + seq lens on device; for a tree mask also the split into prefix and tree parts."""
+        """Block table + seq lens on device; for a tree mask also the split into prefix and tree parts.
+
+        A one-request plan reads its own tensors: ``block_table = kv_indices.view(1, n)``,
+        ``seqused_k = kv_lens`` (views, no copy), so rewriting them in place re-targets the plan
+        (the cascade prefix part of a decode graph). Others: a ``[B, max_pages]`` block table built
+        from the CSR on the device."""
         from ..page_table import block_table_from_csr  # noqa: PLC0415
 
         cfg = self.config
         max_pages = max(1, num_pages(plan.max_kv_len, cfg.page_size))
-        block_table, seq_lens = block_table_from_csr(
-            plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len, cfg.page_size, max_pages, check=False
-        )
+        n = plan.kv_indices.numel()
+        if plan.batch_size == 1 and n >= max_pages:
+            block_table, seq_lens = plan.kv_indices[:n].view(1, n), plan.kv_lens[:1]
+        else:
+            block_table, seq_lens = block_table_from_csr(
+                plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len, cfg.page_size, max_pages, check=False
+            )
         window = (cfg.window_left, 0 if plan.causal else -1) if cfg.window_left >= 0 else (-1, -1)
         args = FA3Args(block_table=block_table, cu_seqlens_q=plan.qo_indptr, seqused_k=seq_lens,
                        max_seqlen_q=max(plan.max_q_len, 1), max_seqlen_k=max(plan.max_kv_len, 1), causal=plan.causal,

@@ -1,0 +1,76 @@
+"""A stand-in for vLLM's FA3 varlen call (``flash_attn_varlen_func(..., fa_version=3)``), so the
+fa3 provider's own logic (block tables, tree-verify split, fp8 descales, cascade inside graphs) runs
+on CPU under the Triton interpreter; the real kernel runs in the same tests on an H200."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+
+
+def fake_fa3_varlen(q, k_cache, v_cache, max_seqlen_q, cu_seqlens_q, max_seqlen_k, *, seqused_k, softmax_scale,
+                    causal, window_size, softcap, block_table, return_softmax_lse, out, fa_version, q_descale=None,
+                    k_descale=None, v_descale=None):  # fmt: skip
+    """Paged attention of request ``b``'s queries over the first ``seqused_k[b]`` keys of its
+    ``block_table`` row (``causal``: bottom-right aligned); natural-log LSE ``[Hq, T]``, ``-inf``
+    (and a zero output) for a request without keys, as FA3 returns them.
+
+    fp8 (FA3's contract, checked): q, k and v all e4m3, descales ``[num_seqs, Hkv]`` float32, a
+    bfloat16 output, attention of ``q * q_descale`` over ``k * k_descale`` / ``v * v_descale``."""
+    assert fa_version == 3 and max_seqlen_q >= 1 and max_seqlen_k >= 1
+    B, hkv = cu_seqlens_q.numel() - 1, k_cache.shape[2]
+    fp8 = q.dtype == E4M3
+    if fp8:
+        assert k_cache.dtype == v_cache.dtype == E4M3 and out.dtype == torch.bfloat16
+        for t in (q_descale, k_descale, v_descale):
+            assert t is not None and t.shape == (B, hkv) and t.dtype == torch.float32
+    else:
+        assert q_descale is k_descale is v_descale is None
+    T, H, D = q.shape
+    P = k_cache.shape[1]
+    lse = torch.full((H, T), -math.inf, device=q.device)
+    o = torch.zeros(T, H, D, device=q.device)
+    for b in range(B):
+        q0, q1, n = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seqused_k[b])
+        if n == 0 or q1 == q0:
+            continue
+        assert q1 - q0 <= max_seqlen_q and n <= max_seqlen_k
+        pages = block_table[b, : -(-n // P)].long()
+        k = k_cache[pages].reshape(-1, hkv, D)[:n].float()
+        v = v_cache[pages].reshape(-1, hkv, D)[:n].float()
+        qb = q[q0:q1].float()
+        if fp8:
+            k, v = k * k_descale[b][None, :, None], v * v_descale[b][None, :, None]
+            qb = qb * q_descale[b].repeat_interleave(H // hkv)[None, :, None]
+        k, v = k.repeat_interleave(H // hkv, 1), v.repeat_interleave(H // hkv, 1)
+        s = torch.einsum("qhd,khd->hqk", qb, k) * softmax_scale
+        if causal:
+            pos = torch.arange(n - (q1 - q0), n, device=q.device)[:, None]
+            s = s.masked_fill(torch.arange(n, device=q.device)[None, :] > pos, -math.inf)
+        lse[:, q0:q1] = torch.logsumexp(s, -1)
+        o[q0:q1] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+    out.copy_(o)
+    return (out, lse) if return_softmax_lse else out
+
+
+def fa3_on_cpu(cfg, device):
+    """An fa3 provider for ``cfg`` on ``device`` that calls :func:`fake_fa3_varlen` (the sm90 check skipped)."""
+    from attnplug.core.providers.fa3 import FA3Lib, FA3Provider
+
+    prov = object.__new__(FA3Provider)
+    prov.config, prov.device = cfg, torch.device(device)
+    prov.lib = FA3Lib("fake", fake_fa3_varlen, varlen_style=True)
+    prov._tree = prov._merge = None
+    return prov
+
+
+def patch_fa3(monkeypatch) -> None:
+    """Every ``FA3Provider(cfg, device)`` made from here on (the graph state's and its cascade part's)
+    calls :func:`fake_fa3_varlen`: no sm90 check, the stand-in as the loaded build."""
+    from attnplug.core.providers import fa3
+
+    monkeypatch.setattr(fa3.FA3Provider, "check_available", classmethod(lambda cls, device: None))
+    monkeypatch.setattr(fa3, "load_fa3", lambda: fa3.FA3Lib("fake", fake_fa3_varlen, varlen_style=True))
