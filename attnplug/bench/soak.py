@@ -12,11 +12,14 @@ with a tree mask, 1..``max_batch`` requests, ragged lengths, permuted pages) and
 ``update_from_block_table`` (device table, every other replay) then ``run`` (on CUDA: the captured
 graph's ``replay``), with a random real batch size ``<= bs``.
 
-Memory is sampled every ``--sample-every`` iterations: ``tracemalloc`` current bytes (Python objects
-and numpy buffers), the same without what was allocated inside the ``triton`` package (its JIT cache
-grows by a compiled specialization whenever a new shape class arrives, also after warm-up), RSS (``/proc/self/statm``: also torch's host allocator), and on CUDA
-``torch.cuda.memory_allocated`` / ``memory_reserved``. Growth = last sample minus the first sample
-after warm-up (``--warmup`` iterations); the largest sample after warm-up is reported too.
+Memory is sampled every ``--sample-every`` iterations, each time right after the same fixed batch
+(so the live plan and tensors are alike at every sample): ``tracemalloc`` current bytes (Python
+objects and numpy buffers); the same without allocations made inside the ``triton`` package (its
+JIT cache grows by a compiled specialization whenever a new shape class arrives, also after
+warm-up: ``compiled`` counts them); RSS (``/proc/self/statm``: also torch's host allocator and
+the loaded kernel binaries); on CUDA ``torch.cuda.memory_allocated`` / ``memory_reserved``.
+Growth = last sample minus the first sample after warm-up (``--warmup`` iterations); the largest
+sample after warm-up is reported too.
 """
 
 from __future__ import annotations
@@ -49,16 +52,33 @@ def rss_bytes() -> int:
         return 0
 
 
+TRACE_FRAMES = 32  # tracemalloc frames kept per allocation: deep enough to see Triton anywhere in the stack
+_NOT_TRITON = tracemalloc.Filter(False, f"*{os.sep}triton{os.sep}*", all_frames=True)
+
+
 def traced_outside_triton() -> int:
-    """Bytes tracemalloc holds that were allocated outside the ``triton`` package: the Python heap
-    without Triton's JIT cache (each compiled specialization keeps its binary and IR texts, a few
-    MB, for the life of the process; a batch of a new shape class can add one at any time)."""
+    """Bytes tracemalloc holds whose allocating stack has no frame inside the ``triton`` package:
+    the Python heap without Triton's JIT cache (each compiled specialization keeps its binary and
+    IR texts, a few MB, for the life of the process; a batch of a new shape class can add one at
+    any time). Needs ``tracemalloc.start(TRACE_FRAMES)``: with fewer frames an allocation Triton
+    makes through the standard library (json, pickle, re) is not recognized as Triton's."""
     if not tracemalloc.is_tracing():
         return 0
-    snap = tracemalloc.take_snapshot()
-    triton_dir = f"{os.sep}triton{os.sep}"
-    return sum(st.size for st in snap.statistics("filename")
-               if triton_dir not in (st.traceback[0].filename if st.traceback else ""))  # fmt: skip
+    return sum(t.size for t in tracemalloc.take_snapshot().filter_traces([_NOT_TRITON]).traces)
+
+
+def compiled_kernels() -> int:
+    """Triton specializations compiled so far for attnplug's kernels (0 under the interpreter)."""
+    import sys  # noqa: PLC0415
+
+    n = 0
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("attnplug.core.kernels.") or mod is None:
+            continue
+        for obj in vars(mod).values():
+            for caches in getattr(obj, "device_caches", {}).values():
+                n += len(caches[0])  # (kernel_cache, kernel_key_cache, target, backend, binder)
+    return n
 
 
 @dataclass
@@ -73,12 +93,14 @@ class Series:
     cuda_alloc: list[int] = field(default_factory=list)
     cuda_reserved: list[int] = field(default_factory=list)
     traced_outside_triton: list[int] = field(default_factory=list)
+    compiled: list[int] = field(default_factory=list)
 
     def sample(self, it: int, device: torch.device) -> None:
         gc.collect()
         self.iters.append(it)
         self.traced.append(tracemalloc.get_traced_memory()[0])
         self.traced_outside_triton.append(traced_outside_triton())
+        self.compiled.append(compiled_kernels())
         self.rss.append(rss_bytes())
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -87,14 +109,14 @@ class Series:
 
     def iterations(self, n: int, device: torch.device, deadline: float | None = None):
         """Yield ``0..n-1``, sampling memory every ``sample_every`` iterations and at the end; stop early
-        past ``deadline`` (once two warm-ups are done)."""
+        past ``deadline`` (once two warm-ups are done), at a sample."""
         for it in range(n + 1):
-            if it % self.sample_every == 0 or it == n:
+            at_sample = it % self.sample_every == 0 or it == n
+            if at_sample:
                 self.sample(it, device)
             if it == n:
                 return
-            if deadline is not None and time.time() > deadline and it >= 2 * self.warmup:
-                self.sample(it, device)
+            if at_sample and deadline is not None and time.time() > deadline and it >= 2 * self.warmup:
                 return
             yield it
 
@@ -102,7 +124,7 @@ class Series:
         """Per metric: value at warm-up end, at the end, growth (end - warm-up), max after warm-up - warm-up."""
         first = next(i for i, it in enumerate(self.iters) if it >= self.warmup)
         out = {"samples": len(self.iters), "warmup_iters": self.warmup, "iters": self.iters[-1]}
-        for name in ("traced", "traced_outside_triton", "rss", "cuda_alloc", "cuda_reserved"):
+        for name in ("traced", "traced_outside_triton", "compiled", "rss", "cuda_alloc", "cuda_reserved"):
             s = getattr(self, name)
             if s:
                 after = s[first:]
@@ -154,9 +176,14 @@ def soak_plan_run(config: AttentionConfig, provider: str, device: torch.device, 
     k, v = _caches(config, num_pages, gen, device)
     attn = PagedAttention(config, provider, device)
     qgen = torch.Generator(device).manual_seed(seed)  # queries drawn where they are used (up to 4096 x 32 x 128)
+    probe = random_batch(torch.Generator().manual_seed(seed + 1), config, max_batch, max_q, max_prefix, num_pages,
+                         ForwardMode.EXTEND)  # fmt: skip
     s = Series(warmup, sample_every)
-    for _ in s.iterations(cycles, device, deadline):
-        batch = random_batch(gen, config, max_batch, max_q, max_prefix, num_pages)
+    for it in s.iterations(cycles, device, deadline):
+        # the cycle before each sample runs one fixed batch: what is alive at a sample (its plan,
+        # queries, outputs) is then the same every time, so the samples compare like with like
+        sampled_next = (it + 1) % sample_every == 0 or it + 1 == cycles
+        batch = probe if sampled_next else random_batch(gen, config, max_batch, max_q, max_prefix, num_pages)
         plan = attn.plan(batch, num_pages=num_pages)
         q = torch.randn(plan.num_tokens, config.num_qo_heads, config.head_dim, generator=qgen, device=device,
                         dtype=config.dtype)  # fmt: skip
@@ -233,10 +260,10 @@ def main(argv=None) -> None:
                       graph_replay=dict(max_batch=4, max_prefix=64))  # fmt: skip
     else:  # Llama-3-8B attention, batches of up to 64 requests
         config = AttentionConfig(32, 8, 128, 16, torch.bfloat16)
-        shapes = dict(plan_run=dict(layers=4, max_batch=64, max_q=64, max_prefix=4096),
+        shapes = dict(plan_run=dict(layers=4, max_batch=64, max_q=16, max_prefix=4096),
                       graph_replay=dict(max_batch=64, max_prefix=4096))  # fmt: skip
     provider = args.provider or ("reference" if dev.type == "cpu" else "triton")
-    tracemalloc.start()
+    tracemalloc.start(TRACE_FRAMES if dev.type == "cuda" else 1)  # CPU: no JIT to tell apart, whole heap checked
     res = dict(what="memory after warm-up: growth = end - first sample after warm-up (bytes)", device=str(dev),
                config=str(config), torch=torch.__version__, python=platform.python_version(),
                started=time.strftime("%Y-%m-%d %H:%M:%S"), phases={})  # fmt: skip
@@ -253,7 +280,7 @@ def main(argv=None) -> None:
         summ = {"provider": prov, "requested": n, "seconds": round(time.time() - t0, 1), "shapes": shapes[name],
                 **s.summary(),
                 "series": {"iters": s.iters, "traced": s.traced, "traced_outside_triton": s.traced_outside_triton,
-                           "rss": s.rss, "cuda_alloc": s.cuda_alloc, "cuda_reserved": s.cuda_reserved}}  # fmt: skip
+                           "compiled": s.compiled, "rss": s.rss, "cuda_alloc": s.cuda_alloc, "cuda_reserved": s.cuda_reserved}}  # fmt: skip
         res["phases"][name] = summ
         print(name, {k: v for k, v in summ.items() if k != "series"}, flush=True)
         if args.out:

@@ -135,17 +135,6 @@ def paged_attention_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
 
-    q_ptrs = Q + (q_start + tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if KV_FP8:  # logits s = q . (k8 * k_scale) = (q . k8) * k_scale; out = (P @ v8) * v_scale (below)
-        if FP8_F16:  # fp16 dots: the softmax scale moves into q (see the module docstring)
-            q = (q.to(tl.float32) * sm_scale).to(tl.float16)
-            sm_scale = tl.load(K_SCALE)
-        else:
-            sm_scale = sm_scale * tl.load(K_SCALE)
-    if UPCAST:  # the Triton interpreter cannot dot 16-bit floats: compute in fp32 there
-        q = q.to(tl.float32)
-
     # visible KV range of this tile: [lo, hi)
     hi = kv_len
     if CAUSAL:
@@ -159,6 +148,18 @@ def paged_attention_kernel(
         chunk = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), num_splits), BLOCK_N) * BLOCK_N
         lo = lo + split * chunk
         hi = tl.minimum(hi, lo + chunk)
+
+    # a program without keys (an empty split, an empty cascade prefix part) reads no query
+    q_ptrs = Q + (q_start + tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=(row_ok & (hi > lo))[:, None] & d_ok[None, :], other=0.0)
+    if KV_FP8:  # logits s = q . (k8 * k_scale) = (q . k8) * k_scale; out = (P @ v8) * v_scale (below)
+        if FP8_F16:  # fp16 dots: the softmax scale moves into q (see the module docstring)
+            q = (q.to(tl.float32) * sm_scale).to(tl.float16)
+            sm_scale = tl.load(K_SCALE)
+        else:
+            sm_scale = sm_scale * tl.load(K_SCALE)
+    if UPCAST:  # the Triton interpreter cannot dot 16-bit floats: compute in fp32 there
+        q = q.to(tl.float32)
 
     mask_row = mask
     if HAS_MASK:
