@@ -14,12 +14,12 @@ graph's ``replay``), with a random real batch size ``<= bs``.
 
 Memory is sampled every ``--sample-every`` iterations, each time right after the same fixed batch
 (so the live plan and tensors are alike at every sample): ``tracemalloc`` current bytes (Python
-objects and numpy buffers); the same without allocations made inside the ``triton`` package (its
-JIT cache grows by a compiled specialization whenever a new shape class arrives, also after
-warm-up: ``compiled`` counts them); RSS (``/proc/self/statm``: also torch's host allocator and
-the loaded kernel binaries); on CUDA ``torch.cuda.memory_allocated`` / ``memory_reserved``.
+objects and numpy buffers), also without what ``triton``'s own code allocated; ``compiled``, the
+Triton specializations compiled so far (the JIT cache grows by one whenever a new shape class
+arrives, also after warm-up, and keeps it); RSS (``/proc/self/statm``: also torch's host allocator
+and the loaded kernel binaries); on CUDA ``torch.cuda.memory_allocated`` / ``memory_reserved``.
 Growth = last sample minus the first sample after warm-up (``--warmup`` iterations); the largest
-sample after warm-up is reported too.
+sample after warm-up, and the growth over the intervals without a compile, are reported too.
 """
 
 from __future__ import annotations
@@ -52,19 +52,17 @@ def rss_bytes() -> int:
         return 0
 
 
-TRACE_FRAMES = 32  # tracemalloc frames kept per allocation: deep enough to see Triton anywhere in the stack
-_NOT_TRITON = tracemalloc.Filter(False, f"*{os.sep}triton{os.sep}*", all_frames=True)
-
-
 def traced_outside_triton() -> int:
-    """Bytes tracemalloc holds whose allocating stack has no frame inside the ``triton`` package:
-    the Python heap without Triton's JIT cache (each compiled specialization keeps its binary and
-    IR texts, a few MB, for the life of the process; a batch of a new shape class can add one at
-    any time). Needs ``tracemalloc.start(TRACE_FRAMES)``: with fewer frames an allocation Triton
-    makes through the standard library (json, pickle, re) is not recognized as Triton's."""
+    """Bytes tracemalloc holds that were not allocated by code of the ``triton`` package itself (the
+    innermost frame): the Python heap without most of Triton's JIT cache (each compiled
+    specialization keeps its binary and IR texts, a few MB, for the life of the process). Triton's
+    allocations made through the standard library (json, pickle, paths) still count here; the
+    compile-free growth (:meth:`Series.summary`) is the exact test."""
     if not tracemalloc.is_tracing():
         return 0
-    return sum(t.size for t in tracemalloc.take_snapshot().filter_traces([_NOT_TRITON]).traces)
+    triton_dir = f"{os.sep}triton{os.sep}"
+    return sum(st.size for st in tracemalloc.take_snapshot().statistics("filename")
+               if triton_dir not in (st.traceback[0].filename if st.traceback else ""))  # fmt: skip
 
 
 def compiled_kernels() -> int:
@@ -121,15 +119,21 @@ class Series:
             yield it
 
     def summary(self) -> dict:
-        """Per metric: value at warm-up end, at the end, growth (end - warm-up), max after warm-up - warm-up."""
+        """Per metric: value at warm-up end, at the end, growth (end - warm-up), max after warm-up -
+        warm-up, and ``growth_without_compiles``: the growth summed over the sample intervals in
+        which no Triton specialization was compiled (a compiled kernel stays cached for the process's
+        life; whatever else grows is attnplug's, torch's or a leak). Equal to ``growth`` where nothing
+        compiles (CPU)."""
         first = next(i for i, it in enumerate(self.iters) if it >= self.warmup)
         out = {"samples": len(self.iters), "warmup_iters": self.warmup, "iters": self.iters[-1]}
+        c = self.compiled[first:]
         for name in ("traced", "traced_outside_triton", "compiled", "rss", "cuda_alloc", "cuda_reserved"):
             s = getattr(self, name)
             if s:
                 after = s[first:]
+                quiet = sum(after[i] - after[i - 1] for i in range(1, len(after)) if c[i] == c[i - 1])
                 out[name] = dict(at_warmup=after[0], end=after[-1], growth=after[-1] - after[0],
-                                 max_over_warmup=max(after) - after[0])  # fmt: skip
+                                 max_over_warmup=max(after) - after[0], growth_without_compiles=quiet)  # fmt: skip
         return out
 
 
@@ -263,7 +267,7 @@ def main(argv=None) -> None:
         shapes = dict(plan_run=dict(layers=4, max_batch=64, max_q=16, max_prefix=4096),
                       graph_replay=dict(max_batch=64, max_prefix=4096))  # fmt: skip
     provider = args.provider or ("reference" if dev.type == "cpu" else "triton")
-    tracemalloc.start(TRACE_FRAMES if dev.type == "cuda" else 1)  # CPU: no JIT to tell apart, whole heap checked
+    tracemalloc.start()
     res = dict(what="memory after warm-up: growth = end - first sample after warm-up (bytes)", device=str(dev),
                config=str(config), torch=torch.__version__, python=platform.python_version(),
                started=time.strftime("%Y-%m-%d %H:%M:%S"), phases={})  # fmt: skip
