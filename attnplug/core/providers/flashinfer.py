@@ -51,8 +51,54 @@ LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-KV partials)
 HEAD_DIMS = (64, 128, 256)
-#: FlashInfer releases this provider has run against on a GPU (docs/compatibility.md); others get a warning
+#: FlashInfer releases this provider has run against on a GPU (docs/compatibility.md); others get a
+#: warning, and are refused when a call the provider makes no longer fits (:func:`interface_refusal`)
 TESTED_VERSIONS = ("0.6.14",)
+_INTERFACE: dict[str, str | None] = {}  # interface_refusal per installed version, checked once a process
+
+
+def _contract_items():
+    """What this provider calls in FlashInfer (:mod:`attnplug._contract` items, checked from sources):
+    each wrapper's constructor, ``plan`` and ``run`` with the arguments the provider passes."""
+    from attnplug._contract import call  # noqa: PLC0415
+
+    dec, pre = "BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper"
+    numerics = ("pos_encoding_mode", "window_left", "logits_soft_cap", "q_data_type", "kv_data_type", "sm_scale")
+    run = ("out", "lse", "return_lse")
+    return [
+        call("flashinfer.decode", f"{dec}.__init__", npos=2, kwargs=(
+            "use_cuda_graph", "use_tensor_cores", "paged_kv_indptr_buffer", "paged_kv_indices_buffer",
+            "paged_kv_last_page_len_buffer"), why="decode wrappers (eager and CUDA-graph)"),
+        call("flashinfer.decode", f"{dec}._plan_impl|{dec}.plan", npos=7, kwargs=numerics,
+             why="decode plan: (indptr, indices, last_page_len, Hq, Hkv, D, P) + numerics"),
+        call("flashinfer.decode", f"{dec}.run", npos=2, kwargs=run, why="decode run: (q, (k, v))"),
+        call("flashinfer.prefill", f"{pre}.__init__", npos=2, kwargs=(
+            "backend", "use_cuda_graph", "qo_indptr_buf", "paged_kv_indptr_buf", "paged_kv_indices_buf",
+            "paged_kv_last_page_len_buf", "custom_mask_buf", "mask_indptr_buf"), why="prefill / verify wrappers"),
+        call("flashinfer.prefill", f"{pre}.plan", npos=8, kwargs=("custom_mask", "causal", *numerics),
+             why="prefill plan: (qo_indptr, kv_indptr, kv_indices, last_page_len, Hq, Hkv, D, P) + mask + numerics"),
+        call("flashinfer.prefill", f"{pre}.run", npos=2, kwargs=run, why="prefill run: (q, (k, v))"),
+        call("flashinfer.utils", "is_sm90a_supported", npos=1, required=False,
+             why="the fa3 template's check (a capability fallback exists)"),
+    ]
+
+
+def interface_refusal(version: str, root: str | None = None) -> str | None:
+    """``None`` when this provider can call FlashInfer ``version`` (a tested release, or one whose
+    sources still have every call of :func:`_contract_items` bind), else why not, naming each change.
+    ``root``: the folder holding the ``flashinfer`` package (default: the installed one)."""
+    if version.split("+")[0] in TESTED_VERSIONS:
+        return None
+    from attnplug import _contract  # noqa: PLC0415
+
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    found = _contract.problems(_contract.check(_contract_items(), _contract.SourceTree(root or _contract.package_root(
+        "flashinfer")), _contract.SourceTree(here)))  # fmt: skip
+    if not found:
+        return None
+    more = f" (and {len(found) - 6} more)" if len(found) > 6 else ""
+    return (f"flashinfer {version} changed what attnplug calls: {'; '.join(found[:6])}{more}; attnplug's "
+            f"provider was tested with flashinfer {', '.join(TESTED_VERSIONS)} (docs/compatibility.md)")
 
 
 def untested_version_warning(version: str) -> str | None:
@@ -181,9 +227,14 @@ class FlashInferProvider(Provider):
         if device.type != "cuda" or not torch.cuda.is_available():
             raise cls.unavailable(f"it needs a CUDA GPU; got device {str(device)!r}")
         try:
-            _import_flashinfer()
+            fi = _import_flashinfer()
         except Exception as e:  # ImportError, or a broken install (missing CUDA libs, ABI mismatch)
             raise cls.unavailable(f"import flashinfer failed: {e!r}") from e
+        version = str(getattr(fi, "__version__", "?"))
+        if version not in _INTERFACE:
+            _INTERFACE[version] = interface_refusal(version)
+        if _INTERFACE[version]:
+            raise cls.unavailable(_INTERFACE[version])
 
     def check_config(self, config: AttentionConfig) -> None:
         if config.dtype not in (torch.float16, torch.bfloat16):
