@@ -22,7 +22,8 @@
 #   Issues 15 and 13, same machine: fp8 KV cache (rows E2E_ROWS, default 0,1, with the default-dtype run
 #   of each backend for the KV capacity ratio) and the shared-prefix row (64 x (8192 + 256) -> 256):
 #     bash benchmarks/e2e/device.sh vllm-fp8 | sglang-fp8 | vllm-shared | sglang-shared
-#   (E2E_BACKENDS="..." picks the backends; on one GPU the jobs run one after another, ~2-3 min each)
+#   (E2E_BACKENDS="..." picks the backends; on one GPU the jobs run one after another, ~2-3 min each;
+#   the shared stages run attnplug_triton / attnplug_fa3 twice, the second with ATTNPLUG_CASCADE_GRAPHS=1)
 # Every call ends with `lanes.py wait` (returns early when all lanes are idle) and leaves
 # $OUT/lanes-logs.tar.gz: job logs, statuses, result JSONs, issue-5 pytest/bench output so far.
 set -uo pipefail
@@ -152,6 +153,8 @@ vllm-shared)
   setup
   for b in ${E2E_BACKENDS:-FLASH_ATTN FLASHINFER ATTNPLUG_FA3 ATTNPLUG_TRITON ATTNPLUG_FLASHINFER}; do
     vllm_job 0 "$b" --prompts shared --rows 4
+    # decode graphs read the shared prefix once only when asked (ATTNPLUG_CASCADE_GRAPHS=1: triton, fa3)
+    [[ $b == ATTNPLUG_TRITON || $b == ATTNPLUG_FA3 ]] && vllm_job $g1 "$b" --prompts shared --rows 4 --env ATTNPLUG_CASCADE_GRAPHS=1
   done
   $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
 sglang-fp8)
@@ -164,6 +167,8 @@ sglang-shared)
   setup
   for b in ${E2E_BACKENDS:-flashinfer triton attnplug_fa3 attnplug_triton attnplug_flashinfer}; do
     sglang_job 0 "$b" "$b-shared" --prompts shared --rows 4
+    [[ $b == attnplug_triton || $b == attnplug_fa3 ]] &&
+      sglang_job $g1 "$b" "$b-cascade-graphs-shared" --prompts shared --rows 4 --env ATTNPLUG_CASCADE_GRAPHS=1
   done
   $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
 wait)
