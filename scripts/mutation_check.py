@@ -102,7 +102,7 @@ MUTATIONS = [
              (f"{KP}::test_keys_land_in_several_splits", f"{KP}::test_merge_splits_against_torch"),
              "only split 0 is merged: the other splits' keys are lost"),
     Mutation("merge_state_wrong_weight", MG,
-             "wb = tl.exp2(sb - m_safe)", "wb = tl.exp2(sa - m_safe)",
+             "wa = tl.exp2(sa - m_safe)\n    wb = tl.exp2(sb - m_safe)", "wa = tl.exp2(sa - m_safe)\n    wb = tl.exp2(sa - m_safe)",
              (f"{KP}::test_merge_state_against_torch",),
              "state b is weighted with state a's LSE"),
     # -- planner (validation, lengths, mask-free columns) -----------------------------------------------

@@ -149,9 +149,11 @@ def paged_attention_kernel(
         lo = lo + split * chunk
         hi = tl.minimum(hi, lo + chunk)
 
-    # a program without keys (an empty split, an empty cascade prefix part) reads no query
+    # a program without keys (an empty split, an empty cascade prefix part) reads no query; the range
+    # test as a vector (a scalar bool `&` a vector mask is int32 under triton 3.9's interpreter)
+    q_ok = row_ok & (rows * 0 + hi > lo)
     q_ptrs = Q + (q_start + tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptrs, mask=(row_ok & (hi > lo))[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(q_ptrs, mask=q_ok[:, None] & d_ok[None, :], other=0.0)
     if KV_FP8:  # logits s = q . (k8 * k_scale) = (q . k8) * k_scale; out = (P @ v8) * v_scale (below)
         if FP8_F16:  # fp16 dots: the softmax scale moves into q (see the module docstring)
             q = (q.to(tl.float32) * sm_scale).to(tl.float16)
