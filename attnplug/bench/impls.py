@@ -81,12 +81,12 @@ def _provider(name: str, cascade: str | None = None):
     return make
 
 
-def _triton_graph(cascade: str):
-    """attnplug.triton decode as the engines replay it: a decode ``GraphState`` of the row's batch
-    size, updated from the device block table (one launch; with cascade, the shared-page search
-    first), then the captured graph (CPU: the same launches, uncaptured). ``cascade``: the graph
-    family's mode (``ATTNPLUG_CASCADE_GRAPHS=1`` in the engines)."""
-    label = "attnplug.triton.graph" + ("_cascade" if cascade != "off" else "")
+def _graph(provider: str, cascade: str):
+    """attnplug decode (``provider``: triton or fa3) as the engines replay it: a decode ``GraphState``
+    of the row's batch size, updated from the device block table (one launch; with cascade, the
+    shared-page search first), then the captured graph (CPU: the same launches, uncaptured).
+    ``cascade``: the graph family's mode (``ATTNPLUG_CASCADE_GRAPHS=1`` in the engines)."""
+    label = f"attnplug.{provider}.graph" + ("_cascade" if cascade != "off" else "")
 
     def make(work: Work):
         if work.row.kind != "decode" or not work.row.cascade_row:
@@ -94,7 +94,7 @@ def _triton_graph(cascade: str):
         cfg, q, k, v = work.config, work.q, work.k_cache, work.v_cache
         B, dev = work.batch.batch_size, q.device
         try:
-            gs = GraphState(cfg, "triton", max_batch=B, max_tokens=B, max_pages=work.num_pages, device=dev,
+            gs = GraphState(cfg, provider, max_batch=B, max_tokens=B, max_pages=work.num_pages, device=dev,
                             max_seq_len=work.block_table.shape[1] * cfg.page_size, cascade=cascade)  # fmt: skip
         except ProviderUnavailable as e:
             raise Unavailable(str(e)) from e
@@ -288,8 +288,10 @@ IMPLS = [
     Impl("attnplug.triton.nocascade", "triton", False, _provider("triton", "off")),
     Impl("attnplug.flashinfer.nocascade", "flashinfer", False, _provider("flashinfer", "off")),
     Impl("attnplug.fa3.nocascade", "fa3", False, _provider("fa3", "off")),
-    Impl("attnplug.triton.graph", "triton", False, _triton_graph("off")),
-    Impl("attnplug.triton.graph_cascade", "triton", False, _triton_graph("auto")),
+    Impl("attnplug.triton.graph", "triton", False, _graph("triton", "off")),
+    Impl("attnplug.triton.graph_cascade", "triton", False, _graph("triton", "auto")),
+    Impl("attnplug.fa3.graph", "fa3", False, _graph("fa3", "off")),
+    Impl("attnplug.fa3.graph_cascade", "fa3", False, _graph("fa3", "auto")),
     Impl("attnplug_kernel.triton_fp8", "triton", True, _triton_kernel_fp8),
     Impl("flashinfer.decode_tc", "flashinfer", True, _fi_decode),
     Impl("flashinfer.cascade", "flashinfer", True, _fi_cascade),

@@ -293,12 +293,13 @@ def test_in_place_merge_leaves_rows_with_an_empty_state_untouched():
     assert torch.equal(out[1:3], va[1:3]) and torch.equal(so[1:3], sa[1:3])
 
 
-@pytest.mark.parametrize("impl", ["attnplug.triton.graph", "attnplug.triton.graph_cascade"])
-def test_bench_graph_rows_compute_the_row(impl, monkeypatch):
+@pytest.mark.parametrize("kind", ["graph", "graph_cascade"])
+def test_bench_graph_rows_compute_the_row(kind, provider, monkeypatch):
     """The benchmark's decode-graph implementations (``python -m attnplug.bench``) give the float32
     reference on the shared-prefix row, the cascade one with the prefix cut (cost model forced)."""
     from attnplug.bench import impls, workloads as W
 
+    impl = f"attnplug.{provider}.{kind}"
     monkeypatch.setattr("attnplug.core.cascade.MIN_SAVED_BYTES", 1)
     row = next(r for r in W.QUICK_ROWS if r.shared)
     work = W.build(row, AttentionConfig(**W.QUICK_CONFIG), torch.device(DEV))
