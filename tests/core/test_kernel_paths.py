@@ -63,7 +63,10 @@ def run_checked(case, lse_too: bool = True, **knobs):
     ref, ref_lse = reference_attention(plan, case.q, case.k_cache, case.v_cache)
     dense, dense_lse = dense_reference(case)
     qo = case.batch.qo_indptr
-    assert_close_per_request_head(ref, dense, qo, torch.float32, "reference vs dense float64 oracle")
+    # float32 vs float64: the summation order of torch's CPU matmuls varies between runs, and 300-key
+    # rows have seen 1.04e-5 (abs); a wrong reference is off by orders of magnitude more
+    assert_close_per_request_head(ref, dense, qo, torch.float32, "reference vs dense float64 oracle",
+                                  tol=dict(rel=1e-4, abs=5e-5))
     dt = case.config.dtype
     assert_close_per_request_head(out, ref, qo, dt, f"triton {dt} vs reference ({knobs or 'default launch'})")
     if lse_too:
