@@ -428,6 +428,13 @@ def package_root(package: str) -> str:
     return os.path.dirname(list(spec.submodule_search_locations)[0]) if spec else ""
 
 
+def attnplug_sources() -> SourceTree:
+    """attnplug's own sources (the side ``override`` / ``callsite`` items are checked against)."""
+    import attnplug
+
+    return SourceTree(os.path.dirname(os.path.dirname(os.path.abspath(attnplug.__file__))))
+
+
 def refusal(engine: str, package: str, version: str, tested: tuple[str, str], items, log,
             engine_root: str | None = None) -> str | None:  # fmt: skip
     """``None`` when attnplug serves ``engine`` ``version``, else the user-facing reason.
@@ -440,8 +447,7 @@ def refusal(engine: str, package: str, version: str, tested: tuple[str, str], it
     lo, hi = tested
     if in_range(version, lo, hi):
         return None
-    ours = SourceTree(os.path.dirname(os.path.dirname(os.path.abspath(attnplug.__file__))))
-    found = problems(check(items, SourceTree(engine_root or package_root(package)), ours))
+    found = problems(check(items, SourceTree(engine_root or package_root(package)), attnplug_sources()))
     if not found:
         log.warning("attnplug %s: %s %s is outside the tested range %s..%s; its interface matches what attnplug "
                     "relies on, so the backends are offered", attnplug.__version__, engine, version, lo, hi)

@@ -29,6 +29,7 @@ import gc
 import json
 import os
 import platform
+import sys
 import time
 import tracemalloc
 from dataclasses import dataclass, field
@@ -67,8 +68,6 @@ def traced_outside_triton() -> int:
 
 def compiled_kernels() -> int:
     """Triton specializations compiled so far for attnplug's kernels (0 under the interpreter)."""
-    import sys  # noqa: PLC0415
-
     n = 0
     for name, mod in list(sys.modules.items()):
         if not name.startswith("attnplug.core.kernels.") or mod is None:

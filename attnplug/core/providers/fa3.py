@@ -293,7 +293,7 @@ class FA3Provider(Provider):
         max_pages = max(1, num_pages(plan.max_kv_len, cfg.page_size))
         n = plan.kv_indices.numel()
         if plan.batch_size == 1 and n >= max_pages:
-            block_table, seq_lens = plan.kv_indices[:n].view(1, n), plan.kv_lens[:1]
+            block_table, seq_lens = plan.kv_indices.view(1, n), plan.kv_lens[:1]
         else:
             block_table, seq_lens = block_table_from_csr(
                 plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len, cfg.page_size, max_pages, check=False

@@ -91,9 +91,8 @@ def interface_refusal(version: str, root: str | None = None) -> str | None:
         return None
     from attnplug import _contract  # noqa: PLC0415
 
-    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    found = _contract.problems(_contract.check(_contract_items(), _contract.SourceTree(root or _contract.package_root(
-        "flashinfer")), _contract.SourceTree(here)))  # fmt: skip
+    fi_src = _contract.SourceTree(root or _contract.package_root("flashinfer"))
+    found = _contract.problems(_contract.check(_contract_items(), fi_src, _contract.attnplug_sources()))
     if not found:
         return None
     more = f" (and {len(found) - 6} more)" if len(found) > 6 else ""
