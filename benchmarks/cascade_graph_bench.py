@@ -146,7 +146,7 @@ def row(cfg, spec, unique, dev, provider="triton", sweep=False) -> dict:
         res[f"graph_{mode}"]["rel_err_device_update"] = rel_err(out, ref)
         if dev.type == "cuda":
             res[f"graph_{mode}"]["parts_ms"] = parts(gs, B, q, k, v)
-            if sweep and provider == "triton" and mode == "auto" and int(gs.cascade.kv_lens) > 0:
+            if sweep and "block_m" in gs.cascade.provider.OPTIONS and mode == "auto" and int(gs.cascade.kv_lens) > 0:
                 res["prefix_sweep"] = prefix_sweep(gs, B, q, k, v)
     for mode in ("off", "auto"):
         attn = PagedAttention(cfg, provider, dev, cascade=mode)
