@@ -39,6 +39,41 @@ def prepare_process(provider: str, device_type: str) -> None:
         logger.warning("attnplug: preparing provider %r for %s failed (%s)", provider, device_type, e)
 
 
+def markers_on() -> bool:
+    """Whether this process writes proof markers (``$ATTNPLUG_MARKER_DIR`` set)."""
+    return bool(os.environ.get(MARKER_ENV))
+
+
+class LateCounts:
+    """Device counters (``[k]`` int64 tensors, e.g. ``CascadeGraph.counts``) read for the proof
+    markers without a host sync: :meth:`read` queues a copy into pinned host memory behind the work
+    queued so far and returns the newest copies that have landed, summed over every tensor read so
+    far (several graph families: a drafter's and the target's), so a marker lags the device by a step
+    or so. CPU tensors are read at once."""
+
+    def __init__(self) -> None:
+        self._slots: dict[int, list] = {}  # id(counts) -> [counts, host copy, event or None, last values]
+
+    def read(self, counts) -> list[int]:
+        slot = self._slots.get(id(counts))
+        if slot is None:
+            slot = self._slots[id(counts)] = [counts, None, None, [0] * counts.numel()]
+        if counts.device.type == "cpu":
+            slot[3] = [int(x) for x in counts.tolist()]
+        else:
+            import torch  # noqa: PLC0415 - this module imports no torch at load
+
+            if slot[1] is None:
+                slot[1] = torch.zeros(counts.shape, dtype=counts.dtype, pin_memory=True)
+            if slot[2] is not None and slot[2].query():  # the previous copy has landed
+                slot[3], slot[2] = [int(x) for x in slot[1].tolist()], None
+            if slot[2] is None:
+                slot[1].copy_(counts, non_blocking=True)
+                slot[2] = torch.cuda.Event()
+                slot[2].record()
+        return [sum(v) for v in zip(*(s[3] for s in self._slots.values()))]
+
+
 def write_marker(prefix: str, data: dict) -> None:
     """Atomically write ``data`` to ``$ATTNPLUG_MARKER_DIR/<prefix>-<pid>.json`` (no-op when unset)."""
     d = os.environ.get(MARKER_ENV)

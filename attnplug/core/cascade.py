@@ -349,6 +349,9 @@ class CascadeGraph:
     (:func:`min_saved_pages`) runs an empty prefix part (its launches return at once). Padded rows
     ``B..bs-1`` see the shared prefix too (valid memory; their outputs are discarded anyway).
 
+    ``counts [2]`` int64 (device): updates that cut a shared prefix and the tokens they cut, summed
+    over this graph family's life without a host sync (the adapters' proof counters read them late).
+
     Static memory: ``shared [1]``, the prefix batch ``kv_indptr [2]`` / ``kv_indices [max_pages_per_request]``
     / ``kv_lens [1]`` (int32), per ``bs`` a ``qo_indptr [2] = (0, bs)`` and the prefix plan, and the
     merge's ``out_part [max_batch, Hq, D]``, ``lse_part`` / ``lse_suffix [max_batch, Hq]`` float32.
@@ -361,6 +364,7 @@ class CascadeGraph:
         self.max_pages = num_pages(gs.max_seq_len, P)
         i32 = dict(dtype=torch.int32, device=dev)
         self.shared = torch.zeros(1, **i32)
+        self.counts = torch.zeros(2, dtype=torch.int64, device=dev)
         self.kv_indptr = torch.zeros(2, **i32)
         self.kv_indices = torch.zeros(self.max_pages, **i32)
         self.kv_lens = torch.zeros(1, **i32)
@@ -420,6 +424,8 @@ class CascadeGraph:
         self.kv_lens.fill_(shared * self.gs.config.page_size)
         if shared:
             self.kv_indices[:shared].copy_(first, non_blocking=True)
+            self.counts[0].add_(1)
+            self.counts[1].add_(shared * self.gs.config.page_size)
 
     def host_shared(self, batch) -> int:
         """The shared pages the host path cuts from ``batch`` (host CSR, ``DECODE``): the common

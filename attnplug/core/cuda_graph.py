@@ -212,6 +212,12 @@ class GraphState:
         self.update(batch, bs)
         return plan
 
+    @property
+    def cascade_counts(self) -> torch.Tensor | None:
+        """``[2]`` int64 on the device: updates that cut a shared prefix, tokens cut (None without
+        cascade)."""
+        return None if self.cascade is None else self.cascade.counts
+
     def update(self, batch: BatchMetadata, bs: int | None = None) -> Plan:
         """Write ``batch`` (``B <= bs`` requests, ``q`` tokens each) into the static buffers of the
         plan captured for ``bs`` (default: the smallest captured ``bs >= B``), padding ``B..bs-1``.
@@ -328,6 +334,7 @@ class GraphState:
             mask=self.mask if verify else None, mask_indptr=v.get("mask_indptr"), mask_free=v.get("mask_free"),
             max_batch=self.max_batch, row_ids=row_ids, entry_tokens=entry_tokens,
             shared=None if c is None else c.shared, prefix=None if c is None else (c.kv_indptr, c.kv_indices, c.kv_lens),
+            counts=None if c is None else c.counts,
             min_saved_pages=1 if c is None else c.min_saved_pages,
         )  # fmt: skip
         self.graph.refresh(self.plans[bs], bs, host, device_table=True)

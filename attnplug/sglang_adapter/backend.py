@@ -56,6 +56,8 @@ class _Stats:
     max_kv_len: int = 0
     cascade_forwards: int = 0  # forwards that read shared prefixes once per group (cascade)
     cascade_shared_tokens: int = 0  # KV tokens those forwards did not read again
+    cascade_graph_updates: int = 0  # decode-graph replays whose update cut a shared prefix (read late)
+    cascade_graph_shared_tokens: int = 0  # KV tokens those replays did not read again
 
 
 class AttnplugAttnBackend(AttentionBackend):
@@ -115,6 +117,7 @@ class AttnplugAttnBackend(AttentionBackend):
         self._graph_fwd = None  # (mode, bs, BatchMetadata) of the current CUDA-graph forward
         self.graph_refusal: str | None = None  # set by the EAGLE draft-extend factory: graphs refused
         self._stats = _Stats()
+        self._late_counts = engine_glue.LateCounts()  # decode-graph cascade counters, read without a sync
         # Build the provider now: an unavailable provider or unsupported config fails at startup.
         self._probe_key = (self.num_qo_heads, self.num_kv_heads, self.head_dim, None, 0.0, -1)
         probe = self._make_attention(self._probe_key)
@@ -286,6 +289,12 @@ class AttnplugAttnBackend(AttentionBackend):
         st = self._stats
         key = "GRAPH_" + forward_batch.forward_mode.name
         st.forwards[key] = st.forwards.get(key, 0) + 1
+        counts = [gs.cascade_counts for gs in states.values() if gs.cascade_counts is not None]
+        if counts and engine_glue.markers_on():  # replays that cut a shared prefix (first layer config)
+            new = self._late_counts.read(counts[0])
+            if new != [st.cascade_graph_updates, st.cascade_graph_shared_tokens]:
+                st.cascade_graph_updates, st.cascade_graph_shared_tokens = new
+                self._write_marker()
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
         """Nothing to record: all planning is host-side, in ``init_forward_metadata_out_graph``."""
@@ -554,4 +563,5 @@ class AttnplugAttnBackend(AttentionBackend):
             dtype=str(self.dtype), kv_dtype=str(self.kv_dtype), forwards=st.forwards, layer_runs=st.layer_runs,
             max_cached_prefix=st.max_cached_prefix, max_kv_len=st.max_kv_len,
             cascade_forwards=st.cascade_forwards, cascade_shared_tokens=st.cascade_shared_tokens,
+            cascade_graph_updates=st.cascade_graph_updates, cascade_graph_shared_tokens=st.cascade_graph_shared_tokens,
             triton_interpret=os.environ.get("TRITON_INTERPRET")))

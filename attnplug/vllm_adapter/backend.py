@@ -84,7 +84,9 @@ _HARMLESS_FLAGS = {"head_size", "dtype", "kv_cache_dtype", "block_size", "device
 # Per-process counters, proof that attnplug (not vLLM's own backend) computed attention.
 STATS: dict = {"pid": os.getpid(), "backends": {}, "builds": 0, "graph_builds": 0, "layer_runs": 0, "kv_writes": 0,
                "prefix_hit_requests": 0, "max_cached_prefix": 0, "draft_builds": 0, "spec_verify_builds": 0,
-               "cascade_forwards": 0, "cascade_shared_tokens": 0}  # fmt: skip
+               "cascade_forwards": 0, "cascade_shared_tokens": 0,
+               "cascade_graph_updates": 0, "cascade_graph_shared_tokens": 0}  # fmt: skip
+_LATE = engine_glue.LateCounts()  # decode-graph cascade counters, read without a sync
 
 
 def _write_marker() -> None:
@@ -482,6 +484,9 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         g.refresh(md.seq_lens, md.block_table, bs, host)
         STATS["builds"] += 1
         STATS["graph_builds"] += 1
+        counts = [gs.cascade_counts for gs in g.states.values() if gs.cascade_counts is not None]
+        if counts and engine_glue.markers_on():  # graph updates that cut a shared prefix (first layer config)
+            STATS["cascade_graph_updates"], STATS["cascade_graph_shared_tokens"] = _LATE.read(counts[0])
         _write_marker()
         return md
 

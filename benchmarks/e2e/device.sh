@@ -81,9 +81,11 @@ vllm-a)
   mkdir -p $V && xz -dc .bundle/vllm/a/vllm-py-C.tar.xz | tar xf - -C $V && touch $V/.ready-a
   # ROWS (default all): engine_run --rows; the kernel suite runs in its own call (scripts/gpu_run.sh)
   rows=${E2E_ROWS:+--rows $E2E_ROWS}
-  vllm_job 0 FLASH_ATTN $rows;      vllm_job $g1 ATTNPLUG_FLASHINFER $rows
-  vllm_job 0 ATTNPLUG_TRITON $rows; vllm_job $g1 FLASHINFER $rows
-  [[ -n ${E2E_FULL:-} ]] && { vllm_job 0 TRITON_ATTN; vllm_job $g1 ATTNPLUG_FA3; }
+  if [[ ${E2E_BASE:-1} == 1 ]]; then  # E2E_BASE=0: only unpack (a later stage queues its own jobs)
+    vllm_job 0 FLASH_ATTN $rows;      vllm_job $g1 ATTNPLUG_FLASHINFER $rows
+    vllm_job 0 ATTNPLUG_TRITON $rows; vllm_job $g1 FLASHINFER $rows
+    [[ -n ${E2E_FULL:-} ]] && { vllm_job 0 TRITON_ATTN; vllm_job $g1 ATTNPLUG_FA3; }
+  fi
   $L wait $LANES --max "${max:-15}" --out "$OUT" --results $RES ;;
 vllm-warm)  # both vLLM parts already unpacked into $V by earlier calls on this machine (no carry)
   [[ -f $V/vllm/__init__.py && -f $V/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so ]] || { echo "vllm-warm: $V incomplete"; exit 1; }
@@ -151,10 +153,12 @@ vllm-fp8)
   $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
 vllm-shared)
   setup
+  # a backend written NAME:cg runs only with ATTNPLUG_CASCADE_GRAPHS=1 (triton, fa3: decode graphs read the
+  # shared prefix once only when asked); plain triton / fa3 run both ways
   for b in ${E2E_BACKENDS:-FLASH_ATTN FLASHINFER ATTNPLUG_FA3 ATTNPLUG_TRITON ATTNPLUG_FLASHINFER}; do
-    vllm_job 0 "$b" --prompts shared --rows 4
-    # decode graphs read the shared prefix once only when asked (ATTNPLUG_CASCADE_GRAPHS=1: triton, fa3)
-    [[ $b == ATTNPLUG_TRITON || $b == ATTNPLUG_FA3 ]] && vllm_job $g1 "$b" --prompts shared --rows 4 --env ATTNPLUG_CASCADE_GRAPHS=1
+    [[ $b != *:cg ]] && vllm_job 0 "$b" --prompts shared --rows 4
+    [[ ${b%:cg} == ATTNPLUG_TRITON || ${b%:cg} == ATTNPLUG_FA3 ]] &&
+      vllm_job $g1 "${b%:cg}" --prompts shared --rows 4 --env ATTNPLUG_CASCADE_GRAPHS=1
   done
   $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
 sglang-fp8)

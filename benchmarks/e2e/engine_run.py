@@ -281,6 +281,9 @@ def main() -> None:
                 emitted += ntok
         name = f"{bs}x{plen}->{olen}"
         res["rows"][name] = {"tok_s": max(runs), "runs": runs}
+        if PROMPT_KIND == "shared" and "shared_correctness" not in res:  # after the timing: 8 requests on the
+            # cached system prompt, greedy with top-5 logprobs (report.py: tokens and gaps vs the native)
+            res["shared_correctness"] = eng.generate(ps[:8], CORR_TOKENS, logprobs=True)
         if steps:
             res["rows"][name]["accepted_per_step"] = round(emitted / steps, 3)
         print(f"engine_run: {a.backend} {name}: {max(runs)} tok/s {runs}", flush=True)

@@ -43,10 +43,13 @@ def variant(r: dict) -> str:
             + ("-shared" if r.get("prompts") == "shared" else ""))  # fmt: skip
 
 
+def label(r: dict) -> str:
+    """Backend and the attnplug environment it ran with, e.g. ``ATTNPLUG_FA3+ATTNPLUG_CASCADE_GRAPHS=1``."""
+    return r["backend"] + "".join(f"+{k}={v}" for k, v in sorted((r.get("env") or {}).items()) if k not in TP_ENV_KEYS)
+
+
 def key(r: dict) -> str:
-    env = "".join(f"+{k}={v}" for k, v in sorted((r.get("env") or {}).items()) if k not in TP_ENV_KEYS)
-    return (r["backend"] + env + variant(r) + ("-eager" if r.get("eager") else "")
-            + ("-eagle" if r.get("eagle") else ""))  # fmt: skip
+    return label(r) + variant(r) + ("-eager" if r.get("eager") else "") + ("-eagle" if r.get("eagle") else "")
 
 
 TP_ENV_KEYS = {"NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "VLLM_ALLREDUCE_USE_SYMM_MEM",
@@ -152,7 +155,8 @@ def main() -> None:
     # tensor parallel / n-gram / repetitive-prompt variants: each against the native runs of the same variant
     variants = sorted({variant(r) for r in runs.values() if variant(r) and not r.get("eager") and not r.get("eagle")})
     for v in variants:
-        vr = {r["backend"]: r for r in runs.values() if variant(r) == v and not r.get("eager") and not r.get("eagle")}
+        vr = {label(r): r for r in runs.values() if variant(r) == v and not r.get("eager") and not r.get("eagle")}
+        vref = next((b for b in REFS[eng] if b in vr), None)  # tokens of this variant's runs vs its native
         nat = [b for b in NATIVE[eng] if b in vr]
         vrows = list(dict.fromkeys(row for r in vr.values() for row in r["rows"]))
         md += [f"## Variant `{v}` (" + ", ".join(filter(None, [
@@ -184,9 +188,19 @@ def main() -> None:
                 plain, cap = runs.get(b), vr[b].get("kv_capacity_tokens")
                 if "-kv" in v and cap and plain and plain.get("kv_capacity_tokens"):
                     cell += f", KV {cap / plain['kv_capacity_tokens']:.2f}x"
-                casc = sum(m.get("cascade_forwards", 0) for m in vr[b].get("markers") or [])
+                marks = vr[b].get("markers") or []
+                casc = sum(m.get("cascade_forwards", 0) for m in marks)
+                gcasc = sum(m.get("cascade_graph_updates", 0) for m in marks)
                 if "-shared" in v and b not in nat:
-                    cell += f", cascade {casc}"
+                    cell += f", cascade {casc} eager + {gcasc} graph forwards"
+                # the variant's own prompts where the run has them (shared: 8 requests on the cached prefix)
+                ck = "shared_correctness" if vr[b].get("shared_correctness") else "correctness"
+                if vref and b != vref and vr[b].get(ck) and vr[vref].get(ck):
+                    divs = [first_divergence(o, rr) for o, rr in zip(vr[b][ck], vr[vref][ck])]
+                    eq = sum(p is None for p, _ in divs)
+                    gaps = ", ".join(f"@{p} gap {g}" for p, g in divs if p is not None)
+                    what = "shared-prefix prompts" if ck == "shared_correctness" else "prompts"
+                    cell += f"; tokens vs {vref}: {eq}/{len(divs)} {what} equal" + (f" ({gaps})" if gaps else "")
                 cells.append(cell)
             md.append(f"| {b} | " + " | ".join(cells) + " |")
         md.append("")

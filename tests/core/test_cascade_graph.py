@@ -199,14 +199,21 @@ def test_device_update_matches_host_update(name, form, provider):
     host, dev = state(c, provider=provider), state(c, provider=provider)
     host.prepare_capture(bs)
     dev.prepare_capture(bs)
+    before = host.cascade_counts.tolist(), dev.cascade_counts.tolist()
     host.update(batch, bs)
     seq, bt, tok, rows = tables(batch, n, seed=5)
-    if form == "block_table":
-        dev.update_from_block_table(seq.to(DEV), bt.to(DEV), bs)
-    else:
-        dev.update_from_block_table(seq.to(DEV), tok.to(DEV), bs, row_ids=rows.to(DEV), entry_tokens=PAGE)
+    for _ in range(2):  # two replays: the proof counters add up
+        if form == "block_table":
+            dev.update_from_block_table(seq.to(DEV), bt.to(DEV), bs)
+        else:
+            dev.update_from_block_table(seq.to(DEV), tok.to(DEV), bs, row_ids=rows.to(DEV), entry_tokens=PAGE)
     s = brute_shared(batch)
     assert int(dev.cascade.shared) == s
+    cut = int(host.cascade.kv_lens)  # tokens the host path cut (0: nothing shared, or not worth it)
+    assert cut == (s * PAGE if name not in ("nothing shared", "one request") else 0)
+    add = lambda c, k: [x + k * y for x, y in zip(c, [int(cut > 0), cut])]  # noqa: E731
+    assert host.cascade_counts.tolist() == add(before[0], 1), "host update: (+1 cut, +tokens) when cut"
+    assert dev.cascade_counts.tolist() == add(before[1], 2), "device updates count on the device"
     hv, dv = host.static_views(bs), dev.static_views(bs)
     for key in ("kv_indptr", "kv_last_page_len", "kv_lens"):
         assert hv[key].tolist() == dv[key].tolist(), key

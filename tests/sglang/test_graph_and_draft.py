@@ -140,6 +140,39 @@ def test_graph_capture_then_replay_matches_eager(mode, page_size, monkeypatch):
     assert len(launches) == (len(be._graphs["decode"]) if mode == "decode" else 0) and be._graphs[mode]
 
 
+def test_decode_graph_cascade_replay_matches_dense_and_is_counted(monkeypatch, tmp_path):
+    """ATTNPLUG_CASCADE_GRAPHS=1: a decode replay whose requests share their first pages in
+    ``req_to_token`` (as SGLang's radix cache maps them) cuts them on the device, equals the float64
+    dense reference, and the scheduler's marker counts it (``cascade_graph_updates``, tokens cut)."""
+    import json
+
+    monkeypatch.setenv("ATTNPLUG_CASCADE_GRAPHS", "1")
+    monkeypatch.setenv("ATTNPLUG_CASCADE", "always")
+    monkeypatch.setenv("ATTNPLUG_MARKER_DIR", str(tmp_path))
+    P, bs = 4, 4
+    runner = make_runner(P)
+    layer = make_layer(0)
+    be = make_backend(runner)
+    be.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs)
+    for step, kv_lens in enumerate([[21, 30], [22, 30, 26]]):  # capture, then a replay sharing 4 pages
+        reqs, _, fb = _batch(runner, "decode", 1, kv_lens, seed=20 + step)
+        if step == 1:
+            tab = runner.req_to_token_pool.req_to_token
+            tab[reqs.rows[1:], : 4 * P] = tab[reqs.rows[0], : 4 * P]
+        q, k, v = _qkv(bs, seed=step)
+        B = fb.batch_size
+        be.init_forward_metadata_out_graph(_padded(fb, bs, 1), in_capture=step == 0)
+        out = be.forward(q, k, v, layer, _padded(fb, bs, 1))
+        torch.testing.assert_close(out[:B], dense_reference(runner, reqs, layer, q[:B], [1] * B), **TOL)
+    gs = be._graphs["decode"][be._layer_key(layer)]
+    assert int(gs.cascade.kv_lens) == 4 * P, "the replay cut the 4 shared pages"
+    st = be._stats
+    assert (st.cascade_graph_updates, st.cascade_graph_shared_tokens) == (1, 4 * P)
+    (marker,) = tmp_path.glob("sglang-*.json")
+    m = json.loads(marker.read_text())
+    assert (m["cascade_graph_updates"], m["cascade_graph_shared_tokens"]) == (1, 4 * P), m
+
+
 def _toy_provider():
     """``tests/toy_provider.py`` registered: a provider that re-plans on the host (as FlashInfer)."""
     import sys

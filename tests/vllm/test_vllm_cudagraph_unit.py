@@ -390,24 +390,31 @@ def test_reference_provider_refuses_graphs_and_drafts_eagerly(env, monkeypatch):
         builder.update_draft_decode_metadata(md)
 
 
-def test_decode_graphs_read_the_shared_prefix_once_when_enabled(env, monkeypatch):
+def test_decode_graphs_read_the_shared_prefix_once_when_enabled(env, monkeypatch, tmp_path):
     """ATTNPLUG_CASCADE_GRAPHS=1: the decode graph family cuts the blocks every real request shares
-    (found on the device at each build) and the replayed launches still give the reference."""
+    (found on the device at each build) and the replayed launches still give the reference; the
+    proof markers count the builds that cut a prefix (``cascade_graph_updates``)."""
+    from attnplug.vllm_adapter.backend import STATS
+
     monkeypatch.setenv("ATTNPLUG_CASCADE_GRAPHS", "1")
     monkeypatch.setenv("ATTNPLUG_CASCADE", "always")
+    monkeypatch.setenv("ATTNPLUG_MARKER_DIR", str(tmp_path))
     impl, builder = make(env, "cg_cascade")
     assert builder._graph_cascade
     b = Batch([13, 10, 17], bs=4, seed=3)
     b.block_table[1:3, :2] = b.block_table[0, :2]  # two shared blocks (8 tokens), as a prefix cache maps them
+    n0, t0 = STATS["cascade_graph_updates"], STATS["cascade_graph_shared_tokens"]
     md = builder.build_for_cudagraph_capture(b.cam())
     gs = next(iter(md.graphs.states.values()))
     assert gs.cascade is not None and int(gs.cascade.kv_lens) == 2 * P
+    assert (STATS["cascade_graph_updates"] - n0, STATS["cascade_graph_shared_tokens"] - t0) == (1, 2 * P)
     out = forward(impl, b.kv_cache, md, b.q)
     torch.testing.assert_close(out[:3], reference(b, impl), atol=1e-5, rtol=1e-5)
     assert bool(torch.isfinite(out[3:]).all())
     b2 = Batch([9, 6], bs=4, seed=4)  # nothing shared: an empty prefix part, same captured buffers
     md2 = builder.build(0, b2.cam())
     assert int(gs.cascade.kv_lens) == 0
+    assert STATS["cascade_graph_updates"] - n0 == 1, "a build that cut nothing is not counted"
     torch.testing.assert_close(forward(impl, b2.kv_cache, md2, b2.q)[:2], reference(b2, impl), atol=1e-5, rtol=1e-5)
     monkeypatch.setenv("ATTNPLUG_CASCADE_GRAPHS", "2")
     with pytest.raises(ValueError, match="ATTNPLUG_CASCADE_GRAPHS must be 0 or 1"):

@@ -30,7 +30,7 @@ def graph_batch_from_block_table_kernel(
     KV_INDPTR, KV_INDICES, KV_LAST, KV_LENS,
     BT_OUT, stride_bo_row,
     MASK, MASK_INDPTR, MASK_FREE,
-    SHARED, P_INDPTR, P_INDICES, P_LENS, min_saved_pages,
+    SHARED, P_INDPTR, P_INDICES, P_LENS, COUNTS, min_saved_pages,
     page_size, pad_page, pad_kv_len,
     Q: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr,
     HAS_BT_OUT: tl.constexpr, CHAIN_MASK: tl.constexpr, HAS_ROW_IDX: tl.constexpr, ENTRY_TOKENS: tl.constexpr,
@@ -40,7 +40,8 @@ def graph_batch_from_block_table_kernel(
     writes the per-request vectors. Every program recomputes the ``bs`` prefix sums (``bs <= BLOCK_B``).
     ``HAS_SHARED``: ``SHARED[0]`` leading pages are common to the real requests; when ``(n - 1) *
     SHARED[0] >= min_saved_pages`` they are cut from every real request and program 0 writes them as
-    the prefix batch (``P_INDPTR [2]``, ``P_INDICES``, ``P_LENS [1]``), else the prefix batch is empty."""
+    the prefix batch (``P_INDPTR [2]``, ``P_INDICES``, ``P_LENS [1]``), else the prefix batch is empty;
+    program 0 then adds ``(1, cut tokens)`` to ``COUNTS [2]`` int64 when it cut a prefix."""
     b = tl.program_id(0)
     bs = tl.num_programs(0)
     rows = tl.arange(0, BLOCK_B)
@@ -80,6 +81,9 @@ def graph_batch_from_block_table_kernel(
         if b == 0:  # the prefix batch: request 0's first `skip` pages (empty when not cut)
             tl.store(P_INDPTR + rows, tl.where(rows == 0, 0, skip), mask=rows < 2)
             tl.store(P_LENS, skip * page_size)
+            cut = (skip > 0).to(tl.int64)
+            tl.store(COUNTS, tl.load(COUNTS) + cut)
+            tl.store(COUNTS + 1, tl.load(COUNTS + 1) + skip.to(tl.int64) * page_size)
             for j0 in range(0, skip, BLOCK_J):
                 j = j0 + tl.arange(0, BLOCK_J)
                 col = j.to(tl.int64) * ENTRY_TOKENS
@@ -180,6 +184,7 @@ def graph_batch_from_block_table(
     shared: torch.Tensor | None = None,
     prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     min_saved_pages: int = 1,
+    counts: torch.Tensor | None = None,
 ) -> None:
     """Write a padded batch of ``bs`` requests into static buffers, in one launch.
 
@@ -206,6 +211,8 @@ def graph_batch_from_block_table(
             kv_lens [1])`` int32 and ``(n - 1) * shared >= min_saved_pages``, the shared pages are
             written as a one-request prefix batch and cut from every real request (the outputs then
             describe the suffixes); otherwise the prefix batch is empty and the requests whole.
+        counts: ``[2]`` int64, required with ``shared``: ``+= (1, shared tokens)`` when a prefix is
+            cut (the proof counters, read later without a sync).
 
     Capacities are not checked (that would sync): every real request must be ``<= W`` pages, and the
     outputs sized for ``bs`` requests of the graph family's largest length (``GraphState`` is).
@@ -219,8 +226,8 @@ def graph_batch_from_block_table(
         raise ValueError("block_table_out needs a contiguous column dim")
     chain = mask is not None
     dummy = kv_lens
-    if (shared is None) != (prefix is None):
-        raise ValueError("shared and prefix go together")
+    if not (shared is None) == (prefix is None) == (counts is None):
+        raise ValueError("shared, prefix and counts go together")
     W = block_table.shape[1] if block_table.dim() == 2 else 0
     graph_batch_from_block_table_kernel[(bs,)](
         seq_lens, block_table, block_table.stride(0), block_table.stride(1) if W else 1, n, W,
@@ -229,7 +236,7 @@ def graph_batch_from_block_table(
         dummy if block_table_out is None else block_table_out,
         0 if block_table_out is None else block_table_out.stride(0),
         mask if chain else dummy, mask_indptr if chain else dummy, mask_free if chain else dummy,
-        *((shared, *prefix) if shared is not None else (dummy,) * 4), max(1, int(min_saved_pages)),
+        *((shared, *prefix, counts) if shared is not None else (dummy,) * 5), max(1, int(min_saved_pages)),
         page_size, pad_page, pad_kv_len,
         Q=q, BLOCK_B=triton.next_power_of_2(max(bs, max_batch or 1)), BLOCK_J=128, BLOCK_E=1024,
         HAS_BT_OUT=block_table_out is not None, CHAIN_MASK=chain, HAS_ROW_IDX=row_ids is not None,
