@@ -106,7 +106,7 @@ def prefix_sweep(gs, B, q, k, v) -> list[dict]:
     return rows
 
 
-def row(cfg, spec, unique, dev, provider="triton", sweep=False) -> dict:
+def row(cfg, spec, unique, dev, provider="triton", sweep=False, eager=True) -> dict:
     batch, q, k, v, num_pages = shared_prefix_batch(cfg, ForwardMode.DECODE, prompts(spec, unique), device=dev)
     B = batch.batch_size
     ref, _ = reference_attention(make_plan(cfg, batch, num_pages, device=dev), q, k, v)
@@ -148,7 +148,7 @@ def row(cfg, spec, unique, dev, provider="triton", sweep=False) -> dict:
             res[f"graph_{mode}"]["parts_ms"] = parts(gs, B, q, k, v)
             if sweep and "block_m" in gs.cascade.provider.OPTIONS and mode == "auto" and int(gs.cascade.kv_lens) > 0:
                 res["prefix_sweep"] = prefix_sweep(gs, B, q, k, v)
-    for mode in ("off", "auto"):
+    for mode in ("off", "auto") if eager else ():
         attn = PagedAttention(cfg, provider, dev, cascade=mode)
         attn.plan(batch, num_pages=num_pages)
         out = torch.empty_like(q)
@@ -164,6 +164,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU (Triton interpreter), 4 x (64 + 8) tokens, no timing")
     ap.add_argument("--sweep", action="store_true", help="also time the prefix part over triton knobs (GPU)")
     ap.add_argument("--providers", default="triton,fa3", help="providers whose decode graphs run cascade (GPU)")
+    ap.add_argument("--only", default="", help="comma-separated substrings: only rows whose name has one")
+    ap.add_argument("--graphs-only", action="store_true", help="skip the eager (plan/run) timings")
     a = ap.parse_args()
     if a.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -171,14 +173,17 @@ def main() -> None:
     else:
         dev, cfg, n, shared, own = torch.device("cuda"), AttentionConfig(32, 8, 128, 16, torch.bfloat16), 64, 8192, 256
     providers = ["triton"] if a.smoke else [p for p in a.providers.split(",") if p]
-    rows = {}
+    specs = []  # (name, groups, unique tokens, sweep)
     for p in providers:
-        rows[f"{p} {n}x({shared} shared + {own})"] = row(cfg, [(n, shared)], own, dev, p, sweep=a.sweep)
-        rows[f"{p} {n}x({shared} + {own}) nothing shared"] = row(cfg, [(1, shared)] * n, own, dev, p)
+        specs += [(p, f"{p} {n}x({shared} shared + {own})", [(n, shared)], own, a.sweep),
+                  (p, f"{p} {n}x({shared} + {own}) nothing shared", [(1, shared)] * n, own, False)]
         if not a.smoke:  # shorter contexts, where an empty prefix part weighs more
-            rows[f"{p} 64x(768 + 256) nothing shared"] = row(cfg, [(1, 768)] * 64, 256, dev, p)
-            rows[f"{p} 8x(8192 + 256) nothing shared"] = row(cfg, [(1, 8192)] * 8, 256, dev, p)
-            rows[f"{p} 16x(2048 shared + 256)"] = row(cfg, [(16, 2048)], 256, dev, p)
+            specs += [(p, f"{p} 64x(768 + 256) nothing shared", [(1, 768)] * 64, 256, False),
+                      (p, f"{p} 8x(8192 + 256) nothing shared", [(1, 8192)] * 8, 256, False),
+                      (p, f"{p} 16x(2048 shared + 256)", [(16, 2048)], 256, False)]
+    only = [x for x in a.only.split(",") if x]
+    rows = {name: row(cfg, groups, own_, dev, p, sweep=sw, eager=not a.graphs_only)
+            for p, name, groups, own_, sw in specs if not only or any(x in name for x in only)}
     res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "rows": rows}
     print(json.dumps(res, indent=1), flush=True)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .graph_if import captured_if
 from .metadata import ForwardMode
 from .pages import num_pages, tokens_from_pages
 from .plan import Plan
@@ -349,7 +350,7 @@ class CascadeGraph:
     (:func:`min_saved_pages`) runs an empty prefix part (its launches return at once). Padded rows
     ``B..bs-1`` see the shared prefix too (valid memory; their outputs are discarded anyway).
 
-    ``counts [2]`` int64 (device): updates that cut a shared prefix and the tokens they cut, summed
+    ``active`` (0-dim bool, device): the last update cut a prefix. ``counts [2]`` int64 (device): updates that cut a shared prefix and the tokens they cut, summed
     over this graph family's life without a host sync (the adapters' proof counters read them late).
 
     Static memory: ``shared [1]``, the prefix batch ``kv_indptr [2]`` / ``kv_indices [max_pages_per_request]``
@@ -365,6 +366,7 @@ class CascadeGraph:
         i32 = dict(dtype=torch.int32, device=dev)
         self.shared = torch.zeros(1, **i32)
         self.counts = torch.zeros(2, dtype=torch.int64, device=dev)
+        self.active = torch.zeros((), dtype=torch.bool, device=dev)  # a prefix is cut: the IF node's predicate
         self.kv_indptr = torch.zeros(2, **i32)
         self.kv_indices = torch.zeros(self.max_pages, **i32)
         self.kv_lens = torch.zeros(1, **i32)
@@ -420,6 +422,7 @@ class CascadeGraph:
         """Host path: ``shared`` pages of request 0 of ``batch`` (host CSR) as the prefix batch."""
         first = batch.kv_indices[: shared].to(torch.int32)
         self.shared.fill_(shared)
+        self.active.fill_(shared > 0)
         self.kv_indptr[1:].fill_(shared)
         self.kv_lens.fill_(shared * self.gs.config.page_size)
         if shared:
@@ -438,8 +441,11 @@ class CascadeGraph:
     def run(self, bs: int, suffix: Plan, suffix_provider, q: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, **scales) -> None:
         """``out [bs, Hq, D]``: the suffix plan, then the prefix plan merged into it by LSE
-        (:meth:`~attnplug.core.providers.base.Provider.run_merge`; launches only)."""
+        (:meth:`~attnplug.core.providers.base.Provider.run_merge`; launches only). Captured, the prefix
+        part sits in an IF node on :attr:`active` (:func:`~attnplug.core.graph_if.captured_if`): a
+        replay whose batch shares nothing skips its launches."""
         s_lse = lse if lse is not None else self.lse_suffix[:bs]
         suffix_provider.run(suffix, q, k_cache, v_cache, out, s_lse, **scales)
-        self.provider.run_merge(self.plans[bs], q, k_cache, v_cache, out, s_lse, self.out_part[:bs],
-                                self.lse_part[:bs], **scales)  # fmt: skip
+        with captured_if(self.active):
+            self.provider.run_merge(self.plans[bs], q, k_cache, v_cache, out, s_lse, self.out_part[:bs],
+                                    self.lse_part[:bs], **scales)  # fmt: skip

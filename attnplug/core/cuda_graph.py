@@ -334,7 +334,7 @@ class GraphState:
             mask=self.mask if verify else None, mask_indptr=v.get("mask_indptr"), mask_free=v.get("mask_free"),
             max_batch=self.max_batch, row_ids=row_ids, entry_tokens=entry_tokens,
             shared=None if c is None else c.shared, prefix=None if c is None else (c.kv_indptr, c.kv_indices, c.kv_lens),
-            counts=None if c is None else c.counts,
+            counts=None if c is None else c.counts, active=None if c is None else c.active,
             min_saved_pages=1 if c is None else c.min_saved_pages,
         )  # fmt: skip
         self.graph.refresh(self.plans[bs], bs, host, device_table=True)

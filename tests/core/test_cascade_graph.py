@@ -213,6 +213,7 @@ def test_device_update_matches_host_update(name, form, provider):
     assert cut == (s * PAGE if name not in ("nothing shared", "one request") else 0)
     add = lambda c, k: [x + k * y for x, y in zip(c, [int(cut > 0), cut])]  # noqa: E731
     assert host.cascade_counts.tolist() == add(before[0], 1), "host update: (+1 cut, +tokens) when cut"
+    assert bool(host.cascade.active) == bool(dev.cascade.active) == (cut > 0), "the IF node's predicate"
     assert dev.cascade_counts.tolist() == add(before[1], 2), "device updates count on the device"
     hv, dv = host.static_views(bs), dev.static_views(bs)
     for key in ("kv_indptr", "kv_last_page_len", "kv_lens"):
@@ -318,3 +319,52 @@ def test_bench_graph_rows_compute_the_row(kind, provider, monkeypatch):
     plain = W.build(W.QUICK_ROWS[0], AttentionConfig(**W.QUICK_CONFIG), torch.device(DEV))  # no shared-prefix twin
     with pytest.raises(impls.NotApplicable):
         next(i for i in impls.IMPLS if i.name == impl).make(plain)
+
+
+HAS_IF_NODES = DEV == "cuda" and hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")
+
+
+@pytest.mark.skipif(not HAS_IF_NODES, reason="CUDA-graph IF nodes need a CUDA build of torch with them")
+@pytest.mark.parametrize("first", ["one group", "nothing shared"])
+def test_captured_prefix_part_replays_only_when_a_prefix_is_cut(provider, first):
+    """One capture (after a ``first`` batch), then replays of a shared batch and of one that shares
+    nothing, through device-table updates: each equals the float32 reference. The prefix part sits
+    in an IF node: with nothing cut, a bogus prefix batch planted in its buffers is not read."""
+    cases = {name: make_case(name, seed=11, provider=provider) for name in ("one group", "nothing shared")}
+    c = cases["one group"][0]
+    pages = max(x[5] for x in cases.values())
+    K = torch.zeros(pages, *cases["one group"][3].shape[1:], dtype=c.kv_dtype, device=DEV)
+    V = torch.zeros_like(K)
+    bs = 1 + max(x[1].batch_size for x in cases.values())
+    Q = torch.zeros(bs, c.num_qo_heads, c.head_dim, dtype=c.dtype, device=DEV)
+    out = torch.empty_like(Q)
+    gs = state(c, provider=provider)
+    gs.prepare_capture(bs)
+
+    def load(name):
+        _, batch, q, k, v, n = cases[name]
+        K.zero_(), V.zero_(), Q.normal_()
+        K[:n], V[:n], Q[: batch.batch_size] = k, v, q
+        seq, bt, *_ = tables(batch, n, seed=1)
+        gs.update_from_block_table(seq.to(DEV), bt.to(DEV), bs)
+        return batch, n
+
+    load(first)
+    gs.run(bs, Q, K, V, out)  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gs.run(bs, Q, K, V, out)
+    for name in ("one group", "nothing shared", "one group", "nothing shared"):
+        batch, n = load(name)
+        assert bool(gs.cascade.active) == (name == "one group")
+        if name == "nothing shared":  # a prefix batch the replay must not read: request 0's pages
+            m = int(batch.kv_indptr[1])
+            gs.cascade.kv_indices[:m].copy_(batch.kv_indices[:m].to(DEV))
+            gs.cascade.kv_indptr[1].fill_(m)
+            gs.cascade.kv_lens.fill_(m * PAGE)
+        g.replay()
+        torch.cuda.synchronize()
+        B = batch.batch_size
+        ref, _ = reference_attention(make_plan(c, batch, n, device=DEV), Q[:B], K[:n], V[:n])
+        assert rel_err(out[:B], ref) < 1e-2, name

@@ -30,7 +30,7 @@ def graph_batch_from_block_table_kernel(
     KV_INDPTR, KV_INDICES, KV_LAST, KV_LENS,
     BT_OUT, stride_bo_row,
     MASK, MASK_INDPTR, MASK_FREE,
-    SHARED, P_INDPTR, P_INDICES, P_LENS, COUNTS, min_saved_pages,
+    SHARED, P_INDPTR, P_INDICES, P_LENS, COUNTS, ACTIVE, min_saved_pages,
     page_size, pad_page, pad_kv_len,
     Q: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr,
     HAS_BT_OUT: tl.constexpr, CHAIN_MASK: tl.constexpr, HAS_ROW_IDX: tl.constexpr, ENTRY_TOKENS: tl.constexpr,
@@ -41,7 +41,8 @@ def graph_batch_from_block_table_kernel(
     ``HAS_SHARED``: ``SHARED[0]`` leading pages are common to the real requests; when ``(n - 1) *
     SHARED[0] >= min_saved_pages`` they are cut from every real request and program 0 writes them as
     the prefix batch (``P_INDPTR [2]``, ``P_INDICES``, ``P_LENS [1]``), else the prefix batch is empty;
-    program 0 then adds ``(1, cut tokens)`` to ``COUNTS [2]`` int64 when it cut a prefix."""
+    program 0 then adds ``(1, cut tokens)`` to ``COUNTS [2]`` int64 when it cut a prefix and writes
+    whether it did to ``ACTIVE`` (0-dim bool: the predicate of the prefix part's graph IF node)."""
     b = tl.program_id(0)
     bs = tl.num_programs(0)
     rows = tl.arange(0, BLOCK_B)
@@ -84,6 +85,7 @@ def graph_batch_from_block_table_kernel(
             cut = (skip > 0).to(tl.int64)
             tl.store(COUNTS, tl.load(COUNTS) + cut)
             tl.store(COUNTS + 1, tl.load(COUNTS + 1) + skip.to(tl.int64) * page_size)
+            tl.store(ACTIVE, skip > 0)
             for j0 in range(0, skip, BLOCK_J):
                 j = j0 + tl.arange(0, BLOCK_J)
                 col = j.to(tl.int64) * ENTRY_TOKENS
@@ -185,6 +187,7 @@ def graph_batch_from_block_table(
     prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     min_saved_pages: int = 1,
     counts: torch.Tensor | None = None,
+    active: torch.Tensor | None = None,
 ) -> None:
     """Write a padded batch of ``bs`` requests into static buffers, in one launch.
 
@@ -213,6 +216,7 @@ def graph_batch_from_block_table(
             describe the suffixes); otherwise the prefix batch is empty and the requests whole.
         counts: ``[2]`` int64, required with ``shared``: ``+= (1, shared tokens)`` when a prefix is
             cut (the proof counters, read later without a sync).
+        active: 0-dim bool, required with ``shared``: whether a prefix was cut.
 
     Capacities are not checked (that would sync): every real request must be ``<= W`` pages, and the
     outputs sized for ``bs`` requests of the graph family's largest length (``GraphState`` is).
@@ -226,8 +230,8 @@ def graph_batch_from_block_table(
         raise ValueError("block_table_out needs a contiguous column dim")
     chain = mask is not None
     dummy = kv_lens
-    if not (shared is None) == (prefix is None) == (counts is None):
-        raise ValueError("shared, prefix and counts go together")
+    if len({shared is None, prefix is None, counts is None, active is None}) > 1:
+        raise ValueError("shared, prefix, counts and active go together")
     W = block_table.shape[1] if block_table.dim() == 2 else 0
     graph_batch_from_block_table_kernel[(bs,)](
         seq_lens, block_table, block_table.stride(0), block_table.stride(1) if W else 1, n, W,
@@ -236,7 +240,7 @@ def graph_batch_from_block_table(
         dummy if block_table_out is None else block_table_out,
         0 if block_table_out is None else block_table_out.stride(0),
         mask if chain else dummy, mask_indptr if chain else dummy, mask_free if chain else dummy,
-        *((shared, *prefix, counts) if shared is not None else (dummy,) * 5), max(1, int(min_saved_pages)),
+        *((shared, *prefix, counts, active) if shared is not None else (dummy,) * 6), max(1, int(min_saved_pages)),
         page_size, pad_page, pad_kv_len,
         Q=q, BLOCK_B=triton.next_power_of_2(max(bs, max_batch or 1)), BLOCK_J=128, BLOCK_E=1024,
         HAS_BT_OUT=block_table_out is not None, CHAIN_MASK=chain, HAS_ROW_IDX=row_ids is not None,
