@@ -441,9 +441,9 @@ class CascadeGraph:
     def run(self, bs: int, suffix: Plan, suffix_provider, q: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, **scales) -> None:
         """``out [bs, Hq, D]``: the suffix plan, then the prefix plan merged into it by LSE
-        (:meth:`~attnplug.core.providers.base.Provider.run_merge`; launches only). Captured, the prefix
-        part sits in an IF node on :attr:`active` (:func:`~attnplug.core.graph_if.captured_if`): a
-        replay whose batch shares nothing skips its launches."""
+        (:meth:`~attnplug.core.providers.base.Provider.run_merge`; launches only). Captured with
+        ``ATTNPLUG_GRAPH_IF=1``, the prefix part sits in an IF node on :attr:`active`
+        (:func:`~attnplug.core.graph_if.captured_if`): a replay whose batch shares nothing skips it."""
         s_lse = lse if lse is not None else self.lse_suffix[:bs]
         suffix_provider.run(suffix, q, k_cache, v_cache, out, s_lse, **scales)
         with captured_if(self.active):

@@ -6,7 +6,9 @@ graph inside a capture: ``get_currently_capturing_graph()``, ``begin_capture_to_
 of torch only). Launches captured in between replay only when the 0-dim bool ``pred`` is true at
 replay; a one-element kernel reading ``pred`` is the only cost of a skipped body.
 
-``ATTNPLUG_GRAPH_IF=0`` captures the body unconditionally (every launch replays).
+``ATTNPLUG_GRAPH_IF=1`` turns this on; unset / ``0`` (the default until it has run on a GPU) captures
+the body unconditionally (every launch replays, the launches themselves return at once when their
+part is empty).
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ GRAPH_IF_ENV = "ATTNPLUG_GRAPH_IF"
 
 def capturing_graph():
     """torch's ``CUDAGraph`` capturing on the current stream when it can open IF nodes; else None
-    (not capturing, a CPU or older torch, ``ATTNPLUG_GRAPH_IF=0``, a capture torch did not start)."""
-    if os.environ.get(GRAPH_IF_ENV, "1") == "0" or not torch.cuda.is_available():
+    (``ATTNPLUG_GRAPH_IF`` not ``1``, not capturing, a CPU or older torch, a capture torch did not start)."""
+    if os.environ.get(GRAPH_IF_ENV, "0") != "1" or not torch.cuda.is_available():
         return None
     if not torch.cuda.is_current_stream_capturing():
         return None

@@ -326,10 +326,12 @@ HAS_IF_NODES = DEV == "cuda" and hasattr(torch.cuda.CUDAGraph, "begin_capture_to
 
 @pytest.mark.skipif(not HAS_IF_NODES, reason="CUDA-graph IF nodes need a CUDA build of torch with them")
 @pytest.mark.parametrize("first", ["one group", "nothing shared"])
-def test_captured_prefix_part_replays_only_when_a_prefix_is_cut(provider, first):
+def test_captured_prefix_part_replays_only_when_a_prefix_is_cut(provider, first, monkeypatch):
     """One capture (after a ``first`` batch), then replays of a shared batch and of one that shares
     nothing, through device-table updates: each equals the float32 reference. The prefix part sits
-    in an IF node: with nothing cut, a bogus prefix batch planted in its buffers is not read."""
+    in an IF node (``ATTNPLUG_GRAPH_IF=1``): with nothing cut, a bogus prefix batch planted in its
+    buffers is not read."""
+    monkeypatch.setenv("ATTNPLUG_GRAPH_IF", "1")
     cases = {name: make_case(name, seed=11, provider=provider) for name in ("one group", "nothing shared")}
     c = cases["one group"][0]
     pages = max(x[5] for x in cases.values())
