@@ -68,7 +68,14 @@ SMOKE = {"on": False}
 
 def prefill_candidates(d: int) -> list[dict]:
     """The prefill kernel (and the general one with deeper pipelines) at wgmma-sized tiles. Stages:
-    the page-id load and the row load chain, so rows run (stages - 1) // 2 blocks ahead."""
+    the page-id load and the row load chain, so rows run (stages - 1) // 2 blocks ahead. The first
+    four prefill-kernel tiles of 64+ keys come again with ``exp_poly`` (half the exponentials on the
+    FMA pipe)."""
+    cands = _prefill_tiles(d)
+    return cands + [dict(c, exp_poly=True) for c in cands if c["kernel"] == "prefill" and c["block_n"] >= 64][:4]
+
+
+def _prefill_tiles(d: int) -> list[dict]:
     p = lambda bm, bn, w, s, **kw: {"kernel": "prefill", "block_m": bm, "block_n": bn, "num_warps": w, "num_stages": s, **kw}
     if d <= 64:
         return [p(128, bn, w, s) for bn, w, s in ((64, 4, 5), (64, 8, 5), (128, 8, 5), (128, 4, 3), (128, 8, 3), (64, 4, 7),

@@ -26,6 +26,7 @@ def cascade_runs():
                     batches=[[0], list(range(1, len(prompts)))])  # fmt: skip
 
     specs = {"cascade": (job("attnplug_triton", 16), {"ATTNPLUG_CASCADE": "always"}),
+             "cascade_graphs": (job("attnplug_triton", 16), {"ATTNPLUG_CASCADE": "always", "ATTNPLUG_CASCADE_GRAPHS": "1"}),
              "native": (job(None, 32), {})}  # fmt: skip
     return prompts, run_jobs(wd, specs)
 
@@ -41,3 +42,21 @@ def test_cascade_tokens_equal_native_and_cascade_ran(cascade_runs):
     # every decode step of the 4 grouped requests, and the extends of their prompts' own tokens
     assert m["cascade_forwards"] >= MAX_TOKENS - 1, m
     assert m["cascade_shared_tokens"] >= (len(prompts) - 2) * 192 * (MAX_TOKENS - 1), m
+
+
+def test_cascade_in_decode_graph_buffers_equals_native_and_is_counted(cascade_runs):
+    """ATTNPLUG_CASCADE_GRAPHS=1: the decode steps run on the CUDA-graph static buffers (on CPU the
+    same launches, uncaptured), whose update cuts the pages every request of the batch shares (on
+    the device, from vLLM's block table); tokens equal vLLM's own backend and the markers count
+    those steps (``cascade_graph_updates``)."""
+    prompts, runs = cascade_runs
+    ours, native = runs["cascade_graphs"].check_ok(), runs["native"].check_ok()
+    for i in range(len(prompts)):
+        assert ours.results[i]["token_ids"] == native.results[i]["token_ids"], i
+    (m,) = [m for m in ours.markers if m["layer_runs"]]
+    assert "in CUDA graphs on" in " ".join(m["backends"]["ATTNPLUG_TRITON"]), m
+    assert m["graph_builds"] >= 2 * (MAX_TOKENS - 1), m  # both batches' decode steps on the graph buffers
+    # the 4 grouped requests' decode steps cut their 12 common blocks (192 of the 200 shared tokens)
+    assert m["cascade_graph_updates"] >= MAX_TOKENS - 2, m
+    assert m["cascade_graph_shared_tokens"] >= 192 * (MAX_TOKENS - 2), m
+    assert m["cascade_graph_shared_tokens"] % 16 == 0 and m["cascade_graph_shared_tokens"] <= 192 * m["cascade_graph_updates"], m
