@@ -3,6 +3,7 @@ shared by every provider) and ``PagedAttention.plan`` per provider, for 64 reque
 
     python benchmarks/plan_cost.py --tag after            # -> benchmarks/results/plan-cost-<device>-<tag>.json
     python benchmarks/plan_cost.py --device cuda --tag h200  # on a GPU: every provider that is available
+    python benchmarks/plan_cost.py --fa3-standin --tag now   # CPU: fa3's plan() too, over the tests' FA3 stand-in
 
 Rows: ``make_plan``; ``plan[p]`` = ``PagedAttention(config, p).plan(batch, num_pages=...)`` (options,
 ``make_plan``, the shared-prefix (cascade) planner, the provider's ``plan``); ``plan[p, cascade off]``
@@ -144,16 +145,27 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--tag", default="run")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/plan-cost-<device>-<tag>.json)")
+    ap.add_argument("--fa3-standin", action="store_true",
+                    help="CPU: the fa3 provider's host side over the tests' FA3 stand-in (tests/core/fa3_standin.py)")
     args = ap.parse_args()
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     dev = torch.device(args.device)
     names = args.providers.split(",") if args.providers else available_providers(dev)
+    if args.fa3_standin:  # plan() runs no FA3 kernel: the stand-in only lets the provider load
+        import pytest  # noqa: PLC0415
+
+        sys.path.insert(0, str(REPO / "tests" / "core"))
+        import fa3_standin  # noqa: PLC0415
+
+        fa3_standin.patch_fa3(pytest.MonkeyPatch())
+        names = list(dict.fromkeys(names + ["fa3"]))
     res = dict(
         what="host time per plan call, 64 requests, page 16, 32/8 heads d128 bf16; median of --calls warm calls",
         device=str(dev), tag=args.tag, git=git_rev(), torch=torch.__version__, python=platform.python_version(),
         cpu=cpu_model(), cores=os.cpu_count(), load_avg_at_start=os.getloadavg(),
         unavailable=[n for n in provider_names() if n not in names], rows={},
+        fa3="the tests' FA3 stand-in (host side only)" if args.fa3_standin else "as installed",
     )
     for kind in args.workloads.split(","):
         batch, num_pages = workload(kind)

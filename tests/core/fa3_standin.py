@@ -63,7 +63,7 @@ def fa3_on_cpu(cfg, device):
     prov = object.__new__(FA3Provider)
     prov.config, prov.device = cfg, torch.device(device)
     prov.lib = FA3Lib("fake", fake_fa3_varlen, varlen_style=True)
-    prov._tree = prov._merge = None
+    prov._tree = prov._merge = prov._cols = None  # FA3Provider.__init__'s own state
     return prov
 
 

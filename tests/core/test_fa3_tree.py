@@ -94,3 +94,25 @@ def test_tree_verify_graph_state_replay_equals_reference(page, monkeypatch):
     gs.run(bs, qpad, k, v, out)
     ref, _ = reference_attention(make_plan(cfg, batch, 2 * W + 1, device=DEV), qpad[: B * q], k, v)
     assert rel_err(out[: B * q], ref) <= 1e-2
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 5, 1], [0, 0], [2], []])
+def test_gather_block_table_matches_the_csr(counts):
+    """FA3's block table gathered from the CSR on the device (no sync): each row's own pages in order,
+    every other entry a valid page id (FA3 reads only the first ceil(seqused_k / P) of a row)."""
+    from attnplug.core.page_table import block_table_from_csr
+    from attnplug.core.providers.fa3 import gather_block_table
+
+    g = torch.Generator().manual_seed(len(counts))
+    nnz, P = sum(counts), 4
+    kv_indices = torch.randperm(50, generator=g)[:nnz].to(torch.int32)
+    kv_indptr = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    last = torch.tensor([P if c else 0 for c in counts], dtype=torch.int32)
+    W = max(counts + [1]) + 2
+    want, _ = block_table_from_csr(kv_indptr, kv_indices, last, P, W)
+    got = gather_block_table(kv_indptr.to(DEV), kv_indices.to(DEV), torch.arange(W, dtype=torch.int32, device=DEV)).cpu()
+    assert got.shape == (len(counts), W) and got.dtype == torch.int32
+    for b, c in enumerate(counts):
+        assert got[b, :c].tolist() == want[b, :c].tolist(), b
+    valid = set(kv_indices.tolist()) or {0}
+    assert set(got.flatten().tolist()) <= valid

@@ -228,11 +228,25 @@ class FA3Graph(ProviderGraph):
         if device_table:
             return
         gs = self.gs
-        w = self.block_table.shape[1]
-        idx = self._bt_idx[:bs]
-        torch.add(gs.kv_indptr[:bs, None], self._bt_col[None, :w], out=idx)
-        idx.clamp_(max=gs.kv_indices.numel() - 1)  # entries past a row's pages: any valid id
-        torch.index_select(gs.kv_indices, 0, idx.view(-1), out=self.block_table[:bs].view(-1))
+        gather_block_table(gs.kv_indptr[: bs + 1], gs.kv_indices, self._bt_col, out=self.block_table[:bs],
+                           idx=self._bt_idx[:bs])  # fmt: skip
+
+
+def gather_block_table(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, cols: torch.Tensor,
+                       out: torch.Tensor | None = None, idx: torch.Tensor | None = None) -> torch.Tensor:
+    """FA3's ``block_table [B, W]`` (``W = cols.numel()``, ``cols = arange(W)``) from the CSR, on its
+    device with no sync: ``block_table[b, j] = kv_indices[kv_indptr[b] + j]``, clamped to the last
+    entry, so the entries past a row's own pages are some valid page id (FA3 reads only the
+    ``ceil(seqused_k / P)`` first of a row). ``out`` / ``idx`` (``[B, W]`` int32 / int64): in place."""
+    B, W = kv_indptr.numel() - 1, cols.numel()
+    if out is None:
+        out = torch.zeros(B, W, dtype=torch.int32, device=kv_indices.device)
+    if kv_indices.numel() == 0 or B == 0:
+        return out.zero_()
+    idx = torch.add(kv_indptr[:-1, None], cols[None, :], out=idx)
+    idx.clamp_(max=kv_indices.numel() - 1)
+    torch.index_select(kv_indices, 0, idx.view(-1), out=out.view(-1))
+    return out
 
 
 class FA3Provider(Provider):
@@ -247,6 +261,7 @@ class FA3Provider(Provider):
         super().__init__(config, device)
         self.lib = load_fa3()
         self._tree = self._merge = None  # tree-verify part: attnplug's Triton kernel + LSE merge
+        self._cols: torch.Tensor | None = None  # arange of block-table columns (device), grown as needed
         logger.info("attnplug: fa3 provider uses %s", self.lib.source)
 
     @classmethod
@@ -285,19 +300,18 @@ class FA3Provider(Provider):
 
         A one-request plan reads its own tensors: ``block_table = kv_indices.view(1, n)``,
         ``seqused_k = kv_lens`` (views, no copy), so rewriting them in place re-targets the plan
-        (the cascade prefix part of a decode graph). Others: a ``[B, max_pages]`` block table built
-        from the CSR on the device."""
-        from ..page_table import block_table_from_csr  # noqa: PLC0415
-
+        (the cascade prefix part of a decode graph). Others: a ``[B, max_pages]`` block table
+        gathered from the CSR on the device (:func:`gather_block_table`), ``seqused_k = kv_lens``."""
         cfg = self.config
         max_pages = max(1, num_pages(plan.max_kv_len, cfg.page_size))
         n = plan.kv_indices.numel()
         if plan.batch_size == 1 and n >= max_pages:
             block_table, seq_lens = plan.kv_indices.view(1, n), plan.kv_lens[:1]
-        else:
-            block_table, seq_lens = block_table_from_csr(
-                plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len, cfg.page_size, max_pages, check=False
-            )
+        else:  # on the device, no sync; seqused_k = the plan's kv_lens
+            if self._cols is None or self._cols.numel() < max_pages:
+                self._cols = torch.arange(max(max_pages, 2 * (0 if self._cols is None else self._cols.numel())),
+                                          dtype=torch.int32, device=self.device)  # fmt: skip
+            block_table, seq_lens = gather_block_table(plan.kv_indptr, plan.kv_indices, self._cols[:max_pages]), plan.kv_lens
         window = (cfg.window_left, 0 if plan.causal else -1) if cfg.window_left >= 0 else (-1, -1)
         args = FA3Args(block_table=block_table, cu_seqlens_q=plan.qo_indptr, seqused_k=seq_lens,
                        max_seqlen_q=max(plan.max_q_len, 1), max_seqlen_k=max(plan.max_kv_len, 1), causal=plan.causal,
