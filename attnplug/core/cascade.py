@@ -212,8 +212,25 @@ def _i32(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
 
 
+def _packed(dev: torch.device, arrays: dict[str, np.ndarray]) -> tuple[dict, dict]:
+    """``arrays`` as int32 host tensors and their device twins: on a CPU device the host tensors
+    themselves; else views of one buffer and of one host->device copy of it."""
+    if dev.type == "cpu":
+        host = {k: _i32(a) for k, a in arrays.items()}
+        return host, host
+    host_flat = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int32).ravel() for a in arrays.values()]))
+    dev_flat = host_flat.to(dev, non_blocking=True)
+    host, devs, o = {}, {}, 0
+    for k, a in arrays.items():
+        n = np.asarray(a).size
+        host[k], devs[k] = host_flat[o : o + n], dev_flat[o : o + n]
+        o += n
+    return host, devs
+
+
 def build_cascade_plan(plan: Plan, groups: list[Group]) -> CascadePlan:
-    """Split ``plan`` by ``groups`` (host index work, one host->device copy per tensor)."""
+    """Split ``plan`` by ``groups`` (host index work; the int32 metadata of both parts in one
+    host->device copy)."""
     cfg, dev, P = plan.config, plan.device, plan.config.page_size
     B = plan.batch_size
     indptr, indices = plan.kv_indptr_cpu.numpy(), plan.kv_indices_cpu.numpy()
@@ -244,21 +261,6 @@ def build_cascade_plan(plan: Plan, groups: list[Group]) -> CascadePlan:
         idx = np.concatenate([p.ravel() for p in pieces]) if pieces else np.zeros(0, dtype=np.int64)
         mask = plan.mask[to_dev(torch.from_numpy(idx))]
         mask_free_cpu = np.maximum(plan.mask_free_cpu.numpy() - shared * P, 0)
-    suffix = Plan(
-        config=cfg, mode=plan.mode, batch_size=B, num_tokens=plan.num_tokens, max_q_len=plan.max_q_len,
-        max_kv_len=int(kv_lens.max()) if B else 0, causal=plan.causal, device=dev,
-        qo_indptr=plan.qo_indptr, kv_indptr=to_dev(_i32(s_indptr)), kv_indices=to_dev(_i32(s_indices)),
-        kv_last_page_len=to_dev(_i32(s_last)), kv_lens=to_dev(_i32(kv_lens)),
-        qo_indptr_cpu=plan.qo_indptr_cpu, kv_indptr_cpu=_i32(s_indptr), kv_indices_cpu=_i32(s_indices),
-        kv_last_page_len_cpu=_i32(s_last), q_lens_cpu=plan.q_lens_cpu, kv_lens_cpu=_i32(kv_lens),
-        mask=mask,
-        mask_indptr=None if mask is None else to_dev(torch.from_numpy(mask_indptr_cpu)),
-        mask_indptr_cpu=None if mask is None else torch.from_numpy(mask_indptr_cpu),
-        mask_free=None if mask is None else to_dev(_i32(mask_free_cpu)),
-        mask_free_cpu=None if mask is None else _i32(mask_free_cpu),
-        options=plan.options,
-    )  # fmt: skip
-
     # prefix: group g = its members' query rows over the first member's shared pages
     G = len(groups)
     members = np.concatenate([g.members for g in groups])
@@ -272,14 +274,31 @@ def build_cascade_plan(plan: Plan, groups: list[Group]) -> CascadePlan:
     np.cumsum(g_pages, out=p_indptr[1:])
     p_indices = np.concatenate([indices[indptr[g.members[0]] : indptr[g.members[0]] + g.pages] for g in groups])
     p_last, p_kv = np.full(G, P, dtype=np.int64), g_pages * P
+    h, d = _packed(dev, dict(s_indptr=s_indptr, s_indices=s_indices, s_last=s_last, s_kv=kv_lens, p_qo=p_qo,
+                             p_indptr=p_indptr, p_indices=p_indices, p_last=p_last, p_kv=p_kv, g_rows=g_rows))
+    suffix = Plan(
+        config=cfg, mode=plan.mode, batch_size=B, num_tokens=plan.num_tokens, max_q_len=plan.max_q_len,
+        max_kv_len=int(kv_lens.max()) if B else 0, causal=plan.causal, device=dev,
+        qo_indptr=plan.qo_indptr, kv_indptr=d["s_indptr"], kv_indices=d["s_indices"],
+        kv_last_page_len=d["s_last"], kv_lens=d["s_kv"],
+        qo_indptr_cpu=plan.qo_indptr_cpu, kv_indptr_cpu=h["s_indptr"], kv_indices_cpu=h["s_indices"],
+        kv_last_page_len_cpu=h["s_last"], q_lens_cpu=plan.q_lens_cpu, kv_lens_cpu=h["s_kv"],
+        mask=mask,
+        mask_indptr=None if mask is None else to_dev(torch.from_numpy(mask_indptr_cpu)),
+        mask_indptr_cpu=None if mask is None else torch.from_numpy(mask_indptr_cpu),
+        mask_free=None if mask is None else to_dev(_i32(mask_free_cpu)),
+        mask_free_cpu=None if mask is None else _i32(mask_free_cpu),
+        options=plan.options,
+    )  # fmt: skip
+
     Tp = int(p_qo[-1])
     prefix = Plan(
         config=cfg, mode=ForwardMode.EXTEND, batch_size=G, num_tokens=Tp, max_q_len=int(g_rows.max()),
         max_kv_len=int(p_kv.max()), causal=False, device=dev,
-        qo_indptr=to_dev(_i32(p_qo)), kv_indptr=to_dev(_i32(p_indptr)), kv_indices=to_dev(_i32(p_indices)),
-        kv_last_page_len=to_dev(_i32(p_last)), kv_lens=to_dev(_i32(p_kv)),
-        qo_indptr_cpu=_i32(p_qo), kv_indptr_cpu=_i32(p_indptr), kv_indices_cpu=_i32(p_indices),
-        kv_last_page_len_cpu=_i32(p_last), q_lens_cpu=_i32(g_rows), kv_lens_cpu=_i32(p_kv),
+        qo_indptr=d["p_qo"], kv_indptr=d["p_indptr"], kv_indices=d["p_indices"],
+        kv_last_page_len=d["p_last"], kv_lens=d["p_kv"],
+        qo_indptr_cpu=h["p_qo"], kv_indptr_cpu=h["p_indptr"], kv_indices_cpu=h["p_indices"],
+        kv_last_page_len_cpu=h["p_last"], q_lens_cpu=h["g_rows"], kv_lens_cpu=h["p_kv"],
     )  # fmt: skip
     identity = Tp == plan.num_tokens and bool((rows == np.arange(Tp)).all())
     hd = (cfg.num_qo_heads, cfg.head_dim)
