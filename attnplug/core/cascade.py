@@ -369,8 +369,9 @@ class CascadeGraph:
     (:func:`min_saved_pages`) runs an empty prefix part (its launches return at once). Padded rows
     ``B..bs-1`` see the shared prefix too (valid memory; their outputs are discarded anyway).
 
-    ``active`` (0-dim bool, device): the last update cut a prefix. ``counts [2]`` int64 (device): updates that cut a shared prefix and the tokens they cut, summed
-    over this graph family's life without a host sync (the adapters' proof counters read them late).
+    ``active`` (0-dim bool, device): the last update cut a prefix. ``counts [2]`` int64 (device):
+    the updates that cut a shared prefix and the tokens they cut, summed over this graph family's
+    life without a host sync (the adapters' proof counters read them late).
 
     Static memory: ``shared [1]``, the prefix batch ``kv_indptr [2]`` / ``kv_indices [max_pages_per_request]``
     / ``kv_lens [1]`` (int32), per ``bs`` a ``qo_indptr [2] = (0, bs)`` and the prefix plan, and the
