@@ -1,20 +1,47 @@
 #!/usr/bin/env bash
-# Session-5 call 1 on the H200: soak re-run (issue 17), cascade-graph tests + bench (issue 13, vector
-# predicate), FlashInfer fp8 rows + tests (issue 15). Logs and results in $OUT (tarred at the end).
+# One batched H200 call of the open GPU work, steps chosen on the command line (run on the device with
+# `carry: [".gpu"]`); each step has its own time limit, logs and results go to $OUT/w, tarred into
+# $OUT/session.tgz at the end (one file back). Steps run in the order given:
+#   soak          the 10,000 plan/run cycles alone on the machine, up to 9 min: a call of its own
+#   cascade-if    tests/core/test_cascade_graph.py (triton + real FA3, IF-node test included), then the
+#                 cascade graph bench with ATTNPLUG_GRAPH_IF=1 and =0 (the anchor) (~3 min)
+#   sweep         benchmarks/sweep_triton.py --write (v6 exp_poly candidates included) (~3 min)
+#   bench-prefill the prefill / extend rows, triton vs fa3 vs flashinfer, after the sweep (~2 min)
+#   fp8-fi        FlashInfer JIT warm-up, then tests/gpu/test_fp8_gpu.py -k flashinfer (~4 min)
+#   e.g.  bash scripts/gpu_session_call.sh cascade-if sweep bench-prefill
 set -u
-W=$OUT/w; mkdir -p $W; G="bash scripts/gpu_run.sh"
-$G true > $W/install.log 2>&1
-t0=$SECONDS
-( timeout 210 $G python3 -m attnplug.bench.soak --device cuda --phases plan_run --time-budget 120 --out $W/soak-h200-plan_run.json > $W/soak-plan.log 2>&1; echo "soak plan rc $?" >> $W/rc ) &
-( timeout 210 $G python3 -m attnplug.bench.soak --device cuda --phases graph_replay --time-budget 120 --out $W/soak-h200-graph.json > $W/soak-graph.log 2>&1; echo "soak graph rc $?" >> $W/rc ) &
-( timeout 150 $G python3 -m attnplug.bench.jit_warmup > $W/warm.log 2>&1; echo "warm rc $?" >> $W/rc;
-  timeout 80 $G python3 -m pytest tests/gpu/test_fp8_gpu.py -q -rfEs -k flashinfer > $W/pytest-fi-fp8.log 2>&1; echo "pytest fi fp8 rc $?" >> $W/rc ) &
-timeout 200 $G python3 -m pytest tests/core/test_cascade_graph.py -q -rfEs > $W/pytest-cascade-graph.log 2>&1; echo "pytest cg rc $? at $((SECONDS-t0))" >> $W/rc
-wait; echo "parallel part done at $((SECONDS-t0))" >> $W/rc
-# a warm-up cut by its timeout leaves FlashInfer's compilers running (timeout ends only its child):
-# stop them before anything is timed
-pkill -f 'ninja|nvcc|cicc|ptxas' || true; sleep 1
-timeout 100 $G python3 benchmarks/cascade_graph_bench.py --out $W > $W/cg-bench.log 2>&1; echo "cg bench rc $? at $((SECONDS-t0))" >> $W/rc
-timeout 140 $G python3 -m attnplug.bench --providers triton,flashinfer,fa3 --rows "decode 64x4096,decode 1x32768,prefill 4x4096,8192+256" --out $W/bench --time-budget 110 > $W/bench.log 2>&1; echo "bench rc $? at $((SECONDS-t0))" >> $W/rc
-cat $W/rc; tail -n 3 $W/pytest-*.log; grep -h "growth\|summary" $W/soak-*.log | tail -20
-tar czf $OUT/call1.tgz -C $OUT w && rm -rf $W
+W=$OUT/w; mkdir -p "$W"; G="bash scripts/gpu_run.sh"; t0=$SECONDS
+log() { echo "$* at $((SECONDS - t0))s" | tee -a "$W/rc"; }
+$G true > "$W/install.log" 2>&1
+# a FlashInfer JIT cut by its timeout leaves its compilers running (timeout ends only its child): stop
+# them before anything is timed
+reap() { pkill -f 'ninja|nvcc|cicc|ptxas' || true; sleep 1; }
+CG_ROWS="64x(8192 shared,64x(768,8x(8192 +"
+for step in "$@"; do
+  case $step in
+  soak)
+    timeout 570 $G python3 -m attnplug.bench.soak --device cuda --phases plan_run --time-budget 530 \
+      --out "$W/soak-h200-plan-run.json" > "$W/soak-plan.log" 2>&1; log "soak plan_run rc $?"
+    grep -h "plan_run" "$W/soak-plan.log" | tail -n 2 ;;
+  cascade-if)
+    timeout 120 $G python3 -m pytest tests/core/test_cascade_graph.py -q -rfEs > "$W/pytest-cascade-graph.log" 2>&1
+    log "pytest cascade graph rc $?"; tail -n 3 "$W/pytest-cascade-graph.log"
+    for v in 1 0; do
+      ATTNPLUG_GRAPH_IF=$v timeout 90 $G python3 benchmarks/cascade_graph_bench.py --graphs-only --only "$CG_ROWS" \
+        --out "$W/cg-if$v" > "$W/cg-if$v.log" 2>&1; log "cascade bench GRAPH_IF=$v rc $?"
+    done ;;
+  sweep)
+    timeout 260 $G python3 benchmarks/sweep_triton.py --write --budget 200 --out "$W/sweep" > "$W/sweep.log" 2>&1
+    log "sweep rc $?"; tail -n 5 "$W/sweep.log" ;;
+  bench-prefill)
+    reap
+    timeout 150 $G python3 -m attnplug.bench --providers triton,flashinfer,fa3 --rows prefill --out "$W/bench-prefill" \
+      --time-budget 120 > "$W/bench-prefill.log" 2>&1; log "bench prefill rc $?" ;;
+  fp8-fi)
+    timeout 200 $G python3 -m attnplug.bench.jit_warmup > "$W/warm.log" 2>&1; log "jit warm-up rc $?"; reap
+    timeout 90 $G python3 -m pytest tests/gpu/test_fp8_gpu.py -q -rfEs -k flashinfer > "$W/pytest-fi-fp8.log" 2>&1
+    log "pytest fi fp8 rc $?"; tail -n 3 "$W/pytest-fi-fp8.log" ;;
+  *) log "unknown step $step" ;;
+  esac
+done
+tar czf "$OUT/session.tgz" -C "$OUT" w && rm -rf "$W"
