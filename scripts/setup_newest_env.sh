@@ -4,15 +4,13 @@
 # that torch and attnplug's [triton] range admit. The core suite runs on it (scripts/test.sh newest).
 # This machine's pip configuration caps torch at the release it keeps on disk (/etc/xdg/pip); users'
 # machines have no such cap, so the configuration files are left out (PIP_CONFIG_FILE=/dev/null).
-# An existing venv is brought up to pip's resolution of today (-U --upgrade-strategy eager).
-# Writes .venvs/newest/resolved.txt: "torch X", "triton Y" (tests/core/test_compatibility_table.py
-# checks that docs/compatibility.md lists both as CPU CI rows).
+# An existing venv is brought up to pip's resolution of today (-U --upgrade-strategy eager). Prints
+# the torch and triton it resolved; in the suite, tests/core/test_compatibility_table.py checks that
+# docs/compatibility.md lists both as CPU CI rows.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 V=.venvs/newest
 export PIP_CONFIG_FILE=/dev/null
 [[ -x $V/bin/python ]] || python3 -m venv "$V"
 "$V/bin/pip" install -q --disable-pip-version-check -U --upgrade-strategy eager -e '.[test,bench]'
-"$V/bin/python" -c "import torch, triton
-print('torch', torch.__version__.split('+')[0]); print('triton', triton.__version__)" > "$V/resolved.txt"
-echo "newest: $(tr '\n' ' ' < "$V/resolved.txt")"
+"$V/bin/python" -c "import torch, triton; print('newest: torch', torch.__version__, 'triton', triton.__version__)"

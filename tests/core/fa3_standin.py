@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 E4M3 = torch.float8_e4m3fn
@@ -57,14 +58,16 @@ def fake_fa3_varlen(q, k_cache, v_cache, max_seqlen_q, cu_seqlens_q, max_seqlen_
 
 
 def fa3_on_cpu(cfg, device):
-    """An fa3 provider for ``cfg`` on ``device`` that calls :func:`fake_fa3_varlen` (the sm90 check skipped)."""
-    from attnplug.core.providers.fa3 import FA3Lib, FA3Provider
+    """An fa3 provider for ``cfg`` on ``device`` that calls :func:`fake_fa3_varlen`, built by
+    ``FA3Provider.__init__`` itself (so its own state is whatever ``__init__`` sets) with the sm90
+    check and the config checks skipped: callers check ``cfg`` themselves, refusals included."""
+    from attnplug.core.providers.fa3 import FA3Provider
 
-    prov = object.__new__(FA3Provider)
-    prov.config, prov.device = cfg, torch.device(device)
-    prov.lib = FA3Lib("fake", fake_fa3_varlen, varlen_style=True)
-    prov._tree = prov._merge = prov._cols = None  # FA3Provider.__init__'s own state
-    return prov
+    with pytest.MonkeyPatch.context() as mp:
+        patch_fa3(mp)
+        mp.setattr(FA3Provider, "check_kv_dtype", lambda self, config: None)
+        mp.setattr(FA3Provider, "check_config", lambda self, config: None)
+        return FA3Provider(cfg, torch.device(device))
 
 
 def patch_fa3(monkeypatch) -> None:
