@@ -68,11 +68,8 @@ SMOKE = {"on": False}
 
 def prefill_candidates(d: int) -> list[dict]:
     """The prefill kernel (and the general one with deeper pipelines) at wgmma-sized tiles. Stages:
-    the page-id load and the row load chain, so rows run (stages - 1) // 2 blocks ahead. The first
-    four prefill-kernel tiles of 64+ keys come again with ``exp_poly`` (half the exponentials on the
-    FMA pipe)."""
-    cands = _prefill_tiles(d)
-    return cands + [dict(c, exp_poly=True) for c in cands if c["kernel"] == "prefill" and c["block_n"] >= 64][:4]
+    the page-id load and the row load chain, so rows run (stages - 1) // 2 blocks ahead."""
+    return _prefill_tiles(d)
 
 
 def _prefill_tiles(d: int) -> list[dict]:

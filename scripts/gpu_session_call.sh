@@ -2,7 +2,9 @@
 # One batched H200 call of the open GPU work, steps chosen on the command line (run on the device with
 # `carry: [".gpu"]`); each step has its own time limit, logs and results go to $OUT/w, tarred into
 # $OUT/session.tgz at the end (one file back). Steps run in the order given:
-#   soak          the 10,000 plan/run cycles alone on the machine, up to 9 min: a call of its own
+#   soak          the 10,000 plan/run cycles alone on the machine (~27 ms a cycle: ~5 min), up to 7 min
+#   fa3           the fa3 provider against the reference on the GPU: tests/gpu/test_providers_gpu.py and
+#                 tests/core/test_fa3_tree.py, -k fa3 (the eager block table gathered on the device) (~1 min)
 #   cascade-if    tests/core/test_cascade_graph.py (triton + real FA3, IF-node test included), then the
 #                 cascade graph bench with ATTNPLUG_GRAPH_IF=1 and =0 (the anchor) (~3 min)
 #   sweep         benchmarks/sweep_triton.py --write (v6 exp_poly candidates included) (~3 min)
@@ -20,9 +22,12 @@ CG_ROWS="64x(8192 shared,64x(768,8x(8192 +"
 for step in "$@"; do
   case $step in
   soak)
-    timeout 570 $G python3 -m attnplug.bench.soak --device cuda --phases plan_run --time-budget 530 \
+    timeout 440 $G python3 -m attnplug.bench.soak --device cuda --phases plan_run --time-budget 400 \
       --out "$W/soak-h200-plan-run.json" > "$W/soak-plan.log" 2>&1; log "soak plan_run rc $?"
     grep -h "plan_run" "$W/soak-plan.log" | tail -n 2 ;;
+  fa3)
+    timeout 120 $G python3 -m pytest tests/gpu/test_providers_gpu.py tests/core/test_fa3_tree.py -q -rfEs -k fa3 \
+      > "$W/pytest-fa3.log" 2>&1; log "pytest fa3 rc $?"; tail -n 3 "$W/pytest-fa3.log" ;;
   cascade-if)
     timeout 120 $G python3 -m pytest tests/core/test_cascade_graph.py -q -rfEs > "$W/pytest-cascade-graph.log" 2>&1
     log "pytest cascade graph rc $?"; tail -n 3 "$W/pytest-cascade-graph.log"

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import graph_if
 from .graph_if import captured_if
 from .metadata import ForwardMode
 from .pages import num_pages, tokens_from_pages
@@ -62,14 +63,20 @@ def cascade_mode(value: str | None = None) -> str:
     return mode
 
 
-def graph_cascade_mode(graph_support) -> str:
+def graph_cascade_mode(graph_support, who: str | None = None) -> str:
     """The ``cascade`` argument of a decode ``GraphState`` for a provider with ``graph_support``:
     :func:`cascade_mode` when ``$ATTNPLUG_CASCADE_GRAPHS`` is ``1`` and the provider's graphs can run
-    it, else ``"off"``."""
+    it, else ``"off"``. Called at startup: where the mode is on, ``ATTNPLUG_GRAPH_IF=1`` on a torch
+    without IF nodes raises (:func:`~attnplug.core.graph_if.check_requested`, naming ``who``)."""
     v = os.environ.get(CASCADE_GRAPHS_ENV, "0").strip().lower()
     if v not in ("0", "1", "off", "on", ""):
         raise ValueError(f"attnplug: {CASCADE_GRAPHS_ENV} must be 0 or 1, got {v!r}")
-    return cascade_mode() if v in ("1", "on") and graph_support.cascade else "off"
+    mode = cascade_mode() if v in ("1", "on") and graph_support.cascade else "off"
+    if mode != "off":
+        graph_if.check_requested(who)
+    else:
+        graph_if.requested()  # a malformed value is refused either way
+    return mode
 
 
 @dataclass(frozen=True)

@@ -382,7 +382,7 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         spec = getattr(getattr(vllm_config, "speculative_config", None), "num_speculative_tokens", None)
         self._spec_tokens = int(spec or 0)
         self._cascade = cascade_mode() != "off"  # eager forwards may read shared prefixes once
-        self._graph_cascade_mode = graph_cascade_mode(graphs)  # so may decode graphs (ATTNPLUG_CASCADE_GRAPHS=1)
+        self._graph_cascade_mode = graph_cascade_mode(graphs, backend.get_name())  # so may decode graphs (ATTNPLUG_CASCADE_GRAPHS=1)
         self._graph_cascade = self._graph_cascade_mode != "off"
         self.page_size = kv_cache_spec.block_size
         head_v = getattr(kv_cache_spec, "head_size_v", kv_cache_spec.head_size)

@@ -222,10 +222,6 @@ def record_fast_paths(llama) -> None:
         (llama, ForwardMode.EXTEND, [300, 200], [0, 250], False, {d(llama, "prefill"): pf(128, 64, 4, 3)}),
         (llama, ForwardMode.EXTEND, [300, 200], [0, 250], False, {d(llama, "prefill"): pf(128, 64, 8, 5, diag_n=0)}),
         (page64, ForwardMode.EXTEND, [300], [100], False, {d(page64, "prefill"): pf(128, 64, 8, 5, tma=True)}),
-        # half the exponentials on the FMA pipe: the d128 winner's tile (3 stages) and a 64-key one
-        (llama, ForwardMode.EXTEND, [300, 200], [0, 250], False, {d(llama, "prefill"): pf(128, 128, 8, 3, exp_poly=True)}),
-        (llama, ForwardMode.EXTEND, [300, 200], [0, 250], False, {d(llama, "prefill"): pf(128, 64, 8, 5, exp_poly=True)}),
-        (page64, ForwardMode.EXTEND, [300], [100], False, {d(page64, "prefill"): pf(128, 64, 8, 5, tma=True, exp_poly=True)}),
         (AttentionConfig(32, 8, 128, 16, torch.bfloat16, kv_dtype=e4m3), ForwardMode.EXTEND, [300], [40], False,
          {d(llama, "prefill"): pf(128, 64, 8, 5)}),
         (d64, ForwardMode.EXTEND, [300], [0], False, {d(d64, "prefill"): pf(128, 64, 4, 5)}),

@@ -15,13 +15,10 @@ import math
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from attnplug.core import AttentionConfig, BatchMetadata, ForwardMode, PagedAttention
 from attnplug.core.cuda_graph import GraphState
 from attnplug.core.kernels import tiles
-from attnplug.core.kernels.prefill import _exp2_poly
 from attnplug.core.kv_layout import quantize_fp8
 from attnplug.core.plan import make_plan
 from attnplug.core.reference import reference_attention
@@ -105,44 +102,6 @@ def test_prefill_blocks_and_diagonal(block_n, diag_n):
     c = random_case(ForwardMode.EXTEND, [93, 64, 7], [0, 61, 200], cfg(8, 2, d=64), DEVICE, seed=block_n + diag_n)
     plan = run_case(c, prefill_entry(c.config, block_m=64, block_n=block_n, diag_n=diag_n))
     assert triton_launch(plan)["kernel"] == "prefill"
-
-
-@triton.jit
-def _exp2_poly_kernel(X, Y, N: tl.constexpr):
-    i = tl.arange(0, N)
-    tl.store(Y + i, _exp2_poly(tl.load(X + i)))
-
-
-@pytest.mark.parametrize("dtype,diag_n", [(BF16, 16), (BF16, 0), (torch.float16, 0), (FP32, 0), (torch.float8_e4m3fn, 0)])
-def test_prefill_exp_poly(dtype, diag_n):
-    """``exp_poly``: every other score column's exponential as the FMA-pipe polynomial; equal to the
-    reference (bf16 / fp16 queries, fp8 KV) in both loop forms, the diagonal's -inf included. float32
-    models keep the exact exponential (the polynomial's 7.7e-5 would show at their tolerance)."""
-    fp8 = dtype == torch.float8_e4m3fn
-    c = random_case(ForwardMode.EXTEND, [93, 64, 7], [0, 61, 200], cfg(8, 2, d=64, dtype=BF16 if fp8 else dtype),
-                    DEVICE, seed=31 + diag_n)  # fmt: skip
-    scales = None
-    if fp8:
-        ks, vs = torch.tensor([4 / 100], device=DEVICE), torch.tensor([3 / 60], device=DEVICE)
-        c.k_cache = quantize_fp8(c.k_cache.float() * 4, ks, dtype)
-        c.v_cache = quantize_fp8(c.v_cache.float() * 3, vs, dtype)
-        c.config = cfg(8, 2, d=64, kv_dtype=dtype)
-        scales = {"k_scale": ks, "v_scale": vs}
-    plan = run_case(c, prefill_entry(c.config, block_m=64, block_n=32, diag_n=diag_n, exp_poly=True), scales=scales)
-    assert plan.state.exp_poly == (dtype != FP32) and triton_launch(plan)["kernel"] == "prefill"
-
-
-def test_exp2_poly_accuracy():
-    """The polynomial ``2 ** x`` against float64 on ``[-130, 0]``, -inf included: relative error
-    <= 1e-4 where the result is a normal float, exactly 0 below -125."""
-    x = torch.cat([torch.linspace(-130.0, 0.0, 4093), torch.tensor([-math.inf, -125.0, -0.5])]).to(DEVICE)
-    x = torch.cat([x, torch.zeros(4096 - x.numel(), device=DEVICE)])
-    y = torch.empty_like(x)
-    _exp2_poly_kernel[(1,)](x, y, N=4096)
-    want = torch.exp2(x.double())
-    normal = x >= -125.0
-    assert float(((y.double() - want).abs() / want)[normal].max()) <= 1e-4
-    assert bool((y[~normal] == 0).all()) and bool(torch.isfinite(y).all())
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])

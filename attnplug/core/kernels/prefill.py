@@ -108,39 +108,12 @@ def _load_v(V, V_desc, kv_indices, page_base, n0, kvh, stride_p, stride_t, strid
 
 
 @triton.jit
-def _exp2_poly(x):
-    """``2 ** x`` (fp32, ``x <= 0``) on the FMA pipe instead of the MUFU one: ``x = j + f`` with ``j``
-    the nearest integer (read off the mantissa of ``x + 1.5 * 2**23``) and ``f`` in ``[-0.5, 0.5]``;
-    a degree-3 fit of ``2 ** f`` (relative error 7.7e-5, far below bf16's 3.9e-3 the PV product
-    rounds P to), then ``j`` added to the exponent bits. ``x < -125``: exactly 0 (as ``exp2(-inf)``)."""
-    xc = tl.maximum(x, -125.0)
-    t = xc + 12582912.0
-    f = xc - (t - 12582912.0)
-    p = f * 0.05508868 + 0.24260405
-    p = p * f + 0.69327624
-    p = p * f + 0.99992894
-    bits = p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)
-    return tl.where(x < -125.0, 0.0, bits.to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _exp2(x, POLY: tl.constexpr):
-    """``exp2`` of a ``[M, N]`` score tile; ``POLY``: every other column through :func:`_exp2_poly`
-    (pairs of adjacent columns live in one thread's registers in the wgmma layout, so the split and
-    the join move no data), halving the exponentials the MUFU unit serializes with the matmuls."""
-    if POLY:
-        a, b = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
-        return tl.reshape(tl.join(tl.exp2(a), _exp2_poly(b)), [x.shape[0], x.shape[1]])
-    return tl.exp2(x)
-
-
-@triton.jit
 def attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i, l_i, acc, qk_scale, soft_cap,
                  stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                  BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_TMA: tl.constexpr,
                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  UPCAST: tl.constexpr, KV_FP8: tl.constexpr, P_DTYPE: tl.constexpr, diag_from=0,
-                 MASK_FROM: tl.constexpr = False, EXP_POLY: tl.constexpr = False):
+                 MASK_FROM: tl.constexpr = False):
     """Keys ``n0 .. n0+BLOCK`` of KV head ``kvh`` into the online softmax ``(m_i, l_i, acc)`` (base 2).
 
     ``qk_scale``: softmax scale times log2(e) (``SOFT_CAP``: the plain softmax scale; logits become
@@ -148,8 +121,7 @@ def attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, po
     work. ``MASKED``: keys with ``n > pos[row]`` (``CAUSAL``, the diagonal) or ``n >= hi`` (else: the
     ragged end of a split) are hidden. ``MASK_FROM`` (prefill, one loop over all blocks): loads masked
     by ``hi``, the causal mask applied only when ``n0 >= diag_from`` (a branch on a scalar: blocks below
-    the diagonal skip it). ``EXP_POLY``: half the score exponentials on the FMA pipe (:func:`_exp2`).
-    Shared by the prefill and decode kernels."""
+    the diagonal skip it). Shared by the prefill and decode kernels."""
     LOAD_MASK: tl.constexpr = MASKED or MASK_FROM
     k = _load_k(K, K_desc, kv_indices, page_base, n0, kvh, stride_kp, stride_kt, stride_kh, hi, d,
                 BLOCK, HEAD_DIM, PAGE_SIZE, PAGE_TMA, LOAD_MASK)
@@ -169,17 +141,17 @@ def attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, po
         else:
             s = tl.where((n < hi)[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = _exp2(s - m_new[:, None], EXP_POLY)
+        p = tl.exp2(s - m_new[:, None])
     elif SOFT_CAP:
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = _exp2(s - m_new[:, None], EXP_POLY)
+        p = tl.exp2(s - m_new[:, None])
     else:  # the scale folded into one FMA
         if MASK_FROM:
             if n0 >= diag_from:  # a diagonal block: -inf stays -inf through the scale
                 n = n0 + tl.arange(0, BLOCK)
                 s = tl.where(n[None, :] <= pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = _exp2(s * qk_scale - m_new[:, None], EXP_POLY)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_v(V, V_desc, kv_indices, page_base, n0, kvh, stride_vp, stride_vt, stride_vh, hi, d,
@@ -209,9 +181,9 @@ def prefill_kernel(
     DIAG_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     PAGE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr,
     STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
-    FP8_F16: tl.constexpr = False, EXP_POLY: tl.constexpr = False,
+    FP8_F16: tl.constexpr = False,
 ):
-    """Grid ``(num_tiles, Hkv)``. Causal (bottom-right aligned), no split. ``EXP_POLY``: see :func:`_exp2`.
+    """Grid ``(num_tiles, Hkv)``. Causal (bottom-right aligned), no split.
 
     Q ``[T, Hq, D]``; K/V paged caches (strides given; ``K_desc`` / ``V_desc``: 4-D tensor descriptors
     ``[pages, PAGE_SIZE, Hkv, D]`` with block ``[1, BLOCK_N, 1, D]`` when ``PAGE_TMA``, else unused);
@@ -259,21 +231,21 @@ def prefill_kernel(
             m_i, l_i, acc = attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i, l_i,
                                          acc, qk_scale, 0.0, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
                                          stride_vh, BLOCK_N, HEAD_DIM, PAGE_SIZE, False, False, True, False,
-                                         DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE, free_hi, True, EXP_POLY)
+                                         DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE, free_hi, True)
     else:
         # Phase 1: whole blocks below the diagonal: no mask work.
         for n0 in tl.range(0, free_hi, BLOCK_N, num_stages=NUM_STAGES):
             m_i, l_i, acc = attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i, l_i,
                                          acc, qk_scale, 0.0, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
                                          stride_vh, BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGE_TMA, False, True, False,
-                                         DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE, EXP_POLY=EXP_POLY)
+                                         DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE)
         # Phase 2: the diagonal (and the ragged end of the keys), masked, in DIAG_N-key blocks.
         DIAG_TMA: tl.constexpr = PAGE_TMA and DIAG_N == BLOCK_N
         for n0 in tl.range(free_hi, hi, DIAG_N, num_stages=2):
             m_i, l_i, acc = attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i, l_i,
                                          acc, qk_scale, 0.0, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
                                          stride_vh, DIAG_N, HEAD_DIM, PAGE_SIZE, DIAG_TMA, True, True, False,
-                                         DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE, EXP_POLY=EXP_POLY)
+                                         DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE)
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]

@@ -21,8 +21,7 @@ suffix: the entry for fp8 KV caches (they fall back to the 16-bit entries). Buck
 Entry fields (all optional): ``kernel`` (``"paged"``: :mod:`.attention`; ``"prefill"``:
 :mod:`.prefill`, causal without mask / window / soft cap; ``"decode"``: :mod:`.decode`),
 ``block_m``, ``block_n``, ``num_warps``, ``num_stages``; ``prefill``: ``diag_n`` (diagonal block),
-``tma`` (tensor-descriptor K/V loads when the page size is a multiple of ``block_n``), ``exp_poly``
-(half the score exponentials as a polynomial on the FMA pipe, :func:`.prefill._exp2`); split buckets:
+``tma`` (tensor-descriptor K/V loads when the page size is a multiple of ``block_n``); split buckets:
 ``ctas_per_sm`` (split so that ``B * Hkv * splits`` reaches this many programs per SM),
 ``max_splits``, ``min_split_keys``, ``fused_merge`` (``decode`` kernel: the last split merges);
 ``fp8_f16`` (fp8 entries: fp16 dots, :mod:`.attention`);

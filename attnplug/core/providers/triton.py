@@ -46,7 +46,6 @@ class TritonState:
     tma: bool = False  # prefill: K/V through tensor descriptors (page size a multiple of block_n)
     counters: torch.Tensor | None = None  # decode with fused merge: [B * Hkv] int32, zero between launches
     fp8_f16: bool = False  # fp8 KV: fp16 dots on a pre-scaled query (tile-table field)
-    exp_poly: bool = False  # prefill kernel: half the score exponentials on the FMA pipe (tile-table field)
 
 
 @dataclass
@@ -328,8 +327,6 @@ class TritonProvider(Provider):
             block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, partial=partial,
             partial_lse=partial_lse, kv_start=o.kv_start, kernel=kernel, diag_n=diag_n, tma=tma, counters=counters,
             fp8_f16=cfg.kv_quantized and bool(entry.get("fp8_f16", False)),
-            # the polynomial's 7.7e-5 is below a 16-bit P's rounding, not below float32's
-            exp_poly=kernel == "prefill" and bool(entry.get("exp_poly", False)) and cfg.dtype != torch.float32,
         )
 
     # -- run --------------------------------------------------------------------------------------
@@ -416,7 +413,7 @@ class TritonProvider(Provider):
             HEAD_DIM=cfg.head_dim, BLOCK_D=_next_pow2(cfg.head_dim), PAGE_SIZE=cfg.page_size,
             PAGE_TMA=a.tma, NUM_STAGES=a.num_stages, STORE_LSE=lse is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=q.device.type == "cpu", KV_FP8=fp8,
-            FP8_F16=a.fp8_f16, EXP_POLY=a.exp_poly, num_warps=a.num_warps, num_stages=a.num_stages,
+            FP8_F16=a.fp8_f16, num_warps=a.num_warps, num_stages=a.num_stages,
         )
 
     def _run_decode(self, plan: Plan, a: TritonState, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale) -> None:
