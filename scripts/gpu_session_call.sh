@@ -2,12 +2,13 @@
 # One batched H200 call of the open GPU work, steps chosen on the command line (run on the device with
 # `carry: [".gpu"]`); each step has its own time limit, logs and results go to $OUT/w, tarred into
 # $OUT/session.tgz at the end (one file back). Steps run in the order given:
-#   soak          the 10,000 plan/run cycles alone on the machine (~27 ms a cycle: ~5 min), up to 7 min
+#   soak          the 10,000 plan/run cycles alone on the machine (~15 ms a cycle: ~3 min), up to 7 min
 #   fa3           the fa3 provider against the reference on the GPU: tests/gpu/test_providers_gpu.py and
 #                 tests/core/test_fa3_tree.py, -k fa3 (the eager block table gathered on the device) (~1 min)
 #   cascade-if    tests/core/test_cascade_graph.py (triton + real FA3, IF-node test included), then the
-#                 cascade graph bench with ATTNPLUG_GRAPH_IF=1 and =0 (the anchor) (~3 min)
-#   sweep         benchmarks/sweep_triton.py --write (v6 exp_poly candidates included) (~3 min)
+#                 cascade graph bench with ATTNPLUG_GRAPH_IF=1 and =0 (the anchor) (~3 min); IF=1 needs a
+#                 torch with CUDA-graph IF nodes (2.11 has none: that bench is then refused)
+#   sweep         benchmarks/sweep_triton.py --write (~3 min)
 #   bench-prefill the prefill / extend rows, triton vs fa3 vs flashinfer, after the sweep (~2 min)
 #   fp8-fi        FlashInfer JIT warm-up, then tests/gpu/test_fp8_gpu.py -k flashinfer (~4 min)
 #   e.g.  bash scripts/gpu_session_call.sh cascade-if sweep bench-prefill

@@ -53,17 +53,14 @@ def check_requested(who: str | None = None) -> None:
 
 
 def capturing_graph():
-    """torch's ``CUDAGraph`` capturing on the current stream when it can open IF nodes; else None
-    (``ATTNPLUG_GRAPH_IF`` not ``1``, not capturing, a CPU or older torch, a capture torch did not start)."""
-    if not requested() or not torch.cuda.is_available():
+    """torch's ``CUDAGraph`` capturing on the current stream, when ``ATTNPLUG_GRAPH_IF`` is ``1``; else
+    None (not asked for, not capturing, a capture torch did not start). Asked for on a torch that
+    cannot open IF nodes, it raises as :func:`check_requested` does at startup."""
+    if not requested() or not torch.cuda.is_available() or not torch.cuda.is_current_stream_capturing():
         return None
-    if not torch.cuda.is_current_stream_capturing():
-        return None
-    cls = torch.cuda.CUDAGraph
-    if not all(hasattr(cls, m) for m in BINDINGS):
-        return None
+    check_requested()
     try:
-        return cls.get_currently_capturing_graph()
+        return torch.cuda.CUDAGraph.get_currently_capturing_graph()
     except RuntimeError:  # a raw stream capture, not a torch CUDAGraph
         return None
 

@@ -134,3 +134,17 @@ def test_this_cuda_build_of_torch_states_its_bindings():
         assert have, f"torch {torch.__version__} lost the CUDAGraph IF-node bindings"
     elif major_minor <= (2, 11):
         assert not have
+
+
+def test_a_capture_without_the_bindings_is_refused_too(monkeypatch):
+    """A capture that did not go through an adapter's startup check (the core used directly, e.g.
+    the benchmark) is refused at the capture, not captured unconditionally."""
+    monkeypatch.setenv(graph_if.GRAPH_IF_ENV, "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", type("OldGraph", (), {}))
+    ran = []
+    with pytest.raises(ValueError, match="attnplug cannot honour ATTNPLUG_GRAPH_IF=1.*begin_capture_to_if_node"):
+        with graph_if.captured_if(torch.tensor(True)):
+            ran.append(1)
+    assert ran == []
