@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +76,12 @@ class AttentionConfig:
     kv_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
+        for name in ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "window_left"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise ValueError(f"{name} must be an int, got {v!r}")
+            # normalized to a Python int: a numpy integer would turn the plans' int32 metadata into int64
+            object.__setattr__(self, name, int(v))
         if self.num_qo_heads <= 0 or self.num_kv_heads <= 0:
             raise ValueError(
                 f"num_qo_heads and num_kv_heads must be positive, got {self.num_qo_heads}, {self.num_kv_heads}"

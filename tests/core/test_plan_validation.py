@@ -81,6 +81,9 @@ def test_run_inputs_checked_at_setup():
         (dict(dtype=torch.int8), "dtype must be one of"),
         (dict(kv_layout="NDH"), "kv_layout must be one of"),
         (dict(window_left=-5), "window_left must be -1"),
+        (dict(page_size=True), "page_size must be an int, got True"),
+        (dict(page_size=16.0), "page_size must be an int, got 16.0"),
+        (dict(head_dim=None), "head_dim must be an int, got None"),
     ],
 )
 def test_bad_config(kwargs, match):
@@ -133,3 +136,16 @@ def test_triton_on_cpu_refuses_a_late_interpreter_switch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "triton was imported in compiled mode" in r.stderr
+
+
+def test_numpy_integers_become_ints_and_the_plan_stays_int32():
+    """A numpy page size (the fuzz test found it: ``np.int64(4)``) once made ``kv_lens`` int64, a
+    kernel argument every provider reads as int32: the config stores Python ints."""
+    np = pytest.importorskip("numpy")
+    cfg = AttentionConfig(np.int32(8), np.int64(2), np.int64(64), np.int64(4), torch.float32, window_left=np.int64(-1))
+    assert all(type(getattr(cfg, f)) is int for f in ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "window_left"))
+    assert cfg == AttentionConfig(8, 2, 64, 4, torch.float32)
+    c = random_case(ForwardMode.EXTEND, [3, 1], [5, 9], cfg, "cpu", seed=0)
+    plan = make_plan(cfg, c.batch, num_pages=c.k_cache.shape[0])
+    for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "kv_lens"):
+        assert getattr(plan, name).dtype == torch.int32, name
