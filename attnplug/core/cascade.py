@@ -42,6 +42,7 @@ from .graph_if import captured_if
 from .metadata import ForwardMode
 from .pages import num_pages, tokens_from_pages
 from .plan import Plan
+from .staging import to_device
 
 CASCADE_ENV = "ATTNPLUG_CASCADE"
 CASCADE_GRAPHS_ENV = "ATTNPLUG_CASCADE_GRAPHS"
@@ -220,19 +221,10 @@ def _i32(a: np.ndarray) -> torch.Tensor:
 
 
 def _packed(dev: torch.device, arrays: dict[str, np.ndarray]) -> tuple[dict, dict]:
-    """``arrays`` as int32 host tensors and their device twins: on a CPU device the host tensors
-    themselves; else views of one buffer and of one host->device copy of it."""
-    if dev.type == "cpu":
-        host = {k: _i32(a) for k, a in arrays.items()}
-        return host, host
-    host_flat = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int32).ravel() for a in arrays.values()]))
-    dev_flat = host_flat.to(dev, non_blocking=True)
-    host, devs, o = {}, {}, 0
-    for k, a in arrays.items():
-        n = np.asarray(a).size
-        host[k], devs[k] = host_flat[o : o + n], dev_flat[o : o + n]
-        o += n
-    return host, devs
+    """``arrays`` as int32 host tensors and their device twins (:func:`~attnplug.core.staging.to_device`:
+    on a CPU device the host tensors themselves; else one asynchronous copy from one pinned buffer)."""
+    host = {k: _i32(a).reshape(-1) for k, a in arrays.items()}
+    return host, dict(zip(host, to_device([h.numpy() for h in host.values()], dev)))
 
 
 def build_cascade_plan(plan: Plan, groups: list[Group]) -> CascadePlan:

@@ -15,6 +15,7 @@ import torch
 
 from .config import AttentionConfig
 from .metadata import BatchMetadata, ForwardMode
+from .staging import to_device
 
 
 @dataclass(frozen=True)
@@ -302,6 +303,7 @@ def make_plan(
 
     q_lens_t, kv_lens_t = torch.from_numpy(q_lens), torch.from_numpy(kv_lens)
     mask = mask_indptr = mask_indptr_cpu = mask_free = mask_free_cpu = None
+    staged_mask: tuple = ()
     if batch.custom_mask is not None:
         cm = batch.custom_mask
         if not isinstance(cm, torch.Tensor) or cm.dtype not in (torch.bool, torch.uint8) or cm.dim() != 1:
@@ -313,28 +315,25 @@ def make_plan(
         expected = int(mi[-1])
         if cm.shape[0] != expected:
             raise ValueError(f"custom_mask must have sum(q_len*kv_len)={expected} elements, got {cm.shape[0]}")
-        host = cm.cpu().contiguous()
-        m = host.numpy()
+        m = cm.cpu().contiguous().numpy()
         mask_free_np = _mask_free_np(m if m.dtype == np.bool_ else m != 0, mi, q_lens, kv_lens)
-        mask = cm.contiguous().view(torch.uint8) if cm.dtype == torch.bool else cm.contiguous()
         mask_indptr_cpu, mask_free_cpu = torch.from_numpy(mi), torch.from_numpy(mask_free_np)
+        if on_host or not cm.is_cpu:  # already where the kernels read it
+            mask = cm.contiguous().view(torch.uint8) if cm.dtype == torch.bool else cm.contiguous()
         if on_host:
             mask_indptr, mask_free = mask_indptr_cpu, mask_free_cpu
-        else:
-            mask = mask.to(device, non_blocking=True)
-            mask_indptr = mask_indptr_cpu.to(device, non_blocking=True)
-            mask_free = mask_free_cpu.to(device, non_blocking=True)
+        else:  # staged with the index arrays below
+            staged_mask = (mi, mask_free_np) if mask is not None else (mi, mask_free_np, m.view(np.uint8))
     elif batch.mode == ForwardMode.TARGET_VERIFY and not batch.causal:
         raise ValueError("TARGET_VERIFY without custom_mask must be causal (a chain of draft tokens)")
 
     if on_host:  # the host arrays are the kernel arguments
         d_qo, d_kvp, d_idx, d_last, d_kv = qo_t, kvp_t, idx_t, last_t, kv_lens_t
-    else:  # one host->device copy of the five int32 arrays, viewed back apart
-        flat = np.concatenate((qo, kvp, last, kv_lens, idx))
-        dev = torch.from_numpy(flat).to(device, non_blocking=True)
-        n1 = bsz + 1
-        d_qo, d_kvp = dev[:n1], dev[n1 : 2 * n1]
-        d_last, d_kv, d_idx = dev[2 * n1 : 2 * n1 + bsz], dev[2 * n1 + bsz : 2 * n1 + 2 * bsz], dev[2 * n1 + 2 * bsz :]
+    else:  # one asynchronous copy from one pinned buffer (the mask's arrays with them)
+        d_qo, d_kvp, d_last, d_kv, d_idx, *d_mask = to_device((qo, kvp, last, kv_lens, idx, *staged_mask), device)
+        if d_mask:
+            mask_indptr, mask_free = d_mask[0], d_mask[1]
+            mask = d_mask[2] if len(d_mask) > 2 else mask
     return Plan(
         config=config,
         mode=batch.mode,

@@ -22,7 +22,8 @@
 #   Issues 15 and 13, same machine: fp8 KV cache (rows E2E_ROWS, default 0,1, with the default-dtype run
 #   of each backend for the KV capacity ratio) and the shared-prefix row (64 x (8192 + 256) -> 256):
 #     bash benchmarks/e2e/device.sh vllm-fp8 | sglang-fp8 | vllm-shared | sglang-shared
-#   (E2E_BACKENDS="..." picks the backends; on one GPU the jobs run one after another, ~2-3 min each;
+#   (E2E_BACKENDS="..." picks the backends; E2E_DEFAULT_DTYPE="..." limits the fp8 stages' default-dtype
+#   runs to those backends (the KV capacity ratio needs one); on one GPU the jobs run one after another, ~2-3 min each;
 #   the shared stages run attnplug_triton / attnplug_fa3 twice, the second with ATTNPLUG_CASCADE_GRAPHS=1)
 # Every call ends with `lanes.py wait` (returns early when all lanes are idle) and leaves
 # $OUT/lanes-logs.tar.gz: job logs, statuses, result JSONs, issue-5 pytest/bench output so far.
@@ -148,7 +149,8 @@ sglang-spec)
 vllm-fp8)
   setup; rows="--rows ${E2E_ROWS:-0,1}"
   for b in ${E2E_BACKENDS:-FLASH_ATTN ATTNPLUG_FA3 ATTNPLUG_TRITON FLASHINFER ATTNPLUG_FLASHINFER}; do
-    vllm_job 0 "$b" --kv-cache-dtype fp8 $rows; vllm_job $g1 "$b" $rows
+    vllm_job 0 "$b" --kv-cache-dtype fp8 $rows
+    [[ -z ${E2E_DEFAULT_DTYPE+x} || " $E2E_DEFAULT_DTYPE " == *" $b "* ]] && vllm_job $g1 "$b" $rows
   done
   $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
 vllm-shared)

@@ -49,6 +49,7 @@ from typing import Callable
 
 import torch
 
+from .. import staging
 from ..config import AttentionConfig
 from ..pages import num_pages
 from ..plan import Plan, PlanOptions
@@ -339,7 +340,7 @@ class FA3Provider(Provider):
                 f"a tree mask that hides part of the prefix (request {b}): FA3 computes the prefix "
                 "without a mask; only the last q_len x q_len block may be arbitrary"
             )
-        return self.plan_tree_part(plan, prefix.to(plan.device))
+        return self.plan_tree_part(plan, staging.to_device((prefix.numpy(),), plan.device)[0])
 
     def tree_provider(self):
         """attnplug's Triton provider for the tree part (triton is imported only once a tree is planned)."""

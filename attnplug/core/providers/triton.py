@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import staging
 from ..config import FP8_KV_DTYPES, SUPPORTED_DTYPES, AttentionConfig
 from ..kernels import tiles as tile_table
 from ..pages import num_pages
@@ -294,16 +295,17 @@ class TritonProvider(Provider):
                 if kernel == "prefill":  # ascending causal work: the kernel runs the list backwards, longest first
                     order = _stable_order((plan.kv_lens_cpu.numpy() - q_lens)[tile_req] + tile_q)
                     tile_req, tile_q = tile_req[order], tile_q[order]
-            tile_req, tile_q = torch.from_numpy(tile_req), torch.from_numpy(tile_q)
             if static is not None:
                 if num_tiles > static.tile_req.numel():
                     raise ValueError(f"attnplug: {num_tiles} triton tiles exceed the static capacity "
                                      f"{static.tile_req.numel()}")  # fmt: skip
-                tile_req = static.tile_req[:num_tiles].copy_(tile_req, non_blocking=True)
-                tile_q = static.tile_qstart[:num_tiles].copy_(tile_q, non_blocking=True)
+                src = staging.pinned((tile_req, tile_q)) if self.device.type != "cpu" else \
+                    (torch.from_numpy(tile_req), torch.from_numpy(tile_q))
+                tile_req = static.tile_req[:num_tiles].copy_(src[0], non_blocking=True)
+                tile_q = static.tile_qstart[:num_tiles].copy_(src[1], non_blocking=True)
                 static.identity_rows = 0  # the decode tile list is overwritten
-            elif self.device.type != "cpu":
-                tile_req, tile_q = tile_req.to(self.device), tile_q.to(self.device)
+            else:
+                tile_req, tile_q = staging.to_device((tile_req, tile_q), self.device)
         if splits > 1 and static is not None:
             n = shape[0] * shape[1] * shape[2]
             if n > static.partial_lse.numel():
