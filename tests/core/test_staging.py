@@ -1,7 +1,7 @@
-"""attnplug.core.staging: the plan's host arrays reach the device through one pinned buffer and one
+"""attnplug.core.staging: the plan's host arrays reach the device through one page-locked slot and one
 asynchronous copy. On CPU the arrays come back as themselves; on CUDA (skipped without it) every
-staged copy must hold its own values even when many are queued behind a long kernel, so a pinned
-buffer handed out again before its copy ran would show up as another plan's values."""
+staged copy must hold its own values even when many more than the ring's slots are queued behind a
+long kernel, so a slot refilled before its copy ran would show up as another plan's values."""
 from __future__ import annotations
 
 import numpy as np
@@ -48,7 +48,14 @@ def test_queued_copies_keep_their_own_values():
     rng = np.random.default_rng(1)
     expected, got = [], []
     torch.cuda._sleep(200_000_000)  # the copies below queue behind ~0.1 s of GPU work
-    for _ in range(300):
+    for i in range(300):  # mixed dtypes, and one dtype (the packed path) every other call
+        if i % 2:
+            arrays = [rng.integers(0, 9, size=int(rng.integers(0, 70)), dtype=np.int32) for _ in range(5)]
+            expected.append([a.copy() for a in arrays])
+            got.append(staging.to_device(arrays, dev))
+            for a in arrays:
+                a[...] = -7
+            continue
         arrays = _arrays(rng)
         expected.append([a.copy() for a in arrays])
         got.append(staging.to_device(arrays, dev))
@@ -62,12 +69,32 @@ def test_queued_copies_keep_their_own_values():
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (pinned memory)")
-def test_pinned_views_are_page_locked_copies():
-    arrays = _arrays(np.random.default_rng(2))
-    views = staging.pinned(arrays)
-    for a, t in zip(arrays, views):
-        assert t.is_pinned()
-        np.testing.assert_array_equal(t.numpy(), a)
+def test_copy_to_fills_device_buffers_behind_queued_work():
+    dev = torch.device("cuda")
+    rng = np.random.default_rng(2)
+    dsts, expected = [], []
+    torch.cuda._sleep(200_000_000)
+    for _ in range(3 * staging.SLOTS):  # every slot reused twice while the copies wait
+        arrays = [rng.integers(0, 1000, size=int(rng.integers(1, 50)), dtype=np.int32) for _ in range(2)]
+        d = [torch.full((a.shape[0],), -1, dtype=torch.int32, device=dev) for a in arrays]
+        staging.copy_to(d, arrays)
+        dsts.append(d)
+        expected.append([a.copy() for a in arrays])
+        for a in arrays:
+            a[...] = 0
+    torch.cuda.synchronize()
+    for d, exp in zip(dsts, expected):
+        for t, a in zip(d, exp):
+            np.testing.assert_array_equal(t.cpu().numpy(), a)
+    ring = staging._RINGS[dev]
+    assert all(s is not None and s.host.is_pinned() for s in ring.slots)
+
+
+def test_copy_to_on_cpu_copies():
+    a = np.arange(5, dtype=np.int32)
+    d = torch.zeros(5, dtype=torch.int32)
+    staging.copy_to([d], [a])
+    assert d.tolist() == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
