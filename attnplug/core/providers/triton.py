@@ -299,9 +299,8 @@ class TritonProvider(Provider):
                 if num_tiles > static.tile_req.numel():
                     raise ValueError(f"attnplug: {num_tiles} triton tiles exceed the static capacity "
                                      f"{static.tile_req.numel()}")  # fmt: skip
-                dst = static.tile_req[:num_tiles], static.tile_qstart[:num_tiles]
-                staging.copy_to(dst, (tile_req, tile_q))
-                tile_req, tile_q = dst
+                tile_req = static.tile_req[:num_tiles].copy_(torch.from_numpy(tile_req), non_blocking=True)
+                tile_q = static.tile_qstart[:num_tiles].copy_(torch.from_numpy(tile_q), non_blocking=True)
                 static.identity_rows = 0  # the decode tile list is overwritten
             else:
                 tile_req, tile_q = staging.to_device((tile_req, tile_q), self.device)
