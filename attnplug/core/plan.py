@@ -174,24 +174,19 @@ def _mask_free_np(mask: np.ndarray, mask_indptr: np.ndarray, q_lens: np.ndarray,
 
     ``mask``: flat contiguous bool (request ``b``'s rows at ``mask_indptr[b]``, each ``kv_lens[b]``
     long). Vectorized: finds the hidden (False) entries eight bytes at a time (a verify tree has few
-    of them), then the smallest hidden column per request."""
+    of them), then the smallest hidden column per request (``np.minimum.at``)."""
     n = mask.shape[0]
     n8 = n & ~7
-    parts = []
-    if n8:
-        cand = np.flatnonzero(mask[:n8].view(np.uint64) != _ALL_TRUE_WORD)
-        if cand.shape[0]:
-            pos = (cand[:, None] * 8 + np.arange(8)).ravel()
-            parts.append(pos[~mask[pos]])
-    if n8 < n:
-        parts.append(n8 + np.flatnonzero(~mask[n8:]))
     free = kv_lens.astype(np.int64)
-    hidden = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    if hidden.shape[0]:
-        req = np.searchsorted(mask_indptr, hidden, side="right") - 1
-        col = (hidden - mask_indptr[req]) % free[req]
-        starts = np.flatnonzero(np.concatenate(([True], req[1:] != req[:-1])))
-        free[req[starts]] = np.minimum(free[req[starts]], np.minimum.reduceat(col, starts))
+    cand = np.flatnonzero(mask[:n8].view(np.uint64) != _ALL_TRUE_WORD)
+    if cand.shape[0] or n8 < n:
+        pos = (cand[:, None] * 8 + np.arange(8)).ravel()
+        if n8 < n:
+            pos = np.concatenate((pos, np.arange(n8, n)))
+        hidden = pos[~mask[pos]]
+        if hidden.shape[0]:
+            req = np.searchsorted(mask_indptr, hidden, side="right") - 1
+            np.minimum.at(free, req, (hidden - mask_indptr[req]) % free[req])
     free[q_lens == 0] = 0
     return free.astype(np.int32)
 
