@@ -240,8 +240,8 @@ def gather_block_table(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, cols: 
     entry, so the entries past a row's own pages are some valid page id (FA3 reads only the
     ``ceil(seqused_k / P)`` first of a row). ``out`` / ``idx`` (``[B, W]`` int32 / int64): in place."""
     B, W = kv_indptr.numel() - 1, cols.numel()
-    if out is None:
-        out = torch.zeros(B, W, dtype=torch.int32, device=kv_indices.device)
+    if out is None:  # every entry is written below (or zeroed for an empty batch)
+        out = torch.empty(B, W, dtype=torch.int32, device=kv_indices.device)
     if kv_indices.numel() == 0 or B == 0:
         return out.zero_()
     idx = torch.add(kv_indptr[:-1, None], cols[None, :], out=idx)
