@@ -222,7 +222,7 @@ def _i32(a: np.ndarray) -> torch.Tensor:
 
 def _packed(dev: torch.device, arrays: dict[str, np.ndarray]) -> tuple[dict, dict]:
     """``arrays`` as int32 host tensors and their device twins (:func:`~attnplug.core.staging.to_device`:
-    on a CPU device the host tensors themselves; else one asynchronous copy from one pinned buffer)."""
+    on a CPU device the host tensors themselves; else views of one asynchronous copy of them packed)."""
     host = {k: _i32(a).reshape(-1) for k, a in arrays.items()}
     return host, dict(zip(host, to_device([h.numpy() for h in host.values()], dev)))
 

@@ -324,7 +324,7 @@ def make_plan(
 
     if on_host:  # the host arrays are the kernel arguments
         d_qo, d_kvp, d_idx, d_last, d_kv = qo_t, kvp_t, idx_t, last_t, kv_lens_t
-    else:  # one asynchronous copy from one pinned buffer (the mask's arrays with them)
+    else:  # one asynchronous copy of the arrays packed (the mask's arrays with them)
         d_qo, d_kvp, d_last, d_kv, d_idx, *d_mask = to_device((qo, kvp, last, kv_lens, idx, *staged_mask), device)
         if d_mask:
             mask_indptr, mask_free = d_mask[0], d_mask[1]

@@ -5,7 +5,7 @@ device. :func:`to_device` packs them into one host buffer and issues one ``non_b
 from it: the host does not wait for the device (a blocking ``Tensor.to(device)`` waits for every
 kernel queued before it). The buffer is pageable on purpose: the driver copies a pageable source
 of up to 64 KB into its own staging memory and returns, which on the H200's host measured faster
-than staging through page-locked memory (``benchmarks/NOTES.md``, "plan() host cost").
+than staging through page-locked memory (``benchmarks/NOTES.md``, "Eighth session": "plan()'s host->device copies").
 """
 from __future__ import annotations
 
