@@ -18,6 +18,8 @@ fi
 mkdir -p "$DIST" && rm -rf "$DIST"/attnplug-*
 # a copy of the tracked files: the build must not depend on (or write into) the working tree
 SRC="$(mktemp -d /tmp/attnplug-src.XXXXXX)"
+CLEAN=
+trap 'rm -rf "$SRC" ${CLEAN:+"$CLEAN"}' EXIT  # the source copy and the clean venv go, pass or fail
 git -C "$ROOT" ls-files -z | (cd "$ROOT" && xargs -0 cp --parents -t "$SRC" 2>/dev/null) || true
 "$TOOLS/bin/python" -m build --outdir "$DIST" "$SRC" >"$DIST/build.log" 2>&1 || { tail -30 "$DIST/build.log"; exit 1; }
 rm -rf "$SRC"
@@ -62,5 +64,4 @@ for mod in ("attnplug.demo", "attnplug.bench", "attnplug.demo_vllm", "attnplug.d
 print(f"package ok: attnplug {attnplug.__version__}; entry points {sorted(g for g, _, _ in eps)}; "
       f"License-Expression {meta['License-Expression']}; extras {sorted(extras)}; 5 CLIs --help without torch")
 EOF
-rm -rf "$CLEAN"
 echo "$WHEEL"

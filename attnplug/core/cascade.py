@@ -216,20 +216,17 @@ class CascadePlan:
         return sum((g.members.size - 1) * g.pages * P for g in self.groups)
 
 
-def _i32(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
-
-
 def _packed(dev: torch.device, arrays: dict[str, np.ndarray]) -> tuple[dict, dict]:
-    """``arrays`` as int32 host tensors and their device twins (:func:`~attnplug.core.staging.to_device`:
-    on a CPU device the host tensors themselves; else views of one asynchronous copy of them packed)."""
-    host = {k: _i32(a).reshape(-1) for k, a in arrays.items()}
+    """``arrays`` (1-D, int32 or int64, each keeping its dtype) as host tensors and their device twins
+    (:func:`~attnplug.core.staging.to_device`: on a CPU device the host tensors themselves; else views
+    of one asynchronous copy of them packed)."""
+    host = {k: torch.from_numpy(np.ascontiguousarray(a).reshape(-1)) for k, a in arrays.items()}
     return host, dict(zip(host, to_device([h.numpy() for h in host.values()], dev)))
 
 
 def build_cascade_plan(plan: Plan, groups: list[Group]) -> CascadePlan:
-    """Split ``plan`` by ``groups`` (host index work; the int32 metadata of both parts in one
-    host->device copy)."""
+    """Split ``plan`` by ``groups`` (host index work; the metadata of both parts, the suffix's mask
+    gather index and the prefix rows in one host->device copy)."""
     cfg, dev, P = plan.config, plan.device, plan.config.page_size
     B = plan.batch_size
     indptr, indices = plan.kv_indptr_cpu.numpy(), plan.kv_indices_cpu.numpy()
@@ -238,7 +235,6 @@ def build_cascade_plan(plan: Plan, groups: list[Group]) -> CascadePlan:
     shared = np.zeros(B, dtype=np.int64)
     for g in groups:
         shared[g.members] = g.pages
-    to_dev = lambda a: a.to(dev, non_blocking=True)  # noqa: E731
 
     # suffix: drop each request's shared pages; lengths, mask columns and mask-free bound shift with them
     counts = np.diff(indptr) - shared
@@ -248,8 +244,9 @@ def build_cascade_plan(plan: Plan, groups: list[Group]) -> CascadePlan:
     s_indices = np.concatenate(keep) if keep else indices[:0]
     kv_lens = plan.kv_lens_cpu.numpy().astype(np.int64) - shared * P
     s_last = np.where(counts > 0, plan.kv_last_page_len_cpu.numpy(), 0)  # a query-less request may lose every page
-    mask = mask_indptr_cpu = mask_free_cpu = None
-    if plan.mask is not None:
+    masked = plan.mask is not None
+    mask_arrays = {}
+    if masked:
         mi = plan.mask_indptr_cpu.numpy()
         sizes = q_lens.astype(np.int64) * kv_lens
         mask_indptr_cpu = np.zeros(B + 1, dtype=np.int64)
@@ -258,8 +255,8 @@ def build_cascade_plan(plan: Plan, groups: list[Group]) -> CascadePlan:
         pieces = [mi[b] + np.arange(int(q_lens[b]))[:, None] * old_kv[b] + shared[b] * P + np.arange(int(kv_lens[b]))
                   for b in range(B) if sizes[b]]  # fmt: skip
         idx = np.concatenate([p.ravel() for p in pieces]) if pieces else np.zeros(0, dtype=np.int64)
-        mask = plan.mask[to_dev(torch.from_numpy(idx))]
-        mask_free_cpu = np.maximum(plan.mask_free_cpu.numpy() - shared * P, 0)
+        mask_free_cpu = np.maximum(plan.mask_free_cpu.numpy() - shared * P, 0).astype(np.int32)
+        mask_arrays = dict(m_idx=idx.astype(np.int64, copy=False), m_indptr=mask_indptr_cpu, m_free=mask_free_cpu)
     # prefix: group g = its members' query rows over the first member's shared pages
     G = len(groups)
     members = np.concatenate([g.members for g in groups])
@@ -273,8 +270,13 @@ def build_cascade_plan(plan: Plan, groups: list[Group]) -> CascadePlan:
     np.cumsum(g_pages, out=p_indptr[1:])
     p_indices = np.concatenate([indices[indptr[g.members[0]] : indptr[g.members[0]] + g.pages] for g in groups])
     p_last, p_kv = np.full(G, P, dtype=np.int64), g_pages * P
-    h, d = _packed(dev, dict(s_indptr=s_indptr, s_indices=s_indices, s_last=s_last, s_kv=kv_lens, p_qo=p_qo,
-                             p_indptr=p_indptr, p_indices=p_indices, p_last=p_last, p_kv=p_kv, g_rows=g_rows))
+    Tp = int(p_qo[-1])
+    identity = Tp == plan.num_tokens and bool((rows == np.arange(Tp)).all())
+    i32 = dict(s_indptr=s_indptr, s_indices=s_indices, s_last=s_last, s_kv=kv_lens, p_qo=p_qo, p_indptr=p_indptr,
+               p_indices=p_indices, p_last=p_last, p_kv=p_kv, g_rows=g_rows)
+    h, d = _packed(dev, {**{k: a.astype(np.int32) for k, a in i32.items()}, **mask_arrays,
+                         **({} if identity else dict(rows=rows.astype(np.int64)))})
+    mask = plan.mask[d["m_idx"]] if masked else None
     suffix = Plan(
         config=cfg, mode=plan.mode, batch_size=B, num_tokens=plan.num_tokens, max_q_len=plan.max_q_len,
         max_kv_len=int(kv_lens.max()) if B else 0, causal=plan.causal, device=dev,
@@ -282,15 +284,11 @@ def build_cascade_plan(plan: Plan, groups: list[Group]) -> CascadePlan:
         kv_last_page_len=d["s_last"], kv_lens=d["s_kv"],
         qo_indptr_cpu=plan.qo_indptr_cpu, kv_indptr_cpu=h["s_indptr"], kv_indices_cpu=h["s_indices"],
         kv_last_page_len_cpu=h["s_last"], q_lens_cpu=plan.q_lens_cpu, kv_lens_cpu=h["s_kv"],
-        mask=mask,
-        mask_indptr=None if mask is None else to_dev(torch.from_numpy(mask_indptr_cpu)),
-        mask_indptr_cpu=None if mask is None else torch.from_numpy(mask_indptr_cpu),
-        mask_free=None if mask is None else to_dev(_i32(mask_free_cpu)),
-        mask_free_cpu=None if mask is None else _i32(mask_free_cpu),
+        mask=mask, mask_indptr=d.get("m_indptr"), mask_indptr_cpu=h.get("m_indptr"),
+        mask_free=d.get("m_free"), mask_free_cpu=h.get("m_free"),
         options=plan.options,
     )  # fmt: skip
 
-    Tp = int(p_qo[-1])
     prefix = Plan(
         config=cfg, mode=ForwardMode.EXTEND, batch_size=G, num_tokens=Tp, max_q_len=int(g_rows.max()),
         max_kv_len=int(p_kv.max()), causal=False, device=dev,
@@ -299,11 +297,10 @@ def build_cascade_plan(plan: Plan, groups: list[Group]) -> CascadePlan:
         qo_indptr_cpu=h["p_qo"], kv_indptr_cpu=h["p_indptr"], kv_indices_cpu=h["p_indices"],
         kv_last_page_len_cpu=h["p_last"], q_lens_cpu=h["g_rows"], kv_lens_cpu=h["p_kv"],
     )  # fmt: skip
-    identity = Tp == plan.num_tokens and bool((rows == np.arange(Tp)).all())
     hd = (cfg.num_qo_heads, cfg.head_dim)
     return CascadePlan(
         groups=groups, suffix=suffix, prefix=prefix,
-        rows=None if identity else to_dev(torch.from_numpy(rows.astype(np.int64))),
+        rows=d.get("rows"),
         q_part=None if identity else torch.empty((Tp, *hd), dtype=cfg.dtype, device=dev),
         out_part=torch.empty((Tp, *hd), dtype=cfg.dtype, device=dev),
         lse_part=torch.empty((Tp, hd[0]), dtype=torch.float32, device=dev),
