@@ -60,10 +60,11 @@ pytest_row() {
 declare -A need_mib=([core]=2200 [triton-3.6.0]=800 [triton-3.8.0]=800 [pkg]=200 [newest]=6200 [vllm]=3800
   [vllm026-unit]=600 [sglang]=7400 [sglang0517]=600)
 declare -A download_mib=([core]=300 [newest]=3100 [vllm]=800 [vllm026-unit]=200)
-# pip's downloads go to memory (/dev/shm) where it has room, so they do not count against the disk
-build_tmp=
-if [[ -d /dev/shm && -w /dev/shm ]] && (( $(df -Pk /dev/shm | awk 'NR==2 {print $4}') / 1048576 >= 6 )); then
-  build_tmp=$(mktemp -d /dev/shm/attnplug-build.XXXXXX)
+# pip's downloads go to memory (/dev/shm; ATTNPLUG_BUILD_SHM names another) where it has 6 GiB, so they
+# do not count against the disk
+build_tmp= shm=${ATTNPLUG_BUILD_SHM:-/dev/shm}
+if [[ -d $shm && -w $shm ]] && (( $(df -Pk "$shm" | awk 'NR==2 {print $4}') / 1048576 >= 6 )); then
+  build_tmp=$(mktemp -d "$shm/attnplug-build.XXXXXX")
   trap 'rm -rf "$build_tmp"' EXIT
 fi
 setup() { TMPDIR=${build_tmp:-${TMPDIR:-/tmp}} bash "$@"; }  # an environment build: setup SCRIPT ARGS...
