@@ -2,6 +2,9 @@
 # One batched H200 call of the open GPU work, steps chosen on the command line (run on the device with
 # `carry: [".gpu"]`); each step has its own time limit, logs and results go to $OUT/w, tarred into
 # $OUT/session.tgz at the end (one file back). Steps run in the order given:
+#   nosync        what has not run on a GPU yet: tests/gpu/test_plan_no_sync.py (plan() under torch's sync
+#                 debug mode "error"), tests/gpu/test_cascade_gpu.py (the cascade planner's one packed
+#                 copy), tests/core/test_staging.py (~2 min)
 #   soak          the 10,000 plan/run cycles alone on the machine (~15 ms a cycle: ~3 min), up to 7 min
 #   fa3           the fa3 provider against the reference on the GPU: tests/gpu/test_providers_gpu.py and
 #                 tests/core/test_fa3_tree.py, -k fa3 (the eager block table gathered on the device) (~1 min)
@@ -11,7 +14,7 @@
 #   sweep         benchmarks/sweep_triton.py --write (~3 min)
 #   bench-prefill the prefill / extend rows, triton vs fa3 vs flashinfer, after the sweep (~2 min)
 #   fp8-fi        FlashInfer JIT warm-up, then tests/gpu/test_fp8_gpu.py -k flashinfer (~4 min)
-#   e.g.  bash scripts/gpu_session_call.sh cascade-if sweep bench-prefill
+#   e.g.  bash scripts/gpu_session_call.sh nosync cascade-if sweep bench-prefill
 set -u
 W=$OUT/w; mkdir -p "$W"; G="bash scripts/gpu_run.sh"; t0=$SECONDS
 log() { echo "$* at $((SECONDS - t0))s" | tee -a "$W/rc"; }
@@ -22,6 +25,9 @@ reap() { pkill -f 'ninja|nvcc|cicc|ptxas' || true; sleep 1; }
 CG_ROWS="64x(8192 shared,64x(768,8x(8192 +"
 for step in "$@"; do
   case $step in
+  nosync)
+    timeout 180 $G python3 -m pytest tests/gpu/test_plan_no_sync.py tests/gpu/test_cascade_gpu.py tests/core/test_staging.py \
+      -q -rfEs > "$W/pytest-nosync.log" 2>&1; log "pytest nosync rc $?"; tail -n 3 "$W/pytest-nosync.log" ;;
   soak)
     timeout 440 $G python3 -m attnplug.bench.soak --device cuda --phases plan_run --time-budget 400 \
       --out "$W/soak-h200-plan-run.json" > "$W/soak-plan.log" 2>&1; log "soak plan_run rc $?"
