@@ -63,7 +63,8 @@ declare -A download_mib=([core]=300 [newest]=3100 [vllm]=800 [vllm026-unit]=200)
 # pip's downloads go to memory (/dev/shm; ATTNPLUG_BUILD_SHM names another) where it has 6 GiB, so they
 # do not count against the disk
 build_tmp= shm=${ATTNPLUG_BUILD_SHM:-/dev/shm}
-if [[ -d $shm && -w $shm ]] && (( $(df -Pk "$shm" | awk 'NR==2 {print $4}') / 1048576 >= 6 )); then
+free_mib() { echo $(( $(df -Pk "${1:-.}" | awk 'NR==2 {print $4}') / 1024 )); }  # free MiB where $1 (default .) lives
+if [[ -d $shm && -w $shm ]] && (( $(free_mib "$shm") >= 6 * 1024 )); then
   build_tmp=$(mktemp -d "$shm/attnplug-build.XXXXXX")
   trap 'rm -rf "$build_tmp"' EXIT
 fi
@@ -71,7 +72,6 @@ setup() { TMPDIR=${build_tmp:-${TMPDIR:-/tmp}} bash "$@"; }  # an environment bu
 # the environments (.venvs/NAME) each suite reads, in the order it builds them
 declare -A uses=([core]=core [mutation]=core [sm90-aot]="core triton-3.6.0 triton-3.8.0" [package]=pkg
   [newest]=newest [vllm]=vllm [vllm026]="vllm vllm026-unit" [sglang]=sglang [sglang0517]="sglang sglang0517")
-free_mib() { echo $(( $(df -Pk . | awk 'NR==2 {print $4}') / 1024 )); }
 gib() { awk -v m="$1" 'BEGIN {printf "%.1f", m / 1024}'; }
 built=()  # environments this run created
 # prune I: remove the environments this run built that no suite from index I on reads
@@ -83,6 +83,11 @@ prune() {
       rm -rf ".venvs/$v"; echo "attnplug tests: removed .venvs/$v (built by this run, no later suite reads it) for disk space"
     fi
   done
+}
+# suite $1's environment did not build: say so, mark it for removal, add its FAIL row
+build_failed_row() {
+  echo "environment for $1 failed to build"; build_failed=1; status=1
+  matrix+=("$1 | environment build failed | - | - | - | FAIL")
 }
 # build the environments of suite $1 and run it; a failed build sets build_failed=1
 run_suite() {
@@ -107,12 +112,12 @@ run_suite() {
       read -ra files <<< "$(echo ${unit[$s]})"
       if setup ${setup[$s]}; then
         pytest_row "$s" "${venv[$s]}/bin/python" "${files[@]}" || status=1
-      else echo "environment for $s failed to build"; build_failed=1; status=1; matrix+=("$s | environment build failed | - | - | - | FAIL"); fi
+      else build_failed_row "$s"; fi
       return ;;
     newest)
       if setup scripts/setup_newest_env.sh; then
         ATTNPLUG_NEWEST_ROW=1 pytest_row "$s" .venvs/newest/bin/python tests/core tests/gpu || status=1
-      else echo "environment for $s failed to build"; build_failed=1; status=1; matrix+=("$s | environment build failed | - | - | - | FAIL"); fi
+      else build_failed_row "$s"; fi
       return ;;
     sm90-aot)
       for v in 3.6.0 3.8.0; do
@@ -138,7 +143,7 @@ run_suite() {
       return ;;
   esac
   if ! setup "scripts/setup_${s}_env.sh"; then
-    echo "environment for $s failed to build"; build_failed=1; status=1; matrix+=("$s | environment build failed | - | - | - | FAIL"); return
+    build_failed_row "$s"; return
   fi
   paths=("tests/$s"); [[ $s == core ]] && paths+=(tests/gpu)  # GPU tests skip with a reason without CUDA
   pytest_row "$s" ".venvs/$s/bin/python" "${paths[@]}" || status=1

@@ -256,7 +256,7 @@ def build_cascade_plan(plan: Plan, groups: list[Group]) -> CascadePlan:
                   for b in range(B) if sizes[b]]  # fmt: skip
         idx = np.concatenate([p.ravel() for p in pieces]) if pieces else np.zeros(0, dtype=np.int64)
         mask_free_cpu = np.maximum(plan.mask_free_cpu.numpy() - shared * P, 0).astype(np.int32)
-        mask_arrays = dict(m_idx=idx.astype(np.int64, copy=False), m_indptr=mask_indptr_cpu, m_free=mask_free_cpu)
+        mask_arrays = dict(m_idx=idx, m_indptr=mask_indptr_cpu, m_free=mask_free_cpu)
     # prefix: group g = its members' query rows over the first member's shared pages
     G = len(groups)
     members = np.concatenate([g.members for g in groups])
