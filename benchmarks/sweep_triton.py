@@ -97,12 +97,14 @@ def decode_candidates(d: int, split: bool) -> list[dict]:
     tiles = ((64, 4, 5), (64, 4, 7), (128, 4, 5)) if d <= 128 else ((64, 4, 5), (32, 4, 7), (64, 8, 5))
     if not split:
         tiles += ((64, 2, 5), (32, 4, 7)) if d <= 128 else ()
+    else:  # long contexts split over the SMs: wider key blocks and more programs per SM keep more loads in flight
+        tiles += ((256, 4, 3), (256, 8, 2)) if d <= 128 else ()
     out = []
     for bn, w, s in tiles:
         if not split:
             out.append({"kernel": "decode", "block_n": bn, "num_warps": w, "num_stages": s})
             continue
-        for ctas in (1, 2, 4):
+        for ctas in (1, 2, 4, 8):
             for fused in (True, False):
                 out.append({"kernel": "decode", "block_n": bn, "num_warps": w, "num_stages": s, "ctas_per_sm": ctas,
                             "fused_merge": fused})  # fmt: skip

@@ -13,6 +13,9 @@
 #                 torch with CUDA-graph IF nodes (2.11 has none: that bench is then refused)
 #   sweep         benchmarks/sweep_triton.py --write (~3 min)
 #   bench-prefill the prefill / extend rows, triton vs fa3 vs flashinfer, after the sweep (~2 min)
+#   sweep-long    the sweep of the long-context decode buckets only (1x32768 rows of every head dim, fp8
+#                 4x32768), with the wider split candidates, --write (~2 min)
+#   bench-long    decode 1x32768 / 4x32768 / 64x4096 rows, bf16 and fp8, triton vs fa3 (~2 min)
 #   fp8-fi        FlashInfer JIT warm-up, then tests/gpu/test_fp8_gpu.py -k flashinfer (~4 min)
 #   e.g.  bash scripts/gpu_session_call.sh nosync cascade-if sweep bench-prefill
 set -u
@@ -45,6 +48,12 @@ for step in "$@"; do
   sweep)
     timeout 260 $G python3 benchmarks/sweep_triton.py --write --budget 200 --out "$W/sweep" > "$W/sweep.log" 2>&1
     log "sweep rc $?"; tail -n 5 "$W/sweep.log" ;;
+  sweep-long)
+    timeout 200 $G python3 benchmarks/sweep_triton.py --write --budget 150 --rows "1x32768,4x32768 fp8" \
+      --out "$W/sweep-long" > "$W/sweep-long.log" 2>&1; log "sweep-long rc $?"; grep "^sweep:" "$W/sweep-long.log" | tail -n 12 ;;
+  bench-long)
+    timeout 170 $G python3 -m attnplug.bench --providers triton,fa3 --rows 32768,64x4096 --out "$W/bench-long" \
+      --time-budget 140 > "$W/bench-long.log" 2>&1; log "bench-long rc $?" ;;
   bench-prefill)
     reap
     timeout 150 $G python3 -m attnplug.bench --providers triton,flashinfer,fa3 --rows prefill --out "$W/bench-prefill" \

@@ -172,22 +172,32 @@ def _short(a: np.ndarray, n: int = 8) -> str:
 def _mask_free_np(mask: np.ndarray, mask_indptr: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray) -> np.ndarray:
     """``[B]`` int32: per request, the leading KV columns of its mask that are True in every row.
 
-    ``mask``: flat contiguous bool (request ``b``'s rows at ``mask_indptr[b]``, each ``kv_lens[b]``
-    long). Vectorized: finds the hidden (False) entries eight bytes at a time (a verify tree has few
-    of them), then the smallest hidden column per request (``np.minimum.at``)."""
+    ``mask``: ``[sum q_len*kv_len]`` flat contiguous bool (request ``b``'s rows at ``mask_indptr[b]``,
+    each ``kv_lens[b]`` long); ``mask_indptr``: ``[B+1]`` int64; ``q_lens``, ``kv_lens``: ``[B]`` ints.
+    Vectorized: finds the words of eight bytes that hold a hidden (False) entry (a verify tree has few
+    of them; the last eight bytes are one more, overlapping word when the length is not a multiple of
+    eight), the hidden bytes inside those words, then the smallest hidden column per request
+    (``np.minimum.at``)."""
     n = mask.shape[0]
     n8 = n & ~7
     free = kv_lens.astype(np.int64)
-    cand = np.flatnonzero(mask[:n8].view(np.uint64) != _ALL_TRUE_WORD)
-    if cand.shape[0] or n8 < n:
-        pos = (cand[:, None] * 8 + np.arange(8)).ravel()
+    if n < 8:
+        hidden = (~mask).nonzero()[0]
+    else:
+        words = mask[:n8].view(np.uint64)
+        start = (words != _ALL_TRUE_WORD).nonzero()[0]  # [k] words with a hidden byte
+        blk = words[start]
+        start <<= 3  # first byte of each word
         if n8 < n:
-            pos = np.concatenate((pos, np.arange(n8, n)))
-        hidden = pos[~mask[pos]]
-        if hidden.shape[0]:
-            req = np.searchsorted(mask_indptr, hidden, side="right") - 1
-            np.minimum.at(free, req, (hidden - mask_indptr[req]) % free[req])
-    free[q_lens == 0] = 0
+            blk = np.concatenate((blk, mask[n - 8:].view(np.uint64)))
+            start = np.concatenate((start, (n - 8,)))
+        z = (blk.view(np.uint8) == 0).nonzero()[0]  # [h] hidden bytes: word z >> 3, byte z & 7
+        hidden = start[z >> 3] + (z & 7)  # their positions in mask (the overlap may repeat some)
+    if hidden.shape[0]:
+        req = mask_indptr[1:].searchsorted(hidden, "right")
+        np.minimum.at(free, req, (hidden - mask_indptr[req]) % free[req])
+    if _nnz(q_lens) < q_lens.shape[0]:
+        free[q_lens == 0] = 0
     return free.astype(np.int32)
 
 

@@ -12,7 +12,9 @@
 #   SGLang 0.5.17 (same or another machine):
 #     carry .bundle/sglang/a  bash benchmarks/e2e/device.sh sglang-a   # lanes, model, SGLang jobs queued
 #     carry .bundle/sglang/b  bash benchmarks/e2e/device.sh sglang-b   # SGLang jobs start
-#     carry .bundle/fa3       bash benchmarks/e2e/device.sh fa3        # FA3 for attnplug_fa3 (cp vllm/b/fa3.so.xz + flash_attn_interface.py)
+#     carry .bundle/fa3       bash benchmarks/e2e/device.sh fa3        # FA3 for attnplug_fa3 (cp vllm/b/fa3.so.xz + flash_attn_interface.py;
+#                                                                      # or carry .gpu: its fa3.zip, gpu-wheels.sh)
+#     E2E_BASE=0 sglang-a: unpack only (the fp8 / shared stages queue their own jobs)
 #                             bash benchmarks/e2e/device.sh wait [MAX_S]
 #   Issue 18 (tensor parallel, speculation), on a machine where the engine's parts are unpacked (the
 #   calls above): TP=2 jobs hold both GPUs (queued on lane 0 only, CUDA_VISIBLE_DEVICES=0,1; NVLink
@@ -103,23 +105,31 @@ vllm-b)
 sglang-a)
   setup
   mkdir -p $S && xz -dc .bundle/sglang/a/sg.tar.xz | tar xf - -C $S && touch $S/.ready-a && echo "sglang-a unpacked"
-  sglang_job $g1 flashinfer flashinfer;                   sglang_job 0 triton triton
-  sglang_job $g1 attnplug_flashinfer attnplug_flashinfer; sglang_job 0 attnplug_triton attnplug_triton
-  # EAGLE (topk 4, 3 steps, 8 draft tokens) with CUDA graphs: target verify + draft decode captured by
-  # attnplug, draft extend eager (SGLang captures it only for its own backend classes)
-  sglang_job $g1 attnplug_triton eagle-attnplug_triton --eagle-draft $DRAFT --rows 0
-  sglang_job 0 attnplug_fa3 attnplug_fa3
-  sglang_job $g1 attnplug_flashinfer eagle-attnplug_flashinfer --eagle-draft $DRAFT --rows 0
-  sglang_job 0 attnplug_fa3 eagle-attnplug_fa3 --eagle-draft $DRAFT --eager --rows 0  # fa3 tree verify: no graphs
-  sglang_job $g1 attnplug_triton attnplug_triton-eager --eager --rows 0,1
+  if [[ ${E2E_BASE:-1} == 1 ]]; then  # E2E_BASE=0: only unpack (a later stage queues its own jobs)
+    sglang_job $g1 flashinfer flashinfer;                   sglang_job 0 triton triton
+    sglang_job $g1 attnplug_flashinfer attnplug_flashinfer; sglang_job 0 attnplug_triton attnplug_triton
+    # EAGLE (topk 4, 3 steps, 8 draft tokens) with CUDA graphs: target verify + draft decode captured by
+    # attnplug, draft extend eager (SGLang captures it only for its own backend classes)
+    sglang_job $g1 attnplug_triton eagle-attnplug_triton --eagle-draft $DRAFT --rows 0
+    sglang_job 0 attnplug_fa3 attnplug_fa3
+    sglang_job $g1 attnplug_flashinfer eagle-attnplug_flashinfer --eagle-draft $DRAFT --rows 0
+    sglang_job 0 attnplug_fa3 eagle-attnplug_fa3 --eagle-draft $DRAFT --eager --rows 0  # fa3 tree verify: no graphs
+    sglang_job $g1 attnplug_triton attnplug_triton-eager --eager --rows 0,1
+  fi
   $L wait $LANES --max "${max:-15}" --out "$OUT" --results $RES ;;
 sglang-b)
   xz -dc .bundle/sglang/b/deps.tar.xz | tar xf - -C $S && touch $S/.ready-b && echo "sglang-b installed"
   $L wait $LANES --max "${max:-480}" --out "$OUT" --results $RES ;;
-fa3)  # vLLM's FA3 build as a standalone `vllm_flash_attn` package (sgl_kernel's FA3 is not in the bundle)
-  mkdir -p $FA3/vllm_flash_attn && touch $FA3/vllm_flash_attn/__init__.py &&
+fa3)  # vLLM's FA3 build as a standalone `vllm_flash_attn` package (sgl_kernel's FA3 is not in the bundle),
+  # from .bundle/fa3 (fa3.so.xz + flash_attn_interface.py) or, when carried, .gpu/fa3.zip (gpu-wheels.sh)
+  mkdir -p $FA3/vllm_flash_attn && touch $FA3/vllm_flash_attn/__init__.py
+  if [[ -f .bundle/fa3/fa3.so.xz ]]; then
     cp .bundle/fa3/flash_attn_interface.py $FA3/vllm_flash_attn/ &&
-    xz -dc .bundle/fa3/fa3.so.xz > $FA3/vllm_flash_attn/_vllm_fa3_C.abi3.so && touch $FA3/.ready && echo "fa3 installed"
+      xz -dc .bundle/fa3/fa3.so.xz > $FA3/vllm_flash_attn/_vllm_fa3_C.abi3.so || exit 1
+  else
+    python3 -m zipfile -e .gpu/fa3.zip $FA3/zip && cp $FA3/zip/vllm/vllm_flash_attn/* $FA3/vllm_flash_attn/ || exit 1
+  fi
+  touch $FA3/.ready && echo "fa3 installed"
   $L wait $LANES --max "${max:-480}" --out "$OUT" --results $RES ;;
 vllm-tp)  # vLLM parts already unpacked into $V (vllm-a / vllm-b earlier on this machine)
   setup; rows="--rows ${E2E_ROWS:-0,1}"
@@ -166,7 +176,8 @@ vllm-shared)
 sglang-fp8)
   setup; rows="--rows ${E2E_ROWS:-0,1}"
   for b in ${E2E_BACKENDS:-flashinfer attnplug_fa3 attnplug_triton attnplug_flashinfer}; do
-    sglang_job 0 "$b" "$b-kvfp8_e4m3" --kv-cache-dtype fp8_e4m3 $rows; sglang_job $g1 "$b" "$b" $rows
+    sglang_job 0 "$b" "$b-kvfp8_e4m3" --kv-cache-dtype fp8_e4m3 $rows
+    [[ -z ${E2E_DEFAULT_DTYPE+x} || " $E2E_DEFAULT_DTYPE " == *" $b "* ]] && sglang_job $g1 "$b" "$b" $rows
   done
   $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
 sglang-shared)

@@ -29,6 +29,14 @@ import triton.language as tl
 from .prefill import attend_block
 
 
+@triton.constexpr_function
+def pow2_at_least(n: int) -> int:
+    """The next power of two >= ``n``, at compile time inside a kernel. attnplug's own rather than
+    ``triton.next_power_of_2``: SGLang replaces that attribute with a plain function at import
+    (``sglang/srt/utils/common.py``), which a kernel may not call."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 @triton.jit
 def decode_kernel(
     Q, K, V, O, LSE, PO, PL, COUNTERS,
@@ -135,7 +143,7 @@ def _merge_group(O, LSE, PO, PL, t64, kvh, has_q, num_splits, stride_ot, stride_
                  MERGE_CHUNK: tl.constexpr, STORE_LSE: tl.constexpr):
     """Merge the ``num_splits`` partials of the ``GROUP`` heads of ``kvh`` (token ``t64``) into O / LSE.
     Partials were written by other programs of this launch: loads bypass L1 (``.cg``)."""
-    GP: tl.constexpr = triton.next_power_of_2(GROUP)
+    GP: tl.constexpr = pow2_at_least(GROUP)
     g = tl.arange(0, GP)
     g_ok = g < tl.where(has_q, GROUP, 0)
     head = kvh * GROUP + g

@@ -76,14 +76,42 @@ def triton_interpreter_active() -> bool:
 
 
 def _stable_order(key: np.ndarray) -> np.ndarray:
-    """``np.argsort(key, kind="stable")`` for small non-negative int keys, faster: one plain sort of
-    ``key << 32 | position`` (unique values, so any sort keeps equal keys in position order)."""
+    """``np.argsort(key, kind="stable")`` for ``[n]`` int keys, faster: keys in ``[0, 2**16)`` as uint16
+    (numpy's stable sort of 16-bit keys is a radix sort); other non-negative keys through one plain
+    sort of ``key << 32 | position`` (unique values, so any sort keeps equal keys in position order)."""
     n = key.shape[0]
+    if n and key.dtype in (np.int32, np.int64):
+        u = key.view(np.uint32 if key.dtype == np.int32 else np.uint64)  # a negative key reads as >= 2**31
+        if u[u.argmax()] < 1 << 16:
+            return key.astype(np.uint16).argsort(kind="stable")
     if n >= 1 << 32 or (n and int(key[key.argmin()]) < 0):
         return np.argsort(key, kind="stable")
     packed = (key.astype(np.int64) << 32) | np.arange(n, dtype=np.int64)
     packed.sort()
     return packed & 0xFFFFFFFF
+
+
+def _tile_counts(q_lens: np.ndarray, block_q: int) -> tuple[np.ndarray, np.ndarray]:
+    """Tiles of ``block_q`` query tokens per request: ``counts [B]`` (``ceil(q_len / block_q)``, 0 for
+    ``q_len = 0``) and their running sum ``ends [B]`` int32 (``ends[-1]``: the number of tiles)."""
+    counts = (q_lens - 1) // block_q + 1  # no overflow near the int32 limit
+    return counts, counts.cumsum(dtype=np.int32)
+
+
+def _tile_list(q_lens: np.ndarray, kv_lens: np.ndarray, counts: np.ndarray, ends: np.ndarray, block_q: int,
+               ascending_work: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The tile list: ``tile_req [T]`` int32 (request of each tile) and ``tile_q [T]`` int32 (its first
+    query token), ``T = ends[-1]``, from :func:`_tile_counts`. In request order, tiles in token order;
+    ``ascending_work``: sorted by ``kv_len - q_len + tile_q`` (the causal keys of the tile's first
+    row), ties in that order (a stable sort)."""
+    tile_req = np.arange(q_lens.shape[0], dtype=np.int32).repeat(counts)
+    num_tiles = int(ends[-1]) if ends.shape[0] else 0
+    tile_q = (np.arange(num_tiles, dtype=np.int32) - (ends - counts).repeat(counts)) * block_q
+    tile_q = tile_q.astype(np.int32, copy=False)
+    if ascending_work:
+        order = _stable_order((kv_lens - q_lens)[tile_req] + tile_q)
+        tile_req, tile_q = tile_req[order], tile_q[order]
+    return tile_req, tile_q
 
 
 def _next_pow2(x: int) -> int:
@@ -259,8 +287,7 @@ class TritonProvider(Provider):
         if identity:
             counts, num_tiles = None, nreq
         else:
-            counts = (q_lens.astype(np.int64) + (block_q - 1)) // block_q
-            ends = np.cumsum(counts)
+            counts, ends = _tile_counts(q_lens, block_q)
             num_tiles = int(ends[-1])
         splits = self.split_count(num_tiles, plan.max_kv_len, o.num_kv_splits)
         kernel, entry = "paged", self._entry("prefill")
@@ -289,12 +316,9 @@ class TritonProvider(Provider):
         else:
             if identity:
                 tile_req, tile_q = np.arange(num_tiles, dtype=np.int32), np.zeros(num_tiles, dtype=np.int32)
-            else:
-                tile_req = np.repeat(np.arange(nreq, dtype=np.int32), counts)
-                tile_q = ((np.arange(num_tiles) - (ends - counts)[tile_req]) * block_q).astype(np.int32)
-                if kernel == "prefill":  # ascending causal work: the kernel runs the list backwards, longest first
-                    order = _stable_order((plan.kv_lens_cpu.numpy() - q_lens)[tile_req] + tile_q)
-                    tile_req, tile_q = tile_req[order], tile_q[order]
+            else:  # prefill: ascending causal work, the kernel runs the list backwards, longest first
+                tile_req, tile_q = _tile_list(q_lens, plan.kv_lens_cpu.numpy(), counts, ends, block_q,
+                                              kernel == "prefill")
             if static is not None:
                 if num_tiles > static.tile_req.numel():
                     raise ValueError(f"attnplug: {num_tiles} triton tiles exceed the static capacity "
