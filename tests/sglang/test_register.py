@@ -106,3 +106,15 @@ def test_register_hooks_server_args_resolution():
     assert target.endswith(".resolve_once" if compat.sglang_version() == "0.5.23" else ".__post_init__")
     hooks = HookRegistry._hooks[target]
     assert [h for _, h, _ in hooks].count(adapter._prepare_selected_providers) == 1
+
+
+def test_attnplug_kernels_hash_after_sglang_patches_triton():
+    """SGLang replaces ``triton.next_power_of_2`` with a plain function at import; every attnplug kernel
+    must still pass Triton's dependency hash (the step before each compile; on a GPU it failed inside
+    SGLang's decode graph capture). Real JIT functions, no interpreter, no GPU."""
+    check = os.path.join(os.path.dirname(__file__), os.pardir, "kernel_hash_check.py")
+    r = subprocess.run([sys.executable, check, "import:sglang.srt.utils.common"], capture_output=True, text=True,
+                       env=subprocess_env(), timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "triton.next_power_of_2 from sglang" in r.stdout, r.stdout  # the patch under test is in place
+    assert int(r.stdout.split("seen", 1)[1].split()[0]) >= 10, r.stdout
