@@ -21,11 +21,16 @@ pytest.importorskip("triton")
 CHECK = Path(__file__).resolve().parents[1] / "kernel_hash_check.py"
 
 
-def _run(mode: str) -> subprocess.CompletedProcess:
+def _env() -> dict[str, str]:
+    """This process's environment without ``TRITON_INTERPRET`` (real JIT functions), the repo first on
+    ``PYTHONPATH``."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(CHECK.parents[1])] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    return subprocess.run([sys.executable, str(CHECK), mode], capture_output=True, text=True, env=env,
-                          timeout=300)
+    return env
+
+
+def _run(mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(CHECK), mode], capture_output=True, text=True, env=_env(), timeout=300)
 
 
 @pytest.mark.parametrize("mode", ["plain", "sglang-patch"])
@@ -59,6 +64,5 @@ def test_the_check_fails_on_a_kernel_that_calls_triton_next_power_of_2(tmp_path)
     )
     f = tmp_path / "k.py"
     f.write_text(src)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, str(f)], capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run([sys.executable, str(f)], capture_output=True, text=True, env=_env(), timeout=120)
     assert r.returncode == 3 and "Unsupported function" in r.stdout, r.stdout + r.stderr

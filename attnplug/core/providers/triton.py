@@ -101,12 +101,11 @@ def _tile_counts(q_lens: np.ndarray, block_q: int) -> tuple[np.ndarray, np.ndarr
 def _tile_list(q_lens: np.ndarray, kv_lens: np.ndarray, counts: np.ndarray, ends: np.ndarray, block_q: int,
                ascending_work: bool) -> tuple[np.ndarray, np.ndarray]:
     """The tile list: ``tile_req [T]`` int32 (request of each tile) and ``tile_q [T]`` int32 (its first
-    query token), ``T = ends[-1]``, from :func:`_tile_counts`. In request order, tiles in token order;
+    query token), ``T = ends[-1]``, from :func:`_tile_counts` of at least one request. In request order, tiles in token order;
     ``ascending_work``: sorted by ``kv_len - q_len + tile_q`` (the causal keys of the tile's first
     row), ties in that order (a stable sort)."""
     tile_req = np.arange(q_lens.shape[0], dtype=np.int32).repeat(counts)
-    num_tiles = int(ends[-1]) if ends.shape[0] else 0
-    tile_q = (np.arange(num_tiles, dtype=np.int32) - (ends - counts).repeat(counts)) * block_q
+    tile_q = (np.arange(int(ends[-1]), dtype=np.int32) - (ends - counts).repeat(counts)) * block_q
     tile_q = tile_q.astype(np.int32, copy=False)
     if ascending_work:
         order = _stable_order((kv_lens - q_lens)[tile_req] + tile_q)
