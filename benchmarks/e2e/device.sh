@@ -24,6 +24,7 @@
 #   Issues 15 and 13, same machine: fp8 KV cache (rows E2E_ROWS, default 0,1, with the default-dtype run
 #   of each backend for the KV capacity ratio) and the shared-prefix row (64 x (8192 + 256) -> 256):
 #     bash benchmarks/e2e/device.sh vllm-fp8 | sglang-fp8 | vllm-shared | sglang-shared
+#   EAGLE with graphs alone (SGLang): E2E_BACKENDS="attnplug_triton" bash benchmarks/e2e/device.sh sglang-eagle
 #   (E2E_BACKENDS="..." picks the backends; E2E_DEFAULT_DTYPE="..." limits the fp8 stages' default-dtype
 #   runs to those backends (the KV capacity ratio needs one); on one GPU the jobs run one after another, ~2-3 min each;
 #   the shared stages run attnplug_triton / attnplug_fa3 twice, the second with ATTNPLUG_CASCADE_GRAPHS=1)
@@ -178,6 +179,13 @@ sglang-fp8)
   for b in ${E2E_BACKENDS:-flashinfer attnplug_fa3 attnplug_triton attnplug_flashinfer}; do
     sglang_job 0 "$b" "$b-kvfp8_e4m3" --kv-cache-dtype fp8_e4m3 $rows
     [[ -z ${E2E_DEFAULT_DTYPE+x} || " $E2E_DEFAULT_DTYPE " == *" $b "* ]] && sglang_job $g1 "$b" "$b" $rows
+  done
+  $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
+sglang-eagle)  # EAGLE with CUDA graphs, row 0, for E2E_BACKENDS (default attnplug_triton); fa3: eager (no tree-verify graphs)
+  setup
+  for b in ${E2E_BACKENDS:-attnplug_triton}; do
+    if [[ $b == *fa3* ]]; then sglang_job 0 "$b" "eagle-$b" --eagle-draft $DRAFT --eager --rows 0
+    else sglang_job 0 "$b" "eagle-$b" --eagle-draft $DRAFT --rows 0; fi
   done
   $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
 sglang-shared)
