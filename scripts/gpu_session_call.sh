@@ -17,6 +17,10 @@
 #                 4x32768), with the wider split candidates, --write (~2 min)
 #   bench-long    decode 1x32768 / 4x32768 / 64x4096 rows, bf16 and fp8, triton vs fa3 (~2 min)
 #   fp8-fi        FlashInfer JIT warm-up, then tests/gpu/test_fp8_gpu.py -k flashinfer (~4 min)
+#   decode-graph  benchmarks/decode_graph_bench.py, triton and fa3: decode graphs captured for 32768 keys,
+#                 replayed at 1x1024 / 64x1024, bf16 vs fp8, pages 1 and 16, plus the KV write (~2 min)
+#   decode-graph-fi  the same for the flashinfer provider and FlashInfer's own wrapper (after fp8-fi's
+#                 warm-up on the same machine; a cold JIT can take minutes)
 #   e.g.  bash scripts/gpu_session_call.sh nosync cascade-if sweep bench-prefill
 set -u
 W=$OUT/w; mkdir -p "$W"; G="bash scripts/gpu_run.sh"; t0=$SECONDS
@@ -62,6 +66,13 @@ for step in "$@"; do
     timeout 200 $G python3 -m attnplug.bench.jit_warmup > "$W/warm.log" 2>&1; log "jit warm-up rc $?"; reap
     timeout 90 $G python3 -m pytest tests/gpu/test_fp8_gpu.py -q -rfEs -k flashinfer > "$W/pytest-fi-fp8.log" 2>&1
     log "pytest fi fp8 rc $?"; tail -n 3 "$W/pytest-fi-fp8.log" ;;
+  decode-graph)
+    timeout 200 $G python3 benchmarks/decode_graph_bench.py --providers triton,fa3 --out "$W/decode-graph" \
+      > "$W/decode-graph.log" 2>&1; log "decode graph bench rc $?"; grep "^decode" "$W/decode-graph.log" | cut -c1-300 ;;
+  decode-graph-fi)
+    reap
+    timeout 240 $G python3 benchmarks/decode_graph_bench.py --providers flashinfer --out "$W/decode-graph-fi" \
+      > "$W/decode-graph-fi.log" 2>&1; log "decode graph bench (flashinfer) rc $?"; grep "^decode" "$W/decode-graph-fi.log" | cut -c1-300 ;;
   *) log "unknown step $step" ;;
   esac
 done
