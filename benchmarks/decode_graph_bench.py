@@ -115,6 +115,15 @@ def kv_write_case(work: Work, kv: list, layers: int) -> dict:
     return dict(ms_per_layer=replay_ms(lambda i: write_kv_paged(k_new, k_new, kv[i][0], kv[i][1], slots, **sc), layers, dev))
 
 
+def guarded(fn, *args) -> dict:
+    """``fn(*args)``, or ``{"error": ...}`` when it raises: one failing case does not cost the call's other
+    cases (the JSON and the printed line show the error)."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}"[:500]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".")
@@ -142,10 +151,10 @@ def main() -> None:
                 name = f"decode {r} page {P}" + (" fp8" if kvt else "")
                 work = build(Row(name, "decode", B, 1, kv_len - 1, kv=kvt), cfg, dev)
                 kv = caches(work, layers)
-                case = {p: attnplug_case(work, kv, p, cap, layers) for p in providers}
+                case = {p: guarded(attnplug_case, work, kv, p, cap, layers) for p in providers}
                 if "flashinfer" in providers:
-                    case["flashinfer.native"] = flashinfer_case(work, kv, layers)
-                case["attnplug.kv_write"] = kv_write_case(work, kv, layers)
+                    case["flashinfer.native"] = guarded(flashinfer_case, work, kv, layers)
+                case["attnplug.kv_write"] = guarded(kv_write_case, work, kv, layers)
                 res["cases"][name] = case
                 print(name, json.dumps(case), flush=True)
                 del kv, work
