@@ -34,6 +34,7 @@ from attnplug.bench.workloads import Row, Work, build, reference, rel_err  # noq
 from attnplug.core import AttentionConfig  # noqa: E402
 from attnplug.core.cuda_graph import GraphState  # noqa: E402
 from attnplug.core.kernels.kv_write import write_kv_paged  # noqa: E402
+from attnplug.core.page_table import slot_mapping  # noqa: E402
 from attnplug.core.pages import num_pages  # noqa: E402
 from attnplug.core.providers import ProviderUnavailable  # noqa: E402
 
@@ -80,36 +81,35 @@ def attnplug_case(work: Work, kv: list, provider: str, capture_len: int, layers:
 
 
 def flashinfer_case(work: Work, kv: list, layers: int) -> dict:
-    """FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores; fp8: the fa2 template, scales
-    as host floats), ``use_cuda_graph=True`` on the row's own plan: the engines' native path."""
-    try:
-        import flashinfer as fi  # noqa: PLC0415
-    except Exception as e:  # noqa: BLE001 (any import failure means: not measured here)
-        return {"unavailable": repr(e)}
+    """FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` as the bench's ``flashinfer.decode_tc`` plans
+    it (tensor cores; fp8: the fa2 template, scales as host floats), with ``use_cuda_graph=True`` on the
+    row's own plan: the engines' native path."""
+    from attnplug.bench.impls import Unavailable, _fi_common, _fi_scales, _flashinfer, _workspace  # noqa: PLC0415
     from attnplug.core.providers.flashinfer import fa2_decode_kwargs  # noqa: PLC0415
 
+    try:
+        fi = _flashinfer()
+    except Unavailable as e:
+        return {"unavailable": str(e)}
     cfg, b, q, dev = work.config, work.batch, work.q, work.q.device
-    fp8 = work.row.kv == "fp8"
-    indptr, indices, last = (b.kv_indptr.to(dev), b.kv_indices.to(dev), b.kv_last_page_len.to(dev))
     w = fi.BatchDecodeWithPagedKVCacheWrapper(
-        torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=dev), cfg.kv_layout, use_cuda_graph=True,
-        use_tensor_cores=True, paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
-        paged_kv_last_page_len_buffer=last, **(fa2_decode_kwargs(fi) if fp8 else {}))  # fmt: skip
+        _workspace(dev), cfg.kv_layout, use_cuda_graph=True, use_tensor_cores=True,
+        paged_kv_indptr_buffer=b.kv_indptr.to(dev), paged_kv_indices_buffer=b.kv_indices.to(dev),
+        paged_kv_last_page_len_buffer=b.kv_last_page_len.to(dev),
+        **(fa2_decode_kwargs(fi) if work.row.kv == "fp8" else {}))  # fmt: skip
     w.plan(b.kv_indptr, b.kv_indices, b.kv_last_page_len, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
-           cfg.page_size, q_data_type=cfg.dtype, kv_data_type=cfg.kv_dtype, sm_scale=cfg.scale)  # fmt: skip
-    ks, vs = work.extra["scale_floats"] if fp8 else (None, None)
-    outs = [torch.empty_like(q) for _ in range(layers)]
-    ms = replay_ms(lambda i: w.run(q, kv[i], k_scale=ks, v_scale=vs, out=outs[i]), layers, dev)
+           cfg.page_size, **_fi_common(work))  # fmt: skip
+    outs, sc = [torch.empty_like(q) for _ in range(layers)], _fi_scales(work)
+    ms = replay_ms(lambda i: w.run(q, kv[i], out=outs[i], **sc), layers, dev)
     return dict(ms_per_layer=ms, rel_err=rel_err(outs[0], reference(work, work.row.batch)))
 
 
 def kv_write_case(work: Work, kv: list, layers: int) -> dict:
-    """attnplug's KV write of the step's ``B`` new tokens (one launch per layer), into the last slots."""
+    """attnplug's KV write of the step's ``B`` new tokens (one launch per layer), into each request's
+    last slot (:func:`attnplug.core.page_table.slot_mapping`)."""
     cfg, B, dev = work.config, work.row.batch, work.q.device
     k_new = torch.randn(B, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=dev)
-    P = cfg.page_size
-    last_page = work.batch.kv_indices[(work.batch.kv_indptr[1:] - 1).long()].to(dev).long()
-    slots = last_page * P + work.batch.kv_last_page_len.to(dev).long() - 1
+    slots = slot_mapping(work.block_table, work.seq_lens - 1, torch.arange(B, device=dev), cfg.page_size)
     sc = work.extra.get("scales", {})
     # the write overwrites the last key of every request: the attention cases above have already run
     return dict(ms_per_layer=replay_ms(lambda i: write_kv_paged(k_new, k_new, kv[i][0], kv[i][1], slots, **sc), layers, dev))

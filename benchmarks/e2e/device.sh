@@ -184,8 +184,8 @@ sglang-fp8)
 sglang-eagle)  # EAGLE with CUDA graphs, row 0, for E2E_BACKENDS (default attnplug_triton); fa3: eager (no tree-verify graphs)
   setup
   for b in ${E2E_BACKENDS:-attnplug_triton}; do
-    if [[ $b == *fa3* ]]; then sglang_job 0 "$b" "eagle-$b" --eagle-draft $DRAFT --eager --rows 0
-    else sglang_job 0 "$b" "eagle-$b" --eagle-draft $DRAFT --rows 0; fi
+    eager=""; [[ $b == *fa3* ]] && eager=--eager
+    sglang_job 0 "$b" "eagle-$b" --eagle-draft $DRAFT $eager --rows 0
   done
   $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
 sglang-shared)
