@@ -131,18 +131,20 @@ def main() -> None:
     ap.add_argument("--providers", default="triton,fa3,flashinfer")
     ap.add_argument("--rows", default="1x1024,64x1024", help="comma list of BxKV (decode, one new token each)")
     ap.add_argument("--pages", default="1,16", help="page sizes (SGLang runs page 1)")
-    ap.add_argument("--capture-len", type=int, default=32768, help="max_seq_len the graphs are captured for")
+    ap.add_argument("--capture-len", default="32768",
+                    help="max_seq_len the graphs are captured for; a comma list also captures each provider at the "
+                         "later lengths (cases 'PROVIDER@LEN': the split count chosen for that length)")
     ap.add_argument("--layers", type=int, default=32)
     a = ap.parse_args()
     if a.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        dev, heads, rows, pages, cap, layers = torch.device("cpu"), (4, 2, 32), ["2x40"], [1, 16], 256, 2
+        dev, heads, rows, pages, caps, layers = torch.device("cpu"), (4, 2, 32), ["2x40"], [1, 16], [256, 64], 2
         providers = ["triton"]
     else:
-        dev, heads, cap, layers = torch.device("cuda"), (32, 8, 128), a.capture_len, a.layers
+        dev, heads, caps, layers = torch.device("cuda"), (32, 8, 128), [int(c) for c in a.capture_len.split(",")], a.layers
         rows, pages, providers = a.rows.split(","), [int(p) for p in a.pages.split(",")], a.providers.split(",")
     res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-           "capture_len": cap, "layers": layers, "cases": {}}  # fmt: skip
+           "capture_len": caps[0], "capture_lens": caps, "layers": layers, "cases": {}}  # fmt: skip
     for P in pages:
         cfg = AttentionConfig(*heads, P, torch.bfloat16)
         for r in rows:
@@ -151,7 +153,8 @@ def main() -> None:
                 name = f"decode {r} page {P}" + (" fp8" if kvt else "")
                 work = build(Row(name, "decode", B, 1, kv_len - 1, kv=kvt), cfg, dev)
                 kv = caches(work, layers)
-                case = {p: guarded(attnplug_case, work, kv, p, cap, layers) for p in providers}
+                case = {p if c == caps[0] else f"{p}@{c}": guarded(attnplug_case, work, kv, p, c, layers)
+                        for p in providers for c in caps}
                 if "flashinfer" in providers:
                     case["flashinfer.native"] = guarded(flashinfer_case, work, kv, layers)
                 case["attnplug.kv_write"] = guarded(kv_write_case, work, kv, layers)

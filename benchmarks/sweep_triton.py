@@ -34,7 +34,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-# (row name, kind, batch, q_len, prefix, (Hq, Hkv, D)) - the benchmark's rows (attnplug/bench/workloads.py)
+# (row name, kind, batch, q_len, prefix, (Hq, Hkv, D)[, shared]) - the benchmark's rows (attnplug/bench/workloads.py);
+# ``shared``: the leading prefix tokens every request shares (same page ids), planned with cascade off
+# (the shared-prefix row of the default path, where the decode kernel's L2 throughput bounds it)
 LLAMA, D64, D256 = (32, 8, 128), (32, 8, 64), (16, 8, 256)
 ROWS = [
     ("prefill 4x4096", "prefill", 4, 4096, 0, LLAMA),
@@ -57,12 +59,15 @@ ROWS = [
     ("decode 1x32768 fp8", "decode", 1, 1, 32767, LLAMA),
     ("decode 4x32768 fp8", "decode", 4, 1, 32767, LLAMA),
     ("prefill 4x4096 fp8", "prefill", 4, 4096, 0, LLAMA),
+    ("decode 64x(8192 shared+256)", "decode", 64, 1, 8192 + 256, LLAMA, 8192),
+    ("decode 64x(8192+256) unshared", "decode", 64, 1, 8192 + 256, LLAMA),
 ]
 # a page-64 prefill: where tensor-descriptor (TMA) K/V loads apply; decides the table's "tma" flag
 TMA_ROW = ("prefill 4x4096 page64", "prefill", 4, 4096, 0, LLAMA)
 # --smoke (CPU, Triton interpreter): the whole flow on tiny shapes, two candidates a row, SM count 132
 SMOKE_ROWS = [("prefill smoke", "prefill", 2, 80, 16, (8, 2, 64)), ("decode smoke", "decode", 2, 1, 2100, (8, 2, 64)),
-              ("prefill smoke page64", "prefill", 1, 70, 0, (8, 2, 64)), ("decode smoke fp8", "decode", 2, 1, 2100, (8, 2, 64))]
+              ("prefill smoke page64", "prefill", 1, 70, 0, (8, 2, 64)), ("decode smoke fp8", "decode", 2, 1, 2100, (8, 2, 64)),
+              ("decode smoke shared", "decode", 3, 1, 300, (8, 2, 64), 256)]
 SMOKE = {"on": False}
 
 
@@ -95,8 +100,8 @@ def decode_candidates(d: int, split: bool) -> list[dict]:
     """The decode kernel (fused merge or not; split target in programs per SM) and the general kernel
     with deeper pipelines."""
     tiles = ((64, 4, 5), (64, 4, 7), (128, 4, 5)) if d <= 128 else ((64, 4, 5), (32, 4, 7), (64, 8, 5))
-    if not split:
-        tiles += ((64, 2, 5), (32, 4, 7)) if d <= 128 else ()
+    if not split:  # more bytes in flight per program (the shared-prefix row is bound by L2 throughput)
+        tiles += ((64, 2, 5), (32, 4, 7), (128, 4, 7), (128, 8, 5), (256, 8, 3)) if d <= 128 else ()
     else:  # long contexts split over the SMs: wider key blocks and more programs per SM keep more loads in flight
         tiles += ((256, 4, 3), (256, 8, 2)) if d <= 128 else ()
     out = []
@@ -154,8 +159,8 @@ def candidates(row, bucket: str) -> list[dict]:
 def build(row, device):
     from attnplug.bench.workloads import Row, build as wbuild
 
-    name, kind, b, q, prefix, _ = row
-    return wbuild(Row(name, kind, b, q, prefix, kv="fp8" if is_fp8(row) else ""),
+    name, kind, b, q, prefix = row[:5]
+    return wbuild(Row(name, kind, b, q, prefix, shared=row[6] if len(row) > 6 else 0, kv="fp8" if is_fp8(row) else ""),
                   dataclasses.replace(row_config(row), kv_dtype=None), device)
 
 
@@ -170,7 +175,7 @@ def plan_run(work, entry: dict | None, key: str):
     if entry is not None:
         tiles.TILES[key] = entry
     try:
-        attn = PagedAttention(work.config, "triton", work.q.device)
+        attn = PagedAttention(work.config, "triton", work.q.device, cascade="off")
         if SMOKE["on"]:
             attn.provider._sms = 132
         plan = attn.plan(work.batch, num_pages=work.num_pages)
@@ -267,7 +272,7 @@ def main(argv=None) -> int:
     ap.add_argument("--write", action="store_true", help="rewrite attnplug/core/kernels/tiles.py with the winners")
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 4))
     ap.add_argument("--budget", type=float, default=170.0, help="seconds for the whole sweep (timing stops there)")
-    ap.add_argument("--rows", default="", help="comma-separated row-name substrings (default: all)")
+    ap.add_argument("--rows", default="", help="comma-separated row-name substrings (default: all); one ending in '$' matches the name's end")
     ap.add_argument("--table", default=os.path.join(os.path.dirname(HERE), "attnplug", "core", "kernels", "tiles.py"),
                     help="the table file --write rewrites")
     ap.add_argument("--smoke", action="store_true", help="CPU check of the flow (Triton interpreter, tiny shapes)")
@@ -284,7 +289,7 @@ def main(argv=None) -> int:
     rows = SMOKE_ROWS if a.smoke else ROWS + [TMA_ROW]
     if a.rows:
         sel = [s.strip() for s in a.rows.split(",") if s.strip()]
-        rows = [r for r in rows if any(s in r[0] for s in sel)]
+        rows = [r for r in rows if any(r[0].endswith(s[:-1]) if s.endswith("$") else s in r[0] for s in sel)]
     todo = tasks(rows)
     print(f"sweep: {len(rows)} rows, {len(todo)} (row, candidate) pairs, {a.jobs} compile workers", flush=True)
 

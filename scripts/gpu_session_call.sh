@@ -18,7 +18,10 @@
 #   bench-long    decode 1x32768 / 4x32768 / 64x4096 rows, bf16 and fp8, triton vs fa3 (~2 min)
 #   fp8-fi        FlashInfer JIT warm-up, then tests/gpu/test_fp8_gpu.py -k flashinfer (~4 min)
 #   decode-graph  benchmarks/decode_graph_bench.py, triton and fa3: decode graphs captured for 32768 keys,
-#                 replayed at 1x1024 / 64x1024, bf16 vs fp8, pages 1 and 16, plus the KV write (~2 min)
+#                 replayed at 1x1024 / 64x1024, bf16 vs fp8, pages 1 and 16, plus the KV write; each provider also
+#                 captured for 1024 keys ('PROVIDER@1024': the split count of the replayed length) (~3 min)
+#   sweep-shared  benchmarks/sweep_triton.py (no --write) on the unsplit decode rows: the shared-prefix row
+#                 with cascade off (64 x (8192 shared + 256)), its unshared twin, 64x4096, 128x2048 (~3 min)
 #   decode-graph-fi  the same for the flashinfer provider and FlashInfer's own wrapper (after fp8-fi's
 #                 warm-up on the same machine; a cold JIT can take minutes)
 #   e.g.  bash scripts/gpu_session_call.sh nosync cascade-if sweep bench-prefill
@@ -67,11 +70,14 @@ for step in "$@"; do
     timeout 90 $G python3 -m pytest tests/gpu/test_fp8_gpu.py -q -rfEs -k flashinfer > "$W/pytest-fi-fp8.log" 2>&1
     log "pytest fi fp8 rc $?"; tail -n 3 "$W/pytest-fi-fp8.log" ;;
   decode-graph)
-    timeout 200 $G python3 benchmarks/decode_graph_bench.py --providers triton,fa3 --out "$W/decode-graph" \
+    timeout 200 $G python3 benchmarks/decode_graph_bench.py --providers triton,fa3 --capture-len 32768,1024 --out "$W/decode-graph" \
       > "$W/decode-graph.log" 2>&1; log "decode graph bench rc $?"; grep "^decode" "$W/decode-graph.log" | cut -c1-300 ;;
+  sweep-shared)
+    timeout 220 $G python3 benchmarks/sweep_triton.py --budget 170 --rows '64x(8192,64x4096$,128x2048$' \
+      --out "$W/sweep-shared" > "$W/sweep-shared.log" 2>&1; log "sweep-shared rc $?"; grep "^sweep:" "$W/sweep-shared.log" | tail -n 12 ;;
   decode-graph-fi)
     reap
-    timeout 240 $G python3 benchmarks/decode_graph_bench.py --providers flashinfer --out "$W/decode-graph-fi" \
+    timeout 240 $G python3 benchmarks/decode_graph_bench.py --providers flashinfer --capture-len 32768,1024 --out "$W/decode-graph-fi" \
       > "$W/decode-graph-fi.log" 2>&1; log "decode graph bench (flashinfer) rc $?"; grep "^decode" "$W/decode-graph-fi.log" | cut -c1-300 ;;
   *) log "unknown step $step" ;;
   esac

@@ -18,6 +18,6 @@ def test_decode_graph_bench_smoke(tmp_path):
     res = json.loads((tmp_path / "decode-graph.json").read_text())
     assert sorted(res["cases"]) == sorted(f"decode 2x40 page {p}{f}" for p in (1, 16) for f in ("", " fp8"))
     for name, case in res["cases"].items():
-        t = case["triton"]
-        assert math.isfinite(t["rel_err"]) and t["rel_err"] <= (2e-2 if "fp8" in name else 1e-2), (name, t)
-        assert t["splits"] >= 1 and "ms_per_layer" in case["attnplug.kv_write"], (name, case)
+        for t in (case["triton"], case["triton@64"]):  # captured for 256 keys, and for 64
+            assert math.isfinite(t["rel_err"]) and t["rel_err"] <= (2e-2 if "fp8" in name else 1e-2), (name, t)
+            assert t["splits"] >= 1 and "ms_per_layer" in case["attnplug.kv_write"], (name, case)
