@@ -34,12 +34,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 K = "attnplug/core/kernels/attention.py"
 MG = "attnplug/core/kernels/merge.py"
+DK = "attnplug/core/kernels/decode.py"
 PL = "attnplug/core/plan.py"
 PT = "attnplug/core/page_table.py"
 GU = "attnplug/core/kernels/graph_update.py"
 DR = "attnplug/core/draft.py"
 
 KP = "tests/core/test_kernel_paths.py"
+FK = "tests/core/test_fast_kernels.py"
 KT = "tests/core/test_kernels.py"
 GD = "tests/core/test_graph_draft_oracles.py"
 
@@ -96,6 +98,11 @@ MUTATIONS = [
              "head = (kvh * GROUP + rows % GROUP + GROUP) % (GROUP * tl.num_programs(1))",
              (f"{KT}::test_decode",),
              "GQA packing pairs each query head group with the next KV head"),
+    Mutation("decode_active_splits_short", DK,
+             "active = tl.maximum(1, tl.cdiv(span, tl.maximum(chunk, 1)))",
+             "active = tl.maximum(1, tl.cdiv(span, tl.maximum(chunk, 1)) - 1)",
+             (f"{FK}::test_decode_split", f"{FK}::test_decode_short_replay_of_long_capture"),
+             "the fused decode merges one split fewer than hold keys: the last split's keys are lost"),
     # -- merge kernels -----------------------------------------------------------------------------------
     Mutation("split_merge_skipped", MG,
              "s_ok = sp < num_splits", "s_ok = sp < 1",

@@ -262,6 +262,29 @@ def test_decode_under_graph_state():
         assert not plan.state.counters.any()
 
 
+def test_decode_short_replay_of_long_capture():
+    """A decode graph planned for 8 splits replayed on contexts that fill 1 to 5 of them (chunks of
+    ``BLOCK_N`` keys): the splits past a request's keys neither write nor get merged (their partials
+    hold NaN here, which would show), the last active split merges, counters are 0 after each run."""
+    c0 = cfg(8, 2, d=32, page=16)
+    with table(decode_entries(c0)):
+        gs = GraphState(c0, "triton", max_batch=4, max_tokens=4, max_pages=200, device=DEVICE, mode="decode",
+                        pad_page=3, num_kv_splits=8)  # fmt: skip
+        plan = gs.prepare_capture(4)
+    assert triton_launch(plan)["num_splits"] == 8 and plan.state.counters is not None
+    for seed, lens in ((1, [40, 70, 300, 1]), (2, [1, 33, 64, 129])):
+        c = random_case(ForwardMode.DECODE, [1] * 4, lens, c0, DEVICE, seed=seed, extra_pages=4)
+        with table(decode_entries(c0)):
+            assert gs.update(c.batch, 4) is plan
+        plan.state.partial.fill_(math.nan)
+        plan.state.partial_lse.fill_(math.nan)
+        out = torch.full_like(c.q, math.nan)
+        gs.run(4, c.q, c.k_cache, c.v_cache, out)
+        ref, _ = reference_attention(make_plan(c0, c.batch, c.num_pages, device=DEVICE), c.q, c.k_cache, c.v_cache)
+        assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-2
+        assert not plan.state.counters.any()
+
+
 # ---- the table ----------------------------------------------------------------------------------
 def test_seed_table_keeps_the_2026_11_29_choices():
     """With the seeds, the provider picks what it picked before the table: the general kernel, the

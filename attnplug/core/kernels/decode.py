@@ -11,7 +11,10 @@ program (so 5-7 stages, not 2-3, give a decode program blocks to stream while it
 
 Splits (``SPLIT``): each program writes its partial output (fp32) and base-2 LSE to the workspace.
 ``FUSED_MERGE``: then it bumps the ``(request, KV head)`` counter; the program that arrives last
-merges the ``S`` partials of its heads into ``O`` (and ``LSE``) and puts the counter back to 0, so
+merges the partials of its heads into ``O`` (and ``LSE``). Each split covers ``chunk`` keys (the
+request's keys over ``S``, rounded up to ``BLOCK_N``), so a request with fewer keys than the ``S``
+its graph was captured for has ``active = cdiv(keys, chunk) < S`` splits: with ``FUSED_MERGE`` the
+others return at once (no partial, no arrival) and the last of the ``active`` merges them and puts the counter back to 0, so
 the counters are zero again after every launch: no host work, no memset, safe to capture in a CUDA
 graph (the counters are static memory, zeroed once at allocation). Without ``FUSED_MERGE`` the
 provider runs :func:`.merge.merge_splits` after this kernel.
@@ -92,10 +95,40 @@ def decode_kernel(
     if WINDOW:
         lo = tl.maximum(0, kv_len - 1 - window_left)
     hi = kv_len
+    active = 1
     if SPLIT:
-        chunk = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), num_splits), BLOCK_N) * BLOCK_N
+        span = tl.maximum(hi - lo, 0)
+        chunk = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
+        active = tl.maximum(1, tl.cdiv(span, tl.maximum(chunk, 1)))
         lo = lo + split * chunk
         hi = tl.minimum(hi, lo + chunk)
+    # FUSED_MERGE: a split past the request's keys (a graph captured for longer contexts) does nothing;
+    # the merge takes the `active` ones (the separate merge reads every split's LSE: each writes one)
+    limit = num_splits
+    if FUSED_MERGE:
+        limit = active
+    if split < limit:
+        _decode_split(q, K, V, O, LSE, PO, PL, COUNTERS, kv_indices, K_SCALE, V_SCALE, page_base, lo, hi, b, kvh,
+                      split, active, t64, head, rows, row_ok, d, d_ok, has_q, qk_scale, soft_cap,
+                      stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_ot, stride_oh,
+                      stride_lt, stride_lh, stride_pt, stride_ph, stride_ps, stride_plt, stride_plh,
+                      GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, PAGE_SIZE, SOFT_CAP, SPLIT, FUSED_MERGE, MERGE_S,
+                      MERGE_CHUNK, NUM_STAGES, STORE_LSE, DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE)
+
+
+@triton.jit
+def _decode_split(q, K, V, O, LSE, PO, PL, COUNTERS, kv_indices, K_SCALE, V_SCALE, page_base, lo, hi, b, kvh,
+                  split, active, t64, head, rows, row_ok, d, d_ok, has_q, qk_scale, soft_cap,
+                  stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_ot, stride_oh,
+                  stride_lt, stride_lh, stride_pt, stride_ph, stride_ps, stride_plt, stride_plh,
+                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, SOFT_CAP: tl.constexpr, SPLIT: tl.constexpr,
+                  FUSED_MERGE: tl.constexpr, MERGE_S: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+                  NUM_STAGES: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  UPCAST: tl.constexpr, KV_FP8: tl.constexpr, P_DTYPE: tl.constexpr):
+    """Keys ``[lo, hi)`` of request ``b``'s token for the heads of ``kvh``: the output (unsplit), or
+    split ``split``'s partial, then (``FUSED_MERGE``) the merge of the ``active`` splits by the last to
+    arrive."""
     full_hi = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -129,9 +162,9 @@ def decode_kernel(
         if FUSED_MERGE:
             tl.debug_barrier()  # every thread's partial stores precede the (release) arrival
             arrived = tl.atomic_add(COUNTERS + b * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:  # the last split of (b, kvh): merge, then re-arm the counter
+            if arrived == active - 1:  # the last split of (b, kvh): merge, then re-arm the counter
                 tl.atomic_xchg(COUNTERS + b * tl.num_programs(1) + kvh, 0, sem="relaxed", scope="gpu")
-                _merge_group(O, LSE, PO, PL, t64, kvh, has_q, num_splits, stride_ot, stride_oh, stride_lt, stride_lh,
+                _merge_group(O, LSE, PO, PL, t64, kvh, has_q, active, stride_ot, stride_oh, stride_lt, stride_lh,
                              stride_pt, stride_ph, stride_ps, stride_plt, stride_plh,
                              GROUP, HEAD_DIM, BLOCK_D, MERGE_S, MERGE_CHUNK, STORE_LSE)
 
