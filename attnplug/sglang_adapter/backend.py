@@ -16,9 +16,10 @@ pads requests with ``seq_len = get_cuda_graph_seq_len_fill_value()`` = the core'
 EAGLE multi-step draft: ``draft.AttnplugMultiStepDraftBackend`` (its ``attn_backends`` are subclasses
 of this class).
 
-fp8 KV pool (``--kv-cache-dtype fp8_e4m3 | fp8_e5m2``: the pool's dtype): the adapter quantizes the
-new K/V itself (``x / scale`` saturated to the fp8 range, as attnplug's vLLM write; SGLang's pool would
-cast without saturation) and hands fp8 tensors to ``set_kv_buffer``, which stores them as they are;
+fp8 KV pool (``--kv-cache-dtype fp8_e4m3 | fp8_e5m2``: the pool's dtype): the adapter writes the new
+K/V itself (``x / scale`` saturated to the fp8 range, as attnplug's vLLM write; SGLang's pool would
+cast without saturation): one Triton launch into the pool's pages where Triton runs, else quantized
+in torch and stored by ``set_kv_buffer``;
 attention dequantizes with the same scales: ``layer.k_scale`` / ``layer.v_scale`` (tensors SGLang's
 KV-cache quant method loads from a checkpoint), 1 when the layer has none - as SGLang's own backends.
 
@@ -117,6 +118,7 @@ class AttnplugAttnBackend(AttentionBackend):
         self._graph_fwd = None  # (mode, bs, BatchMetadata) of the current CUDA-graph forward
         self.graph_refusal: str | None = None  # set by the EAGLE draft-extend factory: graphs refused
         self._stats = _Stats()
+        self._fused_fp8_write: bool | None = None  # fp8 KV written by attnplug's Triton kernel (first write decides)
         self._late_counts = engine_glue.LateCounts()  # decode-graph cascade counters, read without a sync
         # Build the provider now: an unavailable provider or unsupported config fails at startup.
         self._probe_key = (self.num_qo_heads, self.num_kv_heads, self.head_dim, None, 0.0, -1)
@@ -499,24 +501,44 @@ class AttnplugAttnBackend(AttentionBackend):
         if not self._metadata_ready():
             raise RuntimeError(f"attnplug: backend '{self.backend_name}': forward before init_forward_metadata")
         scales = self._scales(layer)
-        if save_kv_cache and k is not None and v is not None:
-            # k, v: [T, Hkv, D]; the KV of the new tokens must be in the cache before run().
-            if scales:  # fp8: quantized here with saturation; the pool stores fp8 tensors as they are
-                from attnplug.core.kv_layout import quantize_fp8
-
-                k = quantize_fp8(k, scales["k_scale"], self.kv_dtype)
-                v = quantize_fp8(v, scales["v_scale"], self.kv_dtype)
-            self.token_to_kv_pool.set_kv_buffer(layer, compat.write_loc(fb), k, v)
-        key = self._layer_key(layer)
         hq, d = layer.tp_q_head_num, layer.qk_head_dim
-        q3 = q.reshape(-1, hq, d)
-        out = torch.empty_like(q3)
         shape = (self.num_pages, self.page_size, self.num_kv_heads, d)
         k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).view(shape)
         v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id).view(shape)
+        if save_kv_cache and k is not None and v is not None:
+            # k, v: [T, Hkv, D]; the KV of the new tokens must be in the cache before run().
+            self._write_kv(layer, fb, k, v, k_cache, v_cache, scales)
+        key = self._layer_key(layer)
+        q3 = q.reshape(-1, hq, d)
+        out = torch.empty_like(q3)
         self._run(key, q3, k_cache, v_cache, out, scales)
         self._stats.layer_runs += 1
         return out.view(-1, hq * d)
+
+    def _write_kv(self, layer, fb, k, v, k_cache, v_cache, scales: dict) -> None:
+        """The new tokens' K/V ``[T, Hkv, D]`` into the pool. bf16 / fp16: SGLang's ``set_kv_buffer``.
+        fp8: quantized with saturation by the layer's scales; where Triton runs (CUDA, or the
+        interpreter on CPU) in one launch straight into the pool's pages (``write_kv_paged`` at
+        ``out_cache_loc``, the slots ``set_kv_buffer`` writes), else in torch, then ``set_kv_buffer``
+        stores the fp8 tensors as they are."""
+        if not scales:
+            self.token_to_kv_pool.set_kv_buffer(layer, compat.write_loc(fb), k, v)
+            return
+        if self._fused_fp8_write is None:
+            from attnplug.core.providers.triton import triton_interpreter_active  # noqa: PLC0415
+
+            self._fused_fp8_write = self.device.type == "cuda" or triton_interpreter_active()
+        if self._fused_fp8_write:
+            from attnplug.core.kernels.kv_write import write_kv_paged  # noqa: PLC0415 - triton is optional
+
+            hkv, d = k_cache.shape[2], k_cache.shape[3]
+            write_kv_paged(k.view(-1, hkv, d), v.view(-1, hkv, d), k_cache, v_cache, fb.out_cache_loc, **scales)
+            return
+        from attnplug.core.kv_layout import quantize_fp8  # noqa: PLC0415
+
+        k = quantize_fp8(k, scales["k_scale"], self.kv_dtype)
+        v = quantize_fp8(v, scales["v_scale"], self.kv_dtype)
+        self.token_to_kv_pool.set_kv_buffer(layer, compat.write_loc(fb), k, v)
 
     def _scales(self, layer) -> dict:
         """fp8 KV pool: the layer's scale tensors (``layer.k_scale`` / ``v_scale``, SGLang's KV quant

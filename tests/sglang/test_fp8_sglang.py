@@ -13,8 +13,9 @@ attention backends (shown end to end by ``test_engine_refuses_fp8_kv_on_cpu_befo
 
 On a GPU, ``fp8_e4m3`` / ``fp8_e5m2`` give a plain ``MHATokenToKVPool`` of that dtype. So the
 backend-level tests here build exactly that pool (SGLang's real class, on CPU) and run the adapter on
-it: the KV write (SGLang's ``set_kv_buffer`` given fp8 tensors the adapter quantized with
-saturation and the layer's ``k_scale`` / ``v_scale``), EXTEND / DECODE / TARGET_VERIFY and a decode
+it: the KV write (attnplug's one-launch Triton write into the pool's pages, under the interpreter here;
+and the fallback: SGLang's ``set_kv_buffer`` given fp8 tensors the adapter quantized with saturation),
+both with the layer's ``k_scale`` / ``v_scale``, EXTEND / DECODE / TARGET_VERIFY and a decode
 graph replay, against a float64 dense oracle on the dequantized pool and against SGLang's own
 ``torch_native`` backend reading the same fp8 pool.
 """
@@ -153,6 +154,36 @@ def test_fp8_pool_extend_decode_verify_against_dense_oracle(kv_dtype, page_size)
     q, k, v = qkv(2 * n, 30)
     out = be.forward(q, k, v, layers[0], fb)
     assert rel(out, dense_fp8(runner, reqs, layers[0], q, [n, n], KS, VS, masks=masks)) <= 1e-5
+
+
+@pytest.mark.parametrize("kv_dtype", [E4M3, E5M2])
+def test_fp8_write_paths_store_the_same_bytes(kv_dtype):
+    """The Triton write (one launch at ``out_cache_loc``) and the torch fallback (``quantize_fp8`` then
+    ``set_kv_buffer``) store identical bytes (zeros of either sign compare equal), saturated values
+    included, and touch no other slot."""
+    pools = []
+    for fused in (True, False):
+        runner = fp8_runner(16, kv_dtype, layers=1)
+        layer = make_layer(0)
+        layer.k_scale, layer.v_scale = torch.tensor(KS), torch.tensor([VS])
+        reqs = requests(runner, [8, 41, 38], [0, 32, 20], (KS, VS))
+        be = make_backend(runner)
+        be._fused_fp8_write = fused
+        fb = reqs.batch(ForwardMode.EXTEND, q_lens=[7, 9, 17], lens=[7, 40, 37])
+        be.init_forward_metadata(fb)
+        q, k, v = qkv(fb.out_cache_loc.numel(), 11)
+        k[0, 0, :4] = torch.tensor([1e4, -1e4, 30.0, -0.0])  # saturates (1e4 / KS)
+        before = runner.token_to_kv_pool.get_key_buffer(0).clone()
+        be.forward(q, k, v, layer, fb)
+        pool = runner.token_to_kv_pool
+        kb, vb = pool.get_key_buffer(0), pool.get_value_buffer(0)
+        others = torch.ones(kb.shape[0], dtype=torch.bool)
+        others[fb.out_cache_loc] = False
+        assert torch.equal(kb[others].view(torch.uint8), before[others].view(torch.uint8))
+        assert torch.isfinite(kb[fb.out_cache_loc].float()).all()
+        # bytes, with the sign of zero ignored: the Triton interpreter's float32 -> fp8 cast drops it
+        pools.append(tuple(torch.where(x.float() == 0, 0, x.view(torch.uint8)) for x in (kb, vb)))
+    assert torch.equal(pools[0][0], pools[1][0]) and torch.equal(pools[0][1], pools[1][1])
 
 
 def test_fp8_pool_without_layer_scales_matches_torch_native():

@@ -36,12 +36,12 @@ def fp8_round(x, MANT: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.con
     """float32 ``x`` (within the fp8 range) rounded to the fp8 grid, nearest even, still float32."""
     DROP: tl.constexpr = 23 - MANT
     HALF: tl.constexpr = (1 << (DROP - 1)) - 1
-    bits = x.to(tl.int32, bitcast=True)
-    bits = ((bits + HALF + ((bits >> DROP) & 1)) >> DROP) << DROP  # a carry moves into the exponent
+    raw = x.to(tl.int32, bitcast=True)
+    bits = ((raw + HALF + ((raw >> DROP) & 1)) >> DROP) << DROP  # a carry moves into the exponent
     normal = bits.to(tl.float32, bitcast=True)
     a = tl.abs(x)
     sub = (a + SUB_MAGIC) - SUB_MAGIC  # fixed spacing below MIN_NORMAL
-    sub = tl.where(x < 0, -sub, sub)
+    sub = tl.where(raw < 0, -sub, sub)  # the sign bit: -0.0 stays -0.0, as torch's cast
     return tl.where(a < MIN_NORMAL, sub, normal)
 
 
