@@ -159,8 +159,8 @@ def test_fp8_pool_extend_decode_verify_against_dense_oracle(kv_dtype, page_size)
 @pytest.mark.parametrize("kv_dtype", [E4M3, E5M2])
 def test_fp8_write_paths_store_the_same_bytes(kv_dtype):
     """The Triton write (one launch at ``out_cache_loc``) and the torch fallback (``quantize_fp8`` then
-    ``set_kv_buffer``) store identical bytes (zeros of either sign compare equal), saturated values
-    included, and touch no other slot."""
+    ``set_kv_buffer``) store identical bytes, saturated values and -0.0 included, and touch no other
+    slot."""
     pools = []
     for fused in (True, False):
         runner = fp8_runner(16, kv_dtype, layers=1)
@@ -172,7 +172,7 @@ def test_fp8_write_paths_store_the_same_bytes(kv_dtype):
         fb = reqs.batch(ForwardMode.EXTEND, q_lens=[7, 9, 17], lens=[7, 40, 37])
         be.init_forward_metadata(fb)
         q, k, v = qkv(fb.out_cache_loc.numel(), 11)
-        k[0, 0, :4] = torch.tensor([1e4, -1e4, 30.0, -0.0])  # saturates (1e4 / KS)
+        k[0, 0, :4] = torch.tensor([1e4, -1e4, 30.0, -0.0])  # saturates (1e4 / KS); -0.0 keeps its sign
         before = runner.token_to_kv_pool.get_key_buffer(0).clone()
         be.forward(q, k, v, layer, fb)
         pool = runner.token_to_kv_pool
@@ -181,8 +181,7 @@ def test_fp8_write_paths_store_the_same_bytes(kv_dtype):
         others[fb.out_cache_loc] = False
         assert torch.equal(kb[others].view(torch.uint8), before[others].view(torch.uint8))
         assert torch.isfinite(kb[fb.out_cache_loc].float()).all()
-        # bytes, with the sign of zero ignored: the Triton interpreter's float32 -> fp8 cast drops it
-        pools.append(tuple(torch.where(x.float() == 0, 0, x.view(torch.uint8)) for x in (kb, vb)))
+        pools.append((kb.view(torch.uint8).clone(), vb.view(torch.uint8).clone()))
     assert torch.equal(pools[0][0], pools[1][0]) and torch.equal(pools[0][1], pools[1][1])
 
 

@@ -41,7 +41,9 @@ def fp8_round(x, MANT: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.con
     normal = bits.to(tl.float32, bitcast=True)
     a = tl.abs(x)
     sub = (a + SUB_MAGIC) - SUB_MAGIC  # fixed spacing below MIN_NORMAL
-    sub = tl.where(raw < 0, -sub, sub)  # the sign bit: -0.0 stays -0.0, as torch's cast
+    # x's sign bit onto the (non-negative) subnormal: -0.0 stays -0.0 as in torch's cast (`-sub` would be
+    # `0 - sub`, +0.0 for a zero)
+    sub = (sub.to(tl.int32, bitcast=True) | ((raw >> 31) << 31)).to(tl.float32, bitcast=True)
     return tl.where(a < MIN_NORMAL, sub, normal)
 
 
