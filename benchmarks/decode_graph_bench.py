@@ -135,7 +135,15 @@ def main() -> None:
                     help="max_seq_len the graphs are captured for; a comma list also captures each provider at the "
                          "later lengths (cases 'PROVIDER@LEN': the split count chosen for that length)")
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--min-split-keys", type=int, default=None,
+                    help="the triton provider's split rule with this min_split_keys in every split decode entry "
+                         "(decode_split / decode_tiny) of the tile table, instead of the table's (default 512)")
     a = ap.parse_args()
+    if a.min_split_keys is not None:
+        from attnplug.core.kernels import tiles  # noqa: PLC0415
+
+        for key in [k for k in tiles.TILES if "/decode_split" in k or "/decode_tiny" in k]:
+            tiles.TILES[key] = dict(tiles.TILES[key], min_split_keys=a.min_split_keys)
     if a.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         dev, heads, rows, pages, caps, layers = torch.device("cpu"), (4, 2, 32), ["2x40"], [1, 16], [256, 64], 2
@@ -144,6 +152,7 @@ def main() -> None:
         dev, heads, caps, layers = torch.device("cuda"), (32, 8, 128), [int(c) for c in a.capture_len.split(",")], a.layers
         rows, pages, providers = a.rows.split(","), [int(p) for p in a.pages.split(",")], a.providers.split(",")
     res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+           "min_split_keys": a.min_split_keys,
            "capture_len": caps[0], "capture_lens": caps, "layers": layers, "cases": {}}  # fmt: skip
     for P in pages:
         cfg = AttentionConfig(*heads, P, torch.bfloat16)
