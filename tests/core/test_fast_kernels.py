@@ -285,6 +285,20 @@ def test_decode_short_replay_of_long_capture():
         assert not plan.state.counters.any()
 
 
+@pytest.mark.parametrize("kv_dtype,rows,kv_len,want", [
+    (None, 1, 1024, 8), (None, 1, 2048, 16), (None, 4, 1024, 8), (None, 4, 2048, 9), (None, 1, 32768, 17),
+    (torch.float8_e4m3fn, 1, 1024, 8), (torch.float8_e4m3fn, 4, 1024, 2), (torch.float8_e4m3fn, 4, 2048, 4),
+    (None, 64, 4096, 1), (None, 1, 1000, 1)])  # fmt: skip
+def test_split_rule_of_short_contexts(kv_dtype, rows, kv_len, want):
+    """The split count on the H200's 132 SMs (Llama-3-8B attention, the committed table): one split per
+    128 keys for decode_tiny and 16-bit decode_split batches, per 512 for fp8 decode_split (the
+    2026-12-03 eager rows: 1.1-1.6x faster than 512, except fp8 4 x 2048, 0.77x), capped by the
+    programs per SM; full batches and < 1024 keys do not split."""
+    prov = PagedAttention(AttentionConfig(32, 8, 128, 16, BF16, kv_dtype=kv_dtype), "triton", "cpu").provider
+    prov._sms = H200_SMS
+    assert prov.split_count(rows, kv_len) == want
+
+
 # ---- the table ----------------------------------------------------------------------------------
 def test_seed_table_keeps_the_2026_11_29_choices():
     """With the seeds, the provider picks what it picked before the table: the general kernel, the
