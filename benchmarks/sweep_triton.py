@@ -115,6 +115,9 @@ def decode_candidates(d: int, split: bool) -> list[dict]:
                             "fused_merge": fused})  # fmt: skip
     bn = 128 if d <= 128 else 64
     out.append({"kernel": "paged", "block_n": bn, "num_warps": 4, "num_stages": 5, **({"ctas_per_sm": 2} if split else {})})
+    if not split and d <= 128:  # the paged kernel at fewer bytes per program (more programs per SM)
+        out += [{"kernel": "paged", "block_n": bn, "num_warps": w, "num_stages": s}
+                for bn, w, s in ((64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 8, 3), (128, 4, 2), (32, 4, 4), (64, 2, 3))]
     return out
 
 
