@@ -137,7 +137,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--min-split-keys", type=int, default=None,
                     help="the triton provider's split rule with this min_split_keys in every split decode entry "
-                         "(decode_split / decode_tiny) of the tile table, instead of the table's (default 512)")
+                         "(decode_split / decode_tiny) of the tile table, instead of the provider's default "
+                         "(TritonProvider.split_count)")
     a = ap.parse_args()
     if a.min_split_keys is not None:
         from attnplug.core.kernels import tiles  # noqa: PLC0415

@@ -118,7 +118,6 @@ class AttnplugAttnBackend(AttentionBackend):
         self._graph_fwd = None  # (mode, bs, BatchMetadata) of the current CUDA-graph forward
         self.graph_refusal: str | None = None  # set by the EAGLE draft-extend factory: graphs refused
         self._stats = _Stats()
-        self._fused_fp8_write: bool | None = None  # fp8 KV written by attnplug's Triton kernel (first write decides)
         self._late_counts = engine_glue.LateCounts()  # decode-graph cascade counters, read without a sync
         # Build the provider now: an unavailable provider or unsupported config fails at startup.
         self._probe_key = (self.num_qo_heads, self.num_kv_heads, self.head_dim, None, 0.0, -1)
@@ -524,11 +523,9 @@ class AttnplugAttnBackend(AttentionBackend):
         if not scales:
             self.token_to_kv_pool.set_kv_buffer(layer, compat.write_loc(fb), k, v)
             return
-        if self._fused_fp8_write is None:
-            from attnplug.core.providers.triton import triton_interpreter_active  # noqa: PLC0415
+        from attnplug.core.providers.triton import triton_runs_on  # noqa: PLC0415
 
-            self._fused_fp8_write = self.device.type == "cuda" or triton_interpreter_active()
-        if self._fused_fp8_write:
+        if triton_runs_on(k_cache):
             from attnplug.core.kernels.kv_write import write_kv_paged  # noqa: PLC0415 - triton is optional
 
             hkv, d = k_cache.shape[2], k_cache.shape[3]

@@ -48,7 +48,7 @@ from attnplug.core.kv_layout import write_kv_fixed_shape
 from attnplug.core.pages import num_pages
 from attnplug.core.plan import Plan
 from attnplug.core.providers import get_provider_cls
-from attnplug.core.providers.triton import triton_interpreter_active
+from attnplug.core.providers.triton import triton_runs_on
 
 from . import BACKENDS, compat
 from .compat import (
@@ -254,7 +254,7 @@ def write_kv_capturable(key, value, k_cache, v_cache, slot_mapping, scratch_bloc
     kernel ``write_kv_paged``. Else (CPU without the interpreter, e.g. provider ``reference``): the
     core's fixed-shape torch version, padding sent to vLLM's null block ``scratch_block``. fp8
     caches: quantized with saturation by ``k_scale`` / ``v_scale`` (the layer's scale tensors)."""
-    if k_cache.is_cuda or triton_interpreter_active():
+    if triton_runs_on(k_cache):
         from attnplug.core.kernels.kv_write import write_kv_paged  # noqa: PLC0415 - triton is optional
 
         write_kv_paged(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)

@@ -157,18 +157,22 @@ def test_fp8_pool_extend_decode_verify_against_dense_oracle(kv_dtype, page_size)
 
 
 @pytest.mark.parametrize("kv_dtype", [E4M3, E5M2])
-def test_fp8_write_paths_store_the_same_bytes(kv_dtype):
+def test_fp8_write_paths_store_the_same_bytes(kv_dtype, monkeypatch):
     """The Triton write (one launch at ``out_cache_loc``) and the torch fallback (``quantize_fp8`` then
     ``set_kv_buffer``) store identical bytes, saturated values and -0.0 included, and touch no other
     slot."""
     pools = []
+    import attnplug.core.providers.triton as tp
+
     for fused in (True, False):
         runner = fp8_runner(16, kv_dtype, layers=1)
         layer = make_layer(0)
         layer.k_scale, layer.v_scale = torch.tensor(KS), torch.tensor([VS])
         reqs = requests(runner, [8, 41, 38], [0, 32, 20], (KS, VS))
         be = make_backend(runner)
-        be._fused_fp8_write = fused
+        if not fused:  # the KV write where Triton cannot run (attention still runs under the interpreter)
+            monkeypatch.setattr(tp, "triton_runs_on", lambda t: False)
+        assert tp.triton_runs_on(runner.token_to_kv_pool.get_key_buffer(0)) == fused  # the path under test
         fb = reqs.batch(ForwardMode.EXTEND, q_lens=[7, 9, 17], lens=[7, 40, 37])
         be.init_forward_metadata(fb)
         q, k, v = qkv(fb.out_cache_loc.numel(), 11)

@@ -14,10 +14,10 @@ Splits (``SPLIT``): each program writes its partial output (fp32) and base-2 LSE
 merges the partials of its heads into ``O`` (and ``LSE``). Each split covers ``chunk`` keys (the
 request's keys over ``S``, rounded up to ``BLOCK_N``), so a request with fewer keys than the ``S``
 its graph was captured for has ``active = cdiv(keys, chunk) < S`` splits: with ``FUSED_MERGE`` the
-others return at once (no partial, no arrival) and the last of the ``active`` merges them and puts the counter back to 0, so
-the counters are zero again after every launch: no host work, no memset, safe to capture in a CUDA
-graph (the counters are static memory, zeroed once at allocation). Without ``FUSED_MERGE`` the
-provider runs :func:`.merge.merge_splits` after this kernel.
+others return at once (no partial, no arrival) and the last of the ``active`` merges them and puts
+the counter back to 0, so the counters are zero again after every launch: no host work, no memset,
+safe to capture in a CUDA graph (the counters are static memory, zeroed once at allocation).
+Without ``FUSED_MERGE`` the provider runs :func:`.merge.merge_splits` after this kernel.
 
 Window (``WINDOW``): the decode token at ``kv_len - 1`` sees keys from ``kv_len - 1 - window_left``:
 just a lower bound, no mask. Soft cap, fp8 KV (``KV_FP8``, scales and ``FP8_F16`` as in :mod:`.attention`) and the

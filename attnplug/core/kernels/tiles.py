@@ -23,7 +23,8 @@ Entry fields (all optional): ``kernel`` (``"paged"``: :mod:`.attention`; ``"pref
 ``block_m``, ``block_n``, ``num_warps``, ``num_stages``; ``prefill``: ``diag_n`` (diagonal block),
 ``tma`` (tensor-descriptor K/V loads when the page size is a multiple of ``block_n``); split buckets:
 ``ctas_per_sm`` (split so that ``B * Hkv * splits`` reaches this many programs per SM),
-``max_splits``, ``min_split_keys`` (default: 128, 512 for fp8 ``decode_split``), ``fused_merge`` (``decode`` kernel: the last split merges);
+``max_splits``, ``min_split_keys`` (default: 128, 512 for fp8 ``decode_split``), ``fused_merge``
+(``decode`` kernel: the last split merges);
 ``fp8_f16`` (fp8 entries: fp16 dots, :mod:`.attention`);
 ``small_tiles_from_splits`` (seed only: the tile fields apply from this many splits on, below it
 the ``decode_split`` tiles do: the 2026-11-29 rule).

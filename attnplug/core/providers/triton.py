@@ -75,6 +75,11 @@ def triton_interpreter_active() -> bool:
     return isinstance(tl.standard.sigmoid, InterpretedFunction)
 
 
+def triton_runs_on(t: torch.Tensor) -> bool:
+    """attnplug's Triton kernels can run on ``t``'s device: CUDA, or the CPU under the Triton interpreter."""
+    return t.is_cuda or triton_interpreter_active()
+
+
 def _stable_order(key: np.ndarray) -> np.ndarray:
     """``np.argsort(key, kind="stable")`` for ``[n]`` int keys, faster: keys in ``[0, 2**16)`` as uint16
     (numpy's stable sort of 16-bit keys is a radix sort); other non-negative keys through one plain
