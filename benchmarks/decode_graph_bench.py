@@ -1,7 +1,8 @@
 """Decode inside CUDA graphs as the engines replay it, per layer, bf16 against fp8 KV: each attnplug
 provider's decode graph captured for a long ``max_seq_len`` (the engine's context length) and replayed
 on short contexts, FlashInfer's own decode wrapper captured the same way with host-float scales (what
-SGLang's flashinfer backend runs), and attnplug's KV write alone.
+SGLang's flashinfer backend runs), and attnplug's KV write alone. A provider named ``PROVIDER+host``
+gets the fp8 scales as host floats too (``host_scales``).
 
     python benchmarks/decode_graph_bench.py --out DIR              # GPU: DIR/decode-graph.json
     python benchmarks/decode_graph_bench.py --smoke --out DIR      # CPU (Triton interpreter), no timing
@@ -62,8 +63,14 @@ def caches(work: Work, layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def attnplug_case(work: Work, kv: list, provider: str, capture_len: int, layers: int) -> dict:
-    """The provider's decode ``GraphState`` captured for ``capture_len`` keys, updated with the row's batch."""
+    """The provider's decode ``GraphState`` captured for ``capture_len`` keys, updated with the row's batch.
+    ``PROVIDER+host``: fp8 rows also pass the scales as host floats (``host_scales``, as the adapters do
+    where the engine fixes them)."""
     cfg, q, B = work.config, work.q, work.row.batch
+    provider, host = provider.removesuffix("+host"), provider.endswith("+host")
+    sc = dict(work.extra.get("scales", {}))
+    if host and sc:
+        sc["host_scales"] = work.extra["scale_floats"]
     try:
         gs = GraphState(cfg, provider, max_batch=B, max_tokens=B, max_pages=B * num_pages(capture_len, cfg.page_size),
                         device=q.device, max_seq_len=capture_len)  # fmt: skip
@@ -72,7 +79,6 @@ def attnplug_case(work: Work, kv: list, provider: str, capture_len: int, layers:
     gs.prepare_capture(B)
     plan = gs.update(work.batch, B)
     outs = [torch.empty_like(q) for _ in range(layers)]
-    sc = work.extra.get("scales", {})
     ms = replay_ms(lambda i: gs.run(B, q, kv[i][0], kv[i][1], outs[i], **sc), layers, q.device)
     st = plan.state
     return dict(ms_per_layer=ms, rel_err=rel_err(outs[0], reference(work, B)),
@@ -165,7 +171,7 @@ def main() -> None:
                 kv = caches(work, layers)
                 case = {p if c == caps[0] else f"{p}@{c}": guarded(attnplug_case, work, kv, p, c, layers)
                         for p in providers for c in caps}
-                if "flashinfer" in providers:
+                if any(p.startswith("flashinfer") for p in providers):
                     case["flashinfer.native"] = guarded(flashinfer_case, work, kv, layers)
                 case["attnplug.kv_write"] = guarded(kv_write_case, work, kv, layers)
                 res["cases"][name] = case

@@ -22,8 +22,12 @@
 #                 captured for 1024 keys ('PROVIDER@1024': the split count of the replayed length) (~3 min)
 #   sweep-shared  benchmarks/sweep_triton.py (no --write) on the unsplit decode rows: the shared-prefix row
 #                 with cascade off (64 x (8192 shared + 256)), its unshared twin, 64x4096, 128x2048 (~3 min)
-#   decode-graph-fi  the same for the flashinfer provider and FlashInfer's own wrapper (after fp8-fi's
-#                 warm-up on the same machine; a cold JIT can take minutes)
+#   decode-graph-fi  the same for the flashinfer provider (scale tensors, and 'flashinfer+host': host-float
+#                 scales) and FlashInfer's own wrapper (after fp8-fi's warm-up on the same machine; a cold JIT
+#                 can take minutes)
+#   bench-shared  python -m attnplug.bench, the shared-prefix row (cascade on and off) and its unshared twin,
+#                 triton / flashinfer / fa3 (FlashInfer's cascade wrapper as the anchor) (~2 min)
+#   fp8-host      tests/gpu/test_fp8_gpu.py -k host_scales (every provider, eager and graphs) (~1 min)
 #   e.g.  bash scripts/gpu_session_call.sh nosync cascade-if sweep bench-prefill
 set -u
 W=$OUT/w; mkdir -p "$W"; G="bash scripts/gpu_run.sh"; t0=$SECONDS
@@ -77,8 +81,15 @@ for step in "$@"; do
       --out "$W/sweep-shared" > "$W/sweep-shared.log" 2>&1; log "sweep-shared rc $?"; grep "^sweep:" "$W/sweep-shared.log" | tail -n 12 ;;
   decode-graph-fi)
     reap
-    timeout 240 $G python3 benchmarks/decode_graph_bench.py --providers flashinfer --capture-len 32768,1024 --out "$W/decode-graph-fi" \
+    timeout 240 $G python3 benchmarks/decode_graph_bench.py --providers flashinfer,flashinfer+host --capture-len 32768 --out "$W/decode-graph-fi" \
       > "$W/decode-graph-fi.log" 2>&1; log "decode graph bench (flashinfer) rc $?"; grep "^decode" "$W/decode-graph-fi.log" | cut -c1-300 ;;
+  bench-shared)
+    reap
+    timeout 150 $G python3 -m attnplug.bench --providers triton,flashinfer,fa3 --rows '64x(8192+256)' --out "$W/bench-shared" \
+      --time-budget 120 > "$W/bench-shared.log" 2>&1; log "bench shared rc $?" ;;
+  fp8-host)
+    timeout 150 $G python3 -m pytest tests/gpu/test_fp8_gpu.py -q -rfEs -k host_scales > "$W/pytest-fp8-host.log" 2>&1
+    log "pytest fp8 host scales rc $?"; tail -n 3 "$W/pytest-fp8-host.log" ;;
   *) log "unknown step $step" ;;
   esac
 done

@@ -89,6 +89,7 @@ class PagedAttention:
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
         q_scale: torch.Tensor | None = None,
+        host_scales: tuple[float, float] | None = None,
     ) -> torch.Tensor:
         """Attention of ``q [T, Hq, D]`` over the paged cache; returns ``out [T, Hq, D]``.
 
@@ -98,9 +99,10 @@ class PagedAttention:
         fp8 KV cache (``config.kv_dtype``): ``k_scale`` / ``v_scale`` are the layer's one-element
         float32 scales on the device (keys = ``k_cache * k_scale``; default 1), read by the kernels
         on the device (a graph captures them, in-place updates apply); ``q_scale`` is the scale
-        providers that quantize q to fp8 (fa3) use (default 1). Ignored for unquantized caches.
+        providers that quantize q to fp8 (fa3) use (default 1). ``host_scales``: ``(k, v)`` as host
+        floats when the engine fixes them (``Provider.run``). Ignored for unquantized caches.
         """
-        scales = self.config.scale_kwargs(self._unit_scale, k_scale, v_scale, q_scale)
+        scales = self.config.scale_kwargs(self._unit_scale, k_scale, v_scale, q_scale, host_scales)
         plan = self.current_plan
         check_run_bounds(plan, q, k_cache, v_cache, out)
         if out is None:

@@ -124,14 +124,19 @@ class AttentionConfig:
         return self.sm_scale if self.sm_scale is not None else 1.0 / math.sqrt(self.head_dim)
 
     def scale_kwargs(self, unit: torch.Tensor | None, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None, q_scale: torch.Tensor | None = None) -> dict:
+                     v_scale: torch.Tensor | None = None, q_scale: torch.Tensor | None = None,
+                     host_scales: tuple[float, float] | None = None) -> dict:
         """The scale keyword arguments of ``Provider.run``: ``{}`` for an unquantized cache (the
         scales mean nothing there), else ``k_scale`` / ``v_scale`` / ``q_scale`` with ``unit`` (a
-        one-element float32 ones tensor on the device) for each one not given."""
+        one-element float32 ones tensor on the device) for each one not given, and ``host_scales``
+        (``(k, v)`` floats) when given."""
         if not self.kv_quantized:
             return {}
         pick = lambda t: unit if t is None else t  # noqa: E731
-        return dict(k_scale=pick(k_scale), v_scale=pick(v_scale), q_scale=pick(q_scale))
+        kw = dict(k_scale=pick(k_scale), v_scale=pick(v_scale), q_scale=pick(q_scale))
+        if host_scales is not None:
+            kw["host_scales"] = (float(host_scales[0]), float(host_scales[1]))
+        return kw
 
     def kv_cache_shape(self, num_pages: int) -> tuple[int, int, int, int]:
         """Shape of one of k_cache / v_cache in this config's layout."""

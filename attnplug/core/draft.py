@@ -310,11 +310,12 @@ class MultiStepDraftPlanner:
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
         q_scale: torch.Tensor | None = None,
+        host_scales: tuple[float, float] | None = None,
     ) -> torch.Tensor:
         """Attention of draft step ``step``: ``q [B*topk, Hq, D]`` (row ``b*topk+j``) over the paged
         caches (``config`` shape) -> ``out [B*topk, Hq, D]`` (+ natural-log ``lse [B*topk, Hq]``).
         fp8 KV: the layer's scales as in ``PagedAttention.run``."""
-        scales = self.config.scale_kwargs(self._unit_scale, k_scale, v_scale, q_scale)
+        scales = self.config.scale_kwargs(self._unit_scale, k_scale, v_scale, q_scale, host_scales)
         self.providers[step].run(
             self.plans[step], q, token_view(k_cache, self.config), token_view(v_cache, self.config), out, lse, **scales
         )

@@ -21,7 +21,9 @@ K/V itself (``x / scale`` saturated to the fp8 range, as attnplug's vLLM write; 
 cast without saturation): one Triton launch into the pool's pages where Triton runs, else quantized
 in torch and stored by ``set_kv_buffer``;
 attention dequantizes with the same scales: ``layer.k_scale`` / ``layer.v_scale`` (tensors SGLang's
-KV-cache quant method loads from a checkpoint), 1 when the layer has none - as SGLang's own backends.
+KV-cache quant method loads from a checkpoint), 1 when the layer has none - as SGLang's own backends;
+their floats (``layer.k_scale_float``, fixed at load) go along as ``host_scales``, which the
+flashinfer provider hands to FlashInfer as SGLang's flashinfer backend does.
 
 All math is the core's. Whatever the core or this adapter cannot compute is refused with an
 ``UnsupportedFeature`` naming attnplug, the backend and the feature: at startup (constructor) when
@@ -529,7 +531,8 @@ class AttnplugAttnBackend(AttentionBackend):
             from attnplug.core.kernels.kv_write import write_kv_paged  # noqa: PLC0415 - triton is optional
 
             hkv, d = k_cache.shape[2], k_cache.shape[3]
-            write_kv_paged(k.view(-1, hkv, d), v.view(-1, hkv, d), k_cache, v_cache, fb.out_cache_loc, **scales)
+            write_kv_paged(k.view(-1, hkv, d), v.view(-1, hkv, d), k_cache, v_cache, fb.out_cache_loc,
+                           scales["k_scale"], scales["v_scale"])  # fmt: skip
             return
         from attnplug.core.kv_layout import quantize_fp8  # noqa: PLC0415
 
@@ -539,13 +542,20 @@ class AttnplugAttnBackend(AttentionBackend):
 
     def _scales(self, layer) -> dict:
         """fp8 KV pool: the layer's scale tensors (``layer.k_scale`` / ``v_scale``, SGLang's KV quant
-        method), a ones tensor where the layer has none; ``{}`` for an unquantized pool."""
+        method), a ones tensor where the layer has none; ``{}`` for an unquantized pool. Plus
+        ``host_scales``, the same values as floats, which SGLang fixes at load (``layer.k_scale_float``,
+        what its own backends read; 1.0 for a layer without scales)."""
         if self.kv_dtype == self.dtype:
             return {}
         if getattr(self, "_unit_scale", None) is None:
             self._unit_scale = torch.ones(1, dtype=torch.float32, device=self.device)
+        k_t, v_t = getattr(layer, "k_scale", None), getattr(layer, "v_scale", None)
         pick = lambda t: self._unit_scale if t is None else t  # noqa: E731
-        return dict(k_scale=pick(getattr(layer, "k_scale", None)), v_scale=pick(getattr(layer, "v_scale", None)))
+        sc = dict(k_scale=pick(k_t), v_scale=pick(v_t))
+        host = compat.host_kv_scales(layer)
+        if host is not None:
+            sc["host_scales"] = host
+        return sc
 
     def _metadata_ready(self) -> bool:
         """This forward's metadata was built (eagerly or into the graph state)."""

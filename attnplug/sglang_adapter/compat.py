@@ -152,6 +152,19 @@ def write_loc(forward_batch):
     return KVWriteLoc(forward_batch.out_cache_loc)
 
 
+def host_kv_scales(layer) -> tuple[float, float] | None:
+    """``(k, v)``: the fp8 KV scales SGLang's own backends read as floats (``layer.k_scale_float``,
+    set once when the checkpoint's scales load), ``(1.0, 1.0)`` for a layer without scales, ``None``
+    where a scale tensor has no float (the tensors then stay the only source)."""
+    k_t, v_t = getattr(layer, "k_scale", None), getattr(layer, "v_scale", None)
+    k_f, v_f = getattr(layer, "k_scale_float", None), getattr(layer, "v_scale_float", None)
+    if k_t is None and v_t is None and k_f is None and v_f is None:
+        return 1.0, 1.0
+    if isinstance(k_f, float) and isinstance(v_f, float) and k_t is not None and v_t is not None:
+        return k_f, v_f
+    return None
+
+
 def kv_read_table(translator, forward_batch, req_to_token, req_pool_indices):
     """``(ids [rows, max_ctx], row_ids [B])``: the token-slot table this batch's KV is read from.
 

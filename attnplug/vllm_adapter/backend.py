@@ -20,7 +20,9 @@ fp8 KV cache (``--kv-cache-dtype fp8 | fp8_e4m3 | fp8_e5m2``, where the provider
 write quantizes with saturation and attention dequantizes, both with the layer's own scale tensors
 ``layer._k_scale`` / ``layer._v_scale`` (and ``layer._q_scale`` for fa3's query quantization): device
 tensors read by the kernels, so checkpoint scales and in-place updates (0.26's
-``--calculate-kv-scales``) apply, and CUDA graphs capture them.
+``--calculate-kv-scales``) apply, and CUDA graphs capture them. Without ``--calculate-kv-scales`` the
+impl also passes their floats (``layer._k_scale_float``, fixed at load; what vLLM's FLASHINFER reads)
+as ``host_scales``, which the flashinfer provider folds into FlashInfer's own scale arguments.
 """
 
 from __future__ import annotations
@@ -580,6 +582,7 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
         self.logits_soft_cap = float(logits_soft_cap or 0.0)
         self.kv_cache_dtype = kv_cache_dtype
         self.fp8_dtype = fp8_cache_dtype(kv_cache_dtype)  # the bytes of vLLM's uint8 cache, or None
+        self.fixed_scales = self.fp8_dtype is not None and not compat.calculates_kv_scales()
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.core_key: AttentionConfig | None = None  # set by the builder
@@ -598,10 +601,16 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
         return compat.split_kv_cache(kv_cache, self.head_size)
 
     def scales(self, layer) -> dict:
-        """fp8 KV: the layer's scale tensors (device, read by the kernels); ``{}`` otherwise."""
+        """fp8 KV: the layer's scale tensors (device, read by the kernels), and ``host_scales``, their
+        floats (``layer._k_scale_float``, what vLLM's FLASHINFER reads) unless ``--calculate-kv-scales``
+        changes them after graph capture; ``{}`` otherwise."""
         if self.fp8_dtype is None:
             return {}
-        return dict(k_scale=layer._k_scale, v_scale=layer._v_scale, q_scale=getattr(layer, "_q_scale", None))
+        sc = dict(k_scale=layer._k_scale, v_scale=layer._v_scale, q_scale=getattr(layer, "_q_scale", None))
+        k_f, v_f = getattr(layer, "_k_scale_float", None), getattr(layer, "_v_scale_float", None)
+        if self.fixed_scales and isinstance(k_f, float) and isinstance(v_f, float):
+            sc["host_scales"] = (k_f, v_f)
+        return sc
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         """Scatter ``key/value [>=T, Hkv, D]`` to ``slot_mapping [T]`` (negative = padding).

@@ -265,6 +265,18 @@ def current_device():
     return torch.device(current_platform.device_type, torch.cuda.current_device() if torch.cuda.is_available() else 0)
 
 
+def calculates_kv_scales() -> bool:
+    """``--calculate-kv-scales`` is on (vLLM <= 0.26; later releases removed it): the first forward
+    computes the layer's fp8 scales, after CUDA graphs were captured with the old values, so the
+    scales' host floats (``layer._k_scale_float``) are not fixed for the process."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:
+        return False
+    cfg = get_current_vllm_config_or_none()
+    return bool(getattr(getattr(cfg, "cache_config", None), "calculate_kv_scales", False))
+
+
 def null_block_id() -> int:
     """vLLM's reserved scratch block (block-table padding of CUDA-graph batches; 0 in 0.26 - 0.33)."""
     try:

@@ -168,6 +168,56 @@ def test_fp8_graph_replay_reads_scales_in_place(provider, mode):
     check(ks * 0.5, vs * 2.0)
 
 
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("mode", ["decode", "extend", "verify"])
+@pytest.mark.parametrize("graph", [False, True])
+def test_fp8_host_scales(provider, mode, graph):
+    """``host_scales`` (the engines' fixed floats) give the reference at those values, eager and in a
+    captured decode / verify graph. The flashinfer provider hands them to FlashInfer: its scale
+    tensors here hold wrong values, so a run that read them would fail; the other providers read the
+    tensors (right values here) and must be unaffected by the floats."""
+    if graph and mode == "extend":
+        pytest.skip("graphs capture decode and verify batches only")
+    cfg = AttentionConfig(32, 8, 128, 16, torch.bfloat16, kv_dtype=E4M3)
+    attn = build(provider, cfg, (provider, "e4m3"))
+    fm, q_lens, prefix = MODES[mode]
+    c, ks, vs = fp8_case(fm, q_lens, prefix, cfg, seed=11)
+    kf, vf = float(ks), float(vs)
+    if provider == "flashinfer":
+        ks_t, vs_t = ks * 3, vs * 0.25
+    else:
+        ks_t, vs_t = ks, vs
+    qs = torch.ones(1, device=DEV)
+    sc = dict(k_scale=ks_t, v_scale=vs_t, q_scale=qs, host_scales=(kf, vf))
+    if not graph:
+        plan = attn.plan(c.batch, num_pages=c.num_pages)
+        out = torch.full_like(c.q, math.nan)
+        attn.run(c.q, c.k_cache, c.v_cache, out=out, **sc)
+    else:
+        n, q_n = len(q_lens), q_lens[0]
+        gs = GraphState(cfg, provider, max_batch=n, max_tokens=n * q_n, max_pages=c.num_pages, device=DEV, mode=mode,
+                        num_draft_tokens=q_n, max_seq_len=max(prefix) + q_n + 16)  # fmt: skip
+        gs.prepare_capture(n, c.batch)
+        out = torch.full_like(c.q, math.nan)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            gs.run(n, c.q, c.k_cache, c.v_cache, out, **sc)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            gs.run(n, c.q, c.k_cache, c.v_cache, out, **sc)
+        out.fill_(math.nan)
+        gs.update(c.batch, n)
+        g.replay()
+        plan = make_plan(cfg, c.batch, c.num_pages, DEV)
+    torch.cuda.synchronize()
+    q_ref = c.q if provider != "fa3" else quantize_fp8(c.q, qs, E4M3).float() * qs
+    ref, _ = reference_attention(plan, q_ref, c.k_cache, c.v_cache, ks, vs)
+    err = rel_err(out, ref)
+    print(f"fp8 host scales {provider} {mode} graph={graph}: rel err {err:.2e}")
+    assert not torch.isnan(out).any() and err <= REL, err
+
+
 @pytest.mark.parametrize("kv", ["e4m3", "e5m2"])
 def test_fp8_kv_write_on_gpu_equals_torch_quantization(kv):
     from attnplug.core.kernels.kv_write import write_kv_paged

@@ -201,6 +201,7 @@ class Provider(ABC):
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
         q_scale: torch.Tensor | None = None,
+        host_scales: tuple[float, float] | None = None,
     ) -> None:
         """Write attention of ``q [T, Hq, D]`` over the paged cache into ``out [T, Hq, D]``
         (and the natural-log LSE into ``lse [T, Hq]`` float32 when given). No host work.
@@ -209,7 +210,12 @@ class Provider(ABC):
         :attr:`KV_DTYPES` never receives them): ``k_scale``, ``v_scale`` - one-element float32
         device tensors, keys = ``k_cache * k_scale`` (values alike) - and ``q_scale``, the scale a
         provider that quantizes q to fp8 (fa3) divides by (others ignore it). Read on the device:
-        in-place updates apply, CUDA graphs capture them."""
+        in-place updates apply, CUDA graphs capture them.
+
+        ``host_scales``: the same ``(k_scale, v_scale)`` values as Python floats, given only by a
+        caller whose engine fixes them for the process (its own backends read the same floats);
+        a provider may then fold them on the host instead of reading the tensors (a CUDA graph
+        keeps the values it was captured with). Providers that read the tensors ignore it."""
 
     def run_merge(
         self,

@@ -375,7 +375,7 @@ class FA3Provider(Provider):
 
     def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None,
             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-            q_scale: torch.Tensor | None = None) -> None:
+            q_scale: torch.Tensor | None = None, host_scales=None) -> None:
         """``q [T, Hq, D]``, caches ``[num_pages, P, Hkv, D]`` -> ``out [T, Hq, D]`` (+ natural-log ``lse [T, Hq]``).
         fp8 KV: one-element float32 scale tensors (see the module docstring)."""
         st: FA3State = plan.state

@@ -20,10 +20,12 @@ One wrapper holds one plan: planning again replaces the previous forward's plan 
 fp8 KV cache (e4m3 / e5m2, ``kv_data_type``; q stays in the model dtype): FlashInfer's "fa2"
 templates, which dequantize K/V in shared memory (its sm90 "fa3" template needs an fp8 query: not
 used, an explicit ``prefill_backend="fa3"`` is refused). FlashInfer takes ``k_scale`` / ``v_scale``
-as host floats (folded into ``sm_scale`` and an ``out *= v_scale`` after the kernel); attnplug's
-scales are device tensors (in-place updates, CUDA graphs), so ``run`` applies them on the device:
-``q * k_scale`` into a buffer of the plan (one elementwise launch; logits ``(q k_scale) . k8``) and
-``out *= v_scale`` (the same launch FlashInfer makes itself for ``v_scale != 1``).
+as host floats (folded into ``sm_scale``, and an ``out *= v_scale`` after the kernel unless
+``v_scale == 1.0``). Where the engine fixes the scales for the process (its own FlashInfer backend
+reads the same floats), the adapter passes them as ``host_scales`` and ``run`` hands them to
+FlashInfer (no extra launch for unit scales). Otherwise attnplug's scales are device tensors (in-place
+updates, CUDA graphs) and ``run`` applies them on the device: ``q * k_scale`` into a buffer of the
+plan (one elementwise launch; logits ``(q k_scale) . k8``) and ``out *= v_scale``.
 
 LSE: FlashInfer writes base-2 log-sum-exp; the core's contract is natural log, so when ``lse`` is
 requested ``run`` rescales it in place (``lse *= ln 2``; one elementwise kernel, no allocation).
@@ -64,7 +66,7 @@ def _contract_items():
 
     dec, pre = "BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper"
     numerics = ("pos_encoding_mode", "window_left", "logits_soft_cap", "q_data_type", "kv_data_type", "sm_scale")
-    run = ("out", "lse", "return_lse")
+    run = ("out", "lse", "return_lse", "k_scale", "v_scale")
     return [
         call("flashinfer.decode", f"{dec}.__init__", npos=2, kwargs=(
             "use_cuda_graph", "use_tensor_cores", "paged_kv_indptr_buffer", "paged_kv_indices_buffer",
@@ -336,15 +338,21 @@ class FlashInferProvider(Provider):
         plan.state = FlashInferState(w, backend, self.q_buffer(plan.num_tokens))
 
     def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None,
-            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, q_scale=None) -> None:
+            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, q_scale=None,
+            host_scales: tuple[float, float] | None = None) -> None:
         """``q [T, Hq, D]``, caches in ``config.kv_layout`` -> ``out [T, Hq, D]`` (+ natural-log ``lse [T, Hq]``).
-        fp8 KV: ``k_scale`` / ``v_scale`` one-element float32 device tensors (see the module docstring)."""
+        fp8 KV: ``k_scale`` / ``v_scale`` one-element float32 device tensors, or ``host_scales``
+        ``(k, v)`` floats, which FlashInfer folds itself (see the module docstring)."""
         st: FlashInferState = plan.state
-        if st.q_buf is not None:  # 1-element views: the products are computed in float32, then rounded
+        if st.q_buf is not None and host_scales is not None:
+            k_f, v_f = host_scales
+            st.wrapper.run(q, (k_cache, v_cache), out=out, lse=lse, return_lse=lse is not None, k_scale=k_f, v_scale=v_f)
+        elif st.q_buf is not None:  # 1-element views: the products are computed in float32, then rounded
             q = torch.mul(q, k_scale.reshape(1), out=st.q_buf[: q.shape[0]])
-        st.wrapper.run(q, (k_cache, v_cache), out=out, lse=lse, return_lse=lse is not None)
-        if st.q_buf is not None:
+            st.wrapper.run(q, (k_cache, v_cache), out=out, lse=lse, return_lse=lse is not None)
             out.mul_(v_scale.reshape(1))
+        else:
+            st.wrapper.run(q, (k_cache, v_cache), out=out, lse=lse, return_lse=lse is not None)
         if lse is not None:
             lse.mul_(LN2)  # log2 -> natural log, in place
 

@@ -23,7 +23,7 @@ class ReferenceProvider(Provider):
         pass
 
     def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None,
-            k_scale=None, v_scale=None, q_scale=None) -> None:
+            k_scale=None, v_scale=None, q_scale=None, host_scales=None) -> None:
         o, s = reference_attention(plan, q, k_cache, v_cache, k_scale, v_scale)
         out.copy_(o)
         if lse is not None:

@@ -362,7 +362,8 @@ class TritonProvider(Provider):
 
     # -- run --------------------------------------------------------------------------------------
     def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None,
-            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, q_scale=None) -> None:
+            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, q_scale=None,
+            host_scales=None) -> None:
         self._run(plan, q, k_cache, v_cache, out, lse, k_scale, v_scale)
 
     def run_merge(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor,
