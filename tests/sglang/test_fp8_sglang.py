@@ -210,6 +210,24 @@ def test_fp8_pool_without_layer_scales_matches_torch_native():
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
 
 
+def test_host_scales_are_what_sglang_loads():
+    """The backend's scales carry SGLang's own floats: (1.0, 1.0) for a layer without a KV quant method,
+    and after SGLang's ``BaseKVCacheMethod.process_weights_after_loading`` the loaded checkpoint values
+    (``layer.k_scale_float``, what SGLang's flashinfer backend hands FlashInfer)."""
+    from sglang.srt.layers.quantization.kv_cache import BaseKVCacheMethod
+
+    runner = fp8_runner(16, E4M3, layers=1)
+    be, layer = make_backend(runner), make_layer(0)
+    sc = be._scales(layer)
+    assert sc["host_scales"] == (1.0, 1.0) and float(sc["k_scale"]) == 1.0 and float(sc["v_scale"]) == 1.0
+    layer.k_scale = torch.nn.Parameter(torch.tensor(KS), requires_grad=False)
+    layer.v_scale = torch.nn.Parameter(torch.tensor(VS), requires_grad=False)
+    BaseKVCacheMethod.process_weights_after_loading(object.__new__(BaseKVCacheMethod), layer)
+    sc = be._scales(layer)
+    assert sc["host_scales"] == (float(layer.k_scale), float(layer.v_scale)) == pytest.approx((KS, VS))
+    assert sc["k_scale"] is layer.k_scale and sc["v_scale"] is layer.v_scale
+
+
 def test_fp8_decode_graph_replay_reads_scale_tensors():
     """Capture-then-replay on the graph state (what SGLang's CUDA-graph runner drives): the replay
     reads the layer's scale tensors, so an in-place update applies without a new capture."""

@@ -83,6 +83,37 @@ def layer_with_scales(k=0.05, v=0.08):
                            _k_scale_float=k, _v_scale_float=v)  # fmt: skip
 
 
+def test_host_scales_are_the_layer_floats_unless_calculated(env, monkeypatch):
+    """The impl passes the layer's floats (what vLLM's FLASHINFER reads) as ``host_scales`` next to the
+    tensors; with ``--calculate-kv-scales`` (0.26) the first forward changes them after graph capture,
+    so then only the tensors go."""
+    from attnplug.vllm_adapter import backend as B
+    from attnplug.vllm_adapter import compat
+
+    Impl = B.AttnplugTritonBackend.get_impl_cls()
+    layer = layer_with_scales(0.05, 0.08)
+    sc = Impl(Hq, D, SCALE, Hkv, kv_cache_dtype="fp8").scales(layer)
+    assert sc["host_scales"] == (0.05, 0.08) and sc["k_scale"] is layer._k_scale and sc["v_scale"] is layer._v_scale
+    assert Impl(Hq, D, SCALE, Hkv).scales(layer) == {}  # a bf16 cache: no scales at all
+    monkeypatch.setattr(compat, "calculates_kv_scales", lambda: True)
+    sc = Impl(Hq, D, SCALE, Hkv, kv_cache_dtype="fp8").scales(layer)
+    assert "host_scales" not in sc and sc["k_scale"] is layer._k_scale
+
+
+def test_calculates_kv_scales_reads_the_cache_config(env):
+    from vllm.config import set_current_vllm_config
+
+    from attnplug.vllm_adapter import compat
+
+    cfg = env.VllmConfig()
+    with set_current_vllm_config(cfg):
+        assert compat.calculates_kv_scales() is False
+        if "calculate_kv_scales" not in type(cfg.cache_config).__dataclass_fields__:
+            pytest.skip(f"vLLM {vllm.__version__} has no --calculate-kv-scales (removed after 0.26)")
+        cfg.cache_config.calculate_kv_scales = True
+        assert compat.calculates_kv_scales() is True
+
+
 def test_fp8_impl_write_and_forward_against_reference(env):
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
