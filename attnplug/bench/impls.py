@@ -5,7 +5,7 @@ returns the ``[T, Hq, D]`` output; only kernel launches) or raises :class:`Unava
 :class:`NotApplicable`. Host-side setup (plans, block tables, JIT) happens in ``make_*``.
 
 fp8 rows (``row.kv == "fp8"``, e4m3 KV with per-layer scales): attnplug's providers get the scale
-tensors; the libraries run their own fp8 kernels as they are called directly: FlashInfer's fa2
+tensors and their floats (``host_scales``), as the engine adapters pass them; the libraries run their own fp8 kernels as they are called directly: FlashInfer's fa2
 templates with ``kv_data_type`` fp8 and its host-float ``k_scale`` / ``v_scale``; FA3 with q quantized
 to e4m3 beforehand (untimed: the engine's layer does it) and ``q/k/v_descale``; attnplug's own fp8
 kernel through ``Provider.run`` (no ``PagedAttention`` layer) as the triton family's anchor.
@@ -75,10 +75,19 @@ def _provider(name: str, cascade: str | None = None):
             raise NotApplicable(str(e)) from e
         q, k, v = work.q, work.k_cache, work.v_cache
         out = torch.empty_like(q)
-        scales = work.extra.get("scales", {})
+        scales = _engine_scales(work)
         return lambda: attn.run(q, k, v, out=out, **scales)
 
     return make
+
+
+def _engine_scales(work: Work) -> dict:
+    """fp8 rows: the scale arguments as the adapters pass them (the tensors, and their floats as
+    ``host_scales``: both engines fix the scales at load); else none."""
+    sc = dict(work.extra.get("scales", {}))
+    if sc:
+        sc["host_scales"] = work.extra["scale_floats"]
+    return sc
 
 
 def _graph(provider: str, cascade: str):
@@ -100,7 +109,7 @@ def _graph(provider: str, cascade: str):
             raise Unavailable(str(e)) from e
         gs.prepare_capture(B)
         gs.update_from_block_table(work.seq_lens, work.block_table, B)
-        out, scales = torch.empty_like(q), work.extra.get("scales", {})
+        out, scales = torch.empty_like(q), _engine_scales(work)
         if gs.cascade is not None:
             work.extra[f"{label}.shared_pages"] = int(gs.cascade.kv_lens) // cfg.page_size
         if dev.type != "cuda":
