@@ -27,6 +27,9 @@
 #                 can take minutes)
 #   bench-shared  python -m attnplug.bench, the shared-prefix row (cascade on and off) and its unshared twin,
 #                 triton / flashinfer / fa3 (FlashInfer's cascade wrapper as the anchor) (~2 min)
+#   bench-graphs  the decode rows 1x32768 / 4x32768 / 64x4096 (bf16, fp8), eager and with --cuda-graphs (every
+#                 implementation replayed from one CUDA graph), triton / flashinfer / fa3, after the FlashInfer JIT
+#                 of those rows (~6 min)
 #   fp8-host      tests/gpu/test_fp8_gpu.py -k host_scales (every provider, eager and graphs) (~1 min)
 #   e.g.  bash scripts/gpu_session_call.sh nosync cascade-if sweep bench-prefill
 set -u
@@ -87,6 +90,14 @@ for step in "$@"; do
     reap
     timeout 150 $G python3 -m attnplug.bench --providers triton,flashinfer,fa3 --rows '64x(8192+256)' --out "$W/bench-shared" \
       --time-budget 120 > "$W/bench-shared.log" 2>&1; log "bench shared rc $?" ;;
+  bench-graphs)
+    reap
+    R='decode 1x32768$,decode 1x32768 fp8$,decode 4x32768$,decode 64x4096$,decode 64x4096 fp8$'
+    timeout 170 $G python3 -m attnplug.bench.jit_warmup --bench > "$W/warm-bench.log" 2>&1; log "jit warm-up (bench) rc $?"; reap
+    for t in --cuda-graphs ""; do
+      timeout 140 $G python3 -m attnplug.bench --providers triton,flashinfer,fa3 --rows "$R" $t --out "$W/bench-graphs" \
+        --time-budget 110 --no-ceilings > "$W/bench-graphs$t.log" 2>&1; log "bench graphs '$t' rc $?"
+    done ;;
   fp8-host)
     timeout 150 $G python3 -m pytest tests/gpu/test_fp8_gpu.py -q -rfEs -k host_scales > "$W/pytest-fp8-host.log" 2>&1
     log "pytest fp8 host scales rc $?"; tail -n 3 "$W/pytest-fp8-host.log" ;;

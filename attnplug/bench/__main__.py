@@ -33,11 +33,15 @@ def _parse(argv):
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run; Triton interpreter on CPU)")
     p.add_argument("--providers", default="triton,flashinfer,fa3,torch",
                    help="families to run: triton, flashinfer, fa3, torch (comma-separated)")
-    p.add_argument("--rows", default="", help="row kinds (decode, prefill, verify) or row-name substrings")
+    p.add_argument("--rows", default="", help="row kinds (decode, prefill, verify), row-name substrings, or whole "
+                                              "row names ending in '$'")
     p.add_argument("--out", default="attnplug-bench", help="output folder (default: ./attnplug-bench)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--time-budget", type=float, default=0, help="seconds; later rows are skipped (0: none)")
     p.add_argument("--no-ceilings", action="store_true", help="skip the memory-bandwidth / matmul ceiling probes")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="time every implementation as a CUDA-graph replay (the kernels without host launch gaps, "
+                        "as the engines run decode); an implementation that cannot be captured is reported as an error")
     return p.parse_args(argv)
 
 
@@ -84,13 +88,16 @@ def main(argv=None) -> int:
     cfg_kw, rows = (W.QUICK_CONFIG, W.QUICK_ROWS) if args.quick else (W.FULL_CONFIG, W.FULL_ROWS)
     sel = [s.strip() for s in args.rows.split(",") if s.strip()]
     if sel:
-        rows = [r for r in rows if any(s == r.kind or s in r.name for s in sel)]
+        rows = [r for r in rows if any(s == r.kind or (s[:-1] == r.name if s.endswith("$") else s in r.name)
+                                       for s in sel)]  # fmt: skip
     config = AttentionConfig(**cfg_kw)
     impls = [i for i in I.IMPLS if i.family in fams]
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})"
     date = datetime.date.today().isoformat()
-    stem = f"{re.sub(r'[^a-z0-9]+', '-', dev_name.lower()).strip('-')}-{date}" + ("-quick" if args.quick else "")
-    env = {"device": dev_name, "date": date, **_versions(fams), "argv": sys.argv[1:]}
+    stem = (f"{re.sub(r'[^a-z0-9]+', '-', dev_name.lower()).strip('-')}-{date}" + ("-quick" if args.quick else "")
+            + ("-graphs" if args.cuda_graphs and device.type == "cuda" else ""))
+    env = {"device": dev_name, "date": date, **_versions(fams), "argv": sys.argv[1:],
+           "timing": "cuda-graph replay" if args.cuda_graphs and device.type == "cuda" else "eager"}
     res = {"env": env, "ceilings": {}, "rows": [],
            "shape": f"{config.num_qo_heads} q heads, {config.num_kv_heads} KV heads, head dim {config.head_dim}, "
                     f"page {config.page_size}, {str(config.dtype).replace('torch.', '')}, random permuted page tables"}
@@ -145,8 +152,17 @@ def main(argv=None) -> int:
                 if not math.isfinite(err) or err > ERR_MAX:
                     rec["status"] = f"WRONG: rel err {err:.2e} > {ERR_MAX} vs float32 reference; not timed"
                 else:
+                    if args.cuda_graphs:
+                        fn = timing.graphed(fn, device)
                     ms = timing.bench_ms(fn, device)
                     rec.update(ms=ms, GBps=work.nbytes / ms / 1e6, TFLOPs=work.flops / ms / 1e9, status="ok")
+                    if args.cuda_graphs:  # the replayed graph's own output, after the timing loop
+                        o = fn()
+                        if device.type == "cuda":
+                            torch.cuda.synchronize(device)
+                        rec["err_graph"] = err = W.rel_err(o[:t_ref], ref)
+                        if not math.isfinite(err) or err > ERR_MAX:
+                            rec["status"] = f"WRONG: the graph replay's rel err {err:.2e} > {ERR_MAX}"
             except I.Unavailable as e:
                 rec["status"] = f"unavailable: {e}"
             except I.NotApplicable as e:

@@ -6,6 +6,7 @@ the variants the GPU tests and the benchmark need in one ``build_jit_specs`` cal
 busy; run it in the background while the triton / fa3 tests run, then run the flashinfer tests.
 
     --full   also the fa3 template for every variant (what ATTNPLUG_GPU_TESTS_FULL=1 uses)
+    --bench  the first batch only (the benchmark's d128 bf16 and fp8 e4m3 rows, cascade)
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def main(argv=None) -> int:
     try:
         from flashinfer.jit import build_jit_specs  # noqa: PLC0415
 
-        for batch in specs(full="--full" in argv):
+        batches = specs(full="--full" in argv)
+        for batch in batches[:1] if "--bench" in argv else batches:
             print(f"jit_warmup: building {[x.name for x in batch]}", flush=True)
             build_jit_specs(batch, verbose=False)
             print(f"jit_warmup: built {len(batch)} modules at {time.time() - t0:.0f}s", flush=True)

@@ -48,7 +48,9 @@ def markdown(res: dict) -> str:
         f"matmul **{_fmt(ceil.get('matmul_TFLOPs'), 0)} TFLOP/s** ({ceil.get('matmul_shape', '')})"
         + (f"; H200 anchors: {anchors['ceilings']['copy_GBps']} GB/s, {anchors['ceilings']['matmul_TFLOPs']} TFLOP/s." if anchors else "."),
         "",
-        "ms: median of CUDA-event timings (`triton.testing.do_bench`, L2 flushed). GB/s counts Q+K+V+O bytes; "
+        "ms: median of CUDA-event timings (`triton.testing.do_bench`, L2 flushed"
+        + ("; every implementation replayed from one CUDA graph: kernels without host launch gaps"
+           if env.get("timing") == "cuda-graph replay" else "") + "). GB/s counts Q+K+V+O bytes; "
         "TFLOP/s counts causal FLOPs 4·H·D·(q·kv − q(q−1)/2). *vs best lib* = best direct-library ms / this ms "
         "(> 1: faster than the best library kernel of the row); *vs own lib* = the same family's library kernel "
         "ms / this ms (fp8 rows: triton's own is attnplug's fp8 kernel called directly). err: relative L2 vs "

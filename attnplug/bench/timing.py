@@ -25,6 +25,33 @@ def bench_ms(fn: Callable[[], object], device: torch.device, rep_ms: int = 100) 
     return statistics.median(times)
 
 
+def graphed(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    """``fn`` captured in one CUDA graph: the returned callable replays it (one host launch), so the
+    CUDA-event timing of :func:`bench_ms` measures the kernels without the host's launch gaps, as the
+    engines replay decode. ``fn`` runs twice on a side stream first (JIT, autotuning); it must be
+    capturable (launches only), else the capture raises. Returns ``fn`` itself when it is already a graph
+    replay (``fn.graphed``); CPU: ``fn``."""
+    if device.type != "cuda" or getattr(fn, "graphed", False):
+        return fn
+    s = torch.cuda.Stream(device)
+    s.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream(device).wait_stream(s)
+    torch.cuda.synchronize(device)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+
+    def replay():
+        g.replay()
+        return out
+
+    replay.graph = g
+    return replay
+
+
 def _copy_ms(n: int, device: torch.device) -> float:
     x = torch.randn(n, dtype=torch.bfloat16, device=device)
     y = torch.empty_like(x)
