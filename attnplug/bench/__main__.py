@@ -27,6 +27,27 @@ import traceback
 ERR_MAX = 5e-2  # above this an implementation is reported wrong and not timed
 
 
+def not_timed_if_wrong(rec: dict) -> None:
+    """A CUDA-graph replay whose output is wrong (``rec["err_graph"]``: e.g. a library wrapper that is not
+    capturable) keeps no time: status WRONG, no ms / GB/s / TFLOP/s."""
+    err = rec.get("err_graph")
+    if err is not None and (not math.isfinite(err) or err > ERR_MAX):
+        for k in ("ms", "GBps", "TFLOPs"):
+            rec.pop(k, None)
+        rec["status"] = f"WRONG: the CUDA-graph replay's rel err {err:.2e} > {ERR_MAX} vs float32 reference; not timed"
+
+
+def ratios(recs: list[dict]) -> None:
+    """``vs_best_lib`` (best timed library ms / this ms) and ``vs_own_lib`` (the same family's library
+    kernel; fp8 acceptance: a provider >= 0.95x its library's kernel) of one row's records, in place."""
+    best = min((r["ms"] for r in recs if r.get("library") and r.get("ms")), default=None)
+    for r in recs:
+        r["vs_best_lib"] = best / r["ms"] if best and r.get("ms") else None
+        own = min((x["ms"] for x in recs if x.get("library") and x.get("ms") and x["family"] == r.get("family")),
+                  default=None)  # fmt: skip
+        r["vs_own_lib"] = own / r["ms"] if own and r.get("ms") and not r.get("library") else None
+
+
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m attnplug.bench", description=__doc__.replace("``", ""),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -156,17 +177,19 @@ def main(argv=None) -> int:
                         fn = timing.graphed(fn, device)
                     ms = timing.bench_ms(fn, device)
                     rec.update(ms=ms, GBps=work.nbytes / ms / 1e6, TFLOPs=work.flops / ms / 1e9, status="ok")
-                    if args.cuda_graphs:  # the replayed graph's own output, after the timing loop
+                    if args.cuda_graphs:  # the replayed graph's own output, after the timing loop, into NaN
+                        fn().fill_(math.nan)
                         o = fn()
                         if device.type == "cuda":
                             torch.cuda.synchronize(device)
-                        rec["err_graph"] = err = W.rel_err(o[:t_ref], ref)
-                        if not math.isfinite(err) or err > ERR_MAX:
-                            rec["status"] = f"WRONG: the graph replay's rel err {err:.2e} > {ERR_MAX}"
+                        rec["err_graph"] = W.rel_err(o[:t_ref], ref)
+                        not_timed_if_wrong(rec)
             except I.Unavailable as e:
                 rec["status"] = f"unavailable: {e}"
             except I.NotApplicable as e:
                 rec["status"] = f"n/a: {e}"
+            except timing.NotCapturable as e:
+                rec["status"] = f"n/a: --cuda-graphs: not capturable: {e}"
             except Exception as e:
                 rec["status"] = f"error: {type(e).__name__}: {e}"
                 say(f"[{row.name} | {impl.name}] {traceback.format_exc()}")
@@ -179,13 +202,7 @@ def main(argv=None) -> int:
             else:
                 say(f"{row.name:26s} {impl.name:24s} {rec['status'][:140]}")
             bar and bar.update(1)
-        best = min((r["ms"] for r in recs if r.get("library") and r.get("ms")), default=None)
-        for r in recs:
-            r["vs_best_lib"] = best / r["ms"] if best and r.get("ms") else None
-            # the same family's own library kernel (fp8 acceptance: provider >= 0.95x its library's kernel)
-            own = min((x["ms"] for x in recs if x.get("library") and x.get("ms") and x["family"] == r.get("family")),
-                      default=None)  # fmt: skip
-            r["vs_own_lib"] = own / r["ms"] if own and r.get("ms") and not r.get("library") else None
+        ratios(recs)
         res["rows"].extend(recs)
         del work, ref
         if device.type == "cuda":

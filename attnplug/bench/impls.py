@@ -76,7 +76,10 @@ def _provider(name: str, cascade: str | None = None):
         q, k, v = work.q, work.k_cache, work.v_cache
         out = torch.empty_like(q)
         scales = _engine_scales(work)
-        return lambda: attn.run(q, k, v, out=out, **scales)
+        fn = lambda: attn.run(q, k, v, out=out, **scales)  # noqa: E731
+        if not attn.provider.EAGER_RUN_CAPTURABLE:
+            fn.not_capturable = f"the {name} provider's eager run (its graphs: attnplug.{name}.graph rows)"
+        return fn
 
     return make
 
@@ -164,6 +167,12 @@ def _fi_scales(work: Work) -> dict:
     return dict(k_scale=ks, v_scale=vs)
 
 
+def _fi_eager(fn):
+    """``fn`` runs a FlashInfer wrapper built with ``use_cuda_graph=False``: not capturable as it is."""
+    fn.not_capturable = "a FlashInfer wrapper built without use_cuda_graph"
+    return fn
+
+
 def _fi_decode(work: Work):
     if work.row.kind != "decode":
         raise NotApplicable("decode kernel")
@@ -175,7 +184,7 @@ def _fi_decode(work: Work):
     w.plan(b.kv_indptr, b.kv_indices.to(work.q.device), b.kv_last_page_len, c.num_qo_heads, c.num_kv_heads,
            c.head_dim, c.page_size, **_fi_common(work))
     q, kv, sc = work.q, (work.k_cache, work.v_cache), _fi_scales(work)
-    return lambda: w.run(q, kv, **sc)
+    return _fi_eager(lambda: w.run(q, kv, **sc))
 
 
 def _fi_prefill(backend: str):
@@ -199,7 +208,7 @@ def _fi_prefill(backend: str):
             w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices.to(dev), b.kv_last_page_len, c.num_qo_heads,
                    c.num_kv_heads, c.head_dim, c.page_size, causal=True, **_fi_common(work))
         q, kv, sc = work.q, (work.k_cache, work.v_cache), _fi_scales(work)
-        return lambda: w.run(q, kv, **sc)
+        return _fi_eager(lambda: w.run(q, kv, **sc))
 
     return make
 
@@ -223,7 +232,7 @@ def _fi_cascade(work: Work):
     w.plan(qo, kv_indptr, kv_indices, last, c.num_qo_heads, c.num_kv_heads, c.head_dim, P, causal=True,
            **_fi_common(work))
     q, kv = work.q, (work.k_cache, work.v_cache)
-    return lambda: w.run(q, kv)
+    return _fi_eager(lambda: w.run(q, kv))
 
 
 # ---- FA3 called directly -------------------------------------------------------------------------

@@ -25,12 +25,18 @@ def bench_ms(fn: Callable[[], object], device: torch.device, rep_ms: int = 100) 
     return statistics.median(times)
 
 
+class NotCapturable(Exception):
+    """An implementation that cannot be captured in a CUDA graph as it is (``fn.not_capturable``: why)."""
+
+
 def graphed(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
     """``fn`` captured in one CUDA graph: the returned callable replays it (one host launch), so the
     CUDA-event timing of :func:`bench_ms` measures the kernels without the host's launch gaps, as the
     engines replay decode. ``fn`` runs twice on a side stream first (JIT, autotuning); it must be
     capturable (launches only), else the capture raises. Returns ``fn`` itself when it is already a graph
-    replay (``fn.graphed``); CPU: ``fn``."""
+    replay (``fn.graphed``); CPU: ``fn``. Raises :class:`NotCapturable` for ``fn.not_capturable``."""
+    if getattr(fn, "not_capturable", None):
+        raise NotCapturable(fn.not_capturable)
     if device.type != "cuda" or getattr(fn, "graphed", False):
         return fn
     s = torch.cuda.Stream(device)

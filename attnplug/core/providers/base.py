@@ -122,6 +122,9 @@ class Provider(ABC):
     OPTIONS: ClassVar[frozenset[str]] = frozenset()
     #: What its CUDA graphs can replay (see :class:`GraphSupport`).
     graph_support: ClassVar[GraphSupport] = NO_GRAPHS
+    #: Whether :meth:`run` on an eager plan (``PagedAttention.plan``) can be captured in a CUDA graph as
+    #: it is and replayed on that plan; where not, graphs go through ``GraphState`` only.
+    EAGER_RUN_CAPTURABLE: ClassVar[bool] = True
     #: Its part of a ``GraphState`` (subclass of :class:`ProviderGraph`).
     graph_cls: ClassVar[type[ProviderGraph]] = ProviderGraph
     #: KV-cache dtypes it reads (``config.kv_dtype``): a provider that lists an fp8 dtype dequantizes

@@ -204,6 +204,7 @@ class FlashInferProvider(Provider):
         reason="FlashInfer plans on the host before each replay (no in-graph metadata updates; a replay from a "
                "device page table needs host lengths, and verify masks are packed on the host)")  # fmt: skip
     graph_cls = FlashInferGraph
+    EAGER_RUN_CAPTURABLE = False  # eager wrappers (use_cuda_graph=False) replan their buffers; graphs: FlashInferGraph
     KV_DTYPES = frozenset((torch.float16, torch.bfloat16) + FP8_KV_DTYPES)
 
     def __init__(self, config: AttentionConfig, device: torch.device):
