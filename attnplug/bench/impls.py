@@ -78,10 +78,26 @@ def _provider(name: str, cascade: str | None = None):
         scales = _engine_scales(work)
         fn = lambda: attn.run(q, k, v, out=out, **scales)  # noqa: E731
         if not attn.provider.EAGER_RUN_CAPTURABLE:
-            fn.not_capturable = f"the {name} provider's eager run (its graphs: attnplug.{name}.graph rows)"
+            if work.row.kind == "decode":
+                fn.for_graphs = lambda: _decode_graph_run(work, name, "off" if cascade == "off" else "auto")
+            else:
+                fn.not_capturable = f"the {name} provider's eager run (its graphs: decode rows, through GraphState)"
         return fn
 
     return make
+
+
+def _decode_graph_run(work: Work, provider: str, cascade: str):
+    """``provider``'s decode ``GraphState`` for the row's batch (updated on the host), uncaptured: what
+    ``--cuda-graphs`` captures for a provider whose eager run is not capturable."""
+    cfg, q, k, v = work.config, work.q, work.k_cache, work.v_cache
+    B = work.batch.batch_size
+    gs = GraphState(cfg, provider, max_batch=B, max_tokens=B, max_pages=work.num_pages, device=q.device,
+                    max_seq_len=work.block_table.shape[1] * cfg.page_size, cascade=cascade)  # fmt: skip
+    gs.prepare_capture(B)
+    gs.update(work.batch, B)
+    out, scales = torch.empty_like(q), _engine_scales(work)
+    return lambda: gs.run(B, q, k, v, out, **scales)
 
 
 def _engine_scales(work: Work) -> dict:
@@ -180,11 +196,27 @@ def _fi_decode(work: Work):
     from ..core.providers.flashinfer import fa2_decode_kwargs  # noqa: PLC0415
 
     extra = fa2_decode_kwargs(fi) if work.row.kv == "fp8" else {}  # bf16 q + fp8 KV: the fa2 template
-    w = fi.BatchDecodeWithPagedKVCacheWrapper(_workspace(work.q.device), c.kv_layout, use_tensor_cores=True, **extra)
-    w.plan(b.kv_indptr, b.kv_indices.to(work.q.device), b.kv_last_page_len, c.num_qo_heads, c.num_kv_heads,
+    dev = work.q.device
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(_workspace(dev), c.kv_layout, use_tensor_cores=True, **extra)
+    w.plan(b.kv_indptr, b.kv_indices.to(dev), b.kv_last_page_len, c.num_qo_heads, c.num_kv_heads,
            c.head_dim, c.page_size, **_fi_common(work))
     q, kv, sc = work.q, (work.k_cache, work.v_cache), _fi_scales(work)
-    return _fi_eager(lambda: w.run(q, kv, **sc))
+
+    def for_graphs():
+        """The same decode on a ``use_cuda_graph=True`` wrapper (fixed page-table buffers), as the engines
+        capture it."""
+        wg = fi.BatchDecodeWithPagedKVCacheWrapper(
+            _workspace(dev), c.kv_layout, use_cuda_graph=True, use_tensor_cores=True,
+            paged_kv_indptr_buffer=b.kv_indptr.to(dev), paged_kv_indices_buffer=b.kv_indices.to(dev),
+            paged_kv_last_page_len_buffer=b.kv_last_page_len.to(dev), **extra)  # fmt: skip
+        wg.plan(b.kv_indptr, b.kv_indices, b.kv_last_page_len, c.num_qo_heads, c.num_kv_heads, c.head_dim,
+                c.page_size, **_fi_common(work))  # fmt: skip
+        out = torch.empty_like(q)
+        return lambda: wg.run(q, kv, out=out, **sc)
+
+    fn = lambda: w.run(q, kv, **sc)  # noqa: E731
+    fn.for_graphs = for_graphs
+    return fn
 
 
 def _fi_prefill(backend: str):

@@ -34,11 +34,14 @@ def graphed(fn: Callable[[], object], device: torch.device) -> Callable[[], obje
     CUDA-event timing of :func:`bench_ms` measures the kernels without the host's launch gaps, as the
     engines replay decode. ``fn`` runs twice on a side stream first (JIT, autotuning); it must be
     capturable (launches only), else the capture raises. Returns ``fn`` itself when it is already a graph
-    replay (``fn.graphed``); CPU: ``fn``. Raises :class:`NotCapturable` for ``fn.not_capturable``."""
+    replay (``fn.graphed``); CPU: ``fn``. Raises :class:`NotCapturable` for ``fn.not_capturable``;
+    ``fn.for_graphs()`` (when set) builds the capturable twin that is captured instead."""
     if getattr(fn, "not_capturable", None):
         raise NotCapturable(fn.not_capturable)
     if device.type != "cuda" or getattr(fn, "graphed", False):
         return fn
+    if getattr(fn, "for_graphs", None) is not None:  # the capturable twin of an eager-only implementation
+        fn = fn.for_graphs()
     s = torch.cuda.Stream(device)
     s.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(s):

@@ -47,3 +47,17 @@ def test_ratios_use_timed_library_records_only():
     assert recs[2]["vs_best_lib"] == pytest.approx(2.0) and recs[2]["vs_own_lib"] == pytest.approx(2.0)
     assert recs[3]["vs_best_lib"] == pytest.approx(0.5) and recs[3]["vs_own_lib"] is None  # b's library was not timed
     assert recs[0]["vs_own_lib"] is None and recs[1]["vs_best_lib"] is None
+
+
+@pytest.mark.parametrize("kv", ["", "fp8"])
+def test_decode_graph_twin_computes_the_row(kv):
+    """``--cuda-graphs``' twin of an eager-only provider (a decode ``GraphState``, updated on the host) gives
+    the float32 reference on a decode row, bf16 and fp8 (scales as the adapters pass them)."""
+    from attnplug.bench import impls, workloads as W
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    row = next(r for r in W.QUICK_ROWS if r.kind == "decode" and r.kv == kv and not r.shared)
+    work = W.build(row, AttentionConfig(**W.QUICK_CONFIG), dev)
+    out = impls._decode_graph_run(work, "triton", "off")()
+    ref = W.reference(work, row.batch)
+    assert not out.isnan().any() and W.rel_err(out[: row.batch], ref) < 1e-2
