@@ -62,7 +62,8 @@ def _parse(argv):
     p.add_argument("--no-ceilings", action="store_true", help="skip the memory-bandwidth / matmul ceiling probes")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="time every implementation as a CUDA-graph replay (the kernels without host launch gaps, "
-                        "as the engines run decode); an implementation that cannot be captured is reported as an error")
+                        "as the engines run decode); eager-only implementations run their capturable twin "
+                        "(FlashInfer: a use_cuda_graph wrapper or GraphState), others are reported n/a")
     return p.parse_args(argv)
 
 

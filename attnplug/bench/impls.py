@@ -5,10 +5,14 @@ returns the ``[T, Hq, D]`` output; only kernel launches) or raises :class:`Unava
 :class:`NotApplicable`. Host-side setup (plans, block tables, JIT) happens in ``make_*``.
 
 fp8 rows (``row.kv == "fp8"``, e4m3 KV with per-layer scales): attnplug's providers get the scale
-tensors and their floats (``host_scales``), as the engine adapters pass them; the libraries run their own fp8 kernels as they are called directly: FlashInfer's fa2
-templates with ``kv_data_type`` fp8 and its host-float ``k_scale`` / ``v_scale``; FA3 with q quantized
-to e4m3 beforehand (untimed: the engine's layer does it) and ``q/k/v_descale``; attnplug's own fp8
-kernel through ``Provider.run`` (no ``PagedAttention`` layer) as the triton family's anchor.
+tensors and their floats (``host_scales``), as the engine adapters pass them; the libraries run their
+own fp8 kernels as they are called directly: FlashInfer's fa2 templates with ``kv_data_type`` fp8 and
+its host-float ``k_scale`` / ``v_scale``; FA3 with q quantized to e4m3 beforehand (untimed: the
+engine's layer does it) and ``q/k/v_descale``; attnplug's own fp8 kernel through ``Provider.run`` (no
+``PagedAttention`` layer) as the triton family's anchor.
+
+``--cuda-graphs`` (``timing.graphed``): ``fn.graphed`` marks a replay already, ``fn.for_graphs()``
+builds the capturable twin of an eager-only implementation, ``fn.not_capturable`` says why there is none.
 """
 
 from __future__ import annotations
@@ -79,7 +83,7 @@ def _provider(name: str, cascade: str | None = None):
         fn = lambda: attn.run(q, k, v, out=out, **scales)  # noqa: E731
         if not attn.provider.EAGER_RUN_CAPTURABLE:
             if work.row.kind == "decode":
-                fn.for_graphs = lambda: _decode_graph_run(work, name, "off" if cascade == "off" else "auto")
+                fn.for_graphs = lambda: _decode_graph_run(work, name)
             else:
                 fn.not_capturable = f"the {name} provider's eager run (its graphs: decode rows, through GraphState)"
         return fn
@@ -87,13 +91,14 @@ def _provider(name: str, cascade: str | None = None):
     return make
 
 
-def _decode_graph_run(work: Work, provider: str, cascade: str):
-    """``provider``'s decode ``GraphState`` for the row's batch (updated on the host), uncaptured: what
-    ``--cuda-graphs`` captures for a provider whose eager run is not capturable."""
+def _decode_graph_run(work: Work, provider: str):
+    """``provider``'s decode ``GraphState`` for the row's batch (updated on the host; cascade graphs off,
+    the engines' default), uncaptured: what ``--cuda-graphs`` captures for a provider whose eager run is
+    not capturable."""
     cfg, q, k, v = work.config, work.q, work.k_cache, work.v_cache
     B = work.batch.batch_size
     gs = GraphState(cfg, provider, max_batch=B, max_tokens=B, max_pages=work.num_pages, device=q.device,
-                    max_seq_len=work.block_table.shape[1] * cfg.page_size, cascade=cascade)  # fmt: skip
+                    max_seq_len=work.block_table.shape[1] * cfg.page_size)  # fmt: skip
     gs.prepare_capture(B)
     gs.update(work.batch, B)
     out, scales = torch.empty_like(q), _engine_scales(work)

@@ -58,6 +58,6 @@ def test_decode_graph_twin_computes_the_row(kv):
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     row = next(r for r in W.QUICK_ROWS if r.kind == "decode" and r.kv == kv and not r.shared)
     work = W.build(row, AttentionConfig(**W.QUICK_CONFIG), dev)
-    out = impls._decode_graph_run(work, "triton", "off")()
+    out = impls._decode_graph_run(work, "triton")()
     ref = W.reference(work, row.batch)
     assert not out.isnan().any() and W.rel_err(out[: row.batch], ref) < 1e-2
