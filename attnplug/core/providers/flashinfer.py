@@ -345,15 +345,15 @@ class FlashInferProvider(Provider):
         fp8 KV: ``k_scale`` / ``v_scale`` one-element float32 device tensors, or ``host_scales``
         ``(k, v)`` floats, which FlashInfer folds itself (see the module docstring)."""
         st: FlashInferState = plan.state
+        fold = {}  # the host floats FlashInfer folds itself
+        on_device = st.q_buf is not None and host_scales is None
         if st.q_buf is not None and host_scales is not None:
-            k_f, v_f = host_scales
-            st.wrapper.run(q, (k_cache, v_cache), out=out, lse=lse, return_lse=lse is not None, k_scale=k_f, v_scale=v_f)
-        elif st.q_buf is not None:  # 1-element views: the products are computed in float32, then rounded
+            fold = dict(k_scale=host_scales[0], v_scale=host_scales[1])
+        elif on_device:  # 1-element views: the products are computed in float32, then rounded
             q = torch.mul(q, k_scale.reshape(1), out=st.q_buf[: q.shape[0]])
-            st.wrapper.run(q, (k_cache, v_cache), out=out, lse=lse, return_lse=lse is not None)
+        st.wrapper.run(q, (k_cache, v_cache), out=out, lse=lse, return_lse=lse is not None, **fold)
+        if on_device:
             out.mul_(v_scale.reshape(1))
-        else:
-            st.wrapper.run(q, (k_cache, v_cache), out=out, lse=lse, return_lse=lse is not None)
         if lse is not None:
             lse.mul_(LN2)  # log2 -> natural log, in place
 
