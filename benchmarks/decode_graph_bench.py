@@ -24,7 +24,10 @@ import json
 import os
 import sys
 
-import torch
+if "--smoke" in sys.argv:  # the interpreter must be chosen before anything imports triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -152,7 +155,6 @@ def main() -> None:
         for key in [k for k in tiles.TILES if "/decode_split" in k or "/decode_tiny" in k]:
             tiles.TILES[key] = dict(tiles.TILES[key], min_split_keys=a.min_split_keys)
     if a.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
         dev, heads, rows, pages, caps, layers = torch.device("cpu"), (4, 2, 32), ["2x40"], [1, 16], [256, 64], 2
         providers = ["triton"]
     else:
