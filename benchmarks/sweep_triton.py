@@ -156,7 +156,16 @@ def candidates(row, bucket: str) -> list[dict]:
         out = verify_candidates(d)
     else:
         out = decode_candidates(d, bucket != "decode")
-    return [dict(c, fp8_f16=f) for c in out for f in (False, True)] if is_fp8(row) else out
+    if not is_fp8(row):
+        return out
+    out = [dict(c, fp8_f16=f) for c in out for f in (False, True)]
+    if bucket == "decode" and d <= 128:  # half the bytes a key: fewer warps a program, or full batches split
+        tiles = ((64, 1, 5), (64, 1, 3), (32, 1, 5), (32, 2, 5), (64, 2, 3), (64, 2, 4), (64, 2, 7), (128, 2, 3),
+                 (128, 2, 5), (128, 2, 7))
+        out += [{"kernel": "decode", "block_n": bn, "num_warps": w, "num_stages": st, "fp8_f16": True} for bn, w, st in tiles]
+        out += [{"kernel": "decode", "block_n": bn, "num_warps": w, "num_stages": st, "fp8_f16": True, "ctas_per_sm": c,
+                 "fused_merge": True} for bn, w, st in ((64, 2, 5), (64, 4, 5), (128, 2, 5), (128, 4, 5)) for c in (4, 8)]
+    return out
 
 
 def build(row, device):

@@ -31,6 +31,12 @@
 #                 implementation replayed from one CUDA graph), triton / flashinfer / fa3, after the FlashInfer JIT
 #                 of those rows (~6 min)
 #   fp8-host      tests/gpu/test_fp8_gpu.py -k host_scales (every provider, eager and graphs) (~1 min)
+#   ncu           benchmarks/ncu_probe.py under Nsight Compute (speed of light, memory, warp stalls,
+#                 occupancy): one forward of the triton provider's decode rows (64x4096, 1x32768, 4x32768,
+#                 bf16 and fp8) and of the shared-prefix row with cascade (each part's kernel) (~3 min)
+#   sweep-fp8     benchmarks/sweep_triton.py --write on the fp8 decode row 64x4096 (the
+#                 full-batch candidates: fewer warps, splits) (~2 min)
+#   graphs-only   the bench-graphs rows with --cuda-graphs only (after the FlashInfer JIT of those rows)
 #   e.g.  bash scripts/gpu_session_call.sh nosync cascade-if sweep bench-prefill
 set -u
 W=$OUT/w; mkdir -p "$W"; G="bash scripts/gpu_run.sh"; t0=$SECONDS
@@ -101,6 +107,26 @@ for step in "$@"; do
   fp8-host)
     timeout 150 $G python3 -m pytest tests/gpu/test_fp8_gpu.py -q -rfEs -k host_scales > "$W/pytest-fp8-host.log" 2>&1
     log "pytest fp8 host scales rc $?"; tail -n 3 "$W/pytest-fp8-host.log" ;;
+  ncu)
+    NCU="ncu --profile-from-start off --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis
+      --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats"
+    n=0
+    for r in "decode 64x4096 fp8" "decode 64x4096" "decode 1x32768 fp8" "decode 1x32768" "decode 4x32768" \
+             "cascade decode 64x(8192+256)|--cascade auto" "decode 64x(8192+256) unshared"; do
+      n=$((n + 1)); row=${r%%|*}; extra=""; [[ $r == *"|"* ]] && extra=${r#*|}
+      timeout 75 $G $NCU python3 benchmarks/ncu_probe.py --check --row "$row" $extra > "$W/ncu-$n.log" 2>&1
+      log "ncu $n ($row $extra) rc $?"; grep "^ncu_probe" "$W/ncu-$n.log"
+    done ;;
+  sweep-fp8)
+    timeout 200 $G python3 benchmarks/sweep_triton.py --write --budget 150 --rows "64x4096 fp8" \
+      --out "$W/sweep-fp8" > "$W/sweep-fp8.log" 2>&1; log "sweep-fp8 rc $?"; grep "^sweep:" "$W/sweep-fp8.log" | tail -n 8
+    cp attnplug/core/kernels/tiles.py "$W/sweep-fp8/tiles.py" 2>/dev/null ;;
+  graphs-only)
+    reap
+    R='decode 1x32768$,decode 1x32768 fp8$,decode 4x32768$,decode 64x4096$,decode 64x4096 fp8$'
+    timeout 170 $G python3 -m attnplug.bench.jit_warmup --bench > "$W/warm-bench.log" 2>&1; log "jit warm-up (bench) rc $?"; reap
+    timeout 150 $G python3 -m attnplug.bench --providers triton,flashinfer,fa3 --rows "$R" --cuda-graphs --out "$W/bench-graphs" \
+      --time-budget 120 --no-ceilings > "$W/bench-graphs.log" 2>&1; log "bench graphs rc $?" ;;
   *) log "unknown step $step" ;;
   esac
 done

@@ -299,6 +299,29 @@ def test_split_rule_of_short_contexts(kv_dtype, rows, kv_len, want):
     assert prov.split_count(rows, kv_len) == want
 
 
+def test_full_batch_splits_when_its_entry_asks():
+    """A batch that fills the SMs (``decode`` bucket) runs unsplit unless its entry names
+    ``ctas_per_sm``; then it splits like the split buckets (programs per SM, one split per 128 keys)."""
+    prov = PagedAttention(AttentionConfig(32, 8, 128, 16, BF16, kv_dtype=torch.float8_e4m3fn), "triton", "cpu").provider
+    prov._sms = H200_SMS
+    key = tiles.key(128, 4, "decode", fp8=True)
+    assert prov.split_count(64, 4096) == 1
+    with table({key: {"kernel": "decode", "block_n": 64, "ctas_per_sm": 8, "fused_merge": True}}):
+        assert prov.split_count(64, 4096) == 3  # 8 * 132 programs over 512
+        assert prov.split_count(64, 300) == 1 and prov.split_count(64, 1024) == 3
+        assert prov.split_count(512, 4096) == 1  # 4096 programs already
+
+
+def test_full_batch_split_matches_the_reference():
+    """The ``decode`` bucket's split path (a full batch on 132 SMs, fused merge) against the reference."""
+    c = random_case(ForwardMode.DECODE, [1] * 40, [1100 + 37 * i for i in range(40)], cfg(16, 4, page=16, dtype=BF16),
+                    DEVICE, seed=5)
+    e = {"kernel": "decode", "block_n": 32, "num_warps": 4, "num_stages": 3, "fused_merge": True, "ctas_per_sm": 4}
+    plan = run_case(c, {tiles.key(c.config.head_dim, c.config.group_size, "decode"): e})
+    launch = triton_launch(plan)
+    assert launch["num_splits"] == 4 and launch["kernel"] == "decode"  # 40 x 4 heads = 160 >= 132; 4*132/160
+
+
 # ---- the table ----------------------------------------------------------------------------------
 def test_seed_table_keeps_the_2026_11_29_choices():
     """With the seeds, the provider picks what it picked before the table: the general kernel, the

@@ -21,8 +21,9 @@ suffix: the entry for fp8 KV caches (they fall back to the 16-bit entries). Buck
 Entry fields (all optional): ``kernel`` (``"paged"``: :mod:`.attention`; ``"prefill"``:
 :mod:`.prefill`, causal without mask / window / soft cap; ``"decode"``: :mod:`.decode`),
 ``block_m``, ``block_n``, ``num_warps``, ``num_stages``; ``prefill``: ``diag_n`` (diagonal block),
-``tma`` (tensor-descriptor K/V loads when the page size is a multiple of ``block_n``); split buckets:
-``ctas_per_sm`` (split so that ``B * Hkv * splits`` reaches this many programs per SM),
+``tma`` (tensor-descriptor K/V loads when the page size is a multiple of ``block_n``); split buckets
+(and ``decode`` entries that name it: full batches split too): ``ctas_per_sm`` (split so that
+``B * Hkv * splits`` reaches this many programs per SM),
 ``max_splits``, ``min_split_keys`` (default: 128, 512 for fp8 ``decode_split``), ``fused_merge``
 (``decode`` kernel: the last split merges);
 ``fp8_f16`` (fp8 entries: fp16 dots, :mod:`.attention`);

@@ -244,17 +244,18 @@ class TritonProvider(Provider):
 
     def split_count(self, num_tiles: int, max_kv_len: int, forced: int | None = None) -> int:
         """Split-KV chunks per tile: ``forced``, else (when ``num_tiles * Hkv`` programs do not fill the
-        SMs and ``max_kv_len >= 1024``) enough programs for the table's ``ctas_per_sm`` per SM (seed:
+        SMs, or fill them but their ``decode`` entry names a ``ctas_per_sm``, and ``max_kv_len >= 1024``)
+        enough programs for the table's ``ctas_per_sm`` per SM (seed:
         2, 4 for fewer than 16 programs), at most ``max_splits`` (64) and one per ``min_split_keys``
         keys (default 128 for ``decode_tiny`` and 16-bit ``decode_split`` batches, 512 for fp8
         ``decode_split``: the H200's eager 1-4 x 1024-4096 rows, ``benchmarks/NOTES.md``)."""
         if forced is not None:
             return max(1, int(forced))
         programs = num_tiles * self.config.num_kv_heads
-        if programs >= self._sms or max_kv_len < 1024:
-            return 1
         bucket = self._decode_bucket(programs)
         e = self._entry(bucket)
+        if max_kv_len < 1024 or (bucket == "decode" and "ctas_per_sm" not in e):
+            return 1
         min_keys = 512 if bucket == "decode_split" and self.config.kv_quantized else 128
         by_len = max_kv_len // e.get("min_split_keys", min_keys)
         target = e.get("ctas_per_sm", 2 if programs >= 16 else 4) * self._sms
