@@ -69,6 +69,7 @@ SMOKE_ROWS = [("prefill smoke", "prefill", 2, 80, 16, (8, 2, 64)), ("decode smok
               ("prefill smoke page64", "prefill", 1, 70, 0, (8, 2, 64)), ("decode smoke fp8", "decode", 2, 1, 2100, (8, 2, 64)),
               ("decode smoke shared", "decode", 3, 1, 300, (8, 2, 64), 256)]
 SMOKE = {"on": False}
+PAIRS_ONLY = {"on": False}  # --pairs-only: fp8 rows time only the byte-pair candidates (and the seed)
 
 
 def prefill_candidates(d: int) -> list[dict]:
@@ -165,6 +166,9 @@ def candidates(row, bucket: str) -> list[dict]:
         out += [{"kernel": "decode", "block_n": bn, "num_warps": w, "num_stages": st, "fp8_f16": True} for bn, w, st in tiles]
         out += [{"kernel": "decode", "block_n": bn, "num_warps": w, "num_stages": st, "fp8_f16": True, "ctas_per_sm": c,
                  "fused_merge": True} for bn, w, st in ((64, 2, 5), (64, 4, 5), (128, 2, 5), (128, 4, 5)) for c in (4, 8)]
+    if d in (64, 128, 256):  # the decode kernel reading K/V as byte pairs (power-of-two head dims)
+        pairs = [dict(c, pairs=True) for c in out if c["kernel"] == "decode" and c["fp8_f16"] and c.get("fused_merge", True)]
+        out = pairs if PAIRS_ONLY["on"] else out + pairs
     return out
 
 
@@ -288,7 +292,9 @@ def main(argv=None) -> int:
     ap.add_argument("--table", default=os.path.join(os.path.dirname(HERE), "attnplug", "core", "kernels", "tiles.py"),
                     help="the table file --write rewrites")
     ap.add_argument("--smoke", action="store_true", help="CPU check of the flow (Triton interpreter, tiny shapes)")
+    ap.add_argument("--pairs-only", action="store_true", help="fp8 rows: only the byte-pair candidates (and the seed)")
     a = ap.parse_args(argv)
+    PAIRS_ONLY["on"] = a.pairs_only
     t0 = time.time()
     os.makedirs(a.out, exist_ok=True)
     SMOKE["on"] = a.smoke

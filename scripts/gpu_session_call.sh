@@ -34,12 +34,15 @@
 #   ncu           benchmarks/ncu_probe.py under Nsight Compute (speed of light, memory, warp stalls,
 #                 occupancy): one forward of the triton provider's decode rows (64x4096, 1x32768, 4x32768,
 #                 bf16 and fp8) and of the shared-prefix row with cascade (each part's kernel) (~3 min)
-#   sweep-fp8     benchmarks/sweep_triton.py --write on the fp8 decode row 64x4096 (the
-#                 full-batch candidates: fewer warps, splits) (~2 min)
+#   sweep-fp8     benchmarks/sweep_triton.py --write on the fp8 decode rows 64x4096, 1x32768, 4x32768 (the
+#                 full-batch candidates: fewer warps, splits; the byte-pair reads) (~3.5 min)
+#   fast-fp8      tests/core/test_fast_kernels.py -k "fp8 or pairs or full_batch" compiled (the byte pairs' inline asm)
 #   graphs-only   the bench-graphs rows with --cuda-graphs only (after the FlashInfer JIT of those rows)
 #   e.g.  bash scripts/gpu_session_call.sh nosync cascade-if sweep bench-prefill
 set -u
 W=$OUT/w; mkdir -p "$W"; G="bash scripts/gpu_run.sh"; t0=$SECONDS
+# cut short (e.g. `timeout 580 bash scripts/gpu_session_call.sh ...` inside the call's limit): what ran comes back
+trap 'tar czf "$OUT/session.tgz" -C "$OUT" w; exit 124' TERM
 log() { echo "$* at $((SECONDS - t0))s" | tee -a "$W/rc"; }
 $G true > "$W/install.log" 2>&1
 # a FlashInfer JIT cut by its timeout leaves its compilers running (timeout ends only its child): stop
@@ -118,9 +121,12 @@ for step in "$@"; do
       log "ncu $n ($row $extra) rc $?"; grep "^ncu_probe" "$W/ncu-$n.log"
     done ;;
   sweep-fp8)
-    timeout 200 $G python3 benchmarks/sweep_triton.py --write --budget 150 --rows "64x4096 fp8" \
+    timeout 220 $G python3 benchmarks/sweep_triton.py --write --pairs-only --budget 170 --rows "64x4096 fp8,1x32768 fp8,4x32768 fp8" \
       --out "$W/sweep-fp8" > "$W/sweep-fp8.log" 2>&1; log "sweep-fp8 rc $?"; grep "^sweep:" "$W/sweep-fp8.log" | tail -n 8
     cp attnplug/core/kernels/tiles.py "$W/sweep-fp8/tiles.py" 2>/dev/null ;;
+  fast-fp8)
+    timeout 120 $G python3 -m pytest tests/core/test_fast_kernels.py -q -rfEs -k "fp8 or pairs or full_batch" > "$W/pytest-fast-fp8.log" 2>&1
+    log "pytest fast fp8 rc $?"; tail -n 3 "$W/pytest-fast-fp8.log" ;;
   graphs-only)
     reap
     R='decode 1x32768$,decode 1x32768 fp8$,decode 4x32768$,decode 64x4096$,decode 64x4096 fp8$'

@@ -238,6 +238,14 @@ def record_fast_paths(llama) -> None:
             "kernel": "paged", "block_n": 128, "num_warps": 4, "num_stages": 3, "fp8_f16": True}}),
         (fp8, ForwardMode.DECODE, [1], [32767], True, {d(llama, "decode_tiny") + "/fp8": dec(
             128, 4, 5, ctas_per_sm=1, fused_merge=True, fp8_f16=True)}),
+        # fp8 byte pairs: the inline-asm split (fp16 dots), the integer split (bf16 dots, e5m2), a full batch split
+        (fp8, ForwardMode.DECODE, [1] * 64, [4095] * 64, False, {d(llama, "decode") + "/fp8": dec(64, 2, 5, fp8_f16=True, pairs=True)}),
+        (AttentionConfig(32, 8, 128, 16, torch.bfloat16, kv_dtype=torch.float8_e5m2), ForwardMode.DECODE, [1] * 4,
+         [32767] * 4, True, {d(llama, "decode_split"): dec(128, 4, 5, ctas_per_sm=2, fused_merge=True, pairs=True)}),
+        (fp8, ForwardMode.DECODE, [1] * 64, [4095] * 64, False, {d(llama, "decode") + "/fp8": dec(
+            64, 2, 5, fp8_f16=True, pairs=True, ctas_per_sm=4, fused_merge=True)}),
+        (AttentionConfig(32, 8, 128, 16, torch.float16, kv_dtype=torch.float8_e5m2), ForwardMode.DECODE, [1], [32767],
+         False, {d(llama, "decode_tiny"): dec(128, 4, 5, ctas_per_sm=2, fused_merge=True, pairs=True)}),
     ]  # fmt: skip
     for cfg, mode, q_lens, prefix, with_lse, entries in runs:
         if cfg.kv_quantized:  # fp8 configs read the table's fp8 entries first: force those

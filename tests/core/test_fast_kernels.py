@@ -240,6 +240,43 @@ def test_fp8_f16_dots(kernel, kv_dtype):
     assert not run_case(c16, {**e, **fp8_e}).state.fp8_f16  # a 16-bit cache never reads the /fp8 entries
 
 
+@pytest.mark.parametrize("kv_dtype,f16,page,kw", [
+    (torch.float8_e4m3fn, True, 16, {}), (torch.float8_e5m2, True, 1, {}), (torch.float8_e4m3fn, False, 16, {}),
+    (torch.float8_e4m3fn, True, 16, {"window_left": 300}), (torch.float8_e5m2, True, 16, {"logits_soft_cap": 20.0}),
+    (torch.float8_e4m3fn, True, 16, {"kv_layout": "HND"})])  # fmt: skip
+def test_decode_fp8_pairs(kv_dtype, f16, page, kw):
+    """fp8 K/V read as 16-bit byte pairs (the ``pairs`` entry field: even / odd dims, two accumulators)
+    against the reference, split (fused merge) and not, with NaN bytes in the cache slots past each
+    request's keys (the masked tail block must not read them into a product); a large-valued query
+    for the fp16 dots."""
+    base = cfg(8, 2, d=64, page=page, **kw)
+    c = random_case(ForwardMode.DECODE, [1] * 3, [10, 700, 1203], base, DEVICE, seed=11)
+    c.q = c.q * 300
+    ks, vs = torch.tensor([4 / 100], device=DEVICE), torch.tensor(3 / 60, device=DEVICE)
+    c.k_cache = quantize_fp8(c.k_cache.float() * 4, ks, kv_dtype)
+    c.v_cache = quantize_fp8(c.v_cache.float() * 3, vs, kv_dtype)
+    c.config = cfg(8, 2, d=64, page=page, kv_dtype=kv_dtype, **kw)
+    hnd = kw.get("kv_layout") == "HND"
+    b = c.batch
+    # page 0 (where masked page-id loads point) all NaN, unused: the caches shift up one page
+    c.k_cache, c.v_cache = (torch.cat([torch.full_like(x[:1], float("nan")), x]) for x in (c.k_cache, c.v_cache))
+    b.kv_indices += 1
+    c.num_pages += 1
+    for r in range(3):  # NaN past each request's last key (its last page's free slots)
+        last = int(b.kv_indices[int(b.kv_indptr[r + 1]) - 1])
+        used = int(b.kv_last_page_len[r])
+        for cache in (c.k_cache, c.v_cache):
+            if hnd:
+                cache[last, :, used:] = float("nan")
+            else:
+                cache[last, used:] = float("nan")
+    e = decode_entries(c.config, block_n=32)
+    fp8_e = {k + "/fp8": dict(v, fp8_f16=f16, pairs=True) for k, v in e.items()}
+    for splits in (1, 4):
+        plan = run_case(c, {**e, **fp8_e}, scales={"k_scale": ks, "v_scale": vs}, num_kv_splits=splits)
+        assert triton_launch(plan)["kernel"] == "decode" and plan.state.pairs and plan.state.fp8_f16 == f16
+
+
 def test_decode_under_graph_state():
     """GraphState with the fused decode: static counters, padded replays equal eager, counters stay 0."""
     c0 = cfg(4, 2, d=32, page=16)

@@ -22,6 +22,15 @@ Without ``FUSED_MERGE`` the provider runs :func:`.merge.merge_splits` after this
 Window (``WINDOW``): the decode token at ``kv_len - 1`` sees keys from ``kv_len - 1 - window_left``:
 just a lower bound, no mask. Soft cap, fp8 KV (``KV_FP8``, scales and ``FP8_F16`` as in :mod:`.attention`) and the
 interpreter's fp32 dots (``UPCAST``) as in the other kernels.
+
+fp8 byte pairs (``PAIRS``, power-of-two head dims): K and V rows are read as 16-bit words ``[BLOCK_N, D / 2]``
+(word ``j`` = dims ``2j``, ``2j+1``) and split into their even and odd dims, so ``q . k = q_e . k_e +
+q_o . k_o`` and ``P @ V`` fills the output's even and odd dims in two accumulators (the same MMA
+count). Read as fp8 bytes, an operand of the fp16 tensor-core dots needs two bytes of *different*
+keys in one register (V, whose keys are rows) or of non-adjacent shared-memory bytes (K): a byte
+gather per pair, ~40% of the loop's instructions on sm90. As words, the hardware's (transposing)
+matrix loads deliver them and one byte permute plus one ``cvt.rn.f16x2`` per pair converts them
+(``FP8_F16`` dots; the interpreter and bf16 dots take the same words through integer ops).
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .prefill import attend_block
+from .prefill import _kv_offsets, attend_block, softmax_update
 
 
 @triton.constexpr_function
@@ -56,7 +65,7 @@ def decode_kernel(
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_S: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     NUM_STAGES: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    KV_FP8: tl.constexpr, FP8_F16: tl.constexpr = False,
+    KV_FP8: tl.constexpr, FP8_F16: tl.constexpr = False, PAIRS: tl.constexpr = False,
 ):
     """Grid ``(B, Hkv, num_splits)``. Q ``[T, Hq, D]`` (request ``b``'s token at ``qo_indptr[b]``, none
     when its ``q_len`` is 0); O ``[T, Hq, D]``; LSE ``[T, Hq]`` natural log (``STORE_LSE``).
@@ -113,7 +122,81 @@ def decode_kernel(
                       stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_ot, stride_oh,
                       stride_lt, stride_lh, stride_pt, stride_ph, stride_ps, stride_plt, stride_plh,
                       GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, PAGE_SIZE, SOFT_CAP, SPLIT, FUSED_MERGE, MERGE_S,
-                      MERGE_CHUNK, NUM_STAGES, STORE_LSE, DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE)
+                      MERGE_CHUNK, NUM_STAGES, STORE_LSE, DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE, PAIRS)
+
+
+@triton.jit
+def _split_pairs_f16(w, E5M2: tl.constexpr):
+    """16-bit words of two fp8 bytes (dims ``2j``, ``2j+1``) -> (even, odd) as fp16, two words a
+    register: ``prmt`` gathers the two words' even (odd) bytes, ``cvt.rn.f16x2`` converts the pair."""
+    CVT: tl.constexpr = "cvt.rn.f16x2.e5m2x2" if E5M2 else "cvt.rn.f16x2.e4m3x2"
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $2, 0, 0x0020; mov.b32 {lo, hi}, t; " + CVT + " $0, lo; "
+        "prmt.b32 t, $2, 0, 0x0031; mov.b32 {lo, hi}, t; " + CVT + " $1, lo; }",
+        "=r,=r,r", [w], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+
+
+@triton.jit
+def _load_pairs(X, off, ok, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Rows ``off`` (fp8 offsets) of ``X`` as 16-bit words, dims ``2j, 2j+1`` of a key in word ``j``:
+    ``[BLOCK, D / 2]``, or ``[D / 2, BLOCK]`` (``TRANSPOSED``). Keys past ``hi`` (``MASKED``): zero words
+    (no fp8 NaN pattern reaches a product)."""
+    X16 = X.to(tl.pointer_type(tl.uint16), bitcast=True)
+    j = tl.arange(0, HEAD_DIM // 2)
+    if TRANSPOSED:
+        ptr = X16 + (off >> 1)[None, :] + j[:, None]
+        if MASKED:
+            w = tl.load(ptr, mask=ok[None, :], other=0)
+        else:
+            w = tl.load(ptr)
+    else:
+        ptr = X16 + (off >> 1)[:, None] + j[None, :]
+        if MASKED:
+            w = tl.load(ptr, mask=ok[:, None], other=0)
+        else:
+            w = tl.load(ptr)
+    return w
+
+
+@triton.jit
+def _split_words(w, FP8: tl.constexpr, P_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+    """16-bit words of two fp8 bytes -> (even bytes, odd bytes) in ``P_DTYPE`` (fp32 under ``UPCAST``)."""
+    if UPCAST or P_DTYPE != tl.float16:
+        e = (w & 0xFF).to(tl.uint8).to(FP8, bitcast=True).to(P_DTYPE)
+        o = (w >> 8).to(tl.uint8).to(FP8, bitcast=True).to(P_DTYPE)
+        if UPCAST:
+            e = e.to(tl.float32)
+            o = o.to(tl.float32)
+    else:
+        e, o = _split_pairs_f16(w, FP8 == tl.float8e5)
+    return e, o
+
+
+@triton.jit
+def _attend_block_pairs(q_e, q_o, K, V, kv_indices, page_base, n0, kvh, hi, m_i, l_i, acc_e, acc_o, qk_scale, soft_cap,
+                        stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                        BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+                        SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                        P_DTYPE: tl.constexpr):
+    """:func:`.prefill.attend_block` for fp8 K/V read as byte pairs (``PAIRS``): keys as 16-bit words
+    (:func:`_load_pairs`) split into their even and odd dims; ``q . k = q_e . k_e + q_o . k_o`` and
+    the even / odd output dims in ``acc_e`` / ``acc_o`` ``[BLOCK_M, D / 2]``. A word is 16-bit data to
+    the tensor cores' operand loads (consecutive keys in one register, the hardware's transposing
+    load), where fp8 bytes take a byte gather per pair."""
+    FP8: tl.constexpr = K.dtype.element_ty
+    off, ok = _kv_offsets(kv_indices, page_base, n0, kvh, stride_kp, stride_kt, stride_kh, hi, BLOCK, PAGE_SIZE, MASKED)
+    k_e, k_o = _split_words(_load_pairs(K, off, ok, MASKED, HEAD_DIM, True), FP8, P_DTYPE, UPCAST)
+    s = tl.dot(q_e, k_e, input_precision=DOT_PRECISION)
+    s = tl.dot(q_o, k_o, s, input_precision=DOT_PRECISION)
+    m_new, l_i, p, alpha = softmax_update(s, n0, hi, 0, m_i, l_i, qk_scale, soft_cap, BLOCK, MASKED, False, SOFT_CAP)
+    off, ok = _kv_offsets(kv_indices, page_base, n0, kvh, stride_vp, stride_vt, stride_vh, hi, BLOCK, PAGE_SIZE, MASKED)
+    v_e, v_o = _split_words(_load_pairs(V, off, ok, MASKED, HEAD_DIM, False), FP8, P_DTYPE, UPCAST)
+    p = p.to(P_DTYPE)
+    if UPCAST:
+        p = p.to(tl.float32)
+    acc_e = tl.dot(p, v_e, acc_e * alpha[:, None], input_precision=DOT_PRECISION)
+    acc_o = tl.dot(p, v_o, acc_o * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc_e, acc_o
 
 
 @triton.jit
@@ -125,7 +208,7 @@ def _decode_split(q, K, V, O, LSE, PO, PL, COUNTERS, kv_indices, K_SCALE, V_SCAL
                   BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, SOFT_CAP: tl.constexpr, SPLIT: tl.constexpr,
                   FUSED_MERGE: tl.constexpr, MERGE_S: tl.constexpr, MERGE_CHUNK: tl.constexpr,
                   NUM_STAGES: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  UPCAST: tl.constexpr, KV_FP8: tl.constexpr, P_DTYPE: tl.constexpr):
+                  UPCAST: tl.constexpr, KV_FP8: tl.constexpr, P_DTYPE: tl.constexpr, PAIRS: tl.constexpr):
     """Keys ``[lo, hi)`` of request ``b``'s token for the heads of ``kvh``: the output (unsplit), or
     split ``split``'s partial, then (``FUSED_MERGE``) the merge of the ``active`` splits by the last to
     arrive."""
@@ -133,17 +216,33 @@ def _decode_split(q, K, V, O, LSE, PO, PL, COUNTERS, kv_indices, K_SCALE, V_SCAL
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in tl.range(lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):
-        m_i, l_i, acc = attend_block(q, K, V, K, V, kv_indices, page_base, n0, kvh, hi, rows, d, m_i, l_i, acc,
-                                     qk_scale, soft_cap, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                                     BLOCK_N, HEAD_DIM, PAGE_SIZE, False, False, False, SOFT_CAP, DOT_PRECISION, UPCAST,
-                                     KV_FP8, P_DTYPE)
-    if full_hi < hi:  # the ragged last block
-        m_i, l_i, acc = attend_block(q, K, V, K, V, kv_indices, page_base, full_hi, kvh, hi, rows, d, m_i, l_i, acc,
-                                     qk_scale, soft_cap, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                                     BLOCK_N, HEAD_DIM, PAGE_SIZE, False, True, False, SOFT_CAP, DOT_PRECISION, UPCAST,
-                                     KV_FP8, P_DTYPE)
+    if PAIRS:  # fp8 K/V as byte pairs: q and the output in even / odd dims
+        q_e, q_o = tl.split(tl.reshape(q, [BLOCK_M, HEAD_DIM // 2, 2]))
+        acc_e = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
+        acc_o = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
+        for n0 in tl.range(lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):
+            m_i, l_i, acc_e, acc_o = _attend_block_pairs(
+                q_e, q_o, K, V, kv_indices, page_base, n0, kvh, hi, m_i, l_i, acc_e, acc_o, qk_scale, soft_cap,
+                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, BLOCK_N, HEAD_DIM, PAGE_SIZE, False,
+                SOFT_CAP, DOT_PRECISION, UPCAST, P_DTYPE)
+        if full_hi < hi:
+            m_i, l_i, acc_e, acc_o = _attend_block_pairs(
+                q_e, q_o, K, V, kv_indices, page_base, full_hi, kvh, hi, m_i, l_i, acc_e, acc_o, qk_scale, soft_cap,
+                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, BLOCK_N, HEAD_DIM, PAGE_SIZE, True,
+                SOFT_CAP, DOT_PRECISION, UPCAST, P_DTYPE)
+        acc = tl.reshape(tl.join(acc_e, acc_o), [BLOCK_M, BLOCK_D])  # dim 2j + parity
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for n0 in tl.range(lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):
+            m_i, l_i, acc = attend_block(q, K, V, K, V, kv_indices, page_base, n0, kvh, hi, rows, d, m_i, l_i, acc,
+                                         qk_scale, soft_cap, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
+                                         stride_vh, BLOCK_N, HEAD_DIM, PAGE_SIZE, False, False, False, SOFT_CAP,
+                                         DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE)
+        if full_hi < hi:  # the ragged last block
+            m_i, l_i, acc = attend_block(q, K, V, K, V, kv_indices, page_base, full_hi, kvh, hi, rows, d, m_i, l_i, acc,
+                                         qk_scale, soft_cap, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
+                                         stride_vh, BLOCK_N, HEAD_DIM, PAGE_SIZE, False, True, False, SOFT_CAP,
+                                         DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE)
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]

@@ -108,20 +108,21 @@ def _load_v(V, V_desc, kv_indices, page_base, n0, kvh, stride_p, stride_t, strid
 
 
 @triton.jit
-def attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i, l_i, acc, qk_scale, soft_cap,
-                 stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                 BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_TMA: tl.constexpr,
-                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 UPCAST: tl.constexpr, KV_FP8: tl.constexpr, P_DTYPE: tl.constexpr, diag_from=0,
-                 MASK_FROM: tl.constexpr = False):
-    """Keys ``n0 .. n0+BLOCK`` of KV head ``kvh`` into the online softmax ``(m_i, l_i, acc)`` (base 2).
+def block_softmax(q, K, K_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i, l_i, qk_scale, soft_cap,
+                  stride_kp, stride_kt, stride_kh,
+                  BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_TMA: tl.constexpr,
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  UPCAST: tl.constexpr, KV_FP8: tl.constexpr, P_DTYPE: tl.constexpr, diag_from=0,
+                  MASK_FROM: tl.constexpr = False):
+    """The logits of keys ``n0 .. n0+BLOCK`` (KV head ``kvh``) into the online softmax: ``(m_new, l_new,
+    p [BLOCK_M, BLOCK] fp32, alpha [BLOCK_M])``; the caller adds ``p @ V`` to ``acc * alpha``.
 
     ``qk_scale``: softmax scale times log2(e) (``SOFT_CAP``: the plain softmax scale; logits become
     ``cap * tanh(s * scale / cap)``). Not ``MASKED``: every key is visible and below ``hi``, no mask
     work. ``MASKED``: keys with ``n > pos[row]`` (``CAUSAL``, the diagonal) or ``n >= hi`` (else: the
     ragged end of a split) are hidden. ``MASK_FROM`` (prefill, one loop over all blocks): loads masked
     by ``hi``, the causal mask applied only when ``n0 >= diag_from`` (a branch on a scalar: blocks below
-    the diagonal skip it). Shared by the prefill and decode kernels."""
+    the diagonal skip it)."""
     LOAD_MASK: tl.constexpr = MASKED or MASK_FROM
     k = _load_k(K, K_desc, kv_indices, page_base, n0, kvh, stride_kp, stride_kt, stride_kh, hi, d,
                 BLOCK, HEAD_DIM, PAGE_SIZE, PAGE_TMA, LOAD_MASK)
@@ -130,6 +131,15 @@ def attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, po
     if UPCAST:
         k = k.to(tl.float32)
     s = tl.dot(q, k, input_precision=DOT_PRECISION)
+    return softmax_update(s, n0, hi, pos, m_i, l_i, qk_scale, soft_cap, BLOCK, MASKED, CAUSAL, SOFT_CAP, diag_from,
+                          MASK_FROM)
+
+
+@triton.jit
+def softmax_update(s, n0, hi, pos, m_i, l_i, qk_scale, soft_cap, BLOCK: tl.constexpr, MASKED: tl.constexpr,
+                   CAUSAL: tl.constexpr, SOFT_CAP: tl.constexpr, diag_from=0, MASK_FROM: tl.constexpr = False):
+    """The online softmax step of :func:`block_softmax` on raw logits ``s`` ``[BLOCK_M, BLOCK]`` (``q . k``,
+    unscaled): ``(m_new, l_new, p, alpha)``."""
     if SOFT_CAP:
         s = soft_cap * _tanh(s * (qk_scale / soft_cap)) * 1.4426950408889634
     if MASKED:
@@ -154,6 +164,23 @@ def attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, po
         p = tl.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_i, p, alpha
+
+
+@triton.jit
+def attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i, l_i, acc, qk_scale, soft_cap,
+                 stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                 BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_TMA: tl.constexpr,
+                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 UPCAST: tl.constexpr, KV_FP8: tl.constexpr, P_DTYPE: tl.constexpr, diag_from=0,
+                 MASK_FROM: tl.constexpr = False):
+    """Keys ``n0 .. n0+BLOCK`` of KV head ``kvh`` into the online softmax ``(m_i, l_i, acc)`` (base 2):
+    :func:`block_softmax`, then ``acc * alpha + p @ V``. Shared by the prefill and decode kernels."""
+    m_new, l_i, p, alpha = block_softmax(q, K, K_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i, l_i, qk_scale,
+                                         soft_cap, stride_kp, stride_kt, stride_kh, BLOCK, HEAD_DIM, PAGE_SIZE, PAGE_TMA,
+                                         MASKED, CAUSAL, SOFT_CAP, DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE, diag_from,
+                                         MASK_FROM)
+    LOAD_MASK: tl.constexpr = MASKED or MASK_FROM
     v = _load_v(V, V_desc, kv_indices, page_base, n0, kvh, stride_vp, stride_vt, stride_vh, hi, d,
                 BLOCK, HEAD_DIM, PAGE_SIZE, PAGE_TMA, LOAD_MASK)
     if KV_FP8:

@@ -26,7 +26,8 @@ Entry fields (all optional): ``kernel`` (``"paged"``: :mod:`.attention`; ``"pref
 ``B * Hkv * splits`` reaches this many programs per SM),
 ``max_splits``, ``min_split_keys`` (default: 128, 512 for fp8 ``decode_split``), ``fused_merge``
 (``decode`` kernel: the last split merges);
-``fp8_f16`` (fp8 entries: fp16 dots, :mod:`.attention`);
+``fp8_f16`` (fp8 entries: fp16 dots, :mod:`.attention`); ``pairs`` (fp8 entries, ``decode`` kernel: K/V read
+as 16-bit byte pairs, :mod:`.decode`);
 ``small_tiles_from_splits`` (seed only: the tile fields apply from this many splits on, below it
 the ``decode_split`` tiles do: the 2026-11-29 rule).
 """

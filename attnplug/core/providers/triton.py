@@ -47,6 +47,7 @@ class TritonState:
     tma: bool = False  # prefill: K/V through tensor descriptors (page size a multiple of block_n)
     counters: torch.Tensor | None = None  # decode with fused merge: [B * Hkv] int32, zero between launches
     fp8_f16: bool = False  # fp8 KV: fp16 dots on a pre-scaled query (tile-table field)
+    pairs: bool = False  # fp8 KV, decode kernel: K/V read as 16-bit byte pairs (tile-table field)
 
 
 @dataclass
@@ -120,6 +121,11 @@ def _tile_list(q_lens: np.ndarray, kv_lens: np.ndarray, counts: np.ndarray, ends
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
+
+
+def _even(cache: torch.Tensor, strides) -> bool:
+    """An fp8 cache the decode kernel may read as 16-bit words (``pairs``): even address and strides."""
+    return cache.data_ptr() % 2 == 0 and not any(x % 2 for x in strides)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -359,6 +365,8 @@ class TritonProvider(Provider):
             block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, partial=partial,
             partial_lse=partial_lse, kv_start=o.kv_start, kernel=kernel, diag_n=diag_n, tma=tma, counters=counters,
             fp8_f16=cfg.kv_quantized and bool(entry.get("fp8_f16", False)),
+            pairs=(cfg.kv_quantized and kernel == "decode" and bool(entry.get("pairs", False))
+                   and cfg.head_dim == _next_pow2(cfg.head_dim) and cfg.head_dim >= 32),
         )
 
     # -- run --------------------------------------------------------------------------------------
@@ -475,7 +483,8 @@ class TritonProvider(Provider):
             SPLIT=split, FUSED_MERGE=fused, MERGE_S=merge_s, MERGE_CHUNK=max(1, min(merge_s, 4096 // (gp * bd))),
             NUM_STAGES=a.num_stages, STORE_LSE=lse is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=q.device.type == "cpu", KV_FP8=fp8,
-            FP8_F16=a.fp8_f16, num_warps=a.num_warps, num_stages=a.num_stages,
+            FP8_F16=a.fp8_f16, PAIRS=a.pairs and _even(k_cache, ks) and _even(v_cache, vs),
+            num_warps=a.num_warps, num_stages=a.num_stages,
         )
         if split and not fused:
             merge_splits(a.partial, a.partial_lse, out, lse)
