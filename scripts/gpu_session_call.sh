@@ -36,6 +36,8 @@
 #                 bf16 and fp8) and of the shared-prefix row with cascade (each part's kernel) (~3 min)
 #   sweep-fp8     benchmarks/sweep_triton.py --write on the fp8 decode rows 64x4096, 1x32768, 4x32768 (the
 #                 full-batch candidates: fewer warps, splits; the byte-pair reads) (~3.5 min)
+#   fp8-triton    tests/gpu/test_fp8_gpu.py -k triton (the table's fp8 entries: byte pairs, eager and graphs)
+#   bench-fp8     the bench-graphs rows, triton and fa3 only, --cuda-graphs (no FlashInfer JIT) (~1.5 min)
 #   fast-fp8      tests/core/test_fast_kernels.py -k "fp8 or pairs or full_batch" compiled (the byte pairs' inline asm)
 #   graphs-only   the bench-graphs rows with --cuda-graphs only (after the FlashInfer JIT of those rows)
 #   e.g.  bash scripts/gpu_session_call.sh nosync cascade-if sweep bench-prefill
@@ -113,17 +115,28 @@ for step in "$@"; do
   ncu)
     NCU="ncu --profile-from-start off --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis
       --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats"
+    # NCU_CASES: ';'-separated "ROW|ncu_probe args" (default: the decode rows and the shared-prefix row)
+    CASES=${NCU_CASES:-"decode 64x4096 fp8;decode 64x4096;decode 1x32768 fp8;decode 1x32768;decode 4x32768;cascade decode 64x(8192+256)|--cascade auto;decode 64x(8192+256) unshared"}
     n=0
-    for r in "decode 64x4096 fp8" "decode 64x4096" "decode 1x32768 fp8" "decode 1x32768" "decode 4x32768" \
-             "cascade decode 64x(8192+256)|--cascade auto" "decode 64x(8192+256) unshared"; do
-      n=$((n + 1)); row=${r%%|*}; extra=""; [[ $r == *"|"* ]] && extra=${r#*|}
-      timeout 75 $G $NCU python3 benchmarks/ncu_probe.py --check --row "$row" $extra > "$W/ncu-$n.log" 2>&1
-      log "ncu $n ($row $extra) rc $?"; grep "^ncu_probe" "$W/ncu-$n.log"
-    done ;;
+    while IFS= read -r r; do
+      [[ -z $r ]] && continue
+      n=$((n + 1)); row=${r%%|*}; extra=(); [[ $r == *"|"* ]] && eval "extra=(${r#*|})"
+      timeout 75 $G $NCU python3 benchmarks/ncu_probe.py --check --row "$row" "${extra[@]}" > "$W/ncu-$n.log" 2>&1
+      log "ncu $n ($r) rc $?"; grep "^ncu_probe" "$W/ncu-$n.log"
+      grep -E "^  [a-z_]+ \(|Duration  " "$W/ncu-$n.log" | paste - - | awk '{print "   ", $1, $(NF)}'
+    done < <(tr ';' '\n' <<< "$CASES") ;;
   sweep-fp8)
     timeout 220 $G python3 benchmarks/sweep_triton.py --write --pairs-only --budget 170 --rows "64x4096 fp8,1x32768 fp8,4x32768 fp8" \
       --out "$W/sweep-fp8" > "$W/sweep-fp8.log" 2>&1; log "sweep-fp8 rc $?"; grep "^sweep:" "$W/sweep-fp8.log" | tail -n 8
     cp attnplug/core/kernels/tiles.py "$W/sweep-fp8/tiles.py" 2>/dev/null ;;
+  fp8-triton)
+    timeout 150 $G python3 -m pytest tests/gpu/test_fp8_gpu.py -q -rfEs -k "triton" > "$W/pytest-fp8-triton.log" 2>&1
+    log "pytest fp8 triton rc $?"; tail -n 3 "$W/pytest-fp8-triton.log" ;;
+  bench-fp8)
+    R='decode 1x32768$,decode 1x32768 fp8$,decode 4x32768$,decode 64x4096$,decode 64x4096 fp8$'
+    timeout 150 $G python3 -m attnplug.bench --providers triton,fa3 --rows "$R" --cuda-graphs --out "$W/bench-fp8" \
+      --time-budget 120 --no-ceilings > "$W/bench-fp8.log" 2>&1; log "bench fp8 (graphs) rc $?"
+    grep -E "attnplug.triton |fa3.paged " "$W/bench-fp8.log" | head -12 ;;
   fast-fp8)
     timeout 120 $G python3 -m pytest tests/core/test_fast_kernels.py -q -rfEs -k "fp8 or pairs or full_batch" > "$W/pytest-fast-fp8.log" 2>&1
     log "pytest fast fp8 rc $?"; tail -n 3 "$W/pytest-fast-fp8.log" ;;

@@ -331,7 +331,7 @@ def test_split_rule_of_short_contexts(kv_dtype, rows, kv_len, want):
     128 keys for decode_tiny and 16-bit decode_split batches, per 512 for fp8 decode_split (the
     2026-12-03 eager rows: 1.1-1.6x faster than 512, except fp8 4 x 2048, 0.77x), capped by the
     programs per SM; full batches and < 1024 keys do not split."""
-    prov = PagedAttention(AttentionConfig(32, 8, 128, 16, BF16, kv_dtype=kv_dtype), "triton", "cpu").provider
+    prov = PagedAttention(AttentionConfig(32, 8, 128, 16, BF16, kv_dtype=kv_dtype), "triton", DEVICE).provider
     prov._sms = H200_SMS
     assert prov.split_count(rows, kv_len) == want
 
@@ -339,7 +339,7 @@ def test_split_rule_of_short_contexts(kv_dtype, rows, kv_len, want):
 def test_full_batch_splits_when_its_entry_asks():
     """A batch that fills the SMs (``decode`` bucket) runs unsplit unless its entry names
     ``ctas_per_sm``; then it splits like the split buckets (programs per SM, one split per 128 keys)."""
-    prov = PagedAttention(AttentionConfig(32, 8, 128, 16, BF16, kv_dtype=torch.float8_e4m3fn), "triton", "cpu").provider
+    prov = PagedAttention(AttentionConfig(32, 8, 128, 16, BF16, kv_dtype=torch.float8_e4m3fn), "triton", DEVICE).provider
     prov._sms = H200_SMS
     key = tiles.key(128, 4, "decode", fp8=True)
     assert prov.split_count(64, 4096) == 1
