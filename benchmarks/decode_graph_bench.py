@@ -86,7 +86,7 @@ def attnplug_case(work: Work, kv: list, provider: str, capture_len: int, layers:
     st = plan.state
     return dict(ms_per_layer=ms, rel_err=rel_err(outs[0], reference(work, B)),
                 **{k: getattr(st, a) for k, a in (("splits", "num_splits"), ("kernel", "kernel"), ("block_n", "block_n"),
-                                                 ("fp8_f16", "fp8_f16")) if hasattr(st, a)})  # fmt: skip
+                                                 ("fp8_f16", "fp8_f16"), ("pairs", "pairs")) if hasattr(st, a)})  # fmt: skip
 
 
 def flashinfer_case(work: Work, kv: list, layers: int) -> dict:
