@@ -126,7 +126,7 @@ for step in "$@"; do
       grep -E "^  [a-z_]+ \(|Duration  " "$W/ncu-$n.log" | paste - - | awk '{print "   ", $1, $(NF)}'
     done < <(tr ';' '\n' <<< "$CASES") ;;
   sweep-fp8)
-    timeout 220 $G python3 benchmarks/sweep_triton.py --write --pairs-only --budget 170 --rows "64x4096 fp8,1x32768 fp8,4x32768 fp8" \
+    timeout 220 $G python3 benchmarks/sweep_triton.py --write --pairs-only --budget 170 --rows "${SWEEP_FP8_ROWS:-64x4096 fp8,1x32768 fp8,4x32768 fp8}" \
       --out "$W/sweep-fp8" > "$W/sweep-fp8.log" 2>&1; log "sweep-fp8 rc $?"; grep "^sweep:" "$W/sweep-fp8.log" | tail -n 8
     cp attnplug/core/kernels/tiles.py "$W/sweep-fp8/tiles.py" 2>/dev/null ;;
   fp8-triton)
