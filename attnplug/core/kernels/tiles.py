@@ -35,7 +35,7 @@ the ``decode_split`` tiles do: the 2026-11-29 rule).
 from __future__ import annotations
 
 # ---- BEGIN TILES (rewritten by benchmarks/sweep_triton.py) ----
-# sweeps of 2026-12-03 on NVIDIA H200, triton 3.6.0: sweep-fp8 --pairs-only (decode 64x4096 fp8, 1x32768 fp8, 4x32768 fp8): 3 entries chosen (byte pairs); d128/g4/decode from sweep-shared (64x4096, 128x2048, 64x(8192 shared+256), 64x(8192+256)); the rest from the sweeps of 2026-12-02 and before
+# sweeps of 2026-12-03 on NVIDIA H200, triton 3.6.0: sweep-fp8 --pairs-only (decode 64x4096 fp8, 1x32768 fp8, 4x32768 fp8): 3 entries chosen (byte pairs), d128/g4/decode/fp8 again by a second one (64x4096 fp8: 7 stages); d128/g4/decode from sweep-shared (64x4096, 128x2048, 64x(8192 shared+256), 64x(8192+256)); the rest from the sweeps of 2026-12-02 and before
 TILES: dict[str, dict] = {  # fmt: skip
     'd128/g*/decode': {'kernel': 'paged', 'block_n': 128, 'num_warps': 4, 'num_stages': 3},
     'd128/g*/decode_split': {'kernel': 'paged', 'block_n': 128, 'num_warps': 4, 'num_stages': 3, 'ctas_per_sm': 2},
@@ -44,7 +44,7 @@ TILES: dict[str, dict] = {  # fmt: skip
     'd128/g*/short': {'kernel': 'paged', 'block_n': 32, 'num_warps': 4, 'num_stages': 3},
     'd128/g*/verify': {'kernel': 'paged', 'block_m': 128, 'block_n': 128, 'num_warps': 8, 'num_stages': 3},
     'd128/g4/decode': {'block_n': 64, 'kernel': 'paged', 'num_stages': 3, 'num_warps': 2},
-    'd128/g4/decode/fp8': {'block_n': 32, 'fp8_f16': True, 'kernel': 'decode', 'num_stages': 5, 'num_warps': 1, 'pairs': True},
+    'd128/g4/decode/fp8': {'block_n': 32, 'fp8_f16': True, 'kernel': 'decode', 'num_stages': 7, 'num_warps': 1, 'pairs': True},
     'd128/g4/decode_split/fp8': {'block_n': 256, 'ctas_per_sm': 4, 'fp8_f16': True, 'fused_merge': True, 'kernel': 'decode', 'num_stages': 3, 'num_warps': 4, 'pairs': True},
     'd128/g4/decode_tiny': {'block_n': 128, 'ctas_per_sm': 1, 'fused_merge': True, 'kernel': 'decode', 'num_stages': 5, 'num_warps': 4},
     'd128/g4/decode_tiny/fp8': {'block_n': 128, 'ctas_per_sm': 2, 'fp8_f16': True, 'fused_merge': True, 'kernel': 'decode', 'num_stages': 5, 'num_warps': 4, 'pairs': True},
