@@ -70,10 +70,10 @@ def attnplug_case(work: Work, kv: list, provider: str, capture_len: int, layers:
     ``PROVIDER+host``: fp8 rows also pass the scales as host floats (``host_scales``, as the adapters do
     where the engine fixes them)."""
     cfg, q, B = work.config, work.q, work.row.batch
-    from attnplug.bench.impls import _engine_scales  # noqa: PLC0415
+    from attnplug.bench.impls import engine_scales  # noqa: PLC0415
 
     provider, host = provider.removesuffix("+host"), provider.endswith("+host")
-    sc = _engine_scales(work) if host else work.extra.get("scales", {})
+    sc = engine_scales(work) if host else work.extra.get("scales", {})
     try:
         gs = GraphState(cfg, provider, max_batch=B, max_tokens=B, max_pages=B * num_pages(capture_len, cfg.page_size),
                         device=q.device, max_seq_len=capture_len)  # fmt: skip

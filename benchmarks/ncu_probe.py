@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     work = workloads.build(row, AttentionConfig(**config), dev)
     attn = PagedAttention(work.config, a.provider, dev, cascade=a.cascade)
     plan = attn.plan(work.batch, num_pages=work.num_pages)
-    kw = impls._engine_scales(work)  # fp8 rows: the scales as the adapters pass them
+    kw = impls.engine_scales(work)  # fp8 rows: the scales as the adapters pass them
     out = torch.empty_like(work.q)
 
     def fwd():

@@ -164,10 +164,10 @@ def candidates(row, bucket: str) -> list[dict]:
         tiles = ((64, 1, 5), (64, 1, 3), (32, 1, 5), (32, 2, 5), (64, 2, 3), (64, 2, 4), (64, 2, 7), (128, 2, 3),
                  (128, 2, 5), (128, 2, 7), (32, 1, 7), (32, 1, 4), (32, 1, 6), (16, 1, 7), (64, 1, 7))
         out += [{"kernel": "decode", "block_n": bn, "num_warps": w, "num_stages": st, "fp8_f16": True} for bn, w, st in tiles]
+        splits = ((64, 2, 5, (4, 8)), (64, 4, 5, (4, 8)), (128, 2, 5, (4, 8)), (128, 4, 5, (4, 8)), (32, 1, 5, (8, 16)),
+                  (32, 1, 7, (8, 16)))  # (block_n, warps, stages, programs an SM)
         out += [{"kernel": "decode", "block_n": bn, "num_warps": w, "num_stages": st, "fp8_f16": True, "ctas_per_sm": c,
-                 "fused_merge": True} for bn, w, st in ((64, 2, 5), (64, 4, 5), (128, 2, 5), (128, 4, 5)) for c in (4, 8)]
-        out += [{"kernel": "decode", "block_n": bn, "num_warps": 1, "num_stages": st, "fp8_f16": True, "ctas_per_sm": c,
-                 "fused_merge": True} for bn, st in ((32, 5), (32, 7)) for c in (8, 16)]
+                 "fused_merge": True} for bn, w, st, ctas in splits for c in ctas]
     if d in (64, 128, 256):  # the decode kernel reading K/V as byte pairs (power-of-two head dims)
         pairs = [dict(c, pairs=True) for c in out if c["kernel"] == "decode" and c["fp8_f16"] and c.get("fused_merge", True)]
         out = pairs if PAIRS_ONLY["on"] else out + pairs

@@ -79,7 +79,7 @@ def _provider(name: str, cascade: str | None = None):
             raise NotApplicable(str(e)) from e
         q, k, v = work.q, work.k_cache, work.v_cache
         out = torch.empty_like(q)
-        scales = _engine_scales(work)
+        scales = engine_scales(work)
         fn = lambda: attn.run(q, k, v, out=out, **scales)  # noqa: E731
         if not attn.provider.EAGER_RUN_CAPTURABLE:
             if work.row.kind == "decode":
@@ -101,11 +101,11 @@ def _decode_graph_run(work: Work, provider: str):
                     max_seq_len=work.block_table.shape[1] * cfg.page_size)  # fmt: skip
     gs.prepare_capture(B)
     gs.update(work.batch, B)
-    out, scales = torch.empty_like(q), _engine_scales(work)
+    out, scales = torch.empty_like(q), engine_scales(work)
     return lambda: gs.run(B, q, k, v, out, **scales)
 
 
-def _engine_scales(work: Work) -> dict:
+def engine_scales(work: Work) -> dict:
     """fp8 rows: the scale arguments as the adapters pass them (the tensors, and their floats as
     ``host_scales``: both engines fix the scales at load); else none."""
     sc = dict(work.extra.get("scales", {}))
@@ -133,7 +133,7 @@ def _graph(provider: str, cascade: str):
             raise Unavailable(str(e)) from e
         gs.prepare_capture(B)
         gs.update_from_block_table(work.seq_lens, work.block_table, B)
-        out, scales = torch.empty_like(q), _engine_scales(work)
+        out, scales = torch.empty_like(q), engine_scales(work)
         if gs.cascade is not None:
             work.extra[f"{label}.shared_pages"] = int(gs.cascade.kv_lens) // cfg.page_size
         if dev.type != "cuda":
