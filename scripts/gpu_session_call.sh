@@ -40,6 +40,9 @@
 #   bench-fp8     the bench-graphs rows, triton and fa3 only, --cuda-graphs (no FlashInfer JIT) (~1.5 min)
 #   fast-fp8      tests/core/test_fast_kernels.py -k "fp8 or pairs or full_batch" compiled (the byte pairs' inline asm)
 #   graphs-only   the bench-graphs rows with --cuda-graphs only (after the FlashInfer JIT of those rows)
+#   cascade-tf    the cascade on the GPU: tests/gpu/test_cascade_gpu.py, tests/core/test_cascade_graph.py and the
+#                 merge kernels' tests (tests/core/test_kernel_paths.py -k merge), then the shared-prefix row and its
+#                 unshared twin, triton and fa3 only (no FlashInfer JIT), eager and graphs (~4 min)
 #   e.g.  bash scripts/gpu_session_call.sh nosync cascade-if sweep bench-prefill
 set -u
 W=$OUT/w; mkdir -p "$W"; G="bash scripts/gpu_run.sh"; t0=$SECONDS
@@ -146,6 +149,13 @@ for step in "$@"; do
     timeout 170 $G python3 -m attnplug.bench.jit_warmup --bench > "$W/warm-bench.log" 2>&1; log "jit warm-up (bench) rc $?"; reap
     timeout 150 $G python3 -m attnplug.bench --providers triton,flashinfer,fa3 --rows "$R" --cuda-graphs --out "$W/bench-graphs" \
       --time-budget 120 --no-ceilings > "$W/bench-graphs.log" 2>&1; log "bench graphs rc $?" ;;
+  cascade-tf)
+    timeout 200 $G python3 -m pytest tests/gpu/test_cascade_gpu.py tests/core/test_cascade_graph.py tests/core/test_kernel_paths.py \
+      -q -rfEs -k "cascade or merge or prefix or replay or update" > "$W/pytest-cascade-tf.log" 2>&1
+    log "pytest cascade rc $?"; tail -n 3 "$W/pytest-cascade-tf.log"
+    timeout 150 $G python3 -m attnplug.bench --providers triton,fa3 --rows '64x(8192+256)' --out "$W/bench-shared-tf" \
+      --time-budget 120 --no-ceilings > "$W/bench-shared-tf.log" 2>&1; log "bench shared (triton, fa3) rc $?"
+    grep -E "attnplug\.(triton|fa3)" "$W/bench-shared-tf.log" | cut -c1-140 | head -24 ;;
   *) log "unknown step $step" ;;
   esac
 done

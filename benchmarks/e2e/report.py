@@ -21,7 +21,7 @@ import os
 
 NATIVE = {"vllm": ["FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"], "sglang": ["flashinfer", "triton"]}
 NATIVE_TRITON = {"vllm": "TRITON_ATTN", "sglang": "triton"}
-REFS = {"vllm": ["FLASH_ATTN"], "sglang": ["flashinfer", "triton"]}
+REFS = {"vllm": ["FLASH_ATTN", "FLASHINFER"], "sglang": ["flashinfer", "triton"]}
 
 
 def first_divergence(ours: dict, ref: dict):

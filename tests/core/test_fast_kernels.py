@@ -349,6 +349,26 @@ def test_full_batch_splits_when_its_entry_asks():
         assert prov.split_count(512, 4096) == 1  # 4096 programs already
 
 
+@pytest.mark.parametrize("tiles_,ctas,per_sm,want", [
+    (2, None, 2, 16), (2, 1, 1, 8), (2, 3, 3, 24), (1, None, 1, 16), (4, None, 2, 8), (32, None, None, 1)])  # fmt: skip
+def test_cascade_prefix_splits_fill_whole_waves(tiles_, ctas, per_sm, want):
+    """The cascade's prefix parts (non-causal, 128-row paged tiles of equal work) split into at most
+    ``ctas_per_sm`` programs per SM, rounded down: 2 tiles x 8 KV heads on 132 SMs take 16 splits (256
+    programs), not 17 (272: 8 programs in a tail wave, the H200's 42.4 us ncu row of 2026-12-03); the
+    ``noncausal`` entry's ``ctas_per_sm`` wins over the decode bucket's (``per_sm``: the one in force;
+    2 from ``d128/g*/decode_split``, 1 from ``d128/g4/decode_tiny``; none: a full batch, unsplit)."""
+    prov = PagedAttention(AttentionConfig(32, 8, 128, 16, BF16), "triton", DEVICE).provider
+    prov._sms = H200_SMS
+    key = tiles.key(128, 4, "noncausal")
+    entry = dict(tiles.TILES[key], **({"ctas_per_sm": ctas} if ctas else {}))
+    with table({key: entry}):
+        got = prov.split_count(tiles_, 8192, noncausal=True)
+        assert got == want
+        if per_sm:
+            assert tiles_ * 8 * got <= per_sm * H200_SMS < tiles_ * 8 * (got + 1)
+    assert prov.split_count(2, 8192) == 17  # decode-shaped plans keep the rounded-up rule
+
+
 def test_full_batch_split_matches_the_reference():
     """The ``decode`` bucket's split path (a full batch on 132 SMs, fused merge) against the reference."""
     c = random_case(ForwardMode.DECODE, [1] * 40, [1100 + 37 * i for i in range(40)], cfg(16, 4, page=16, dtype=BF16),

@@ -39,12 +39,11 @@ def merge_splits_kernel(
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m_safe)
     tot_splits = tl.sum(w, 0)
-    p = tl.load(  # an empty split (weight 0) is not read: its partial may be unwritten
-        P + t * stride_pt + h * stride_ph + sp[:, None] * stride_ps + d[None, :],
-        mask=(s_ok & (w > 0.0))[:, None] & (d[None, :] < HEAD_DIM),
-        other=0.0,
-    )
-    acc = tl.sum(p * w[:, None], 0)
+    # the partials load alongside the LSE (not after it); an empty split (weight 0) adds 0 whatever
+    # its unwritten partial holds (NaN included): selected away, not multiplied
+    p = tl.load(P + t * stride_pt + h * stride_ph + sp[:, None] * stride_ps + d[None, :],
+                mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    acc = tl.sum(tl.where((w > 0.0)[:, None], p * w[:, None], 0.0), 0)
     tot = tot_splits
     need = d < HEAD_DIM
     if BASE:  # weights as vectors: a scalar bool `&` a vector mask is int32 in the interpreter

@@ -248,13 +248,16 @@ class TritonProvider(Provider):
         return (plan.causal and plan.mask is None and cfg.window_left < 0 and cfg.logits_soft_cap <= 0
                 and plan.options.kv_start is None and splits == 1 and plan.max_q_len > 1)  # fmt: skip
 
-    def split_count(self, num_tiles: int, max_kv_len: int, forced: int | None = None) -> int:
+    def split_count(self, num_tiles: int, max_kv_len: int, forced: int | None = None, noncausal: bool = False) -> int:
         """Split-KV chunks per tile: ``forced``, else (when ``num_tiles * Hkv`` programs do not fill the
         SMs, or fill them but their ``decode`` entry names a ``ctas_per_sm``, and ``max_kv_len >= 1024``)
         enough programs for the table's ``ctas_per_sm`` per SM (seed:
         2, 4 for fewer than 16 programs), at most ``max_splits`` (64) and one per ``min_split_keys``
         keys (default 128 for ``decode_tiny`` and 16-bit ``decode_split`` batches, 512 for fp8
-        ``decode_split``: the H200's eager 1-4 x 1024-4096 rows, ``benchmarks/NOTES.md``)."""
+        ``decode_split``: the H200's eager 1-4 x 1024-4096 rows, ``benchmarks/NOTES.md``).
+        ``noncausal`` (the cascade's prefix parts: 128-row tiles of the paged kernel, all of equal
+        work): ``ctas_per_sm`` from the ``noncausal`` entry when it names one, and at most that many
+        programs per SM (rounded down), so that no tail wave runs a few tiles after the rest."""
         if forced is not None:
             return max(1, int(forced))
         programs = num_tiles * self.config.num_kv_heads
@@ -264,8 +267,11 @@ class TritonProvider(Provider):
             return 1
         min_keys = 512 if bucket == "decode_split" and self.config.kv_quantized else 128
         by_len = max_kv_len // e.get("min_split_keys", min_keys)
-        target = e.get("ctas_per_sm", 2 if programs >= 16 else 4) * self._sms
-        return max(1, min(e.get("max_splits", 64), by_len, num_pages(target, max(programs, 1))))
+        ctas = e.get("ctas_per_sm", 2 if programs >= 16 else 4)
+        if noncausal:
+            ctas = (self._entry("noncausal") or {}).get("ctas_per_sm", ctas)
+            return max(1, min(e.get("max_splits", 64), by_len, ctas * self._sms // max(programs, 1)))
+        return max(1, min(e.get("max_splits", 64), by_len, num_pages(ctas * self._sms, max(programs, 1))))
 
     def static_buffers(self, max_rows: int, max_tokens: int, max_kv_len: int, q: int = 1,
                        num_kv_splits: int | None = None) -> TritonStatic:
@@ -303,7 +309,8 @@ class TritonProvider(Provider):
         else:
             counts, ends = _tile_counts(q_lens, block_q)
             num_tiles = int(ends[-1])
-        splits = self.split_count(num_tiles, plan.max_kv_len, o.num_kv_splits)
+        noncausal = plan.max_q_len > 1 and not plan.causal and plan.mask is None
+        splits = self.split_count(num_tiles, plan.max_kv_len, o.num_kv_splits, noncausal)
         kernel, entry = "paged", self._entry("prefill")
         if plan.max_q_len <= 1:
             entry = self._entry("decode" if splits == 1 else self._decode_bucket(num_tiles * cfg.num_kv_heads))
