@@ -43,6 +43,8 @@
 #   cascade-tf    the cascade on the GPU: tests/gpu/test_cascade_gpu.py, tests/core/test_cascade_graph.py and the
 #                 merge kernels' tests (tests/core/test_kernel_paths.py -k merge), then the shared-prefix row and its
 #                 unshared twin, triton and fa3 only (no FlashInfer JIT), eager and graphs (~4 min)
+#   sweep-prefix  benchmarks/sweep_cascade_prefix.py --write: the noncausal entry (the cascade's prefix part) timed as
+#                 graph replays on the shared-prefix row (~3 min); the table comes back as w/sweep-prefix/tiles.py
 #   e.g.  bash scripts/gpu_session_call.sh nosync cascade-if sweep bench-prefill
 set -u
 W=$OUT/w; mkdir -p "$W"; G="bash scripts/gpu_run.sh"; t0=$SECONDS
@@ -149,9 +151,12 @@ for step in "$@"; do
     timeout 170 $G python3 -m attnplug.bench.jit_warmup --bench > "$W/warm-bench.log" 2>&1; log "jit warm-up (bench) rc $?"; reap
     timeout 150 $G python3 -m attnplug.bench --providers triton,flashinfer,fa3 --rows "$R" --cuda-graphs --out "$W/bench-graphs" \
       --time-budget 120 --no-ceilings > "$W/bench-graphs.log" 2>&1; log "bench graphs rc $?" ;;
+  sweep-prefix)
+    timeout 260 $G python3 benchmarks/sweep_cascade_prefix.py --write --out "$W/sweep-prefix" > "$W/sweep-prefix.log" 2>&1
+    log "sweep-prefix rc $?"; grep "table entry" "$W/sweep-prefix.log"; cp attnplug/core/kernels/tiles.py "$W/sweep-prefix/" ;;
   cascade-tf)
-    timeout 200 $G python3 -m pytest tests/gpu/test_cascade_gpu.py tests/core/test_cascade_graph.py tests/core/test_kernel_paths.py \
-      -q -rfEs -k "cascade or merge or prefix or replay or update" > "$W/pytest-cascade-tf.log" 2>&1
+    timeout 150 $G python3 -m pytest -x tests/gpu/test_cascade_gpu.py tests/core/test_cascade_graph.py tests/core/test_kernel_paths.py \
+      -q -rfEs -k "(cascade or merge or prefix or replay or update) and not flashinfer" > "$W/pytest-cascade-tf.log" 2>&1
     log "pytest cascade rc $?"; tail -n 3 "$W/pytest-cascade-tf.log"
     timeout 150 $G python3 -m attnplug.bench --providers triton,fa3 --rows '64x(8192+256)' --out "$W/bench-shared-tf" \
       --time-budget 120 --no-ceilings > "$W/bench-shared-tf.log" 2>&1; log "bench shared (triton, fa3) rc $?"

@@ -1,0 +1,125 @@
+"""Offline sweep of the triton provider's ``noncausal`` tile entry: the cascade's shared-prefix part
+(issue 13), on the bench's shared-prefix row (64 x (8192 shared + 256), Llama-3-8B attention, page 16).
+
+    python benchmarks/sweep_cascade_prefix.py --out DIR [--write]      # GPU
+    python benchmarks/sweep_cascade_prefix.py --smoke                  # CPU check of the flow (interpreter)
+
+Each candidate entry (block_m / block_n / warps / stages / ``ctas_per_sm``) plans the row with cascade
+on; its prefix part (the paged kernel over the shared pages for all 64 query rows, split-KV, and the
+merge of its splits) is captured in one CUDA graph and timed as replays (``triton.testing.do_bench``,
+median; eager launches would time the host). The whole forward (suffix + prefix + merges) is checked
+against the float32 reference first: a candidate above 2e-2 relative error or with NaN is dropped.
+Writes ``DIR/sweep-cascade-prefix.jsonl`` (one line per candidate: entry, splits, ms, err) and, with
+``--write``, puts the fastest entry in ``attnplug/core/kernels/tiles.py`` (when it beats the table's own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+ROW = "cascade decode 64x(8192+256)"
+
+
+def candidates() -> list[dict]:
+    out = []
+    for bm, bn, w, st in ((128, 64, 4, 2), (128, 32, 4, 2), (128, 32, 4, 3), (128, 16, 4, 3), (128, 64, 8, 2),
+                          (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3),
+                          (64, 128, 4, 2), (64, 32, 4, 3), (128, 64, 4, 1), (128, 32, 4, 1)):
+        for c in (1, 2):
+            out.append({"kernel": "paged", "block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st, "ctas_per_sm": c})
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="sweep-out")
+    ap.add_argument("--write", action="store_true", help="put the winner in attnplug/core/kernels/tiles.py")
+    ap.add_argument("--smoke", action="store_true", help="CPU check of the flow (Triton interpreter, the quick row)")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+
+    import torch
+
+    from attnplug.bench import workloads
+    from attnplug.core import AttentionConfig, PagedAttention
+    from attnplug.core.kernels import tiles
+    from sweep_triton import bench_ms, write_table
+
+    dev = torch.device("cpu" if a.smoke else "cuda")
+    rows, config = ((workloads.QUICK_ROWS, workloads.QUICK_CONFIG) if a.smoke else (workloads.FULL_ROWS, workloads.FULL_CONFIG))
+    row = next(r for r in rows if r.name.startswith("cascade decode"))
+    work = workloads.build(row, AttentionConfig(**config), dev)
+    ref = workloads.reference(work, workloads.ref_requests(row))
+    cfg = work.config
+    key = tiles.key(cfg.head_dim, cfg.group_size, "noncausal")
+    os.makedirs(a.out, exist_ok=True)
+    results = []
+    cands = [None] + (candidates()[:2] if a.smoke else candidates())
+    for cand in cands:
+        saved = dict(tiles.TILES)
+        if cand is not None:
+            tiles.TILES[key] = cand
+        try:
+            attn = PagedAttention(cfg, "triton", dev, cascade="always")
+            if a.smoke:
+                attn.provider._sms = 132
+            plan = attn.plan(work.batch, num_pages=work.num_pages)
+            cp = plan.cascade
+            rec = {"entry": cand, "splits": getattr(cp.prefix.state, "num_splits", None) if cp else None}
+            out = torch.full_like(work.q, float("nan"))
+            attn.run(work.q, work.k_cache, work.v_cache, out=out)
+            err = workloads.rel_err(out[: ref.shape[0]], ref)
+            rec["err"] = err
+            if cp is None or not err <= 2e-2:
+                rec["dropped"] = "no cascade plan" if cp is None else "error"
+            else:
+                prov = attn.provider
+
+                def part():
+                    prov.run(cp.prefix, work.q if cp.rows is None else cp.q_part, work.k_cache, work.v_cache,
+                             cp.out_part, cp.lse_part)
+
+                if dev.type == "cuda":
+                    part()
+                    torch.cuda.synchronize()
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g):
+                        part()
+                    rec["prefix_ms"] = bench_ms(g.replay, dev)
+                else:
+                    rec["prefix_ms"] = bench_ms(part, dev)
+        except Exception as e:  # e.g. out of shared memory: the candidate is dropped
+            rec = {"entry": cand, "dropped": f"{type(e).__name__}: {str(e)[:200]}"}
+        finally:
+            tiles.TILES.clear()
+            tiles.TILES.update(saved)
+        results.append(rec)
+        print("sweep-prefix:", json.dumps(rec), flush=True)
+    with open(os.path.join(a.out, "sweep-cascade-prefix.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in results)
+    timed = [r for r in results if "prefix_ms" in r]
+    if not timed:
+        print("sweep-prefix: nothing timed", flush=True)
+        return 1
+    best = min(timed, key=lambda r: r["prefix_ms"])
+    seed = results[0].get("prefix_ms")
+    print(f"sweep-prefix: table entry {seed} ms; best {best['prefix_ms']} ms {best['entry']} "
+          f"({best['splits']} splits)", flush=True)
+    if a.write and best["entry"] is not None and not a.smoke:
+        path = os.path.join(os.path.dirname(HERE), "attnplug", "core", "kernels", "tiles.py")
+        meta = open(path).read().split("# ---- BEGIN TILES (rewritten by benchmarks/sweep_triton.py) ----\n# ", 1)[1]
+        write_table(path, {key: best["entry"]}, f"{key} from benchmarks/sweep_cascade_prefix.py ({ROW}, the prefix "
+                    f"part as graph replays); " + meta.split("\n", 1)[0])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
