@@ -4,7 +4,7 @@
     python benchmarks/sweep_cascade_prefix.py --out DIR [--write]      # GPU
     python benchmarks/sweep_cascade_prefix.py --smoke                  # CPU check of the flow (interpreter)
 
-Each candidate entry (block_m / block_n / warps / stages / ``ctas_per_sm``) plans the row with cascade
+Each candidate entry (kernel / block_m / block_n / warps / stages / ``ctas_per_sm``) plans the row with cascade
 on; its prefix part (the paged kernel over the shared pages for all 64 query rows, split-KV, and the
 merge of its splits) is captured in one CUDA graph and timed as replays (``triton.testing.do_bench``,
 median; eager launches would time the host). The whole forward (suffix + prefix + merges) is checked
@@ -28,12 +28,14 @@ ROW = "cascade decode 64x(8192+256)"
 
 
 def candidates() -> list[dict]:
-    out = []
-    for bm, bn, w, st in ((128, 64, 4, 2), (128, 32, 4, 2), (128, 32, 4, 3), (128, 16, 4, 3), (128, 64, 8, 2),
-                          (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3),
-                          (64, 128, 4, 2), (64, 32, 4, 3), (128, 64, 4, 1), (128, 32, 4, 1)):
+    """The paged kernel's best tiles of the 2026-12-03 sweep (``h200-sweep-cascade-prefix-2026-12-03.jsonl``),
+    then the prefill kernel run non-causal (8 warps: one program an SM by registers)."""
+    out = [{"kernel": "paged", "block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st, "ctas_per_sm": c}
+           for bm, bn, w, st, c in ((128, 32, 4, 3, 2), (64, 64, 4, 2, 2), (128, 64, 8, 2, 1))]
+    for bn, st in ((64, 2), (64, 3), (64, 4), (128, 2), (32, 3), (32, 4)):
         for c in (1, 2):
-            out.append({"kernel": "paged", "block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st, "ctas_per_sm": c})
+            out.append({"kernel": "prefill", "block_m": 128, "block_n": bn, "num_warps": 8, "num_stages": st,
+                        "ctas_per_sm": c})
     return out
 
 
@@ -62,7 +64,7 @@ def main(argv=None) -> int:
     key = tiles.key(cfg.head_dim, cfg.group_size, "noncausal")
     os.makedirs(a.out, exist_ok=True)
     results = []
-    cands = [None] + (candidates()[:2] if a.smoke else candidates())
+    cands = [None] + (candidates()[::3][:2] if a.smoke else candidates())  # smoke: a paged and a prefill entry
     for cand in cands:
         saved = dict(tiles.TILES)
         if cand is not None:
@@ -73,7 +75,8 @@ def main(argv=None) -> int:
                 attn.provider._sms = 132
             plan = attn.plan(work.batch, num_pages=work.num_pages)
             cp = plan.cascade
-            rec = {"entry": cand, "splits": getattr(cp.prefix.state, "num_splits", None) if cp else None}
+            rec = {"entry": cand, "kernel": cp.prefix.state.kernel if cp else None,
+                   "splits": cp.prefix.state.num_splits if cp else None}
             out = torch.full_like(work.q, float("nan"))
             attn.run(work.q, work.k_cache, work.v_cache, out=out)
             err = workloads.rel_err(out[: ref.shape[0]], ref)

@@ -192,17 +192,28 @@ def record_cascade_graph(llama) -> None:
 
     num_sms = triton_provider_mod._num_sms
     triton_provider_mod._num_sms = lambda device: H200_SMS
+    key = tiles.key(llama.head_dim, llama.group_size, "noncausal")
+    saved = dict(tiles.TILES)
     try:
-        gs = GraphState(llama, "triton", 64, 64, 64 * 530, "cpu", "decode", max_seq_len=8464, cascade="always")
-        gs.prepare_capture(64)
-        gs.update_from_block_table(torch.zeros(4, dtype=torch.int32), torch.zeros(4, 100, dtype=torch.int32), 64)
-        gs.update_from_block_table(torch.zeros(3, dtype=torch.int64), torch.zeros(5, 1600, dtype=torch.int32), 64,
-                                   row_ids=torch.zeros(3, dtype=torch.int64), entry_tokens=16)  # fmt: skip
-        q = torch.zeros(64, 32, 128, dtype=torch.bfloat16)
-        cache = torch.zeros(64 * 530 + 64, 16, 8, 128, dtype=torch.bfloat16)
-        gs.run(64, q, cache, cache, torch.empty_like(q))
+        # the table's prefix tiles, then the prefill kernel as the prefix part (non-causal, split-KV)
+        for entry in (None, {"kernel": "prefill", "block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
+                      {"kernel": "prefill", "block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2,
+                       "ctas_per_sm": 1}):
+            if entry is not None:
+                tiles.TILES[key] = entry
+            gs = GraphState(llama, "triton", 64, 64, 64 * 530, "cpu", "decode", max_seq_len=8464, cascade="always")
+            gs.prepare_capture(64)
+            assert gs.cascade.plans[64].state.kernel == (entry or {}).get("kernel", "paged")
+            gs.update_from_block_table(torch.zeros(4, dtype=torch.int32), torch.zeros(4, 100, dtype=torch.int32), 64)
+            gs.update_from_block_table(torch.zeros(3, dtype=torch.int64), torch.zeros(5, 1600, dtype=torch.int32), 64,
+                                       row_ids=torch.zeros(3, dtype=torch.int64), entry_tokens=16)  # fmt: skip
+            q = torch.zeros(64, 32, 128, dtype=torch.bfloat16)
+            cache = torch.zeros(64 * 530 + 64, 16, 8, 128, dtype=torch.bfloat16)
+            gs.run(64, q, cache, cache, torch.empty_like(q))
     finally:
         triton_provider_mod._num_sms = num_sms
+        tiles.TILES.clear()
+        tiles.TILES.update(saved)
 
 
 def record_fast_paths(llama) -> None:

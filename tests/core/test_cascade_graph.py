@@ -156,6 +156,35 @@ def test_split_prefix_part_merges_into_the_suffix(name):
     check_out(c, batch, q, k, v, n, gs, bs)
 
 
+@pytest.mark.parametrize("splits", [3, 1])
+@pytest.mark.parametrize("name", ["one group", "ends mid-page", "nothing shared"])
+def test_prefix_part_on_the_prefill_kernel(name, splits, monkeypatch):
+    """A ``noncausal`` tile entry naming the prefill kernel: the prefix part runs it non-causal, split
+    (partials merged straight into the suffix state) or not, equal to the reference; eager cascade too."""
+    from attnplug.core import PagedAttention
+    from attnplug.core.kernels import tiles
+
+    c, batch, q, k, v, n = make_case(name, seed=11)
+    entry = {"kernel": "prefill", "block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 2}
+    monkeypatch.setitem(tiles.TILES, tiles.key(c.head_dim, c.group_size, "noncausal"), entry)
+    gs = state(c, num_kv_splits=splits)
+    bs = batch.batch_size + 1
+    gs.prepare_capture(bs)
+    st = gs.cascade.plans[bs].state
+    assert (st.kernel, st.num_splits, st.block_m) == ("prefill", splits, 16)
+    gs.update(batch, bs)
+    check_out(c, batch, q, k, v, n, gs, bs)
+    attn = PagedAttention(c, "triton", DEV, cascade="always")
+    plan = attn.plan(batch, num_pages=n, num_kv_splits=splits)
+    assert (plan.cascade is None) == (name == "nothing shared")
+    if plan.cascade is not None:
+        assert plan.cascade.prefix.state.kernel == "prefill"
+    out = torch.full_like(q, math.nan)
+    attn.run(q, k, v, out=out)
+    ref, _ = reference_attention(make_plan(c, batch, n, device=DEV), q, k, v)
+    assert rel_err(out, ref) < 1e-2
+
+
 def test_merge_splits_into_a_base_state():
     """``merge_splits(base=True)``: splits merge into the state already in ``(out, lse)``; rows whose
     splits are all empty are neither read nor written (their partials may hold NaN); an empty base

@@ -1,7 +1,8 @@
 """Triton causal prefill / extend over a paged KV cache: the Hopper path of the triton provider.
 
 Used for long-query batches without a custom mask, window, soft cap or KV splits (the provider's
-``_prefill_kernel_ok``); everything else runs :mod:`.attention`. Same tile list and GQA packing as
+``_prefill_kernel_ok``), and, ``NONCAUSAL`` with split-KV, for the cascade's shared-prefix parts when the
+``noncausal`` tile entry names this kernel; everything else runs :mod:`.attention`. Same tile list and GQA packing as
 :mod:`.attention` (a program = ``BLOCK_Q`` query tokens x the ``GROUP`` heads of one KV head, rows
 ``r`` = token ``r // GROUP``, head ``r % GROUP``), so the provider's plans and CUDA-graph buffers are
 shared; what differs is the inner loop, written for wgmma-sized tiles (``BLOCK_M`` 128, 8 warps):
@@ -208,16 +209,22 @@ def prefill_kernel(
     DIAG_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     PAGE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr,
     STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
-    FP8_F16: tl.constexpr = False,
+    FP8_F16: tl.constexpr = False, NONCAUSAL: tl.constexpr = False, num_splits=1, stride_os=0,
 ):
-    """Grid ``(num_tiles, Hkv)``. Causal (bottom-right aligned), no split.
+    """Grid ``(num_tiles, Hkv)``: causal (bottom-right aligned), no split. ``NONCAUSAL`` (the cascade's
+    shared-prefix parts): grid ``(num_tiles, Hkv, num_splits)``, every row sees every key; split ``s``
+    takes keys ``[s * chunk, (s + 1) * chunk)`` (``chunk`` = the keys over ``num_splits``, rounded up
+    to ``BLOCK_N``) in unmasked blocks, then its ragged end masked.
 
     Q ``[T, Hq, D]``; K/V paged caches (strides given; ``K_desc`` / ``V_desc``: 4-D tensor descriptors
     ``[pages, PAGE_SIZE, Hkv, D]`` with block ``[1, BLOCK_N, 1, D]`` when ``PAGE_TMA``, else unused);
-    O ``[T, Hq, D]``; LSE ``[T, Hq]`` natural log (``STORE_LSE``).
+    O ``[T, Hq, D]``; LSE ``[T, Hq]`` natural log (``STORE_LSE``). ``num_splits > 1`` (``NONCAUSAL``
+    only): O is the fp32 partials ``[T, Hq, S, D]`` (split stride ``stride_os``) and LSE their base-2
+    LSE ``[T, Hq, S]`` (contiguous in S), as :func:`.merge.merge_splits` reads them.
     """
     tile = num_tiles - 1 - tl.program_id(0)  # longest causal tiles first (see the module docstring)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
 
     b = tl.load(tile_req + tile)
     q0 = tl.load(tile_qstart + tile)
@@ -253,7 +260,22 @@ def prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    if DIAG_N == 0:  # one pipelined loop: the diagonal blocks' loads are prefetched like the others
+    if NONCAUSAL:  # every key visible: this split's whole blocks unmasked, then its ragged end masked
+        chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(kv_len, lo + chunk)
+        full_hi = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
+        for n0 in tl.range(lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):
+            m_i, l_i, acc = attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i, l_i,
+                                         acc, qk_scale, 0.0, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
+                                         stride_vh, BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGE_TMA, False, False, False,
+                                         DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE)
+        if full_hi < hi:
+            m_i, l_i, acc = attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, full_hi, kvh, hi, pos, d, m_i,
+                                         l_i, acc, qk_scale, 0.0, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
+                                         stride_vh, BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGE_TMA, True, False, False,
+                                         DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE)
+    elif DIAG_N == 0:  # one pipelined loop: the diagonal blocks' loads are prefetched like the others
         for n0 in tl.range(0, hi, BLOCK_N, num_stages=NUM_STAGES):
             m_i, l_i, acc = attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i, l_i,
                                          acc, qk_scale, 0.0, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
@@ -279,8 +301,13 @@ def prefill_kernel(
     if KV_FP8:
         out = out * tl.load(V_SCALE)
     t_glob = (q_start + tok).to(tl.int64)
-    o_ptrs = O + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
-    if STORE_LSE:
-        lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(LSE + t_glob * stride_lt + head * stride_lh, lse2 * 0.6931471805599453, mask=row_ok)
+    lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    if NONCAUSAL and num_splits > 1:  # this split's partial (fp32) and base-2 LSE
+        o_ptrs = O + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + d[None, :]
+        tl.store(o_ptrs, out, mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
+        tl.store(LSE + t_glob * stride_lt + head * stride_lh + split, lse2, mask=row_ok)
+    else:
+        o_ptrs = O + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
+        if STORE_LSE:
+            tl.store(LSE + t_glob * stride_lt + head * stride_lh, lse2 * 0.6931471805599453, mask=row_ok)

@@ -248,6 +248,13 @@ class TritonProvider(Provider):
         return (plan.causal and plan.mask is None and cfg.window_left < 0 and cfg.logits_soft_cap <= 0
                 and plan.options.kv_start is None and splits == 1 and plan.max_q_len > 1)  # fmt: skip
 
+    def _noncausal_prefill_ok(self, plan: Plan, block_m: int) -> bool:
+        """The prefill kernel computes this non-causal plan (a cascade prefix part, split-KV or not):
+        the ``noncausal`` entry names it, the tile is the entry's, no window / soft cap / ``kv_start``."""
+        cfg, e = self.config, self._entry("noncausal") or {}
+        return (e.get("kernel") == "prefill" and block_m == max(e.get("block_m", 128), _next_pow2(cfg.group_size))
+                and cfg.window_left < 0 and cfg.logits_soft_cap <= 0 and plan.options.kv_start is None)  # fmt: skip
+
     def split_count(self, num_tiles: int, max_kv_len: int, forced: int | None = None, noncausal: bool = False) -> int:
         """Split-KV chunks per tile: ``forced``, else (when ``num_tiles * Hkv`` programs do not fill the
         SMs, or fill them but their ``decode`` entry names a ``ctas_per_sm``, and ``max_kv_len >= 1024``)
@@ -321,6 +328,8 @@ class TritonProvider(Provider):
             if (entry.get("kernel") == "decode" and plan.mask is None and o.kv_start is None
                     and block_n >= 16):  # fmt: skip
                 kernel = "decode"
+        elif noncausal and self._noncausal_prefill_ok(plan, block_m):
+            kernel, entry = "prefill", self._entry("noncausal")
         elif entry.get("kernel") == "prefill" and block_m == max(entry.get("block_m", 128), _next_pow2(cfg.group_size)) \
                 and self._prefill_kernel_ok(plan, splits):
             kernel = "prefill"
@@ -387,7 +396,7 @@ class TritonProvider(Provider):
         """A split plan of the paged kernel merges its splits straight into ``(out, lse)`` (one merge
         launch, no scratch); other plans take the default (run into scratch, then merge)."""
         a: TritonState = plan.state
-        if a.kernel != "paged" or a.num_splits == 1:
+        if a.kernel == "decode" or a.num_splits == 1:
             return super().run_merge(plan, q, k_cache, v_cache, out, lse, scratch_out, scratch_lse, **scales)
         self._run(plan, q, k_cache, v_cache, out, lse, scales.get("k_scale"), scales.get("v_scale"), merge_base=True)
 
@@ -406,7 +415,7 @@ class TritonProvider(Provider):
         else:
             ks, vs = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1)), (v_cache.stride(0), v_cache.stride(2), v_cache.stride(1))
         if a.kernel == "prefill":
-            return self._run_prefill(plan, a, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale)
+            return self._run_prefill(plan, a, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale, merge_base)
         if a.kernel == "decode":
             return self._run_decode(plan, a, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale)
         split = a.num_splits > 1
@@ -441,28 +450,41 @@ class TritonProvider(Provider):
         if split:
             merge_splits(a.partial, a.partial_lse, out, lse, base=merge_base)
 
-    def _run_prefill(self, plan: Plan, a: TritonState, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale) -> None:
-        """The causal prefill kernel (:mod:`attnplug.core.kernels.prefill`), grid ``(tiles, Hkv)``."""
+    def _run_prefill(self, plan: Plan, a: TritonState, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale,
+                     merge_base: bool = False) -> None:
+        """The prefill kernel (:mod:`attnplug.core.kernels.prefill`), grid ``(tiles, Hkv)``: causal; or
+        non-causal (a cascade prefix part), grid ``(tiles, Hkv, splits)``, the splits' partials then
+        merged into ``(out, lse)`` (``merge_base``: into the state they hold)."""
+        from ..kernels.merge import merge_splits
         from ..kernels.prefill import prefill_kernel
 
         cfg = self.config
         fp8 = cfg.kv_quantized
         k_desc, v_desc = (_kv_descriptor(k_cache, ks, cfg, a.block_n), _kv_descriptor(v_cache, vs, cfg, a.block_n)) \
             if a.tma else (k_cache, v_cache)
-        l = lse if lse is not None else out
-        prefill_kernel[(a.num_tiles, cfg.num_kv_heads)](
-            q, k_cache, v_cache, out, l, k_desc, v_desc,
+        split = a.num_splits > 1
+        if split:
+            o, l = a.partial, a.partial_lse
+            o_strides, l_strides = (o.stride(0), o.stride(1)), (l.stride(0), l.stride(1))
+        else:
+            o, l, o_strides = out, (lse if lse is not None else out), (out.stride(0), out.stride(1))
+            l_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
+        noncausal = not plan.causal and plan.mask is None
+        prefill_kernel[(a.num_tiles, cfg.num_kv_heads, a.num_splits)](
+            q, k_cache, v_cache, o, l, k_desc, v_desc,
             plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, a.tile_req, a.tile_qstart,
             k_scale if fp8 else plan.kv_lens, v_scale if fp8 else plan.kv_lens,
             a.num_tiles, cfg.scale,
-            q.stride(0), q.stride(1), *ks, *vs, out.stride(0), out.stride(1),
-            *((lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)),
+            q.stride(0), q.stride(1), *ks, *vs, *o_strides, *l_strides,
             GROUP=cfg.group_size, BLOCK_Q=a.block_q, BLOCK_M=a.block_m, BLOCK_N=a.block_n, DIAG_N=a.diag_n,
             HEAD_DIM=cfg.head_dim, BLOCK_D=_next_pow2(cfg.head_dim), PAGE_SIZE=cfg.page_size,
-            PAGE_TMA=a.tma, NUM_STAGES=a.num_stages, STORE_LSE=lse is not None,
+            PAGE_TMA=a.tma, NUM_STAGES=a.num_stages, STORE_LSE=lse is not None or split,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=q.device.type == "cpu", KV_FP8=fp8,
-            FP8_F16=a.fp8_f16, num_warps=a.num_warps, num_stages=a.num_stages,
+            FP8_F16=a.fp8_f16, NONCAUSAL=noncausal, num_splits=a.num_splits, stride_os=o.stride(2) if split else 0,
+            num_warps=a.num_warps, num_stages=a.num_stages,
         )
+        if split:
+            merge_splits(a.partial, a.partial_lse, out, lse, base=merge_base)
 
     def _run_decode(self, plan: Plan, a: TritonState, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale) -> None:
         """The split-KV decode kernel (:mod:`attnplug.core.kernels.decode`), grid ``(B, Hkv, splits)``;
