@@ -113,6 +113,10 @@ MUTATIONS = [
              "            w = tl.load(ptr)",
              (f"{FK}::test_decode_fp8_pairs",),
              "fp8 byte pairs: V's ragged tail block reads the keys past the request (NaN bytes reach P @ V)"),
+    Mutation("noncausal_prefill_splits_overlap", "attnplug/core/kernels/prefill.py",
+             "        lo = split * chunk\n", "        lo = 0 * chunk\n",
+             ("tests/core/test_cascade_graph.py::test_prefix_part_on_the_prefill_kernel",),
+             "the prefill kernel's non-causal splits (cascade prefix parts) all read the first chunk of keys"),
     # -- merge kernels -----------------------------------------------------------------------------------
     Mutation("split_merge_skipped", MG,
              "s_ok = sp < num_splits", "s_ok = sp < 1",

@@ -195,15 +195,14 @@ def record_cascade_graph(llama) -> None:
     key = tiles.key(llama.head_dim, llama.group_size, "noncausal")
     saved = dict(tiles.TILES)
     try:
-        # the table's prefix tiles, then the prefill kernel as the prefix part (non-causal, split-KV)
+        # the table's prefix tiles, then the paged and the prefill kernel as the prefix part (split-KV)
         for entry in (None, {"kernel": "prefill", "block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
-                      {"kernel": "prefill", "block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2,
-                       "ctas_per_sm": 1}):
+                      {"kernel": "paged", "block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 2}):
             if entry is not None:
                 tiles.TILES[key] = entry
             gs = GraphState(llama, "triton", 64, 64, 64 * 530, "cpu", "decode", max_seq_len=8464, cascade="always")
             gs.prepare_capture(64)
-            assert gs.cascade.plans[64].state.kernel == (entry or {}).get("kernel", "paged")
+            assert gs.cascade.plans[64].state.kernel == (entry or tiles.TILES[key]).get("kernel", "paged")
             gs.update_from_block_table(torch.zeros(4, dtype=torch.int32), torch.zeros(4, 100, dtype=torch.int32), 64)
             gs.update_from_block_table(torch.zeros(3, dtype=torch.int64), torch.zeros(5, 1600, dtype=torch.int32), 64,
                                        row_ids=torch.zeros(3, dtype=torch.int64), entry_tokens=16)  # fmt: skip

@@ -360,7 +360,8 @@ def test_cascade_prefix_splits_fill_whole_waves(tiles_, ctas, per_sm, want):
     prov = PagedAttention(AttentionConfig(32, 8, 128, 16, BF16), "triton", DEVICE).provider
     prov._sms = H200_SMS
     key = tiles.key(128, 4, "noncausal")
-    entry = dict(tiles.TILES[key], **({"ctas_per_sm": ctas} if ctas else {}))
+    entry = {k: v for k, v in tiles.TILES[key].items() if k != "ctas_per_sm"}
+    entry.update({"ctas_per_sm": ctas} if ctas else {})
     with table({key: entry}):
         got = prov.split_count(tiles_, 8192, noncausal=True)
         assert got == want

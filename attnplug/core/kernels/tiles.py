@@ -12,7 +12,9 @@ suffix: the entry for fp8 KV caches (they fall back to the 16-bit entries). Buck
 
 * ``prefill``: queries fill a ``block_m`` tile (``max_q_len * G >= block_m``), no custom mask;
 * ``noncausal``: like ``prefill`` without the causal mask (the cascade's shared-prefix parts: every
-  query row sees every key), the paged kernel with split-KV; falls back to the ``prefill`` entry;
+  query row sees every key), split-KV: the paged kernel, or ``kernel: "prefill"`` (:mod:`.prefill` run
+  non-causal; 16-bit KV caches) with ``ctas_per_sm`` (programs an SM, rounded down:
+  ``benchmarks/sweep_cascade_prefix.py``); falls back to the ``prefill`` entry;
 * ``short``: shorter queries (the tile shrinks to ``next_pow2(max_q_len * G)`` rows);
 * ``verify``: a custom mask (tree verify);
 * ``decode``: one query token per request and ``B * Hkv >= SMs`` (no split);
@@ -35,7 +37,7 @@ the ``decode_split`` tiles do: the 2026-11-29 rule).
 from __future__ import annotations
 
 # ---- BEGIN TILES (rewritten by benchmarks/sweep_triton.py) ----
-# sweeps of 2026-12-03 on NVIDIA H200, triton 3.6.0: sweep-fp8 --pairs-only (decode 64x4096 fp8, 1x32768 fp8, 4x32768 fp8): 3 entries chosen (byte pairs), d128/g4/decode/fp8 again by a second one (64x4096 fp8: 7 stages); d128/g4/decode from sweep-shared (64x4096, 128x2048, 64x(8192 shared+256), 64x(8192+256)); the rest from the sweeps of 2026-12-02 and before
+# d128/g4/noncausal from benchmarks/sweep_cascade_prefix.py (cascade decode 64x(8192+256), the prefix part as graph replays); sweeps of 2026-12-03 on NVIDIA H200, triton 3.6.0: sweep-fp8 --pairs-only (decode 64x4096 fp8, 1x32768 fp8, 4x32768 fp8): 3 entries chosen (byte pairs), d128/g4/decode/fp8 again by a second one (64x4096 fp8: 7 stages); d128/g4/decode from sweep-shared (64x4096, 128x2048, 64x(8192 shared+256), 64x(8192+256)); the rest from the sweeps of 2026-12-02 and before
 TILES: dict[str, dict] = {  # fmt: skip
     'd128/g*/decode': {'kernel': 'paged', 'block_n': 128, 'num_warps': 4, 'num_stages': 3},
     'd128/g*/decode_split': {'kernel': 'paged', 'block_n': 128, 'num_warps': 4, 'num_stages': 3, 'ctas_per_sm': 2},
@@ -48,7 +50,7 @@ TILES: dict[str, dict] = {  # fmt: skip
     'd128/g4/decode_split/fp8': {'block_n': 256, 'ctas_per_sm': 4, 'fp8_f16': True, 'fused_merge': True, 'kernel': 'decode', 'num_stages': 3, 'num_warps': 4, 'pairs': True},
     'd128/g4/decode_tiny': {'block_n': 128, 'ctas_per_sm': 1, 'fused_merge': True, 'kernel': 'decode', 'num_stages': 5, 'num_warps': 4},
     'd128/g4/decode_tiny/fp8': {'block_n': 128, 'ctas_per_sm': 2, 'fp8_f16': True, 'fused_merge': True, 'kernel': 'decode', 'num_stages': 5, 'num_warps': 4, 'pairs': True},
-    'd128/g4/noncausal': {'kernel': 'paged', 'block_m': 128, 'block_n': 64, 'num_warps': 4, 'num_stages': 2},
+    'd128/g4/noncausal': {'kernel': 'prefill', 'block_m': 128, 'block_n': 128, 'num_warps': 8, 'num_stages': 2, 'ctas_per_sm': 1},
     'd128/g4/prefill': {'block_m': 128, 'block_n': 128, 'kernel': 'prefill', 'num_stages': 3, 'num_warps': 8, 'tma': True},
     'd128/g4/prefill/fp8': {'block_m': 128, 'block_n': 128, 'diag_n': 64, 'fp8_f16': True, 'kernel': 'prefill', 'num_stages': 5, 'num_warps': 8},
     'd256/g*/decode': {'kernel': 'paged', 'block_n': 64, 'num_warps': 4, 'num_stages': 2},

@@ -250,10 +250,12 @@ class TritonProvider(Provider):
 
     def _noncausal_prefill_ok(self, plan: Plan, block_m: int) -> bool:
         """The prefill kernel computes this non-causal plan (a cascade prefix part, split-KV or not):
-        the ``noncausal`` entry names it, the tile is the entry's, no window / soft cap / ``kv_start``."""
+        the ``noncausal`` entry names it, the tile is the entry's, 16-bit KV (fp8 caches keep the paged
+        kernel, the one measured for them), no window / soft cap / ``kv_start``."""
         cfg, e = self.config, self._entry("noncausal") or {}
         return (e.get("kernel") == "prefill" and block_m == max(e.get("block_m", 128), _next_pow2(cfg.group_size))
-                and cfg.window_left < 0 and cfg.logits_soft_cap <= 0 and plan.options.kv_start is None)  # fmt: skip
+                and not cfg.kv_quantized and cfg.window_left < 0 and cfg.logits_soft_cap <= 0
+                and plan.options.kv_start is None)  # fmt: skip
 
     def split_count(self, num_tiles: int, max_kv_len: int, forced: int | None = None, noncausal: bool = False) -> int:
         """Split-KV chunks per tile: ``forced``, else (when ``num_tiles * Hkv`` programs do not fill the
