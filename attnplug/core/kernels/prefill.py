@@ -301,13 +301,20 @@ def prefill_kernel(
     if KV_FP8:
         out = out * tl.load(V_SCALE)
     t_glob = (q_start + tok).to(tl.int64)
-    lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    if NONCAUSAL and num_splits > 1:  # this split's partial (fp32) and base-2 LSE
-        o_ptrs = O + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + d[None, :]
-        tl.store(o_ptrs, out, mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
-        tl.store(LSE + t_glob * stride_lt + head * stride_lh + split, lse2, mask=row_ok)
+    if NONCAUSAL:
+        lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        if num_splits > 1:  # this split's partial (fp32) and base-2 LSE
+            o_ptrs = O + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + d[None, :]
+            tl.store(o_ptrs, out, mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
+            tl.store(LSE + t_glob * stride_lt + head * stride_lh + split, lse2, mask=row_ok)
+        else:
+            o_ptrs = O + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
+            if STORE_LSE:
+                tl.store(LSE + t_glob * stride_lt + head * stride_lh, lse2 * 0.6931471805599453, mask=row_ok)
     else:
         o_ptrs = O + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
         if STORE_LSE:
+            lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
             tl.store(LSE + t_glob * stride_lt + head * stride_lh, lse2 * 0.6931471805599453, mask=row_ok)
