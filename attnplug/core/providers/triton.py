@@ -264,8 +264,8 @@ class TritonProvider(Provider):
         2, 4 for fewer than 16 programs), at most ``max_splits`` (64) and one per ``min_split_keys``
         keys (default 128 for ``decode_tiny`` and 16-bit ``decode_split`` batches, 512 for fp8
         ``decode_split``: the H200's eager 1-4 x 1024-4096 rows, ``benchmarks/NOTES.md``).
-        ``noncausal`` (the cascade's prefix parts: 128-row tiles of the paged kernel, all of equal
-        work): ``ctas_per_sm`` from the ``noncausal`` entry when it names one, and at most that many
+        ``noncausal`` (the cascade's prefix parts: tiles of equal work, on the paged or the prefill
+        kernel): ``ctas_per_sm`` from the ``noncausal`` entry when it names one, and at most that many
         programs per SM (rounded down), so that no tail wave runs a few tiles after the rest."""
         if forced is not None:
             return max(1, int(forced))
@@ -395,8 +395,8 @@ class TritonProvider(Provider):
 
     def run_merge(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor,
                   scratch_out: torch.Tensor, scratch_lse: torch.Tensor, **scales) -> None:
-        """A split plan of the paged kernel merges its splits straight into ``(out, lse)`` (one merge
-        launch, no scratch); other plans take the default (run into scratch, then merge)."""
+        """A split plan of the paged or prefill kernel merges its splits straight into ``(out, lse)`` (one
+        merge launch, no scratch); other plans take the default (run into scratch, then merge)."""
         a: TritonState = plan.state
         if a.kernel == "decode" or a.num_splits == 1:
             return super().run_merge(plan, q, k_cache, v_cache, out, lse, scratch_out, scratch_lse, **scales)
