@@ -29,13 +29,17 @@ ROW = "cascade decode 64x(8192+256)"
 
 def candidates() -> list[dict]:
     """The paged kernel's best tiles of the 2026-12-03 sweep (``h200-sweep-cascade-prefix-2026-12-03.jsonl``),
-    then the prefill kernel run non-causal (8 warps: one program an SM by registers)."""
+    then the prefill kernel run non-causal (8 warps: one program an SM by registers; 16 warps for 256-row tiles)."""
     out = [{"kernel": "paged", "block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st, "ctas_per_sm": c}
            for bm, bn, w, st, c in ((128, 32, 4, 3, 2), (64, 64, 4, 2, 2), (128, 64, 8, 2, 1))]
     for bn, st in ((64, 2), (64, 3), (64, 4), (128, 2), (32, 3), (32, 4)):
         for c in (1, 2):
             out.append({"kernel": "prefill", "block_m": 128, "block_n": bn, "num_warps": 8, "num_stages": st,
                         "ctas_per_sm": c})
+    # one 256-row tile for all 64 tokens x 4 heads (K/V read once): 16 warps, 128 registers, no spills in
+    # the sm90 AOT stats at block_n 64 (block_n 128 spills)
+    out += [{"kernel": "prefill", "block_m": 256, "block_n": bn, "num_warps": 16, "num_stages": st, "ctas_per_sm": 1}
+            for bn, st in ((64, 2), (64, 3), (32, 3))]
     return out
 
 
