@@ -1,7 +1,7 @@
 """Offline sweep of the triton provider's ``noncausal`` tile entry: the cascade's shared-prefix part
 (issue 13), on the bench's shared-prefix row (64 x (8192 shared + 256), Llama-3-8B attention, page 16).
 
-    python benchmarks/sweep_cascade_prefix.py --out DIR [--write]      # GPU
+    python benchmarks/sweep_cascade_prefix.py --out DIR [--write] [--block-m 256]   # GPU
     python benchmarks/sweep_cascade_prefix.py --smoke                  # CPU check of the flow (interpreter)
 
 Each candidate entry (kernel / block_m / block_n / warps / stages / ``ctas_per_sm``) plans the row with cascade
@@ -48,6 +48,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="sweep-out")
     ap.add_argument("--write", action="store_true", help="put the winner in attnplug/core/kernels/tiles.py")
     ap.add_argument("--smoke", action="store_true", help="CPU check of the flow (Triton interpreter, the quick row)")
+    ap.add_argument("--block-m", type=int, default=None, help="only the candidates of this block_m (and the table's entry)")
     a = ap.parse_args(argv)
     if a.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -68,7 +69,8 @@ def main(argv=None) -> int:
     key = tiles.key(cfg.head_dim, cfg.group_size, "noncausal")
     os.makedirs(a.out, exist_ok=True)
     results = []
-    cands = [None] + (candidates()[::3][:2] if a.smoke else candidates())  # smoke: a paged and a prefill entry
+    cands = [c for c in candidates() if a.block_m is None or c["block_m"] == a.block_m]
+    cands = [None] + (cands[::3][:2] if a.smoke else cands)  # smoke: a paged and a prefill entry
     for cand in cands:
         saved = dict(tiles.TILES)
         if cand is not None:
