@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     from attnplug.bench import workloads
     from attnplug.core import AttentionConfig, PagedAttention
     from attnplug.core.kernels import tiles
-    from sweep_triton import bench_ms, write_table
+    from sweep_triton import bench_ms, table_meta, write_table
 
     dev = torch.device("cpu" if a.smoke else "cuda")
     rows, config = ((workloads.QUICK_ROWS, workloads.QUICK_CONFIG) if a.smoke else (workloads.FULL_ROWS, workloads.FULL_CONFIG))
@@ -124,9 +124,8 @@ def main(argv=None) -> int:
           f"({best['splits']} splits)", flush=True)
     if a.write and best["entry"] is not None and not a.smoke:
         path = os.path.join(os.path.dirname(HERE), "attnplug", "core", "kernels", "tiles.py")
-        meta = open(path).read().split("# ---- BEGIN TILES (rewritten by benchmarks/sweep_triton.py) ----\n# ", 1)[1]
         write_table(path, {key: best["entry"]}, f"{key} from benchmarks/sweep_cascade_prefix.py ({ROW}, the prefix "
-                    f"part as graph replays); " + meta.split("\n", 1)[0])
+                    f"part as graph replays); " + table_meta(path))
     return 0
 
 

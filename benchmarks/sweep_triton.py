@@ -270,6 +270,11 @@ def bench_ms(fn, device) -> float:
     return (time.perf_counter() - t) * 1e3
 
 
+def table_meta(path: str) -> str:
+    """The comment line :func:`write_table` put above the table (what chose its entries)."""
+    return re.search(r"# ---- BEGIN TILES.*?\n# (.*)\n", open(path).read()).group(1)
+
+
 def write_table(path: str, chosen: dict, meta: str) -> None:
     from attnplug.core.kernels import tiles
 

@@ -352,7 +352,7 @@ def test_full_batch_splits_when_its_entry_asks():
 @pytest.mark.parametrize("tiles_,ctas,per_sm,want", [
     (2, None, 2, 16), (2, 1, 1, 8), (2, 3, 3, 24), (1, None, 1, 16), (4, None, 2, 8), (32, None, None, 1)])  # fmt: skip
 def test_cascade_prefix_splits_fill_whole_waves(tiles_, ctas, per_sm, want):
-    """The cascade's prefix parts (non-causal, 128-row paged tiles of equal work) split into at most
+    """The cascade's prefix parts (non-causal, 128-row tiles of equal work) split into at most
     ``ctas_per_sm`` programs per SM, rounded down: 2 tiles x 8 KV heads on 132 SMs take 16 splits (256
     programs), not 17 (272: 8 programs in a tail wave, the H200's 42.4 us ncu row of 2026-12-03); the
     ``noncausal`` entry's ``ctas_per_sm`` wins over the decode bucket's (``per_sm``: the one in force;

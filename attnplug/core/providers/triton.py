@@ -241,21 +241,16 @@ class TritonProvider(Provider):
         block_q = max(1, block_m // g)
         return block_q, block_m, e.get("block_n", 32), e.get("num_warps", 4), e.get("num_stages", 3)
 
-    def _prefill_kernel_ok(self, plan: Plan, splits: int) -> bool:
-        """The causal prefill kernel computes this batch: causal, no custom mask / window / soft cap /
-        ``kv_start``, no split, queries that fill the tiles."""
+    def _prefill_kernel_ok(self, plan: Plan, entry: dict, block_m: int, splits: int) -> bool:
+        """The prefill kernel computes this batch: ``entry`` (the batch's tile entry) names it and the
+        tile is the entry's, no custom mask / window / soft cap / ``kv_start``, queries that fill the
+        tiles; causal without split, or non-causal (a cascade prefix part, split or not) with a 16-bit KV
+        cache (fp8 caches keep the paged kernel there, the one measured for them)."""
         cfg = self.config
-        return (plan.causal and plan.mask is None and cfg.window_left < 0 and cfg.logits_soft_cap <= 0
-                and plan.options.kv_start is None and splits == 1 and plan.max_q_len > 1)  # fmt: skip
-
-    def _noncausal_prefill_ok(self, plan: Plan, block_m: int) -> bool:
-        """The prefill kernel computes this non-causal plan (a cascade prefix part, split-KV or not):
-        the ``noncausal`` entry names it, the tile is the entry's, 16-bit KV (fp8 caches keep the paged
-        kernel, the one measured for them), no window / soft cap / ``kv_start``."""
-        cfg, e = self.config, self._entry("noncausal") or {}
-        return (e.get("kernel") == "prefill" and block_m == max(e.get("block_m", 128), _next_pow2(cfg.group_size))
-                and not cfg.kv_quantized and cfg.window_left < 0 and cfg.logits_soft_cap <= 0
-                and plan.options.kv_start is None)  # fmt: skip
+        return (entry.get("kernel") == "prefill" and block_m == max(entry.get("block_m", 128), _next_pow2(cfg.group_size))
+                and plan.mask is None and cfg.window_left < 0 and cfg.logits_soft_cap <= 0
+                and plan.options.kv_start is None and plan.max_q_len > 1
+                and (splits == 1 if plan.causal else not cfg.kv_quantized))  # fmt: skip
 
     def split_count(self, num_tiles: int, max_kv_len: int, forced: int | None = None, noncausal: bool = False) -> int:
         """Split-KV chunks per tile: ``forced``, else (when ``num_tiles * Hkv`` programs do not fill the
@@ -278,7 +273,7 @@ class TritonProvider(Provider):
         by_len = max_kv_len // e.get("min_split_keys", min_keys)
         ctas = e.get("ctas_per_sm", 2 if programs >= 16 else 4)
         if noncausal:
-            ctas = (self._entry("noncausal") or {}).get("ctas_per_sm", ctas)
+            ctas = self._entry("noncausal").get("ctas_per_sm", ctas)
             return max(1, min(e.get("max_splits", 64), by_len, ctas * self._sms // max(programs, 1)))
         return max(1, min(e.get("max_splits", 64), by_len, num_pages(ctas * self._sms, max(programs, 1))))
 
@@ -330,11 +325,10 @@ class TritonProvider(Provider):
             if (entry.get("kernel") == "decode" and plan.mask is None and o.kv_start is None
                     and block_n >= 16):  # fmt: skip
                 kernel = "decode"
-        elif noncausal and self._noncausal_prefill_ok(plan, block_m):
-            kernel, entry = "prefill", self._entry("noncausal")
-        elif entry.get("kernel") == "prefill" and block_m == max(entry.get("block_m", 128), _next_pow2(cfg.group_size)) \
-                and self._prefill_kernel_ok(plan, splits):
-            kernel = "prefill"
+        else:  # the prefill kernel where the batch's entry names it (cascade prefix parts: the noncausal one)
+            pe = self._entry("noncausal") if noncausal else entry
+            if self._prefill_kernel_ok(plan, pe, block_m, splits):
+                kernel, entry = "prefill", pe
         fused = kernel == "decode" and splits > 1 and bool(entry.get("fused_merge", False))
         diag_n = min(block_n, entry.get("diag_n", block_n)) if kernel == "prefill" else 0
         tma = (kernel == "prefill" and bool(entry.get("tma", False)) and cfg.page_size % block_n == 0
