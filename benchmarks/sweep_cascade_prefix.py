@@ -4,13 +4,14 @@
     python benchmarks/sweep_cascade_prefix.py --out DIR [--write] [--block-m 256]   # GPU
     python benchmarks/sweep_cascade_prefix.py --smoke                  # CPU check of the flow (interpreter)
 
-Each candidate entry (kernel / block_m / block_n / warps / stages / ``ctas_per_sm``) plans the row with cascade
+Each candidate entry (kernel / block_m / block_n / warps / stages / ``ctas_per_sm`` / ``partials``) plans the row with cascade
 on; its prefix part (the paged kernel over the shared pages for all 64 query rows, split-KV, and the
 merge of its splits) is captured in one CUDA graph and timed as replays (``triton.testing.do_bench``,
 median; eager launches would time the host). The whole forward (suffix + prefix + merges) is checked
 against the float32 reference first: a candidate above 2e-2 relative error or with NaN is dropped.
 Writes ``DIR/sweep-cascade-prefix.jsonl`` (one line per candidate: entry, splits, ms, err) and, with
 ``--write``, puts the fastest entry in ``attnplug/core/kernels/tiles.py`` (when it beats the table's own).
+On the GPU the winner's split merge is then timed alone per heads a program and partial dtype (``merge`` lines).
 """
 
 from __future__ import annotations
@@ -28,19 +29,44 @@ ROW = "cascade decode 64x(8192+256)"
 
 
 def candidates() -> list[dict]:
-    """The paged kernel's best tiles of the 2026-12-03 sweep (``h200-sweep-cascade-prefix-2026-12-03.jsonl``),
-    then the prefill kernel run non-causal (8 warps: one program an SM by registers; 16 warps for 256-row tiles)."""
-    out = [{"kernel": "paged", "block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st, "ctas_per_sm": c}
-           for bm, bn, w, st, c in ((128, 32, 4, 3, 2), (64, 64, 4, 2, 2), (128, 64, 8, 2, 1))]
-    for bn, st in ((64, 2), (64, 3), (64, 4), (128, 2), (32, 3), (32, 4)):
-        for c in (1, 2):
-            out.append({"kernel": "prefill", "block_m": 128, "block_n": bn, "num_warps": 8, "num_stages": st,
-                        "ctas_per_sm": c})
+    """The table's paged runner-up of the 2026-12-03 sweeps (``h200-sweep-cascade-prefix-2026-12-03*.jsonl``),
+    then the prefill kernel run non-causal (8 warps: one program an SM by registers; 16 warps for 256-row
+    tiles), each with float32 partials and with partials in the output dtype (``partials: "out"``)."""
+    out = [{"kernel": "paged", "block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 3, "ctas_per_sm": 2}]
+    pre = [(128, bn, 8, st, c) for bn, st, c in ((128, 2, 1), (128, 2, 2), (64, 3, 1), (64, 4, 1), (32, 3, 2), (32, 4, 2))]
     # one 256-row tile for all 64 tokens x 4 heads (K/V read once): 16 warps, 128 registers, no spills in
     # the sm90 AOT stats at block_n 64 (block_n 128 spills)
-    out += [{"kernel": "prefill", "block_m": 256, "block_n": bn, "num_warps": 16, "num_stages": st, "ctas_per_sm": 1}
-            for bn, st in ((64, 2), (64, 3), (32, 3))]
+    pre += [(256, bn, 16, st, 1) for bn, st in ((64, 2), (64, 3), (32, 3))]
+    for bm, bn, w, st, c in pre:
+        for partials in (None, "out"):
+            e = {"kernel": "prefill", "block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st, "ctas_per_sm": c}
+            out.append(e if partials is None else {**e, "partials": partials})
     return out
+
+
+def merge_probe(cp, dev, bench_ms) -> list[dict]:
+    """The split merge alone (one CUDA graph of :func:`merge_splits` on ``cp``'s prefix partials), per
+    heads a program and partial dtype (float32 / bf16): where the prefix part's merge time goes."""
+    import torch
+
+    from attnplug.core.kernels.merge import merge_splits
+
+    a = cp.prefix.state
+    recs = []
+    for dt in (torch.float32, torch.bfloat16):
+        p = a.partial.to(dt)
+        for bh in (1, 2, 4, 8):
+            def merge():
+                merge_splits(p, a.partial_lse, cp.out_part, cp.lse_part, block_h=bh)
+
+            merge()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                merge()
+            recs.append({"merge": {"block_h": bh, "partials": str(dt).removeprefix("torch."), "splits": a.num_splits},
+                         "ms": bench_ms(g.replay, dev)})
+            print("sweep-prefix:", json.dumps(recs[-1]), flush=True)
+    return recs
 
 
 def main(argv=None) -> int:
@@ -126,6 +152,23 @@ def main(argv=None) -> int:
         path = os.path.join(os.path.dirname(HERE), "attnplug", "core", "kernels", "tiles.py")
         write_table(path, {key: best["entry"]}, f"{key} from benchmarks/sweep_cascade_prefix.py ({ROW}, the prefix "
                     f"part as graph replays); " + table_meta(path))
+    if dev.type == "cuda":  # the merge of the winner's splits alone
+        saved = dict(tiles.TILES)
+        tiles.TILES[key] = best["entry"] or saved[key]
+        try:
+            attn = PagedAttention(cfg, "triton", dev, cascade="always")
+            cp = attn.plan(work.batch, num_pages=work.num_pages).cascade
+            attn.provider.run(cp.prefix, work.q if cp.rows is None else cp.q_part, work.k_cache, work.v_cache,
+                              cp.out_part, cp.lse_part)
+            if cp is not None and cp.prefix.state.num_splits > 1:
+                probe = merge_probe(cp, dev, bench_ms)
+                with open(os.path.join(a.out, "sweep-cascade-prefix.jsonl"), "a") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in probe)
+        except Exception as e:  # the table is written already; the probe is information
+            print(f"sweep-prefix: merge probe failed: {type(e).__name__}: {e}", flush=True)
+        finally:
+            tiles.TILES.clear()
+            tiles.TILES.update(saved)
     return 0
 
 

@@ -152,7 +152,7 @@ for step in "$@"; do
     timeout 150 $G python3 -m attnplug.bench --providers triton,flashinfer,fa3 --rows "$R" --cuda-graphs --out "$W/bench-graphs" \
       --time-budget 120 --no-ceilings > "$W/bench-graphs.log" 2>&1; log "bench graphs rc $?" ;;
   sweep-prefix)
-    timeout 260 $G python3 benchmarks/sweep_cascade_prefix.py --write --out "$W/sweep-prefix" > "$W/sweep-prefix.log" 2>&1
+    timeout 330 $G python3 benchmarks/sweep_cascade_prefix.py --write --out "$W/sweep-prefix" > "$W/sweep-prefix.log" 2>&1
     log "sweep-prefix rc $?"; grep "table entry" "$W/sweep-prefix.log"; cp attnplug/core/kernels/tiles.py "$W/sweep-prefix/" ;;
   cascade-tf)
     timeout 150 $G python3 -m pytest -x tests/gpu/test_cascade_gpu.py tests/core/test_cascade_graph.py tests/core/test_kernel_paths.py \

@@ -119,7 +119,7 @@ MUTATIONS = [
              "the prefill kernel's non-causal splits (cascade prefix parts) all read the first chunk of keys"),
     # -- merge kernels -----------------------------------------------------------------------------------
     Mutation("split_merge_skipped", MG,
-             "s_ok = sp < num_splits", "s_ok = sp < 1",
+             "(sp[None, :] < num_splits)", "(sp[None, :] < 1)",
              (f"{KP}::test_keys_land_in_several_splits", f"{KP}::test_merge_splits_against_torch"),
              "only split 0 is merged: the other splits' keys are lost"),
     Mutation("merge_state_wrong_weight", MG,

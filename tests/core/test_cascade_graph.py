@@ -156,22 +156,27 @@ def test_split_prefix_part_merges_into_the_suffix(name):
     check_out(c, batch, q, k, v, n, gs, bs)
 
 
-@pytest.mark.parametrize("splits", [3, 1])
+@pytest.mark.parametrize("splits, partials", [(3, None), (3, "out"), (1, None)])
 @pytest.mark.parametrize("name", ["one group", "ends mid-page", "nothing shared"])
-def test_prefix_part_on_the_prefill_kernel(name, splits, monkeypatch):
+def test_prefix_part_on_the_prefill_kernel(name, splits, partials, monkeypatch):
     """A ``noncausal`` tile entry naming the prefill kernel: the prefix part runs it non-causal, split
-    (partials merged straight into the suffix state) or not, equal to the reference; eager cascade too."""
+    (partials, float32 or bf16, merged straight into the suffix state) or not, equal to the reference;
+    eager cascade too."""
     from attnplug.core import PagedAttention
     from attnplug.core.kernels import tiles
 
     c, batch, q, k, v, n = make_case(name, seed=11)
     entry = {"kernel": "prefill", "block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 2}
+    if partials:
+        entry["partials"] = partials
     monkeypatch.setitem(tiles.TILES, tiles.key(c.head_dim, c.group_size, "noncausal"), entry)
     gs = state(c, num_kv_splits=splits)
     bs = batch.batch_size + 1
     gs.prepare_capture(bs)
     st = gs.cascade.plans[bs].state
     assert (st.kernel, st.num_splits, st.block_m) == ("prefill", splits, 16)
+    if splits > 1:
+        assert st.partial.dtype == (torch.bfloat16 if partials == "out" else torch.float32)
     gs.update(batch, bs)
     check_out(c, batch, q, k, v, n, gs, bs)
     attn = PagedAttention(c, "triton", DEV, cascade="always")
@@ -185,7 +190,8 @@ def test_prefix_part_on_the_prefill_kernel(name, splits, monkeypatch):
     assert rel_err(out, ref) < 1e-2
 
 
-def test_merge_splits_into_a_base_state():
+@pytest.mark.parametrize("block_h", [None, 4])
+def test_merge_splits_into_a_base_state(block_h):
     """``merge_splits(base=True)``: splits merge into the state already in ``(out, lse)``; rows whose
     splits are all empty are neither read nor written (their partials may hold NaN); an empty base
     (LSE -inf, output NaN) contributes nothing."""
@@ -208,7 +214,7 @@ def test_merge_splits_into_a_base_state():
     want = (vals.nan_to_num() * w[..., None]).sum(2)
     want_lse = torch.logsumexp(lse_all, dim=2)
     out, lse = base.clone().to(DEV), base_lse.clone().to(DEV)
-    merge_splits(p.to(DEV), pl2.to(DEV), out, lse, base=True)
+    merge_splits(p.to(DEV), pl2.to(DEV), out, lse, base=True, block_h=block_h)
     out, lse = out.cpu(), lse.cpu()
     keep = [0, 2, 3, 4]
     assert rel_err(out[keep], want[keep]) < 1e-2 and torch.allclose(lse[keep], want_lse[keep], atol=1e-4)
@@ -314,20 +320,24 @@ def test_merge_ignores_an_empty_state_whatever_it_holds():
     assert np.isfinite(out.cpu().numpy()).all()
 
 
-def test_in_place_merge_leaves_rows_with_an_empty_state_untouched():
-    """In place (the cascade's suffix output is state A): rows whose state B is empty are neither
-    read nor rewritten; the others are the exact merge."""
+@pytest.mark.parametrize("block_h", [None, 2])
+def test_in_place_merge_leaves_rows_with_an_empty_state_untouched(block_h):
+    """In place (the cascade's suffix output is state A): rows (and heads) whose state B is empty are
+    neither read nor rewritten; the others are the exact merge."""
     g = torch.Generator().manual_seed(1)
     va, vb = torch.randn(4, 2, 32, generator=g).to(DEV), torch.randn(4, 2, 32, generator=g).to(DEV)
     sa, sb = torch.randn(4, 2, generator=g).to(DEV), torch.randn(4, 2, generator=g).to(DEV)
     sb[1:3] = -math.inf
     vb[1:3] = math.nan
+    sb[0, 1] = -math.inf  # one head of a row whose other head merges
+    vb[0, 1] = math.nan
     want_v = (va * sa.exp()[..., None] + vb.nan_to_num() * sb.exp()[..., None]) / (sa.exp() + sb.exp())[..., None]
     want_s = torch.logaddexp(sa, sb)
     out, so = va.clone(), sa.clone()
-    merge_state(out, so, vb, sb, out, so)
+    merge_state(out, so, vb, sb, out, so, block_h=block_h)
     assert torch.allclose(out, want_v, atol=1e-5) and torch.allclose(so, want_s, atol=1e-5)
     assert torch.equal(out[1:3], va[1:3]) and torch.equal(so[1:3], sa[1:3])
+    assert torch.equal(out[0, 1], va[0, 1]) and torch.equal(so[0, 1], sa[0, 1])
 
 
 @pytest.mark.parametrize("kind", ["graph", "graph_cascade"])

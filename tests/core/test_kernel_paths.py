@@ -230,13 +230,17 @@ def test_random_batches_every_knob(data, mode, group, page, dtype, block_n, bloc
 
 
 # ---- merge kernels against torch ------------------------------------------------------------------------
+@pytest.mark.parametrize("block_h", [None, 2, 4])
 @pytest.mark.parametrize("store_lse", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_merge_splits_against_torch(store_lse, dtype):
-    """Random partials with base-2 LSEs, some splits empty (-inf) and one row with no key at all."""
+def test_merge_splits_against_torch(store_lse, dtype, block_h):
+    """Random partials with base-2 LSEs, some splits empty (-inf) and one row with no key at all;
+    several heads a program (3 heads: the last program's extra heads masked); bf16 partials too."""
     g = torch.Generator().manual_seed(3)
     T, H, S, D = 7, 3, 5, 48
     part = torch.randn(T, H, S, D, generator=g)
+    if dtype == torch.bfloat16 and block_h == 2:  # partials in the output dtype (cascade prefix parts)
+        part = part.to(dtype).float()
     lse2 = torch.randn(T, H, S, generator=g) * 4
     lse2[torch.rand(T, H, S, generator=g) < 0.3] = -math.inf
     lse2[2] = -math.inf  # nothing anywhere: output 0, LSE -inf
@@ -245,7 +249,8 @@ def test_merge_splits_against_torch(store_lse, dtype):
     want_lse = torch.logsumexp(lse2 * math.log(2), dim=-1)
     out = torch.full((T, H, D), math.nan, dtype=dtype, device=DEVICE)
     lse = torch.full((T, H), math.nan, device=DEVICE) if store_lse else None
-    merge_splits(part.to(DEVICE), lse2.to(DEVICE), out, lse)
+    p_in = part.to(dtype) if dtype == torch.bfloat16 and block_h == 2 else part
+    merge_splits(p_in.to(DEVICE), lse2.to(DEVICE), out, lse, block_h=block_h)
     out, lse = out.cpu(), (lse.cpu() if store_lse else None)
     qo = torch.arange(T + 1)
     assert_close_per_request_head(out, want, qo, dtype, "merge_splits output")
@@ -256,8 +261,9 @@ def test_merge_splits_against_torch(store_lse, dtype):
         assert float((lse[fin] - want_lse[fin]).abs().max()) <= 1e-5
 
 
+@pytest.mark.parametrize("block_h", [None, 8])
 @pytest.mark.parametrize("with_lse", [True, False])
-def test_merge_state_against_torch(with_lse):
+def test_merge_state_against_torch(with_lse, block_h):
     g = torch.Generator().manual_seed(4)
     T, H, D = 6, 4, 40
     va, vb = torch.randn(T, H, D, generator=g), torch.randn(T, H, D, generator=g)
@@ -268,7 +274,7 @@ def test_merge_state_against_torch(with_lse):
     want = va * wa[..., None] + vb * wb[..., None]
     vo = torch.full_like(va, math.nan, device=DEVICE)
     so = torch.full_like(sa, math.nan, device=DEVICE) if with_lse else None
-    merge_state(va.to(DEVICE), sa.to(DEVICE), vb.to(DEVICE), sb.to(DEVICE), vo, so)
+    merge_state(va.to(DEVICE), sa.to(DEVICE), vb.to(DEVICE), sb.to(DEVICE), vo, so, block_h=block_h)
     vo, so = vo.cpu(), (so.cpu() if with_lse else None)
     assert_close_per_request_head(vo, want, torch.arange(T + 1), torch.float32, "merge_state output")
     if with_lse:

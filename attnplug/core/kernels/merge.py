@@ -15,120 +15,143 @@ import triton.language as tl
 
 @triton.jit
 def merge_splits_kernel(
-    P, PL, O, LSE, num_splits,
+    P, PL, O, LSE, num_splits, num_heads,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     stride_ot, stride_oh, stride_st, stride_sh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr,
-    BASE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
+    STORE_LSE: tl.constexpr, BASE: tl.constexpr,
 ):
-    """Grid ``(T, H)``: merge ``num_splits`` partials ``P [T,H,S,D]`` fp32 with base-2 LSE
-    ``PL [T,H,S]`` into ``O [T,H,D]`` (and natural-log ``LSE [T,H]``). With ``BASE``, ``O`` / ``LSE``
-    already hold a state over other keys and the splits merge into it; a row whose splits are all
-    empty is neither read nor written."""
+    """Grid ``(T, cdiv(H, BLOCK_H))``: merge ``num_splits`` partials ``P [T,H,S,D]`` (fp32 or the
+    output dtype) with base-2 LSE ``PL [T,H,S]`` into ``O [T,H,D]`` (and natural-log ``LSE [T,H]``),
+    ``BLOCK_H`` heads a program. With ``BASE``, ``O`` / ``LSE`` already hold a state over other keys
+    and the splits merge into it; a row whose splits are all empty is neither read nor written."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < num_heads
     sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_ok = sp < num_splits
-    lse = tl.load(PL + t * stride_lt + h * stride_lh + sp, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse, 0)
-    sb = float("-inf")
+    s_ok = h_ok[:, None] & (sp[None, :] < num_splits)
+    lse = tl.load(PL + t * stride_lt + h[:, None] * stride_lh + sp[None, :], mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 1)
+    sb = tl.full([BLOCK_H], float("-inf"), tl.float32)
     if BASE:
-        sb = tl.load(LSE + t * stride_st + h * stride_sh) * 1.4426950408889634
+        sb = tl.load(LSE + t * stride_st + h * stride_sh, mask=h_ok, other=float("-inf")) * 1.4426950408889634
         m = tl.maximum(m, sb)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe)
-    tot_splits = tl.sum(w, 0)
+    w = tl.exp2(lse - m_safe[:, None])
+    tot_splits = tl.sum(w, 1)
     # the partials load alongside the LSE (not after it); an empty split (weight 0) adds 0 whatever
     # its unwritten partial holds (NaN included): selected away, not multiplied
-    p = tl.load(P + t * stride_pt + h * stride_ph + sp[:, None] * stride_ps + d[None, :],
-                mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-    acc = tl.sum(tl.where((w > 0.0)[:, None], p * w[:, None], 0.0), 0)
+    p = tl.load(P + t * stride_pt + h[:, None, None] * stride_ph + sp[None, :, None] * stride_ps + d[None, None, :],
+                mask=s_ok[:, :, None] & (d[None, None, :] < HEAD_DIM), other=0.0).to(tl.float32)
+    acc = tl.sum(tl.where((w > 0.0)[:, :, None], p * w[:, :, None], 0.0), 1)
     tot = tot_splits
-    need = d < HEAD_DIM
-    if BASE:  # weights as vectors: a scalar bool `&` a vector mask is int32 in the interpreter
-        zero = tl.zeros([BLOCK_D], tl.float32)
-        need = need & (zero + tot_splits > 0.0)
+    need = h_ok[:, None] & (d[None, :] < HEAD_DIM)
+    if BASE:
+        need = need & (tot_splits > 0.0)[:, None]
         wb = tl.exp2(sb - m_safe)
-        ob = tl.load(O + t * stride_ot + h * stride_oh + d, mask=need & (zero + wb > 0.0), other=0.0).to(tl.float32)
-        acc += ob * wb
+        ob = tl.load(O + t * stride_ot + h[:, None] * stride_oh + d[None, :], mask=need & (wb > 0.0)[:, None],
+                     other=0.0).to(tl.float32)
+        acc += ob * wb[:, None]
         tot += wb
-    out = acc / tl.where(tot > 0.0, tot, 1.0)
-    tl.store(O + t * stride_ot + h * stride_oh + d, out.to(O.dtype.element_ty), mask=need)
+    out = acc / tl.where(tot > 0.0, tot, 1.0)[:, None]
+    tl.store(O + t * stride_ot + h[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty), mask=need)
     if STORE_LSE:
         res = tl.where(tot > 0.0, (m_safe + tl.log2(tl.where(tot > 0.0, tot, 1.0))) * 0.6931471805599453, float("-inf"))
         if BASE:
-            tl.store(LSE + t * stride_st + h * stride_sh, res, mask=tot_splits > 0.0)
+            tl.store(LSE + t * stride_st + h * stride_sh, res, mask=h_ok & (tot_splits > 0.0))
         else:
-            tl.store(LSE + t * stride_st + h * stride_sh, res)
+            tl.store(LSE + t * stride_st + h * stride_sh, res, mask=h_ok)
 
 
 @triton.jit
 def merge_state_kernel(
-    VA, SA, VB, SB, VO, SO, ROWS,
+    VA, SA, VB, SB, VO, SO, ROWS, num_heads,
     stride_at, stride_ah, stride_bt, stride_bh, stride_ot, stride_oh,
     stride_sat, stride_sah, stride_sbt, stride_sbh, stride_sot, stride_soh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr, HAS_ROWS: tl.constexpr,
-    IN_PLACE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, STORE_LSE: tl.constexpr,
+    HAS_ROWS: tl.constexpr, IN_PLACE: tl.constexpr,
 ):
-    """Grid ``(T, H)``: merge two states with natural-log LSE (rows ``[T, H, D]``, LSE ``[T, H]``).
-    With ``HAS_ROWS`` state A and the output are read/written at row ``ROWS[t]``, state B at ``t``.
-    ``IN_PLACE`` (the output is state A): a row whose state B is empty is neither read nor written."""
+    """Grid ``(T, cdiv(H, BLOCK_H))``: merge two states with natural-log LSE (rows ``[T, H, D]``, LSE
+    ``[T, H]``), ``BLOCK_H`` heads a program. With ``HAS_ROWS`` state A and the output are read/written
+    at row ``ROWS[t]``, state B at ``t``. ``IN_PLACE`` (the output is state A): a row whose state B is
+    empty is neither read nor written."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < num_heads
     ta = t
     if HAS_ROWS:
         ta = tl.load(ROWS + t).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    sa = tl.load(SA + ta * stride_sat + h * stride_sah) * 1.4426950408889634
-    sb = tl.load(SB + t * stride_sbt + h * stride_sbh) * 1.4426950408889634
+    sa = tl.load(SA + ta * stride_sat + h * stride_sah, mask=h_ok, other=float("-inf")) * 1.4426950408889634
+    sb = tl.load(SB + t * stride_sbt + h * stride_sbh, mask=h_ok, other=float("-inf")) * 1.4426950408889634
     m = tl.maximum(sa, sb)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     wa = tl.exp2(sa - m_safe)
     wb = tl.exp2(sb - m_safe)
     tot = wa + wb
-    zero = tl.zeros([BLOCK_D], tl.float32)  # weights as vectors: a scalar bool `&` a vector mask is int32 in the interpreter
-    need = d_ok
+    need = h_ok[:, None] & (d[None, :] < HEAD_DIM)
     if IN_PLACE:
-        need = d_ok & (zero + wb > 0.0)
-    va = tl.load(VA + ta * stride_at + h * stride_ah + d, mask=need & (zero + wa > 0.0), other=0.0).to(tl.float32)
-    vb = tl.load(VB + t * stride_bt + h * stride_bh + d, mask=need & (zero + wb > 0.0), other=0.0).to(tl.float32)
+        need = need & (wb > 0.0)[:, None]
+    va = tl.load(VA + ta * stride_at + h[:, None] * stride_ah + d[None, :], mask=need & (wa > 0.0)[:, None],
+                 other=0.0).to(tl.float32)
+    vb = tl.load(VB + t * stride_bt + h[:, None] * stride_bh + d[None, :], mask=need & (wb > 0.0)[:, None],
+                 other=0.0).to(tl.float32)
     inv = 1.0 / tl.where(tot > 0.0, tot, 1.0)
     # an empty state (weight 0) is not read: it adds nothing, whatever its scratch holds
-    tl.store(VO + ta * stride_ot + h * stride_oh + d, ((va * wa + vb * wb) * inv).to(VO.dtype.element_ty), mask=need)
+    tl.store(VO + ta * stride_ot + h[:, None] * stride_oh + d[None, :],
+             ((va * wa[:, None] + vb * wb[:, None]) * inv[:, None]).to(VO.dtype.element_ty), mask=need)
     if STORE_LSE:
         res = tl.where(tot > 0.0, (m_safe + tl.log2(tl.where(tot > 0.0, tot, 1.0))) * 0.6931471805599453, float("-inf"))
         if IN_PLACE:
-            tl.store(SO + ta * stride_sot + h * stride_soh, res, mask=wb > 0.0)
+            tl.store(SO + ta * stride_sot + h * stride_soh, res, mask=h_ok & (wb > 0.0))
         else:
-            tl.store(SO + ta * stride_sot + h * stride_soh, res)
+            tl.store(SO + ta * stride_sot + h * stride_soh, res, mask=h_ok)
+
+
+#: A merge program takes whole heads, as many as keep at least this many programs and at most
+#: :data:`MERGE_ELEMS` partial elements each (one head a program below that many rows x heads).
+MERGE_MIN_PROGRAMS = 512
+MERGE_ELEMS = 4096
+
+
+def heads_per_program(rows: int, heads: int, elems_per_head: int) -> int:
+    """``BLOCK_H`` of the merge kernels: a power of two, 1 unless ``rows * heads`` leaves at least
+    :data:`MERGE_MIN_PROGRAMS` programs of up to :data:`MERGE_ELEMS` elements."""
+    bh = 1
+    while (bh * 2 <= heads and rows * triton.cdiv(heads, bh * 2) >= MERGE_MIN_PROGRAMS
+           and bh * 2 * elems_per_head <= MERGE_ELEMS):  # fmt: skip
+        bh *= 2
+    return bh
 
 
 def merge_splits(partial: torch.Tensor, partial_lse2: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
-                 base: bool = False) -> None:
+                 base: bool = False, block_h: int | None = None) -> None:
     """Merge split-KV partials.
 
     Args:
-        partial: ``[T, H, S, D]`` float32 partial outputs.
+        partial: ``[T, H, S, D]`` partial outputs, float32 or ``out``'s dtype.
         partial_lse2: ``[T, H, S]`` float32 base-2 LSE of each partial (contiguous in S).
         out: ``[T, H, D]`` output (any float dtype; last dim contiguous).
         lse: optional ``[T, H]`` float32, receives the natural-log LSE.
         base: ``out`` / ``lse`` (required) hold a state over a disjoint key set, and the splits merge
             into it in place; rows whose splits are all empty stay untouched.
+        block_h: heads a program (a power of two); ``None``: :func:`heads_per_program`.
     """
     T, H, S, D = partial.shape
     if T == 0:
         return
     if base and lse is None:
         raise ValueError("attnplug: merge_splits(base=True) merges into (out, lse): lse is required")
-    merge_splits_kernel[(T, H)](
-        partial, partial_lse2, out, lse if lse is not None else partial_lse2, S,
+    bs = max(triton.next_power_of_2(S), 2)
+    bh = block_h or heads_per_program(T, H, bs * triton.next_power_of_2(D))
+    merge_splits_kernel[(T, triton.cdiv(H, bh))](
+        partial, partial_lse2, out, lse if lse is not None else partial_lse2, S, H,
         partial.stride(0), partial.stride(1), partial.stride(2),
         partial_lse2.stride(0), partial_lse2.stride(1),
         out.stride(0), out.stride(1),
         lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
-        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_S=max(triton.next_power_of_2(S), 2),
+        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_S=bs, BLOCK_H=bh,
         STORE_LSE=lse is not None, BASE=base, num_warps=4,
     )
 
@@ -141,6 +164,7 @@ def merge_state(
     v_out: torch.Tensor,
     s_out: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
+    block_h: int | None = None,
 ) -> None:
     """Merge two attention states over disjoint key sets (natural-log LSE).
 
@@ -151,17 +175,19 @@ def merge_state(
         s_out: optional ``[T, H]`` float32, receives the merged LSE (may alias ``s_a``).
         rows: optional ``[Tb]`` int64: merge only rows ``rows[i]`` of ``v_a / s_a / v_out / s_out``
             with row ``i`` of ``v_b / s_b [Tb, ...]`` (the cascade's prefix part); others untouched.
+        block_h: heads a program (a power of two); ``None``: :func:`heads_per_program`.
     """
     T, H, D = v_b.shape if rows is not None else v_a.shape
     if T == 0:
         return
     same = lambda x, y: x.data_ptr() == y.data_ptr() and x.stride() == y.stride()  # noqa: E731
     in_place = same(v_out, v_a) and (s_out is None or same(s_out, s_a))
-    merge_state_kernel[(T, H)](
-        v_a, s_a, v_b, s_b, v_out, s_out if s_out is not None else s_a, rows if rows is not None else s_a,
+    bh = block_h or heads_per_program(T, H, 2 * triton.next_power_of_2(D))
+    merge_state_kernel[(T, triton.cdiv(H, bh))](
+        v_a, s_a, v_b, s_b, v_out, s_out if s_out is not None else s_a, rows if rows is not None else s_a, H,
         v_a.stride(0), v_a.stride(1), v_b.stride(0), v_b.stride(1), v_out.stride(0), v_out.stride(1),
         s_a.stride(0), s_a.stride(1), s_b.stride(0), s_b.stride(1),
         *((s_out.stride(0), s_out.stride(1)) if s_out is not None else (0, 0)),
-        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), STORE_LSE=s_out is not None, HAS_ROWS=rows is not None,
-        IN_PLACE=in_place, num_warps=4,
+        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_H=bh, STORE_LSE=s_out is not None,
+        HAS_ROWS=rows is not None, IN_PLACE=in_place, num_warps=4,
     )

@@ -303,9 +303,9 @@ def prefill_kernel(
     t_glob = (q_start + tok).to(tl.int64)
     if NONCAUSAL:
         lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        if num_splits > 1:  # this split's partial (fp32) and base-2 LSE
+        if num_splits > 1:  # this split's partial (fp32 or the output dtype) and base-2 LSE
             o_ptrs = O + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + d[None, :]
-            tl.store(o_ptrs, out, mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
+            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
             tl.store(LSE + t_glob * stride_lt + head * stride_lh + split, lse2, mask=row_ok)
         else:
             o_ptrs = O + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]

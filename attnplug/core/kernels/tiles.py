@@ -27,7 +27,8 @@ Entry fields (all optional): ``kernel`` (``"paged"``: :mod:`.attention`; ``"pref
 (and ``decode`` entries that name it: full batches split too): ``ctas_per_sm`` (split so that
 ``B * Hkv * splits`` reaches this many programs per SM),
 ``max_splits``, ``min_split_keys`` (default: 128, 512 for fp8 ``decode_split``), ``fused_merge``
-(``decode`` kernel: the last split merges);
+(``decode`` kernel: the last split merges); ``partials: "out"`` (``noncausal`` prefill-kernel entries: split
+partials stored in the output dtype instead of float32);
 ``fp8_f16`` (fp8 entries: fp16 dots, :mod:`.attention`); ``pairs`` (fp8 entries, ``decode`` kernel: K/V read
 as 16-bit byte pairs, :mod:`.decode`);
 ``small_tiles_from_splits`` (seed only: the tile fields apply from this many splits on, below it

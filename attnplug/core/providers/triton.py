@@ -39,7 +39,7 @@ class TritonState:
     block_n: int
     num_warps: int
     num_stages: int
-    partial: torch.Tensor | None  # [T, Hq, S, D] float32 when split
+    partial: torch.Tensor | None  # [T, Hq, S, D] float32 (or the output dtype: entry 'partials') when split
     partial_lse: torch.Tensor | None  # [T, Hq, S] float32 (base-2) when split
     kv_start: torch.Tensor | None  # [B] int32: attend only to keys >= kv_start[b]
     kernel: str = "paged"  # "paged" (kernels.attention), "prefill" (kernels.prefill), "decode" (kernels.decode)
@@ -354,14 +354,17 @@ class TritonProvider(Provider):
                 static.identity_rows = 0  # the decode tile list is overwritten
             else:
                 tile_req, tile_q = staging.to_device((tile_req, tile_q), self.device)
+        # the prefill kernel's split partials in the output dtype where its entry says so (half the bytes)
+        pdt = cfg.dtype if kernel == "prefill" and entry.get("partials") == "out" else torch.float32
         if splits > 1 and static is not None:
             n = shape[0] * shape[1] * shape[2]
             if n > static.partial_lse.numel():
                 raise ValueError(f"attnplug: {splits} splits of {plan.num_tokens} tokens exceed the static split "
                                  f"workspace ({static.partial_lse.numel() // cfg.num_qo_heads} token-splits)")
-            partial, partial_lse = static.partial[: n * shape[3]].view(shape), static.partial_lse[:n].view(shape[:3])
+            partial = static.partial.view(pdt)[: n * shape[3]].view(shape)
+            partial_lse = static.partial_lse[:n].view(shape[:3])
         elif splits > 1:
-            partial = torch.empty(shape, dtype=torch.float32, device=self.device)
+            partial = torch.empty(shape, dtype=pdt, device=self.device)
             partial_lse = torch.empty(shape[:3], dtype=torch.float32, device=self.device)
         counters = None
         if fused:  # zeroed once here (static: at allocation); every launch leaves them zero
