@@ -193,7 +193,7 @@ def test_prefix_part_on_the_prefill_kernel(name, splits, partials, monkeypatch):
 @pytest.mark.parametrize("block_h", [None, 4])
 def test_merge_splits_into_a_base_state(block_h):
     """``merge_splits(base=True)``: splits merge into the state already in ``(out, lse)``; rows whose
-    splits are all empty are neither read nor written (their partials may hold NaN); an empty base
+    splits are all empty are not written (their partials may hold NaN); an empty base
     (LSE -inf, output NaN) contributes nothing."""
     g = torch.Generator().manual_seed(4)
     T, H, S, D = 5, 3, 4, 32

@@ -24,7 +24,7 @@ def merge_splits_kernel(
     """Grid ``(T, cdiv(H, BLOCK_H))``: merge ``num_splits`` partials ``P [T,H,S,D]`` (fp32 or the
     output dtype) with base-2 LSE ``PL [T,H,S]`` into ``O [T,H,D]`` (and natural-log ``LSE [T,H]``),
     ``BLOCK_H`` heads a program. With ``BASE``, ``O`` / ``LSE`` already hold a state over other keys
-    and the splits merge into it; a row whose splits are all empty is neither read nor written."""
+    and the splits merge into it; a row whose splits are all empty is not written."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < num_heads
@@ -40,19 +40,23 @@ def merge_splits_kernel(
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m_safe[:, None])
     tot_splits = tl.sum(w, 1)
-    # the partials load alongside the LSE (not after it); an empty split (weight 0) adds 0 whatever
-    # its unwritten partial holds (NaN included): selected away, not multiplied
-    p = tl.load(P + t * stride_pt + h[:, None, None] * stride_ph + sp[None, :, None] * stride_ps + d[None, None, :],
-                mask=s_ok[:, :, None] & (d[None, None, :] < HEAD_DIM), other=0.0).to(tl.float32)
-    acc = tl.sum(tl.where((w > 0.0)[:, :, None], p * w[:, :, None], 0.0), 1)
+    # one [BLOCK_H, D] load a split, none waiting for the LSE (a split past num_splits re-reads the
+    # last one, weight 0); an empty split (weight 0) adds 0 whatever its unwritten partial holds (NaN
+    # included): selected away, not multiplied
+    d_ok = h_ok[:, None] & (d[None, :] < HEAD_DIM)
+    p_row = P + t * stride_pt + h[:, None] * stride_ph + d[None, :]
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s in tl.static_range(BLOCK_S):
+        p = tl.load(p_row + tl.minimum(s, num_splits - 1) * stride_ps, mask=d_ok, other=0.0).to(tl.float32)
+        ws = tl.sum(tl.where(sp[None, :] == s, w, 0.0), 1)
+        acc += tl.where((ws > 0.0)[:, None], p * ws[:, None], 0.0)
     tot = tot_splits
-    need = h_ok[:, None] & (d[None, :] < HEAD_DIM)
+    need = d_ok
     if BASE:
         need = need & (tot_splits > 0.0)[:, None]
         wb = tl.exp2(sb - m_safe)
-        ob = tl.load(O + t * stride_ot + h[:, None] * stride_oh + d[None, :], mask=need & (wb > 0.0)[:, None],
-                     other=0.0).to(tl.float32)
-        acc += ob * wb[:, None]
+        ob = tl.load(O + t * stride_ot + h[:, None] * stride_oh + d[None, :], mask=d_ok, other=0.0).to(tl.float32)
+        acc += tl.where((wb > 0.0)[:, None], ob * wb[:, None], 0.0)  # an empty base (NaN included) adds 0
         tot += wb
     out = acc / tl.where(tot > 0.0, tot, 1.0)[:, None]
     tl.store(O + t * stride_ot + h[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty), mask=need)
