@@ -119,9 +119,9 @@ MUTATIONS = [
              "the prefill kernel's non-causal splits (cascade prefix parts) all read the first chunk of keys"),
     # -- merge kernels -----------------------------------------------------------------------------------
     Mutation("split_merge_skipped", MG,
-             "(sp[None, :] < num_splits)", "(sp[None, :] < 1)",
+             "tl.int32) + s) < num_splits", "tl.int32) + s) < 1",
              (f"{KP}::test_keys_land_in_several_splits", f"{KP}::test_merge_splits_against_torch"),
-             "only split 0 is merged: the other splits' keys are lost"),
+             "only split 0's partial is added: the other splits' keys are lost"),
     Mutation("merge_state_wrong_weight", MG,
              "wa = tl.exp2(sa - m_safe)\n    wb = tl.exp2(sb - m_safe)", "wa = tl.exp2(sa - m_safe)\n    wb = tl.exp2(sa - m_safe)",
              (f"{KP}::test_merge_state_against_torch",),
