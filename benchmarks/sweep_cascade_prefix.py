@@ -46,7 +46,7 @@ def candidates() -> list[dict]:
 
 def merge_probe(cp, dev, bench_ms) -> list[dict]:
     """The split merge alone (one CUDA graph of :func:`merge_splits` on ``cp``'s prefix partials), per
-    heads a program and partial dtype (float32 / bf16): where the prefix part's merge time goes."""
+    heads a program, warps a program and partial dtype (float32 / bf16): where the merge time goes."""
     import torch
 
     from attnplug.core.kernels.merge import merge_splits
@@ -56,15 +56,16 @@ def merge_probe(cp, dev, bench_ms) -> list[dict]:
     for dt in (torch.float32, torch.bfloat16):
         p = a.partial.to(dt)
         for bh in (1, 2, 4, 8):
-            def merge():
-                merge_splits(p, a.partial_lse, cp.out_part, cp.lse_part, block_h=bh)
+            for nw in (1, 2, 4, 8):
+                def merge():
+                    merge_splits(p, a.partial_lse, cp.out_part, cp.lse_part, block_h=bh, num_warps=nw)
 
-            merge()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
                 merge()
-            recs.append({"merge": {"block_h": bh, "partials": str(dt).removeprefix("torch."), "splits": a.num_splits},
-                         "ms": bench_ms(g.replay, dev)})
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    merge()
+                recs.append({"merge": {"block_h": bh, "num_warps": nw, "partials": str(dt).removeprefix("torch."),
+                                       "splits": a.num_splits}, "ms": bench_ms(g.replay, dev)})
             print("sweep-prefix:", json.dumps(recs[-1]), flush=True)
     return recs
 
@@ -150,8 +151,8 @@ def main(argv=None) -> int:
           f"({best['splits']} splits)", flush=True)
     if a.write and best["entry"] is not None and not a.smoke:
         path = os.path.join(os.path.dirname(HERE), "attnplug", "core", "kernels", "tiles.py")
-        write_table(path, {key: best["entry"]}, f"{key} from benchmarks/sweep_cascade_prefix.py ({ROW}, the prefix "
-                    f"part as graph replays); " + table_meta(path))
+        tag = f"{key} from benchmarks/sweep_cascade_prefix.py ({ROW}, the prefix part as graph replays); "
+        write_table(path, {key: best["entry"]}, tag + table_meta(path).replace(tag, ""))
     if dev.type == "cuda":  # the merge of the winner's splits alone
         saved = dict(tiles.TILES)
         tiles.TILES[key] = best["entry"] or saved[key]

@@ -43,6 +43,7 @@
 #   cascade-tf    the cascade on the GPU: tests/gpu/test_cascade_gpu.py, tests/core/test_cascade_graph.py and the
 #                 merge kernels' tests (tests/core/test_kernel_paths.py -k merge), then the shared-prefix row and its
 #                 unshared twin, triton and fa3 only (no FlashInfer JIT), eager and graphs (~4 min)
+#   shared-tf     cascade-tf's bench alone (no tests)
 #   sweep-prefix  benchmarks/sweep_cascade_prefix.py --write: the noncausal entry (the cascade's prefix part) timed as
 #                 graph replays on the shared-prefix row (~3 min); the table comes back as w/sweep-prefix/tiles.py
 #   e.g.  bash scripts/gpu_session_call.sh nosync cascade-if sweep bench-prefill
@@ -157,7 +158,8 @@ for step in "$@"; do
   cascade-tf)
     timeout 150 $G python3 -m pytest -x tests/gpu/test_cascade_gpu.py tests/core/test_cascade_graph.py tests/core/test_kernel_paths.py \
       -q -rfEs -k "(cascade or merge or prefix or replay or update) and not flashinfer" > "$W/pytest-cascade-tf.log" 2>&1
-    log "pytest cascade rc $?"; tail -n 3 "$W/pytest-cascade-tf.log"
+    log "pytest cascade rc $?"; tail -n 3 "$W/pytest-cascade-tf.log" ;&
+  shared-tf)
     timeout 150 $G python3 -m attnplug.bench --providers triton,fa3 --rows '64x(8192+256)' --out "$W/bench-shared-tf" \
       --time-budget 120 --no-ceilings > "$W/bench-shared-tf.log" 2>&1; log "bench shared (triton, fa3) rc $?"
     grep -E "attnplug\.(triton|fa3)" "$W/bench-shared-tf.log" | cut -c1-140 | head -24 ;;

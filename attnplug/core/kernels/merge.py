@@ -133,7 +133,7 @@ def heads_per_program(rows: int, heads: int, elems_per_head: int) -> int:
 
 
 def merge_splits(partial: torch.Tensor, partial_lse2: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
-                 base: bool = False, block_h: int | None = None) -> None:
+                 base: bool = False, block_h: int | None = None, num_warps: int = 4) -> None:
     """Merge split-KV partials.
 
     Args:
@@ -144,6 +144,7 @@ def merge_splits(partial: torch.Tensor, partial_lse2: torch.Tensor, out: torch.T
         base: ``out`` / ``lse`` (required) hold a state over a disjoint key set, and the splits merge
             into it in place; rows whose splits are all empty stay untouched.
         block_h: heads a program (a power of two); ``None``: :func:`heads_per_program`.
+        num_warps: warps a program.
     """
     T, H, S, D = partial.shape
     if T == 0:
@@ -159,7 +160,7 @@ def merge_splits(partial: torch.Tensor, partial_lse2: torch.Tensor, out: torch.T
         out.stride(0), out.stride(1),
         lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
         HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_S=bs, BLOCK_H=bh,
-        STORE_LSE=lse is not None, BASE=base, num_warps=4,
+        STORE_LSE=lse is not None, BASE=base, num_warps=num_warps,
     )
 
 

@@ -51,7 +51,7 @@ TILES: dict[str, dict] = {  # fmt: skip
     'd128/g4/decode_split/fp8': {'block_n': 256, 'ctas_per_sm': 4, 'fp8_f16': True, 'fused_merge': True, 'kernel': 'decode', 'num_stages': 3, 'num_warps': 4, 'pairs': True},
     'd128/g4/decode_tiny': {'block_n': 128, 'ctas_per_sm': 1, 'fused_merge': True, 'kernel': 'decode', 'num_stages': 5, 'num_warps': 4},
     'd128/g4/decode_tiny/fp8': {'block_n': 128, 'ctas_per_sm': 2, 'fp8_f16': True, 'fused_merge': True, 'kernel': 'decode', 'num_stages': 5, 'num_warps': 4, 'pairs': True},
-    'd128/g4/noncausal': {'kernel': 'prefill', 'block_m': 128, 'block_n': 128, 'num_warps': 8, 'num_stages': 2, 'ctas_per_sm': 1},
+    'd128/g4/noncausal': {'kernel': 'prefill', 'block_m': 256, 'block_n': 64, 'num_warps': 16, 'num_stages': 2, 'ctas_per_sm': 1, 'partials': 'out'},
     'd128/g4/prefill': {'block_m': 128, 'block_n': 128, 'kernel': 'prefill', 'num_stages': 3, 'num_warps': 8, 'tma': True},
     'd128/g4/prefill/fp8': {'block_m': 128, 'block_n': 128, 'diag_n': 64, 'fp8_f16': True, 'kernel': 'prefill', 'num_stages': 5, 'num_warps': 8},
     'd256/g*/decode': {'kernel': 'paged', 'block_n': 64, 'num_warps': 4, 'num_stages': 2},
