@@ -20,6 +20,7 @@ SM count is set to the H200's 132 so the split heuristics pick the GPU's configu
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 
@@ -81,8 +82,9 @@ def signature(fn, args, kw):
     bound.update({k: v for k, v in kw.items() if k in names})
     opts = {k: kw[k] for k in ("num_warps", "num_stages") if k in kw}
     sig, const, attrs = {}, {}, {}
+    defaults = {k: q.default for k, q in inspect.signature(fn.fn).parameters.items()}
     for i, (name, p) in enumerate(zip(names, fn.params)):
-        v = bound[name]
+        v = bound[name] if name in bound else defaults[name]  # an argument left out: its default
         if p.is_constexpr:
             sig[name], const[(i,)] = "constexpr", (False if name == "UPCAST" else v)  # UPCAST: CPU only
         elif native_specialize_impl is not None:
