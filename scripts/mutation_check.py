@@ -117,10 +117,6 @@ MUTATIONS = [
              "        lo = split * chunk\n", "        lo = 0 * chunk\n",
              ("tests/core/test_cascade_graph.py::test_prefix_part_on_the_prefill_kernel",),
              "the prefill kernel's non-causal splits (cascade prefix parts) all read the first chunk of keys"),
-    Mutation("ext_partials_unweighted", "attnplug/core/kernels/attention.py",
-             "acc += tl.where((ws > 0.0)[:, None], p * ws[:, None], 0.0)", "acc += tl.where((ws > 0.0)[:, None], p, 0.0)",
-             ("tests/core/test_cascade_graph.py::test_suffix_launch_merges_the_prefix_partials",),
-             "the suffix launch adds the cascade's prefix partials without their softmax weights"),
     # -- merge kernels -----------------------------------------------------------------------------------
     Mutation("split_merge_skipped", MG,
              "tl.int32) + s) < num_splits", "tl.int32) + s) < 1",

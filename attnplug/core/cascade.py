@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from . import graph_if
+from .graph_if import captured_if
 from .metadata import ForwardMode
 from .pages import num_pages, tokens_from_pages
 from .plan import Plan
@@ -455,10 +456,12 @@ class CascadeGraph:
 
     def run(self, bs: int, suffix: Plan, suffix_provider, q: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, **scales) -> None:
-        """``out [bs, Hq, D]``: the suffix plan and the prefix plan merged by LSE
-        (:meth:`~attnplug.core.providers.base.Provider.run_cascade_parts`; launches only). Captured with
+        """``out [bs, Hq, D]``: the suffix plan, then the prefix plan merged into it by LSE
+        (:meth:`~attnplug.core.providers.base.Provider.run_merge`; launches only). Captured with
         ``ATTNPLUG_GRAPH_IF=1``, the prefix part sits in an IF node on :attr:`active`
         (:func:`~attnplug.core.graph_if.captured_if`): a replay whose batch shares nothing skips it."""
         s_lse = lse if lse is not None else self.lse_suffix[:bs]
-        self.provider.run_cascade_parts(suffix_provider, suffix, self.plans[bs], q, k_cache, v_cache, out, s_lse,
-                                        self.out_part[:bs], self.lse_part[:bs], self.active, **scales)
+        suffix_provider.run(suffix, q, k_cache, v_cache, out, s_lse, **scales)
+        with captured_if(self.active):
+            self.provider.run_merge(self.plans[bs], q, k_cache, v_cache, out, s_lse, self.out_part[:bs],
+                                    self.lse_part[:bs], **scales)  # fmt: skip

@@ -190,49 +190,6 @@ def test_prefix_part_on_the_prefill_kernel(name, splits, partials, monkeypatch):
     assert rel_err(out, ref) < 1e-2
 
 
-@pytest.mark.parametrize("partials", [None, "out"])
-@pytest.mark.parametrize("name", ["one group", "ends mid-page"])
-def test_suffix_launch_merges_the_prefix_partials(name, partials, monkeypatch):
-    """A cascade graph's parts with a split prefix plan on the prefill kernel and an unsplit paged
-    suffix: the prefix partials merge in the suffix launch's epilogue (no merge launch), equal to the
-    reference (output and LSE); with ``active`` false the suffix alone is written."""
-    from attnplug.core.kernels import merge as merge_mod
-    from attnplug.core.kernels import tiles
-
-    c, batch, q, k, v, n = make_case(name, seed=12)
-    entry = {"kernel": "prefill", "block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 2}
-    if partials:
-        entry["partials"] = partials
-    monkeypatch.setitem(tiles.TILES, tiles.key(c.head_dim, c.group_size, "noncausal"), entry)
-    bs = batch.batch_size + 1
-    whole, split = state(c), state(c, num_kv_splits=3)  # the suffix of the first, the prefix part of the second
-    for gs in (whole, split):
-        gs.prepare_capture(bs)
-        gs.update(batch, bs)
-    suffix, prefix, cg = whole.plans[bs], split.cascade.plans[bs], split.cascade
-    assert (prefix.state.kernel, prefix.state.num_splits) == ("prefill", 3)
-    assert (suffix.state.kernel, suffix.state.num_splits) == ("paged", 1)
-    assert bool(cg.active) and bool(whole.cascade.active)
-    merges = []
-    real = merge_mod.merge_splits
-    monkeypatch.setattr(merge_mod, "merge_splits", lambda *a, **kw: (merges.append(1), real(*a, **kw)))
-    qpad = torch.cat([q, torch.randn(bs - q.shape[0], *q.shape[1:]).to(q)])
-    ref, ref_lse = reference_attention(make_plan(c, batch, n, device=DEV), q, k, v)
-    B, nan = q.shape[0], lambda: torch.full((bs, c.num_qo_heads), math.nan, device=DEV)  # noqa: E731
-    alone, alone_lse = torch.full_like(qpad, math.nan), nan()
-    whole.provider.run(suffix, qpad, k, v, alone, alone_lse)
-    for active in (True, False):
-        out, lse = torch.full_like(qpad, math.nan), nan()
-        cg.provider.run_cascade_parts(whole.provider, suffix, prefix, qpad, k, v, out, lse, cg.out_part[:bs],
-                                      cg.lse_part[:bs], torch.tensor(active, device=DEV))
-        if active:
-            assert rel_err(out[:B], ref) < 1e-2
-            assert torch.allclose(lse[:B], ref_lse.float(), atol=2e-2)
-        else:
-            assert torch.equal(out, alone) and torch.equal(lse.isfinite(), alone_lse.isfinite())
-    assert merges == [], "the prefix partials merge in the suffix launch, not in a merge launch"
-
-
 @pytest.mark.parametrize("block_h", [None, 4])
 def test_merge_splits_into_a_base_state(block_h):
     """``merge_splits(base=True)``: splits merge into the state already in ``(out, lse)``; rows whose

@@ -94,34 +94,6 @@ def _attend_block(
 
 
 @triton.jit
-def _merge_ext(out, lse2, PX, PLX, X_ACTIVE, num_x, t_glob, head, rows, row_ok, d, d_ok,
-               stride_xt, stride_xh, stride_xs, stride_xlt, stride_xlh, EXT_S: tl.constexpr):
-    """``(out [M, D] fp32 normalized, lse2 [M] base 2)`` merged with the ``num_x`` partials of each
-    row at ``PX`` / ``PLX`` (rows ``row_ok``, while ``X_ACTIVE``). One ``[M, D]`` load a partial, none
-    waiting for the max (a partial past ``num_x`` re-reads the last one, weight 0); a partial or
-    state of weight 0 adds 0 whatever it holds (NaN included)."""
-    x_ok = row_ok & (tl.load(X_ACTIVE + rows * 0) != 0)
-    sx = tl.arange(0, EXT_S)
-    l_row = PLX + t_glob * stride_xlt + head * stride_xlh
-    lx = tl.load(l_row[:, None] + sx[None, :], mask=x_ok[:, None] & (sx[None, :] < num_x), other=float("-inf"))
-    m = tl.maximum(tl.max(lx, 1), lse2)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w_own = tl.exp2(lse2 - m_safe)
-    tot = w_own
-    acc = tl.where((w_own > 0.0)[:, None], out * w_own[:, None], 0.0)
-    p_row = PX + t_glob[:, None] * stride_xt + head[:, None] * stride_xh + d[None, :]
-    for s in tl.static_range(EXT_S):
-        s_rd = tl.minimum(s, num_x - 1)
-        p = tl.load(p_row + s_rd * stride_xs, mask=x_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        ls = tl.load(l_row + s_rd, mask=x_ok, other=float("-inf"))
-        ws = tl.where(rows * 0 + s < num_x, tl.exp2(ls - m_safe), 0.0)
-        acc += tl.where((ws > 0.0)[:, None], p * ws[:, None], 0.0)
-        tot += ws
-    has = tot > 0.0
-    return acc / tl.where(has, tot, 1.0)[:, None], tl.where(has, m_safe + tl.log2(tl.where(has, tot, 1.0)), float("-inf"))
-
-
-@triton.jit
 def paged_attention_kernel(
     Q, K, V, O, LSE,
     qo_indptr, kv_indptr, kv_indices, kv_lens, tile_req, tile_qstart,
@@ -137,17 +109,12 @@ def paged_attention_kernel(
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr,
     SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     HAS_KV_START: tl.constexpr, KV_FP8: tl.constexpr, FP8_F16: tl.constexpr = False,
-    EXT: tl.constexpr = False, EXT_S: tl.constexpr = 1, PX=0, PLX=0, X_ACTIVE=0, num_x=1,
-    stride_xt=0, stride_xh=0, stride_xs=0, stride_xlt=0, stride_xlh=0,
 ):
     """Grid ``(num_tiles, Hkv, num_splits)``.
 
     Q ``[T, Hq, D]``; K/V paged caches (strides given); O ``[T, Hq, D]`` (or fp32 partials
     ``[T, Hq, S, D]`` when SPLIT); LSE ``[T, Hq]`` natural log (or base-2 partials ``[T, Hq, S]``).
     ``KV_FP8``: K/V hold ``value / scale`` in fp8; ``K_SCALE`` / ``V_SCALE`` one-element float32.
-    ``EXT`` (no SPLIT; the cascade graph's suffix part): ``num_x`` partials over other keys, ``PX
-    [T, Hq, num_x, D]`` with base-2 LSE ``PLX [T, Hq, num_x]`` (``EXT_S`` = ``num_x`` rounded up to a
-    power of two), merge into each row's state before the store while ``X_ACTIVE`` (0-dim bool) is set.
     """
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -233,9 +200,6 @@ def paged_attention_kernel(
         out = out * tl.load(V_SCALE)
     lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     t_glob = (q_start + tok).to(tl.int64)
-    if EXT:
-        out, lse2 = _merge_ext(out, lse2, PX, PLX, X_ACTIVE, num_x, t_glob, head, rows, row_ok, d, d_ok,
-                               stride_xt, stride_xh, stride_xs, stride_xlt, stride_xlh, EXT_S)
     o_ptrs = O + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     if SPLIT:
         o_ptrs += split * stride_os  # a row with no key in this split: only its LSE (-inf; merges skip it)

@@ -242,20 +242,6 @@ class Provider(ABC):
         self.run(plan, q, k_cache, v_cache, scratch_out, scratch_lse, **scales)
         merge_state(out, lse, scratch_out, scratch_lse, out, lse)
 
-    def run_cascade_parts(self, suffix_provider: Provider, suffix: Plan, prefix: Plan, q: torch.Tensor,
-                          k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                          scratch_out: torch.Tensor, scratch_lse: torch.Tensor, active: torch.Tensor,
-                          **scales: torch.Tensor) -> None:
-        """A cascade decode graph's two parts into ``out [T, Hq, D]`` / ``lse [T, Hq]``: ``suffix`` (planned
-        by ``suffix_provider``) and this provider's ``prefix`` plan over the shared keys, whose launches
-        sit in a CUDA-graph IF node on ``active`` (0-dim bool; :func:`~attnplug.core.graph_if.captured_if`)
-        when one is being captured. Launches only. Default: the suffix, then :meth:`run_merge`."""
-        from ..graph_if import captured_if  # noqa: PLC0415 - only cascade graphs reach here
-
-        suffix_provider.run(suffix, q, k_cache, v_cache, out, lse, **scales)
-        with captured_if(active):
-            self.run_merge(prefix, q, k_cache, v_cache, out, lse, scratch_out, scratch_lse, **scales)
-
     # -- static memory, graphs, drafts ----------------------------------------------------------------
     def static_buffers(self, max_rows: int, max_tokens: int, max_kv_len: int, q: int = 1,
                        num_kv_splits: int | None = None) -> Any:

@@ -397,34 +397,11 @@ class TritonProvider(Provider):
         a: TritonState = plan.state
         if a.kernel == "decode" or a.num_splits == 1:
             return super().run_merge(plan, q, k_cache, v_cache, out, lse, scratch_out, scratch_lse, **scales)
-        self._run(plan, q, k_cache, v_cache, out, lse, scales.get("k_scale"), scales.get("v_scale"), merge="base")
-
-    def run_cascade_parts(self, suffix_provider, suffix: Plan, prefix: Plan, q, k_cache, v_cache, out: torch.Tensor,
-                          lse: torch.Tensor, scratch_out: torch.Tensor, scratch_lse: torch.Tensor,
-                          active: torch.Tensor, **scales) -> None:
-        """A split prefix plan on the prefill kernel with an unsplit paged-kernel suffix: the prefix part
-        first, its partials left in its workspace, then the suffix launch merges them into each row's
-        state before its store (``EXT``: no merge launch); other plans take the default order."""
-        from ..graph_if import captured_if
-
-        a, sa = prefix.state, suffix.state
-        if not (isinstance(suffix_provider, TritonProvider) and a.kernel == "prefill" and a.num_splits > 1
-                and sa.kernel == "paged" and sa.num_splits == 1):  # fmt: skip
-            return super().run_cascade_parts(suffix_provider, suffix, prefix, q, k_cache, v_cache, out, lse,
-                                             scratch_out, scratch_lse, active, **scales)  # fmt: skip
-        k_scale, v_scale = scales.get("k_scale"), scales.get("v_scale")
-        with captured_if(active):
-            self._run(prefix, q, k_cache, v_cache, out, lse, k_scale, v_scale, merge="none")
-        suffix_provider._run(suffix, q, k_cache, v_cache, out, lse, k_scale, v_scale,
-                             ext=(a.partial, a.partial_lse, active))
+        self._run(plan, q, k_cache, v_cache, out, lse, scales.get("k_scale"), scales.get("v_scale"), merge_base=True)
 
     def _run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None,
-             k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, merge: str = "out",
-             ext: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-        """:meth:`run`. Split plans (paged and prefill kernels): ``merge`` ``"out"`` writes the merged
-        splits to ``(out, lse)``, ``"base"`` merges them into the state ``(out, lse)`` holds, ``"none"``
-        leaves them in the plan's workspace. ``ext`` (unsplit paged-kernel plans): ``(partials [T, Hq,
-        S, D], base-2 LSE [T, Hq, S], active)`` of other keys, merged into the output before its store."""
+             k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, merge_base: bool = False) -> None:
+        """:meth:`run`; ``merge_base`` (paged kernel, split plans): the splits merge into ``(out, lse)``."""
         from ..kernels.attention import paged_attention_kernel
         from ..kernels.merge import merge_splits
 
@@ -437,7 +414,7 @@ class TritonProvider(Provider):
         else:
             ks, vs = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1)), (v_cache.stride(0), v_cache.stride(2), v_cache.stride(1))
         if a.kernel == "prefill":
-            return self._run_prefill(plan, a, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale, merge)
+            return self._run_prefill(plan, a, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale, merge_base)
         if a.kernel == "decode":
             return self._run_decode(plan, a, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale)
         split = a.num_splits > 1
@@ -467,16 +444,16 @@ class TritonProvider(Provider):
             SPLIT=split, STORE_LSE=lse is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             UPCAST=q.device.type == "cpu", HAS_KV_START=a.kv_start is not None, KV_FP8=fp8, FP8_F16=a.fp8_f16,
-            num_warps=a.num_warps, num_stages=a.num_stages, **_ext_args(ext),
+            num_warps=a.num_warps, num_stages=a.num_stages,
         )
-        if split and merge != "none":
-            merge_splits(a.partial, a.partial_lse, out, lse, base=merge == "base")
+        if split:
+            merge_splits(a.partial, a.partial_lse, out, lse, base=merge_base)
 
     def _run_prefill(self, plan: Plan, a: TritonState, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale,
-                     merge: str = "out") -> None:
+                     merge_base: bool = False) -> None:
         """The prefill kernel (:mod:`attnplug.core.kernels.prefill`), grid ``(tiles, Hkv)``: causal; or
         non-causal (a cascade prefix part), grid ``(tiles, Hkv, splits)``, the splits' partials then
-        merged as ``merge`` says (:meth:`_run`)."""
+        merged into ``(out, lse)`` (``merge_base``: into the state they hold)."""
         from ..kernels.merge import merge_splits
         from ..kernels.prefill import prefill_kernel
 
@@ -505,8 +482,8 @@ class TritonProvider(Provider):
             FP8_F16=a.fp8_f16, NONCAUSAL=noncausal, num_splits=a.num_splits, stride_os=o.stride(2) if split else 0,
             num_warps=a.num_warps, num_stages=a.num_stages,
         )
-        if split and merge != "none":
-            merge_splits(a.partial, a.partial_lse, out, lse, base=merge == "base")
+        if split:
+            merge_splits(a.partial, a.partial_lse, out, lse, base=merge_base)
 
     def _run_decode(self, plan: Plan, a: TritonState, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale) -> None:
         """The split-KV decode kernel (:mod:`attnplug.core.kernels.decode`), grid ``(B, Hkv, splits)``;
@@ -539,16 +516,6 @@ class TritonProvider(Provider):
         )
         if split and not fused:
             merge_splits(a.partial, a.partial_lse, out, lse)
-
-
-def _ext_args(ext: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> dict:
-    """The paged kernel's ``EXT`` arguments for ``(partials [T, Hq, S, D], LSE [T, Hq, S], active)``."""
-    if ext is None:
-        return {}
-    p, pl, active = ext
-    return dict(EXT=True, EXT_S=_next_pow2(p.shape[2]), PX=p, PLX=pl, X_ACTIVE=active, num_x=p.shape[2],
-                stride_xt=p.stride(0), stride_xh=p.stride(1), stride_xs=p.stride(2), stride_xlt=pl.stride(0),
-                stride_xlh=pl.stride(1))
 
 
 def _kv_descriptor(cache: torch.Tensor, strides: tuple[int, int, int], cfg: AttentionConfig, block_n: int):
