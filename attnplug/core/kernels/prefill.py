@@ -219,7 +219,7 @@ def prefill_kernel(
     Q ``[T, Hq, D]``; K/V paged caches (strides given; ``K_desc`` / ``V_desc``: 4-D tensor descriptors
     ``[pages, PAGE_SIZE, Hkv, D]`` with block ``[1, BLOCK_N, 1, D]`` when ``PAGE_TMA``, else unused);
     O ``[T, Hq, D]``; LSE ``[T, Hq]`` natural log (``STORE_LSE``). ``num_splits > 1`` (``NONCAUSAL``
-    only): O is the fp32 partials ``[T, Hq, S, D]`` (split stride ``stride_os``) and LSE their base-2
+    only): O is the partials ``[T, Hq, S, D]`` (float32 or 16-bit; split stride ``stride_os``) and LSE their base-2
     LSE ``[T, Hq, S]`` (contiguous in S), as :func:`.merge.merge_splits` reads them.
     """
     tile = num_tiles - 1 - tl.program_id(0)  # longest causal tiles first (see the module docstring)
