@@ -17,6 +17,7 @@ On the GPU the winner's split merge is then timed alone per heads a program and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -44,6 +45,33 @@ def candidates() -> list[dict]:
     return out
 
 
+@contextlib.contextmanager
+def table_entry(tiles, key: str, entry: dict | None):
+    """``tiles.TILES[key]`` set to ``entry`` (``None``: the table's own) inside the block, the table restored after."""
+    saved = dict(tiles.TILES)
+    if entry is not None:
+        tiles.TILES[key] = entry
+    try:
+        yield
+    finally:
+        tiles.TILES.clear()
+        tiles.TILES.update(saved)
+
+
+def graph_ms(fn, dev, bench_ms) -> float:
+    """``bench_ms`` of ``fn`` captured alone in one CUDA graph and replayed (CPU: of ``fn`` itself)."""
+    if dev.type != "cuda":
+        return bench_ms(fn, dev)
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return bench_ms(g.replay, dev)
+
+
 def merge_probe(cp, dev, bench_ms) -> list[dict]:
     """The split merge alone (one CUDA graph of :func:`merge_splits` on ``cp``'s prefix partials), per
     heads a program, warps a program and partial dtype (float32 / bf16): where the merge time goes."""
@@ -57,15 +85,10 @@ def merge_probe(cp, dev, bench_ms) -> list[dict]:
         p = a.partial.to(dt)
         for bh in (1, 2, 4, 8):
             for nw in (1, 2, 4, 8):
-                def merge():
-                    merge_splits(p, a.partial_lse, cp.out_part, cp.lse_part, block_h=bh, num_warps=nw)
-
-                merge()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    merge()
+                ms = graph_ms(lambda: merge_splits(p, a.partial_lse, cp.out_part, cp.lse_part, block_h=bh,
+                                                   num_warps=nw), dev, bench_ms)  # fmt: skip
                 recs.append({"merge": {"block_h": bh, "num_warps": nw, "partials": str(dt).removeprefix("torch."),
-                                       "splits": a.num_splits}, "ms": bench_ms(g.replay, dev)})
+                                       "splits": a.num_splits}, "ms": ms})
             print("sweep-prefix:", json.dumps(recs[-1]), flush=True)
     return recs
 
@@ -99,44 +122,31 @@ def main(argv=None) -> int:
     cands = [c for c in candidates() if a.block_m is None or c["block_m"] == a.block_m]
     cands = [None] + (cands[::3][:2] if a.smoke else cands)  # smoke: a paged and a prefill entry
     for cand in cands:
-        saved = dict(tiles.TILES)
-        if cand is not None:
-            tiles.TILES[key] = cand
         try:
-            attn = PagedAttention(cfg, "triton", dev, cascade="always")
-            if a.smoke:
-                attn.provider._sms = 132
-            plan = attn.plan(work.batch, num_pages=work.num_pages)
-            cp = plan.cascade
-            rec = {"entry": cand, "kernel": cp.prefix.state.kernel if cp else None,
-                   "splits": cp.prefix.state.num_splits if cp else None}
-            out = torch.full_like(work.q, float("nan"))
-            attn.run(work.q, work.k_cache, work.v_cache, out=out)
-            err = workloads.rel_err(out[: ref.shape[0]], ref)
-            rec["err"] = err
-            if cp is None or not err <= 2e-2:
-                rec["dropped"] = "no cascade plan" if cp is None else "error"
-            else:
-                prov = attn.provider
-
-                def part():
-                    prov.run(cp.prefix, work.q if cp.rows is None else cp.q_part, work.k_cache, work.v_cache,
-                             cp.out_part, cp.lse_part)
-
-                if dev.type == "cuda":
-                    part()
-                    torch.cuda.synchronize()
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g):
-                        part()
-                    rec["prefix_ms"] = bench_ms(g.replay, dev)
+            with table_entry(tiles, key, cand):
+                attn = PagedAttention(cfg, "triton", dev, cascade="always")
+                if a.smoke:
+                    attn.provider._sms = 132
+                plan = attn.plan(work.batch, num_pages=work.num_pages)
+                cp = plan.cascade
+                rec = {"entry": cand, "kernel": cp.prefix.state.kernel if cp else None,
+                       "splits": cp.prefix.state.num_splits if cp else None}
+                out = torch.full_like(work.q, float("nan"))
+                attn.run(work.q, work.k_cache, work.v_cache, out=out)
+                err = workloads.rel_err(out[: ref.shape[0]], ref)
+                rec["err"] = err
+                if cp is None or not err <= 2e-2:
+                    rec["dropped"] = "no cascade plan" if cp is None else "error"
                 else:
-                    rec["prefix_ms"] = bench_ms(part, dev)
+                    prov = attn.provider
+
+                    def part():
+                        prov.run(cp.prefix, work.q if cp.rows is None else cp.q_part, work.k_cache, work.v_cache,
+                                 cp.out_part, cp.lse_part)
+
+                    rec["prefix_ms"] = graph_ms(part, dev, bench_ms)
         except Exception as e:  # e.g. out of shared memory: the candidate is dropped
             rec = {"entry": cand, "dropped": f"{type(e).__name__}: {str(e)[:200]}"}
-        finally:
-            tiles.TILES.clear()
-            tiles.TILES.update(saved)
         results.append(rec)
         print("sweep-prefix:", json.dumps(rec), flush=True)
     with open(os.path.join(a.out, "sweep-cascade-prefix.jsonl"), "w") as f:
@@ -154,22 +164,18 @@ def main(argv=None) -> int:
         tag = f"{key} from benchmarks/sweep_cascade_prefix.py ({ROW}, the prefix part as graph replays); "
         write_table(path, {key: best["entry"]}, tag + table_meta(path).replace(tag, ""))
     if dev.type == "cuda":  # the merge of the winner's splits alone
-        saved = dict(tiles.TILES)
-        tiles.TILES[key] = best["entry"] or saved[key]
         try:
-            attn = PagedAttention(cfg, "triton", dev, cascade="always")
-            cp = attn.plan(work.batch, num_pages=work.num_pages).cascade
-            attn.provider.run(cp.prefix, work.q if cp.rows is None else cp.q_part, work.k_cache, work.v_cache,
-                              cp.out_part, cp.lse_part)
-            if cp is not None and cp.prefix.state.num_splits > 1:
-                probe = merge_probe(cp, dev, bench_ms)
-                with open(os.path.join(a.out, "sweep-cascade-prefix.jsonl"), "a") as f:
-                    f.writelines(json.dumps(r) + "\n" for r in probe)
+            with table_entry(tiles, key, best["entry"]):
+                attn = PagedAttention(cfg, "triton", dev, cascade="always")
+                cp = attn.plan(work.batch, num_pages=work.num_pages).cascade
+                if cp is not None and cp.prefix.state.num_splits > 1:
+                    attn.provider.run(cp.prefix, work.q if cp.rows is None else cp.q_part, work.k_cache,
+                                      work.v_cache, cp.out_part, cp.lse_part)  # fmt: skip
+                    probe = merge_probe(cp, dev, bench_ms)
+                    with open(os.path.join(a.out, "sweep-cascade-prefix.jsonl"), "a") as f:
+                        f.writelines(json.dumps(r) + "\n" for r in probe)
         except Exception as e:  # the table is written already; the probe is information
             print(f"sweep-prefix: merge probe failed: {type(e).__name__}: {e}", flush=True)
-        finally:
-            tiles.TILES.clear()
-            tiles.TILES.update(saved)
     return 0
 
 
