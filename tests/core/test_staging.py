@@ -84,3 +84,68 @@ def test_make_plan_stages_its_arrays_and_the_mask_in_one_buffer():
         assert t.is_cuda and t.untyped_storage().data_ptr() == base
     assert plan.mask.cpu().tolist() == mask.to(torch.uint8).tolist()
     assert plan.mask_free.cpu().tolist() == [3, 3] and plan.kv_lens.cpu().tolist() == [4, 3]
+
+
+def test_transfer_on_the_cpu_adds_the_arrays_themselves_and_make_plan_leaves_nothing_pending():
+    from attnplug.core import AttentionConfig, BatchMetadata, ForwardMode
+    from attnplug.core.plan import make_plan
+
+    t = staging.Transfer(torch.device("cpu"), 0)
+    a = np.arange(5, dtype=np.int32)
+    (out,) = t.add([a])
+    assert t.room([np.zeros(1 << 20, np.int32)]) and out.data_ptr() == a.ctypes.data
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    batch = BatchMetadata(ForwardMode.EXTEND, i32(0, 3), i32(0, 1), i32(2), i32(3))
+    asked = []
+    plan = make_plan(AttentionConfig(4, 2, 16, 4, torch.bfloat16), batch, device="cpu",
+                     reserve=lambda n, q: asked.append((n, q)) or 64)
+    assert plan.transfer is None and asked == []  # the host arrays are the kernel arguments: no copy
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_transfer_adds_into_one_buffer_sent_once():
+    dev = torch.device("cuda")
+    a, b = np.arange(7, dtype=np.int32), np.array([True, False, True])
+    c = np.arange(3, dtype=np.int64) - 5
+    t = staging.Transfer(dev, staging.packed_bytes([a, b]) + staging.packed_bytes([c]))
+    va, vb = t.add([a, b])
+    assert t.room([c]) and not t.room([c, c])
+    with pytest.raises(ValueError, match="attnplug staging"):
+        t.add([c, c])
+    (vc,) = t.add([c])
+    a[...], c[...] = -1, -1  # added: the host already holds its own copy
+    t.send()
+    t.send()  # a second send copies nothing again
+    with pytest.raises(RuntimeError, match="after send"):
+        t.add([a])
+    torch.cuda.synchronize()
+    assert va.cpu().tolist() == list(range(7)) and vb.cpu().tolist() == [True, False, True]
+    assert vc.cpu().tolist() == [-5, -4, -3]
+    assert va.untyped_storage().data_ptr() == vc.untyped_storage().data_ptr()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_paged_attention_plan_sends_the_triton_tile_list_with_the_plan_in_one_copy():
+    from attnplug.core import AttentionConfig, BatchMetadata, ForwardMode, PagedAttention
+    from attnplug.core.providers.triton import _tile_counts, _tile_list
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(1, 300, (9,), generator=g)
+    kv = q + torch.randint(0, 500, (9,), generator=g)
+    pages = (kv + 15) // 16
+    qo = torch.zeros(10, dtype=torch.int32)
+    qo[1:] = q.cumsum(0)
+    kvp = torch.zeros(10, dtype=torch.int32)
+    kvp[1:] = pages.cumsum(0)
+    idx = torch.randperm(int(pages.sum()) + 7, generator=g)[: int(pages.sum())].to(torch.int32)
+    batch = BatchMetadata(ForwardMode.EXTEND, qo, kvp, idx, ((kv - 1) % 16 + 1).to(torch.int32))
+    attn = PagedAttention(AttentionConfig(32, 8, 128, 16, torch.bfloat16), "triton", device="cuda", cascade="off")
+    plan = attn.plan(batch, num_pages=int(pages.sum()) + 7)
+    st = plan.state
+    assert plan.transfer is None and st.num_tiles > 9  # sent, and a real tile list
+    assert st.tile_req.untyped_storage().data_ptr() == plan.kv_indices.untyped_storage().data_ptr()
+    counts, ends = _tile_counts(q.int().numpy(), st.block_q)
+    req, tq = _tile_list(q.int().numpy(), kv.int().numpy(), counts, ends, st.block_q, st.kernel == "prefill")
+    torch.cuda.synchronize()
+    assert st.tile_req.cpu().tolist() == req.tolist() and st.tile_qstart.cpu().tolist() == tq.tolist()
+    assert plan.kv_indices.cpu().tolist() == idx.tolist() and plan.qo_indptr.cpu().tolist() == qo.tolist()
