@@ -8,10 +8,8 @@ shared by every provider) and ``PagedAttention.plan`` per provider, for 64 reque
 Rows: ``make_plan``; ``plan[p]`` = ``PagedAttention(config, p).plan(batch, num_pages=...)`` (options,
 ``make_plan``, the shared-prefix (cascade) planner, the provider's ``plan``); ``plan[p, cascade off]``
 the same with ``cascade="off"``; ``provider.plan[p]`` = the provider's ``plan`` alone on a plan
-``make_plan`` built (its own host -> device copy where it has arrays to send);
-``make_plan+provider.plan, one copy[p]`` both in one call, the provider's arrays sent with the plan's
-(``make_plan(reserve=...)``, as ``PagedAttention.plan`` does). Target (issue 14): ``make_plan`` + the
-triton provider's ``plan`` <= 100 us for 64 requests.
+``make_plan`` built. Target (issue 14): ``make_plan`` + the triton
+provider's ``plan`` <= 100 us for 64 requests.
 
 Method: the batch metadata is host int32 tensors (what the engine adapters pass); each measured
 callable runs ``--warmup`` times, then ``--calls`` times, each call timed alone with
@@ -183,12 +181,6 @@ def main() -> None:
             p = make_plan(CONFIG, batch, num_pages=num_pages, device=dev)
             fns[f"plan[{name}]"] = lambda attn=attn: attn.plan(batch, num_pages=num_pages)
             fns[f"provider.plan[{name}]"] = lambda attn=attn, p=p: attn.provider.plan(p)
-            if "reserve" in inspect.signature(make_plan).parameters:  # the two above, sharing one copy
-                def one_copy(prov=attn.provider):
-                    q = make_plan(CONFIG, batch, num_pages=num_pages, device=dev, reserve=prov.transfer_reserve)
-                    prov.plan(q)
-                    q.send()
-                fns[f"make_plan+provider.plan, one copy[{name}]"] = one_copy
             if "cascade" in inspect.signature(PagedAttention).parameters:  # the shared-prefix planner's share
                 off = PagedAttention(CONFIG, name, dev, cascade="off")
                 fns[f"plan[{name}, cascade off]"] = lambda off=off: off.plan(batch, num_pages=num_pages)

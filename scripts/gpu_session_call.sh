@@ -46,9 +46,9 @@
 #   shared-tf     cascade-tf's bench alone (no tests)
 #   sweep-prefix  benchmarks/sweep_cascade_prefix.py --write: the noncausal entry (the cascade's prefix part) timed as
 #                 graph replays on the shared-prefix row (~3 min); the table comes back as w/sweep-prefix/tiles.py
-#   plan-copy     plan()'s one host -> device copy: tests/core/test_staging.py, tests/gpu/test_plan_no_sync.py,
-#                 tests/core/test_kernel_paths.py, tests/gpu/test_providers_gpu.py (not flashinfer), then
-#                 benchmarks/plan_cost.py --device cuda, triton and fa3 (~4 min)
+#   paths-plan    tests/core/test_staging.py, tests/gpu/test_plan_no_sync.py, tests/core/test_kernel_paths.py,
+#                 tests/gpu/test_providers_gpu.py (not flashinfer), then benchmarks/plan_cost.py --device cuda,
+#                 triton and fa3 (~4 min)
 #   e.g.  bash scripts/gpu_session_call.sh nosync cascade-if sweep bench-prefill
 set -u
 W=$OUT/w; mkdir -p "$W"; G="bash scripts/gpu_run.sh"; t0=$SECONDS
@@ -166,10 +166,10 @@ for step in "$@"; do
     timeout 150 $G python3 -m attnplug.bench --providers triton,fa3 --rows '64x(8192+256)' --out "$W/bench-shared-tf" \
       --time-budget 120 --no-ceilings > "$W/bench-shared-tf.log" 2>&1; log "bench shared (triton, fa3) rc $?"
     grep -E "attnplug\.(triton|fa3)" "$W/bench-shared-tf.log" | cut -c1-140 | head -24 ;;
-  plan-copy)
+  paths-plan)
     timeout 240 $G python3 -m pytest tests/core/test_staging.py tests/gpu/test_plan_no_sync.py tests/core/test_kernel_paths.py \
-      tests/gpu/test_providers_gpu.py -q -rfEs -k "not flashinfer" > "$W/pytest-plan-copy.log" 2>&1
-    log "pytest plan copy rc $?"; tail -n 3 "$W/pytest-plan-copy.log"
+      tests/gpu/test_providers_gpu.py -q -rfEs -k "not flashinfer" > "$W/pytest-paths-plan.log" 2>&1
+    log "pytest paths plan rc $?"; tail -n 3 "$W/pytest-paths-plan.log"
     timeout 200 $G python3 benchmarks/plan_cost.py --device cuda --providers triton,fa3 --calls 1000 --warmup 100 \
       --out "$W/plan-cost-h200.json" > "$W/plan-cost.log" 2>&1; log "plan cost rc $?"; cut -c1-400 "$W/plan-cost.log" ;;
   *) log "unknown step $step" ;;

@@ -117,6 +117,10 @@ MUTATIONS = [
              "        lo = split * chunk\n", "        lo = 0 * chunk\n",
              ("tests/core/test_cascade_graph.py::test_prefix_part_on_the_prefill_kernel",),
              "the prefill kernel's non-causal splits (cascade prefix parts) all read the first chunk of keys"),
+    Mutation("noncausal_empty_split_stores", "attnplug/core/kernels/prefill.py",
+             "            keys_ok = row_ok & (lo < hi)\n", "            keys_ok = row_ok\n",
+             ("tests/core/test_cascade_graph.py::test_prefix_part_on_the_prefill_kernel",),
+             "a non-causal split without keys (an unshared batch in a cascade graph) loads q and stores its partial"),
     # -- merge kernels -----------------------------------------------------------------------------------
     Mutation("split_merge_skipped", MG,
              "tl.int32) + s) < num_splits", "tl.int32) + s) < 1",

@@ -62,8 +62,7 @@ class PagedAttention:
         """
         options = PlanOptions.parse(knobs)
         self.provider.check_options(options)
-        plan = make_plan(self.config, batch, num_pages=num_pages, device=self.device,
-                         reserve=self.provider.transfer_reserve)
+        plan = make_plan(self.config, batch, num_pages=num_pages, device=self.device)
         plan.options = options
         plan.cascade = plan_cascade(plan, self.cascade)
         if plan.cascade is None:
@@ -73,7 +72,6 @@ class PagedAttention:
                 self._prefix_provider = self.provider.step_providers(2)[1]
             self.provider.plan(plan.cascade.suffix)
             self._prefix_provider.plan(plan.cascade.prefix)
-        plan.send()  # make_plan's arrays and the provider's, one copy
         self._plan = plan
         return plan
 

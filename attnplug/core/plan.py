@@ -8,14 +8,14 @@ the value expected. Providers then add their own kernel arguments to the plan; t
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from .config import AttentionConfig
 from .metadata import BatchMetadata, ForwardMode
-from .staging import Transfer, packed_bytes
+from .staging import to_device
 
 
 @dataclass(frozen=True)
@@ -82,9 +82,6 @@ class Plan:
             suffix and prefix plans the provider planned instead of this one; ``None`` otherwise.
         max_page_id: the largest page id in ``kv_indices`` (-1 without pages): ``PagedAttention.run``
             refuses a cache with fewer pages, so an unchecked ``num_pages`` cannot read out of bounds.
-        transfer: the host -> device copy still to be sent (:class:`~attnplug.core.staging.Transfer`)
-            when ``make_plan`` was given a ``reserve``: the device tensors hold their values after
-            :meth:`send`; ``None`` once sent.
     """
 
     config: AttentionConfig
@@ -115,13 +112,6 @@ class Plan:
     state: Any = None
     cascade: Any = None
     max_page_id: int = -1
-    transfer: Transfer | None = None
-
-    def send(self) -> None:
-        """Send the pending host -> device copy (:attr:`transfer`), if any; kernels may run after it."""
-        if self.transfer is not None:
-            self.transfer.send()
-            self.transfer = None
 
 
 _I32_MAX = 2**31 - 1
@@ -234,7 +224,6 @@ def make_plan(
     batch: BatchMetadata,
     num_pages: int | None = None,
     device: torch.device | str | None = None,
-    reserve: Callable[[int, int], int] | None = None,
 ) -> Plan:
     """Validate ``batch`` against ``config`` and build the provider-neutral plan.
 
@@ -244,10 +233,6 @@ def make_plan(
         num_pages: number of pages in the KV cache; page ids must be in ``[0, num_pages)``
             (``None``: only ``>= 0`` is checked here; ``PagedAttention.run`` checks the cache's size).
         device: where kernel arguments live (default: the device of ``batch.kv_indices``).
-        reserve: ``(num_tokens, max_q_len) -> bytes`` a provider's ``plan`` may add to this plan's one
-            host -> device copy (``Provider.transfer_reserve``). When it returns more than 0 the copy is
-            left pending in ``plan.transfer``, and the caller must call ``plan.send()`` before any
-            kernel reads the plan (``PagedAttention.plan`` does); otherwise it is sent here.
 
     Raises:
         ValueError: naming the argument and the expected value.
@@ -347,17 +332,10 @@ def make_plan(
     elif batch.mode == ForwardMode.TARGET_VERIFY and not batch.causal:
         raise ValueError("TARGET_VERIFY without custom_mask must be causal (a chain of draft tokens)")
 
-    transfer = None
     if on_host:  # the host arrays are the kernel arguments
         d_qo, d_kvp, d_idx, d_last, d_kv = qo_t, kvp_t, idx_t, last_t, kv_lens_t
-    else:  # one asynchronous copy of the arrays packed (the mask's arrays with them, the provider's after)
-        arrays = (qo, kvp, last, kv_lens, idx, *staged_mask)
-        extra = reserve(int(qo[-1]), max_q_len) if reserve is not None else 0
-        transfer = Transfer(device, packed_bytes(arrays) + extra)
-        d_qo, d_kvp, d_last, d_kv, d_idx, *d_mask = transfer.add(arrays)
-        if extra <= 0:
-            transfer.send()
-            transfer = None
+    else:  # one asynchronous copy of the arrays packed (the mask's arrays with them)
+        d_qo, d_kvp, d_last, d_kv, d_idx, *d_mask = to_device((qo, kvp, last, kv_lens, idx, *staged_mask), device)
         if d_mask:
             mask_indptr, mask_free = d_mask[0], d_mask[1]
             mask = d_mask[2] if len(d_mask) > 2 else mask
@@ -387,7 +365,6 @@ def make_plan(
         mask_free=mask_free,
         mask_free_cpu=mask_free_cpu,
         max_page_id=max_page_id,
-        transfer=transfer,
     )
 
 

@@ -156,12 +156,13 @@ def test_split_prefix_part_merges_into_the_suffix(name):
     check_out(c, batch, q, k, v, n, gs, bs)
 
 
-@pytest.mark.parametrize("splits, partials", [(3, None), (3, "out"), (1, None)])
+@pytest.mark.parametrize("splits, partials", [(3, None), (3, "out"), (8, None), (1, None)])
 @pytest.mark.parametrize("name", ["one group", "ends mid-page", "nothing shared"])
 def test_prefix_part_on_the_prefill_kernel(name, splits, partials, monkeypatch):
     """A ``noncausal`` tile entry naming the prefill kernel: the prefix part runs it non-causal, split
     (partials, float32 or bf16, merged straight into the suffix state) or not, equal to the reference;
-    eager cascade too."""
+    eager cascade too. A split without keys (all of them when nothing is shared; 5 of 8 over the
+    40-token prefix) writes no partial (they stay NaN) and the merge does not need one."""
     from attnplug.core import PagedAttention
     from attnplug.core.kernels import tiles
 
@@ -177,8 +178,16 @@ def test_prefix_part_on_the_prefill_kernel(name, splits, partials, monkeypatch):
     assert (st.kernel, st.num_splits, st.block_m) == ("prefill", splits, 16)
     if splits > 1:
         assert st.partial.dtype == (torch.bfloat16 if partials == "out" else torch.float32)
+        st.partial.fill_(math.nan)
     gs.update(batch, bs)
     check_out(c, batch, q, k, v, n, gs, bs)
+    if splits > 1:
+        keys = int(gs.cascade.kv_lens)
+        chunk = -(-(-(-keys // splits)) // 16) * 16
+        used = -(-keys // chunk) if keys else 0
+        assert (name == "nothing shared") == (used == 0) and used <= splits and (splits < 8 or used < splits)
+        written = ~torch.isnan(st.partial[:bs].float()).all(-1).all(0).all(0)  # [S]: a split's partial was stored
+        assert written.tolist() == [s < used for s in range(splits)], (keys, chunk, written.tolist())
     attn = PagedAttention(c, "triton", DEV, cascade="always")
     plan = attn.plan(batch, num_pages=n, num_kv_splits=splits)
     assert (plan.cascade is None) == (name == "nothing shared")

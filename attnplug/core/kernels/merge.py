@@ -39,8 +39,8 @@ def merge_splits_kernel(
         m = tl.maximum(m, sb)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     # one [BLOCK_H, D] load a split and its [BLOCK_H] LSE, none waiting for the max (a split past
-    # num_splits re-reads the last one, weight 0); an empty split (weight 0) adds 0 whatever its
-    # unwritten partial holds (NaN included): selected away, not multiplied
+    # num_splits re-reads the last one, weight 0); an empty split (LSE -inf) is not read (its
+    # partial may be unwritten, NaN included) and adds 0: masked and selected away, not multiplied
     d_ok = h_ok[:, None] & (d[None, :] < HEAD_DIM)
     p_row = P + t * stride_pt + h[:, None] * stride_ph + d[None, :]
     l_row = PL + t * stride_lt + h * stride_lh
@@ -48,8 +48,8 @@ def merge_splits_kernel(
     tot_splits = tl.zeros([BLOCK_H], tl.float32)
     for s in tl.static_range(BLOCK_S):
         s_rd = tl.minimum(s, num_splits - 1)
-        p = tl.load(p_row + s_rd * stride_ps, mask=d_ok, other=0.0).to(tl.float32)
         ls = tl.load(l_row + s_rd, mask=h_ok, other=float("-inf"))
+        p = tl.load(p_row + s_rd * stride_ps, mask=d_ok & (ls > float("-inf"))[:, None], other=0.0).to(tl.float32)
         ws = tl.where((tl.zeros([BLOCK_H], tl.int32) + s) < num_splits, tl.exp2(ls - m_safe), 0.0)
         acc += tl.where((ws > 0.0)[:, None], p * ws[:, None], 0.0)
         tot_splits += ws

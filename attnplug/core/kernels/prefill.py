@@ -240,8 +240,15 @@ def prefill_kernel(
     pos = kv_len - q_len + tok  # absolute position of each query row
     d = tl.arange(0, BLOCK_D)
 
+    keys_ok = row_ok  # rows whose query is loaded: all valid rows, or none in a split without keys
+    if NONCAUSAL:
+        chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(kv_len, lo + chunk)
+        if num_splits > 1:  # an empty split (an unshared batch in a cascade graph) moves one LSE a row only
+            keys_ok = row_ok & (lo < hi)
     q_ptrs = Q + (q_start + tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    q = tl.load(q_ptrs, mask=keys_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     if KV_FP8 and FP8_F16:  # fp16 dots on q * sm_scale (see :mod:`.attention`)
         q = (q.to(tl.float32) * sm_scale).to(tl.float16)
         sm_scale = 1.0
@@ -253,7 +260,8 @@ def prefill_kernel(
         qk_scale = qk_scale * tl.load(K_SCALE)
 
     pos0 = kv_len - q_len + q0  # the tile's first row: keys [0, pos0] are visible to every row
-    hi = tl.minimum(kv_len, pos0 + BLOCK_Q)
+    if not NONCAUSAL:
+        hi = tl.minimum(kv_len, pos0 + BLOCK_Q)
     free_hi = (pos0 + 1) // BLOCK_N * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -261,9 +269,6 @@ def prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     if NONCAUSAL:  # every key visible: this split's whole blocks unmasked, then its ragged end masked
-        chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-        lo = split * chunk
-        hi = tl.minimum(kv_len, lo + chunk)
         full_hi = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
         for n0 in tl.range(lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):
             m_i, l_i, acc = attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i, l_i,
@@ -303,9 +308,9 @@ def prefill_kernel(
     t_glob = (q_start + tok).to(tl.int64)
     if NONCAUSAL:
         lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        if num_splits > 1:  # this split's partial (fp32 or the output dtype) and base-2 LSE
+        if num_splits > 1:  # this split's partial (fp32 or the output dtype; none without keys) and base-2 LSE
             o_ptrs = O + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + d[None, :]
-            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
+            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=keys_ok[:, None] & (d[None, :] < HEAD_DIM))
             tl.store(LSE + t_glob * stride_lt + head * stride_lh + split, lse2, mask=row_ok)
         else:
             o_ptrs = O + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]

@@ -185,19 +185,12 @@ class Provider(ABC):
                              f"it reads {sorted(self.OPTIONS) or 'none'}")  # fmt: skip
 
     # -- one forward ------------------------------------------------------------------------------------
-    def transfer_reserve(self, num_tokens: int, max_q_len: int) -> int:
-        """Bytes :meth:`plan` may add to the plan's one host -> device copy (``plan.transfer``) for a
-        forward of ``num_tokens`` query tokens; 0: it adds none (``make_plan`` then sends at once)."""
-        return 0
-
     @abstractmethod
     def plan(self, plan: Plan, static: Any = None) -> None:
         """Build this forward's launch arguments into ``plan.state`` (host work allowed here).
 
         ``static``: from :meth:`static_buffers`; when given, ``plan.state`` must reference only that
-        memory and the plan's own tensors (CUDA graphs, multi-step drafts). ``plan.transfer``, when
-        set, is the plan's pending copy: arrays added to it (:meth:`transfer_reserve` bytes at most)
-        reach the device with the plan's own; the caller sends it after this returns."""
+        memory and the plan's own tensors (CUDA graphs, multi-step drafts)."""
 
     @abstractmethod
     def run(

@@ -294,11 +294,6 @@ class TritonProvider(Provider):
             counters=torch.zeros(max_rows * cfg.num_kv_heads, dtype=torch.int32, device=dev),
         )
 
-    def transfer_reserve(self, num_tokens: int, max_q_len: int) -> int:
-        """Room for the tile list (two int32 arrays of at most one tile a query token) when queries span
-        more than one token."""
-        return 8 * num_tokens + 32 if max_q_len > 1 else 0
-
     def plan(self, plan: Plan, static: TritonStatic | None = None) -> None:
         """Block sizes, the tile list (host, once) and the split count; knobs from ``plan.options``.
         With ``static`` the tile list and the split partials live in its memory."""
@@ -357,8 +352,6 @@ class TritonProvider(Provider):
                 tile_req = static.tile_req[:num_tiles].copy_(torch.from_numpy(tile_req), non_blocking=True)
                 tile_q = static.tile_qstart[:num_tiles].copy_(torch.from_numpy(tile_q), non_blocking=True)
                 static.identity_rows = 0  # the decode tile list is overwritten
-            elif plan.transfer is not None and plan.transfer.room((tile_req, tile_q)):  # the plan's one copy
-                tile_req, tile_q = plan.transfer.add((tile_req, tile_q))
             else:
                 tile_req, tile_q = staging.to_device((tile_req, tile_q), self.device)
         # the prefill kernel's split partials in the output dtype where its entry says so (half the bytes)
