@@ -84,3 +84,20 @@ def test_make_plan_stages_its_arrays_and_the_mask_in_one_buffer():
         assert t.is_cuda and t.untyped_storage().data_ptr() == base
     assert plan.mask.cpu().tolist() == mask.to(torch.uint8).tolist()
     assert plan.mask_free.cpu().tolist() == [3, 3] and plan.kv_lens.cpu().tolist() == [4, 3]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_packed_buffer_views_are_the_arrays(seed):
+    """The device path's packing and views, on a host tensor of the packed buffer: every array comes
+    back with its dtype and values, all views of the one buffer (mixed dtypes, one dtype, empties)."""
+    rng = np.random.default_rng(seed)
+    mixes = [_arrays(rng), [rng.integers(-9, 9, size=int(rng.integers(0, 40)), dtype=np.int32) for _ in range(5)],
+             [np.zeros(0, np.int32), np.zeros(0, np.int32)], [np.zeros(0, np.uint8), np.arange(3, dtype=np.int64)]]
+    for arrays in mixes:
+        buf = torch.from_numpy(staging._pack(arrays))
+        views = staging._views(buf, arrays)
+        assert len(views) == len(arrays)
+        for a, t in zip(arrays, views):
+            assert t.dtype == staging._TORCH_DTYPE[a.dtype] and t.shape == (a.shape[0],)
+            np.testing.assert_array_equal(t.numpy(), a)
+            assert t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
