@@ -1,0 +1,76 @@
+"""What a cascade decode graph costs on a batch that shares nothing (issue 13): the parts captured alone.
+
+    python benchmarks/cascade_unshared_probe.py [--providers triton,fa3] [--out F.json]
+
+On the bench's shared-prefix row and its unshared twin (64 x (8192 + 256), Llama-3-8B attention, page 16),
+a decode ``GraphState`` updated from the device block table as in the engines, each part captured in a
+graph of its own and timed as replays (``triton.testing.do_bench``, median, L2 flushed):
+``off`` (the graph without cascade), ``full`` (with cascade), ``suffix`` (the suffix plan alone, with its
+LSE output), ``prefix`` (the prefix part alone: its kernel(s) and the merge into the suffix state).
+``full - off`` is what cascade costs (unshared) or saves (shared); ``prefix`` is the empty prefix
+part's share of it on the unshared row.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from attnplug.bench.workloads import FULL_ROWS, build  # noqa: E402
+from attnplug.core import AttentionConfig  # noqa: E402
+from attnplug.core.cuda_graph import GraphState  # noqa: E402
+
+CFG = AttentionConfig(32, 8, 128, 16, torch.bfloat16)
+
+
+def graphed(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return triton.testing.do_bench(g.replay, warmup=50, rep=300, return_mode="median")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--providers", default="triton,fa3")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    res = {}
+    for row in [r for r in FULL_ROWS if r.name in ("cascade decode 64x(8192+256)", "decode 64x(8192+256) unshared")]:
+        work = build(row, CFG, dev)
+        q, k, v, B = work.q, work.k_cache, work.v_cache, work.batch.batch_size
+        for p in a.providers.split(","):
+            t = {}
+            for mode in ("off", "auto"):
+                gs = GraphState(CFG, p, max_batch=B, max_tokens=B, max_pages=work.num_pages, device=dev,
+                                max_seq_len=work.block_table.shape[1] * CFG.page_size, cascade=mode)  # fmt: skip
+                gs.prepare_capture(B)
+                gs.update_from_block_table(work.seq_lens, work.block_table, B)
+                out = torch.empty_like(q)
+                t["off" if mode == "off" else "full"] = graphed(lambda: gs.run(B, q, k, v, out))
+                if mode == "auto":
+                    c = gs.cascade
+                    s_lse = c.lse_suffix[:B]
+                    t["shared_pages"] = int(c.kv_lens) // CFG.page_size
+                    t["suffix"] = graphed(lambda: gs.provider.run(gs.plans[B], q, k, v, out, s_lse))
+                    t["prefix"] = graphed(lambda: c.provider.run_merge(c.plans[B], q, k, v, out, s_lse, c.out_part[:B],
+                                                                       c.lse_part[:B]))  # fmt: skip
+            t = {x: (round(y * 1e3, 2) if isinstance(y, float) else y) for x, y in t.items()}  # us
+            res[f"{row.name} | {p}"] = t
+            print(f"{row.name:32s} {p:7s} " + "  ".join(f"{x} {y}" for x, y in t.items()) + "  (us)", flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
