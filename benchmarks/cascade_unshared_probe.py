@@ -6,7 +6,8 @@ On the bench's shared-prefix row and its unshared twin (64 x (8192 + 256), Llama
 a decode ``GraphState`` updated from the device block table as in the engines, each part captured in a
 graph of its own and timed as replays (``triton.testing.do_bench``, median, L2 flushed):
 ``off`` (the graph without cascade), ``full`` (with cascade), ``suffix`` (the suffix plan alone, with its
-LSE output), ``prefix`` (the prefix part alone: its kernel(s) and the merge into the suffix state).
+LSE output; ``suffix_no_lse``: without), ``prefix`` (the prefix part alone: its kernel(s) and the merge
+into the suffix state).
 ``full - off`` is what cascade costs (unshared) or saves (shared); ``prefix`` is the empty prefix
 part's share of it on the unshared row.
 """
@@ -63,6 +64,7 @@ def main() -> None:
                     s_lse = c.lse_suffix[:B]
                     t["shared_pages"] = int(c.kv_lens) // CFG.page_size
                     t["suffix"] = graphed(lambda: gs.provider.run(gs.plans[B], q, k, v, out, s_lse))
+                    t["suffix_no_lse"] = graphed(lambda: gs.provider.run(gs.plans[B], q, k, v, out))
                     t["prefix"] = graphed(lambda: c.provider.run_merge(c.plans[B], q, k, v, out, s_lse, c.out_part[:B],
                                                                        c.lse_part[:B]))  # fmt: skip
             t = {x: (round(y * 1e3, 2) if isinstance(y, float) else y) for x, y in t.items()}  # us
