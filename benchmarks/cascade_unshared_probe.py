@@ -19,25 +19,23 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 from attnplug.bench.workloads import FULL_ROWS, build  # noqa: E402
 from attnplug.core import AttentionConfig  # noqa: E402
 from attnplug.core.cuda_graph import GraphState  # noqa: E402
+from sweep_cascade_prefix import graph_ms  # noqa: E402
+from sweep_triton import bench_ms  # noqa: E402
 
 CFG = AttentionConfig(32, 8, 128, 16, torch.bfloat16)
 
 
 def graphed(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return triton.testing.do_bench(g.replay, warmup=50, rep=300, return_mode="median")
+    """ms of ``fn`` captured alone in a CUDA graph, replayed (``triton.testing.do_bench``, median)."""
+    return graph_ms(fn, torch.device("cuda"), bench_ms)
 
 
 def main() -> None:

@@ -16,9 +16,7 @@ import cProfile
 import io
 import json
 import pstats
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,20 +26,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from plan_cost import CONFIG, workload  # noqa: E402
+from plan_cost import CONFIG, time_calls, workload  # noqa: E402
 
 from attnplug.core import make_plan  # noqa: E402
 
 
 def median_us(fn, calls: int, warmup: int = 200) -> float:
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(calls):
-        t0 = time.perf_counter_ns()
-        fn()
-        ts.append(time.perf_counter_ns() - t0)
-    return round(statistics.median(ts) / 1e3, 2)
+    """Median host wall time of one call of ``fn`` (``plan_cost.time_calls``), in us."""
+    return time_calls({"fn": fn}, warmup, calls)["fn"]["median_us"]
 
 
 def main() -> None:
