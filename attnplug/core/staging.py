@@ -45,7 +45,7 @@ def _pack(arrays: Sequence[np.ndarray]) -> np.ndarray:
     """The host buffer :func:`to_device` copies: ``arrays`` back to back when they share a dtype, else
     their bytes at the :func:`_layout` offsets (``uint8``)."""
     if _one_dtype(arrays):
-        return np.concatenate([np.ascontiguousarray(a).reshape(-1) for a in arrays])
+        return np.concatenate(arrays)
     offsets, total = _layout(arrays)
     raw = np.empty(total, dtype=np.uint8)
     for a, o in zip(arrays, offsets):
