@@ -118,7 +118,7 @@ MUTATIONS = [
              ("tests/core/test_cascade_graph.py::test_prefix_part_on_the_prefill_kernel",),
              "the prefill kernel's non-causal splits (cascade prefix parts) all read the first chunk of keys"),
     Mutation("noncausal_empty_split_stores", "attnplug/core/kernels/prefill.py",
-             "            keys_ok = row_ok & (lo < hi)\n", "            keys_ok = row_ok\n",
+             "        keys_ok = row_ok & (rows * 0 + lo < hi)\n", "        keys_ok = row_ok\n",
              ("tests/core/test_cascade_graph.py::test_prefix_part_on_the_prefill_kernel",),
              "a non-causal split without keys (an unshared batch in a cascade graph) loads q and stores its partial"),
     # -- merge kernels -----------------------------------------------------------------------------------

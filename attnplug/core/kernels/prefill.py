@@ -245,8 +245,9 @@ def prefill_kernel(
         chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(kv_len, lo + chunk)
-        if num_splits > 1:  # an empty split (an unshared batch in a cascade graph) moves one LSE a row only
-            keys_ok = row_ok & (lo < hi)
+        # a split without keys (an unshared batch in a cascade graph) moves one LSE a row only; compared
+        # as a block (triton 3.9's interpreter types a block & a scalar comparison as int32)
+        keys_ok = row_ok & (rows * 0 + lo < hi)
     q_ptrs = Q + (q_start + tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptrs, mask=keys_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     if KV_FP8 and FP8_F16:  # fp16 dots on q * sm_scale (see :mod:`.attention`)
