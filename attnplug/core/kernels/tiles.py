@@ -93,13 +93,22 @@ def key(head_dim: int, group: int | str, bucket: str, fp8: bool = False) -> str:
     return f"d{head_dim_bucket(head_dim)}/g{g}/{bucket}" + ("/fp8" if fp8 else "")
 
 
+def lookup_keys(head_dim: int, group: int, bucket: str, fp8: bool = False) -> tuple[str, ...]:
+    """The keys :func:`lookup` tries, in its order: the exact group's, then the any-group one; an fp8
+    KV cache (``fp8``) its own entries (``.../fp8``) first, then the 16-bit ones."""
+    return tuple(key(head_dim, g, bucket, f) for f in ((True, False) if fp8 else (False,)) for g in (group, "*"))
+
+
 def lookup(head_dim: int, group: int, bucket: str, table: dict | None = None, fp8: bool = False) -> dict:
-    """The entry for this shape: the exact group's, else the any-group one, else ``{}``; an fp8 KV
-    cache (``fp8``) first looks for its own entries (``.../fp8``), then takes the 16-bit ones."""
-    t = TILES if table is None else table
-    for f in ((True, False) if fp8 else (False,)):
-        for g in (group, "*"):
-            e = t.get(key(head_dim, g, bucket, f))
-            if e is not None:
-                return e
+    """The entry for this shape: the first of :func:`lookup_keys` in ``table`` (default
+    :data:`TILES`), else ``{}``."""
+    return first_entry(TILES if table is None else table, lookup_keys(head_dim, group, bucket, fp8))
+
+
+def first_entry(table: dict, keys: tuple[str, ...]) -> dict:
+    """The entry of the first of ``keys`` that ``table`` holds, else ``{}``."""
+    for k in keys:
+        e = table.get(k)
+        if e is not None:
+            return e
     return {}

@@ -189,6 +189,7 @@ class TritonProvider(Provider):
         if config.head_dim < 16:
             raise self.unsupported(f"head_dim {config.head_dim} (min 16)")
         self._sms = _num_sms(self.device)
+        self._entry_keys: dict[str, tuple[str, ...]] = {}
 
     # -- plan -------------------------------------------------------------------------------------
     def _identity_tiles(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,7 +212,11 @@ class TritonProvider(Provider):
 
     def _entry(self, bucket: str) -> dict:
         """This config's tile-table entry for ``bucket`` (:mod:`attnplug.core.kernels.tiles`)."""
-        return tile_table.lookup(self.config.head_dim, self.config.group_size, bucket, fp8=self.config.kv_quantized)
+        keys = self._entry_keys.get(bucket)
+        if keys is None:  # the keys are fixed by the config; the table is read on every call
+            cfg = self.config
+            keys = self._entry_keys[bucket] = tile_table.lookup_keys(cfg.head_dim, cfg.group_size, bucket, cfg.kv_quantized)
+        return tile_table.first_entry(tile_table.TILES, keys)
 
     def _decode_bucket(self, programs: int) -> str:
         """Decode bucket of a batch with ``programs = B * Hkv`` programs before any split."""
