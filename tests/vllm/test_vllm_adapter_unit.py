@@ -120,6 +120,37 @@ def test_build_and_forward_match_dense_oracle(vllm_env, physical, window, soft_c
     assert B.STATS["prefix_hit_requests"] >= 1  # request 1 extends 5 tokens on a 40-token prefix
 
 
+def test_builder_takes_v2_runner_kwargs_and_refuses_unknown_values(vllm_env):
+    """vLLM's V2 runner constructs builders as ``builder_cls(spec, layers, config, device,
+    **builder_kwargs)`` and calls ``build(0, cam, **kwargs)`` (both ``{}`` for attention layers): the
+    empty forms bind; a value attnplug does not know refuses, naming attnplug and the backend."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from attnplug.core import UnsupportedFeature
+    from attnplug.vllm_adapter import backend as B
+
+    Hq, Hkv, D, P = 4, 2, 64, 16
+    impl = B.AttnplugTritonBackend.get_impl_cls()(Hq, D, 0.125, Hkv, None, None, "auto", None)
+    vllm_env.config.compilation_config.static_forward_context["l_kw"] = SimpleNamespace(impl=impl)
+    spec = FullAttentionSpec(block_size=P, num_kv_heads=Hkv, head_size=D, dtype=torch.float32)
+    cls = B.AttnplugTritonBackend.get_builder_cls()
+    builder = cls(spec, ["l_kw"], vllm_env.config, torch.device("cpu"), **{})
+    with pytest.raises(UnsupportedFeature, match="attnplug: backend ATTNPLUG_TRITON does not support "
+                                                 r"metadata-builder options \['block_table_width'\]"):
+        cls(spec, ["l_kw"], vllm_env.config, torch.device("cpu"), block_table_width=128)
+    qsl = torch.tensor([0, 1], dtype=torch.int32)
+    seq = torch.tensor([5], dtype=torch.int32)
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq, num_reqs=1, num_actual_tokens=1,
+        max_query_len=1, max_seq_len=5, block_table_tensor=torch.zeros(1, 2, dtype=torch.int32),
+        slot_mapping=torch.tensor([4]),
+    )
+    assert builder.build(0, cam, **{}) is not None
+    with pytest.raises(UnsupportedFeature, match=r"metadata-builder build\(\) options \['mamba_state'\]"):
+        builder.build(0, cam, mamba_state=object())
+
+
 def test_registration_names_and_cli_parsing(vllm_env):
     from vllm.config.attention import AttentionConfig
 
