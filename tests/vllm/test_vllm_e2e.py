@@ -81,8 +81,20 @@ def runs(setup):
         "native": (llm_job(model, prompts, None, 32), {"PYTHONPATH": f"{BROKEN_LIBS}{os.pathsep}{REPO}"}),
         "no_plugin": (llm_job(model, prompts, None, 32), {"VLLM_PLUGINS": ""}),
         "flashinfer": (llm_job(model, prompts, "attnplug_flashinfer", 16), {}),
+        # tensor parallel: 2 CPU workers, each with half the heads (2 q / 1 KV), one core each
+        "tp2": (llm_job(model, prompts, "attnplug_triton", 16, tensor_parallel_size=2),
+                {"VLLM_CPU_OMP_THREADS_BIND": tp_bind(2)}),
+        "native_tp2": (llm_job(model, prompts, None, 32, tensor_parallel_size=2),
+                       {"VLLM_CPU_OMP_THREADS_BIND": tp_bind(2)}),
     }
     return run_jobs(wd, specs)
+
+
+def tp_bind(ranks: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` CPU workers: one allowed core each (vLLM's automatic
+    binding wants a NUMA node per worker; this machine has one), cores reused when there are fewer."""
+    cores = sorted(os.sched_getaffinity(0))
+    return "|".join(str(cores[r % len(cores)]) for r in range(ranks))
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +204,27 @@ def test_self_draft_model_speculation_accepts_every_token(runs, hf_tokens):
     assert m["draft_builds"] > 0 and m["spec_verify_builds"] > 0, m
     active = [line for line in r.output.splitlines() if ACTIVE in line]
     assert len(active) == 2, active
+
+
+def test_tensor_parallel_2_matches_native_and_hf(runs, hf_tokens):
+    """``tensor_parallel_size=2`` (vLLM's CPU workers, gloo / shared-memory all-reduce): each rank runs
+    attnplug over its own heads (2 q / 1 KV of the model's 4 / 2); greedy tokens equal HF's and vLLM's
+    own backend at TP 2, logprobs within 2e-4, and both workers ran every layer through attnplug."""
+    ours, native = runs["tp2"].check_ok(), runs["native_tp2"].check_ok()
+    for i, want in enumerate(hf_tokens):
+        assert ours.results[i]["token_ids"] == want, f"prompt {i}: attnplug TP 2 vs HF transformers"
+        assert native.results[i]["token_ids"] == want, f"prompt {i}: vLLM CPU_ATTN TP 2 vs HF transformers"
+        _logprob_close(ours.results[i]["logprobs"], native.results[i]["logprobs"])
+    assert ours.results[2]["num_cached_tokens"] >= 96  # prompt 2 on prompt 1's cached prefix
+    assert len(ours.markers) == 2, ours.markers  # one per TP worker
+    for m in ours.markers:
+        (info,) = m["backends"]["ATTNPLUG_TRITON"]
+        assert info.startswith(f"provider {CORE_PROVIDER}, ") and "heads 2/1, head_dim 64" in info, m
+        check_layer_runs(m)
+        assert m["builds"] >= 2 * MAX_TOKENS, m
+    active = [line for line in ours.output.splitlines() if ACTIVE in line]
+    assert {line.split("pid=")[0].split("(")[-1].strip() for line in active} == {"Worker_TP0", "Worker_TP1"}, active
+    assert native.markers == [] and "attnplug:" not in native.output
 
 
 def test_flashinfer_refused_on_cpu_with_install_hint(runs):
