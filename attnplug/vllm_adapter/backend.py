@@ -373,9 +373,15 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
                 level = "UNIFORM_SINGLE_TOKEN_DECODE"
         return AttentionCGSupport[level]
 
+    @classmethod
+    def _refuse_extra(cls, what: str, extra: dict) -> None:
+        """vLLM's V2 runner forwards builder-specific keyword arguments (``{}`` for attention layers):
+        any value attnplug does not know refuses, naming the options."""
+        if any(v is not None for v in extra.values()):
+            raise cls.BACKEND.refuse(f"{what} {sorted(extra)}")
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device, **extra):
-        if any(v is not None for v in extra.values()):  # e.g. block_table_width (requires_block_table_width only)
-            raise self.BACKEND.refuse(f"metadata-builder options {sorted(extra)}")
+        self._refuse_extra("metadata-builder options", extra)  # e.g. block_table_width (requires_block_table_width)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         backend = self.BACKEND
         self._graphs: dict[int, _UniformGraphs] | None = None  # per q, created on first graph / draft use
@@ -518,8 +524,7 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         decode batches that fit them (planned once per batch size) when vLLM V2's fused draft loop
         may ``update_draft_decode_metadata`` what ``build`` returned (speculative decoding) or
         cascade is off. Others: eager plans (where shared prefixes are read once: cascade)."""
-        if any(v is not None for v in extra.values()):  # vLLM's V2 runner forwards builder-specific kwargs
-            raise self.BACKEND.refuse(f"metadata-builder build() options {sorted(extra)}")
+        self._refuse_extra("metadata-builder build() options", extra)
         cam = common_attn_metadata
         shape = self._uniform_rows(cam)
         if shape is not None:
