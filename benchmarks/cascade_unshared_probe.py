@@ -7,7 +7,9 @@ a decode ``GraphState`` updated from the device block table as in the engines, e
 graph of its own and timed as replays (``triton.testing.do_bench``, median, L2 flushed):
 ``off`` (the graph without cascade), ``full`` (with cascade), ``suffix`` (the suffix plan alone, with its
 LSE output; ``suffix_no_lse``: without), ``prefix`` (the prefix part alone: its kernel(s) and the merge
-into the suffix state).
+into the suffix state). fa3 also: ``fa3_call`` / ``fa3_call_lse`` (the suffix plan's FA3 call alone, the LSE
+not asked / asked and not copied) and ``fa3_call_lse_copy`` (asked and copied ``[Hq, T] -> [T, Hq]``, as
+the provider's ``run`` does): where the suffix's LSE costs.
 ``full - off`` is what cascade costs (unshared) or saves (shared); ``prefix`` is the empty prefix
 part's share of it on the unshared row.
 """
@@ -63,6 +65,12 @@ def main() -> None:
                     t["shared_pages"] = int(c.kv_lens) // CFG.page_size
                     t["suffix"] = graphed(lambda: gs.provider.run(gs.plans[B], q, k, v, out, s_lse))
                     t["suffix_no_lse"] = graphed(lambda: gs.provider.run(gs.plans[B], q, k, v, out))
+                    if hasattr(gs.provider, "lib"):  # fa3: its library call alone
+                        a = vars(gs.plans[B].state.args)
+                        call = lambda r: gs.provider.lib.paged(q, k, v, out, return_lse=r, **a)  # noqa: E731
+                        t["fa3_call"] = graphed(lambda: call(False))
+                        t["fa3_call_lse"] = graphed(lambda: call(True))
+                        t["fa3_call_lse_copy"] = graphed(lambda: s_lse.copy_(call(True).t()))
                     t["prefix"] = graphed(lambda: c.provider.run_merge(c.plans[B], q, k, v, out, s_lse, c.out_part[:B],
                                                                        c.lse_part[:B]))  # fmt: skip
             t = {x: (round(y * 1e3, 2) if isinstance(y, float) else y) for x, y in t.items()}  # us

@@ -33,42 +33,46 @@ def merge_splits_kernel(
     s_ok = h_ok[:, None] & (sp[None, :] < num_splits)
     lse = tl.load(PL + t * stride_lt + h[:, None] * stride_lh + sp[None, :], mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 1)
-    sb = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    if BASE:
-        sb = tl.load(LSE + t * stride_st + h * stride_sh, mask=h_ok, other=float("-inf")) * 1.4426950408889634
-        m = tl.maximum(m, sb)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    # one [BLOCK_H, D] load a split and its [BLOCK_H] LSE, none waiting for the max (a split past
-    # num_splits re-reads the last one, weight 0); an empty split (LSE -inf) is not read (its
-    # partial may be unwritten, NaN included) and adds 0: masked and selected away, not multiplied
-    d_ok = h_ok[:, None] & (d[None, :] < HEAD_DIM)
-    p_row = P + t * stride_pt + h[:, None] * stride_ph + d[None, :]
-    l_row = PL + t * stride_lt + h * stride_lh
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    tot_splits = tl.zeros([BLOCK_H], tl.float32)
-    for s in tl.static_range(BLOCK_S):
-        s_rd = tl.minimum(s, num_splits - 1)
-        ls = tl.load(l_row + s_rd, mask=h_ok, other=float("-inf"))
-        p = tl.load(p_row + s_rd * stride_ps, mask=d_ok & (ls > float("-inf"))[:, None], other=0.0).to(tl.float32)
-        ws = tl.where((tl.zeros([BLOCK_H], tl.int32) + s) < num_splits, tl.exp2(ls - m_safe), 0.0)
-        acc += tl.where((ws > 0.0)[:, None], p * ws[:, None], 0.0)
-        tot_splits += ws
-    tot = tot_splits
-    need = d_ok
-    if BASE:
-        need = need & (tot_splits > 0.0)[:, None]
-        wb = tl.exp2(sb - m_safe)
-        ob = tl.load(O + t * stride_ot + h[:, None] * stride_oh + d[None, :], mask=d_ok, other=0.0).to(tl.float32)
-        acc += tl.where((wb > 0.0)[:, None], ob * wb[:, None], 0.0)  # an empty base (NaN included) adds 0
-        tot += wb
-    out = acc / tl.where(tot > 0.0, tot, 1.0)[:, None]
-    tl.store(O + t * stride_ot + h[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty), mask=need)
-    if STORE_LSE:
-        res = tl.where(tot > 0.0, (m_safe + tl.log2(tl.where(tot > 0.0, tot, 1.0))) * 0.6931471805599453, float("-inf"))
+    go = True
+    if BASE:  # a program whose splits are all empty leaves the base state as it is: one load, no more
+        go = tl.max(m, 0) > float("-inf")
+    if go:
+        sb = tl.full([BLOCK_H], float("-inf"), tl.float32)
         if BASE:
-            tl.store(LSE + t * stride_st + h * stride_sh, res, mask=h_ok & (tot_splits > 0.0))
-        else:
-            tl.store(LSE + t * stride_st + h * stride_sh, res, mask=h_ok)
+            sb = tl.load(LSE + t * stride_st + h * stride_sh, mask=h_ok, other=float("-inf")) * 1.4426950408889634
+            m = tl.maximum(m, sb)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        # one [BLOCK_H, D] load a split and its [BLOCK_H] LSE, none waiting for the max (a split past
+        # num_splits re-reads the last one, weight 0); an empty split (LSE -inf) is not read (its
+        # partial may be unwritten, NaN included) and adds 0: masked and selected away, not multiplied
+        d_ok = h_ok[:, None] & (d[None, :] < HEAD_DIM)
+        p_row = P + t * stride_pt + h[:, None] * stride_ph + d[None, :]
+        l_row = PL + t * stride_lt + h * stride_lh
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        tot_splits = tl.zeros([BLOCK_H], tl.float32)
+        for s in tl.static_range(BLOCK_S):
+            s_rd = tl.minimum(s, num_splits - 1)
+            ls = tl.load(l_row + s_rd, mask=h_ok, other=float("-inf"))
+            p = tl.load(p_row + s_rd * stride_ps, mask=d_ok & (ls > float("-inf"))[:, None], other=0.0).to(tl.float32)
+            ws = tl.where((tl.zeros([BLOCK_H], tl.int32) + s) < num_splits, tl.exp2(ls - m_safe), 0.0)
+            acc += tl.where((ws > 0.0)[:, None], p * ws[:, None], 0.0)
+            tot_splits += ws
+        tot = tot_splits
+        need = d_ok
+        if BASE:
+            need = need & (tot_splits > 0.0)[:, None]
+            wb = tl.exp2(sb - m_safe)
+            ob = tl.load(O + t * stride_ot + h[:, None] * stride_oh + d[None, :], mask=d_ok, other=0.0).to(tl.float32)
+            acc += tl.where((wb > 0.0)[:, None], ob * wb[:, None], 0.0)  # an empty base (NaN included) adds 0
+            tot += wb
+        out = acc / tl.where(tot > 0.0, tot, 1.0)[:, None]
+        tl.store(O + t * stride_ot + h[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty), mask=need)
+        if STORE_LSE:
+            res = tl.where(tot > 0.0, (m_safe + tl.log2(tl.where(tot > 0.0, tot, 1.0))) * 0.6931471805599453, float("-inf"))
+            if BASE:
+                tl.store(LSE + t * stride_st + h * stride_sh, res, mask=h_ok & (tot_splits > 0.0))
+            else:
+                tl.store(LSE + t * stride_st + h * stride_sh, res, mask=h_ok)
 
 
 @triton.jit
