@@ -66,8 +66,8 @@ def main() -> None:
                     t["suffix"] = graphed(lambda: gs.provider.run(gs.plans[B], q, k, v, out, s_lse))
                     t["suffix_no_lse"] = graphed(lambda: gs.provider.run(gs.plans[B], q, k, v, out))
                     if hasattr(gs.provider, "lib"):  # fa3: its library call alone
-                        a = vars(gs.plans[B].state.args)
-                        call = lambda r: gs.provider.lib.paged(q, k, v, out, return_lse=r, **a)  # noqa: E731
+                        fa = vars(gs.plans[B].state.args)
+                        call = lambda r: gs.provider.lib.paged(q, k, v, out, return_lse=r, **fa)  # noqa: E731
                         t["fa3_call"] = graphed(lambda: call(False))
                         t["fa3_call_lse"] = graphed(lambda: call(True))
                         t["fa3_call_lse_copy"] = graphed(lambda: s_lse.copy_(call(True).t()))

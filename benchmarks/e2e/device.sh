@@ -24,6 +24,7 @@
 #   Issues 15 and 13, same machine: fp8 KV cache (rows E2E_ROWS, default 0,1, with the default-dtype run
 #   of each backend for the KV capacity ratio) and the shared-prefix row (64 x (8192 + 256) -> 256):
 #     bash benchmarks/e2e/device.sh vllm-fp8 | sglang-fp8 | vllm-shared | sglang-shared
+#   Cascade graphs on unshared rows (issue 13): E2E_BACKENDS="ATTNPLUG_TRITON" bash benchmarks/e2e/device.sh vllm-cg
 #   EAGLE with graphs alone (SGLang): E2E_BACKENDS="attnplug_triton" bash benchmarks/e2e/device.sh sglang-eagle
 #   (E2E_BACKENDS="..." picks the backends; E2E_DEFAULT_DTYPE="..." limits the fp8 stages' default-dtype
 #   runs to those backends (the KV capacity ratio needs one); on one GPU the jobs run one after another, ~2-3 min each;
@@ -172,6 +173,13 @@ vllm-shared)
     [[ $b != *:cg ]] && vllm_job 0 "$b" --prompts shared --rows 4
     [[ ${b%:cg} == ATTNPLUG_TRITON || ${b%:cg} == ATTNPLUG_FA3 ]] &&
       vllm_job $g1 "${b%:cg}" --prompts shared --rows 4 --env ATTNPLUG_CASCADE_GRAPHS=1
+  done
+  $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
+vllm-cg)  # issue 13: what cascade graphs cost where nothing is shared: rows E2E_ROWS (default 0,1) of each of
+  # E2E_BACKENDS (default ATTNPLUG_TRITON) without and with ATTNPLUG_CASCADE_GRAPHS=1, one GPU lane
+  setup; rows="--rows ${E2E_ROWS:-0,1}"
+  for b in ${E2E_BACKENDS:-ATTNPLUG_TRITON}; do
+    vllm_job 0 "$b" $rows; vllm_job 0 "$b" $rows --env ATTNPLUG_CASCADE_GRAPHS=1
   done
   $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
 sglang-fp8)
