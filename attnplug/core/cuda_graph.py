@@ -61,7 +61,8 @@ class GraphState:
         num_kv_splits: split-KV count under graphs, for providers that split (default: theirs).
         cascade: shared-prefix attention in decode graphs, ``"off"`` / ``"auto"`` / ``"always"``
             (:class:`~attnplug.core.cascade.CascadeGraph`: each update finds the leading pages all
-            real requests share; the captured launches read them once).
+            real requests share; the captured launches read them once; the graph of one request has
+            no cascade part).
 
     Raises:
         UnsupportedFeature: the provider cannot replay ``mode`` (its ``graph_support`` says why), or
@@ -207,10 +208,15 @@ class GraphState:
         )
         self.plans[bs] = plan
         self.graph.plan(plan, bs)
-        if self.cascade is not None:
+        if self._cascade(bs) is not None:
             self.cascade.prepare_capture(bs)
         self.update(batch, bs)
         return plan
+
+    def _cascade(self, bs: int) -> CascadeGraph | None:
+        """The cascade part of the ``bs`` graph: none for one request (nothing to share, so the graph
+        of one request carries no prefix launches)."""
+        return self.cascade if bs >= 2 else None
 
     @property
     def cascade_counts(self) -> torch.Tensor | None:
@@ -238,7 +244,7 @@ class GraphState:
             raise ValueError(f"batch has {B} requests > bs={bs}")
         if n > self.max_pages:
             raise ValueError(f"batch needs {n} pages > max_pages={self.max_pages}")
-        if self.cascade is not None:
+        if self._cascade(bs) is not None:
             batch = self._cut_shared(batch)
             n = int(batch.kv_indices.numel())
         nb = dict(non_blocking=True)
@@ -323,7 +329,7 @@ class GraphState:
             host = self._host_csr(host_seq_lens, bs)
         v = self.static_views(bs)
         verify = self.mode == "verify"
-        c = self.cascade
+        c = self._cascade(bs)
         if c is not None:
             batch_shared_pages(seq_lens, block_table, self.config.page_size, c.shared, row_ids=row_ids,
                                entry_tokens=entry_tokens)  # fmt: skip
@@ -347,7 +353,7 @@ class GraphState:
         fp8 KV: the layer's scales as in ``PagedAttention.run`` (device tensors: captured, updated in place;
         ``host_scales``: captured as values)."""
         scales = self.config.scale_kwargs(self._unit_scale, k_scale, v_scale, q_scale, host_scales)
-        if self.cascade is not None:
+        if self._cascade(bs) is not None:
             self.cascade.run(bs, self.plans[bs], self.provider, q, k_cache, v_cache, out, lse, **scales)
         else:
             self.provider.run(self.plans[bs], q, k_cache, v_cache, out, lse, **scales)

@@ -270,6 +270,25 @@ def test_device_update_matches_host_update(name, form, provider):
     check_out(c, batch, q, k, v, n, dev, bs)
 
 
+def test_graph_of_one_request_has_no_cascade_part(provider):
+    """A graph captured for one request (nothing to share) has no prefix plan and runs the plain plan:
+    both update paths leave the prefix batch untouched and the output equals the reference."""
+    c, batch, q, k, v, n = make_case("one request", provider=provider)
+    gs = state(c, provider=provider)
+    gs.prepare_capture(1)
+    gs.prepare_capture(2)
+    assert 1 not in gs.cascade.plans and 2 in gs.cascade.plans
+    before = gs.cascade_counts.tolist()
+    gs.cascade.kv_lens.fill_(-7)  # a prefix part that ran would see it
+    gs.update(batch, 1)
+    check_out(c, batch, q, k, v, n, gs, 1)
+    seq, bt, *_ = tables(batch, n, seed=2)
+    gs.update_from_block_table(seq.to(DEV), bt.to(DEV), 1)
+    check_out(c, batch, q, k, v, n, gs, 1)
+    assert gs.static_views(1)["kv_lens"].tolist() == seq.tolist(), "the plain plan holds every key"
+    assert int(gs.cascade.kv_lens) == -7 and gs.cascade_counts.tolist() == before
+
+
 def test_cost_model_keeps_small_prefixes_whole(provider):
     """``auto``: a prefix saving less than MIN_SAVED_BYTES is not cut (empty prefix part), and the
     result is still the whole batch's; ``always`` cuts it."""
