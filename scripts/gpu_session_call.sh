@@ -46,6 +46,8 @@
 #   shared-tf     cascade-tf's bench alone (no tests)
 #   sweep-prefix  benchmarks/sweep_cascade_prefix.py --write: the noncausal entry (the cascade's prefix part) timed as
 #                 graph replays on the shared-prefix row (~3 min); the table comes back as w/sweep-prefix/tiles.py
+#   sweep-suffix  tests/core/test_cascade_graph.py, then benchmarks/sweep_cascade_suffix.py: decode entries as the
+#                 cascade graph's suffix part and the plain decode graphs run them (~4 min)
 #   probe-unshared  benchmarks/cascade_unshared_probe.py: the cascade graph's parts captured alone on the
 #                 shared row and its unshared twin, triton and fa3 (fa3: its library call with / without the LSE) (~1 min)
 #   paths-plan    tests/core/test_staging.py, tests/gpu/test_plan_no_sync.py, tests/core/test_kernel_paths.py,
@@ -168,6 +170,11 @@ for step in "$@"; do
     timeout 150 $G python3 -m attnplug.bench --providers triton,fa3 --rows '64x(8192+256)' --out "$W/bench-shared-tf" \
       --time-budget 120 --no-ceilings > "$W/bench-shared-tf.log" 2>&1; log "bench shared (triton, fa3) rc $?"
     grep -E "attnplug\.(triton|fa3)" "$W/bench-shared-tf.log" | cut -c1-140 | head -24 ;;
+  sweep-suffix)
+    timeout 120 $G python3 -m pytest tests/core/test_cascade_graph.py -q -rfEs > "$W/pytest-cascade-graph.log" 2>&1
+    log "pytest cascade graph rc $?"; tail -n 2 "$W/pytest-cascade-graph.log"
+    timeout 260 $G python3 benchmarks/sweep_cascade_suffix.py --out "$W/sweep-cascade-suffix.jsonl" \
+      > "$W/sweep-cascade-suffix.log" 2>&1; log "sweep cascade suffix rc $?"; grep "^sweep-suffix" "$W/sweep-cascade-suffix.log" | cut -c1-330 ;;
   probe-unshared)
     timeout 150 $G python3 benchmarks/cascade_unshared_probe.py --out "$W/cascade-unshared-probe.json" \
       > "$W/cascade-unshared-probe.log" 2>&1; log "cascade unshared probe rc $?"; cat "$W/cascade-unshared-probe.log" | tail -n 6 ;;
