@@ -328,11 +328,14 @@ def run_cascade(cp: CascadePlan, suffix_provider, prefix_provider, q: torch.Tens
     ``scales``: fp8 KV, the layer's scale tensors (``Provider.run``), for both parts."""
     from .kernels.merge import merge_state  # noqa: PLC0415 - triton is imported only when cascade runs
 
-    s_lse = lse if lse is not None else cp.lse_suffix
-    suffix_provider.run(cp.suffix, q, k_cache, v_cache, out, s_lse, **scales)
+    if lse is not None:
+        suffix_provider.run(cp.suffix, q, k_cache, v_cache, out, lse, **scales)
+        s_lse = lse
+    else:  # read once, by the merge: the provider's own LSE where it has one (Provider.run_lse)
+        s_lse = suffix_provider.run_lse(cp.suffix, q, k_cache, v_cache, out, cp.lse_suffix, **scales)
     qp = q if cp.rows is None else torch.index_select(q, 0, cp.rows, out=cp.q_part)
-    prefix_provider.run(cp.prefix, qp, k_cache, v_cache, cp.out_part, cp.lse_part, **scales)
-    merge_state(out, s_lse, cp.out_part, cp.lse_part, out, s_lse, rows=cp.rows)
+    p_lse = prefix_provider.run_lse(cp.prefix, qp, k_cache, v_cache, cp.out_part, cp.lse_part, **scales)
+    merge_state(out, s_lse, cp.out_part, p_lse, out, s_lse, rows=cp.rows)
 
 
 # -- CUDA graphs -------------------------------------------------------------------------------------
@@ -460,8 +463,11 @@ class CascadeGraph:
         (:meth:`~attnplug.core.providers.base.Provider.run_merge`; launches only). Captured with
         ``ATTNPLUG_GRAPH_IF=1``, the prefix part sits in an IF node on :attr:`active`
         (:func:`~attnplug.core.graph_if.captured_if`): a replay whose batch shares nothing skips it."""
-        s_lse = lse if lse is not None else self.lse_suffix[:bs]
-        suffix_provider.run(suffix, q, k_cache, v_cache, out, s_lse, **scales)
+        if lse is not None:
+            suffix_provider.run(suffix, q, k_cache, v_cache, out, lse, **scales)
+            s_lse = lse
+        else:  # read once, by the prefix part's merge: the provider's own LSE where it has one
+            s_lse = suffix_provider.run_lse(suffix, q, k_cache, v_cache, out, self.lse_suffix[:bs], **scales)
         with captured_if(self.active):
             self.provider.run_merge(self.plans[bs], q, k_cache, v_cache, out, s_lse, self.out_part[:bs],
                                     self.lse_part[:bs], **scales)  # fmt: skip

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attnplug.bench.shared_prefix import prompts, shared_prefix_batch
-from attnplug.core import AttentionConfig, ForwardMode, UnsupportedFeature
+from attnplug.core import AttentionConfig, ForwardMode, PagedAttention, UnsupportedFeature
 from attnplug.core.cascade import common_prefix_pages, min_saved_pages
 from attnplug.core.cuda_graph import GraphState
 from attnplug.core.kernels.merge import merge_splits, merge_state
@@ -287,6 +287,38 @@ def test_graph_of_one_request_has_no_cascade_part(provider):
     check_out(c, batch, q, k, v, n, gs, 1)
     assert gs.static_views(1)["kv_lens"].tolist() == seq.tolist(), "the plain plan holds every key"
     assert int(gs.cascade.kv_lens) == -7 and gs.cascade_counts.tolist() == before
+
+
+def test_merges_read_the_providers_own_lse(provider):
+    """Without an ``lse`` output the cascade's merges read what ``run_lse`` returns (fa3: a ``[T, Hq]``
+    view of FA3's own ``[Hq, T]`` LSE, not copied into the buffer): graph and eager cascades equal the
+    reference, and ``run_lse`` gives ``run``'s output and LSE."""
+    c, batch, q, k, v, n = make_case("one group", provider=provider)
+    B, bs = batch.batch_size, batch.batch_size + 1
+    ref, _ = reference_attention(make_plan(c, batch, n, device=DEV), q, k, v)
+    gs = state(c, provider=provider)
+    gs.prepare_capture(bs)
+    gs.update(batch, bs)
+    out = torch.full((bs, *q.shape[1:]), math.nan, dtype=q.dtype, device=DEV)
+    gs.run(bs, torch.cat([q, q[:1]]), k, v, out)
+    assert rel_err(out[:B], ref) < 1e-2
+    attn = PagedAttention(c, provider, DEV, cascade="always")
+    plan = attn.plan(batch, num_pages=n)
+    assert plan.cascade is not None
+    out = torch.full_like(q, math.nan)
+    attn.run(q, k, v, out=out)
+    assert rel_err(out, ref) < 1e-2
+    sp = plan.cascade.suffix
+    o1, o2 = torch.empty_like(q), torch.empty_like(q)
+    l1 = torch.empty(q.shape[0], c.num_qo_heads, dtype=torch.float32, device=DEV)
+    l2 = torch.full_like(l1, math.nan)
+    attn.provider.run(sp, q, k, v, o1, l1)
+    s = attn.provider.run_lse(sp, q, k, v, o2, l2)
+    assert torch.equal(o1, o2) and s.shape == l1.shape and torch.allclose(s, l1)
+    if provider == "fa3":
+        assert s.data_ptr() != l2.data_ptr() and torch.isnan(l2).all(), "FA3's own LSE, not copied"
+    else:
+        assert s is l2
 
 
 def test_cost_model_keeps_small_prefixes_whole(provider):

@@ -220,6 +220,15 @@ class Provider(ABC):
         a provider may then fold them on the host instead of reading the tensors (a CUDA graph
         keeps the values it was captured with). Providers that read the tensors ignore it."""
 
+    def run_lse(self, plan: Plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                lse: torch.Tensor, **scales: torch.Tensor) -> torch.Tensor:
+        """:meth:`run` for a caller that reads the LSE once, right after (the cascade's merges): returns the
+        natural-log LSE ``[T, Hq]`` float32, any strides. Default: ``lse`` itself, written by :meth:`run`. A
+        provider whose library hands back an LSE of its own may return a view of it instead of copying it
+        into ``lse`` (valid until its next run; captured in a CUDA graph, at every replay)."""
+        self.run(plan, q, k_cache, v_cache, out, lse, **scales)
+        return lse
+
     def run_merge(
         self,
         plan: Plan,
@@ -235,12 +244,12 @@ class Provider(ABC):
         """Merge attention of ``q [T, Hq, D]`` over this plan's keys into the state ``out [T, Hq, D]``,
         ``lse [T, Hq]`` (float32, natural log), which holds attention over a disjoint key set (the
         cascade's prefix part). Rows with no key in the plan leave ``out`` / ``lse`` untouched. No
-        host work. Default: :meth:`run` into ``scratch_out [T, Hq, D]`` / ``scratch_lse [T, Hq]``,
+        host work. Default: :meth:`run_lse` into ``scratch_out [T, Hq, D]`` / ``scratch_lse [T, Hq]``,
         then the core's in-place :func:`~attnplug.core.kernels.merge.merge_state`."""
         from ..kernels.merge import merge_state  # noqa: PLC0415 - triton is imported only when cascade runs
 
-        self.run(plan, q, k_cache, v_cache, scratch_out, scratch_lse, **scales)
-        merge_state(out, lse, scratch_out, scratch_lse, out, lse)
+        s_b = self.run_lse(plan, q, k_cache, v_cache, scratch_out, scratch_lse, **scales)
+        merge_state(out, lse, scratch_out, s_b, out, lse)
 
     # -- static memory, graphs, drafts ----------------------------------------------------------------
     def static_buffers(self, max_rows: int, max_tokens: int, max_kv_len: int, q: int = 1,

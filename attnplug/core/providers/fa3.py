@@ -378,6 +378,22 @@ class FA3Provider(Provider):
             q_scale: torch.Tensor | None = None, host_scales=None) -> None:
         """``q [T, Hq, D]``, caches ``[num_pages, P, Hkv, D]`` -> ``out [T, Hq, D]`` (+ natural-log ``lse [T, Hq]``).
         fp8 KV: one-element float32 scale tensors (see the module docstring)."""
+        s = self._run(plan, q, k_cache, v_cache, out, lse, lse is not None, k_scale, v_scale, q_scale)
+        if s is not None:
+            lse.copy_(s)
+
+    def run_lse(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                q_scale: torch.Tensor | None = None, host_scales=None) -> torch.Tensor:
+        """:meth:`run`, the LSE returned as a ``[T, Hq]`` view of FA3's own ``[Hq, T]`` (no copy); tree plans
+        write ``lse`` and return it."""
+        s = self._run(plan, q, k_cache, v_cache, out, lse, True, k_scale, v_scale, q_scale)
+        return lse if s is None else s
+
+    def _run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None, want_lse: bool,
+             k_scale, v_scale, q_scale) -> torch.Tensor | None:
+        """The launches of :meth:`run`; returns FA3's LSE as a ``[T, Hq]`` view when ``want_lse`` and the plan
+        has no tree (else ``None``: a tree plan writes ``lse`` itself)."""
         st: FA3State = plan.state
         a = vars(st.args)  # no copy: FA3Args' fields are paged()'s keyword arguments
         tree = st.tree
@@ -392,11 +408,10 @@ class FA3Provider(Provider):
                            v_descale=v_scale.reshape(1, 1).expand(shape))  # fmt: skip
             scales = dict(k_scale=k_scale, v_scale=v_scale)
         if tree is None:
-            s = self.lib.paged(q_fa, k_cache, v_cache, out, return_lse=lse is not None, descale=descale, **a)
-            if lse is not None:
-                lse.copy_(s.t())
-            return
+            s = self.lib.paged(q_fa, k_cache, v_cache, out, return_lse=want_lse, descale=descale, **a)
+            return s.t() if want_lse else None
         s_a = self.lib.paged(q_fa, k_cache, v_cache, tree.prefix_out, return_lse=True, descale=descale, **a)
         q_tree = q if st.q8 is None else tree.q_deq[: q.shape[0]]  # fp8: the query FA3's part reads
         self._tree.run(tree.tree_plan, q_tree, k_cache, v_cache, tree.tree_out, tree.tree_lse, **scales)
         self._merge(tree.prefix_out, s_a.t(), tree.tree_out, tree.tree_lse, out, lse)
+        return None
