@@ -14,6 +14,12 @@ import triton.language as tl
 
 
 @triton.jit
+def _natural_lse(tot, m_safe):
+    """Natural-log LSE of a merged state: weight sum ``tot`` at base-2 maximum ``m_safe``; -inf where empty."""
+    return tl.where(tot > 0.0, (m_safe + tl.log2(tl.where(tot > 0.0, tot, 1.0))) * 0.6931471805599453, float("-inf"))
+
+
+@triton.jit
 def merge_splits_kernel(
     P, PL, O, LSE, num_splits, num_heads,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
@@ -68,11 +74,10 @@ def merge_splits_kernel(
         out = acc / tl.where(tot > 0.0, tot, 1.0)[:, None]
         tl.store(O + t * stride_ot + h[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty), mask=need)
         if STORE_LSE:
-            res = tl.where(tot > 0.0, (m_safe + tl.log2(tl.where(tot > 0.0, tot, 1.0))) * 0.6931471805599453, float("-inf"))
-            if BASE:
-                tl.store(LSE + t * stride_st + h * stride_sh, res, mask=h_ok & (tot_splits > 0.0))
-            else:
-                tl.store(LSE + t * stride_st + h * stride_sh, res, mask=h_ok)
+            lse_ok = h_ok
+            if BASE:  # rows whose splits are all empty keep the base's LSE
+                lse_ok = lse_ok & (tot_splits > 0.0)
+            tl.store(LSE + t * stride_st + h * stride_sh, _natural_lse(tot, m_safe), mask=lse_ok)
 
 
 @triton.jit
@@ -113,11 +118,10 @@ def merge_state_kernel(
     tl.store(VO + ta * stride_ot + h[:, None] * stride_oh + d[None, :],
              ((va * wa[:, None] + vb * wb[:, None]) * inv[:, None]).to(VO.dtype.element_ty), mask=need)
     if STORE_LSE:
-        res = tl.where(tot > 0.0, (m_safe + tl.log2(tl.where(tot > 0.0, tot, 1.0))) * 0.6931471805599453, float("-inf"))
-        if IN_PLACE:
-            tl.store(SO + ta * stride_sot + h * stride_soh, res, mask=h_ok & (wb > 0.0))
-        else:
-            tl.store(SO + ta * stride_sot + h * stride_soh, res, mask=h_ok)
+        lse_ok = h_ok
+        if IN_PLACE:  # rows without state b keep state a's LSE
+            lse_ok = lse_ok & (wb > 0.0)
+        tl.store(SO + ta * stride_sot + h * stride_soh, _natural_lse(tot, m_safe), mask=lse_ok)
 
 
 #: A merge program takes whole heads, as many as keep at least this many programs and at most
