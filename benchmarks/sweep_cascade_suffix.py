@@ -55,37 +55,37 @@ def main() -> None:
     works = {r.name: workloads.build(r, CFG, dev) for r in workloads.FULL_ROWS if r.name in ROWS}
     shared = works[ROWS[0]]
     ref = workloads.reference(shared, workloads.ref_requests(shared.row))
-    out_f = open(a.out, "w")
-    for cand in candidates()[: a.limit]:
-        rec = {"entry": cand if cand is not None else dict(tiles.TILES.get(key, {}), table=True)}
-        try:
-            with table_entry(tiles, key, cand):
-                for name in ROWS:
-                    w = works[name]
-                    B = w.batch.batch_size
-                    gs = GraphState(CFG, "triton", max_batch=B, max_tokens=B, max_pages=w.num_pages, device=dev,
-                                    max_seq_len=w.block_table.shape[1] * CFG.page_size,
-                                    cascade="auto" if name == ROWS[0] else "off")  # fmt: skip
-                    gs.prepare_capture(B)
-                    gs.update_from_block_table(w.seq_lens, w.block_table, B)
-                    out = torch.full_like(w.q, float("nan"))
-                    if name == ROWS[0]:
-                        gs.run(B, w.q, w.k_cache, w.v_cache, out)
-                        err = workloads.rel_err(out[: ref.shape[0]], ref)
-                        rec["err"] = err
-                        rec["splits"] = gs.plans[B].state.num_splits
-                        if not err <= 2e-2:
-                            rec["dropped"] = "error"
-                            break
-                        s_lse = gs.cascade.lse_suffix[:B]
-                        rec["suffix_us"] = round(graph_ms(lambda: gs.provider.run(gs.plans[B], w.q, w.k_cache, w.v_cache,
-                                                                                  out, s_lse), dev, bench_ms) * 1e3, 2)
-                    rec[f"{name} us"] = round(graph_ms(lambda: gs.run(B, w.q, w.k_cache, w.v_cache, out), dev, bench_ms) * 1e3, 2)
-        except Exception as e:  # e.g. out of shared memory: the candidate is dropped
-            rec["dropped"] = f"{type(e).__name__}: {str(e)[:200]}"
-        out_f.write(json.dumps(rec) + "\n")
-        out_f.flush()
-        print("sweep-suffix:", json.dumps(rec), flush=True)
+    us = lambda fn: round(graph_ms(fn, dev, bench_ms) * 1e3, 2)  # noqa: E731 - a graph replay, microseconds
+    with open(a.out, "w") as out_f:
+        for cand in candidates()[: a.limit]:
+            rec = {"entry": cand if cand is not None else dict(tiles.TILES.get(key, {}), table=True)}
+            try:
+                with table_entry(tiles, key, cand):
+                    for name in ROWS:
+                        w = works[name]
+                        B = w.batch.batch_size
+                        gs = GraphState(CFG, "triton", max_batch=B, max_tokens=B, max_pages=w.num_pages, device=dev,
+                                        max_seq_len=w.block_table.shape[1] * CFG.page_size,
+                                        cascade="auto" if name == ROWS[0] else "off")  # fmt: skip
+                        gs.prepare_capture(B)
+                        gs.update_from_block_table(w.seq_lens, w.block_table, B)
+                        out = torch.full_like(w.q, float("nan"))
+                        if name == ROWS[0]:
+                            gs.run(B, w.q, w.k_cache, w.v_cache, out)
+                            err = workloads.rel_err(out[: ref.shape[0]], ref)
+                            rec["err"] = err
+                            rec["splits"] = gs.plans[B].state.num_splits
+                            if not err <= 2e-2:
+                                rec["dropped"] = "error"
+                                break
+                            s_lse = gs.cascade.lse_suffix[:B]
+                            rec["suffix_us"] = us(lambda: gs.provider.run(gs.plans[B], w.q, w.k_cache, w.v_cache, out, s_lse))
+                        rec[f"{name} us"] = us(lambda: gs.run(B, w.q, w.k_cache, w.v_cache, out))
+            except Exception as e:  # e.g. out of shared memory: the candidate is dropped
+                rec["dropped"] = f"{type(e).__name__}: {str(e)[:200]}"
+            out_f.write(json.dumps(rec) + "\n")
+            out_f.flush()
+            print("sweep-suffix:", json.dumps(rec), flush=True)
 
 
 if __name__ == "__main__":

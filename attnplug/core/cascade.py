@@ -321,6 +321,17 @@ def plan_cascade(plan: Plan, mode: str) -> CascadePlan | None:
     return build_cascade_plan(plan, groups)
 
 
+def _run_suffix(provider, plan: Plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                out: torch.Tensor, lse: torch.Tensor | None, scratch_lse: torch.Tensor, scales: dict) -> torch.Tensor:
+    """The suffix part into ``out``; returns the ``[T, Hq]`` LSE the prefix merge reads and updates: the caller's
+    ``lse`` when given (written), else what :meth:`~attnplug.core.providers.base.Provider.run_lse` returns
+    (``scratch_lse``, or the provider's own LSE where it has one)."""
+    if lse is not None:
+        provider.run(plan, q, k_cache, v_cache, out, lse, **scales)
+        return lse
+    return provider.run_lse(plan, q, k_cache, v_cache, out, scratch_lse, **scales)
+
+
 def run_cascade(cp: CascadePlan, suffix_provider, prefix_provider, q: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None = None, **scales) -> None:
     """``out [T, Hq, D]`` (+ natural-log ``lse [T, Hq]``) of the whole forward: the suffix part into
@@ -328,11 +339,7 @@ def run_cascade(cp: CascadePlan, suffix_provider, prefix_provider, q: torch.Tens
     ``scales``: fp8 KV, the layer's scale tensors (``Provider.run``), for both parts."""
     from .kernels.merge import merge_state  # noqa: PLC0415 - triton is imported only when cascade runs
 
-    if lse is not None:
-        suffix_provider.run(cp.suffix, q, k_cache, v_cache, out, lse, **scales)
-        s_lse = lse
-    else:  # read once, by the merge: the provider's own LSE where it has one (Provider.run_lse)
-        s_lse = suffix_provider.run_lse(cp.suffix, q, k_cache, v_cache, out, cp.lse_suffix, **scales)
+    s_lse = _run_suffix(suffix_provider, cp.suffix, q, k_cache, v_cache, out, lse, cp.lse_suffix, scales)
     qp = q if cp.rows is None else torch.index_select(q, 0, cp.rows, out=cp.q_part)
     p_lse = prefix_provider.run_lse(cp.prefix, qp, k_cache, v_cache, cp.out_part, cp.lse_part, **scales)
     merge_state(out, s_lse, cp.out_part, p_lse, out, s_lse, rows=cp.rows)
@@ -463,11 +470,7 @@ class CascadeGraph:
         (:meth:`~attnplug.core.providers.base.Provider.run_merge`; launches only). Captured with
         ``ATTNPLUG_GRAPH_IF=1``, the prefix part sits in an IF node on :attr:`active`
         (:func:`~attnplug.core.graph_if.captured_if`): a replay whose batch shares nothing skips it."""
-        if lse is not None:
-            suffix_provider.run(suffix, q, k_cache, v_cache, out, lse, **scales)
-            s_lse = lse
-        else:  # read once, by the prefix part's merge: the provider's own LSE where it has one
-            s_lse = suffix_provider.run_lse(suffix, q, k_cache, v_cache, out, self.lse_suffix[:bs], **scales)
+        s_lse = _run_suffix(suffix_provider, suffix, q, k_cache, v_cache, out, lse, self.lse_suffix[:bs], scales)
         with captured_if(self.active):
             self.provider.run_merge(self.plans[bs], q, k_cache, v_cache, out, s_lse, self.out_part[:bs],
                                     self.lse_part[:bs], **scales)  # fmt: skip
