@@ -10,6 +10,8 @@ LSE output; ``suffix_no_lse``: without), ``prefix`` (the prefix part alone: its 
 into the suffix state). fa3 also: ``fa3_call`` / ``fa3_call_lse`` (the suffix plan's FA3 call alone, the LSE
 not asked / asked and not copied) and ``fa3_call_lse_copy`` (asked and copied ``[Hq, T] -> [T, Hq]``, as
 the provider's ``run`` does): where the suffix's LSE costs.
+triton on sm90 also ``full_no_trigger`` (the suffix's paged kernel without ``gdc_launch_dependents``) and
+``full_no_pdl`` (no programmatic dependent launch, :mod:`attnplug.core.kernels.pdl`).
 ``full - off`` is what cascade costs (unshared) or saves (shared); ``prefix`` is the empty prefix
 part's share of it on the unshared row.
 """
@@ -73,6 +75,12 @@ def main() -> None:
                         t["fa3_call_lse_copy"] = graphed(lambda: s_lse.copy_(call(True).t()))
                     t["prefix"] = graphed(lambda: c.provider.run_merge(c.plans[B], q, k, v, out, s_lse, c.out_part[:B],
                                                                        c.lse_part[:B]))  # fmt: skip
+                    if getattr(c.provider, "_pdl_ok", None):  # triton on sm90: without PDL (same run)
+                        gs.provider._pdl_ok = False
+                        t["full_no_trigger"] = graphed(lambda: gs.run(B, q, k, v, out))
+                        c.provider._pdl_ok = False
+                        t["full_no_pdl"] = graphed(lambda: gs.run(B, q, k, v, out))
+                        gs.provider._pdl_ok = c.provider._pdl_ok = None
             t = {x: (round(y * 1e3, 2) if isinstance(y, float) else y) for x, y in t.items()}  # us
             res[f"{row.name} | {p}"] = t
             print(f"{row.name:32s} {p:7s} " + "  ".join(f"{x} {y}" for x, y in t.items()) + "  (us)", flush=True)

@@ -38,6 +38,8 @@ def candidates() -> list[dict]:
     # one 256-row tile for all 64 tokens x 4 heads (K/V read once): 16 warps, 128 registers, no spills in
     # the sm90 AOT stats at block_n 64 (block_n 128 spills)
     pre += [(256, bn, 16, st, 1) for bn, st in ((64, 2), (64, 3), (32, 3))]
+    # 64-row tiles on one warpgroup: 2-3 programs an SM interleave their softmax and wgmmas (K/V read per 64 rows)
+    pre += [(64, bn, 4, st, c) for bn, st, c in ((64, 3, 2), (64, 2, 2), (32, 4, 3), (64, 3, 4))]
     for bm, bn, w, st, c in pre:
         for partials in (None, "out"):
             e = {"kernel": "prefill", "block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st, "ctas_per_sm": c}

@@ -85,9 +85,12 @@ def _prefill_tiles(d: int) -> list[dict]:
                                                  (128, 4, 5))] + [p(128, 128, 8, 5, diag_n=64), p(128, 64, 4, 5, diag_n=0),
                                                                   p(128, 128, 8, 5, diag_n=0)]
     if d <= 128:
-        # 4 warps at 128 rows spill on sm90 (255 registers + stack, sm90_aot.py --stats): 8 warps only
+        # 4 warps at 128 rows spill on sm90 (255 registers + stack, sm90_aot.py --stats): 8 warps only.
+        # 64-row tiles on 4 warps (one warpgroup; 64 x 64: 198-208 registers, 82 KB shared; 64 x 32: 144, 49 KB)
+        # run 2-3 programs an SM, whose softmax and wgmmas the SM's schedulers interleave (K/V read per 64 rows)
         return [p(128, bn, w, s) for bn, w, s in ((64, 8, 5), (64, 8, 7), (128, 8, 5), (128, 8, 3), (64, 8, 3),
                                                  (64, 8, 6))] + [
+            p(64, 64, 4, 3), p(64, 64, 4, 2), p(64, 64, 4, 3, diag_n=0), p(64, 32, 4, 4), p(64, 32, 4, 3, diag_n=0)] + [
             p(128, 128, 8, 5, diag_n=64), p(128, 64, 8, 5, diag_n=32),
             p(128, 64, 8, 5, diag_n=0), p(128, 128, 8, 5, diag_n=0), p(128, 64, 8, 7, diag_n=0),
             {"kernel": "paged", "block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 5},

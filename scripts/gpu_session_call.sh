@@ -50,6 +50,10 @@
 #                 cascade graph's suffix part and the plain decode graphs run them (~4 min)
 #   probe-unshared  benchmarks/cascade_unshared_probe.py: the cascade graph's parts captured alone on the
 #                 shared row and its unshared twin, triton and fa3 (fa3: its library call with / without the LSE) (~1 min)
+#   sweep-prefill benchmarks/sweep_triton.py --write on the d128 prefill rows (4x4096, 1x8192, extend, page 64), then
+#                 the prefill rows triton vs fa3 with the written table (~5 min); the table comes back as w/sweep-prefill/tiles.py
+#   sweep-prefix64  sweep-prefix over the table's entry and the 64-row candidates only (--block-m 64) (~2 min)
+#   plan-cost     benchmarks/plan_cost.py --device cuda alone (triton, fa3; the host's load recorded in its JSON) (~1 min)
 #   paths-plan    tests/core/test_staging.py, tests/gpu/test_plan_no_sync.py, tests/core/test_kernel_paths.py,
 #                 tests/gpu/test_providers_gpu.py (not flashinfer), then benchmarks/plan_cost.py --device cuda,
 #                 triton and fa3 (~4 min)
@@ -178,6 +182,19 @@ for step in "$@"; do
   probe-unshared)
     timeout 150 $G python3 benchmarks/cascade_unshared_probe.py --out "$W/cascade-unshared-probe.json" \
       > "$W/cascade-unshared-probe.log" 2>&1; log "cascade unshared probe rc $?"; cat "$W/cascade-unshared-probe.log" | tail -n 6 ;;
+  sweep-prefill)
+    timeout 240 $G python3 benchmarks/sweep_triton.py --write --budget 180 --rows 'prefill 4x4096$,prefill 1x8192$,extend 8x(512+4096)$,page64' \
+      --out "$W/sweep-prefill" > "$W/sweep-prefill.log" 2>&1; log "sweep-prefill rc $?"; grep "^sweep:" "$W/sweep-prefill.log" | tail -n 8
+    cp attnplug/core/kernels/tiles.py "$W/sweep-prefill/"
+    timeout 150 $G python3 -m attnplug.bench --providers triton,fa3 --rows prefill --out "$W/bench-prefill-tf" \
+      --time-budget 120 > "$W/bench-prefill-tf.log" 2>&1; log "bench prefill (triton, fa3) rc $?"
+    grep -E "prefill|extend" "$W/bench-prefill-tf.log" | cut -c1-160 | head -20 ;;
+  sweep-prefix64)
+    timeout 200 $G python3 benchmarks/sweep_cascade_prefix.py --write --block-m 64 --out "$W/sweep-prefix64" > "$W/sweep-prefix64.log" 2>&1
+    log "sweep-prefix64 rc $?"; grep "table entry\|best\|chosen" "$W/sweep-prefix64.log" | head; cp attnplug/core/kernels/tiles.py "$W/sweep-prefix64/" ;;
+  plan-cost)
+    timeout 200 $G python3 benchmarks/plan_cost.py --device cuda --providers triton,fa3 --calls 1000 --warmup 100 \
+      --out "$W/plan-cost-h200.json" > "$W/plan-cost.log" 2>&1; log "plan cost rc $?"; cut -c1-400 "$W/plan-cost.log" ;;
   paths-plan)
     timeout 240 $G python3 -m pytest tests/core/test_staging.py tests/gpu/test_plan_no_sync.py tests/core/test_kernel_paths.py \
       tests/gpu/test_providers_gpu.py -q -rfEs -k "not flashinfer" > "$W/pytest-paths-plan.log" 2>&1

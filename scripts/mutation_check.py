@@ -121,6 +121,10 @@ MUTATIONS = [
              "        keys_ok = row_ok & (rows * 0 + lo < hi)\n", "        keys_ok = row_ok\n",
              ("tests/core/test_cascade_graph.py::test_prefix_part_on_the_prefill_kernel",),
              "a non-causal split without keys (an unshared batch in a cascade graph) loads q and stores its partial"),
+    Mutation("pdl_inside_if_node", "attnplug/core/providers/triton.py",
+             "pdl=self._pdl() and not graph_if.requested())", "pdl=self._pdl())",
+             ("tests/core/test_cascade_graph.py::test_prefix_part_launches_as_a_programmatic_dependent",),
+             "the prefix part launches as a programmatic dependent inside a CUDA IF node (no kernel before it there)"),
     # -- merge kernels -----------------------------------------------------------------------------------
     Mutation("split_merge_skipped", MG,
              "tl.int32) + s) < num_splits", "tl.int32) + s) < 1",

@@ -80,7 +80,7 @@ def signature(fn, args, kw):
     names = fn.arg_names
     bound = dict(zip(names, args))
     bound.update({k: v for k, v in kw.items() if k in names})
-    opts = {k: kw[k] for k in ("num_warps", "num_stages") if k in kw}
+    opts = {k: kw[k] for k in ("num_warps", "num_stages", "launch_pdl") if k in kw}
     sig, const, attrs = {}, {}, {}
     defaults = {k: q.default for k, q in inspect.signature(fn.fn).parameters.items()}
     for i, (name, p) in enumerate(zip(names, fn.params)):
@@ -115,6 +115,7 @@ def record_all() -> None:
         for n in names:
             setattr(mod, n, Recorder(getattr(mod, n)))
     TritonProvider.check_available = classmethod(lambda cls, device: None)  # CPU tensors, compiled triton
+    TritonProvider._pdl = lambda self: True  # as on sm90: programmatic dependent launch (kernels/pdl.py)
     llama = AttentionConfig(32, 8, 128, 16, torch.bfloat16)
     cases = [  # (config, mode, q lens, prefix lens, with LSE)
         (llama, ForwardMode.DECODE, [1] * 4, [99, 1999, 32, 700], False),  # KV splits + merge

@@ -469,3 +469,66 @@ def test_captured_prefix_part_replays_only_when_a_prefix_is_cut(provider, first,
         B = batch.batch_size
         ref, _ = reference_attention(make_plan(c, batch, n, device=DEV), Q[:B], K[:n], V[:n])
         assert rel_err(out[:B], ref) < 1e-2, name
+
+
+def test_prefix_part_launches_as_a_programmatic_dependent(monkeypatch):
+    """With programmatic dependent launch available (sm90+; forced here, the launches recorded instead of
+    run): in a cascade graph the prefix part's prefill kernel and its split merge launch as dependents
+    (``launch_pdl``) of the suffix part, whose paged kernel lets them start at once (``PDL``); eager
+    cascade runs and IF-node captures launch nothing as a dependent; without PDL nothing does."""
+    import attnplug.core.graph_if as graph_if
+    import attnplug.core.kernels.attention as attention_mod
+    import attnplug.core.kernels.merge as merge_mod
+    import attnplug.core.kernels.prefill as prefill_mod
+    from attnplug.core.kernels import pdl, tiles
+    from attnplug.core.providers.triton import TritonProvider
+
+    assert not pdl.available(torch.device("cpu"))
+    monkeypatch.setenv(pdl.PDL_ENV, "sometimes")
+    with pytest.raises(ValueError, match="attnplug: ATTNPLUG_PDL"):
+        pdl.available(torch.device("cpu"))
+    monkeypatch.delenv(pdl.PDL_ENV)
+
+    c, batch, q, k, v, n = make_case("one group", seed=11)
+    entry = {"kernel": "prefill", "block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 2}
+    monkeypatch.setitem(tiles.TILES, tiles.key(c.head_dim, c.group_size, "noncausal"), entry)
+    gs = state(c, num_kv_splits=3)
+    bs = batch.batch_size + 1
+    gs.prepare_capture(bs)
+    gs.update(batch, bs)
+    attn = PagedAttention(c, "triton", DEV, cascade="always")
+    plan = attn.plan(batch, num_pages=n, num_kv_splits=3)
+    assert plan.cascade is not None and plan.cascade.prefix.state.kernel == "prefill"
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((self.name, kw.get("PDL", False), kw.get("launch_pdl", False)))
+
+    for mod, name in ((attention_mod, "paged_attention_kernel"), (prefill_mod, "prefill_kernel"),
+                      (merge_mod, "merge_splits_kernel"), (merge_mod, "merge_state_kernel")):  # fmt: skip
+        monkeypatch.setattr(mod, name, Recorder(name))
+    out = torch.empty(bs, *q.shape[1:], dtype=q.dtype, device=DEV)
+    lse = torch.empty(bs, c.num_qo_heads, dtype=torch.float32, device=DEV)
+
+    def graph_launches():
+        launches.clear()
+        gs.run(bs, torch.cat([q, q[:1]]), k, v, out, lse)
+        return list(launches)
+
+    off = graph_launches()
+    assert ("prefill_kernel", False, False) in off and not any(p or lp for _, p, lp in off)
+    monkeypatch.setattr(TritonProvider, "_pdl", lambda self: True)
+    on = graph_launches()
+    assert on[-2:] == [("prefill_kernel", True, True), ("merge_splits_kernel", True, True)], on
+    assert ("paged_attention_kernel", True, False) in on[:-2], on
+    assert not any(lp for _, _, lp in on[:-2]), on
+    monkeypatch.setattr(graph_if, "requested", lambda: True)  # the prefix part inside an IF node
+    assert graph_launches()[-2:] == [("prefill_kernel", False, False), ("merge_splits_kernel", False, False)]
+    launches.clear()
+    attn.run(q, k, v, out=torch.empty_like(q))
+    assert ("prefill_kernel", False, False) in launches and not any(lp for _, _, lp in launches), launches

@@ -34,6 +34,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .pdl import gdc_launch_dependents
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -108,14 +110,17 @@ def paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr,
     SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    HAS_KV_START: tl.constexpr, KV_FP8: tl.constexpr, FP8_F16: tl.constexpr = False,
+    HAS_KV_START: tl.constexpr, KV_FP8: tl.constexpr, FP8_F16: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Grid ``(num_tiles, Hkv, num_splits)``.
 
     Q ``[T, Hq, D]``; K/V paged caches (strides given); O ``[T, Hq, D]`` (or fp32 partials
     ``[T, Hq, S, D]`` when SPLIT); LSE ``[T, Hq]`` natural log (or base-2 partials ``[T, Hq, S]``).
     ``KV_FP8``: K/V hold ``value / scale`` in fp8; ``K_SCALE`` / ``V_SCALE`` one-element float32.
+    ``PDL``: a programmatic dependent launched after this kernel (:mod:`.pdl`) may start at once.
     """
+    if PDL:
+        gdc_launch_dependents()
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import gdc_wait
+
 
 @triton.jit
 def _natural_lse(tot, m_safe):
@@ -25,12 +27,15 @@ def merge_splits_kernel(
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     stride_ot, stride_oh, stride_st, stride_sh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
-    STORE_LSE: tl.constexpr, BASE: tl.constexpr,
+    STORE_LSE: tl.constexpr, BASE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Grid ``(T, cdiv(H, BLOCK_H))``: merge ``num_splits`` partials ``P [T,H,S,D]`` (fp32 or the
     output dtype) with base-2 LSE ``PL [T,H,S]`` into ``O [T,H,D]`` (and natural-log ``LSE [T,H]``),
     ``BLOCK_H`` heads a program. With ``BASE``, ``O`` / ``LSE`` already hold a state over other keys
-    and the splits merge into it; a row whose splits are all empty is not written."""
+    and the splits merge into it; a row whose splits are all empty is not written. ``PDL`` (launched
+    with ``launch_pdl=True``): waits for the kernel before it (:mod:`.pdl`) before reading anything."""
+    if PDL:
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < num_heads
@@ -141,7 +146,7 @@ def heads_per_program(rows: int, heads: int, elems_per_head: int) -> int:
 
 
 def merge_splits(partial: torch.Tensor, partial_lse2: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
-                 base: bool = False, block_h: int | None = None, num_warps: int = 4) -> None:
+                 base: bool = False, block_h: int | None = None, num_warps: int = 4, pdl: bool = False) -> None:
     """Merge split-KV partials.
 
     Args:
@@ -153,6 +158,7 @@ def merge_splits(partial: torch.Tensor, partial_lse2: torch.Tensor, out: torch.T
             into it in place; rows whose splits are all empty stay untouched.
         block_h: heads a program (a power of two); ``None``: :func:`heads_per_program`.
         num_warps: warps a program.
+        pdl: launched as a programmatic dependent of the kernel before it (:mod:`.pdl`; CUDA sm90+ only).
     """
     T, H, S, D = partial.shape
     if T == 0:
@@ -168,7 +174,7 @@ def merge_splits(partial: torch.Tensor, partial_lse2: torch.Tensor, out: torch.T
         out.stride(0), out.stride(1),
         lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
         HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_S=bs, BLOCK_H=bh,
-        STORE_LSE=lse is not None, BASE=base, num_warps=num_warps,
+        STORE_LSE=lse is not None, BASE=base, num_warps=num_warps, **({"PDL": True, "launch_pdl": True} if pdl else {}),
     )
 
 

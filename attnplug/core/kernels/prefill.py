@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from .attention import _tanh
+from .pdl import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -210,6 +211,7 @@ def prefill_kernel(
     PAGE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr,
     STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
     FP8_F16: tl.constexpr = False, NONCAUSAL: tl.constexpr = False, num_splits=1, stride_os=0,
+    PDL: tl.constexpr = False,
 ):
     """Grid ``(num_tiles, Hkv)``: causal (bottom-right aligned), no split. ``NONCAUSAL`` (the cascade's
     shared-prefix parts): grid ``(num_tiles, Hkv, num_splits)``, every row sees every key; split ``s``
@@ -221,7 +223,12 @@ def prefill_kernel(
     O ``[T, Hq, D]``; LSE ``[T, Hq]`` natural log (``STORE_LSE``). ``num_splits > 1`` (``NONCAUSAL``
     only): O is the partials ``[T, Hq, S, D]`` (float32 or 16-bit; split stride ``stride_os``) and LSE their base-2
     LSE ``[T, Hq, S]`` (contiguous in S), as :func:`.merge.merge_splits` reads them.
+
+    ``PDL`` (launched with ``launch_pdl=True``, :mod:`.pdl`): reads nothing the kernel before it writes;
+    lets the next kernel launch at once and waits for the one before it to complete before exiting.
     """
+    if PDL:
+        gdc_launch_dependents()
     tile = num_tiles - 1 - tl.program_id(0)  # longest causal tiles first (see the module docstring)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -324,3 +331,5 @@ def prefill_kernel(
         if STORE_LSE:
             lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
             tl.store(LSE + t_glob * stride_lt + head * stride_lh, lse2 * 0.6931471805599453, mask=row_ok)
+    if PDL:  # the kernel before this one (the cascade's suffix part) has completed when this one has
+        gdc_wait()

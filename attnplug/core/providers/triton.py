@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import staging
+from .. import graph_if, staging
 from ..config import FP8_KV_DTYPES, SUPPORTED_DTYPES, AttentionConfig
 from ..kernels import tiles as tile_table
 from ..pages import num_pages
@@ -189,6 +189,7 @@ class TritonProvider(Provider):
         if config.head_dim < 16:
             raise self.unsupported(f"head_dim {config.head_dim} (min 16)")
         self._sms = _num_sms(self.device)
+        self._pdl_ok: bool | None = None
         self._entry_keys: dict[str, tuple[str, ...]] = {}
 
     # -- plan -------------------------------------------------------------------------------------
@@ -402,11 +403,25 @@ class TritonProvider(Provider):
         a: TritonState = plan.state
         if a.kernel == "decode" or a.num_splits == 1:
             return super().run_merge(plan, q, k_cache, v_cache, out, lse, scratch_out, scratch_lse, **scales)
-        self._run(plan, q, k_cache, v_cache, out, lse, scales.get("k_scale"), scales.get("v_scale"), merge_base=True)
+        # not inside a CUDA IF node: the body's first launch has no kernel before it in its own graph
+        self._run(plan, q, k_cache, v_cache, out, lse, scales.get("k_scale"), scales.get("v_scale"), merge_base=True,
+                  pdl=self._pdl() and not graph_if.requested())
+
+    def _pdl(self) -> bool:
+        """Whether launches may use programmatic dependent launch (:mod:`attnplug.core.kernels.pdl`): the
+        paged kernel then lets the next kernel start at once, and :meth:`run_merge`'s prefill-kernel plans
+        launch as dependents of the kernel before them (the cascade's suffix part)."""
+        if self._pdl_ok is None:
+            from ..kernels import pdl
+
+            self._pdl_ok = pdl.available(self.device)
+        return self._pdl_ok
 
     def _run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None,
-             k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, merge_base: bool = False) -> None:
-        """:meth:`run`; ``merge_base`` (paged kernel, split plans): the splits merge into ``(out, lse)``."""
+             k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, merge_base: bool = False,
+             pdl: bool = False) -> None:
+        """:meth:`run`; ``merge_base`` (split plans): the splits merge into ``(out, lse)``; ``pdl`` (prefill-kernel
+        plans): the kernel and the merge after it launch as programmatic dependents (:meth:`_pdl`)."""
         from ..kernels.attention import paged_attention_kernel
         from ..kernels.merge import merge_splits
 
@@ -419,7 +434,7 @@ class TritonProvider(Provider):
         else:
             ks, vs = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1)), (v_cache.stride(0), v_cache.stride(2), v_cache.stride(1))
         if a.kernel == "prefill":
-            return self._run_prefill(plan, a, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale, merge_base)
+            return self._run_prefill(plan, a, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale, merge_base, pdl)
         if a.kernel == "decode":
             return self._run_decode(plan, a, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale)
         split = a.num_splits > 1
@@ -449,16 +464,17 @@ class TritonProvider(Provider):
             SPLIT=split, STORE_LSE=lse is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             UPCAST=q.device.type == "cpu", HAS_KV_START=a.kv_start is not None, KV_FP8=fp8, FP8_F16=a.fp8_f16,
-            num_warps=a.num_warps, num_stages=a.num_stages,
+            num_warps=a.num_warps, num_stages=a.num_stages, **({"PDL": True} if self._pdl() else {}),
         )
         if split:
             merge_splits(a.partial, a.partial_lse, out, lse, base=merge_base)
 
     def _run_prefill(self, plan: Plan, a: TritonState, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale,
-                     merge_base: bool = False) -> None:
+                     merge_base: bool = False, pdl: bool = False) -> None:
         """The prefill kernel (:mod:`attnplug.core.kernels.prefill`), grid ``(tiles, Hkv)``: causal; or
         non-causal (a cascade prefix part), grid ``(tiles, Hkv, splits)``, the splits' partials then
-        merged into ``(out, lse)`` (``merge_base``: into the state they hold)."""
+        merged into ``(out, lse)`` (``merge_base``: into the state they hold). ``pdl``: both launches are
+        programmatic dependents of the kernel before them (:mod:`attnplug.core.kernels.pdl`)."""
         from ..kernels.merge import merge_splits
         from ..kernels.prefill import prefill_kernel
 
@@ -485,10 +501,10 @@ class TritonProvider(Provider):
             PAGE_TMA=a.tma, NUM_STAGES=a.num_stages, STORE_LSE=lse is not None or split,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=q.device.type == "cpu", KV_FP8=fp8,
             FP8_F16=a.fp8_f16, NONCAUSAL=noncausal, num_splits=a.num_splits, stride_os=o.stride(2) if split else 0,
-            num_warps=a.num_warps, num_stages=a.num_stages,
+            num_warps=a.num_warps, num_stages=a.num_stages, **({"PDL": True, "launch_pdl": True} if pdl else {}),
         )
         if split:
-            merge_splits(a.partial, a.partial_lse, out, lse, base=merge_base)
+            merge_splits(a.partial, a.partial_lse, out, lse, base=merge_base, pdl=pdl)
 
     def _run_decode(self, plan: Plan, a: TritonState, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale) -> None:
         """The split-KV decode kernel (:mod:`attnplug.core.kernels.decode`), grid ``(B, Hkv, splits)``;

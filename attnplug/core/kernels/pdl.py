@@ -1,0 +1,35 @@
+"""Programmatic dependent launch (Hopper and later): a kernel launched with ``launch_pdl=True`` may start
+while the kernel before it in the stream is still running, once every program of that one has called
+``gdc_launch_dependents`` (or exited).
+
+Used by the cascade's graph path (:meth:`~attnplug.core.providers.triton.TritonProvider.run_merge`): the
+prefix part's kernel reads nothing the suffix part writes, so it starts on the SMs the suffix's last
+programs leave free; it calls ``gdc_wait`` before it exits, so its completion implies the suffix's; the
+merge after it waits (``gdc_wait``) for the prefix part before reading either state.
+
+``ATTNPLUG_PDL=0`` turns it off (every launch then waits for the one before it, as without PDL).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # triton >= 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # the kernels then never take the PDL branches (available() is False)
+    gdc_launch_dependents = gdc_wait = None
+
+PDL_ENV = "ATTNPLUG_PDL"
+
+
+def available(device: torch.device) -> bool:
+    """Whether launches on ``device`` may use PDL: a CUDA device of compute capability >= 9.0, a triton
+    with grid-dependency control, and ``$ATTNPLUG_PDL`` not ``0``."""
+    v = os.environ.get(PDL_ENV, "1").strip().lower()
+    if v not in ("", "0", "1", "off", "on"):
+        raise ValueError(f"attnplug: {PDL_ENV} must be 0 or 1, got {v!r}")
+    if v in ("0", "off") or gdc_wait is None or device.type != "cuda" or torch.version.hip:
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
