@@ -181,6 +181,8 @@ def main() -> None:
             specs += [(p, f"{p} 64x(768 + 256) nothing shared", [(1, 768)] * 64, 256, False),
                       (p, f"{p} 8x(8192 + 256) nothing shared", [(1, 8192)] * 8, 256, False),
                       (p, f"{p} 16x(2048 shared + 256)", [(16, 2048)], 256, False)]
+            # small batches of short contexts, where the empty prefix part weighs most against the step
+            specs += [(p, f"{p} {m}x(768 + 256) nothing shared", [(1, 768)] * m, 256, False) for m in (2, 4, 8, 16)]
     only = [x for x in a.only.split(",") if x]
     rows = {name: row(cfg, groups, own_, dev, p, sweep=sw, eager=not a.graphs_only)
             for p, name, groups, own_, sw in specs if not only or any(x in name for x in only)}

@@ -53,6 +53,8 @@
 #   sweep-prefill benchmarks/sweep_triton.py --write on the d128 prefill rows (4x4096, 1x8192, extend, page 64), then
 #                 the prefill rows triton vs fa3 with the written table (~5 min); the table comes back as w/sweep-prefill/tiles.py
 #   sweep-prefix64  sweep-prefix over the table's entry and the 64-row candidates only (--block-m 64) (~2 min)
+#   cg-short      benchmarks/cascade_graph_bench.py --graphs-only on the rows that share nothing (2-64 requests x
+#                 (768 + 256), 8 / 64 x (8192 + 256)), triton and fa3: what cascade graphs cost where nothing is shared (~2 min)
 #   plan-cost     benchmarks/plan_cost.py --device cuda alone (triton, fa3; the host's load recorded in its JSON) (~1 min)
 #   paths-plan    tests/core/test_staging.py, tests/gpu/test_plan_no_sync.py, tests/core/test_kernel_paths.py,
 #                 tests/gpu/test_providers_gpu.py (not flashinfer), then benchmarks/plan_cost.py --device cuda,
@@ -192,6 +194,10 @@ for step in "$@"; do
   sweep-prefix64)
     timeout 200 $G python3 benchmarks/sweep_cascade_prefix.py --write --block-m 64 --out "$W/sweep-prefix64" > "$W/sweep-prefix64.log" 2>&1
     log "sweep-prefix64 rc $?"; grep "table entry\|best\|chosen" "$W/sweep-prefix64.log" | head; cp attnplug/core/kernels/tiles.py "$W/sweep-prefix64/" ;;
+  cg-short)
+    timeout 200 $G python3 benchmarks/cascade_graph_bench.py --graphs-only --only "nothing shared" --out "$W/cg-short" \
+      > "$W/cg-short.log" 2>&1; log "cascade graph bench (nothing shared) rc $?"
+    grep -E '"(graph_auto_over_off)"|nothing shared"' "$W/cg-short.log" | head -24 ;;
   plan-cost)
     timeout 200 $G python3 benchmarks/plan_cost.py --device cuda --providers triton,fa3 --calls 1000 --warmup 100 \
       --out "$W/plan-cost-h200.json" > "$W/plan-cost.log" 2>&1; log "plan cost rc $?"; cut -c1-400 "$W/plan-cost.log" ;;
