@@ -59,3 +59,19 @@ def test_cascade_equals_reference_gpu(provider, page, mode, q_len, groups, uniqu
         lo, hi = int(whole.qo_indptr_cpu[b]), int(whole.qo_indptr_cpu[b + 1])
         assert rel(out[lo:hi], ref[lo:hi]) <= 1e-2, (b, rel(out[lo:hi], ref[lo:hi]))
     assert rel(lse, ref_lse) <= 1e-3
+
+
+def test_triton_prefix_part_launches_as_a_programmatic_dependent_on_hopper(monkeypatch):
+    """On sm90+ the triton provider launches its cascade graphs' prefix part as a programmatic dependent of
+    the suffix part (``attnplug.core.kernels.pdl``), so the GPU runs of ``tests/core/test_cascade_graph.py``
+    test that path; ``ATTNPLUG_PDL=0`` turns it off."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (no GPU here)")
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+")
+    from attnplug.core.providers.triton import TritonProvider
+
+    cfg, dev = AttentionConfig(32, 8, 128, 16, torch.bfloat16), torch.device("cuda")
+    assert TritonProvider(cfg, dev)._pdl()
+    monkeypatch.setenv("ATTNPLUG_PDL", "0")
+    assert not TritonProvider(cfg, dev)._pdl()
