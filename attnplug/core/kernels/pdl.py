@@ -25,11 +25,14 @@ PDL_ENV = "ATTNPLUG_PDL"
 
 
 def available(device: torch.device) -> bool:
-    """Whether launches on ``device`` may use PDL: a CUDA device of compute capability >= 9.0, a triton
-    with grid-dependency control, and ``$ATTNPLUG_PDL`` not ``0``."""
+    """Whether launches on ``device`` may use PDL: a CUDA device of compute capability >= 9.0, a torch
+    built with CUDA >= 12.3 (PDL launches inside CUDA-graph captures), a triton with grid-dependency
+    control, and ``$ATTNPLUG_PDL`` not ``0``."""
     v = os.environ.get(PDL_ENV, "1").strip().lower()
     if v not in ("", "0", "1", "off", "on"):
         raise ValueError(f"attnplug: {PDL_ENV} must be 0 or 1, got {v!r}")
-    if v in ("0", "off") or gdc_wait is None or device.type != "cuda" or torch.version.hip:
+    if v in ("0", "off") or gdc_wait is None or device.type != "cuda" or not torch.version.cuda:
+        return False
+    if tuple(int(x) for x in torch.version.cuda.split(".")[:2]) < (12, 3):
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
