@@ -40,6 +40,7 @@ import torch
 from . import graph_if
 from .graph_if import captured_if
 from .metadata import ForwardMode
+from .config import env_flag
 from .pages import num_pages, tokens_from_pages
 from .plan import Plan
 from .staging import to_device
@@ -69,10 +70,7 @@ def graph_cascade_mode(graph_support, who: str | None = None) -> str:
     :func:`cascade_mode` when ``$ATTNPLUG_CASCADE_GRAPHS`` is ``1`` and the provider's graphs can run
     it, else ``"off"``. Called at startup: where the mode is on, ``ATTNPLUG_GRAPH_IF=1`` on a torch
     without IF nodes raises (:func:`~attnplug.core.graph_if.check_requested`, naming ``who``)."""
-    v = os.environ.get(CASCADE_GRAPHS_ENV, "0").strip().lower()
-    if v not in ("0", "1", "off", "on", ""):
-        raise ValueError(f"attnplug: {CASCADE_GRAPHS_ENV} must be 0 or 1, got {v!r}")
-    mode = cascade_mode() if v in ("1", "on") and graph_support.cascade else "off"
+    mode = cascade_mode() if env_flag(CASCADE_GRAPHS_ENV, False) and graph_support.cascade else "off"
     if mode != "off":
         graph_if.check_requested(who)
     else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,15 @@ KV_DTYPE_NAMES = {
     "float": torch.float32, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }  # fmt: skip
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """An on/off switch read from ``$name``: ``1`` / ``on`` or ``0`` / ``off`` (unset or empty: ``default``);
+    any other value raises ``ValueError`` naming attnplug and the variable."""
+    v = os.environ.get(name, "").strip().lower()
+    if v not in ("", "0", "1", "off", "on"):
+        raise ValueError(f"attnplug: {name} must be 0 or 1, got {v!r}")
+    return default if v == "" else v in ("1", "on")
 
 
 def kv_dtype_from_name(name: str | torch.dtype | None, model_dtype: torch.dtype) -> torch.dtype:

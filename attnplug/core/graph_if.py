@@ -15,10 +15,11 @@ part is empty). Asked for where torch cannot open IF nodes, it is refused at sta
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
 import torch
+
+from .config import env_flag
 
 GRAPH_IF_ENV = "ATTNPLUG_GRAPH_IF"
 BINDINGS = ("get_currently_capturing_graph", "begin_capture_to_if_node", "end_capture_to_conditional_node")
@@ -26,10 +27,7 @@ BINDINGS = ("get_currently_capturing_graph", "begin_capture_to_if_node", "end_ca
 
 def requested() -> bool:
     """Whether ``$ATTNPLUG_GRAPH_IF`` asks for IF nodes (``1``); a value other than 0 / 1 is refused."""
-    v = os.environ.get(GRAPH_IF_ENV, "0").strip().lower()
-    if v not in ("", "0", "1", "off", "on"):
-        raise ValueError(f"attnplug: {GRAPH_IF_ENV} must be 0 or 1, got {v!r}")
-    return v in ("1", "on")
+    return env_flag(GRAPH_IF_ENV, False)
 
 
 def missing() -> str | None:

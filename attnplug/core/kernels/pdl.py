@@ -12,9 +12,9 @@ merge after it waits (``gdc_wait``) for the prefix part before reading either st
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from ..config import env_flag
 
 try:  # triton >= 3.3
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -28,10 +28,7 @@ def available(device: torch.device) -> bool:
     """Whether launches on ``device`` may use PDL: a CUDA device of compute capability >= 9.0, a torch
     built with CUDA >= 12.3 (PDL launches inside CUDA-graph captures), a triton with grid-dependency
     control, and ``$ATTNPLUG_PDL`` not ``0``."""
-    v = os.environ.get(PDL_ENV, "1").strip().lower()
-    if v not in ("", "0", "1", "off", "on"):
-        raise ValueError(f"attnplug: {PDL_ENV} must be 0 or 1, got {v!r}")
-    if v in ("0", "off") or gdc_wait is None or device.type != "cuda" or not torch.version.cuda:
+    if not env_flag(PDL_ENV, True) or gdc_wait is None or device.type != "cuda" or not torch.version.cuda:
         return False
     if tuple(int(x) for x in torch.version.cuda.split(".")[:2]) < (12, 3):
         return False
