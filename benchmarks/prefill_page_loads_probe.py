@@ -6,6 +6,8 @@ loading a 64-key block, same grid and tiles, timed on the GPU (the sm90 SASS of 
 
 Modes (``[BLOCK_M, D]`` GQA-packed query tiles, 4096 keys a program through a random page table, 32/8 heads,
 d 128, bf16):
+The online-softmax step of one 64-key block is the prefill kernel's own (``softmax_update``).
+
   gather       per-key pointer loads through the page table (what ``kernels/prefill.py`` does at page 16)
   pieces       page 16 through tensor descriptors: four ``[16, D]`` TMA loads a block, ``Q K^T`` per page (n16
                wgmmas), one online-softmax step over the four pages, ``P V`` per page (k16 wgmmas)
@@ -19,13 +21,16 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import torch
 import triton
 import triton.language as tl
+
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, REPO)
+
+from attnplug.core.kernels.prefill import softmax_update  # noqa: E402
 
 MODES = ("gather", "pieces", "pieces_qreg", "page64")
 
@@ -51,18 +56,12 @@ def _loop_kernel(Q, O, K, V, K_desc, V_desc, kv_indices, n_keys, stride_kp, stri
             n = n0 + tl.arange(0, 64)
             off = tl.load(kv_indices + n // PAGE).to(tl.int64) * stride_kp + (n % PAGE) * stride_kt + kvh * stride_kh
             s = tl.dot(q, tl.load(K + off[None, :] + d[:, None]))
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            p = tl.exp2(s * qk_scale - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
+            m_new, l_i, p, alpha = softmax_update(s, n0, 0, 0, m_i, l_i, qk_scale, 0.0, 64, False, False, False)
             acc = tl.dot(p.to(tl.bfloat16), tl.load(V + off[:, None] + d[None, :]), acc * alpha[:, None])
         elif MODE == 3:
             pg = tl.load(kv_indices + n0 // PAGE)
             s = tl.dot(q, K_desc.load([pg, n0 % PAGE, kvh, 0]).reshape(64, D).T)
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            p = tl.exp2(s * qk_scale - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
+            m_new, l_i, p, alpha = softmax_update(s, n0, 0, 0, m_i, l_i, qk_scale, 0.0, 64, False, False, False)
             v = V_desc.load([pg, n0 % PAGE, kvh, 0]).reshape(64, D)
             acc = tl.dot(p.to(tl.bfloat16), v, acc * alpha[:, None])
         else:
@@ -128,13 +127,12 @@ def reference(c):
 
 def sass_stats(out_dir):
     """CPU: compile every mode for sm90 (Triton's NVIDIA pipeline, ptxas) and count the loop's instructions."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "core"))
+    sys.path.insert(0, os.path.join(REPO, "tests", "core"))
     import sm90_aot as aot
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     os.makedirs(out_dir, exist_ok=True)
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     for mode in MODES:
         c = case(mode, "cpu", tiles=1, hkv=1)
         rec = {}
@@ -147,10 +145,7 @@ def sass_stats(out_dir):
         sig, const, opts, attrs = aot.signature(_loop_kernel, rec["a"], rec["kw"])
         k = triton.compile(ASTSource(fn=_loop_kernel, signature=sig, constexprs=const, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options=opts)
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+        sass = aot.cuobjdump(k.asm["cubin"], "-sass")
         open(os.path.join(out_dir, f"{mode}.sass"), "w").write(sass)
         ops = {}
         for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass):

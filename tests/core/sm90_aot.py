@@ -283,9 +283,8 @@ def record_fast_paths(llama) -> None:
         attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=lse, **scales)
 
 
-def resource_usage(cubin: bytes) -> str:
-    """``REG:.. STACK:.. SHARED:..`` of a cubin (cuobjdump from Triton's NVIDIA backend), or ``?``."""
-    import re
+def cuobjdump(cubin: bytes, *args: str) -> str:
+    """The output of ``cuobjdump ARGS`` (Triton's NVIDIA backend ships it) on a cubin, or ``""``."""
     import subprocess
     import tempfile
 
@@ -294,10 +293,16 @@ def resource_usage(cubin: bytes) -> str:
         f.write(cubin)
         f.flush()
         try:
-            out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, timeout=60).stdout
+            return subprocess.run([tool, *args, f.name], capture_output=True, text=True, timeout=60).stdout
         except (OSError, subprocess.SubprocessError):
-            return "?"
-    m = re.search(r"REG:\d+ STACK:\d+ SHARED:\d+", out)
+            return ""
+
+
+def resource_usage(cubin: bytes) -> str:
+    """``REG:.. STACK:.. SHARED:..`` of a cubin (``cuobjdump -res-usage``), or ``?``."""
+    import re
+
+    m = re.search(r"REG:\d+ STACK:\d+ SHARED:\d+", cuobjdump(cubin, "-res-usage"))
     return m.group(0) if m else "?"
 
 
