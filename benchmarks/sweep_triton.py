@@ -70,6 +70,7 @@ SMOKE_ROWS = [("prefill smoke", "prefill", 2, 80, 16, (8, 2, 64)), ("decode smok
               ("decode smoke shared", "decode", 3, 1, 300, (8, 2, 64), 256)]
 SMOKE = {"on": False}
 PAIRS_ONLY = {"on": False}  # --pairs-only: fp8 rows time only the byte-pair candidates (and the seed)
+DEEP = {"on": False}  # --deep: the d128 decode rows time only deeper-pipeline candidates (and the seed)
 
 
 def prefill_candidates(d: int) -> list[dict]:
@@ -152,7 +153,28 @@ def is_fp8(row) -> bool:
     return row[0].endswith(" fp8")
 
 
+def deep_candidates(row, bucket: str) -> list[dict]:
+    """``--deep``: the decode kernel with deeper pipelines than the default candidates (rows run
+    ``(stages - 1) // 2`` blocks ahead; the shared memory this takes, sm90_aot: fp8 32-key blocks on one
+    warp 29 KB at 7 stages, 37 / 46 / 54 KB at 9 / 11 / 13, so four programs an SM still fit)."""
+    d = row[5][2]
+    if row[1] != "decode" or d != 128:
+        return []
+    fp8 = is_fp8(row)
+    extra = dict(fp8_f16=True, pairs=True) if fp8 else {}
+    if bucket == "decode":
+        tiles = ((32, 1, 9), (32, 1, 11), (32, 1, 13), (16, 1, 13), (16, 1, 17), (64, 2, 9), (32, 2, 11)) if fp8 else \
+            ((64, 2, 5), (64, 2, 7), (32, 2, 9), (64, 4, 7), (32, 1, 9), (32, 1, 13))
+        return [{"kernel": "decode", "block_n": bn, "num_warps": w, "num_stages": st, **extra} for bn, w, st in tiles]
+    tiles = ((128, 4, 7, (1, 2)), (64, 4, 9, (1, 2)), (64, 4, 11, (1, 2)), (64, 2, 9, (2, 4))) if fp8 else \
+        ((64, 4, 9, (1,)), (64, 4, 11, (1,)), (32, 4, 13, (1, 2)), (32, 2, 13, (2, 4)), (128, 4, 7, (1,)))
+    return [{"kernel": "decode", "block_n": bn, "num_warps": w, "num_stages": st, "ctas_per_sm": c, "fused_merge": True,
+             **extra} for bn, w, st, ctas in tiles for c in ctas]
+
+
 def candidates(row, bucket: str) -> list[dict]:
+    if DEEP["on"]:
+        return deep_candidates(row, bucket)
     d = row[5][2]
     if bucket == "prefill":
         out = prefill_candidates(d)
@@ -303,8 +325,9 @@ def main(argv=None) -> int:
                     help="the table file --write rewrites")
     ap.add_argument("--smoke", action="store_true", help="CPU check of the flow (Triton interpreter, tiny shapes)")
     ap.add_argument("--pairs-only", action="store_true", help="fp8 rows: only the byte-pair candidates (and the seed)")
+    ap.add_argument("--deep", action="store_true", help="d128 decode rows: only deeper-pipeline candidates (and the seed)")
     a = ap.parse_args(argv)
-    PAIRS_ONLY["on"] = a.pairs_only
+    PAIRS_ONLY["on"], DEEP["on"] = a.pairs_only, a.deep
     t0 = time.time()
     os.makedirs(a.out, exist_ok=True)
     SMOKE["on"] = a.smoke

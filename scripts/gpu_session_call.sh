@@ -59,6 +59,10 @@
 #   paths-plan    tests/core/test_staging.py, tests/gpu/test_plan_no_sync.py, tests/core/test_kernel_paths.py,
 #                 tests/gpu/test_providers_gpu.py (not flashinfer), then benchmarks/plan_cost.py --device cuda,
 #                 triton and fa3 (~4 min)
+#   sweep-deep    benchmarks/sweep_triton.py --write --deep: the d128 decode rows (bf16 and fp8: 1x32768, 4x32768,
+#                 64x4096; bf16 128x2048) with deeper pipelines only (~3.5 min); the table comes back as w/sweep-deep/tiles.py
+#   mask-plan     tests/gpu/test_plan_no_sync.py and the verify / mask cases of tests/gpu/test_providers_gpu.py
+#                 (not flashinfer): a large tree mask staged as its hidden positions (~1.5 min)
 #   e.g.  bash scripts/gpu_session_call.sh nosync cascade-if sweep bench-prefill
 set -u
 W=$OUT/w; mkdir -p "$W"; G="bash scripts/gpu_run.sh"; t0=$SECONDS
@@ -207,6 +211,15 @@ for step in "$@"; do
     log "pytest paths plan rc $?"; tail -n 3 "$W/pytest-paths-plan.log"
     timeout 200 $G python3 benchmarks/plan_cost.py --device cuda --providers triton,fa3 --calls 1000 --warmup 100 \
       --out "$W/plan-cost-h200.json" > "$W/plan-cost.log" 2>&1; log "plan cost rc $?"; cut -c1-400 "$W/plan-cost.log" ;;
+  sweep-deep)
+    timeout 240 $G python3 benchmarks/sweep_triton.py --write --deep --budget 190 \
+      --rows "decode 1x32768\$,decode 4x32768\$,decode 64x4096\$,decode 128x2048\$,decode 1x32768 fp8,decode 4x32768 fp8,decode 64x4096 fp8" \
+      --out "$W/sweep-deep" > "$W/sweep-deep.log" 2>&1; log "sweep-deep rc $?"; grep "^sweep:" "$W/sweep-deep.log" | tail -n 10
+    cp attnplug/core/kernels/tiles.py "$W/sweep-deep/tiles.py" 2>/dev/null ;;
+  mask-plan)
+    timeout 150 $G python3 -m pytest tests/gpu/test_plan_no_sync.py tests/gpu/test_providers_gpu.py -q -rfEs \
+      -k "not flashinfer and (verify or mask or sync)" > "$W/pytest-mask-plan.log" 2>&1
+    log "pytest mask plan rc $?"; tail -n 3 "$W/pytest-mask-plan.log" ;;
   *) log "unknown step $step" ;;
   esac
 done

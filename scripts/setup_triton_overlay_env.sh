@@ -12,10 +12,11 @@ bash scripts/setup_core_env.sh >/dev/null
 if [[ "$(cat "$STAMP" 2>/dev/null)" != "$SPEC" ]]; then
   rm -rf "$V"
   python3 -m venv "$V"
-  core_site=$(.venvs/core/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-  own_site=$("$V/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-  echo "$(cd "$core_site" && pwd)" > "$own_site/attnplug-core-env.pth"
-  "$V/bin/pip" install -q --disable-pip-version-check --no-deps "$SPEC"
+  "$V/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$SPEC"
   echo "$SPEC" > "$STAMP"
 fi
+# (re)written on every run: the absolute path stays right when the checkout (and .venvs) moved
+core_site=$(.venvs/core/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+own_site=$("$V/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+echo "$(cd "$core_site" && pwd)" > "$own_site/attnplug-core-env.pth"
 "$V/bin/python" -c "import triton, torch; print('$NAME: triton', triton.__version__, 'torch', torch.__version__)"

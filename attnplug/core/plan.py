@@ -169,36 +169,56 @@ def _short(a: np.ndarray, n: int = 8) -> str:
     return f"{head}{f' ... ({a.shape[0] - n} more)' if a.shape[0] > n else ''}"
 
 
-def _mask_free_np(mask: np.ndarray, mask_indptr: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray) -> np.ndarray:
+def _hidden_np(mask: np.ndarray) -> np.ndarray:
+    """``[h]`` int64 positions of the hidden (False) entries of the flat bool ``mask``, ascending.
+
+    Vectorized: finds the words of eight bytes that hold a hidden entry (a verify tree has few of
+    them), then the hidden bytes inside those words; the bytes past the last whole word directly."""
+    n = mask.shape[0]
+    n8 = n & ~7
+    words = mask[:n8].view(np.uint64)
+    start = (words != _ALL_TRUE_WORD).nonzero()[0]  # [k] words with a hidden byte
+    z = (words[start].view(np.uint8) == 0).nonzero()[0]  # hidden bytes: word z >> 3, byte z & 7
+    hidden = (start << 3)[z >> 3] + (z & 7)
+    if n8 < n:
+        hidden = np.concatenate((hidden, (~mask[n8:]).nonzero()[0] + n8))
+    return hidden
+
+
+def _mask_free_np(mask: np.ndarray, mask_indptr: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray,
+                  hidden: np.ndarray | None = None) -> np.ndarray:
     """``[B]`` int32: per request, the leading KV columns of its mask that are True in every row.
 
     ``mask``: ``[sum q_len*kv_len]`` flat contiguous bool (request ``b``'s rows at ``mask_indptr[b]``,
-    each ``kv_lens[b]`` long); ``mask_indptr``: ``[B+1]`` int64; ``q_lens``, ``kv_lens``: ``[B]`` ints.
-    Vectorized: finds the words of eight bytes that hold a hidden (False) entry (a verify tree has few
-    of them; the last eight bytes are one more, overlapping word when the length is not a multiple of
-    eight), the hidden bytes inside those words, then the smallest hidden column per request
-    (``np.minimum.at``)."""
-    n = mask.shape[0]
-    n8 = n & ~7
+    each ``kv_lens[b]`` long); ``mask_indptr``: ``[B+1]`` int64; ``q_lens``, ``kv_lens``: ``[B]`` ints;
+    ``hidden``: :func:`_hidden_np` of ``mask`` where the caller has it. The smallest hidden column
+    per request comes from ``np.minimum.at``."""
+    if hidden is None:
+        hidden = _hidden_np(mask)
     free = kv_lens.astype(np.int64)
-    if n < 8:
-        hidden = (~mask).nonzero()[0]
-    else:
-        words = mask[:n8].view(np.uint64)
-        start = (words != _ALL_TRUE_WORD).nonzero()[0]  # [k] words with a hidden byte
-        blk = words[start]
-        start <<= 3  # first byte of each word
-        if n8 < n:
-            blk = np.concatenate((blk, mask[n - 8:].view(np.uint64)))
-            start = np.concatenate((start, (n - 8,)))
-        z = (blk.view(np.uint8) == 0).nonzero()[0]  # [h] hidden bytes: word z >> 3, byte z & 7
-        hidden = start[z >> 3] + (z & 7)  # their positions in mask (the overlap may repeat some)
     if hidden.shape[0]:
         req = mask_indptr[1:].searchsorted(hidden, "right")
         np.minimum.at(free, req, (hidden - mask_indptr[req]) % free[req])
     if _nnz(q_lens) < q_lens.shape[0]:
         free[q_lens == 0] = 0
     return free.astype(np.int32)
+
+
+# a host mask of at least this many bytes whose hidden positions (int64) take at most 1/8 of its
+# bytes goes to the device as those positions (a verify tree over long prefixes: 286 KB -> ~4 KB)
+_SPARSE_MASK_MIN_BYTES = 1 << 16
+
+
+def _sparse_positions(mask: np.ndarray, hidden: np.ndarray) -> np.ndarray | None:
+    """``hidden`` when ``mask`` is better staged as its hidden positions, else ``None``."""
+    n = mask.shape[0]
+    return hidden if n >= _SPARSE_MASK_MIN_BYTES and hidden.shape[0] * 64 <= n else None
+
+
+def expand_mask(numel: int, hidden: torch.Tensor) -> torch.Tensor:
+    """``[numel]`` uint8 mask on ``hidden``'s device: 0 at the positions ``hidden`` ``[h]`` int64, 1
+    elsewhere (two device ops; the inverse of :func:`_hidden_np` for a 0 / 1 mask)."""
+    return torch.ones(numel, dtype=torch.uint8, device=hidden.device).index_fill_(0, hidden, 0)
 
 
 def _leading_visible_columns(
@@ -321,14 +341,19 @@ def make_plan(
         if cm.shape[0] != expected:
             raise ValueError(f"custom_mask must have sum(q_len*kv_len)={expected} elements, got {cm.shape[0]}")
         m = cm.cpu().contiguous().numpy()
-        mask_free_np = _mask_free_np(m if m.dtype == np.bool_ else m != 0, mi, q_lens, kv_lens)
+        mb = m if m.dtype == np.bool_ else m != 0
+        hidden = _hidden_np(mb)
+        mask_free_np = _mask_free_np(mb, mi, q_lens, kv_lens, hidden)
         mask_indptr_cpu, mask_free_cpu = torch.from_numpy(mi), torch.from_numpy(mask_free_np)
         if on_host or not cm.is_cpu:  # already where the kernels read it
             mask = cm.contiguous().view(torch.uint8) if cm.dtype == torch.bool else cm.contiguous()
         if on_host:
             mask_indptr, mask_free = mask_indptr_cpu, mask_free_cpu
-        else:  # staged with the index arrays below
-            staged_mask = (mi, mask_free_np) if mask is not None else (mi, mask_free_np, m.view(np.uint8))
+        elif mask is not None:  # staged with the index arrays below
+            staged_mask = (mi, mask_free_np)
+        else:  # the host mask: its bytes, or its hidden positions (expanded on the device)
+            sparse = _sparse_positions(mb, hidden)
+            staged_mask = (mi, mask_free_np, m.view(np.uint8) if sparse is None else sparse.astype(np.int64))
     elif batch.mode == ForwardMode.TARGET_VERIFY and not batch.causal:
         raise ValueError("TARGET_VERIFY without custom_mask must be causal (a chain of draft tokens)")
 
@@ -338,7 +363,8 @@ def make_plan(
         d_qo, d_kvp, d_last, d_kv, d_idx, *d_mask = to_device((qo, kvp, last, kv_lens, idx, *staged_mask), device)
         if d_mask:
             mask_indptr, mask_free = d_mask[0], d_mask[1]
-            mask = d_mask[2] if len(d_mask) > 2 else mask
+            if len(d_mask) > 2:
+                mask = d_mask[2] if d_mask[2].dtype == torch.uint8 else expand_mask(cm.shape[0], d_mask[2])
     return Plan(
         config=config,
         mode=batch.mode,

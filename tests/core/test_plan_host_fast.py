@@ -5,10 +5,11 @@ leading visible columns (``plan._mask_free_np``) and the triton tile list (``_ti
 from __future__ import annotations
 
 import numpy as np
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attnplug.core.plan import _mask_free_np
+from attnplug.core.plan import _SPARSE_MASK_MIN_BYTES, _hidden_np, _mask_free_np, _sparse_positions, expand_mask
 from attnplug.core.providers.triton import _stable_order, _tile_counts, _tile_list
 
 PROPS = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
@@ -129,6 +130,31 @@ def test_mask_free_single_hidden_byte_anywhere(n, seed):
         mask[rng.integers(0, n)] = False
     args = (mask, np.array([0, n], dtype=np.int64), np.array([1], dtype=np.int32), np.array([n], dtype=np.int32))
     assert np.array_equal(_mask_free_np(*args), ref_mask_free(*args))
+
+
+@PROPS
+@given(masked_batches())
+def test_hidden_positions_are_the_false_entries(batch):
+    """``_hidden_np`` lists exactly the hidden entries, ascending (every length modulo eight), and
+    ``expand_mask`` of them rebuilds the mask's bytes: the sparse staging's round trip."""
+    mask = batch[0]
+    hidden = _hidden_np(mask)
+    assert hidden.dtype == np.int64 and np.array_equal(hidden, np.flatnonzero(~mask))
+    rebuilt = expand_mask(mask.shape[0], torch.from_numpy(hidden))
+    assert rebuilt.dtype == torch.uint8 and np.array_equal(rebuilt.numpy(), mask.view(np.uint8))
+
+
+def test_sparse_staging_only_for_large_sparse_masks():
+    """A verify tree over long prefixes (few hidden entries in a large mask) is staged as positions;
+    a small mask, or one with many hidden entries, as its bytes."""
+    n = _SPARSE_MASK_MIN_BYTES
+    tree = np.ones(n, dtype=bool)
+    tree[np.arange(7, n, 977)] = False  # ~67 hidden entries
+    assert np.array_equal(_sparse_positions(tree, _hidden_np(tree)), np.flatnonzero(~tree))
+    assert _sparse_positions(tree[: n - 1], _hidden_np(tree[: n - 1])) is None  # below the size
+    dense = tree.copy()
+    dense[::50] = False  # 1 in 50 hidden: positions would take more than 1/8 of the bytes
+    assert _sparse_positions(dense, _hidden_np(dense)) is None
 
 
 @PROPS
