@@ -221,6 +221,18 @@ def expand_mask(numel: int, hidden: torch.Tensor) -> torch.Tensor:
     return torch.ones(numel, dtype=torch.uint8, device=hidden.device).index_fill_(0, hidden, 0)
 
 
+def _staged_host_mask(m: np.ndarray, mb: np.ndarray, hidden: np.ndarray) -> np.ndarray:
+    """What goes to the device for the host mask ``m`` (``mb``: as bool, ``hidden``: its
+    :func:`_hidden_np`): its bytes ``[n]`` uint8, or its hidden positions ``[h]`` int64."""
+    sparse = _sparse_positions(mb, hidden)
+    return m.view(np.uint8) if sparse is None else sparse.astype(np.int64)
+
+
+def _device_mask(numel: int, staged: torch.Tensor) -> torch.Tensor:
+    """The ``[numel]`` uint8 device mask from the device copy of :func:`_staged_host_mask`."""
+    return staged if staged.dtype == torch.uint8 else expand_mask(numel, staged)
+
+
 def _leading_visible_columns(
     mask: torch.Tensor, mask_indptr: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor
 ) -> torch.Tensor:
@@ -352,8 +364,7 @@ def make_plan(
         elif mask is not None:  # staged with the index arrays below
             staged_mask = (mi, mask_free_np)
         else:  # the host mask: its bytes, or its hidden positions (expanded on the device)
-            sparse = _sparse_positions(mb, hidden)
-            staged_mask = (mi, mask_free_np, m.view(np.uint8) if sparse is None else sparse.astype(np.int64))
+            staged_mask = (mi, mask_free_np, _staged_host_mask(m, mb, hidden))
     elif batch.mode == ForwardMode.TARGET_VERIFY and not batch.causal:
         raise ValueError("TARGET_VERIFY without custom_mask must be causal (a chain of draft tokens)")
 
@@ -364,7 +375,7 @@ def make_plan(
         if d_mask:
             mask_indptr, mask_free = d_mask[0], d_mask[1]
             if len(d_mask) > 2:
-                mask = d_mask[2] if d_mask[2].dtype == torch.uint8 else expand_mask(cm.shape[0], d_mask[2])
+                mask = _device_mask(cm.shape[0], d_mask[2])
     return Plan(
         config=config,
         mode=batch.mode,
