@@ -6,8 +6,9 @@ The wheel is streamed from the index (PEP 691 JSON at ``PIP_INDEX_URL``, default
 local file entries are read in order as they arrive: only the wanted members touch the disk, the
 archive's sha256 (from the index) and each member's CRC are checked before the folder is marked
 complete. A vLLM CUDA wheel is ~340 MB and its sources ~60 MB, so a test machine with little disk
-left still runs the check. Where the index has no JSON API, ``pip download --no-deps`` is the
-fallback (the wheel then sits on disk until unpacked)."""
+left still runs the check. Where the index has no JSON API, the stream breaks, or the wheel's layout
+is one this reader does not take (sizes after the data), ``pip download --no-deps`` is the fallback
+(the wheel then sits on disk until unpacked); a wrong hash or CRC fails."""
 
 from __future__ import annotations
 
@@ -41,18 +42,12 @@ def wheel_sources(dist: str, version: str) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        url, sha256 = wheel_url(dist, version)
-    except OSError as e:  # no JSON API on this index: pip's own download
+        _stream_extract(*wheel_url(dist, version), tmp)
+    except (OSError, ValueError, KeyError, _Unhandled) as e:  # no PEP 691 JSON, a cut stream, a layout not read
         print(f"wheel_sources: {dist}=={version} through pip download ({e})")
+        shutil.rmtree(tmp)
+        os.makedirs(tmp)
         _pip_download(dist, version, tmp)
-    else:
-        try:
-            _stream_extract(url, sha256, tmp)
-        except _Unhandled as e:
-            print(f"wheel_sources: {dist}=={version} through pip download ({e})")
-            shutil.rmtree(tmp)
-            os.makedirs(tmp)
-            _pip_download(dist, version, tmp)
     shutil.rmtree(dest, ignore_errors=True)
     os.rename(tmp, dest)
     open(os.path.join(dest, ".complete"), "w").close()

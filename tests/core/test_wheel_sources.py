@@ -69,3 +69,18 @@ def test_data_descriptors_are_reported_not_misread(tmp_path):
     _wheel(tmp_path / "s.whl", stream=True)
     with pytest.raises(ws._Unhandled, match="data descriptor"):
         ws._stream_extract((tmp_path / "s.whl").as_uri(), None, str(tmp_path / "o"))
+
+
+def test_pip_download_is_the_fallback_without_a_json_api(tmp_path, monkeypatch):
+    """An index without PEP 691 JSON (``wheel_url`` raises an ``OSError``): ``pip download`` fetches the
+    wheel and the same members are written (a small real wheel from the index)."""
+
+    def no_json(dist, version):
+        raise OSError("HTTP Error 404: no JSON API here")
+
+    monkeypatch.setattr(ws, "wheel_url", no_json)
+    monkeypatch.setattr(ws, "SRC_CACHE", str(tmp_path))
+    dest = ws.wheel_sources("six", "1.16.0")
+    assert os.path.isfile(os.path.join(dest, "six.py")) and os.path.isfile(os.path.join(dest, ".complete"))
+    assert os.path.isfile(os.path.join(dest, "six-1.16.0.dist-info", "METADATA"))
+    assert not any(f.endswith(".whl") for _, _, fs in os.walk(tmp_path) for f in fs)  # the wheel is not kept
