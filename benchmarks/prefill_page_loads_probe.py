@@ -5,8 +5,7 @@ loading a 64-key block, same grid and tiles, timed on the GPU (the sm90 SASS of 
     python benchmarks/prefill_page_loads_probe.py --sass DIR         # CPU: compile for sm90, count instructions
 
 Modes (``[BLOCK_M, D]`` GQA-packed query tiles, 4096 keys a program through a random page table, 32/8 heads,
-d 128, bf16):
-The online-softmax step of one 64-key block is the prefill kernel's own (``softmax_update``).
+d 128, bf16; the online-softmax step of a 64-key block is the prefill kernel's own ``softmax_update``):
 
   gather       per-key pointer loads through the page table (what ``kernels/prefill.py`` does at page 16)
   pieces       page 16 through tensor descriptors: four ``[16, D]`` TMA loads a block, ``Q K^T`` per page (n16

@@ -139,10 +139,9 @@ def _stream_extract(url: str, sha256: str | None, dest: str) -> None:
                         usize = vals.pop(0) if usize == 0xFFFFFFFF else usize
                         csize = vals.pop(0) if csize == 0xFFFFFFFF else csize
                     i += 4 + hlen
-            keep = wanted(name) and not name.endswith("/")
             path = os.path.join(dest, name)
             assert os.path.realpath(path).startswith(os.path.realpath(dest) + os.sep), f"unsafe member {name}"
-            if keep:
+            if wanted(name):
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 with open(path, "wb") as out:
                     got_crc, got_size = _member_data(r, method, csize, out)
