@@ -62,7 +62,7 @@
 #   sweep-deep    benchmarks/sweep_triton.py --write --deep: the d128 decode rows (bf16 and fp8: 1x32768, 4x32768,
 #                 64x4096; bf16 128x2048) with deeper pipelines only (~3.5 min); the table comes back as w/sweep-deep/tiles.py
 #   mask-plan     tests/gpu/test_plan_no_sync.py and the verify / mask cases of tests/gpu/test_providers_gpu.py
-#                 (not flashinfer): a large tree mask staged as its hidden positions (~1.5 min)
+#                 (not flashinfer): a large host tree mask in the plan's packed copy (~1.5 min)
 #   e.g.  bash scripts/gpu_session_call.sh nosync cascade-if sweep bench-prefill
 set -u
 W=$OUT/w; mkdir -p "$W"; G="bash scripts/gpu_run.sh"; t0=$SECONDS

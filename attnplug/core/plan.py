@@ -185,16 +185,13 @@ def _hidden_np(mask: np.ndarray) -> np.ndarray:
     return hidden
 
 
-def _mask_free_np(mask: np.ndarray, mask_indptr: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray,
-                  hidden: np.ndarray | None = None) -> np.ndarray:
+def _mask_free_np(mask: np.ndarray, mask_indptr: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray) -> np.ndarray:
     """``[B]`` int32: per request, the leading KV columns of its mask that are True in every row.
 
     ``mask``: ``[sum q_len*kv_len]`` flat contiguous bool (request ``b``'s rows at ``mask_indptr[b]``,
-    each ``kv_lens[b]`` long); ``mask_indptr``: ``[B+1]`` int64; ``q_lens``, ``kv_lens``: ``[B]`` ints;
-    ``hidden``: :func:`_hidden_np` of ``mask`` where the caller has it. The smallest hidden column
-    per request comes from ``np.minimum.at``."""
-    if hidden is None:
-        hidden = _hidden_np(mask)
+    each ``kv_lens[b]`` long); ``mask_indptr``: ``[B+1]`` int64; ``q_lens``, ``kv_lens``: ``[B]`` ints.
+    The smallest hidden column per request (of :func:`_hidden_np`) comes from ``np.minimum.at``."""
+    hidden = _hidden_np(mask)
     free = kv_lens.astype(np.int64)
     if hidden.shape[0]:
         req = mask_indptr[1:].searchsorted(hidden, "right")
@@ -202,35 +199,6 @@ def _mask_free_np(mask: np.ndarray, mask_indptr: np.ndarray, q_lens: np.ndarray,
     if _nnz(q_lens) < q_lens.shape[0]:
         free[q_lens == 0] = 0
     return free.astype(np.int32)
-
-
-# a host mask of at least this many bytes whose hidden positions (int64) take at most 1/8 of its
-# bytes goes to the device as those positions (a verify tree over long prefixes: 286 KB -> ~4 KB)
-_SPARSE_MASK_MIN_BYTES = 1 << 16
-
-
-def _sparse_positions(mask: np.ndarray, hidden: np.ndarray) -> np.ndarray | None:
-    """``hidden`` when ``mask`` is better staged as its hidden positions, else ``None``."""
-    n = mask.shape[0]
-    return hidden if n >= _SPARSE_MASK_MIN_BYTES and hidden.shape[0] * 64 <= n else None
-
-
-def expand_mask(numel: int, hidden: torch.Tensor) -> torch.Tensor:
-    """``[numel]`` uint8 mask on ``hidden``'s device: 0 at the positions ``hidden`` ``[h]`` int64, 1
-    elsewhere (two device ops; the inverse of :func:`_hidden_np` for a 0 / 1 mask)."""
-    return torch.ones(numel, dtype=torch.uint8, device=hidden.device).index_fill_(0, hidden, 0)
-
-
-def _staged_host_mask(m: np.ndarray, mb: np.ndarray, hidden: np.ndarray) -> np.ndarray:
-    """What goes to the device for the host mask ``m`` (``mb``: as bool, ``hidden``: its
-    :func:`_hidden_np`): its bytes ``[n]`` uint8, or its hidden positions ``[h]`` int64."""
-    sparse = _sparse_positions(mb, hidden)
-    return m.view(np.uint8) if sparse is None else sparse.astype(np.int64)
-
-
-def _device_mask(numel: int, staged: torch.Tensor) -> torch.Tensor:
-    """The ``[numel]`` uint8 device mask from the device copy of :func:`_staged_host_mask`."""
-    return staged if staged.dtype == torch.uint8 else expand_mask(numel, staged)
 
 
 def _leading_visible_columns(
@@ -354,8 +322,7 @@ def make_plan(
             raise ValueError(f"custom_mask must have sum(q_len*kv_len)={expected} elements, got {cm.shape[0]}")
         m = cm.cpu().contiguous().numpy()
         mb = m if m.dtype == np.bool_ else m != 0
-        hidden = _hidden_np(mb)
-        mask_free_np = _mask_free_np(mb, mi, q_lens, kv_lens, hidden)
+        mask_free_np = _mask_free_np(mb, mi, q_lens, kv_lens)
         mask_indptr_cpu, mask_free_cpu = torch.from_numpy(mi), torch.from_numpy(mask_free_np)
         if on_host or not cm.is_cpu:  # already where the kernels read it
             mask = cm.contiguous().view(torch.uint8) if cm.dtype == torch.bool else cm.contiguous()
@@ -363,8 +330,8 @@ def make_plan(
             mask_indptr, mask_free = mask_indptr_cpu, mask_free_cpu
         elif mask is not None:  # staged with the index arrays below
             staged_mask = (mi, mask_free_np)
-        else:  # the host mask: its bytes, or its hidden positions (expanded on the device)
-            staged_mask = (mi, mask_free_np, _staged_host_mask(m, mb, hidden))
+        else:  # the host mask's bytes with them
+            staged_mask = (mi, mask_free_np, m.view(np.uint8))
     elif batch.mode == ForwardMode.TARGET_VERIFY and not batch.causal:
         raise ValueError("TARGET_VERIFY without custom_mask must be causal (a chain of draft tokens)")
 
@@ -375,7 +342,7 @@ def make_plan(
         if d_mask:
             mask_indptr, mask_free = d_mask[0], d_mask[1]
             if len(d_mask) > 2:
-                mask = _device_mask(cm.shape[0], d_mask[2])
+                mask = d_mask[2]
     return Plan(
         config=config,
         mode=batch.mode,

@@ -5,14 +5,10 @@ leading visible columns (``plan._mask_free_np``) and the triton tile list (``_ti
 from __future__ import annotations
 
 import numpy as np
-import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attnplug.core import staging
-from attnplug.core.plan import (_SPARSE_MASK_MIN_BYTES, _device_mask, _hidden_np, _mask_free_np, _sparse_positions,
-                                 _staged_host_mask, expand_mask)
+from attnplug.core.plan import _hidden_np, _mask_free_np
 from attnplug.core.providers.triton import _stable_order, _tile_counts, _tile_list
 
 PROPS = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
@@ -138,47 +134,10 @@ def test_mask_free_single_hidden_byte_anywhere(n, seed):
 @PROPS
 @given(masked_batches())
 def test_hidden_positions_are_the_false_entries(batch):
-    """``_hidden_np`` lists exactly the hidden entries, ascending (every length modulo eight), and
-    ``expand_mask`` of them rebuilds the mask's bytes: the sparse staging's round trip."""
+    """``_hidden_np`` lists exactly the hidden entries, ascending (every length modulo eight)."""
     mask = batch[0]
     hidden = _hidden_np(mask)
     assert hidden.dtype == np.int64 and np.array_equal(hidden, np.flatnonzero(~mask))
-    rebuilt = expand_mask(mask.shape[0], torch.from_numpy(hidden))
-    assert rebuilt.dtype == torch.uint8 and np.array_equal(rebuilt.numpy(), mask.view(np.uint8))
-
-
-def test_sparse_staging_only_for_large_sparse_masks():
-    """A verify tree over long prefixes (few hidden entries in a large mask) is staged as positions;
-    a small mask, or one with many hidden entries, as its bytes."""
-    n = _SPARSE_MASK_MIN_BYTES
-    tree = np.ones(n, dtype=bool)
-    tree[np.arange(7, n, 977)] = False  # ~67 hidden entries
-    assert np.array_equal(_sparse_positions(tree, _hidden_np(tree)), np.flatnonzero(~tree))
-    assert _sparse_positions(tree[: n - 1], _hidden_np(tree[: n - 1])) is None  # below the size
-    dense = tree.copy()
-    dense[::50] = False  # 1 in 50 hidden: positions would take more than 1/8 of the bytes
-    assert _sparse_positions(dense, _hidden_np(dense)) is None
-
-
-@pytest.mark.parametrize("hidden_every", [977, 50, 0])
-@pytest.mark.parametrize("as_uint8", [False, True])
-def test_staged_host_mask_through_the_packed_copy(hidden_every, as_uint8):
-    """make_plan's off-host path for a host mask, with the device copy done on the CPU: the staged
-    array (bytes or hidden positions) packed with the mask's index arrays as ``staging.to_device``
-    packs them, unpacked from the one buffer, turned into the device mask: it equals the mask's
-    visibility, byte for byte (nonzero = visible, a uint8 mask's 3s included)."""
-    n = _SPARSE_MASK_MIN_BYTES + 5
-    mb = np.ones(n, dtype=bool)
-    if hidden_every:
-        mb[np.arange(3, n, hidden_every)] = False
-    m = mb.astype(np.uint8) * 3 if as_uint8 else mb
-    staged = _staged_host_mask(m, mb, _hidden_np(mb))
-    assert staged.dtype == (np.int64 if hidden_every == 977 or not hidden_every else np.uint8)
-    arrays = [np.array([0, n], dtype=np.int64), np.array([n - 9], dtype=np.int32), staged]
-    views = staging._views(torch.from_numpy(staging._pack(arrays)).clone(), arrays)
-    mask = _device_mask(n, views[2])
-    assert mask.dtype == torch.uint8 and mask.shape == (n,)
-    assert np.array_equal(mask.numpy() != 0, mb)
 
 
 @PROPS

@@ -155,8 +155,7 @@ def test_llama3_shape_verify_and_decode(provider):
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_large_host_tree_mask_matches_reference(provider):
     """A tree verify over long prefixes with host metadata (as the adapters pass it): its 84 KB mask
-    goes to the device as its hidden positions (make_plan's sparse staging) and every provider's
-    output still equals the reference."""
+    goes to the device in make_plan's packed copy and every provider's output equals the reference."""
     config = _cfg(hq=32, hkv=8)
     attn = _attn(provider, config)
     case = random_case(ForwardMode.TARGET_VERIFY, [8] * 4, [3000, 2500, 4000, 1000], config, "cuda", seed=13)
