@@ -105,6 +105,7 @@ class AttnplugBackend(AttentionBackend):
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
     supported_kv_cache_dtypes: ClassVar[list[str]] = KV_CACHE_DTYPES
+    layer_kv_cache_dtypes: ClassVar[set[str]]  # ``kv_cache_dtype`` of this backend's layers built in this process
     forward_includes_kv_cache_update: bool = False  # vLLM calls Impl.do_kv_cache_update first
 
     @classmethod
@@ -128,6 +129,31 @@ class AttnplugBackend(AttentionBackend):
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False):
         """0.26 only: physical order of ``get_kv_cache_shape``; see ``compat.kv_cache_stride_order``."""
         return compat.kv_cache_stride_order(include_num_layers_dimension)
+
+    @classmethod
+    def preferred_kv_layout(cls) -> str | None:
+        """The cache layout (``"NHD"`` / ``"HND"``) this backend's provider reads fastest for this
+        process's ``--kv-cache-dtype`` (``Provider.preferred_kv_layout``): from the current vLLM config
+        (0.26 asks while it selects the backend), else from this backend's layers built in this
+        process (0.32+ asks the worker after the model is built, outside a config); ``None``: no
+        preference, or neither source is there (or the layers disagree). Never raises."""
+        try:
+            kvd = compat.configured_kv_cache_dtype()
+            if kvd is None and len(cls.layer_kv_cache_dtypes) == 1:
+                (kvd,) = cls.layer_kv_cache_dtypes
+            return None if kvd is None else get_provider_cls(cls.provider()).preferred_kv_layout(fp8_cache_dtype(kvd))
+        except Exception:  # an unknown provider or dtype name: vLLM's own checks report it
+            return None
+
+    @classmethod
+    def get_required_kv_cache_layout(cls):
+        """0.26: the provider's preferred layout for the process (``compat.required_kv_cache_layout``)."""
+        return compat.required_kv_cache_layout(cls.preferred_kv_layout())
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        """0.32+: layouts this backend reads, the provider's preferred first (``compat.supported_kv_cache_layouts``)."""
+        return compat.supported_kv_cache_layouts(cls.preferred_kv_layout())
 
     @classmethod
     def provider(cls) -> str:
@@ -419,7 +445,8 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
                     f"dtype {str(cfg.dtype).removeprefix('torch.')}, kv_dtype {str(cfg.kv_dtype).removeprefix('torch.')}, "
                     f"heads {cfg.num_qo_heads}/{cfg.num_kv_heads}, "
                     f"head_dim {cfg.head_dim}, window {cfg.window_left}, soft_cap {cfg.logits_soft_cap}, "
-                    f"cascade {attn.cascade}, in CUDA graphs {'on' if self._graph_cascade else 'off'}")  # fmt: skip
+                    f"cascade {attn.cascade}, in CUDA graphs {'on' if self._graph_cascade else 'off'}, "
+                    f"cache layout {compat.cache_layout_name(vllm_config)}")  # fmt: skip
             logger.info("attnplug: %s active (%s, %s)", backend.NAME, info, compat.versions_info())
             STATS["backends"].setdefault(backend.NAME, []).append(info)
         _write_marker()
@@ -582,6 +609,7 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
         why = b.kv_cache_dtype_refusal(kv_cache_dtype)
         if why:
             raise b.refuse(why)
+        b.layer_kv_cache_dtypes.add(kv_cache_dtype)
         unknown = sorted(k for k, v in extra.items() if v)
         if unknown:
             raise b.refuse(f"layer options {unknown}")
@@ -660,7 +688,8 @@ def _make_backend(name: str) -> type[AttnplugBackend]:
     cls_name = path.rsplit(".", 1)[1]
     ns = {"__module__": __name__}
     backend = type(cls_name, (AttnplugBackend,), {**ns, "NAME": name, "PROVIDER": provider,
-                                                  "supported_kv_cache_dtypes": kv_cache_dtypes(provider)})  # fmt: skip
+                                                  "supported_kv_cache_dtypes": kv_cache_dtypes(provider),
+                                                  "layer_kv_cache_dtypes": set()})  # fmt: skip
     backend.IMPL = type(cls_name.replace("Backend", "Impl"), (AttnplugImpl,), {**ns, "BACKEND": backend})
     level = AttentionCGSupport[graph_level(provider)[0]]  # the default provider's honest level
     backend.BUILDER = type(

@@ -213,6 +213,58 @@ def kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[i
     return (1, 0, 3, 2, 4) if include_num_layers_dimension else (0, 2, 1, 3)
 
 
+def configured_kv_cache_dtype() -> str | None:
+    """This process's ``--kv-cache-dtype`` (``cache_config.cache_dtype`` of the current vLLM config),
+    or ``None`` where no config is current here."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        cfg = get_current_vllm_config_or_none()
+    except Exception:  # a release without it, or a broken config
+        return None
+    return getattr(getattr(cfg, "cache_config", None), "cache_dtype", None)
+
+
+def required_kv_cache_layout(preferred: str | None) -> str | None:
+    """0.26 ``AttentionBackend.get_required_kv_cache_layout``: the provider's ``preferred`` layout
+    (``"NHD"`` / ``"HND"``), which vLLM then sets for the process (:func:`kv_cache_stride_order`
+    follows it); ``None`` where the user chose one (``VLLM_KV_CACHE_LAYOUT``) or the provider has
+    no preference."""
+    return None if os.environ.get("VLLM_KV_CACHE_LAYOUT") else preferred
+
+
+def supported_kv_cache_layouts(preferred: str | None):
+    """0.32+ ``AttentionBackend.supported_kv_cache_layouts``: ``None`` (any layout, vLLM's default
+    preference) without a ``preferred`` layout; else vLLM's ``KVCacheLayout`` members with the
+    blocks outside the heads (what :func:`split_kv_cache` reads through strides), those matching
+    ``preferred`` first (``"HND"``: heads before tokens inside a block), each group in enum order."""
+    if preferred is None:
+        return None
+    try:
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+    except ImportError:  # 0.26: the layout is chosen by required_kv_cache_layout
+        return None
+    members = [m for m in KVCacheLayout if m.name.index("B") < m.name.index("H")]
+    head_major = [m for m in members if m.name.index("H") < m.name.index("N")]
+    token_major = [m for m in members if m not in head_major]
+    return tuple(head_major + token_major if preferred == "HND" else token_major + head_major)
+
+
+def cache_layout_name(vllm_config) -> str:
+    """The physical KV cache layout vLLM chose for this process, for the backend's log line: 0.32+
+    ``cache_config.kv_cache_layout`` (``KVCacheLayout`` name, e.g. ``LBHNC``: heads before tokens
+    inside a block), 0.26 ``get_kv_cache_layout()`` (``NHD`` / ``HND``); ``"unresolved"`` otherwise."""
+    name = getattr(getattr(vllm_config, "cache_config", None), "kv_cache_layout", None)
+    if name:
+        return str(name)
+    try:
+        from vllm.v1.attention.backends.utils import get_kv_cache_layout
+
+        return str(get_kv_cache_layout())
+    except Exception:  # 0.32+ before the layout is resolved, or a release without it
+        return "unresolved"
+
+
 def split_kv_cache(kv_cache, head_size: int):
     """One layer's vLLM KV cache -> ``(k_cache, v_cache)``, each an NHD view
     ``[num_blocks, block_size, Hkv, D]`` (strided, no copy; writes go through).

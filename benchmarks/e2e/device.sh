@@ -160,7 +160,10 @@ sglang-spec)
   $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
 vllm-fp8)
   setup; rows="--rows ${E2E_ROWS:-0,1}"
-  for b in ${E2E_BACKENDS:-FLASH_ATTN ATTNPLUG_FA3 ATTNPLUG_TRITON FLASHINFER ATTNPLUG_FLASHINFER}; do
+  # a backend written NAME@VAR=VALUE runs its fp8 job with that variable set (e.g. ATTNPLUG_TRITON@VLLM_KV_CACHE_LAYOUT=NHD)
+  for spec in ${E2E_BACKENDS:-FLASH_ATTN ATTNPLUG_FA3 ATTNPLUG_TRITON FLASHINFER ATTNPLUG_FLASHINFER}; do
+    b=${spec%%@*}
+    if [[ $spec == *@* ]]; then vllm_job 0 "$b" --kv-cache-dtype fp8 $rows --env "${spec#*@}"; continue; fi
     vllm_job 0 "$b" --kv-cache-dtype fp8 $rows
     [[ -z ${E2E_DEFAULT_DTYPE+x} || " $E2E_DEFAULT_DTYPE " == *" $b "* ]] && vllm_job $g1 "$b" $rows
   done

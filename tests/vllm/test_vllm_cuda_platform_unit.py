@@ -207,3 +207,51 @@ def test_default_cudagraph_mode_resolves_per_backend(monkeypatch, spec_tokens):
         level = getattr(B, name).get_builder_cls().get_cudagraph_support(None, None)
         got[name] = cc.resolve_cudagraph_mode_and_sizes(level, name, uniform_decode_query_len=1 + spec_tokens).name
     assert got == want
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8", "fp8_e5m2"])
+def test_kv_cache_layout_preference(vllm_config, monkeypatch, cache_dtype):
+    """ATTNPLUG_TRITON asks for head-major pages for an fp8 cache (its decode programs read one KV head:
+    one contiguous run a page); the other backends, and every backend with an unquantized cache, state
+    no preference; outside a vLLM config nothing is asked; a user's ``VLLM_KV_CACHE_LAYOUT`` wins
+    (0.26, where the backend's choice would override it). 0.26 asks ``get_required_kv_cache_layout``,
+    0.32+ ``supported_kv_cache_layouts`` (and resolves the layout from every backend's answer)."""
+    from vllm.config import set_current_vllm_config
+
+    from attnplug.vllm_adapter.backend import AttnplugFA3Backend, AttnplugFlashInferBackend, AttnplugTritonBackend
+
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+    monkeypatch.setattr(vllm_config.cache_config, "cache_dtype", cache_dtype)
+    backends = (AttnplugTritonBackend, AttnplugFlashInferBackend, AttnplugFA3Backend)
+    fp8 = cache_dtype != "auto"
+    try:
+        from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: F401 - 0.32+
+        new_api = True
+    except ImportError:
+        new_api = False
+    for b in backends:
+        monkeypatch.setattr(b, "layer_kv_cache_dtypes", set())
+    for b in backends:  # no current config, no layer built: no preference
+        assert b.get_required_kv_cache_layout() is None and b.supported_kv_cache_layouts() is None
+    with set_current_vllm_config(vllm_config):
+        for b in backends[1:]:
+            assert b.get_required_kv_cache_layout() is None and b.supported_kv_cache_layouts() is None
+        t = AttnplugTritonBackend
+        assert t.get_required_kv_cache_layout() == ("HND" if fp8 else None)
+        got = t.supported_kv_cache_layouts()
+        if not (fp8 and new_api):
+            assert got is None
+        else:
+            from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+
+            assert [m.name for m in got] == ["LBHNC", "BLHNC", "BHLNC", "LBNHC", "BLNHC"]
+            assert get_supported_kv_cache_layouts([t])[0].name == "LBHNC"  # what vLLM resolves
+        monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "NHD")
+        assert t.get_required_kv_cache_layout() is None
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT")
+    # 0.32+ asks the worker after the model is built, outside a config: the layers' own kv_cache_dtype
+    t.get_impl_cls()(4, 64, 0.125, 2, None, None, cache_dtype, None)
+    assert t.layer_kv_cache_dtypes == {cache_dtype}
+    assert t.get_required_kv_cache_layout() == ("HND" if fp8 else None)
+    t.layer_kv_cache_dtypes.add("auto")  # layers that disagree: no preference
+    assert t.get_required_kv_cache_layout() is None

@@ -150,6 +150,7 @@ def test_fp8_ran_through_attnplug(runs):
     (m,) = ours.markers
     (info,) = m["backends"]["ATTNPLUG_TRITON"]
     assert "kv_dtype float8_e4m3fn" in info, m
+    assert info.endswith("cache layout LBHNC"), info  # the triton provider's head-major pages for fp8
     assert m["layer_runs"] >= 2 * MAX_TOKENS and m["kv_writes"] == m["layer_runs"], m
     assert m["prefix_hit_requests"] >= 1 and m["max_cached_prefix"] >= 96, m  # prompt 2 read prompt 1's fp8 pages
     assert m["graph_builds"] >= MAX_TOKENS, m  # decode steps on the static (graph) buffers, with the scale tensors

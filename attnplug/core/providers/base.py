@@ -5,7 +5,8 @@ A provider decides, for its library:
 * **capabilities** - :meth:`Provider.check_available` (device, library), :meth:`Provider.check_config`
   (features of an :class:`~attnplug.core.config.AttentionConfig`), :meth:`Provider.check_capability`
   (a CUDA compute capability, before any device exists), :attr:`Provider.KV_DTYPES` (the KV-cache
-  dtypes it reads, fp8 included or not), :attr:`Provider.graph_support` (what its
+  dtypes it reads, fp8 included or not), :meth:`Provider.preferred_kv_layout` (the cache layout its
+  kernels read fastest, where an engine lets the backend choose), :attr:`Provider.graph_support` (what its
   CUDA graphs can replay, and why not more), :meth:`Provider.prepare_process` (what a process must
   do before the library is imported, e.g. the Triton interpreter on CPU);
 * **one forward** - :meth:`Provider.plan` (host work, once per forward; the launch arguments go into
@@ -147,6 +148,14 @@ class Provider(ABC):
     def check_capability(cls, major: int, minor: int) -> str | None:
         """Why this provider cannot run on a CUDA device of compute capability ``major.minor``
         (checked before a device exists, e.g. by an engine's backend selector); ``None`` if it can."""
+        return None
+
+    @classmethod
+    def preferred_kv_layout(cls, kv_dtype: torch.dtype | None) -> str | None:
+        """The cache layout (``"NHD"`` ``[pages, P, Hkv, D]`` or ``"HND"`` ``[pages, Hkv, P, D]``) this
+        provider's kernels read fastest for a KV cache of ``kv_dtype`` (``None``: the model dtype),
+        for engines that let the attention backend choose the physical layout; ``None``: no preference
+        (the engine's default). Never raises."""
         return None
 
     @classmethod
