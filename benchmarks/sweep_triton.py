@@ -58,6 +58,7 @@ ROWS = [
     ("decode 64x4096 fp8", "decode", 64, 1, 4095, LLAMA),
     ("decode 1x32768 fp8", "decode", 1, 1, 32767, LLAMA),
     ("decode 4x32768 fp8", "decode", 4, 1, 32767, LLAMA),
+    ("decode 128x2048 fp8", "decode", 128, 1, 2047, LLAMA),
     ("prefill 4x4096 fp8", "prefill", 4, 4096, 0, LLAMA),
     ("decode 64x(8192 shared+256)", "decode", 64, 1, 8192 + 256, LLAMA, 8192),
     ("decode 64x(8192+256) unshared", "decode", 64, 1, 8192 + 256, LLAMA),

@@ -61,6 +61,9 @@
 #                 triton and fa3 (~4 min)
 #   sweep-deep    benchmarks/sweep_triton.py --write --deep: the d128 decode rows (bf16 and fp8: 1x32768, 4x32768,
 #                 64x4096; bf16 128x2048) with deeper pipelines only (~3.5 min); the table comes back as w/sweep-deep/tiles.py
+#   bench-layout  the decode rows 64x4096 / 128x2048 (bf16, fp8) and 64x4096 in the HND layout (bf16, fp8: what vLLM
+#                 gives attnplug_triton for an fp8 cache), triton and fa3, --cuda-graphs (~2 min); with
+#                 SWEEP_FP8_ROWS="64x4096 fp8,128x2048 fp8" sweep-fp8 first: the full-batch fp8 entry over both batch sizes
 #   mask-plan     tests/gpu/test_plan_no_sync.py and the verify / mask cases of tests/gpu/test_providers_gpu.py
 #                 (not flashinfer): a large host tree mask in the plan's packed copy (~1.5 min)
 #   e.g.  bash scripts/gpu_session_call.sh nosync cascade-if sweep bench-prefill
@@ -160,6 +163,11 @@ for step in "$@"; do
     timeout 150 $G python3 -m attnplug.bench --providers triton,fa3 --rows "$R" --cuda-graphs --out "$W/bench-fp8" \
       --time-budget 120 --no-ceilings > "$W/bench-fp8.log" 2>&1; log "bench fp8 (graphs) rc $?"
     grep -E "attnplug.triton |fa3.paged " "$W/bench-fp8.log" | head -12 ;;
+  bench-layout)
+    R='decode 64x4096$,decode 64x4096 fp8$,decode 128x2048$,decode 128x2048 fp8$,decode 64x4096 HND$,decode 64x4096 fp8 HND$'
+    timeout 200 $G python3 -m attnplug.bench --providers triton,fa3 --rows "$R" --cuda-graphs --out "$W/bench-layout" \
+      --time-budget 170 --no-ceilings > "$W/bench-layout.log" 2>&1; log "bench layout (graphs) rc $?"
+    grep -E "attnplug.triton |fa3.paged " "$W/bench-layout.log" | head -12 ;;
   fast-fp8)
     timeout 120 $G python3 -m pytest tests/core/test_fast_kernels.py -q -rfEs -k "fp8 or pairs or full_batch" > "$W/pytest-fast-fp8.log" 2>&1
     log "pytest fast fp8 rc $?"; tail -n 3 "$W/pytest-fast-fp8.log" ;;

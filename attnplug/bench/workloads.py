@@ -25,6 +25,7 @@ class Row:
     shared: int = 0  # leading prefix tokens all requests share (engine layout: same page ids), else 0
     kv: str = ""  # "fp8": an fp8 (e4m3) KV cache with per-layer scales, else the model dtype
     heads: tuple[int, ...] = ()  # (q heads, KV heads, head dim) of this row, else the run's config
+    layout: str = ""  # the cache layout of this row ("HND": [pages, Hkv, P, D]), else the run's config
 
     @property
     def cascade_row(self) -> bool:
@@ -58,6 +59,10 @@ FULL_ROWS = [
     Row("decode 64x4096 fp8", "decode", 64, 1, 4095, kv="fp8"),
     Row("decode 1x32768 fp8", "decode", 1, 1, 32767, kv="fp8"),
     Row("prefill 4x4096 fp8", "prefill", 4, 4096, 0, kv="fp8"),
+    Row("decode 128x2048 fp8", "decode", 128, 1, 2047, kv="fp8"),
+    # the layout vLLM gives attnplug_triton for an fp8 cache (Provider.preferred_kv_layout), and its bf16 twin
+    Row("decode 64x4096 HND", "decode", 64, 1, 4095, layout="HND"),
+    Row("decode 64x4096 fp8 HND", "decode", 64, 1, 4095, kv="fp8", layout="HND"),
     # head dim 64 (Llama-3.2-1B: 32 q / 8 KV heads) and 256 (Gemma-2-9B: 16 q / 8 KV heads), issue 14
     Row("prefill 4x4096 d64", "prefill", 4, 4096, 0, heads=(32, 8, 64)),
     Row("decode 1x32768 d64", "decode", 1, 1, 32767, heads=(32, 8, 64)),
@@ -74,6 +79,7 @@ QUICK_ROWS = [
     Row("verify 2x(40+8 tree)", "verify", 2, 8, 40),
     Row("cascade decode 6x(64+16)", "decode", 6, 1, 80, shared=64),
     Row("decode 4x100 fp8", "decode", 4, 1, 99, kv="fp8"),
+    Row("decode 4x100 fp8 HND", "decode", 4, 1, 99, kv="fp8", layout="HND"),
 ]
 FP8_SCALES = (1 / 64, 1 / 48)  # k, v: N(0, 1) values / scale reach ~300 (e4m3 max 448): the range is used
 
@@ -149,6 +155,8 @@ def build(row: Row, config: AttentionConfig, device: torch.device, seed: int = 0
     if row.heads:  # this row's own head counts / head dim
         hq, hkv, d = row.heads
         config = dataclasses.replace(config, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d)
+    if row.layout:
+        config = dataclasses.replace(config, kv_layout=row.layout)
     if row.kv == "fp8":
         work = build(dataclasses.replace(row, kv=""), config, device, seed)
         work.row = row
