@@ -70,6 +70,7 @@ SMOKE_ROWS = [("prefill smoke", "prefill", 2, 80, 16, (8, 2, 64)), ("decode smok
               ("prefill smoke page64", "prefill", 1, 70, 0, (8, 2, 64)), ("decode smoke fp8", "decode", 2, 1, 2100, (8, 2, 64)),
               ("decode smoke shared", "decode", 3, 1, 300, (8, 2, 64), 256)]
 SMOKE = {"on": False}
+FULL = ("decode", "decode_wide")  # the unsplit decode buckets (full batches)
 PAIRS_ONLY = {"on": False}  # --pairs-only: fp8 rows time only the byte-pair candidates (and the seed)
 DEEP = {"on": False}  # --deep: the d128 decode rows time only deeper-pipeline candidates (and the seed)
 
@@ -163,7 +164,7 @@ def deep_candidates(row, bucket: str) -> list[dict]:
         return []
     fp8 = is_fp8(row)
     extra = dict(fp8_f16=True, pairs=True) if fp8 else {}
-    if bucket == "decode":
+    if bucket in FULL:
         tiles = ((32, 1, 9), (32, 1, 11), (32, 1, 13), (16, 1, 13), (16, 1, 17), (64, 2, 9), (32, 2, 11)) if fp8 else \
             ((64, 2, 5), (64, 2, 7), (32, 2, 9), (64, 4, 7), (32, 1, 9), (32, 1, 13))
         return [{"kernel": "decode", "block_n": bn, "num_warps": w, "num_stages": st, **extra} for bn, w, st in tiles]
@@ -182,11 +183,11 @@ def candidates(row, bucket: str) -> list[dict]:
     elif bucket == "verify":
         out = verify_candidates(d)
     else:
-        out = decode_candidates(d, bucket != "decode")
+        out = decode_candidates(d, bucket not in FULL)
     if not is_fp8(row):
         return out
     out = [dict(c, fp8_f16=f) for c in out for f in (False, True)]
-    if bucket == "decode" and d <= 128:  # half the bytes a key: fewer warps a program, or full batches split
+    if bucket in FULL and d <= 128:  # half the bytes a key: fewer warps a program, or full batches split
         tiles = ((64, 1, 5), (64, 1, 3), (32, 1, 5), (32, 2, 5), (64, 2, 3), (64, 2, 4), (64, 2, 7), (128, 2, 3),
                  (128, 2, 5), (128, 2, 7), (32, 1, 7), (32, 1, 4), (32, 1, 6), (16, 1, 7), (64, 1, 7))
         out += [{"kernel": "decode", "block_n": bn, "num_warps": w, "num_stages": st, "fp8_f16": True} for bn, w, st in tiles]

@@ -257,6 +257,9 @@ def record_fast_paths(llama) -> None:
          [32767] * 4, True, {d(llama, "decode_split"): dec(128, 4, 5, ctas_per_sm=2, fused_merge=True, pairs=True)}),
         (fp8, ForwardMode.DECODE, [1] * 64, [4095] * 64, False, {d(llama, "decode") + "/fp8": dec(
             64, 2, 5, fp8_f16=True, pairs=True, ctas_per_sm=4, fused_merge=True)}),
+        # more programs than four an SM (67 x 8 KV heads > 4 x 132): the decode_wide entry's one-warp pairs
+        (fp8, ForwardMode.DECODE, [1] * 67, [300] * 67, False, {d(llama, "decode_wide") + "/fp8": dec(
+            32, 1, 6, fp8_f16=True, pairs=True)}),
         (AttentionConfig(32, 8, 128, 16, torch.float16, kv_dtype=torch.float8_e5m2), ForwardMode.DECODE, [1], [32767],
          False, {d(llama, "decode_tiny"): dec(128, 4, 5, ctas_per_sm=2, fused_merge=True, pairs=True)}),
     ]  # fmt: skip

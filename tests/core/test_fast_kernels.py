@@ -419,5 +419,24 @@ def test_table_keys_and_lookup():
     assert tiles.lookup(128, 4, "prefill", t8, fp8=True) == {"block_n": 16}  # fp8's own entry, any group
     assert tiles.lookup(128, 4, "prefill", t8) == {"block_n": 64}  # 16-bit caches never read /fp8
     assert tiles.lookup(128, 8, "verify", t8, fp8=True) == tiles.lookup(128, 8, "verify", t8)  # fallback
+    wide = {"d128/g4/decode": {"block_n": 64}, "d128/g*/decode/fp8": {"block_n": 32}}
+    assert tiles.lookup(128, 4, "decode_wide", wide) == {"block_n": 64}  # falls back to decode
+    assert tiles.lookup(128, 4, "decode_wide", wide, fp8=True) == {"block_n": 32}  # decode/fp8 before 16-bit
+    wide["d128/g4/decode_wide"] = {"block_n": 16}
+    assert tiles.lookup(128, 4, "decode_wide", wide) == {"block_n": 16}
+    assert tiles.lookup(128, 4, "decode_wide", wide, fp8=True) == {"block_n": 32}  # fp8 entries first
+    assert tiles.lookup(128, 4, "decode", wide) == {"block_n": 64}  # decode never reads decode_wide
     for k, e in tiles.TILES.items():  # every entry names a known bucket and kernel
         assert k.split("/")[2] in tiles.BUCKETS and e.get("kernel", "paged") in ("paged", "prefill", "decode"), k
+
+
+@pytest.mark.parametrize("batch,bucket", [(66, "decode"), (64, "decode"), (67, "decode_wide"), (128, "decode_wide")])
+def test_full_decode_batches_beyond_four_programs_an_sm_read_decode_wide(batch, bucket):
+    """An unsplit decode batch of more than 4 * SMs programs (``B * Hkv``, 8 KV heads, 132 SMs: more
+    than 528) plans with the ``decode_wide`` entry, one of at most that many with ``decode``'s."""
+    config = cfg(32, 8, d=128)
+    entries = {tiles.key(128, 4, "decode"): {"kernel": "decode", "block_n": 64, "num_warps": 2, "num_stages": 3},
+               tiles.key(128, 4, "decode_wide"): {"kernel": "decode", "block_n": 16, "num_warps": 1, "num_stages": 3}}
+    launch = planned_kernel(config, lengths_batch(ForwardMode.DECODE, [1] * batch, [2048] * batch), entries)
+    assert launch["num_splits"] == 1 and launch["kernel"] == "decode"
+    assert launch["block_n"] == (16 if bucket == "decode_wide" else 64)

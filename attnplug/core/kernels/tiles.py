@@ -17,7 +17,9 @@ suffix: the entry for fp8 KV caches (they fall back to the 16-bit entries). Buck
   ``benchmarks/sweep_cascade_prefix.py``); falls back to the ``prefill`` entry;
 * ``short``: shorter queries (the tile shrinks to ``next_pow2(max_q_len * G)`` rows);
 * ``verify``: a custom mask (tree verify);
-* ``decode``: one query token per request and ``B * Hkv >= SMs`` (no split);
+* ``decode``: one query token per request and ``SMs <= B * Hkv <= 4 * SMs`` (no split);
+* ``decode_wide``: one token, ``B * Hkv > 4 * SMs`` (more programs than one wave of four an SM);
+  falls back to the ``decode`` entry;
 * ``decode_split``: one token, ``16 <= B * Hkv < SMs`` (split-KV); ``decode_tiny``: ``B * Hkv < 16``.
 
 Entry fields (all optional): ``kernel`` (``"paged"``: :mod:`.attention`; ``"prefill"``:
@@ -38,7 +40,7 @@ the ``decode_split`` tiles do: the 2026-11-29 rule).
 from __future__ import annotations
 
 # ---- BEGIN TILES (rewritten by benchmarks/sweep_triton.py) ----
-# d128/g4/noncausal from benchmarks/sweep_cascade_prefix.py (cascade decode 64x(8192+256), the prefix part as graph replays); sweeps of 2026-12-03 on NVIDIA H200, triton 3.6.0: sweep-fp8 --pairs-only (decode 64x4096 fp8, 1x32768 fp8, 4x32768 fp8): 3 entries chosen (byte pairs), d128/g4/decode/fp8 again by a second one (64x4096 fp8: 7 stages); d128/g4/decode from sweep-shared (64x4096, 128x2048, 64x(8192 shared+256), 64x(8192+256)); the rest from the sweeps of 2026-12-02 and before
+# d128/g4/noncausal from benchmarks/sweep_cascade_prefix.py (cascade decode 64x(8192+256), the prefix part as graph replays); sweeps of 2026-12-03 on NVIDIA H200, triton 3.6.0: sweep-fp8 --pairs-only (decode 64x4096 fp8, 1x32768 fp8, 4x32768 fp8): 3 entries chosen (byte pairs), d128/g4/decode/fp8 again by a second one (64x4096 fp8: 7 stages); d128/g4/decode from sweep-shared (64x4096, 128x2048, 64x(8192 shared+256), 64x(8192+256)); the rest from the sweeps of 2026-12-02 and before; d128/g4/decode_wide/fp8 from sweep-fp8 --pairs-only of 2026-12-04 (decode 64x4096 fp8, 128x2048 fp8: 6 stages, 128x2048 0.1996 -> 0.1421 ms) and benchmarks/stages_probe.py (6 stages win from 768 programs on, 7 up to 512)
 TILES: dict[str, dict] = {  # fmt: skip
     'd128/g*/decode': {'kernel': 'paged', 'block_n': 128, 'num_warps': 4, 'num_stages': 3},
     'd128/g*/decode_split': {'kernel': 'paged', 'block_n': 128, 'num_warps': 4, 'num_stages': 3, 'ctas_per_sm': 2},
@@ -48,6 +50,7 @@ TILES: dict[str, dict] = {  # fmt: skip
     'd128/g*/verify': {'kernel': 'paged', 'block_m': 128, 'block_n': 128, 'num_warps': 8, 'num_stages': 3},
     'd128/g4/decode': {'block_n': 64, 'kernel': 'paged', 'num_stages': 3, 'num_warps': 2},
     'd128/g4/decode/fp8': {'block_n': 32, 'fp8_f16': True, 'kernel': 'decode', 'num_stages': 7, 'num_warps': 1, 'pairs': True},
+    'd128/g4/decode_wide/fp8': {'block_n': 32, 'fp8_f16': True, 'kernel': 'decode', 'num_stages': 6, 'num_warps': 1, 'pairs': True},
     'd128/g4/decode_split/fp8': {'block_n': 256, 'ctas_per_sm': 4, 'fp8_f16': True, 'fused_merge': True, 'kernel': 'decode', 'num_stages': 3, 'num_warps': 4, 'pairs': True},
     'd128/g4/decode_tiny': {'block_n': 128, 'ctas_per_sm': 1, 'fused_merge': True, 'kernel': 'decode', 'num_stages': 5, 'num_warps': 4},
     'd128/g4/decode_tiny/fp8': {'block_n': 128, 'ctas_per_sm': 2, 'fp8_f16': True, 'fused_merge': True, 'kernel': 'decode', 'num_stages': 5, 'num_warps': 4, 'pairs': True},
@@ -75,7 +78,8 @@ TILES: dict[str, dict] = {  # fmt: skip
 }
 # ---- END TILES ----
 
-BUCKETS = ("prefill", "noncausal", "short", "verify", "decode", "decode_split", "decode_tiny")
+BUCKETS = ("prefill", "noncausal", "short", "verify", "decode", "decode_wide", "decode_split", "decode_tiny")
+FALLBACK = {"decode_wide": "decode"}  # a bucket without an entry of its own reads this one's
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -94,9 +98,11 @@ def key(head_dim: int, group: int | str, bucket: str, fp8: bool = False) -> str:
 
 
 def lookup_keys(head_dim: int, group: int, bucket: str, fp8: bool = False) -> tuple[str, ...]:
-    """The keys :func:`lookup` tries, in its order: the exact group's, then the any-group one; an fp8
-    KV cache (``fp8``) its own entries (``.../fp8``) first, then the 16-bit ones."""
-    return tuple(key(head_dim, g, bucket, f) for f in ((True, False) if fp8 else (False,)) for g in (group, "*"))
+    """The keys :func:`lookup` tries, in its order: an fp8 KV cache (``fp8``) its own entries
+    (``.../fp8``) first, then the 16-bit ones; within each, the bucket's, then its :data:`FALLBACK`'s;
+    within each, the exact group's, then the any-group one."""
+    buckets = (bucket, FALLBACK[bucket]) if bucket in FALLBACK else (bucket,)
+    return tuple(key(head_dim, g, b, f) for f in ((True, False) if fp8 else (False,)) for b in buckets for g in (group, "*"))
 
 
 def lookup(head_dim: int, group: int, bucket: str, table: dict | None = None, fp8: bool = False) -> dict:

@@ -119,6 +119,12 @@ def _tile_list(q_lens: np.ndarray, kv_lens: np.ndarray, counts: np.ndarray, ends
     return tile_req, tile_q
 
 
+# a full decode batch of more than this many programs an SM (``B * Hkv``) reads the ``decode_wide``
+# entry: beyond one wave of four programs an SM (H200 fp8: 7-stage one-warp programs win up to 512
+# programs, lose 2% at 768 and 40% at 1024: benchmarks/NOTES.md)
+_WIDE_PROGRAMS_PER_SM = 4
+
+
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
@@ -228,7 +234,13 @@ class TritonProvider(Provider):
 
     def _decode_bucket(self, programs: int) -> str:
         """Decode bucket of a batch with ``programs = B * Hkv`` programs before any split."""
-        return "decode" if programs >= self._sms else ("decode_split" if programs >= 16 else "decode_tiny")
+        if programs >= self._sms:
+            return self._full_bucket(programs)
+        return "decode_split" if programs >= 16 else "decode_tiny"
+
+    def _full_bucket(self, programs: int) -> str:
+        """The bucket of an unsplit decode batch of ``programs = B * Hkv`` programs (its tiles)."""
+        return "decode_wide" if programs > _WIDE_PROGRAMS_PER_SM * self._sms else "decode"
 
     def _blocks(self, plan: Plan) -> tuple[int, int, int, int, int]:
         """(block_q, block_m, block_n, num_warps, num_stages) for this batch, from the tile table
@@ -237,7 +249,7 @@ class TritonProvider(Provider):
         cfg = self.config
         g = cfg.group_size
         if plan.max_q_len <= 1:  # decode: BLOCK_Q = 1, the GQA group fills the rows
-            e = self._entry("decode")
+            e = self._entry(self._full_bucket(plan.batch_size * cfg.num_kv_heads))
             return 1, max(16, _next_pow2(g)), e.get("block_n", 128), e.get("num_warps", 4), e.get("num_stages", 3)
         e = self._entry("prefill")
         if not plan.causal and plan.mask is None:  # cascade prefix parts: the paged kernel, split-KV
@@ -280,7 +292,7 @@ class TritonProvider(Provider):
         programs = num_tiles * self.config.num_kv_heads
         bucket = self._decode_bucket(programs)
         e = self._entry(bucket)
-        if max_kv_len < 1024 or (bucket == "decode" and "ctas_per_sm" not in e):
+        if max_kv_len < 1024 or (bucket in ("decode", "decode_wide") and "ctas_per_sm" not in e):
             return 1
         min_keys = 512 if bucket == "decode_split" and self.config.kv_quantized else 128
         by_len = max_kv_len // e.get("min_split_keys", min_keys)
@@ -330,7 +342,8 @@ class TritonProvider(Provider):
         splits = self.split_count(num_tiles, plan.max_kv_len, o.num_kv_splits, noncausal)
         kernel, entry = "paged", self._entry("prefill")
         if plan.max_q_len <= 1:
-            entry = self._entry("decode" if splits == 1 else self._decode_bucket(num_tiles * cfg.num_kv_heads))
+            programs = num_tiles * cfg.num_kv_heads
+            entry = self._entry(self._full_bucket(programs) if splits == 1 else self._decode_bucket(programs))
             if splits > 1:  # the split bucket's tiles (seed rule: below small_tiles_from_splits, decode_split's)
                 e = entry if splits >= entry.get("small_tiles_from_splits", 0) else self._entry("decode_split")
                 block_n = o.block_n or e.get("block_n", block_n)
