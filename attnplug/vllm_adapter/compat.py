@@ -405,7 +405,9 @@ def _contract():
         override(_B, "AttentionBackend.supports_device_cpu_query_lens_mismatch",
                  ours_b + "supports_device_cpu_query_lens_mismatch", **opt),
         *(override(_B, f"AttentionBackend.{m}", ours_b + m, why="0.26 only", **opt)
-          for m in ("get_kv_cache_shape", "get_kv_cache_stride_order")),
+          for m in ("get_kv_cache_shape", "get_kv_cache_stride_order", "get_required_kv_cache_layout")),
+        override(_B, "AttentionBackend.supported_kv_cache_layouts", ours_b + "supported_kv_cache_layouts",
+                 why="0.32+: the provider's preferred layout first", **opt),
         *(attr(_B, f"AttentionBackend.{a}") for a in
           ("supported_dtypes", "supported_kv_cache_dtypes", "forward_includes_kv_cache_update")),
         # the V2 model runner (the only one from 0.34 on; the default for dense models since <= 0.26):
