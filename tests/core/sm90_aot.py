@@ -241,6 +241,8 @@ def record_fast_paths(llama) -> None:
         (d256, ForwardMode.EXTEND, [300], [0], False, {d(d256, "prefill"): pf(64, 32, 4, 5)}),
         (llama, ForwardMode.DECODE, [1], [32767], False, {d(llama, "decode_tiny"): dec(64, 4, 5, ctas_per_sm=2, fused_merge=True)}),
         (llama, ForwardMode.DECODE, [1] * 4, [32767] * 4, True, {d(llama, "decode_split"): dec(128, 4, 5, ctas_per_sm=2)}),
+        (llama, ForwardMode.DECODE, [1] * 4, [32767] * 4, True, {d(llama, "decode_split"): dec(
+            128, 4, 5, ctas_per_sm=2, fused_merge=True, whole_waves=True, min_split_keys=512)}),
         (llama, ForwardMode.DECODE, [1] * 64, [4095] * 64, False, {d(llama, "decode"): dec(64, 4, 7)}),
         (AttentionConfig(32, 8, 128, 16, torch.float16, "NHD", None, 30.0, 1000, e4m3), ForwardMode.DECODE, [1],
          [5000], False, {d(llama, "decode_tiny"): dec(64, 2, 5, ctas_per_sm=4, fused_merge=True)}),

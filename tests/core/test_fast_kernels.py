@@ -323,14 +323,18 @@ def test_decode_short_replay_of_long_capture():
 
 
 @pytest.mark.parametrize("kv_dtype,rows,kv_len,want", [
-    (None, 1, 1024, 8), (None, 1, 2048, 16), (None, 4, 1024, 8), (None, 4, 2048, 9), (None, 1, 32768, 17),
+    (None, 1, 1024, 8), (None, 1, 2048, 16), (None, 4, 1024, 2), (None, 4, 2048, 4), (None, 1, 32768, 17),
     (torch.float8_e4m3fn, 1, 1024, 8), (torch.float8_e4m3fn, 4, 1024, 2), (torch.float8_e4m3fn, 4, 2048, 4),
-    (None, 64, 4096, 1), (None, 1, 1000, 1)])  # fmt: skip
+    (None, 64, 4096, 1), (None, 1, 1000, 1),
+    (None, 4, 32768, 8), (None, 12, 8192, 4), (None, 13, 8192, 3), (None, 6, 16384, 5), (None, 16, 16384, 2),
+    (None, 2, 32768, 16)])  # fmt: skip
 def test_split_rule_of_short_contexts(kv_dtype, rows, kv_len, want):
     """The split count on the H200's 132 SMs (Llama-3-8B attention, the committed table): one split per
-    128 keys for decode_tiny and 16-bit decode_split batches, per 512 for fp8 decode_split (the
-    2026-12-03 eager rows: 1.1-1.6x faster than 512, except fp8 4 x 2048, 0.77x), capped by the
-    programs per SM; full batches and < 1024 keys do not split."""
+    128 keys for decode_tiny batches, per 512 for decode_split (16-bit: the decode kernel's 128-key
+    blocks, 2 x 4096 0.0212 ms at 8 splits against 0.0251 for the paged kernel at 17; fp8: the
+    2026-12-03 eager rows), capped by the programs per SM: 16-bit decode_split in whole waves of two
+    an SM (4 x 32768: 8 splits, 256 programs, not 9), or three where two leave a fifth of the slots idle
+    (12 x 8192: 96 programs, 2 splits fill 73%, 4 splits 97%); full batches and < 1024 keys do not split."""
     prov = PagedAttention(AttentionConfig(32, 8, 128, 16, BF16, kv_dtype=kv_dtype), "triton", DEVICE).provider
     prov._sms = H200_SMS
     assert prov.split_count(rows, kv_len) == want
@@ -356,7 +360,7 @@ def test_cascade_prefix_splits_fill_whole_waves(tiles_, ctas, per_sm, want):
     ``ctas_per_sm`` programs per SM, rounded down: 2 tiles x 8 KV heads on 132 SMs take 16 splits (256
     programs), not 17 (272: 8 programs in a tail wave, the H200's 42.4 us ncu row of 2026-12-03); the
     ``noncausal`` entry's ``ctas_per_sm`` wins over the decode bucket's (``per_sm``: the one in force;
-    2 from ``d128/g*/decode_split``, 1 from ``d128/g4/decode_tiny``; none: a full batch, unsplit)."""
+    2 from ``d128/g4/decode_split``, 1 from ``d128/g4/decode_tiny``; none: a full batch, unsplit)."""
     prov = PagedAttention(AttentionConfig(32, 8, 128, 16, BF16), "triton", DEVICE).provider
     prov._sms = H200_SMS
     key = tiles.key(128, 4, "noncausal")
@@ -367,7 +371,7 @@ def test_cascade_prefix_splits_fill_whole_waves(tiles_, ctas, per_sm, want):
         assert got == want
         if per_sm:
             assert tiles_ * 8 * got <= per_sm * H200_SMS < tiles_ * 8 * (got + 1)
-    assert prov.split_count(2, 8192) == 17  # decode-shaped plans keep the rounded-up rule
+    assert prov.split_count(2, 8192) == 16  # decode-shaped plans: the decode_split entry's whole waves
 
 
 def test_full_batch_split_matches_the_reference():

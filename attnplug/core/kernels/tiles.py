@@ -28,6 +28,8 @@ Entry fields (all optional): ``kernel`` (``"paged"``: :mod:`.attention`; ``"pref
 ``tma`` (tensor-descriptor K/V loads when the page size is a multiple of ``block_n``); split buckets
 (and ``decode`` entries that name it: full batches split too): ``ctas_per_sm`` (split so that
 ``B * Hkv * splits`` reaches this many programs per SM),
+``whole_waves`` (at most ``ctas_per_sm`` programs an SM, or one more where that leaves a fifth of
+the slots idle: the split count rounds down, not up),
 ``max_splits``, ``min_split_keys`` (default: 128, 512 for fp8 ``decode_split``), ``fused_merge``
 (``decode`` kernel: the last split merges); ``partials: "out"`` (``noncausal`` prefill-kernel entries: split
 partials stored in the output dtype instead of float32);
@@ -51,6 +53,7 @@ TILES: dict[str, dict] = {  # fmt: skip
     'd128/g4/decode': {'block_n': 64, 'kernel': 'paged', 'num_stages': 3, 'num_warps': 2},
     'd128/g4/decode/fp8': {'block_n': 32, 'fp8_f16': True, 'kernel': 'decode', 'num_stages': 7, 'num_warps': 1, 'pairs': True},
     'd128/g4/decode_wide/fp8': {'block_n': 32, 'fp8_f16': True, 'kernel': 'decode', 'num_stages': 6, 'num_warps': 1, 'pairs': True},
+    'd128/g4/decode_split': {'block_n': 128, 'ctas_per_sm': 2, 'fused_merge': True, 'kernel': 'decode', 'min_split_keys': 512, 'num_stages': 5, 'num_warps': 4, 'whole_waves': True},
     'd128/g4/decode_split/fp8': {'block_n': 256, 'ctas_per_sm': 4, 'fp8_f16': True, 'fused_merge': True, 'kernel': 'decode', 'num_stages': 3, 'num_warps': 4, 'pairs': True},
     'd128/g4/decode_tiny': {'block_n': 128, 'ctas_per_sm': 1, 'fused_merge': True, 'kernel': 'decode', 'num_stages': 5, 'num_warps': 4},
     'd128/g4/decode_tiny/fp8': {'block_n': 128, 'ctas_per_sm': 2, 'fp8_f16': True, 'fused_merge': True, 'kernel': 'decode', 'num_stages': 5, 'num_warps': 4, 'pairs': True},

@@ -281,11 +281,14 @@ class TritonProvider(Provider):
         """Split-KV chunks per tile: ``forced``, else (when ``num_tiles * Hkv`` programs do not fill the
         SMs, or fill them but their ``decode`` entry names a ``ctas_per_sm``, and ``max_kv_len >= 1024``)
         enough programs for the table's ``ctas_per_sm`` per SM (seed:
-        2, 4 for fewer than 16 programs), at most ``max_splits`` (64) and one per ``min_split_keys``
+        2, 4 for fewer than 16 programs; an entry with ``whole_waves``: at most that many, so that no
+        program waits for a slot, or one more an SM where that would leave a fifth of them idle), at
+        most ``max_splits`` (64) and one per ``min_split_keys``
         keys (default 128 for ``decode_tiny`` and 16-bit ``decode_split`` batches, 512 for fp8
         ``decode_split``: the H200's eager 1-4 x 1024-4096 rows, ``benchmarks/NOTES.md``).
         ``noncausal`` (the cascade's prefix parts: tiles of equal work, on the paged or the prefill
-        kernel): ``ctas_per_sm`` from the ``noncausal`` entry when it names one, and at most that many
+        kernel): ``ctas_per_sm`` and ``min_split_keys`` from the ``noncausal`` entry when it names them
+        (else the bucket's ``ctas_per_sm`` and the default keys), and at most that many
         programs per SM (rounded down), so that no tail wave runs a few tiles after the rest."""
         if forced is not None:
             return max(1, int(forced))
@@ -297,10 +300,18 @@ class TritonProvider(Provider):
         min_keys = 512 if bucket == "decode_split" and self.config.kv_quantized else 128
         by_len = max_kv_len // e.get("min_split_keys", min_keys)
         ctas = e.get("ctas_per_sm", 2 if programs >= 16 else 4)
-        if noncausal:
-            ctas = self._entry("noncausal").get("ctas_per_sm", ctas)
+        if noncausal:  # the noncausal entry's own keys a split (the decode entry's are for decode kernels)
+            ne = self._entry("noncausal")
+            ctas, by_len = ne.get("ctas_per_sm", ctas), max_kv_len // ne.get("min_split_keys", min_keys)
             return max(1, min(e.get("max_splits", 64), by_len, ctas * self._sms // max(programs, 1)))
-        return max(1, min(e.get("max_splits", 64), by_len, num_pages(ctas * self._sms, max(programs, 1))))
+        slots, programs = ctas * self._sms, max(programs, 1)
+        if e.get("whole_waves"):
+            per = slots // programs
+            if 5 * per * programs < 4 * slots:  # a fifth of the slots idle: whole waves of one program more an SM
+                per = (slots + self._sms) // programs
+        else:
+            per = num_pages(slots, programs)
+        return max(1, min(e.get("max_splits", 64), by_len, per))
 
     def static_buffers(self, max_rows: int, max_tokens: int, max_kv_len: int, q: int = 1,
                        num_kv_splits: int | None = None) -> TritonStatic:
