@@ -243,6 +243,9 @@ def record_fast_paths(llama) -> None:
         (llama, ForwardMode.DECODE, [1] * 4, [32767] * 4, True, {d(llama, "decode_split"): dec(128, 4, 5, ctas_per_sm=2)}),
         (llama, ForwardMode.DECODE, [1] * 4, [32767] * 4, True, {d(llama, "decode_split"): dec(
             128, 4, 5, ctas_per_sm=2, fused_merge=True, whole_waves=True, min_split_keys=512)}),
+        # the paged kernel split (the any-group decode_split seed: other GQA groups)
+        (llama, ForwardMode.DECODE, [1] * 4, [32767] * 4, False, {d(llama, "decode_split"): {
+            "kernel": "paged", "block_n": 128, "num_warps": 4, "num_stages": 3, "ctas_per_sm": 2}}),
         (llama, ForwardMode.DECODE, [1] * 64, [4095] * 64, False, {d(llama, "decode"): dec(64, 4, 7)}),
         (AttentionConfig(32, 8, 128, 16, torch.float16, "NHD", None, 30.0, 1000, e4m3), ForwardMode.DECODE, [1],
          [5000], False, {d(llama, "decode_tiny"): dec(64, 2, 5, ctas_per_sm=4, fused_merge=True)}),
