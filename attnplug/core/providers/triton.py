@@ -295,7 +295,7 @@ class TritonProvider(Provider):
         programs = num_tiles * self.config.num_kv_heads
         bucket = self._decode_bucket(programs)
         e = self._entry(bucket)
-        if max_kv_len < 1024 or (bucket in ("decode", "decode_wide") and "ctas_per_sm" not in e):
+        if max_kv_len < 1024 or (programs >= self._sms and "ctas_per_sm" not in e):  # a full batch
             return 1
         min_keys = 512 if bucket == "decode_split" and self.config.kv_quantized else 128
         by_len = max_kv_len // e.get("min_split_keys", min_keys)
