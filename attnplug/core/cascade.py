@@ -45,6 +45,8 @@ from .pages import num_pages, tokens_from_pages
 from .plan import Plan
 from .staging import to_device
 
+_nnz = np.count_nonzero
+
 CASCADE_ENV = "ATTNPLUG_CASCADE"
 CASCADE_GRAPHS_ENV = "ATTNPLUG_CASCADE_GRAPHS"
 MODES = ("off", "auto", "always")
@@ -104,49 +106,66 @@ def first_pages_repeat(kv_indptr: np.ndarray, kv_indices: np.ndarray) -> np.ndar
     ``None`` - the whole check when nothing is shared (a gather, a sort, a compare)."""
     if kv_indices.size == 0:
         return None
-    first = kv_indices.take(np.minimum(kv_indptr[:-1], kv_indices.size - 1))
-    first.sort()
-    return first if first.size > 1 and (first[1:] == first[:-1]).any() else None
+    first = kv_indices.take(kv_indptr[:-1], mode="clip")  # a request without pages reads the last id
+    first.sort()  # sorted ids in [0, 2**31): their differences fit, and a zero one is a repeat
+    return None if first.size < 2 or _nnz(first[1:] - first[:-1]) == first.size - 1 else first
 
 
-def _lcp_with_first(kv_indices: np.ndarray, starts: np.ndarray, m: int) -> np.ndarray:
-    """``[R]``: how many of the ``m`` pages from each ``starts[r]`` equal the first row's (vectorized:
-    a ``[R, m]`` compare; a strided view when the rows are equally spaced)."""
+def _same_as_first(kv_indices: np.ndarray, starts: np.ndarray, m: int) -> np.ndarray:
+    """``[R - 1, m]`` bool: whether page ``j`` of row ``r + 1`` (the ``m`` page ids from ``starts[r + 1]``)
+    equals page ``j`` of the first row (vectorized; a strided view when the rows are equally spaced).
+    Every row inside ``kv_indices`` (``starts[r] + m <= kv_indices.size``)."""
     step = np.diff(starts)
-    if step.size and (step == step[0]).all() and step[0] > 0:  # equal page counts: a strided view
-        rows = np.lib.stride_tricks.as_strided(kv_indices[starts[0]:], (starts.size, m),
-                                               (kv_indices.strides[0] * int(step[0]), kv_indices.strides[0]))
+    k = kv_indices.strides[0]
+    if step.size and kv_indices.flags.c_contiguous and (step == step[0]).all() and step[0] > 0:
+        # equal page counts: a strided view (the ndarray constructor checks the bounds as_strided leaves unchecked)
+        rows = np.ndarray((starts.size, m), kv_indices.dtype, kv_indices, int(starts[0]) * k, (k * int(step[0]), k))
     else:
         rows = kv_indices[starts[:, None].astype(np.int64) + np.arange(m)]
-    same = rows == rows[0]
-    return np.where(same.all(axis=1), m, np.argmin(same, axis=1))
+    return rows[1:] == rows[0]
+
+
+def _common_pages(same: np.ndarray) -> int:
+    """Leading columns of :func:`_same_as_first`'s ``same`` that are True in every row: the pages every
+    row shares with the first (the smallest longest-common-prefix)."""
+    col = same.all(axis=0)
+    c = int(col.argmin()) if col.size else 0
+    return c if col.size and not col[c] else col.size
 
 
 def _lcp_group(kv_indices: np.ndarray, starts: np.ndarray, shareable: np.ndarray, members: np.ndarray,
                min_pages: int) -> Group | None:
     """One group of ``members`` (their first pages equal) with their common prefix, when their
-    longest common prefixes with the first member are about one length; ``None`` (nested prefixes:
-    the radix tree decides) otherwise. Vectorized: a ``[members, pages]`` compare."""
-    lcp = _lcp_with_first(kv_indices, starts, int(shareable.min()))
-    low = int(lcp.min())
-    if low >= min_pages and low * 2 >= int(lcp[1:].max()):
-        return Group(low, members)
-    return None
+    longest common prefixes with the first member are about one length (none longer than twice the
+    shortest); ``None`` (nested prefixes: the radix tree decides) otherwise. Vectorized: a
+    ``[members, pages]`` compare."""
+    m = int(shareable.min())
+    same = _same_as_first(kv_indices, starts, m)
+    low = _common_pages(same)
+    if low < min_pages:
+        return None
+    cut = 2 * low + 1  # a member sharing more than 2 * low pages with the first: nested
+    if cut <= m and bool(same[:, low:cut].all(axis=1).any()):
+        return None
+    return Group(low, members)
 
 
-def find_groups(kv_indptr: np.ndarray, kv_indices: np.ndarray, shareable: np.ndarray, min_pages: int = 1) -> list[Group]:
+def find_groups(kv_indptr: np.ndarray, kv_indices: np.ndarray, shareable: np.ndarray, min_pages: int = 1,
+                first_repeats: bool = False) -> list[Group]:
     """Groups of requests sharing at least ``min_pages`` leading page ids (host, once per forward).
 
     Args:
         kv_indptr: ``[B+1]`` page CSR offsets; kv_indices: ``[nnz]`` page ids.
         shareable: ``[B]`` pages of each request that may be shared (:func:`shareable_pages`).
+        first_repeats: the caller found two requests starting on one page (:func:`first_pages_repeat`
+            is not ``None``), so the check is not repeated.
 
     Returns:
         Disjoint groups of >= 2 requests, each with its shared page count (``<=`` every member's
         ``shareable``); ``[]`` when nothing is shared. Every member's first ``pages`` page ids are
         checked equal (the prefix part reads the first member's).
     """
-    if first_pages_repeat(kv_indptr, kv_indices) is None:
+    if not first_repeats and first_pages_repeat(kv_indptr, kv_indices) is None:
         return []  # no two requests start on the same page: nothing is shared
     cand = np.flatnonzero(shareable >= min_pages)
     if cand.size < 2:
@@ -313,7 +332,7 @@ def plan_cascade(plan: Plan, mode: str) -> CascadePlan | None:
     indptr, indices = plan.kv_indptr_cpu.numpy(), plan.kv_indices_cpu.numpy()
     if first_pages_repeat(indptr, indices) is None:
         return None
-    groups = find_groups(indptr, indices, shareable_pages(plan))
+    groups = find_groups(indptr, indices, shareable_pages(plan), first_repeats=True)
     if not groups or (mode == "auto" and not cascade_pays(plan, groups)):
         return None
     return build_cascade_plan(plan, groups)
@@ -361,7 +380,7 @@ def common_prefix_pages(kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_lens: 
     if B < 2:
         return 0
     m = int(max(int(((kv_lens.astype(np.int64) - 1) // page_size).min()), 0))
-    return int(_lcp_with_first(kv_indices, kv_indptr[:-1], m).min()) if m else 0
+    return _common_pages(_same_as_first(kv_indices, kv_indptr[:-1], m)) if m else 0
 
 
 class CascadeGraph:
