@@ -113,7 +113,18 @@ class Plan:
     cascade: Any = None
     max_page_id: int = -1
 
+    def replace(self, **changes: Any) -> "Plan":
+        """A shallow copy with ``changes`` applied (``dataclasses.replace`` without re-running
+        ``__init__``: a fifth of its host time). Raises ``TypeError`` for a name that is no field."""
+        if not changes.keys() <= _PLAN_FIELDS:
+            raise TypeError(f"Plan has no field {sorted(changes.keys() - _PLAN_FIELDS)[0]!r}")
+        new = object.__new__(Plan)
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(changes)
+        return new
 
+
+_PLAN_FIELDS = frozenset(f.name for f in fields(Plan))
 _I32_MAX = 2**31 - 1
 # small-vector idioms: argmin/argmax and count_nonzero cost a fraction of a ufunc reduction (min/max/any)
 _nnz = np.count_nonzero

@@ -37,9 +37,12 @@ def test_tree_verify_split_equals_reference(page):
     assert not torch.isnan(out).any()
     assert rel_err(out, ref) <= 1e-2
     assert rel_err(lse, ref_lse) <= 1e-4
-    # the tree part's buffers were allocated by plan(); run() only wrote into them
-    tree = plan.state.tree
-    assert tree.tree_plan.options.kv_start.tolist() == [33, 0, 17]
+    # FA3 reads each request's mask-free columns (the prefix, and the draft keys every query sees: here
+    # the tree's root), the Triton tree part the rest; both are the plan's device mask_free, no copy
+    tree, free = plan.state.tree, plan.mask_free_cpu.tolist()
+    assert all(f >= p for f, p in zip(free, [33, 0, 17])) and free != [33, 0, 17]
+    assert tree.tree_plan.options.kv_start is plan.mask_free and plan.state.args.seqused_k is plan.mask_free
+    assert plan.state.args.max_seqlen_k == max(free)
 
 
 def test_tree_mask_hiding_prefix_is_refused():

@@ -166,3 +166,28 @@ def test_tile_list_matches_reference(reqs, block_q, prefill, wide_q):
     tile_req, tile_q = _tile_list(q_lens, kv_lens, counts, ends, block_q, prefill)
     assert tile_req.dtype == np.int32 and tile_q.dtype == np.int32
     assert np.array_equal(tile_req, ref_req) and np.array_equal(tile_q, ref_q)
+
+
+def test_plan_replace_is_a_shallow_copy_with_changes():
+    """``Plan.replace`` (what the fa3 tree part plans on): every other field is the same object, the
+    original is unchanged, and a name that is no field raises as ``dataclasses.replace`` does."""
+    import dataclasses
+
+    import pytest
+    import torch
+
+    from attnplug.core import AttentionConfig, BatchMetadata, ForwardMode, make_plan
+    from attnplug.core.plan import PlanOptions
+
+    cfg = AttentionConfig(4, 2, 64, 16, torch.bfloat16)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    plan = make_plan(cfg, BatchMetadata(ForwardMode.DECODE, i32(0, 1, 2), i32(0, 1, 3), i32(4, 0, 2), i32(5, 16)), 8)
+    opts = PlanOptions(num_kv_splits=1)
+    new = plan.replace(options=opts, state="s")
+    assert new is not plan and new.options is opts and new.state == "s"
+    assert plan.options is not opts and plan.state is None
+    for f in dataclasses.fields(plan):
+        if f.name not in ("options", "state"):
+            assert getattr(new, f.name) is getattr(plan, f.name), f.name
+    with pytest.raises(TypeError, match="no field 'optionz'"):
+        plan.replace(optionz=opts)

@@ -20,8 +20,9 @@ arbitrary"); KV must be NHD (``[num_pages, P, Hkv, D]``), HND is refused.
 TARGET_VERIFY with a tree mask (FA3 has no arbitrary mask) is split in two and merged by LSE:
 
 * prefix: the keys before the draft tokens, which the mask must show to every draft token (checked
-  in ``plan``; otherwise ``UnsupportedFeature``) -> FA3 non-causal with ``seqused_k = kv_len - q_len``;
-* tree: the draft keys only (``kv_start = kv_len - q_len``) with the custom mask -> attnplug's own
+  in ``plan``; otherwise ``UnsupportedFeature``) -> FA3 non-causal over the mask's leading all-visible
+  columns (``seqused_k = mask_free >= kv_len - q_len``, the plan's);
+* tree: the keys after them (``kv_start = mask_free``) with the custom mask -> attnplug's own
   Triton kernel (planned once in ``plan``, output and LSE into float32 buffers held by the plan);
 * ``attnplug.core.kernels.merge.merge_state`` (natural-log LSE, strided: FA3's ``[Hq, T]`` LSE is
   read in place) merges the two into ``out``/``lse``.
@@ -41,21 +42,21 @@ builds have no ``out=`` argument, so their result is copied into ``out``.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import logging
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
-from .. import staging
 from ..config import AttentionConfig
 from ..pages import num_pages
 from ..plan import Plan, PlanOptions
 from .base import GraphSupport, Provider, ProviderGraph
 
 logger = logging.getLogger("attnplug")
+_nnz = np.count_nonzero
 
 HEAD_DIMS = (64, 96, 128, 192, 256)
 
@@ -168,7 +169,7 @@ class FA3Tree:
     """The tree part of a tree-masked verify: attnplug's Triton kernel on keys ``>= prefix_lens[b]``
     and the scratch its LSE merge with FA3's prefix part uses."""
 
-    prefix_lens: torch.Tensor  # [B] int32 on the device
+    prefix_lens: torch.Tensor  # [B] int32 on the device: FA3's keys per request (the plan's mask_free)
     tree_plan: Plan
     prefix_out: torch.Tensor  # [T, Hq, D] dtype
     tree_out: torch.Tensor  # [T, Hq, D] float32
@@ -321,7 +322,8 @@ class FA3Provider(Provider):
         if plan.mask is not None:
             tree = self._plan_tree(plan)
             args.seqused_k, args.causal, args.window = tree.prefix_lens, False, (-1, -1)
-            args.max_seqlen_k = max(int((plan.kv_lens_cpu - plan.q_lens_cpu).max()), 1)
+            free = plan.mask_free_cpu.numpy()
+            args.max_seqlen_k = max(int(free[free.argmax()]), 1) if free.shape[0] else 1
         plan.state = FA3State(args, tree, self.q8_buffer(plan.num_tokens), plan.batch_size)
 
     def check_tree_config(self) -> None:
@@ -330,17 +332,20 @@ class FA3Provider(Provider):
             raise self.unsupported("a custom (tree) mask together with a sliding window")
 
     def _plan_tree(self, plan: Plan) -> FA3Tree:
-        """Check the mask's prefix columns are all visible; plan the tree part (draft keys only)."""
+        """Check the mask's prefix columns are all visible; plan the tree part. FA3's part covers each
+        request's ``mask_free`` leading columns (which every query sees; make_plan counted them, on the
+        device already), the tree part the rest: the draft keys, and fewer where the tree shows its
+        first draft keys to every query (as the CUDA-graph path splits)."""
         self.check_tree_config()
-        prefix = (plan.kv_lens_cpu - plan.q_lens_cpu).to(torch.int32)
-        hidden = plan.mask_free_cpu < prefix  # make_plan counted each mask's leading all-visible columns
-        if bool(hidden.any()):
-            b = int(torch.nonzero(hidden)[0])
+        free = plan.mask_free_cpu.numpy()
+        hidden = free < plan.kv_lens_cpu.numpy() - plan.q_lens_cpu.numpy()
+        if _nnz(hidden):
+            b = int(hidden.argmax())
             raise self.unsupported(
                 f"a tree mask that hides part of the prefix (request {b}): FA3 computes the prefix "
                 "without a mask; only the last q_len x q_len block may be arbitrary"
             )
-        return self.plan_tree_part(plan, staging.to_device((prefix.numpy(),), plan.device)[0])
+        return self.plan_tree_part(plan, plan.mask_free)
 
     def tree_provider(self):
         """attnplug's Triton provider for the tree part (triton is imported only once a tree is planned)."""
@@ -368,7 +373,7 @@ class FA3Provider(Provider):
         ``static`` (the Triton provider's static buffers) / ``buffers`` (:meth:`tree_buffers`): static
         storage (CUDA graphs). Callers run :meth:`check_tree_config` first."""
         tree = self.tree_provider()
-        tree_plan = dataclasses.replace(plan, options=PlanOptions(kv_start=prefix, num_kv_splits=1), state=None)
+        tree_plan = plan.replace(options=PlanOptions(kv_start=prefix, num_kv_splits=1), state=None)
         tree.plan(tree_plan, static=static)
         return FA3Tree(prefix_lens=prefix, tree_plan=tree_plan,
                        **(buffers or self.tree_buffers(plan.num_tokens, plan.device)))  # fmt: skip
