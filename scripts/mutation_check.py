@@ -39,6 +39,7 @@ PL = "attnplug/core/plan.py"
 PT = "attnplug/core/page_table.py"
 GU = "attnplug/core/kernels/graph_update.py"
 DR = "attnplug/core/draft.py"
+CA = "attnplug/core/cascade.py"
 
 KP = "tests/core/test_kernel_paths.py"
 FK = "tests/core/test_fast_kernels.py"
@@ -204,6 +205,15 @@ MUTATIONS = [
              "first = tl.minimum(first, tl.min(tl.where(m & (p0 != pb), j, lim), axis=0))", "first = tl.minimum(first, lim)",
              ("tests/core/test_cascade_graph.py::test_device_update_matches_host_update",),
              "cascade graphs: requests whose leading pages differ are cut as if they shared them"),
+    # -- cascade grouping (host) -----------------------------------------------------------------------------
+    Mutation("cascade_groups_nested_check_dropped", CA,
+             "    if cut <= m and bool(same[:, low:cut].all(axis=1).any()):", "    if False:",
+             ("tests/core/test_cascade.py::test_nested_prefixes_pick_the_deeper_groups",),
+             "cascade grouping: nested prefixes form one shallow group instead of the deeper ones"),
+    Mutation("cascade_common_pages_whole_row", CA,
+             "    return c if col.size and not col[c] else col.size", "    return col.size",
+             ("tests/core/test_cascade.py::test_groups_share_page_ids_and_every_sharing_pair_is_grouped",),
+             "cascade grouping: the members' common pages counted as every shareable page, differing ones included"),
     # -- draft planner (pure functions) --------------------------------------------------------------------
     Mutation("draft_step_drops_current_token", DR,
              "kv_len = seq + step + 1", "kv_len = seq + step",
