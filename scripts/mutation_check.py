@@ -211,7 +211,7 @@ MUTATIONS = [
              ("tests/core/test_cascade.py::test_nested_prefixes_pick_the_deeper_groups",),
              "cascade grouping: nested prefixes form one shallow group instead of the deeper ones"),
     Mutation("cascade_common_pages_whole_row", CA,
-             "    return c if col.size and not col[c] else col.size", "    return col.size",
+             "    return col.size if col.all() else int(col.argmin())", "    return col.size",
              ("tests/core/test_cascade.py::test_groups_share_page_ids_and_every_sharing_pair_is_grouped",),
              "cascade grouping: the members' common pages counted as every shareable page, differing ones included"),
     # -- draft planner (pure functions) --------------------------------------------------------------------

@@ -129,8 +129,7 @@ def _common_pages(same: np.ndarray) -> int:
     """Leading columns of :func:`_same_as_first`'s ``same`` that are True in every row: the pages every
     row shares with the first (the smallest longest-common-prefix)."""
     col = same.all(axis=0)
-    c = int(col.argmin()) if col.size else 0
-    return c if col.size and not col[c] else col.size
+    return col.size if col.all() else int(col.argmin())
 
 
 def _lcp_group(kv_indices: np.ndarray, starts: np.ndarray, shareable: np.ndarray, members: np.ndarray,
