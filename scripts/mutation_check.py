@@ -214,6 +214,10 @@ MUTATIONS = [
              "    return col.size if col.all() else int(col.argmin())", "    return col.size",
              ("tests/core/test_cascade.py::test_groups_share_page_ids_and_every_sharing_pair_is_grouped",),
              "cascade grouping: the members' common pages counted as every shareable page, differing ones included"),
+    Mutation("cascade_shareable_ignores_mask", CA,
+             "        committed = np.minimum(committed, plan.mask_free_cpu.numpy())", "        pass",
+             ("tests/core/test_cascade_mask_cap.py",),
+             "cascade: a custom mask that hides a prefix column no longer caps the shared pages (read unmasked)"),
     # -- draft planner (pure functions) --------------------------------------------------------------------
     Mutation("draft_step_drops_current_token", DR,
              "kv_len = seq + step + 1", "kv_len = seq + step",
