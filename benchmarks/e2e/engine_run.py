@@ -100,7 +100,8 @@ class VLLM:
             kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
                                         "prompt_lookup_min": 2}  # fmt: skip
         elif a.eagle_draft:
-            kw["speculative_config"] = {"method": "eagle", "model": a.eagle_draft, "num_speculative_tokens": 2,
+            draft = os.path.join(a.eagle_draft, "vllm")
+            kw["speculative_config"] = {"method": "eagle", "model": draft, "num_speculative_tokens": 2,
                                         "attention_backend": a.backend}  # fmt: skip
             kw["load_format"] = "dummy"  # the draft dir holds a config only; target and draft random alike
         if a.kv_cache_dtype != "auto":
@@ -151,7 +152,8 @@ class SGLang:
         if a.spec == "ngram":
             kw = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=8)
         elif a.eagle_draft:
-            kw = dict(speculative_algorithm="EAGLE", speculative_draft_model_path=a.eagle_draft,
+            draft = os.path.join(a.eagle_draft, "sglang")
+            kw = dict(speculative_algorithm="EAGLE", speculative_draft_model_path=draft,
                       speculative_draft_load_format="dummy", speculative_num_steps=3, speculative_eagle_topk=4,
                       speculative_num_draft_tokens=8)
         kw.update(dtype="bfloat16", mem_fraction_static=0.8, context_length=MAX_LEN)
@@ -222,7 +224,7 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs / torch.compile")
-    ap.add_argument("--eagle-draft", default=None, help="EAGLE draft dir (make_model.py --eagle-draft)")
+    ap.add_argument("--eagle-draft", default=None, help="EAGLE draft dir (make_model.py --eagle-draft: one folder an engine)")
     ap.add_argument("--spec", choices=["none", "ngram"], default="none", help="n-gram speculative decoding")
     ap.add_argument("--prompts", choices=["random", "repeat", "shared"], default="random", help="speed-row prompts")
     ap.add_argument("--kv-cache-dtype", default="auto", help="the engine's KV cache dtype (e.g. fp8, fp8_e4m3)")

@@ -86,12 +86,18 @@ def write(path: str, cfg: dict, seed: int = 0, shard_bytes: int = 4 << 30) -> No
     json.dump({"seed": seed, **cfg}, open(stamp, "w"))
 
 
+#: The EAGLE(-1) Llama draft head's architecture name in each engine's model registry.
+EAGLE_ARCH = {"sglang": "LlamaForCausalLMEagle", "vllm": "EagleLlamaForCausalLM"}
+
+
 def write_eagle_draft(path: str, target: dict) -> None:
-    """Config of a one-layer EAGLE(-1) draft head for ``target`` (SGLang's LlamaForCausalLMEagle)."""
-    os.makedirs(path, exist_ok=True)
+    """Configs of a one-layer EAGLE(-1) draft head for ``target``, one folder an engine:
+    ``path/sglang`` and ``path/vllm`` (:data:`EAGLE_ARCH`: the engines name the class differently)."""
     cfg = {k: v for k, v in target.items() if k != "initializer_range"}
-    cfg.update(architectures=["LlamaForCausalLMEagle"], num_hidden_layers=1)
-    json.dump(cfg, open(os.path.join(path, "config.json"), "w"), indent=1)
+    for engine, arch in EAGLE_ARCH.items():
+        os.makedirs(os.path.join(path, engine), exist_ok=True)
+        cfg.update(architectures=[arch], num_hidden_layers=1)
+        json.dump(cfg, open(os.path.join(path, engine, "config.json"), "w"), indent=1)
 
 
 def main() -> None:
