@@ -1,7 +1,7 @@
 """Host cost of the cascade decision at ``plan()``: grouping (and the whole split) for the benchmark's
 shared-prefix shape, and the cost when nothing is shared.
 
-    python benchmarks/cascade_grouping.py [--out DIR]     # CPU only; JSON to DIR (default: .)
+    python benchmarks/probes/cascade_grouping.py [--out DIR]     # CPU only; JSON to DIR (default: .)
 
 Medians of warm per-call times (``time.perf_counter``), 64 requests x (8192 shared + 256 unique)
 tokens at page 16 (the issue's shape), the same with nothing shared, and four groups of 16.

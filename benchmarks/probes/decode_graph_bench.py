@@ -4,8 +4,8 @@ on short contexts, FlashInfer's own decode wrapper captured the same way with ho
 SGLang's flashinfer backend runs), and attnplug's KV write alone. A provider named ``PROVIDER+host``
 gets the fp8 scales as host floats too (``host_scales``).
 
-    python benchmarks/decode_graph_bench.py --out DIR              # GPU: DIR/decode-graph.json
-    python benchmarks/decode_graph_bench.py --smoke --out DIR      # CPU (Triton interpreter), no timing
+    python benchmarks/probes/decode_graph_bench.py --out DIR              # GPU: DIR/decode-graph.json
+    python benchmarks/probes/decode_graph_bench.py --smoke --out DIR      # CPU (Triton interpreter), no timing
 
 Why: in SGLang 0.5.17 on the H200, one request of 1024 tokens, every attnplug backend lost more per
 decode step to fp8 than SGLang's flashinfer did (``benchmarks/NOTES.md``, "Eleventh session"); this
@@ -29,7 +29,7 @@ if "--smoke" in sys.argv:  # the interpreter must be chosen before anything impo
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from cascade_graph_bench import timed_ms  # noqa: E402

@@ -1,8 +1,8 @@
 """How the prefill loop's K/V loads cost at page 16 (issue 14): one non-causal attention loop, four ways of
 loading a 64-key block, same grid and tiles, timed on the GPU (the sm90 SASS of each: ``--sass DIR`` on CPU).
 
-    python benchmarks/prefill_page_loads_probe.py [--out F.json]     # GPU
-    python benchmarks/prefill_page_loads_probe.py --sass DIR         # CPU: compile for sm90, count instructions
+    python benchmarks/probes/prefill_page_loads_probe.py [--out F.json]     # GPU
+    python benchmarks/probes/prefill_page_loads_probe.py --sass DIR         # CPU: compile for sm90, count instructions
 
 Modes (``[BLOCK_M, D]`` GQA-packed query tiles, 4096 keys a program through a random page table, 32/8 heads,
 d 128, bf16; the online-softmax step of a 64-key block is the prefill kernel's own ``softmax_update``):
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, REPO)
 
 from attnplug.core.kernels.prefill import softmax_update  # noqa: E402

@@ -2,7 +2,7 @@
 CUDA-graph replays, the graph captured for the whole context (as in the engines), so the entry and the
 split count are the capture's, whatever the replayed lengths.
 
-    python benchmarks/sweep_cascade_suffix.py --out DIR.jsonl      # GPU, ~2-3 min
+    python benchmarks/probes/sweep_cascade_suffix.py --out DIR.jsonl      # GPU, ~2-3 min
 
 Rows (Llama-3-8B attention, page 16, bf16): ``cascade decode 64x(8192+256)`` with cascade graphs (``full``:
 the graph; ``suffix``: the suffix plan alone, 64 x ~257 keys), and the decode rows every replayed decode
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 

@@ -1,7 +1,7 @@
 """Where ``make_plan``'s host time goes on a CUDA host (issue 14): its Python profile, and the torch /
 numpy primitives of its host -> device staging timed alone (median of ``--calls`` warm calls, us).
 
-    python benchmarks/plan_cost_probe.py --out benchmarks/results/plan-cost-probe-h200.json
+    python benchmarks/probes/plan_cost_probe.py --out benchmarks/results/plan-cost-probe-h200.json
 
 Primitives (36 KB = the decode workload's staged arrays, 4 KB a small plan): a pageable
 ``from_numpy(a).to(dev, non_blocking=True)``; the same into a preallocated device buffer (``copy_``);
@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "probes"))
 
 from plan_cost import CONFIG, time_calls, workload  # noqa: E402
 

@@ -1,9 +1,9 @@
 """Host cost of planning one forward (issue 14): ``make_plan`` (validation + the provider-neutral plan,
 shared by every provider) and ``PagedAttention.plan`` per provider, for 64 requests at page 16.
 
-    python benchmarks/plan_cost.py --tag after            # -> benchmarks/results/plan-cost-<device>-<tag>.json
-    python benchmarks/plan_cost.py --device cuda --tag h200  # on a GPU: every provider that is available
-    python benchmarks/plan_cost.py --fa3-standin --tag now   # CPU: fa3's plan() too, over the tests' FA3 stand-in
+    python benchmarks/probes/plan_cost.py --tag after            # -> benchmarks/results/plan-cost-<device>-<tag>.json
+    python benchmarks/probes/plan_cost.py --device cuda --tag h200  # on a GPU: every provider that is available
+    python benchmarks/probes/plan_cost.py --fa3-standin --tag now   # CPU: fa3's plan() too, over the tests' FA3 stand-in
 
 Rows: ``make_plan``; ``plan[p]`` = ``PagedAttention(config, p).plan(batch, num_pages=...)`` (options,
 ``make_plan``, the shared-prefix (cascade) planner, the provider's ``plan``); ``plan[p, cascade off]``
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from attnplug.bench.workloads import random_tree_mask  # noqa: E402

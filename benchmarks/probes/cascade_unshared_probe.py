@@ -1,6 +1,6 @@
 """What a cascade decode graph costs on a batch that shares nothing (issue 13): the parts captured alone.
 
-    python benchmarks/cascade_unshared_probe.py [--providers triton,fa3] [--out F.json]
+    python benchmarks/probes/cascade_unshared_probe.py [--providers triton,fa3] [--out F.json]
 
 On the bench's shared-prefix row and its unshared twin (64 x (8192 + 256), Llama-3-8B attention, page 16),
 a decode ``GraphState`` updated from the device block table as in the engines, each part captured in a
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 

@@ -1,7 +1,7 @@
 """KV-cache write of one decode step inside a CUDA graph: vLLM adapter's torch-op path vs the core's
 one-launch Triton kernel (attnplug.core.kernels.kv_write), 32 layers of Llama-3-8B shape.
 
-    python benchmarks/kv_write_bench.py --out benchmarks/results/h200-kv-write-2026-11-29.json
+    python benchmarks/probes/kv_write_bench.py --out benchmarks/results/h200-kv-write-2026-11-29.json
 
 Each variant is captured once per batch size as 32 consecutive layer writes into one
 [2, blocks, 16, 8, 128] bf16 cache per layer (vLLM's layout, K/V as strided halves), then replayed;

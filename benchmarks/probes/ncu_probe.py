@@ -1,7 +1,7 @@
 """One forward of a benchmark row under Nsight Compute (GPU): where the triton provider's decode time goes.
 
     ncu --profile-from-start off --clock-control none --section SpeedOfLight ... \\
-        python3 benchmarks/ncu_probe.py --row "decode 64x4096 fp8" [--cascade auto] [--entry KEY=JSON]
+        python3 benchmarks/probes/ncu_probe.py --row "decode 64x4096 fp8" [--cascade auto] [--entry KEY=JSON]
 
 The row is built as ``python -m attnplug.bench`` builds it (Llama-3-8B attention, page 16), planned by
 the triton provider (cascade off unless ``--cascade``; ``--entry`` puts one tile-table entry in force),
@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def main(argv=None) -> int:

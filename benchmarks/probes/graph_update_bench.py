@@ -2,7 +2,7 @@
 (block table -> CSR in ~25 ops, then ``GraphState.update``'s ~12) vs ``GraphState.update_from_block_table``
 (one Triton launch), on Llama-3-8B's attention shape, page 16, max 64 requests of <= 16640 tokens.
 
-    python benchmarks/graph_update_bench.py --out benchmarks/results/h200-graph-update-<date>.json
+    python benchmarks/probes/graph_update_bench.py --out benchmarks/results/h200-graph-update-<date>.json
 
 vLLM runs this step eagerly before every graph replay, so its cost is host launches plus device
 time: us = wall time of 200 back-to-back updates / 200 (synchronized at the end). Both paths are

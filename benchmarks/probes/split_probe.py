@@ -4,11 +4,11 @@ tile entry put in force for the row's bucket (``--entry``: JSON, e.g. the decode
 merge), replayed from one CUDA graph (``attnplug.bench.timing``: median, L2 flushed), checked against
 the float32 reference first.
 
-    bash scripts/gpu_run.sh python3 benchmarks/split_probe.py --rows 1x32768,4x32768 --splits 0,16,17,33 \\
+    bash scripts/gpu_run.sh python3 benchmarks/probes/split_probe.py --rows 1x32768,4x32768 --splits 0,16,17,33 \\
         --entry '{"kernel": "decode", "block_n": 128, "num_warps": 4, "num_stages": 5, "fused_merge": true}' \\
         --out $OUT/split-probe.json
     # the fp8 full-batch entry's pipeline depth against batch size (stages-probe-h200-2026-12-04.json)
-    bash scripts/gpu_run.sh python3 benchmarks/split_probe.py --fp8 --knob num_stages --values 5,6,7 \\
+    bash scripts/gpu_run.sh python3 benchmarks/probes/split_probe.py --fp8 --knob num_stages --values 5,6,7 \\
         --rows 32x2048,64x2048,128x2048,256x1024,32x4096,64x4096,96x4096,128x4096,24x8192,48x8192 --out $OUT/stages.json"""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from attnplug.bench.timing import bench_ms, graphed  # noqa: E402
 from attnplug.bench.workloads import FULL_CONFIG, Row, build, reference, rel_err  # noqa: E402

@@ -2,7 +2,7 @@
 with ``GraphState(cascade=...)`` "auto" vs "off", on the issue's shared batch and on the same
 lengths with nothing shared, next to the eager cascade plan of the same batch (same run).
 
-    python benchmarks/cascade_graph_bench.py --out DIR      # GPU; JSON to DIR/cascade-graph.json
+    python benchmarks/probes/cascade_graph_bench.py --out DIR      # GPU; JSON to DIR/cascade-graph.json
 
 64 requests x (8192 shared + 256 own) tokens + 1 decode token, 32/8 heads, d 128, page 16, bf16,
 laid out by the core's paged KV manager with its radix cache (``attnplug.bench.shared_prefix``).

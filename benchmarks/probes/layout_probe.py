@@ -3,7 +3,7 @@
 in ``HND`` (``[pages, Hkv, P, D]``: the same keys are one contiguous read of P * D bytes), bf16 and fp8,
 each the triton provider replayed from one CUDA graph (``attnplug.bench.timing``: median, L2 flushed).
 
-    bash scripts/gpu_run.sh python3 benchmarks/layout_probe.py --out $OUT/layout-probe.json
+    bash scripts/gpu_run.sh python3 benchmarks/probes/layout_probe.py --out $OUT/layout-probe.json
 
 Prints per row: ms in each layout, HND / NHD, fp8 / bf16 in each layout, and the relative error of the
 first requests against the float32 reference (checked before timing)."""
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from attnplug.bench.timing import bench_ms, graphed  # noqa: E402
 from attnplug.bench.workloads import FULL_CONFIG, FULL_ROWS, Row, build, ref_requests, reference, rel_err  # noqa: E402
