@@ -8,7 +8,7 @@ gets the fp8 scales as host floats too (``host_scales``).
     python benchmarks/probes/decode_graph_bench.py --smoke --out DIR      # CPU (Triton interpreter), no timing
 
 Why: in SGLang 0.5.17 on the H200, one request of 1024 tokens, every attnplug backend lost more per
-decode step to fp8 than SGLang's flashinfer did (``benchmarks/NOTES.md``, "Eleventh session"); this
+decode step to fp8 than SGLang's flashinfer did (``benchmarks/history/2026-12-02.md``, "Eleventh session"); this
 puts the per-layer pieces side by side in one call.
 
 Each case holds ``--layers`` copies of the row's cache (a layer's KV is not in L2 when its turn comes,
