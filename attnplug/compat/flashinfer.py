@@ -9,6 +9,7 @@ from attnplug.compat.contract import Item, call
 
 def contract_items() -> list[Item]:
     """One ``call`` item per :class:`~attnplug.core.providers.flashinfer.LibraryCall` of the provider."""
-    from attnplug.core.providers.flashinfer import CALLS  # noqa: PLC0415 (importing the module loads no library)
+    from attnplug.core.providers.flashinfer import CALLS  # noqa: PLC0415 (loads no library)
 
-    return [call(c.module, c.name, npos=c.npos, kwargs=c.kwargs, required=c.required, why=c.why) for c in CALLS]
+    return [call(c.module, c.name, npos=c.npos, kwargs=c.kwargs, required=c.required, why=c.why)
+            for c in CALLS]

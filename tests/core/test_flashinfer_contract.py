@@ -46,8 +46,8 @@ def _stub(node):
     annotations, defaults ``None``, bodies ``pass``, decorators other than static/classmethod dropped."""
     if isinstance(node, ast.ClassDef):
         node.bases, node.keywords, node.decorator_list = [], [], []
-        node.body = [_stub(n) for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))] or [
-            ast.Pass()]
+        fns = [_stub(n) for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        node.body = fns or [ast.Pass()]
         return node
     a = node.args
     for arg in a.posonlyargs + a.args + a.kwonlyargs + [x for x in (a.vararg, a.kwarg) if x]:
@@ -55,7 +55,8 @@ def _stub(node):
     a.defaults = [ast.Constant(None) for _ in a.defaults]
     a.kw_defaults = [ast.Constant(None) if d is not None else None for d in a.kw_defaults]
     node.returns, node.body = None, [ast.Pass()]
-    node.decorator_list = [d for d in node.decorator_list if getattr(d, "id", "") in ("staticmethod", "classmethod")]
+    keep = ("staticmethod", "classmethod")
+    node.decorator_list = [d for d in node.decorator_list if getattr(d, "id", "") in keep]
     return node
 
 
@@ -67,7 +68,8 @@ def stand_in(src: str, edit=None):
         with open(os.path.join(src, "flashinfer", rel)) as f:
             text = f.read()
         tree = ast.parse(edit(rel, text) if edit else text)
-        body = [_stub(n) for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+        defs = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        body = [_stub(n) for n in tree.body if isinstance(n, defs)]
         mod = types.ModuleType(name)
         exec(compile(ast.fix_missing_locations(ast.Module(body, [])), rel, "exec"), mod.__dict__)
         return mod

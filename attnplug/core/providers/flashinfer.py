@@ -87,11 +87,12 @@ def _calls() -> tuple[LibraryCall, ...]:
             "backend", "use_cuda_graph", "qo_indptr_buf", "paged_kv_indptr_buf", "paged_kv_indices_buf",
             "paged_kv_last_page_len_buf", "custom_mask_buf", "mask_indptr_buf"), why="prefill / verify wrappers"),
         LibraryCall("flashinfer.prefill", f"{pre}.plan", 8, ("custom_mask", "causal", *numerics),
-                    why="prefill plan: (qo_indptr, kv_indptr, kv_indices, last_page_len, Hq, Hkv, D, P) + mask + numerics"),
+                    why="prefill plan: (qo_indptr, kv_indptr, kv_indices, last_page_len, Hq, Hkv, D, P) "
+                        "+ mask + numerics"),
         LibraryCall("flashinfer.prefill", f"{pre}.run", 2, run, why="prefill run: (q, (k, v))"),
         LibraryCall("flashinfer.utils", "is_sm90a_supported", 1, required=False,
                     why="the fa3 template's check (a capability fallback exists)"),
-    )  # fmt: skip
+    )
 
 
 #: every call this provider makes into FlashInfer (``attnplug.compat.flashinfer`` holds them against the
@@ -100,7 +101,8 @@ CALLS = _calls()
 
 
 def _call_problem(call: LibraryCall, import_module) -> str | None:
-    """Why ``call`` does not bind on the live library (``import_module(name)`` imports its modules), or ``None``."""
+    """Why ``call`` does not bind on the live library (``import_module(name)`` imports its modules),
+    or ``None``."""
     import inspect  # noqa: PLC0415
 
     try:
@@ -108,21 +110,23 @@ def _call_problem(call: LibraryCall, import_module) -> str | None:
     except Exception as e:  # a module moved or fails to import
         return f"{call.module}: cannot import ({e!r})" if call.required else None
     for name in call.name.split("|"):
-        owner, fn = module, None
+        owner, fn = None, module
         for part in name.split("."):
-            fn = getattr(owner, part, None)
-            owner = fn
+            owner, fn = fn, getattr(fn, part, None)
         if fn is not None:
             break
     else:
         return f"{call.module}.{call.name} is gone" if call.required else None
-    self_arg = (0,) if "." in name else ()
+    # a plain function found on a class is called through an instance: ``self`` comes first
+    self_arg = (0,) if isinstance(owner, type) and inspect.isfunction(fn) and not isinstance(
+        inspect.getattr_static(owner, name.rsplit(".", 1)[-1]), staticmethod) else ()
     try:
         inspect.signature(fn).bind(*self_arg, *range(call.npos), **dict.fromkeys(call.kwargs, 0))
     except TypeError as e:
-        return f"{call.module}.{name} ({call.npos} positional, keywords {list(call.kwargs)}) does not bind: {e}"
-    except ValueError:  # no signature to read (a builtin): nothing to check
-        return None
+        what = f"{call.npos} positional, keywords {list(call.kwargs)}"
+        return f"{call.module}.{name} ({what}) does not bind: {e}"
+    except ValueError:  # no signature to read (not a Python function)
+        return f"{call.module}.{name} has no signature to check" if call.required else None
     return None
 
 
