@@ -48,7 +48,7 @@ reqs = meta.get_all("Requires-Dist")
 assert not any(r.startswith(("vllm", "sglang", "requests")) for r in reqs), reqs
 assert any(r.startswith("triton") and ">=3.7" in r and 'extra == "triton"' in r for r in reqs), reqs
 names = zipfile.ZipFile(wheel).namelist()
-for want in ("attnplug/py.typed", "attnplug/_contract.py"):
+for want in ("attnplug/py.typed", "attnplug/compat/contract.py"):
     assert want in names, want
 assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), "no LICENSE in the wheel"
 assert not any(n.startswith(("tests/", "benchmarks/", "scripts/")) for n in names), "checkout files in the wheel"

@@ -17,7 +17,7 @@
 #                 4x32768), with the wider split candidates, --write (~2 min)
 #   bench-long    decode 1x32768 / 4x32768 / 64x4096 rows, bf16 and fp8, triton vs fa3 (~2 min)
 #   fp8-fi        FlashInfer JIT warm-up (cold: > 200 s on the H200), then tests/gpu/test_fp8_gpu.py -k flashinfer (~6 min)
-#   decode-graph  benchmarks/decode_graph_bench.py, triton and fa3: decode graphs captured for 32768 keys,
+#   decode-graph  benchmarks/probes/decode_graph_bench.py, triton and fa3: decode graphs captured for 32768 keys,
 #                 replayed at 1x1024 / 64x1024, bf16 vs fp8, pages 1 and 16, plus the KV write; each provider also
 #                 captured for 1024 keys ('PROVIDER@1024': the split count of the replayed length) (~3 min)
 #   sweep-shared  benchmarks/sweep_triton.py (no --write) on the unsplit decode rows: the shared-prefix row
@@ -31,7 +31,7 @@
 #                 implementation replayed from one CUDA graph), triton / flashinfer / fa3, after the FlashInfer JIT
 #                 of those rows (~6 min)
 #   fp8-host      tests/gpu/test_fp8_gpu.py -k host_scales (every provider, eager and graphs) (~1 min)
-#   ncu           benchmarks/ncu_probe.py under Nsight Compute (speed of light, memory, warp stalls,
+#   ncu           benchmarks/probes/ncu_probe.py under Nsight Compute (speed of light, memory, warp stalls,
 #                 occupancy): one forward of the triton provider's decode rows (64x4096, 1x32768, 4x32768,
 #                 bf16 and fp8) and of the shared-prefix row with cascade (each part's kernel) (~3 min)
 #   sweep-fp8     benchmarks/sweep_triton.py --write on the fp8 decode rows 64x4096, 1x32768, 4x32768 (the
@@ -46,18 +46,18 @@
 #   shared-tf     cascade-tf's bench alone (no tests)
 #   sweep-prefix  benchmarks/sweep_cascade_prefix.py --write: the noncausal entry (the cascade's prefix part) timed as
 #                 graph replays on the shared-prefix row (~3 min); the table comes back as w/sweep-prefix/tiles.py
-#   sweep-suffix  tests/core/test_cascade_graph.py, then benchmarks/sweep_cascade_suffix.py: decode entries as the
+#   sweep-suffix  tests/core/test_cascade_graph.py, then benchmarks/probes/sweep_cascade_suffix.py: decode entries as the
 #                 cascade graph's suffix part and the plain decode graphs run them (~4 min)
-#   probe-unshared  benchmarks/cascade_unshared_probe.py: the cascade graph's parts captured alone on the
+#   probe-unshared  benchmarks/probes/cascade_unshared_probe.py: the cascade graph's parts captured alone on the
 #                 shared row and its unshared twin, triton and fa3 (fa3: its library call with / without the LSE) (~1 min)
 #   sweep-prefill benchmarks/sweep_triton.py --write on the d128 prefill rows (4x4096, 1x8192, extend, page 64), then
 #                 the prefill rows triton vs fa3 with the written table (~5 min); the table comes back as w/sweep-prefill/tiles.py
 #   sweep-prefix64  sweep-prefix over the table's entry and the 64-row candidates only (--block-m 64) (~2 min)
-#   cg-short      benchmarks/cascade_graph_bench.py --graphs-only on the rows that share nothing (2-64 requests x
+#   cg-short      benchmarks/probes/cascade_graph_bench.py --graphs-only on the rows that share nothing (2-64 requests x
 #                 (768 + 256), 8 / 64 x (8192 + 256)), triton and fa3: what cascade graphs cost where nothing is shared (~2 min)
-#   plan-cost     benchmarks/plan_cost.py --device cuda alone (triton, fa3; the host's load recorded in its JSON) (~1 min)
+#   plan-cost     benchmarks/probes/plan_cost.py --device cuda alone (triton, fa3; the host's load recorded in its JSON) (~1 min)
 #   paths-plan    tests/core/test_staging.py, tests/gpu/test_plan_no_sync.py, tests/core/test_kernel_paths.py,
-#                 tests/gpu/test_providers_gpu.py (not flashinfer), then benchmarks/plan_cost.py --device cuda,
+#                 tests/gpu/test_providers_gpu.py (not flashinfer), then benchmarks/probes/plan_cost.py --device cuda,
 #                 triton and fa3 (~4 min)
 #   sweep-deep    benchmarks/sweep_triton.py --write --deep: the d128 decode rows (bf16 and fp8: 1x32768, 4x32768,
 #                 64x4096; bf16 128x2048) with deeper pipelines only (~3.5 min); the table comes back as w/sweep-deep/tiles.py
@@ -93,7 +93,7 @@ for step in "$@"; do
     timeout 120 $G python3 -m pytest tests/core/test_cascade_graph.py -q -rfEs > "$W/pytest-cascade-graph.log" 2>&1
     log "pytest cascade graph rc $?"; tail -n 3 "$W/pytest-cascade-graph.log"
     for v in 1 0; do
-      ATTNPLUG_GRAPH_IF=$v timeout 90 $G python3 benchmarks/cascade_graph_bench.py --graphs-only --only "$CG_ROWS" \
+      ATTNPLUG_GRAPH_IF=$v timeout 90 $G python3 benchmarks/probes/cascade_graph_bench.py --graphs-only --only "$CG_ROWS" \
         --out "$W/cg-if$v" > "$W/cg-if$v.log" 2>&1; log "cascade bench GRAPH_IF=$v rc $?"
     done ;;
   sweep)
@@ -114,14 +114,14 @@ for step in "$@"; do
     timeout 150 $G python3 -m pytest tests/gpu/test_fp8_gpu.py -q -rfEs -k flashinfer > "$W/pytest-fi-fp8.log" 2>&1
     log "pytest fi fp8 rc $?"; tail -n 3 "$W/pytest-fi-fp8.log" ;;
   decode-graph)
-    timeout 200 $G python3 benchmarks/decode_graph_bench.py --providers triton,fa3 --capture-len 32768,1024 --out "$W/decode-graph" \
+    timeout 200 $G python3 benchmarks/probes/decode_graph_bench.py --providers triton,fa3 --capture-len 32768,1024 --out "$W/decode-graph" \
       > "$W/decode-graph.log" 2>&1; log "decode graph bench rc $?"; grep "^decode" "$W/decode-graph.log" | cut -c1-300 ;;
   sweep-shared)
     timeout 220 $G python3 benchmarks/sweep_triton.py --budget 170 --rows '64x(8192,64x4096$,128x2048$' \
       --out "$W/sweep-shared" > "$W/sweep-shared.log" 2>&1; log "sweep-shared rc $?"; grep "^sweep:" "$W/sweep-shared.log" | tail -n 12 ;;
   decode-graph-fi)
     reap
-    timeout 240 $G python3 benchmarks/decode_graph_bench.py --providers flashinfer,flashinfer+host --capture-len 32768 --out "$W/decode-graph-fi" \
+    timeout 240 $G python3 benchmarks/probes/decode_graph_bench.py --providers flashinfer,flashinfer+host --capture-len 32768 --out "$W/decode-graph-fi" \
       > "$W/decode-graph-fi.log" 2>&1; log "decode graph bench (flashinfer) rc $?"; grep "^decode" "$W/decode-graph-fi.log" | cut -c1-300 ;;
   bench-shared)
     reap
@@ -147,7 +147,7 @@ for step in "$@"; do
     while IFS= read -r r; do
       [[ -z $r ]] && continue
       n=$((n + 1)); row=${r%%|*}; extra=(); [[ $r == *"|"* ]] && eval "extra=(${r#*|})"
-      timeout 75 $G $NCU python3 benchmarks/ncu_probe.py --check --row "$row" "${extra[@]}" > "$W/ncu-$n.log" 2>&1
+      timeout 75 $G $NCU python3 benchmarks/probes/ncu_probe.py --check --row "$row" "${extra[@]}" > "$W/ncu-$n.log" 2>&1
       log "ncu $n ($r) rc $?"; grep "^ncu_probe" "$W/ncu-$n.log"
       grep -E "^  [a-z_]+ \(|Duration  " "$W/ncu-$n.log" | paste - - | awk '{print "   ", $1, $(NF)}'
     done < <(tr ';' '\n' <<< "$CASES") ;;
@@ -191,10 +191,10 @@ for step in "$@"; do
   sweep-suffix)
     timeout 120 $G python3 -m pytest tests/core/test_cascade_graph.py -q -rfEs > "$W/pytest-cascade-graph.log" 2>&1
     log "pytest cascade graph rc $?"; tail -n 2 "$W/pytest-cascade-graph.log"
-    timeout 260 $G python3 benchmarks/sweep_cascade_suffix.py --out "$W/sweep-cascade-suffix.jsonl" \
+    timeout 260 $G python3 benchmarks/probes/sweep_cascade_suffix.py --out "$W/sweep-cascade-suffix.jsonl" \
       > "$W/sweep-cascade-suffix.log" 2>&1; log "sweep cascade suffix rc $?"; grep "^sweep-suffix" "$W/sweep-cascade-suffix.log" | cut -c1-330 ;;
   probe-unshared)
-    timeout 150 $G python3 benchmarks/cascade_unshared_probe.py --out "$W/cascade-unshared-probe.json" \
+    timeout 150 $G python3 benchmarks/probes/cascade_unshared_probe.py --out "$W/cascade-unshared-probe.json" \
       > "$W/cascade-unshared-probe.log" 2>&1; log "cascade unshared probe rc $?"; cat "$W/cascade-unshared-probe.log" | tail -n 6 ;;
   sweep-prefill)
     timeout 240 $G python3 benchmarks/sweep_triton.py --write --budget 180 --rows 'prefill 4x4096$,prefill 1x8192$,extend 8x(512+4096)$,page64' \
@@ -207,17 +207,17 @@ for step in "$@"; do
     timeout 200 $G python3 benchmarks/sweep_cascade_prefix.py --write --block-m 64 --out "$W/sweep-prefix64" > "$W/sweep-prefix64.log" 2>&1
     log "sweep-prefix64 rc $?"; grep "table entry\|best\|chosen" "$W/sweep-prefix64.log" | head; cp attnplug/core/kernels/tiles.py "$W/sweep-prefix64/" ;;
   cg-short)
-    timeout 200 $G python3 benchmarks/cascade_graph_bench.py --graphs-only --only "nothing shared" --out "$W/cg-short" \
+    timeout 200 $G python3 benchmarks/probes/cascade_graph_bench.py --graphs-only --only "nothing shared" --out "$W/cg-short" \
       > "$W/cg-short.log" 2>&1; log "cascade graph bench (nothing shared) rc $?"
     grep -E '"(graph_auto_over_off)"|nothing shared"' "$W/cg-short.log" | head -24 ;;
   plan-cost)
-    timeout 200 $G python3 benchmarks/plan_cost.py --device cuda --providers triton,fa3 --calls 1000 --warmup 100 \
+    timeout 200 $G python3 benchmarks/probes/plan_cost.py --device cuda --providers triton,fa3 --calls 1000 --warmup 100 \
       --out "$W/plan-cost-h200.json" > "$W/plan-cost.log" 2>&1; log "plan cost rc $?"; cut -c1-400 "$W/plan-cost.log" ;;
   paths-plan)
     timeout 240 $G python3 -m pytest tests/core/test_staging.py tests/gpu/test_plan_no_sync.py tests/core/test_kernel_paths.py \
       tests/gpu/test_providers_gpu.py -q -rfEs -k "not flashinfer" > "$W/pytest-paths-plan.log" 2>&1
     log "pytest paths plan rc $?"; tail -n 3 "$W/pytest-paths-plan.log"
-    timeout 200 $G python3 benchmarks/plan_cost.py --device cuda --providers triton,fa3 --calls 1000 --warmup 100 \
+    timeout 200 $G python3 benchmarks/probes/plan_cost.py --device cuda --providers triton,fa3 --calls 1000 --warmup 100 \
       --out "$W/plan-cost-h200.json" > "$W/plan-cost.log" 2>&1; log "plan cost rc $?"; cut -c1-400 "$W/plan-cost.log" ;;
   sweep-deep)
     timeout 240 $G python3 benchmarks/sweep_triton.py --write --deep --budget 190 \

@@ -50,8 +50,8 @@ _nnz = np.count_nonzero
 CASCADE_ENV = "ATTNPLUG_CASCADE"
 CASCADE_GRAPHS_ENV = "ATTNPLUG_CASCADE_GRAPHS"
 MODES = ("off", "auto", "always")
-#: KV bytes a forward must save (per layer) before the extra prefix launch and merge pay (~8 us of
-#: H200 bandwidth at ~4 TB/s, about two kernel launches).
+#: KV bytes a forward must save (per layer) before the extra prefix launch and merge pay (reading them
+#: takes about as long as two kernel launches: ``docs/measured-choices.md``).
 MIN_SAVED_BYTES = 32 << 20
 #: Largest mean query rows per grouped request for which cascade pays: with more, every tile of
 #: queries re-reads the prefix in both schemes, and the prefix part saves nothing.

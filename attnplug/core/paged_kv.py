@@ -340,6 +340,6 @@ class PagedKVManager:
                         locks[id(n)] += 1
                         top, n = n, n.parent
                     assert top is tree.root, f"locked node {node!r} is not in the tree"
-            for node in tree._nodes():
+            for node in tree.nodes():
                 want = locks[id(node)] + (1 if node is tree.root else 0)
                 assert node.lock_ref == want, f"{node!r}: lock_ref {node.lock_ref} != {want}"

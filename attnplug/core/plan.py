@@ -249,7 +249,7 @@ def make_plan(
         ValueError: naming the argument and the expected value.
 
     Host cost: one pass of numpy over the host int32 arrays (no per-request Python, no torch op
-    with a fixed overhead); ``benchmarks/plan_cost.py`` measures it.
+    with a fixed overhead); ``benchmarks/probes/plan_cost.py`` measures it.
     """
     if not isinstance(batch, BatchMetadata):
         raise ValueError(f"batch must be a BatchMetadata, got {type(batch).__name__}")

@@ -150,7 +150,7 @@ class RadixCache:
         ``min(num_pages, evictable_pages())`` pages are dropped. Returns the dropped page ids; the
         caller releases them.
         """
-        heap = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heap = [(n.last_access, id(n), n) for n in self.nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(heap)
         freed: list[int] = []
         while heap and len(freed) < num_pages:
@@ -177,13 +177,14 @@ class RadixCache:
 
     def evictable_pages(self) -> int:
         """Pages in unlocked nodes (all of them can be evicted, leaves first)."""
-        return sum(len(n.value) for n in self._nodes() if n.lock_ref == 0)
+        return sum(len(n.value) for n in self.nodes() if n.lock_ref == 0)
 
     def all_pages(self) -> list[int]:
         """Every page id held by the tree (one entry per holding node)."""
-        return [p for n in self._nodes() for p in n.value]
+        return [p for n in self.nodes() for p in n.value]
 
-    def _nodes(self) -> list[RadixNode]:
+    def nodes(self) -> list[RadixNode]:
+        """Every node of the tree, the root included (depth first)."""
         out, stack = [], [self.root]
         while stack:
             n = stack.pop()
@@ -194,7 +195,7 @@ class RadixCache:
     def check_invariants(self) -> None:
         """Structural checks; raises AssertionError on violation."""
         p, total = self.page_size, 0
-        for n in self._nodes():
+        for n in self.nodes():
             total += len(n.value)
             assert len(n.key) == len(n.value) * p, n
             assert n is self.root or len(n.key) > 0, n

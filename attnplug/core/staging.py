@@ -4,8 +4,8 @@ A plan builds a handful of small index arrays on the host (numpy) that its kerne
 device. :func:`to_device` packs them into one host buffer and issues one ``non_blocking`` copy
 from it: the host does not wait for the device (a blocking ``Tensor.to(device)`` waits for every
 kernel queued before it). The buffer is pageable on purpose: the driver copies a pageable source
-of up to 64 KB into its own staging memory and returns, which on the H200's host measured faster
-than staging through page-locked memory (``benchmarks/NOTES.md``, "Eighth session": "plan()'s host->device copies").
+of up to 64 KB into its own staging memory and returns, faster than staging through page-locked
+memory (``docs/measured-choices.md``).
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def _pack(arrays: Sequence[np.ndarray]) -> np.ndarray:
 
 def _views(buf: torch.Tensor, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
     """``arrays``' views of ``buf`` (a tensor of :func:`_pack`'s buffer), made by one ``split`` call
-    (a slice of a CUDA tensor costs ~2.7 us of host time on the H200's host: one a call adds up)."""
+    (each slice of a CUDA tensor costs host time; one call instead of one a view)."""
     if _one_dtype(arrays):
         return list(buf.split([a.shape[0] for a in arrays]))
     offsets, total = _layout(arrays)

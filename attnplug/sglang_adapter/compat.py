@@ -233,8 +233,8 @@ DRAFT_FACTORY_TARGET = "sglang.srt.speculative.draft_utils.DraftBackendFactory._
 
 
 def _version_tuple(v: str) -> tuple:
-    """``"0.5.23"`` -> ``(0, 5, 23)`` (``attnplug._contract.version_tuple``)."""
-    from attnplug._contract import version_tuple
+    """``"0.5.23"`` -> ``(0, 5, 23)`` (``attnplug.compat.contract.version_tuple``)."""
+    from attnplug.compat.contract import version_tuple
 
     return version_tuple(v)
 
@@ -242,7 +242,7 @@ def _version_tuple(v: str) -> tuple:
 def draft_hook_refusal(version: str | None = None) -> str | None:
     """``None`` when the installed SGLang is in :data:`DRAFT_HOOK_VERSIONS`, else the reason (a
     complete, user-facing message)."""
-    from attnplug._contract import in_range
+    from attnplug.compat.contract import in_range
 
     v = sglang_version() if version is None else version
     lo, hi = DRAFT_HOOK_VERSIONS
@@ -380,7 +380,7 @@ _DRAFT = "attnplug.sglang_adapter.draft:AttnplugMultiStepDraftBackend."
 
 
 def _contract():
-    from attnplug._contract import attr, call, callsite, const, override
+    from attnplug.compat.contract import attr, call, callsite, const, override
 
     opt = {"required": False}
     pool, fbi = "sglang.srt.mem_cache.memory_pool", "sglang.srt.model_executor.forward_batch_info"
@@ -423,7 +423,7 @@ def _contract():
 
 def _draft_contract():
     """EAGLE draft path (hooked only for SGLang in :data:`DRAFT_HOOK_VERSIONS`)."""
-    from attnplug._contract import attr, call, callsite
+    from attnplug.compat.contract import attr, call, callsite
 
     runner = "sglang.srt.speculative.eagle_draft_cuda_graph_runner"
     return (
@@ -444,10 +444,10 @@ _REFUSAL: dict[str, str | None] = {}
 def engine_refusal(version: str | None = None, engine_root: str | None = None) -> str | None:
     """``None`` when attnplug can serve this SGLang, else the reason (complete, user-facing): outside
     :data:`TESTED_SGLANG` the installed sources are checked against :data:`CONTRACT` (``ast``, nothing
-    imported); anything gone or changed refuses (``attnplug._contract.refusal``)."""
+    imported); anything gone or changed refuses (``attnplug.compat.contract.refusal``)."""
     import logging
 
-    from attnplug import _contract
+    from attnplug.compat import contract as _contract
 
     v = sglang_version() if version is None else version
     key = f"{v}@{engine_root}"

@@ -373,7 +373,7 @@ _OURS = "attnplug.vllm_adapter.backend:"
 
 
 def _contract():
-    from attnplug._contract import attr, call, callsite, const, override
+    from attnplug.compat.contract import attr, call, callsite, const, override
 
     ours_b, ours_m, ours_i = _OURS + "AttnplugBackend.", _OURS + "AttnplugMetadataBuilder.", _OURS + "AttnplugImpl."
     opt = {"required": False}
@@ -511,8 +511,8 @@ _REFUSAL: dict[str, str | None] = {}
 def engine_refusal(version: str | None = None, engine_root: str | None = None) -> str | None:
     """``None`` when attnplug can serve this vLLM, else the reason (complete, user-facing): outside
     :data:`TESTED_VLLM` the installed sources are checked against :data:`CONTRACT` (``ast``, nothing
-    imported); a method gone or a signature changed refuses (``attnplug._contract.refusal``)."""
-    from attnplug import _contract
+    imported); a method gone or a signature changed refuses (``attnplug.compat.contract.refusal``)."""
+    from attnplug.compat import contract as _contract
 
     v = vllm_version() if version is None else version
     key = f"{v}@{engine_root}"

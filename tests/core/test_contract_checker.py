@@ -1,11 +1,11 @@
-"""attnplug._contract, the source-level engine-contract checker, on a synthetic engine package:
+"""attnplug.compat.contract, the source-level engine-contract checker, on a synthetic engine package:
 each rule reports what it must (and nothing when the interface is compatible)."""
 
 from __future__ import annotations
 
 import textwrap
 
-from attnplug import _contract as C
+from attnplug.compat import contract as C
 
 ENGINE = {
     "eng/__init__.py": "",

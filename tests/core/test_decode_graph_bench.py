@@ -1,4 +1,4 @@
-"""benchmarks/decode_graph_bench.py's CPU smoke run: every case it reports computed the right answer
+"""benchmarks/probes/decode_graph_bench.py's CPU smoke run: every case it reports computed the right answer
 (layer 0 against the float32 reference), bf16 and fp8, pages 1 and 16, and the KV write ran."""
 
 import json
@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_decode_graph_bench_smoke(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the documented command, as typed
     env["PYTHONPATH"] = ROOT
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "decode_graph_bench.py"), "--smoke",
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "probes", "decode_graph_bench.py"), "--smoke",
                         "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((tmp_path / "decode-graph.json").read_text())

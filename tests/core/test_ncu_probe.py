@@ -1,4 +1,4 @@
-"""benchmarks/ncu_probe.py on CPU (``--smoke``: the quick rows, Triton interpreter): the forward it profiles
+"""benchmarks/probes/ncu_probe.py on CPU (``--smoke``: the quick rows, Triton interpreter): the forward it profiles
 on the GPU is the row's, planned as asked, and its output passes the float32 reference check."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def probe(*args):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the command as typed
     env["PYTHONPATH"] = ROOT
-    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "ncu_probe.py"), "--smoke", *args],
+    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "probes", "ncu_probe.py"), "--smoke", *args],
                           env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
 
 

@@ -168,7 +168,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert self.kv.read(rid) == [kv_value(t, i) for i, t in enumerate(toks)], f"request {rid} lost its KV"
         tree = self.mgr.radix_cache
         if tree is not None:  # every cached page still holds the KV of its tree prefix
-            for node in tree._nodes():
+            for node in tree.nodes():
                 chain, n = [], node
                 while n is not None:
                     chain.append(n)

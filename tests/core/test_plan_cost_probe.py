@@ -1,4 +1,4 @@
-"""benchmarks/plan_cost_probe.py's CPU run: it reports every staging primitive and make_plan on both
+"""benchmarks/probes/plan_cost_probe.py's CPU run: it reports every staging primitive and make_plan on both
 devices it was given (here cpu twice) for each workload, with the profiles, as numbers > 0."""
 
 import json
@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_plan_cost_probe_runs_on_cpu(tmp_path):
     out = tmp_path / "probe.json"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "plan_cost_probe.py"), "--device", "cpu",
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "probes", "plan_cost_probe.py"), "--device", "cpu",
                         "--calls", "20", "--out", str(out)], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())

@@ -16,7 +16,7 @@ import shutil
 import pytest
 
 import attnplug
-from attnplug import _contract
+from attnplug.compat import contract as _contract
 from attnplug.sglang_adapter import compat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -27,7 +27,7 @@ import sys
 import pytest
 
 import attnplug
-from attnplug import _contract
+from attnplug.compat import contract as _contract
 from attnplug.vllm_adapter import compat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -34,15 +34,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .common import tanh
 from .pdl import gdc_launch_dependents
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-
-
-@triton.jit
-def _tanh(x):
-    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
 
 @triton.jit
@@ -66,7 +62,7 @@ def _attend_block(
         k = k.to(tl.float32)
     s = tl.dot(q, k, input_precision=DOT_PRECISION)
     if SOFT_CAP:
-        s = soft_cap * _tanh(s * (sm_scale / soft_cap)) * 1.4426950408889634
+        s = soft_cap * tanh(s * (sm_scale / soft_cap)) * 1.4426950408889634
     else:
         s = s * (sm_scale * 1.4426950408889634)
     ok = row_ok[:, None] & n_ok[None, :]

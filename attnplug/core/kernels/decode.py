@@ -38,7 +38,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .prefill import _kv_offsets, attend_block, softmax_update
+from .common import kv_offsets
+from .prefill import attend_block, softmax_update
 
 
 @triton.constexpr_function
@@ -184,12 +185,12 @@ def _attend_block_pairs(q_e, q_o, K, V, kv_indices, page_base, n0, kvh, hi, m_i,
     the tensor cores' operand loads (consecutive keys in one register, the hardware's transposing
     load), where fp8 bytes take a byte gather per pair."""
     FP8: tl.constexpr = K.dtype.element_ty
-    off, ok = _kv_offsets(kv_indices, page_base, n0, kvh, stride_kp, stride_kt, stride_kh, hi, BLOCK, PAGE_SIZE, MASKED)
+    off, ok = kv_offsets(kv_indices, page_base, n0, kvh, stride_kp, stride_kt, stride_kh, hi, BLOCK, PAGE_SIZE, MASKED)
     k_e, k_o = _split_words(_load_pairs(K, off, ok, MASKED, HEAD_DIM, True), FP8, P_DTYPE, UPCAST)
     s = tl.dot(q_e, k_e, input_precision=DOT_PRECISION)
     s = tl.dot(q_o, k_o, s, input_precision=DOT_PRECISION)
     m_new, l_i, p, alpha = softmax_update(s, n0, hi, 0, m_i, l_i, qk_scale, soft_cap, BLOCK, MASKED, False, SOFT_CAP)
-    off, ok = _kv_offsets(kv_indices, page_base, n0, kvh, stride_vp, stride_vt, stride_vh, hi, BLOCK, PAGE_SIZE, MASKED)
+    off, ok = kv_offsets(kv_indices, page_base, n0, kvh, stride_vp, stride_vt, stride_vh, hi, BLOCK, PAGE_SIZE, MASKED)
     v_e, v_o = _split_words(_load_pairs(V, off, ok, MASKED, HEAD_DIM, False), FP8, P_DTYPE, UPCAST)
     p = p.to(P_DTYPE)
     if UPCAST:

@@ -46,24 +46,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention import _tanh
+from .common import kv_offsets, tanh
 from .pdl import gdc_launch_dependents, gdc_wait
-
-
-@triton.jit
-def _kv_offsets(kv_indices, page_base, n0, kvh, stride_p, stride_t, stride_h, hi,
-                BLOCK: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
-    """Row offsets ``[BLOCK]`` (int64) of keys ``n0 .. n0+BLOCK`` of KV head ``kvh`` and their
-    validity ``n < hi``. One page id per key: the ids of a block are one small contiguous load, which
-    the pipeliner copies asynchronously ahead of the rows (a one-id-per-page variant, reshaped to
-    rows, kept Triton 3.6 from pipelining the row loads: ``benchmarks/NOTES.md`` v4)."""
-    n = n0 + tl.arange(0, BLOCK)
-    ok = n < hi
-    if MASKED:
-        page = tl.load(kv_indices + page_base + n // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
-    else:
-        page = tl.load(kv_indices + page_base + n // PAGE_SIZE).to(tl.int64)
-    return page * stride_p + (n % PAGE_SIZE) * stride_t + kvh * stride_h, ok
 
 
 @triton.jit
@@ -75,7 +59,7 @@ def _load_k(K, K_desc, kv_indices, page_base, n0, kvh, stride_p, stride_t, strid
         page = tl.load(kv_indices + page_base + n0 // PAGE_SIZE)
         k = K_desc.load([page, n0 % PAGE_SIZE, kvh, 0]).reshape(BLOCK, d.shape[0]).T
     else:
-        off, ok = _kv_offsets(kv_indices, page_base, n0, kvh, stride_p, stride_t, stride_h, hi,
+        off, ok = kv_offsets(kv_indices, page_base, n0, kvh, stride_p, stride_t, stride_h, hi,
                               BLOCK, PAGE_SIZE, MASKED)
         if MASKED:
             k = tl.load(K + off[None, :] + d[:, None], mask=ok[None, :] & (d[:, None] < HEAD_DIM), other=0.0)
@@ -98,7 +82,7 @@ def _load_v(V, V_desc, kv_indices, page_base, n0, kvh, stride_p, stride_t, strid
             n = n0 + tl.arange(0, BLOCK)
             v = tl.where((n < hi)[:, None], v, tl.zeros_like(v))
     else:
-        off, ok = _kv_offsets(kv_indices, page_base, n0, kvh, stride_p, stride_t, stride_h, hi,
+        off, ok = kv_offsets(kv_indices, page_base, n0, kvh, stride_p, stride_t, stride_h, hi,
                               BLOCK, PAGE_SIZE, MASKED)
         if MASKED:
             v = tl.load(V + off[:, None] + d[None, :], mask=ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
@@ -143,7 +127,7 @@ def softmax_update(s, n0, hi, pos, m_i, l_i, qk_scale, soft_cap, BLOCK: tl.const
     """The online softmax step of :func:`block_softmax` on raw logits ``s`` ``[BLOCK_M, BLOCK]`` (``q . k``,
     unscaled): ``(m_new, l_new, p, alpha)``."""
     if SOFT_CAP:
-        s = soft_cap * _tanh(s * (qk_scale / soft_cap)) * 1.4426950408889634
+        s = soft_cap * tanh(s * (qk_scale / soft_cap)) * 1.4426950408889634
     if MASKED:
         n = n0 + tl.arange(0, BLOCK)
         if not SOFT_CAP:

@@ -59,42 +59,86 @@ TESTED_VERSIONS = ("0.6.14",)
 _INTERFACE: dict[str, str | None] = {}  # interface_refusal per installed version, checked once a process
 
 
-def _contract_items():
-    """What this provider calls in FlashInfer (:mod:`attnplug._contract` items, checked from sources):
-    each wrapper's constructor, ``plan`` and ``run`` with the arguments the provider passes."""
-    from attnplug._contract import call  # noqa: PLC0415
+@dataclass(frozen=True)
+class LibraryCall:
+    """One call this provider makes into FlashInfer: ``name`` in ``module`` (``Class.method``; ``A|B``: the
+    first that exists) takes ``npos`` positional arguments (after ``self``) and the keywords ``kwargs``."""
 
+    module: str
+    name: str
+    npos: int
+    kwargs: tuple[str, ...] = ()
+    required: bool = True
+    why: str = ""
+
+
+def _calls() -> tuple[LibraryCall, ...]:
     dec, pre = "BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper"
     numerics = ("pos_encoding_mode", "window_left", "logits_soft_cap", "q_data_type", "kv_data_type", "sm_scale")
     run = ("out", "lse", "return_lse", "k_scale", "v_scale")
-    return [
-        call("flashinfer.decode", f"{dec}.__init__", npos=2, kwargs=(
+    return (
+        LibraryCall("flashinfer.decode", f"{dec}.__init__", 2, (
             "use_cuda_graph", "use_tensor_cores", "paged_kv_indptr_buffer", "paged_kv_indices_buffer",
             "paged_kv_last_page_len_buffer"), why="decode wrappers (eager and CUDA-graph)"),
-        call("flashinfer.decode", f"{dec}._plan_impl|{dec}.plan", npos=7, kwargs=numerics,
-             why="decode plan: (indptr, indices, last_page_len, Hq, Hkv, D, P) + numerics"),
-        call("flashinfer.decode", f"{dec}.run", npos=2, kwargs=run, why="decode run: (q, (k, v))"),
-        call("flashinfer.prefill", f"{pre}.__init__", npos=2, kwargs=(
+        LibraryCall("flashinfer.decode", f"{dec}._plan_impl|{dec}.plan", 7, numerics,
+                    why="decode plan: (indptr, indices, last_page_len, Hq, Hkv, D, P) + numerics"),
+        LibraryCall("flashinfer.decode", f"{dec}.run", 2, run, why="decode run: (q, (k, v))"),
+        LibraryCall("flashinfer.prefill", f"{pre}.__init__", 2, (
             "backend", "use_cuda_graph", "qo_indptr_buf", "paged_kv_indptr_buf", "paged_kv_indices_buf",
             "paged_kv_last_page_len_buf", "custom_mask_buf", "mask_indptr_buf"), why="prefill / verify wrappers"),
-        call("flashinfer.prefill", f"{pre}.plan", npos=8, kwargs=("custom_mask", "causal", *numerics),
-             why="prefill plan: (qo_indptr, kv_indptr, kv_indices, last_page_len, Hq, Hkv, D, P) + mask + numerics"),
-        call("flashinfer.prefill", f"{pre}.run", npos=2, kwargs=run, why="prefill run: (q, (k, v))"),
-        call("flashinfer.utils", "is_sm90a_supported", npos=1, required=False,
-             why="the fa3 template's check (a capability fallback exists)"),
-    ]
+        LibraryCall("flashinfer.prefill", f"{pre}.plan", 8, ("custom_mask", "causal", *numerics),
+                    why="prefill plan: (qo_indptr, kv_indptr, kv_indices, last_page_len, Hq, Hkv, D, P) "
+                        "+ mask + numerics"),
+        LibraryCall("flashinfer.prefill", f"{pre}.run", 2, run, why="prefill run: (q, (k, v))"),
+        LibraryCall("flashinfer.utils", "is_sm90a_supported", 1, required=False,
+                    why="the fa3 template's check (a capability fallback exists)"),
+    )
 
 
-def interface_refusal(version: str, root: str | None = None) -> str | None:
-    """``None`` when this provider can call FlashInfer ``version`` (a tested release, or one whose
-    sources still have every call of :func:`_contract_items` bind), else why not, naming each change.
-    ``root``: the folder holding the ``flashinfer`` package (default: the installed one)."""
+#: every call this provider makes into FlashInfer (``attnplug.compat.flashinfer`` holds them against the
+#: sources of each release in the tests; :func:`interface_refusal` against the installed one at startup)
+CALLS = _calls()
+
+
+def _call_problem(call: LibraryCall, import_module) -> str | None:
+    """Why ``call`` does not bind on the live library (``import_module(name)`` imports its modules),
+    or ``None``."""
+    import inspect  # noqa: PLC0415
+
+    try:
+        module = import_module(call.module)
+    except Exception as e:  # a module moved or fails to import
+        return f"{call.module}: cannot import ({e!r})" if call.required else None
+    for name in call.name.split("|"):
+        owner, fn = None, module
+        for part in name.split("."):
+            owner, fn = fn, getattr(fn, part, None)
+        if fn is not None:
+            break
+    else:
+        return f"{call.module}.{call.name} is gone" if call.required else None
+    # a plain function found on a class is called through an instance: ``self`` comes first
+    self_arg = (0,) if isinstance(owner, type) and inspect.isfunction(fn) and not isinstance(
+        inspect.getattr_static(owner, name.rsplit(".", 1)[-1]), staticmethod) else ()
+    try:
+        inspect.signature(fn).bind(*self_arg, *range(call.npos), **dict.fromkeys(call.kwargs, 0))
+    except TypeError as e:
+        what = f"{call.npos} positional, keywords {list(call.kwargs)}"
+        return f"{call.module}.{name} ({what}) does not bind: {e}"
+    except ValueError:  # no signature to read (not a Python function)
+        return f"{call.module}.{name} has no signature to check" if call.required else None
+    return None
+
+
+def interface_refusal(version: str, import_module=None) -> str | None:
+    """``None`` when this provider can call FlashInfer ``version`` (a tested release, or one where every call
+    of :data:`CALLS` still binds on the imported library), else why not, naming each change.
+    ``import_module``: imports a FlashInfer module by name (default: :func:`importlib.import_module`)."""
     if version.split("+")[0] in TESTED_VERSIONS:
         return None
-    from attnplug import _contract  # noqa: PLC0415
+    import importlib  # noqa: PLC0415
 
-    fi_src = _contract.SourceTree(root or _contract.package_root("flashinfer"))
-    found = _contract.problems(_contract.check(_contract_items(), fi_src, _contract.attnplug_sources()))
+    found = [p for c in CALLS if (p := _call_problem(c, import_module or importlib.import_module))]
     if not found:
         return None
     more = f" (and {len(found) - 6} more)" if len(found) > 6 else ""
