@@ -15,11 +15,38 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable, Iterator, Mapping
 
 logger = logging.getLogger("attnplug")
 
 PROVIDER_OVERRIDE_ENV = "ATTNPLUG_PROVIDER_OVERRIDE"
 MARKER_ENV = "ATTNPLUG_MARKER_DIR"
+
+
+class BackendTable(Mapping):
+    """An adapter's table of backends: engine backend name -> value, one entry per provider the core's
+    registry serves (``entry(provider, title) -> (name, value)``), read at each use, so a provider
+    registered later (one file + one registry line) is listed without an adapter edit."""
+
+    def __init__(self, entry: Callable[[str, str], tuple[str, object]]):
+        self._entry = entry
+
+    def _table(self) -> dict:
+        from attnplug.core.registry import served_providers  # noqa: PLC0415 - light, but not at load
+
+        return dict(self._entry(name, title) for name, title in served_providers().items())
+
+    def __getitem__(self, name: str):
+        return self._table()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+    def __repr__(self) -> str:
+        return f"BackendTable({self._table()!r})"
 
 
 def provider_for(default: str) -> str:
@@ -32,7 +59,7 @@ def prepare_process(provider: str, device_type: str) -> None:
     library is imported, e.g. the Triton interpreter on CPU. Never raises: an unknown or broken
     provider fails later, at backend construction, with its own message."""
     try:
-        from attnplug.core.providers import get_provider_cls
+        from attnplug.core.registry import get_provider_cls
 
         get_provider_cls(provider).prepare_process(device_type)
     except Exception as e:  # noqa: BLE001 - a registration hook must never break the engine

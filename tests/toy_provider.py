@@ -63,6 +63,7 @@ class ToyProvider(Provider):
             lse.copy_(s)
 
 
-def register() -> None:
-    """The one registry line (importable as ``toy_provider`` when tests/ is on ``sys.path``)."""
-    register_provider(TOY, "toy_provider:ToyProvider", "nothing to install (a test provider)")
+def register(served: bool = True) -> None:
+    """The one registry line (importable as ``toy_provider`` when tests/ is on ``sys.path``); ``served=False``
+    takes it off the engines' backend lists again (it stays selectable as ``ATTNPLUG_PROVIDER_OVERRIDE``)."""
+    register_provider(TOY, "toy_provider:ToyProvider", "nothing to install (a test provider)", served=served)

@@ -14,7 +14,7 @@ from .cascade import cascade_mode, plan_cascade, run_cascade
 from .config import AttentionConfig
 from .metadata import BatchMetadata
 from .plan import Plan, PlanOptions, check_run_bounds, check_run_inputs, make_plan
-from .providers import get_provider_cls
+from .providers import Provider, provider_instance
 
 
 class PagedAttention:
@@ -22,7 +22,8 @@ class PagedAttention:
 
     Args:
         config: static configuration shared by the layers that use this object.
-        provider: a registered provider name (``"triton"``, ``"flashinfer"``, ``"fa3"``, ``"reference"``).
+        provider: a registered provider name (``"triton"``, ``"flashinfer"``, ``"fa3"``, ``"reference"``),
+            class or instance (:func:`~attnplug.core.providers.provider_instance`: one per config, forked).
         device: device of q and the KV cache.
 
         cascade: shared-prefix (cascade) attention, ``"off"`` / ``"auto"`` / ``"always"``
@@ -33,15 +34,16 @@ class PagedAttention:
         UnsupportedFeature: the provider cannot compute this configuration.
     """
 
-    def __init__(self, config: AttentionConfig, provider: str = "triton", device: torch.device | str = "cuda",
+    def __init__(self, config: AttentionConfig, provider: str | type[Provider] | Provider = "triton",
+                 device: torch.device | str = "cuda",
                  cascade: str | None = None):  # fmt: skip
         self.config = config
         self.device = torch.device(device)
-        self.provider = get_provider_cls(provider)(config, self.device)
+        self.provider = provider_instance(provider, config, self.device).fork()  # own plans, shared resources
         # fp8 KV: the scale used where run() gets none (a tensor, so that kernels read it on the device)
         self._unit_scale = torch.ones(1, dtype=torch.float32, device=self.device) if config.kv_quantized else None
         self.cascade = cascade_mode(cascade)
-        self._prefix_provider = None  # the cascade's prefix part: a second, independently planned instance
+        self._prefix_provider = None  # the cascade's prefix part: a fork (its plans apart, resources shared)
         self._plan: Plan | None = None
 
     @property
@@ -69,7 +71,7 @@ class PagedAttention:
             self.provider.plan(plan)
         else:  # shared prefixes: the provider plans the suffix and the prefix parts instead
             if self._prefix_provider is None:
-                self._prefix_provider = self.provider.step_providers(2)[1]
+                self._prefix_provider = self.provider.fork()
             self.provider.plan(plan.cascade.suffix)
             self._prefix_provider.plan(plan.cascade.prefix)
         self._plan = plan

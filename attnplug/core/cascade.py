@@ -419,7 +419,7 @@ class CascadeGraph:
         self.out_part = torch.empty((*hd, cfg.head_dim), dtype=cfg.dtype, device=dev)
         self.lse_part = torch.empty(hd, dtype=torch.float32, device=dev)
         self.lse_suffix = torch.empty(hd, dtype=torch.float32, device=dev)
-        self.provider = type(gs.provider)(cfg, dev)  # the prefix part's own instance and static memory
+        self.provider = gs.provider.fork()  # the prefix part's plans apart; its static memory below
         # one block_m for every bs (when the provider takes the knob): the tile lists of all bs are then
         # prefixes of one list in the static memory, of tiles of block_q query rows each
         self.block_m, block_q = None, gs.max_batch

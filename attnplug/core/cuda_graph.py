@@ -38,7 +38,7 @@ from .config import AttentionConfig, UnsupportedFeature
 from .metadata import BatchMetadata, ForwardMode
 from .pages import indptr_from_counts, last_page_len, num_pages, tokens_from_pages
 from .plan import Plan, _leading_visible_columns
-from .providers import get_provider_cls
+from .providers import Provider, provider_instance
 
 FILL_SEQ_LEN = 1  # committed length of a padded request (SGLang's CUDA-graph seq-len fill value)
 _I32 = torch.int32
@@ -49,7 +49,8 @@ class GraphState:
 
     Args:
         config: attention config.
-        provider: a registered provider name whose ``graph_support`` covers ``mode``.
+        provider: a registered provider name, class or instance whose ``graph_support`` covers ``mode``
+            (the config's one instance, forked: this family's plans apart, its resources shared).
         max_batch: largest padded batch size ``bs``.
         max_tokens: largest ``bs * q`` (``q = 1`` decode, ``num_draft_tokens`` verify).
         max_pages: largest number of pages of the real requests of one batch (sum over requests).
@@ -72,7 +73,7 @@ class GraphState:
     def __init__(
         self,
         config: AttentionConfig,
-        provider: str,
+        provider: str | type[Provider] | Provider,
         max_batch: int,
         max_tokens: int,
         max_pages: int,
@@ -94,7 +95,7 @@ class GraphState:
         P = config.page_size
         self.max_seq_len = max_seq_len or max_pages * P
         self.num_kv_splits = num_kv_splits
-        self.provider = get_provider_cls(provider)(config, self.device)
+        self.provider = provider_instance(provider, config, self.device).fork()
         self._unit_scale = torch.ones(1, dtype=torch.float32, device=self.device) if config.kv_quantized else None
         self.pad_kv_len = FILL_SEQ_LEN + (self.q if mode == "verify" else 0)
         self.pad_pages = num_pages(self.pad_kv_len, P)

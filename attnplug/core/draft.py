@@ -29,7 +29,7 @@ import torch
 from .config import AttentionConfig, UnsupportedFeature
 from .metadata import BatchMetadata, ForwardMode
 from .plan import Plan, PlanOptions, make_plan
-from .providers import get_provider_cls
+from .providers import Provider, provider_instance
 
 _I32 = torch.int32
 
@@ -163,7 +163,7 @@ class MultiStepDraftPlanner:
         config: attention config of the draft layers (``page_size`` = the cache's ``P``).
         topk, num_steps: branches per request and draft steps (``num_steps`` plans per call).
         max_batch: largest ``B``.
-        provider: a registered provider name.
+        provider: a registered provider name, class or instance (of ``token_config(config)``).
         device: device of q and the cache.
         max_prefix_tokens: capacity, largest ``sum(seq_len)`` of a batch.
         num_kv_splits: force the split count of providers that split (default: theirs, per step).
@@ -178,7 +178,7 @@ class MultiStepDraftPlanner:
         topk: int,
         num_steps: int,
         max_batch: int,
-        provider: str = "triton",
+        provider: str | type[Provider] | Provider = "triton",
         device: torch.device | str = "cuda",
         max_prefix_tokens: int = 1 << 16,
         num_kv_splits: int | None = None,
@@ -191,7 +191,7 @@ class MultiStepDraftPlanner:
         self.num_kv_splits = num_kv_splits
         if config.kv_layout == "HND" and config.page_size > 1:
             raise UnsupportedFeature("attnplug: multi-step draft on an HND cache needs page_size 1 (token slots)")
-        p0 = get_provider_cls(provider)(self.tok_config, self.device)
+        p0 = provider_instance(provider, self.tok_config, self.device).fork()
         self.providers = p0.step_providers(num_steps)  # plans of every step stay valid at once
         self._unit_scale = torch.ones(1, dtype=torch.float32, device=self.device) if config.kv_quantized else None
         R, S = max_batch * topk, num_steps

@@ -16,18 +16,17 @@ from __future__ import annotations
 import functools
 import logging
 
+from attnplug.engine_glue import BackendTable
+
 logger = logging.getLogger(__name__)
 
-#: SGLang backend name -> attnplug core provider.
-BACKENDS: dict[str, str] = {
-    "attnplug_triton": "triton",
-    "attnplug_flashinfer": "flashinfer",
-    "attnplug_fa3": "fa3",
-}
+#: SGLang backend name -> attnplug core provider, one per provider the core serves
+#: (``attnplug_triton`` -> ``triton``).
+BACKENDS = BackendTable(lambda provider, _title: (f"attnplug_{provider}", provider))
 
 #: Names added to ``--speculative-draft-attention-backend`` choices, only when the
-#: ``DraftBackendFactory`` hook is installed (SGLang in ``compat.DRAFT_HOOK_VERSIONS``).
-DRAFT_BACKENDS: tuple[str, ...] = tuple(BACKENDS)
+#: ``DraftBackendFactory`` hook is installed (SGLang in ``compat.DRAFT_HOOK_VERSIONS``): every backend.
+DRAFT_BACKENDS = BACKENDS
 # Not added to SGLang's deterministic list: batch invariance of the providers is not established.
 DETERMINISTIC_BACKENDS: tuple[str, ...] = ()
 

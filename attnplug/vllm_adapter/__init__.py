@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import logging
 
-# backend name -> (core provider, backend class path). The class path is what vLLM imports.
-BACKENDS: dict[str, tuple[str, str]] = {
-    "ATTNPLUG_TRITON": ("triton", "attnplug.vllm_adapter.backend.AttnplugTritonBackend"),
-    "ATTNPLUG_FLASHINFER": ("flashinfer", "attnplug.vllm_adapter.backend.AttnplugFlashInferBackend"),
-    "ATTNPLUG_FA3": ("fa3", "attnplug.vllm_adapter.backend.AttnplugFA3Backend"),
-}
+from attnplug.engine_glue import BackendTable
+
+#: backend name -> (core provider, backend class path), one per provider the core serves
+#: (``ATTNPLUG_TRITON`` -> ``("triton", "attnplug.vllm_adapter.backend.AttnplugTritonBackend")``).
+#: The class path is what vLLM imports.
+BACKENDS = BackendTable(lambda p, title: (f"ATTNPLUG_{p.upper()}", (p, f"{__name__}.backend.Attnplug{title}Backend")))
 
 logger = logging.getLogger("vllm.attnplug")  # child of vLLM's configured "vllm" logger
 

@@ -702,6 +702,16 @@ def _make_backend(name: str) -> type[AttnplugBackend]:
 AttnplugTritonBackend = _make_backend("ATTNPLUG_TRITON")
 AttnplugFlashInferBackend = _make_backend("ATTNPLUG_FLASHINFER")
 AttnplugFA3Backend = _make_backend("ATTNPLUG_FA3")
+
+
+def __getattr__(attr: str):
+    """The backend class of a provider registered after this module loaded (``AttnplugToyBackend``), made
+    on first use; its ``IMPL`` and ``BUILDER`` hang off it."""
+    for name, (_, path) in BACKENDS.items():
+        if path.rsplit(".", 1)[1] == attr:
+            backend = globals()[attr] = _make_backend(name)
+            return backend
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 AttnplugTritonImpl, AttnplugFlashInferImpl, AttnplugFA3Impl = (
     b.IMPL for b in (AttnplugTritonBackend, AttnplugFlashInferBackend, AttnplugFA3Backend)
 )

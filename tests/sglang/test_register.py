@@ -63,10 +63,10 @@ try:
     print("BEFORE: accepted")
 except SystemExit:
     print("BEFORE: rejected")
-heavy = [m for m in ("attnplug.core", "attnplug.sglang_adapter.backend", "attnplug.core.providers.triton") if m in sys.modules]
+heavy = [m for m in ("attnplug.core.providers", "attnplug.core.attention", "attnplug.sglang_adapter.backend", "attnplug.core.providers.triton") if m in sys.modules]
 from sglang.srt.plugins import load_plugins
 load_plugins()
-heavy += [m for m in ("attnplug.core", "attnplug.sglang_adapter.backend", "attnplug.core.providers.triton") if m in sys.modules]
+heavy += [m for m in ("attnplug.core.providers", "attnplug.core.attention", "attnplug.sglang_adapter.backend", "attnplug.core.providers.triton") if m in sys.modules]
 print("HEAVY:", heavy)
 print("AFTER:", prepare_server_args(argv).attention_backend)
 """

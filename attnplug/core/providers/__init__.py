@@ -1,83 +1,44 @@
-"""Provider registry: backend name -> provider class and install hint, the one table of both.
-
-Providers are imported lazily: a missing library never breaks ``import attnplug``, and importing a
-provider module never imports its kernel library (that happens in ``check_available`` / at first use).
-"""
+"""The provider contract (:mod:`.base`), the registry's names (:mod:`attnplug.core.registry`) and the one
+provider instance of each layer config (:func:`provider_instance`)."""
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
+import weakref
 
+import torch
+
+from ..registry import (
+    PROVIDER_NAMES, get_provider_cls, install_hint, provider_names, register_provider, served_providers,
+)
 from .base import NO_GRAPHS, GraphSupport, Provider, ProviderGraph, ProviderUnavailable
 
 
-@dataclass(frozen=True)
-class ProviderEntry:
-    """``target``: ``"module:Class"`` (a module relative to this package, or absolute);
-    ``install_hint``: how to make the provider available, for error messages."""
-
-    target: str
-    install_hint: str
+_INSTANCES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-_REGISTRY: dict[str, ProviderEntry] = {
-    "reference": ProviderEntry(".reference:ReferenceProvider", "nothing to install (PyTorch only)"),
-    "triton": ProviderEntry(
-        ".triton:TritonProvider",
-        "pip install 'attnplug[triton]' (triton >= 3.6 on a GPU; on a CPU-only machine triton >= 3.7 runs the "
-        "kernels through its interpreter, TRITON_INTERPRET=1, which the engine adapters switch on themselves)",
-    ),
-    "flashinfer": ProviderEntry(
-        ".flashinfer:FlashInferProvider",
-        "a CUDA GPU and FlashInfer: pip install 'attnplug[flashinfer]' (flashinfer-python; see "
-        "https://docs.flashinfer.ai/installation.html)",
-    ),
-    "fa3": ProviderEntry(
-        ".fa3:FA3Provider",
-        "a Hopper (sm90) GPU and a FlashAttention-3 build, any of: pip install flash-attn-3 (the hopper build "
-        "of https://github.com/Dao-AILab/flash-attention), pip install sgl-kernel, or vllm (its "
-        "vllm_flash_attn with _vllm_fa3_C)",
-    ),
-}
-
-
-def provider_names() -> tuple[str, ...]:
-    """Registered provider names, in registration order."""
-    return tuple(_REGISTRY)
-
-
-PROVIDER_NAMES = provider_names()  # the built-in ones
-
-
-def register_provider(name: str, target: str, install_hint: str) -> None:
-    """Add (or replace) a provider: ``target`` is ``"package.module:Class"``."""
-    _REGISTRY[name] = ProviderEntry(target, install_hint)
-
-
-def install_hint(name: str) -> str:
-    """How to make provider ``name`` available."""
-    entry = _REGISTRY.get(name)
-    return entry.install_hint if entry else f"unknown provider {name!r}; expected one of {provider_names()}"
-
-
-def get_provider_cls(name: str) -> type[Provider]:
-    """Return the provider class for ``name``.
+def provider_instance(provider: str | type[Provider] | Provider, config, device) -> Provider:
+    """The one instance of ``provider`` (a registered name, a provider class, or an instance, returned
+    as it is) for ``config`` on ``device``: every core object of one layer config shares it and its
+    resources (e.g. FlashInfer's workspace), forking it where its plans must stay apart
+    (:meth:`Provider.fork`). Kept while something uses it.
 
     Raises:
-        ValueError: unknown name.
-        ProviderUnavailable: the provider's module cannot be imported here.
+        ValueError: unknown name, or an instance built for another config.
+        ProviderUnavailable, UnsupportedFeature: as the provider's constructor.
     """
-    entry = _REGISTRY.get(name)
-    if entry is None:
-        raise ValueError(f"attnplug: unknown provider {name!r}; expected one of {provider_names()}")
-    mod, cls = entry.target.split(":")
-    try:
-        module = importlib.import_module(mod, __name__ if mod.startswith(".") else None)
-    except ModuleNotFoundError as e:  # the provider module itself is missing from this build
-        raise ProviderUnavailable(f"attnplug: provider {name!r} is not available: {e}. "
-                                  f"To install: {entry.install_hint}") from e  # fmt: skip
-    return getattr(module, cls)
+    device = torch.device(device)
+    if isinstance(provider, Provider):
+        if provider.config != config:
+            raise ValueError(f"attnplug: provider '{provider.name}' was built for {provider.config}, not {config}")
+        return provider
+    cls = get_provider_cls(provider) if isinstance(provider, str) else provider
+    key = (cls, config, device)
+    inst = _INSTANCES.get(key)
+    if inst is None:
+        inst = _INSTANCES[key] = cls(config, device)
+    else:
+        cls.check_available(device)  # checked at every use, as a new instance would be
+    return inst
 
 
 def available_providers(device) -> list[str]:
@@ -102,6 +63,8 @@ __all__ = [
     "available_providers",
     "get_provider_cls",
     "install_hint",
+    "provider_instance",
     "provider_names",
     "register_provider",
+    "served_providers",
 ]

@@ -15,8 +15,10 @@ A provider decides, for its library:
   memory: multi-step drafts and CUDA graphs) and :meth:`Provider.graph` (its part of a
   :class:`~attnplug.core.cuda_graph.GraphState`: capture-time plans and the in-place refresh before
   a replay, a :class:`ProviderGraph`);
-* **draft steps** - :meth:`Provider.step_providers` (one instance per draft step when a plan lives
-  inside the library's object, as FlashInfer's wrappers);
+* **instances** - :meth:`Provider.fork` (a second plan state over the same resources, when a plan
+  lives inside the library's object, as FlashInfer's wrappers): the core makes one instance per
+  (layer config, provider) (:func:`~attnplug.core.providers.provider_instance`) and forks it for
+  graph families, cascade parts and draft steps (:meth:`Provider.step_providers`);
 * **tree verify** - :meth:`Provider.check_tree_config`;
 * its **install hint** - the registry table in :mod:`attnplug.core.providers`.
 
@@ -276,7 +278,13 @@ class Provider(ABC):
             raise self.unsupported(f"CUDA graphs of {gs.mode} batches ({g.reason})")
         return self.graph_cls(self, gs)
 
+    def fork(self) -> "Provider":
+        """An instance whose plans stay valid beside this one's, sharing its heavy resources (e.g. a
+        library workspace): for graph families, cascade parts and draft steps. Default: this one (its
+        plans live in the ``Plan`` objects)."""
+        return self
+
     def step_providers(self, num_steps: int) -> list["Provider"]:
-        """Providers for ``num_steps`` draft steps whose plans must all stay valid at once
-        (default: this one, shared: its plans live in the ``Plan`` objects)."""
-        return [self] * num_steps
+        """Providers for ``num_steps`` draft steps whose plans must all stay valid at once: this one,
+        then forks of it (:meth:`fork`)."""
+        return [self] + [self.fork() for _ in range(num_steps - 1)]

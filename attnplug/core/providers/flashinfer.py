@@ -288,14 +288,12 @@ class FlashInferProvider(Provider):
         if config.head_dim not in HEAD_DIMS:
             raise self.unsupported(f"head_dim={config.head_dim} (FlashInfer kernels: {HEAD_DIMS})")
 
-    def step_providers(self, num_steps: int) -> list["FlashInferProvider"]:
-        """A wrapper holds one plan: one provider per draft step (own wrappers, shared workspace)."""
-        steps = [self]
-        for _ in range(num_steps - 1):
-            p = copy.copy(self)
-            p._wrappers = {}
-            steps.append(p)
-        return steps
+    def fork(self) -> "FlashInferProvider":
+        """A wrapper holds one plan: a fork has its own wrappers over the same workspace."""
+        p = copy.copy(self)
+        p._wrappers = {}
+        p._base = getattr(self, "_base", self)  # keeps the config's one instance (the registry's) alive
+        return p
 
     def resolve_backend(self, backend: str) -> str:
         """``"auto"`` -> ``"fa3"`` on sm90 (CUDA >= 12.3), else ``"fa2"``; ``"fa2"`` for an fp8 KV cache;
