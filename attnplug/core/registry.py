@@ -33,12 +33,12 @@ _REGISTRY: dict[str, ProviderEntry] = {
     "reference": ProviderEntry(".reference:ReferenceProvider", "nothing to install (PyTorch only)", served=False),
     "triton": ProviderEntry(
         ".triton:TritonProvider",
-        "pip install 'attnplug[triton]' (triton >= 3.6 on a GPU; on a CPU-only machine triton >= 3.7 runs the "
+        "pip install 'triton>=3.6' (attnplug's [triton] extra; on a CPU-only machine triton >= 3.7 runs the "
         "kernels through its interpreter, TRITON_INTERPRET=1, which the engine adapters switch on themselves)",
     ),
     "flashinfer": ProviderEntry(
         ".flashinfer:FlashInferProvider",
-        "a CUDA GPU and FlashInfer: pip install 'attnplug[flashinfer]' (flashinfer-python; see "
+        "a CUDA GPU and FlashInfer: pip install flashinfer-python (attnplug's [flashinfer] extra; see "
         "https://docs.flashinfer.ai/installation.html)",
         title="FlashInfer",
     ),

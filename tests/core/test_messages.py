@@ -16,6 +16,14 @@ def test_fa3_install_hint_names_what_really_provides_fa3():
         assert source in hint, (source, hint)
 
 
+def test_install_hints_name_packages_pip_can_find():
+    """attnplug is on no package index: a hint names the library's own package, not attnplug[extra]."""
+    assert "pip install 'triton>=3.6'" in install_hint("triton")
+    assert "pip install flashinfer-python" in install_hint("flashinfer")
+    for name in ("triton", "flashinfer", "fa3"):
+        assert "pip install 'attnplug[" not in install_hint(name) and "pip install attnplug" not in install_hint(name)
+
+
 class _Records(logging.Handler):
     def __init__(self):
         super().__init__(logging.DEBUG)

@@ -270,7 +270,7 @@ def test_impl_refuses_unsupported_layers(vllm_env, kw, feature):
 
 
 @pytest.mark.parametrize(
-    "name,hint", [("ATTNPLUG_FLASHINFER", "pip install 'attnplug[flashinfer]' (flashinfer-python"),
+    "name,hint", [("ATTNPLUG_FLASHINFER", "pip install flashinfer-python (attnplug's [flashinfer] extra"),
                   ("ATTNPLUG_FA3", "flash-attention")]
 )
 def test_gpu_only_backends_refuse_cpu_with_install_hint(vllm_env, monkeypatch, name, hint):
