@@ -6,9 +6,10 @@
 
 Every implementation is checked against the float32 reference (first requests of the row) before it
 is timed; a wrong one is reported and not timed. Unavailable libraries become ``unavailable: why``
-rows. Results (JSON, markdown, PNG plot with ``attnplug[bench]``) are rewritten after every row under
-``--out`` (default ``./attnplug-bench`` in the current directory), named ``<gpu>-<date>``, so a run cut
-short keeps what it measured.
+records, listed in the markdown's footnote. Results (JSON; markdown, one table per row kind; a PNG
+plot when matplotlib is installed, the [bench] extra, else a printed notice) are rewritten after every
+row under ``--out`` (default ``./attnplug-bench`` in the current directory), named ``<gpu>-<date>``, so
+a run cut short keeps what it measured.
 """
 
 from __future__ import annotations

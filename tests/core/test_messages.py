@@ -21,7 +21,8 @@ def test_install_hints_name_packages_pip_can_find():
     assert "pip install 'triton>=3.6'" in install_hint("triton")
     assert "pip install flashinfer-python" in install_hint("flashinfer")
     for name in ("triton", "flashinfer", "fa3"):
-        assert "pip install 'attnplug[" not in install_hint(name) and "pip install attnplug" not in install_hint(name)
+        hint = install_hint(name)
+        assert "pip install 'attnplug[" not in hint and "pip install attnplug" not in hint, hint
 
 
 class _Records(logging.Handler):
