@@ -213,3 +213,45 @@ def merge_state(
         HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_H=bh, STORE_LSE=s_out is not None,
         HAS_ROWS=rows is not None, IN_PLACE=in_place, num_warps=4,
     )
+
+
+@triton.jit
+def apply_sinks_kernel(O, LSE, SINKS, num_heads, stride_ot, stride_oh, stride_lt, stride_lh,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Grid ``(T, cdiv(H, BLOCK_H))``: the sink logit ``SINKS[h]`` joins the state ``(O [T, H, D],
+    LSE [T, H])`` (natural log) in place: ``O *= sigmoid(LSE - sink)``, ``LSE = logaddexp(LSE, sink)``.
+    A row without keys (``LSE = -inf``) becomes ``(0, sink)`` whatever its ``O`` held."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < num_heads
+    d = tl.arange(0, BLOCK_D)
+    s = tl.load(LSE + t * stride_lt + h * stride_lh, mask=h_ok, other=0.0)
+    k = tl.load(SINKS + h, mask=h_ok, other=0.0).to(tl.float32)
+    m = tl.maximum(s, k)
+    e = tl.exp(-tl.abs(s - k))  # exp(min - max), in [0, 1]; s = -inf: 0
+    w = tl.where(s >= k, 1.0 / (1.0 + e), e / (1.0 + e))  # sigmoid(s - k), no overflow either way
+    ok = h_ok[:, None] & (d[None, :] < HEAD_DIM)
+    o_ptrs = O + t * stride_ot + h[:, None] * stride_oh + d[None, :]
+    o = tl.load(o_ptrs, mask=ok & (w > 0.0)[:, None], other=0.0).to(tl.float32)
+    tl.store(o_ptrs, tl.where((w > 0.0)[:, None], o * w[:, None], 0.0).to(O.dtype.element_ty), mask=ok)
+    tl.store(LSE + t * stride_lt + h * stride_lh, m + tl.log(1.0 + e), mask=h_ok)
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+    """Join per-head sink logits to finished attention states in place (exact: the sink is one more
+    softmax term with no value row).
+
+    Args:
+        out: ``[T, H, D]`` attention output over the keys (last dim contiguous).
+        lse: ``[T, H]`` float32 natural-log LSE over the same keys (any strides); receives
+            ``logaddexp(lse, sink)``.
+        sinks: ``[H]`` sink logits (float32 or 16-bit), contiguous.
+    """
+    T, H, D = out.shape
+    if T == 0:
+        return
+    bh = heads_per_program(T, H, triton.next_power_of_2(D))
+    apply_sinks_kernel[(T, triton.cdiv(H, bh))](
+        out, lse, sinks, H, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_H=bh, num_warps=4,
+    )

@@ -380,9 +380,13 @@ class FA3Provider(Provider):
 
     def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None,
             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-            q_scale: torch.Tensor | None = None, host_scales=None) -> None:
+            q_scale: torch.Tensor | None = None, host_scales=None, sinks: torch.Tensor | None = None) -> None:
         """``q [T, Hq, D]``, caches ``[num_pages, P, Hkv, D]`` -> ``out [T, Hq, D]`` (+ natural-log ``lse [T, Hq]``).
-        fp8 KV: one-element float32 scale tensors (see the module docstring)."""
+        fp8 KV: one-element float32 scale tensors (see the module docstring).
+        ``sinks``: :meth:`run_folded`."""
+        if sinks is not None:
+            return self.run_folded(plan, q, k_cache, v_cache, out, lse, sinks, k_scale=k_scale,
+                                   v_scale=v_scale, q_scale=q_scale)
         s = self._run(plan, q, k_cache, v_cache, out, lse, lse is not None, k_scale, v_scale, q_scale)
         if s is not None:
             lse.copy_(s)

@@ -424,7 +424,10 @@ class TritonProvider(Provider):
     # -- run --------------------------------------------------------------------------------------
     def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None,
             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, q_scale=None,
-            host_scales=None) -> None:
+            host_scales=None, sinks: torch.Tensor | None = None) -> None:
+        if sinks is not None:
+            return self.run_folded(plan, q, k_cache, v_cache, out, lse, sinks, k_scale=k_scale,
+                                   v_scale=v_scale)
         self._run(plan, q, k_cache, v_cache, out, lse, k_scale, v_scale)
 
     def run_merge(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor,
@@ -432,7 +435,7 @@ class TritonProvider(Provider):
         """A split plan of the paged or prefill kernel merges its splits straight into ``(out, lse)`` (one
         merge launch, no scratch); other plans take the default (run into scratch, then merge)."""
         a: TritonState = plan.state
-        if a.kernel == "decode" or a.num_splits == 1:
+        if a.kernel == "decode" or a.num_splits == 1 or "sinks" in scales:
             return super().run_merge(plan, q, k_cache, v_cache, out, lse, scratch_out, scratch_lse, **scales)
         # not inside a CUDA IF node: the body's first launch has no kernel before it in its own graph
         self._run(plan, q, k_cache, v_cache, out, lse, scales.get("k_scale"), scales.get("v_scale"), merge_base=True,
