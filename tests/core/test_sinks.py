@@ -122,15 +122,53 @@ def test_triton_split_kv(mode, splits):
     assert row_err(out2, ref2) <= REL
 
 
-@pytest.mark.parametrize("kernel_shape", [(4, 1, 64), (64, 8, 64)])
-def test_triton_decode_kernel_fused_merge(kernel_shape):
-    """d64 / group 4 and 8: the decode kernel (fused merge where the tile table says so)."""
-    hq, hkv, d = kernel_shape
-    c, scales = make_case("decode", (hq, hkv, d), -1, seed=5)
+def run_forced(c, scales, entries, **knobs):
+    """:func:`run_case` with ``entries`` in the tile table and the H200's SM count (the GPU's choice)."""
+    from test_fast_kernels import H200_SMS, table
+
+    sinks = draw_sinks(c.config.num_qo_heads, seed=c.q.shape[0] + 1)
+    with table(entries):
+        attn = PagedAttention(c.config, "triton", DEVICE)
+        attn.provider._sms = H200_SMS
+        plan = attn.plan(c.batch, num_pages=c.num_pages, **knobs)
+    out, lse = torch.full_like(c.q, math.nan), torch.full(c.q.shape[:2], math.nan, device=DEVICE)
+    attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=lse, sinks=sinks, **scales)
+    ref, ref_lse = reference_attention(plan, c.q, c.k_cache, c.v_cache, scales.get("k_scale"),
+                                       scales.get("v_scale"), sinks)
+    return plan, out, lse, ref, ref_lse
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("window", [-1, 127])
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_triton_decode_kernel_fused_merge(fused, window, kv):
+    """The split-KV decode kernel: unsplit (the sink in the program's state) and split (the sink in
+    the fused merge, or in merge_splits after it)."""
+    from test_fast_kernels import decode_entries
+
+    c, scales = make_case("decode", (16, 4, 64), window, seed=5, kv=kv)
     for splits in (1, 4):
-        plan, out, lse, ref, ref_lse, _ = run_case(c, scales, num_kv_splits=splits)
-        what = f"decode {kernel_shape} {plan.state.kernel} splits {splits}"
-        assert_matches(out, lse, ref, ref_lse, REL, what)
+        entries = decode_entries(c.config, fused)
+        plan, out, lse, ref, ref_lse = run_forced(c, scales, entries, num_kv_splits=splits)
+        assert plan.state.kernel == "decode" and plan.state.num_splits == splits
+        assert (plan.state.counters is not None) == (fused and splits > 1)
+        rel = REL_FP8 if kv == "fp8" else REL
+        assert_matches(out, lse, ref, ref_lse, rel, f"decode kernel splits {splits}")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_triton_prefill_kernel(causal):
+    """The prefill kernel: causal (the sink in the state), and non-causal split (the merge adds it)."""
+    from test_fast_kernels import prefill_entry
+
+    c, scales = make_case("prefill" if causal else "extend", (8, 2, 64), -1, seed=6)
+    c.batch.causal = causal
+    entries = prefill_entry(c.config)
+    entries.update({k.replace("/prefill", "/noncausal"): e for k, e in entries.items()})
+    for splits in ((1,) if causal else (1, 3)):
+        plan, out, lse, ref, ref_lse = run_forced(c, scales, entries, num_kv_splits=splits)
+        assert plan.state.kernel == "prefill" and plan.state.num_splits == splits
+        assert_matches(out, lse, ref, ref_lse, REL, f"prefill kernel causal={causal} splits {splits}")
 
 
 @pytest.mark.parametrize("mode", ["decode", "extend", "verify"])
@@ -282,7 +320,7 @@ def test_validation_and_capability():
     assert c != plain  # part of the layer key
     for name in ("triton", "fa3", "flashinfer", "reference"):
         assert get_provider_cls(name).supports_sinks()
-    assert get_provider_cls("reference").NATIVE_SINKS
+    assert get_provider_cls("triton").NATIVE_SINKS and get_provider_cls("reference").NATIVE_SINKS
 
     class NoSinks(get_provider_cls("reference")):
         @classmethod

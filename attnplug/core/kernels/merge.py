@@ -27,13 +27,15 @@ def merge_splits_kernel(
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     stride_ot, stride_oh, stride_st, stride_sh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
-    STORE_LSE: tl.constexpr, BASE: tl.constexpr, PDL: tl.constexpr = False,
+    STORE_LSE: tl.constexpr, BASE: tl.constexpr, PDL: tl.constexpr = False, SINKS=None,
+    HAS_SINKS: tl.constexpr = False,
 ):
     """Grid ``(T, cdiv(H, BLOCK_H))``: merge ``num_splits`` partials ``P [T,H,S,D]`` (fp32 or the
     output dtype) with base-2 LSE ``PL [T,H,S]`` into ``O [T,H,D]`` (and natural-log ``LSE [T,H]``),
     ``BLOCK_H`` heads a program. With ``BASE``, ``O`` / ``LSE`` already hold a state over other keys
     and the splits merge into it; a row whose splits are all empty is not written. ``PDL`` (launched
-    with ``launch_pdl=True``): waits for the kernel before it (:mod:`.pdl`) before reading anything."""
+    with ``launch_pdl=True``): waits for the kernel before it (:mod:`.pdl`) before reading anything.
+    ``HAS_SINKS``: ``SINKS [H]`` sink logits join as one more state with no value row (every row written)."""
     if PDL:
         gdc_wait()
     t = tl.program_id(0).to(tl.int64)
@@ -44,6 +46,9 @@ def merge_splits_kernel(
     s_ok = h_ok[:, None] & (sp[None, :] < num_splits)
     lse = tl.load(PL + t * stride_lt + h[:, None] * stride_lh + sp[None, :], mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 1)
+    if HAS_SINKS:
+        sink2 = tl.load(SINKS + h, mask=h_ok, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink2)
     go = True
     if BASE:  # a program whose splits are all empty leaves the base state as it is: one load, no more
         go = tl.max(m, 0) > float("-inf")
@@ -69,6 +74,9 @@ def merge_splits_kernel(
             acc += tl.where((ws > 0.0)[:, None], p * ws[:, None], 0.0)
             tot_splits += ws
         tot = tot_splits
+        if HAS_SINKS:
+            tot_splits += tl.exp2(sink2 - m_safe)  # a row of empty splits still gets (0, sink)
+            tot = tot_splits
         need = d_ok
         if BASE:
             need = need & (tot_splits > 0.0)[:, None]
@@ -146,7 +154,8 @@ def heads_per_program(rows: int, heads: int, elems_per_head: int) -> int:
 
 
 def merge_splits(partial: torch.Tensor, partial_lse2: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
-                 base: bool = False, block_h: int | None = None, num_warps: int = 4, pdl: bool = False) -> None:
+                 base: bool = False, block_h: int | None = None, num_warps: int = 4, pdl: bool = False,
+                 sinks: torch.Tensor | None = None) -> None:
     """Merge split-KV partials.
 
     Args:
@@ -159,6 +168,8 @@ def merge_splits(partial: torch.Tensor, partial_lse2: torch.Tensor, out: torch.T
         block_h: heads a program (a power of two); ``None``: :func:`heads_per_program`.
         num_warps: warps a program.
         pdl: launched as a programmatic dependent of the kernel before it (:mod:`.pdl`; CUDA sm90+ only).
+        sinks: ``[H]`` sink logits: each row's softmax counts its head's sink once, here (the partials
+            carry none).
     """
     T, H, S, D = partial.shape
     if T == 0:
@@ -175,6 +186,7 @@ def merge_splits(partial: torch.Tensor, partial_lse2: torch.Tensor, out: torch.T
         lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
         HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_S=bs, BLOCK_H=bh,
         STORE_LSE=lse is not None, BASE=base, num_warps=num_warps, **({"PDL": True, "launch_pdl": True} if pdl else {}),
+        **({"SINKS": sinks, "HAS_SINKS": True} if sinks is not None else {}),
     )
 
 
