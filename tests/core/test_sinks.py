@@ -7,6 +7,7 @@ CPU: triton (Triton interpreter), the reference provider and fa3 through its CPU
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -50,14 +51,14 @@ def row_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return max(float(e.square().mean().sqrt()), float(e.max()) / 5)
 
 
-def assert_matches(out, lse, ref, ref_lse, rel, what=""):
+def assert_matches(out, lse, ref, ref_lse, rel, what="", lse_tol=1e-4):
     assert not torch.isnan(out).any(), f"{what}: NaN in output"
     err = row_err(out, ref)
     assert err <= rel, f"{what}: row relative error {err:.3g} > {rel}"
     if lse is not None:
         assert torch.isfinite(lse).all(), f"{what}: LSE not finite (the sink is finite)"
         lerr = float(((lse.float() - ref_lse).abs() / ref_lse.abs().clamp_min(1.0)).max())
-        assert lerr <= 1e-4, f"{what}: LSE error {lerr:.3g}"
+        assert lerr <= lse_tol, f"{what}: LSE error {lerr:.3g}"
 
 
 def make_case(mode, shape, window, seed, kv="bf16", mask_kind="tree"):
@@ -276,13 +277,36 @@ def test_multi_step_draft(splits):
         assert_matches(out, lse, ref, ref_lse, REL, f"draft step {i}")
 
 
-def test_fa3_standin(monkeypatch):
-    """fa3 (CPU stand-in): decode, extend, tree verify and cascade with sinks, full attention."""
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_fa3_standin(monkeypatch, kv):
+    """fa3 (CPU stand-in of vLLM's build, whose ``s_aux`` takes the sinks): decode, extend and tree verify,
+    full attention; without an LSE the build's sink argument (no tree part), with one the core's join."""
+    from attnplug.core.providers import fa3
+
     fa3_standin.patch_fa3(monkeypatch)
+    calls = []
+
+    def spy(*args, **kw):
+        calls.append(kw.get("s_aux") is not None)
+        return fa3_standin.fake_fa3_varlen(*args, **kw)
+
+    spy.__signature__ = inspect.signature(fa3_standin.fake_fa3_varlen)
+    monkeypatch.setattr(fa3, "load_fa3", lambda: fa3.FA3Lib("fake", spy, varlen_style=True))
     for mode in ("decode", "extend", "verify"):
-        c, scales = make_case(mode, (8, 2, 64), -1, seed=31)
-        _, out, lse, ref, ref_lse, _ = run_case(c, scales, provider="fa3")
-        assert_matches(out, lse, ref, ref_lse, REL, f"fa3 {mode}")
+        c, scales = make_case(mode, (8, 2, 64), -1, seed=31, kv=kv)
+        if kv == "fp8":
+            scales["q_scale"] = torch.tensor([0.02], device=DEVICE)
+        rel = REL_FP8 if kv == "fp8" else REL
+        for lse_too in (True, False):
+            calls.clear()
+            plan, out, lse, ref, ref_lse, sinks = run_case(c, scales, provider="fa3", lse_too=lse_too)
+            assert calls and all(calls) == (not lse_too and mode != "verify"), (mode, lse_too, calls)
+            if kv == "fp8":  # FA3 reads q quantized to e4m3: the oracle on the same (dequantized) query
+                q_deq = plan.state.q8.float() * scales["q_scale"]
+                ref, ref_lse = reference_attention(plan, q_deq, c.k_cache, c.v_cache, scales["k_scale"],
+                                                   scales["v_scale"], sinks)
+            lse_tol = 1e-2 if kv == "fp8" else 1e-4
+            assert_matches(out, lse, ref, ref_lse, rel, f"fa3 {mode} lse={lse_too}", lse_tol)
 
 
 def test_apply_sinks_kernel():
