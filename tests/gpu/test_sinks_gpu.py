@@ -105,7 +105,7 @@ def test_triton_split_kv(mode, splits):
 @pytest.mark.parametrize("mode", ["decode", "extend", "verify_chain"])
 def test_fp8_kv(provider, mode):
     fm, q_lens, prefix, mask_kind = MODES[mode]
-    window = -1 if provider == "fa3" and fm == ForwardMode.TARGET_VERIFY else 127  # fa3: no mask with a window
+    window = -1 if provider == "fa3" and fm == ForwardMode.TARGET_VERIFY else 127  # fa3: no mask + window
     base = random_case(fm, q_lens, prefix, gptoss(window), "cuda", seed=7, mask_kind=mask_kind)
     ks, vs = torch.tensor([4 / 100], device="cuda"), torch.tensor(3 / 60, device="cuda")
     base.k_cache = quantize_fp8(base.k_cache.float() * 4, ks, E4M3)
