@@ -349,11 +349,13 @@ class GraphState:
 
     def run(self, bs: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
             lse: torch.Tensor | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-            q_scale: torch.Tensor | None = None, host_scales: tuple[float, float] | None = None) -> torch.Tensor:
+            q_scale: torch.Tensor | None = None, host_scales: tuple[float, float] | None = None,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Launch the ``bs`` plan: ``q [bs*q, Hq, D]`` -> ``out [bs*q, Hq, D]``; no host work (capturable).
         fp8 KV: the layer's scales as in ``PagedAttention.run`` (device tensors: captured, updated in place;
-        ``host_scales``: captured as values)."""
+        ``host_scales``: captured as values). ``sinks [Hq]``: as in ``PagedAttention.run`` (captured)."""
         scales = self.config.scale_kwargs(self._unit_scale, k_scale, v_scale, q_scale, host_scales)
+        scales.update(self.config.sink_kwargs(sinks))
         if self._cascade(bs) is not None:
             self.cascade.run(bs, self.plans[bs], self.provider, q, k_cache, v_cache, out, lse, **scales)
         else:

@@ -36,8 +36,8 @@ def random_case(
 
     Pages are a random permutation of ``[0, num_pages)`` (with spare pages that hold garbage, so a
     wrong page index shows up). For TARGET_VERIFY a custom mask is built: all prefix keys visible,
-    a random tree over the draft tokens (``mask_kind="tree"``) or random bits (``"random"``, every
-    row keeps at least one key).
+    a random tree over the draft tokens (``mask_kind="tree"``), a chain (``"chain"``) or random bits
+    (``"random"``, every row keeps at least one key).
     """
     gen = torch.Generator().manual_seed(seed)
     P = config.page_size
@@ -61,6 +61,8 @@ def random_case(
             m = torch.ones(ql, kl, dtype=torch.bool)
             if mask_kind == "tree":
                 m[:, kl - ql :] = random_tree_mask(ql, gen)
+            elif mask_kind == "chain":  # a linear draft: causal over the draft tokens
+                m[:, kl - ql :] = torch.ones(ql, ql, dtype=torch.bool).tril()
             else:
                 m = torch.rand(ql, kl, generator=gen) < 0.5
                 m[torch.arange(ql), torch.randint(0, max(kl, 1), (ql,), generator=gen)] = True

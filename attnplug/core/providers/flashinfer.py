@@ -382,10 +382,14 @@ class FlashInferProvider(Provider):
 
     def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None,
             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, q_scale=None,
-            host_scales: tuple[float, float] | None = None) -> None:
+            host_scales: tuple[float, float] | None = None, sinks: torch.Tensor | None = None) -> None:
         """``q [T, Hq, D]``, caches in ``config.kv_layout`` -> ``out [T, Hq, D]`` (+ natural-log ``lse [T, Hq]``).
         fp8 KV: ``k_scale`` / ``v_scale`` one-element float32 device tensors, or ``host_scales``
-        ``(k, v)`` floats, which FlashInfer folds itself (see the module docstring)."""
+        ``(k, v)`` floats, which FlashInfer folds itself (see the module docstring). ``sinks``:
+        :meth:`run_folded` (the paged wrappers this provider drives take no sink input)."""
+        if sinks is not None:
+            return self.run_folded(plan, q, k_cache, v_cache, out, lse, sinks, k_scale=k_scale,
+                                   v_scale=v_scale, host_scales=host_scales)
         st: FlashInferState = plan.state
         fold = {}  # the host floats FlashInfer folds itself
         on_device = st.q_buf is not None and host_scales is None
