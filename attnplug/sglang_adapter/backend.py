@@ -25,6 +25,11 @@ KV-cache quant method loads from a checkpoint), 1 when the layer has none - as S
 their floats (``layer.k_scale_float``, fixed at load) go along as ``host_scales``, which the
 flashinfer provider hands to FlashInfer as SGLang's flashinfer backend does.
 
+Attention sinks (gpt-oss passes ``sinks=`` [Hq] to the backend's forward): handed to the core's run
+(eager, graphs, draft steps) at each call, so in-place updates apply; refused by name where the
+provider class declares none (``supports_sinks``). Each layer's ``sliding_window_size`` (SGLang's
+``window_left``) and its sinks are part of its config key: window and full layers get their own plans.
+
 All math is the core's. Whatever the core or this adapter cannot compute is refused with an
 ``UnsupportedFeature`` naming attnplug, the backend and the feature: at startup (constructor) when
 the model says so, else at the first forward that needs it.

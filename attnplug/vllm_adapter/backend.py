@@ -12,6 +12,10 @@
   host sync: FULL CUDA graphs capture it) and ``forward`` runs the core on NHD views of vLLM's
   KV cache. No attention math here.
 
+Attention sinks (gpt-oss): ``supports_sink`` is the provider class's ``supports_sinks``; a layer's
+``sinks [Hq]`` Parameter is kept by reference (weights load after the impl is built) and passed to
+every core run; it is part of the layer's core config (``sinks=True``), as its own window is.
+
 Shapes: ``query [T, Hq, D]``, ``key/value [T, Hkv, D]``, ``output [T, Hq, D]``; a layer's
 ``kv_cache`` is vLLM's ``[num_blocks, Hkv, block_size, 2*D]`` view (see ``compat.split_kv_cache``).
 
@@ -451,7 +455,7 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
             info = (f"provider {attn.provider_name}, layout {cfg.kv_layout}, page {cfg.page_size}, "
                     f"dtype {str(cfg.dtype).removeprefix('torch.')}, kv_dtype {str(cfg.kv_dtype).removeprefix('torch.')}, "
                     f"heads {cfg.num_qo_heads}/{cfg.num_kv_heads}, "
-                    f"head_dim {cfg.head_dim}, window {cfg.window_left}, soft_cap {cfg.logits_soft_cap}, "
+                    f"head_dim {cfg.head_dim}, window {cfg.window_left}, sinks {cfg.sinks}, soft_cap {cfg.logits_soft_cap}, "
                     f"cascade {attn.cascade}, in CUDA graphs {'on' if self._graph_cascade else 'off'}, "
                     f"cache layout {compat.cache_layout_name(vllm_config)}")  # fmt: skip
             logger.info("attnplug: %s active (%s, %s)", backend.NAME, info, compat.versions_info())
