@@ -276,8 +276,8 @@ def record_fast_paths(llama) -> None:
 
 
 def record_runs(runs, sinks: bool = False) -> None:
-    """Plan and run each ``(config, mode, q lens, prefix lens, with LSE, table entries)`` with the entries in
-    the tile table (the planned kernel must be theirs) and the H200's SM count; ``sinks``: zero sink logits."""
+    """Plan and run each ``(config, mode, q lens, prefix lens, with LSE, table entries)`` with its entries
+    in the tile table (the planned kernel must be theirs) and the H200's SM count; ``sinks``: zero sinks."""
     for cfg, mode, q_lens, prefix, with_lse, entries in runs:
         if cfg.kv_quantized:  # fp8 configs read the table's fp8 entries first: force those
             entries = {k if k.endswith("/fp8") else k + "/fp8": v for k, v in entries.items()}

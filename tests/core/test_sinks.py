@@ -354,3 +354,33 @@ def test_validation_and_capability():
     with pytest.raises(UnsupportedFeature, match="provider 'reference' does not support attention sinks"):
         NoSinks(c, torch.device(DEVICE))
     NoSinks(plain, torch.device(DEVICE))  # no sinks asked: no refusal
+
+
+@pytest.mark.parametrize("provider", ["triton", "fa3"])
+@pytest.mark.parametrize("lse_too", [True, False])
+def test_cascade_graph(provider, lse_too, monkeypatch):
+    """GraphState's cascade (the common prefix of the batch read once, the prefix part merged into the
+    suffix part inside the graph): the sink joins once, after the merge (fa3: its CPU stand-in)."""
+    from attnplug.bench.shared_prefix import prompts, shared_prefix_batch
+
+    if provider == "fa3":
+        fa3_standin.patch_fa3(monkeypatch)
+    c = AttentionConfig(8, 2, 32 if provider == "triton" else 64, 4, torch.bfloat16, sinks=True)
+    toks = prompts([(4, 40)], 6, seed=2)
+    batch, q, k, v, n = shared_prefix_batch(c, ForwardMode.DECODE, toks, seed=2, device=DEVICE)
+    k[0], v[0] = 0.5, 0.25  # the pad page: finite
+    gs = GraphState(c, provider, max_batch=6, max_tokens=6, max_pages=400, device=DEVICE, pad_page=0,
+                    max_seq_len=96, cascade="always")
+    bs = batch.batch_size + 1
+    gs.prepare_capture(bs)
+    gs.update(batch, bs)
+    assert int(gs.cascade.shared) > 0
+    sinks = draw_sinks(8, seed=5)
+    B = batch.batch_size
+    qpad = torch.cat([q, torch.randn(bs - B, *q.shape[1:]).to(q)])
+    out = torch.full_like(qpad, math.nan)
+    lse = torch.full((bs, 8), math.nan, device=DEVICE) if lse_too else None
+    gs.run(bs, qpad, k, v, out, lse, sinks=sinks)
+    ref, ref_lse = reference_attention(make_plan(c, batch, n, device=DEVICE), q, k, v, sinks=sinks)
+    assert_matches(out[:B], None if lse is None else lse[:B], ref, ref_lse, REL, f"{provider} cascade graph")
+    assert torch.isfinite(out[B:]).all()

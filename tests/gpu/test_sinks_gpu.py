@@ -2,8 +2,8 @@
 attention shape (64 query / 8 KV heads, d64, window 128 and full), every mode, split-KV, cascade, fp8 KV,
 graph capture; sinks far above and below the rows' logits (``tests/core/test_sinks.py``'s draw).
 
-Skipped without CUDA. A provider refusing a case fails unless the case is refused on purpose (fa3: a tree
-mask with a sliding window, as without sinks).
+Skipped without CUDA. A provider refusing a case fails unless the case is refused on purpose (fa3: a custom
+(tree or chain) mask with a sliding window, as without sinks).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def test_sinks_match_reference(provider, window, mode):
     config = gptoss(window)
     case = random_case(fm, q_lens, prefix, config, "cuda", seed=len(mode) + window, mask_kind=mask_kind)
     sinks = draw_sinks(64, seed=window + 3)
-    if provider == "fa3" and window >= 0 and fm == ForwardMode.TARGET_VERIFY and mask_kind == "tree":
+    if provider == "fa3" and window >= 0 and fm == ForwardMode.TARGET_VERIFY:  # any custom mask (chain too)
         with pytest.raises(UnsupportedFeature, match=WINDOW_TREE):
             _attn(provider, config).plan(case.batch, num_pages=case.num_pages)
         return
@@ -105,11 +105,12 @@ def test_triton_split_kv(mode, splits):
 @pytest.mark.parametrize("mode", ["decode", "extend", "verify_chain"])
 def test_fp8_kv(provider, mode):
     fm, q_lens, prefix, mask_kind = MODES[mode]
-    base = random_case(fm, q_lens, prefix, gptoss(127), "cuda", seed=7, mask_kind=mask_kind)
+    window = -1 if provider == "fa3" and fm == ForwardMode.TARGET_VERIFY else 127  # fa3: no mask + window
+    base = random_case(fm, q_lens, prefix, gptoss(window), "cuda", seed=7, mask_kind=mask_kind)
     ks, vs = torch.tensor([4 / 100], device="cuda"), torch.tensor(3 / 60, device="cuda")
     base.k_cache = quantize_fp8(base.k_cache.float() * 4, ks, E4M3)
     base.v_cache = quantize_fp8(base.v_cache.float() * 3, vs, E4M3)
-    base.config = gptoss(127, kv_dtype=E4M3)
+    base.config = gptoss(window, kv_dtype=E4M3)
     scales = dict(k_scale=ks, v_scale=vs, q_scale=torch.tensor([0.02], device="cuda"))
     _run_and_check(_attn(provider, base.config), base, draw_sinks(64, seed=8), scales, rel=REL_FP8)
 
