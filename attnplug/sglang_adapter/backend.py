@@ -226,8 +226,8 @@ class AttnplugAttnBackend(AttentionBackend):
 
         hq, hkv, d, scale, cap, window, sinks = key
         try:
-            cfg = AttentionConfig(hq, hkv, d, self.page_size, self.dtype, "NHD", scale, cap, window, self.kv_dtype,
-                                  sinks=sinks)
+            cfg = AttentionConfig(hq, hkv, d, self.page_size, self.dtype, "NHD", scale, cap, window,
+                                  self.kv_dtype, sinks=sinks)
         except ValueError as e:  # a head count / head dim / dtype the core cannot describe
             raise self._unsupported(f"this layer configuration ({str(e).removeprefix('attnplug: ')})") from e
         try:
@@ -251,8 +251,8 @@ class AttnplugAttnBackend(AttentionBackend):
         ``window_left``; gpt-oss alternates 127 and -1) and whether it passes ``sinks``."""
         cap = float(layer.logit_cap) if layer.logit_cap and layer.logit_cap > 0 else 0.0
         window = int(layer.sliding_window_size) if layer.sliding_window_size is not None else -1
-        return (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, float(layer.scaling), cap, max(window, -1),
-                sinks)
+        return (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, float(layer.scaling), cap,
+                max(window, -1), sinks)
 
     # -- metadata: once per forward -------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch) -> None:

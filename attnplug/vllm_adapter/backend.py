@@ -455,7 +455,8 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
             info = (f"provider {attn.provider_name}, layout {cfg.kv_layout}, page {cfg.page_size}, "
                     f"dtype {str(cfg.dtype).removeprefix('torch.')}, kv_dtype {str(cfg.kv_dtype).removeprefix('torch.')}, "
                     f"heads {cfg.num_qo_heads}/{cfg.num_kv_heads}, "
-                    f"head_dim {cfg.head_dim}, window {cfg.window_left}, sinks {cfg.sinks}, soft_cap {cfg.logits_soft_cap}, "
+                    f"head_dim {cfg.head_dim}, window {cfg.window_left}, sinks {cfg.sinks}, "
+                    f"soft_cap {cfg.logits_soft_cap}, "
                     f"cascade {attn.cascade}, in CUDA graphs {'on' if self._graph_cascade else 'off'}, "
                     f"cache layout {compat.cache_layout_name(vllm_config)}")  # fmt: skip
             logger.info("attnplug: %s active (%s, %s)", backend.NAME, info, compat.versions_info())
@@ -618,7 +619,8 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
         if sinks is not None and not b.supports_sink():
             raise b.refuse(f"attention sinks (provider '{b.provider()}' cannot compute them)")
         if sinks is not None and tuple(sinks.shape) != (num_heads,):
-            raise b.refuse(f"attention sinks of shape {tuple(sinks.shape)} (one per query head: [{num_heads}])")
+            raise b.refuse(f"attention sinks of shape {tuple(sinks.shape)} (one per query head: "
+                           f"[{num_heads}])")
         why = b.kv_cache_dtype_refusal(kv_cache_dtype)
         if why:
             raise b.refuse(why)
@@ -669,7 +671,8 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
         sk = {} if self.sinks is None else {"sinks": self.sink_tensor()}
         if self.fp8_dtype is None:
             return sk
-        sc = dict(**sk, k_scale=layer._k_scale, v_scale=layer._v_scale, q_scale=getattr(layer, "_q_scale", None))
+        sc = dict(**sk, k_scale=layer._k_scale, v_scale=layer._v_scale,
+                  q_scale=getattr(layer, "_q_scale", None))
         k_f, v_f = getattr(layer, "_k_scale_float", None), getattr(layer, "_v_scale_float", None)
         if self.fixed_scales and isinstance(k_f, float) and isinstance(v_f, float):
             sc["host_scales"] = (k_f, v_f)

@@ -13,7 +13,8 @@ from sglang_helpers import HKV, HQ, D, Requests, dense_reference, make_layer, ma
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from attnplug.core import UnsupportedFeature
-from test_graph_and_draft import _padded, _toy_provider, make_backend
+from test_graph_and_draft import (_dense_step, _draft_setup, _padded, _run_draft_steps, _toy_provider,
+                                  make_backend, make_draft)
 
 pytestmark = pytest.mark.sglang
 
@@ -22,7 +23,7 @@ WINDOW = 6  # SGLang's sliding_window_size is the core's window_left (gpt-oss: c
 
 
 def _layers():
-    """gpt-oss-like: layer 0 windowed, layer 1 full; bf16 sinks (SGLang's gpt-oss dtype) in a float32 model."""
+    """gpt-oss-like: layer 0 windowed, layer 1 full; bf16 sinks (SGLang's gpt-oss dtype), float32 model."""
     g = torch.Generator().manual_seed(5)
     layers = [make_layer(0, sliding_window_size=WINDOW), make_layer(1, sliding_window_size=-1)]
     sinks = [(torch.randn(HQ, generator=g) * 4).to(torch.bfloat16) for _ in layers]
@@ -31,7 +32,8 @@ def _layers():
 
 def _qkv(t, seed):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(t, HQ * D, generator=g), torch.randn(t, HKV, D, generator=g), torch.randn(t, HKV, D, generator=g)
+    return (torch.randn(t, HQ * D, generator=g), torch.randn(t, HKV, D, generator=g),
+            torch.randn(t, HKV, D, generator=g))
 
 
 def _check(be, runner, reqs, fb, layers, sinks, q_lens, seed):
@@ -111,3 +113,16 @@ def test_provider_without_sinks_refused_naming_attnplug_backend_feature(monkeypa
     msg = str(e.value)
     assert "attnplug" in msg and "'attnplug_triton'" in msg and "attention sinks" in msg and "'toy'" in msg, msg
     assert be.forward(q, k, v, make_layer(0), fb).shape == q.shape  # without sinks the same layer runs
+
+
+def test_sinks_in_multistep_draft_steps():
+    """EAGLE draft steps (``AttnplugMultiStepDraftBackend``: its step backends are this backend's
+    subclasses) pass the layer's sinks to the core's draft planner."""
+    runner, reqs, fb, draft_slots = _draft_setup(4, 2, 3, seq=[7, 13])
+    be = make_draft(runner, 2, 3)
+    be.init_forward_metadata(fb)
+    layer = make_layer(0)
+    sinks = torch.randn(HQ, generator=torch.Generator().manual_seed(2)) * 4
+    for i, (q, out) in enumerate(_run_draft_steps(be, fb, draft_slots, layer, seed=1, sinks=sinks)):
+        torch.testing.assert_close(out, _dense_step(runner, reqs, layer, draft_slots, i, q, sinks), **TOL)
+        assert not torch.allclose(out, _dense_step(runner, reqs, layer, draft_slots, i, q), atol=1e-3)
