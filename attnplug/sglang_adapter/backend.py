@@ -25,6 +25,11 @@ KV-cache quant method loads from a checkpoint), 1 when the layer has none - as S
 their floats (``layer.k_scale_float``, fixed at load) go along as ``host_scales``, which the
 flashinfer provider hands to FlashInfer as SGLang's flashinfer backend does.
 
+Attention sinks (gpt-oss passes ``sinks=`` [Hq] to the backend's forward): handed to the core's run
+(eager, graphs, draft steps) at each call, so in-place updates apply; refused by name where the
+provider class declares none (``supports_sinks``). Each layer's ``sliding_window_size`` (SGLang's
+``window_left``) and its sinks are part of its config key: window and full layers get their own plans.
+
 All math is the core's. Whatever the core or this adapter cannot compute is refused with an
 ``UnsupportedFeature`` naming attnplug, the backend and the feature: at startup (constructor) when
 the model says so, else at the first forward that needs it.
@@ -122,8 +127,9 @@ class AttnplugAttnBackend(AttentionBackend):
         self._stats = _Stats()
         self._late_counts = engine_glue.LateCounts()  # decode-graph cascade counters, read without a sync
         # Build the provider now: an unavailable provider or unsupported config fails at startup.
-        self._probe_key = (self.num_qo_heads, self.num_kv_heads, self.head_dim, None, 0.0, -1)
+        self._probe_key = (self.num_qo_heads, self.num_kv_heads, self.head_dim, None, 0.0, -1, False)
         probe = self._make_attention(self._probe_key)
+        self._supports_sinks = type(probe.provider).supports_sinks()  # the provider class declares it
         logger.info(
             "attnplug: %s active (provider %s, page %d, layout NHD, dtype %s, heads %d/%d, head_dim %d, cascade %s, "
             "in CUDA graphs %s, %s%s)",
@@ -180,12 +186,20 @@ class AttnplugAttnBackend(AttentionBackend):
         if compat.attn_dcp_size() > 1:
             raise self._unsupported("decode context parallelism (attn_dcp_size > 1)")
 
-    def _check_layer(self, layer, kwargs) -> None:
-        extra = sorted(k for k, v in kwargs.items() if v is not None and v is not False)
+    def _check_layer(self, layer, kwargs) -> torch.Tensor | None:
+        """Refuse what this layer asks that attnplug cannot compute; returns its ``sinks [Hq]`` (the
+        tensor SGLang passes, e.g. gpt-oss's Parameter: read live at each run) or ``None``."""
+        sinks = kwargs.get("sinks")
+        extra = sorted(k for k, v in kwargs.items() if v is not None and v is not False and k != "sinks")
         if extra:
-            raise self._unsupported(f"attention arguments {extra} (e.g. attention sinks, score_mod)")
+            raise self._unsupported(f"attention arguments {extra} (e.g. score_mod)")
+        if sinks is not None and not self._supports_sinks:
+            raise self._unsupported(f"attention sinks (provider '{self.provider_name}' cannot compute them)")
         if layer.layer_id in self._checked_layers:
-            return
+            return sinks
+        if sinks is not None and tuple(sinks.shape) != (layer.tp_q_head_num,):
+            raise self._unsupported(f"attention sinks of shape {tuple(sinks.shape)} (one per query head: "
+                                    f"[{layer.tp_q_head_num}])")
         from sglang.srt.layers.radix_attention import AttentionType
 
         if layer.is_cross_attention:
@@ -203,15 +217,17 @@ class AttnplugAttnBackend(AttentionBackend):
         if getattr(layer, "xai_temperature_len", -1) > 0:
             raise self._unsupported("xai temperature scaling")
         self._checked_layers.add(layer.layer_id)
+        return sinks
 
     # -- per-config core objects --------------------------------------------------------------------
     def _make_attention(self, key: tuple):
-        """A ``PagedAttention`` for ``key = (Hq, Hkv, D, sm_scale, soft_cap, window_left)``."""
+        """A ``PagedAttention`` for ``key = (Hq, Hkv, D, sm_scale, soft_cap, window_left, sinks)``."""
         from attnplug.core import AttentionConfig, PagedAttention, ProviderUnavailable, UnsupportedFeature
 
-        hq, hkv, d, scale, cap, window = key
+        hq, hkv, d, scale, cap, window, sinks = key
         try:
-            cfg = AttentionConfig(hq, hkv, d, self.page_size, self.dtype, "NHD", scale, cap, window, self.kv_dtype)
+            cfg = AttentionConfig(hq, hkv, d, self.page_size, self.dtype, "NHD", scale, cap, window,
+                                  self.kv_dtype, sinks=sinks)
         except ValueError as e:  # a head count / head dim / dtype the core cannot describe
             raise self._unsupported(f"this layer configuration ({str(e).removeprefix('attnplug: ')})") from e
         try:
@@ -230,10 +246,13 @@ class AttnplugAttnBackend(AttentionBackend):
         return attn
 
     @staticmethod
-    def _layer_key(layer) -> tuple:
+    def _layer_key(layer, sinks: bool = False) -> tuple:
+        """The core config key of ``layer``: each layer's own window (``sliding_window_size``, SGLang's
+        ``window_left``; gpt-oss alternates 127 and -1) and whether it passes ``sinks``."""
         cap = float(layer.logit_cap) if layer.logit_cap and layer.logit_cap > 0 else 0.0
         window = int(layer.sliding_window_size) if layer.sliding_window_size is not None else -1
-        return (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, float(layer.scaling), cap, max(window, -1))
+        return (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, float(layer.scaling), cap,
+                max(window, -1), sinks)
 
     # -- metadata: once per forward -------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch) -> None:
@@ -365,7 +384,12 @@ class AttnplugAttnBackend(AttentionBackend):
             return []
         from sglang.srt.layers.radix_attention import RadixAttention
 
-        return dict.fromkeys(self._layer_key(m) for m in model.modules() if isinstance(m, RadixAttention))
+        # a layer with sinks: its RadixAttention is a child of a module holding the ``sinks`` tensor it
+        # passes at forward (gpt-oss: ``self.attn(..., sinks=self.sinks)``)
+        with_sinks = {id(c) for m in model.modules() if isinstance(getattr(m, "sinks", None), torch.Tensor)
+                      for c in m.children() if isinstance(c, RadixAttention)}  # fmt: skip
+        return dict.fromkeys(self._layer_key(m, id(m) in with_sinks) for m in model.modules()
+                             if isinstance(m, RadixAttention))
 
     @staticmethod
     def _graph_mode_of(fb):
@@ -498,21 +522,22 @@ class AttnplugAttnBackend(AttentionBackend):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
 
     def _forward(self, q, k, v, layer, fb, save_kv_cache, kwargs):
-        self._check_layer(layer, kwargs)
+        sinks = self._check_layer(layer, kwargs)
         if not self._metadata_ready():
             raise RuntimeError(f"attnplug: backend '{self.backend_name}': forward before init_forward_metadata")
         scales = self._scales(layer)
         hq, d = layer.tp_q_head_num, layer.qk_head_dim
+        run_kw = scales if sinks is None else {**scales, "sinks": self._sink_tensor(sinks)}
         shape = (self.num_pages, self.page_size, self.num_kv_heads, d)
         k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).view(shape)
         v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id).view(shape)
         if save_kv_cache and k is not None and v is not None:
             # k, v: [T, Hkv, D]; the KV of the new tokens must be in the cache before run().
             self._write_kv(layer, fb, k, v, k_cache, v_cache, scales)
-        key = self._layer_key(layer)
+        key = self._layer_key(layer, sinks is not None)
         q3 = q.reshape(-1, hq, d)
         out = torch.empty_like(q3)
-        self._run(key, q3, k_cache, v_cache, out, scales)
+        self._run(key, q3, k_cache, v_cache, out, run_kw)
         self._stats.layer_runs += 1
         return out.view(-1, hq * d)
 
@@ -557,13 +582,19 @@ class AttnplugAttnBackend(AttentionBackend):
             sc["host_scales"] = host
         return sc
 
+    def _sink_tensor(self, sinks: torch.Tensor) -> torch.Tensor:
+        """The layer's sinks as the core reads them: the tensor itself where it is float32 or the
+        model dtype, else (gpt-oss keeps bf16 sinks in a float32 model) its float32 cast, made on the
+        device at each run (so it reads the live values; a CUDA graph captures the cast)."""
+        return sinks if sinks.dtype in (torch.float32, self.dtype) else sinks.float()
+
     def _metadata_ready(self) -> bool:
         """This forward's metadata was built (eagerly or into the graph state)."""
         return self._batch is not None or self._graph_fwd is not None
 
     def _run(self, key, q3, k_cache, v_cache, out, scales: dict | None = None) -> None:
         """One layer's attention: the captured graph plan of ``key``, else the eager plan.
-        ``scales``: fp8 KV, the layer's (:meth:`_scales`)."""
+        ``scales``: fp8 KV, the layer's (:meth:`_scales`); ``sinks`` for a layer with attention sinks."""
         scales = scales or {}
         if self._graph_fwd is not None:
             mode, bs, batch = self._graph_fwd

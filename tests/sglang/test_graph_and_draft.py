@@ -262,8 +262,9 @@ def _draft_setup(page_size, topk, steps, seq, seed=0):
     return (runner,) + _draft_batch(runner, topk, steps, seq, seed)
 
 
-def _dense_step(runner, reqs, layer, draft_slots, step, q):
-    """float64: row b*topk+j attends prefix of b + draft tokens 0..step of branch j."""
+def _dense_step(runner, reqs, layer, draft_slots, step, q, sinks=None):
+    """float64: row b*topk+j attends prefix of b + draft tokens 0..step of branch j (``sinks [Hq]``:
+    one more logit per head in the denominator)."""
     kb, vb = (runner.token_to_kv_pool.get_key_buffer(0), runner.token_to_kv_pool.get_value_buffer(0))
     r2t = runner.req_to_token_pool.req_to_token
     B, K, _ = draft_slots.shape
@@ -276,12 +277,16 @@ def _dense_step(runner, reqs, layer, draft_slots, step, q):
             vv = vb[slots].double().repeat_interleave(HQ // HKV, 1)
             qq = q[b * K + j].view(HQ, D).double()
             s = torch.einsum("hd,khd->hk", qq, kk) * layer.scaling
-            outs.append(torch.einsum("hk,khd->hd", torch.softmax(s, -1), vv).reshape(HQ * D))
+            if sinks is not None:
+                s = torch.cat([s, sinks.double()[:, None]], -1)
+            p = torch.softmax(s, -1)[:, : len(slots)]
+            outs.append(torch.einsum("hk,khd->hd", p, vv).reshape(HQ * D))
     return torch.stack(outs).float()
 
 
-def _run_draft_steps(be, fb, draft_slots, layer, seed, rows=None):
-    """Every attention step through ``attn_backends[i]``, writing step i's draft KV first."""
+def _run_draft_steps(be, fb, draft_slots, layer, seed, rows=None, **kwargs):
+    """Every attention step through ``attn_backends[i]``, writing step i's draft KV first (``kwargs``:
+    the layer's forward arguments, e.g. ``sinks``)."""
     B, K, _ = draft_slots.shape
     R = rows or B * K
     outs = []
@@ -290,7 +295,7 @@ def _run_draft_steps(be, fb, draft_slots, layer, seed, rows=None):
         loc[: B * K] = draft_slots[:, :, i].reshape(-1)
         q, k, v = _qkv(R, seed + 10 * i)
         sfb = SimpleNamespace(**{**vars(fb), "out_cache_loc": loc})
-        outs.append((q, child.forward(q, k, v, layer, sfb)))
+        outs.append((q, child.forward(q, k, v, layer, sfb, **kwargs)))
     return outs
 
 
