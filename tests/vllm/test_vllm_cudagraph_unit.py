@@ -352,10 +352,10 @@ def test_support_levels_are_honest_per_provider(env, monkeypatch):
     monkeypatch.delenv("ATTNPLUG_PROVIDER_OVERRIDE", raising=False)
     level = {n: getattr(B, n).get_builder_cls().get_cudagraph_support(None, None)
              for n in ("AttnplugTritonBackend", "AttnplugFA3Backend", "AttnplugFlashInferBackend")}  # fmt: skip
-    # from each provider's graph_support: device-refreshed decode + verify -> UNIFORM_BATCH; FlashInfer
-    # re-plans on the host (vLLM's verify masks live on the device) -> single-token decode
+    # from each provider's graph_support: decode + causal-chain verify from the device block table (device
+    # refresh, or FlashInfer's host re-plan from host lengths) -> UNIFORM_BATCH
     assert level == {"AttnplugTritonBackend": CG.UNIFORM_BATCH, "AttnplugFA3Backend": CG.UNIFORM_BATCH,
-                     "AttnplugFlashInferBackend": CG.UNIFORM_SINGLE_TOKEN_DECODE}
+                     "AttnplugFlashInferBackend": CG.UNIFORM_BATCH}
     assert {n: getattr(B, n).get_builder_cls()._cudagraph_support for n in level} == level
     # spec decode: verify graphs only where their static buffers fit the budget
     triton = B.AttnplugTritonBackend.get_builder_cls()
@@ -419,3 +419,83 @@ def test_decode_graphs_read_the_shared_prefix_once_when_enabled(env, monkeypatch
     monkeypatch.setenv("ATTNPLUG_CASCADE_GRAPHS", "2")
     with pytest.raises(ValueError, match="ATTNPLUG_CASCADE_GRAPHS must be 0 or 1"):
         make(env, "cg_cascade_bad")
+
+
+BACKEND_NAMES = ("AttnplugTritonBackend", "AttnplugFA3Backend", "AttnplugFlashInferBackend")
+
+
+def _spec_config(num_spec: int, seqs: int = 64, max_len: int = 17408):
+    """The e2e harness's vLLM limits (``benchmarks/e2e/engine_run.py``) with ``num_spec`` draft tokens."""
+    return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=num_spec), model_config=None,
+                           scheduler_config=SimpleNamespace(max_num_seqs=seqs, max_model_len=max_len),
+                           compilation_config=SimpleNamespace(max_cudagraph_capture_size=seqs))  # fmt: skip
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+@pytest.mark.parametrize("num_spec,v2", [(4, False), (2, True), (2, False), (4, True)])
+def test_spec_verify_batches_get_full_graphs_under_both_runners(env, monkeypatch, name, num_spec, v2):
+    """What vLLM reads to choose the graph mode of speculative batches: each builder's
+    ``get_cudagraph_support(vllm_config, kv_cache_spec)`` (V1 runner: on the class; V2: on the instance -
+    a classmethod, the same answer), folded by vLLM's own ``resolve_cudagraph_mode_and_sizes`` with
+    ``uniform_decode_query_len = 1 + k``. Every provider must keep FULL graphs of uniform verify batches
+    (not vLLM's fall-back "not supported with spec-decode ...; setting cudagraph_mode=PIECEWISE")."""
+    import inspect
+
+    from vllm.config import CompilationConfig
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+    from vllm.v1.attention.backend import AttentionCGSupport as CG
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from attnplug.vllm_adapter import backend as B
+
+    monkeypatch.delenv("ATTNPLUG_PROVIDER_OVERRIDE", raising=False)
+    cls = getattr(B, name).get_builder_cls()
+    assert isinstance(inspect.getattr_static(cls, "get_cudagraph_support"), classmethod)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    level = cls.get_cudagraph_support(_spec_config(num_spec), spec)
+    assert level is CG.UNIFORM_BATCH, (name, level)
+    cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+                           cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64], max_cudagraph_capture_size=64)  # fmt: skip
+    mode = cc.resolve_cudagraph_mode_and_sizes(level, getattr(B, name).__name__, uniform_decode_query_len=1 + num_spec,
+                                               use_v2_model_runner=v2)  # fmt: skip
+    assert mode.decode_mode() == CUDAGraphMode.FULL and mode == CUDAGraphMode.FULL_AND_PIECEWISE, mode
+    # the same resolution with a single-token-decode level falls back (the check above can fail)
+    low = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+                            cudagraph_capture_sizes=[1, 2, 4, 8], max_cudagraph_capture_size=8)  # fmt: skip
+    fallback = low.resolve_cudagraph_mode_and_sizes(CG.UNIFORM_SINGLE_TOKEN_DECODE, "X", uniform_decode_query_len=1 + num_spec,
+                                                    use_v2_model_runner=v2)  # fmt: skip
+    assert fallback.decode_mode() != CUDAGraphMode.FULL
+
+
+def test_both_runners_read_the_builders_cudagraph_support(env):
+    """The two places vLLM asks (pins this release's code path): the V1 runner's
+    ``_check_and_update_cudagraph_mode`` and the V2 runner's attention setup both take the minimum of
+    the builders' ``get_cudagraph_support`` and hand it to ``resolve_cudagraph_mode_and_sizes``."""
+    import inspect
+
+    from vllm.v1.worker import gpu_model_runner as v1
+
+    v1_src = inspect.getsource(v1.GPUModelRunner._check_and_update_cudagraph_mode)
+    assert "get_cudagraph_support(" in v1_src and "resolve_cudagraph_mode_and_sizes(" in v1_src
+    from vllm.v1.worker.gpu import attn_utils, model_runner as v2
+
+    assert "get_cudagraph_support(" in inspect.getsource(attn_utils)
+    assert "resolve_cudagraph_mode_and_sizes(" in inspect.getsource(v2)
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+def test_verify_graph_family_is_a_chain_family(env, monkeypatch, name):
+    """The builder's verify graphs (``q = 1 + k``) are causal-chain families (``GraphState(chain=True)``):
+    FlashInfer replays them with its causal prefill template, planned from host lengths; the others read
+    the chain mask the one-launch update writes. The provider's declared support covers them."""
+    from attnplug.core.providers import get_provider_cls
+
+    monkeypatch.delenv("ATTNPLUG_PROVIDER_OVERRIDE", raising=False)
+    from attnplug.vllm_adapter import backend as B
+
+    g = get_provider_cls(getattr(B, name).provider()).graph_support
+    assert g.chain_verify and g.decode
+    if name == "AttnplugFlashInferBackend":
+        from attnplug.core.providers.flashinfer import FlashInferChainVerifyGraph, FlashInferProvider
+
+        assert FlashInferProvider.chain_graph_cls is FlashInferChainVerifyGraph and not g.device_refresh
