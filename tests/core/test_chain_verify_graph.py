@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from attnplug.core import AttentionConfig, BatchMetadata, ForwardMode, UnsupportedFeature
+from attnplug.core import AttentionConfig, BatchMetadata, UnsupportedFeature
 from attnplug.core.cuda_graph import GraphState, chain_mask
 from attnplug.core.plan import make_plan
 from attnplug.core.providers.flashinfer import FlashInferChainVerifyGraph, FlashInferGraph, FlashInferProvider
