@@ -83,9 +83,32 @@ def _batch(runner, mode, n, kv_lens, seed):
     return reqs, None, reqs.batch(ForwardMode.DECODE, q_lens=[1] * len(kv_lens))
 
 
-@pytest.mark.parametrize("mode, page_size", [("decode", 16), ("decode", 1), ("verify", 4)])
-def test_graph_capture_then_replay_matches_eager(mode, page_size, monkeypatch):
+def _fa3_standin(monkeypatch):
+    """The fa3 provider on CPU: FA3's logic with the tests' stand-in kernel (tests/core/fa3_standin.py),
+    float32 configs allowed (the stand-in computes any dtype)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
+    import fa3_standin
+
+    from attnplug.core.providers.fa3 import FA3Provider
+
+    fa3_standin.patch_fa3(monkeypatch)
+    monkeypatch.setattr(FA3Provider, "check_kv_dtype", lambda self, config: None)
+    monkeypatch.setattr(FA3Provider, "check_config", lambda self, config: None)
+
+
+@pytest.mark.parametrize("mode, page_size, provider", [("decode", 16, "triton"), ("decode", 1, "triton"),
+                                                        ("verify", 4, "triton"), ("verify", 4, "fa3"),
+                                                        ("decode", 4, "fa3")])  # fmt: skip
+def test_graph_capture_then_replay_matches_eager(mode, page_size, provider, monkeypatch):
+    """Capture then replay through the backend's graph hooks; ``fa3`` (stand-in kernel): its tree verify
+    (EAGLE topk > 1: FA3 on the prefix, the tree part by attnplug's kernel, LSE-merged) is captured too."""
     from attnplug.core.cuda_graph import GraphState
+
+    if provider == "fa3":
+        _fa3_standin(monkeypatch)
 
     launches = []  # the one-launch replay path (decode) vs GraphState.update (verify: SGLang's tree mask)
     one_launch = GraphState.update_from_block_table
@@ -97,14 +120,14 @@ def test_graph_capture_then_replay_matches_eager(mode, page_size, monkeypatch):
     # come from the fill values, never from that row
     runner.req_to_token_pool.req_to_token[0, :64] = 3 * page_size + torch.arange(64, dtype=torch.int32)
     layer = make_layer(0)
-    be = make_backend(runner)
+    be = make_backend(runner, provider, f"attnplug_{provider}")
     be.init_cuda_graph_state(max_bs=max_bs, max_num_tokens=max_bs * n)
 
     for step, kv_lens in enumerate([[21 + n, 35 + n], [9 + n, 40 + n, 17 + n]]):  # capture, then replay
         reqs, masks, fb = _batch(runner, mode, n, kv_lens, seed=10 + step)
         B = fb.batch_size
         q, k, v = _qkv(bs * n, seed=step)
-        eager = make_backend(runner)
+        eager = make_backend(runner, provider, f"attnplug_{provider}")
         eager.init_forward_metadata(fb)
         if step == 1:
             gs = be._graphs[mode][be._layer_key(layer)]  # the state the layer's captured plan lives in
@@ -564,8 +587,8 @@ def test_decode_graph_runner_protocol(mode, page_size):
         torch.testing.assert_close(out[: B * n], dense, **TOL)
 
 
-@pytest.mark.parametrize("provider", ["triton", "toy"])
-def test_draft_graph_runner_protocol(provider):
+@pytest.mark.parametrize("provider", ["triton", "toy", "fa3"])
+def test_draft_graph_runner_protocol(provider, monkeypatch):
     """What SGLang's EAGLEDraftCudaGraphRunner does with the container, in both releases (with
     attnplug's triton and with the toy provider, which re-plans on the host):
     ``init_cuda_graph_state(max_bs, max_bs * topk)``, ``attn_backends[0].get_cuda_graph_seq_len_fill_value()``;
@@ -575,6 +598,8 @@ def test_draft_graph_runner_protocol(provider):
     topk, steps, max_bs = 2, 3, 4
     if provider == "toy":
         _toy_provider()
+    if provider == "fa3":
+        _fa3_standin(monkeypatch)
     runner = make_runner(4, is_draft_worker=True)
     layer = make_layer(0)
     be = make_draft(runner, topk, steps, provider=provider)
@@ -618,3 +643,32 @@ def test_draft_factory_public_methods_build_ours(hooked_factory, monkeypatch):
         assert type(ext) is AttnplugAttnBackend, attn_mode
         for b in [dec, ext, *dec.attn_backends]:
             assert b.decode_attention_backend_str == b.prefill_attention_backend_str == "attnplug_triton"
+
+
+@pytest.mark.parametrize("provider", ["triton", "fa3", "flashinfer"])
+def test_every_provider_declares_sglang_verify_and_draft_graphs(provider, monkeypatch):
+    """What decides whether SGLang captures attnplug's speculative steps: SGLang calls the target
+    backend's ``init_cuda_graph_state(max_bs, max_bs * num_draft_tokens)`` for TARGET_VERIFY graphs and
+    the draft container's for draft decode, and has no fall-back (a refusal stops the start). Each
+    provider's declared support must cover decode and verify graphs (tree masks through
+    ``GraphState.update``), so neither is refused; triton and fa3 (stand-in) build the states here
+    (the flashinfer provider needs CUDA: its declaration, and its tree family's part)."""
+    from attnplug.core.providers import get_provider_cls
+
+    g = get_provider_cls(provider).graph_support
+    assert g.decode and g.verify, (provider, g)
+    if provider == "flashinfer":
+        from attnplug.core.providers.flashinfer import FlashInferGraph, FlashInferProvider
+
+        assert FlashInferProvider.graph_cls is FlashInferGraph
+        return
+    if provider == "fa3":
+        _fa3_standin(monkeypatch)
+    runner = make_runner(4)
+    be = make_backend(runner, provider, f"attnplug_{provider}")
+    assert not be.graph_refusal
+    be.init_cuda_graph_state(max_bs=4, max_num_tokens=4 * 8)  # EAGLE topk 4 / 8 draft tokens; n-gram alike
+    assert be._graphs["verify"] and be._graphs["decode"]
+    assert all(gs.q == 8 and not gs.chain for gs in be._graphs["verify"].values())
+    draft = make_draft(make_runner(4, is_draft_worker=True), 4, 3, provider=provider)
+    draft.init_cuda_graph_state(4, 4 * 4)
