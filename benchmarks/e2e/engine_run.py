@@ -21,10 +21,11 @@ Tensor parallel (``--tp N``): NVLink multicast stays off (:data:`TP_ENV`: the sh
 and no all-reduce path that would create multicast objects: vLLM's FlashInfer all-reduce fusion and
 symmetric memory off, custom all-reduce off in both engines). Speculation: ``--spec ngram`` (vLLM
 ``{"method": "ngram"}``, 4 tokens, lookup 2..4; SGLang ``NGRAM``), ``--eagle-draft`` (vLLM: EAGLE, 2
-tokens, the drafter on the target's backend, both with dummy weights; SGLang: EAGLE topk 4 / 3 steps /
-8 draft tokens, draft with dummy weights). ``--prompts repeat``: prompts that repeat a random 32-token
-phrase; ``--prompts cycle``: prompts ending in the model's own greedy continuation, found at warm-up,
-which cycles (``spec_workload.py``: n-gram drafts get accepted). Every speculative speed row records
+tokens, the drafter on the target's backend; SGLang: EAGLE topk 4 / 3 steps / 8 draft tokens), the draft
+``make_model.py``'s repeat-last-token head (dummy weights for a config-only draft folder).
+``--prompts repeat``: prompts that repeat a random 32-token phrase; ``--prompts cycle``: prompts ending in
+the model's own greedy continuation, found at warm-up, which cycles (``spec_workload.py``: n-gram drafts,
+and the repeat head's where the cycle has period 1, get accepted). Every speculative speed row records
 ``accepted_per_step`` (tokens the target emits per request step, the bonus token included; 1.0 where no
 draft was made) and the counts behind it (``spec``) from the engine's counters.
 
@@ -87,6 +88,11 @@ def corr_prompts() -> list[list[int]]:
     return [[rng.randrange(3, VOCAB_HI) for _ in range(n)] for n in CORR_LENS]
 
 
+def has_weights(folder: str) -> bool:
+    """Whether a draft folder holds weights (``make_model.py``'s repeat-last-token EAGLE head)."""
+    return os.path.exists(os.path.join(folder, "model.safetensors"))
+
+
 class VLLM:
     def __init__(self, a):
         from vllm import LLM, SamplingParams  # noqa: PLC0415
@@ -107,7 +113,8 @@ class VLLM:
             draft = os.path.join(a.eagle_draft, "vllm")
             kw["speculative_config"] = {"method": "eagle", "model": draft, "num_speculative_tokens": 2,
                                         "attention_backend": a.backend}  # fmt: skip
-            kw["load_format"] = "dummy"  # the draft dir holds a config only; target and draft random alike
+            if not has_weights(draft):  # a config-only draft dir: target and draft random (dummy) alike
+                kw["load_format"] = "dummy"
         if a.kv_cache_dtype != "auto":
             kw["kv_cache_dtype"] = a.kv_cache_dtype
         self.spec = bool(kw.get("speculative_config"))
@@ -157,9 +164,10 @@ class SGLang:
             kw = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=8)
         elif a.eagle_draft:
             draft = os.path.join(a.eagle_draft, "sglang")
-            kw = dict(speculative_algorithm="EAGLE", speculative_draft_model_path=draft,
-                      speculative_draft_load_format="dummy", speculative_num_steps=3, speculative_eagle_topk=4,
-                      speculative_num_draft_tokens=8)
+            kw = dict(speculative_algorithm="EAGLE", speculative_draft_model_path=draft, speculative_num_steps=3,
+                      speculative_eagle_topk=4, speculative_num_draft_tokens=8)
+            if not has_weights(draft):  # a config-only draft dir (make_model.py's weights: the repeat head)
+                kw["speculative_draft_load_format"] = "dummy"
         kw.update(dtype="bfloat16", mem_fraction_static=0.8, context_length=MAX_LEN)
         if a.kv_cache_dtype != "auto":
             kw["kv_cache_dtype"] = a.kv_cache_dtype

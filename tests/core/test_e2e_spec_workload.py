@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "e2e"))
 import engine_run  # noqa: E402
@@ -101,3 +102,61 @@ def test_engine_run_records_accepted_per_step_for_every_speculative_row(tmp_path
             assert "accepted_per_step" not in r
         else:
             assert r["accepted_per_step"] == 3.0 and r["spec"]["accepted_per_verify"] == 3.0
+
+
+SMALL = {"hidden_size": 16, "intermediate_size": 24, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 4, "vocab_size": 50, "num_hidden_layers": 2, "architectures": ["LlamaForCausalLM"],
+         "initializer_range": 0.02}  # fmt: skip
+
+
+def _rms(x):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_eagle_repeat_head_proposes_the_last_token(tmp_path, engine):
+    """make_model.py's draft head, run as the engines' EAGLE(-1) Llama head computes it (fc on cat(embed,
+    hidden), one pre-norm decoder layer with layer 0's input norm skipped, hidden + residual, the shared
+    lm_head): its logits are the target's at the hidden state it gets, so it proposes that token again."""
+    import make_model
+
+    w = {k: v.float() for k, v in make_model.eagle_repeat_weights(SMALL, engine).items()}
+    assert ("fc.bias" in w) == (engine == "sglang") and ("layers.0.input_layernorm.weight" in w) == (engine == "sglang")
+    g = torch.Generator().manual_seed(0)
+    H = SMALL["hidden_size"]
+    emb, lm_head = torch.randn(50, H, generator=g), torch.randn(50, H, generator=g)
+    hidden, tokens = _rms(torch.randn(5, H, generator=g)), torch.randint(0, 50, (5,), generator=g)
+    x = torch.cat([emb[tokens], hidden], -1) @ w["fc.weight"].T + w.get("fc.bias", torch.zeros(H))
+    p = "layers.0."
+    q, k, v = (x @ w[p + f"self_attn.{n}_proj.weight"].T for n in "qkv")
+    attn = torch.zeros(5, w[p + "self_attn.o_proj.weight"].shape[1])  # any attention of q, k, v: o_proj maps it
+    attn[:, : v.shape[1]] = v + q[:, : v.shape[1]] + k
+    resid = x + attn @ w[p + "self_attn.o_proj.weight"].T
+    n2 = _rms(resid) * w[p + "post_attention_layernorm.weight"]
+    mlp = (torch.nn.functional.silu(n2 @ w[p + "mlp.gate_proj.weight"].T) * (n2 @ w[p + "mlp.up_proj.weight"].T)) \
+        @ w[p + "mlp.down_proj.weight"].T  # fmt: skip
+    out = resid + mlp
+    assert torch.equal((out @ lm_head.T).argmax(-1), (hidden @ lm_head.T).argmax(-1))
+    assert torch.allclose(out, hidden, atol=1e-2)
+
+
+def test_eagle_draft_folders_hold_config_and_weights(tmp_path):
+    """The files (safetensors: the engines' venvs; run with .venvs/vllm or .venvs/sglang)."""
+    pytest.importorskip("safetensors", reason="make_model.py writes safetensors: run in an engine venv")
+    import make_model
+    from safetensors.torch import load_file
+
+    make_model.write_eagle_draft(str(tmp_path), SMALL)
+    for engine in ("vllm", "sglang"):
+        cfg = json.loads((tmp_path / engine / "config.json").read_text())
+        assert cfg["architectures"] == [make_model.EAGLE_ARCH[engine]] and cfg["num_hidden_layers"] == 1
+        got = load_file(str(tmp_path / engine / "model.safetensors"))
+        want = make_model.eagle_repeat_weights(SMALL, engine)
+        assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+        assert engine_run.has_weights(str(tmp_path / engine))
+
+
+def test_engine_run_loads_draft_weights_when_present(tmp_path):
+    assert not engine_run.has_weights(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert engine_run.has_weights(str(tmp_path))
