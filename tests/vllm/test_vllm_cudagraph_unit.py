@@ -173,28 +173,45 @@ def test_capture_padded_batch_matches_eager_then_replay_updates_in_place(env):
     assert isinstance(builder._build_eager(0, b2.cam(2)), AttnplugMetadata)
 
 
+def verify_cam(b, n, q):
+    """vLLM's metadata of a spec-verify batch: ``q`` tokens for each of ``b``'s real requests, ``n - B``
+    padding rows with none."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    ql = [q] * b.B + [0] * (n - b.B)
+    qsl = torch.tensor([0] + ql).cumsum(0).to(torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=b.seq_lens[:n], num_reqs=n,
+        num_actual_tokens=n * q, max_query_len=q, max_seq_len=int(b.seq_lens.max()),
+        block_table_tensor=b.block_table[:n], slot_mapping=torch.full((n * q,), -1, dtype=torch.long))
+
+
+def verify_reference(b, impl, x, q):
+    """The float32 reference of ``b``'s real requests, ``q`` causal tokens each."""
+    from attnplug.core import BatchMetadata, ForwardMode, PagedAttention
+    from attnplug.vllm_adapter.compat import split_kv_cache
+
+    B = b.B
+    ref = PagedAttention(impl.core_config(P, DT), "reference", "cpu")
+    ref.plan(BatchMetadata.from_block_table(ForwardMode.MIXED, torch.arange(B + 1, dtype=torch.int32) * q,
+                                            b.block_table[:B], b.seq_lens[:B], P))  # fmt: skip
+    k, v = split_kv_cache(b.kv_cache, D)
+    return ref.run(x[: B * q].contiguous(), k, v)
+
+
 def test_capture_and_replay_uniform_spec_verify_batch(env):
     """UNIFORM_BATCH: verify batches of q = 1 + num_speculative_tokens causal tokens per request,
     padded by vLLM, run through the core's verify graphs with the chain mask built on the device."""
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
-    from attnplug.core import BatchMetadata, ForwardMode, PagedAttention
     from attnplug.core.cuda_graph import FILL_SEQ_LEN
     from attnplug.core.draft import build_tree_verify_mask
     from attnplug.vllm_adapter.backend import AttnplugGraphMetadata
-    from attnplug.vllm_adapter.compat import split_kv_cache
 
     q = 3
     impl, builder = make(env, "cg_verify")
     key = next(iter(builder.attention))
 
     def cam_of(b, n):
-        ql = [q] * b.B + [0] * (n - b.B)
-        qsl = torch.tensor([0] + ql).cumsum(0).to(torch.int32)
-        return CommonAttentionMetadata(
-            query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=b.seq_lens[:n], num_reqs=n,
-            num_actual_tokens=n * q, max_query_len=q, max_seq_len=int(b.seq_lens.max()),
-            block_table_tensor=b.block_table[:n], slot_mapping=torch.full((n * q,), -1, dtype=torch.long))
+        return verify_cam(b, n, q)
 
     def check(b, md):
         B, bs = b.B, md.bs
@@ -202,12 +219,8 @@ def test_capture_and_replay_uniform_spec_verify_batch(env):
         x = torch.randn(bs * q, Hq, D, generator=g, dtype=DT)
         out = forward(impl, b.kv_cache, md, x)
         eager = forward(impl, b.kv_cache, builder._build_eager(0, cam_of(b, B)), x)
-        ref = PagedAttention(impl.core_config(P, DT), "reference", "cpu")
-        ref.plan(BatchMetadata.from_block_table(ForwardMode.MIXED, torch.arange(B + 1, dtype=torch.int32) * q,
-                                                b.block_table[:B], b.seq_lens[:B], P))  # fmt: skip
-        k, v = split_kv_cache(b.kv_cache, D)
         torch.testing.assert_close(out[: B * q], eager[: B * q], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(out[: B * q], ref.run(x[: B * q].contiguous(), k, v), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[: B * q], verify_reference(b, impl, x, q), atol=1e-5, rtol=1e-5)
         plan = md.plan_for(key)
         mi = [int(t) for t in plan.mask_indptr[: bs + 1]]
         chain = torch.arange(q)[None].repeat(B, 1) - 1
@@ -342,6 +355,41 @@ def test_host_planning_provider_graph_builds_get_exact_host_lengths(env, monkeyp
     assert isinstance(builder.build_for_drafting(cam, draft_index=1), AttnplugMetadata)
     with pytest.raises(UnsupportedFeature, match="in-place .capturable. draft metadata updates.*'toy'.*re-plans on the host"):
         builder.update_draft_decode_metadata(md)
+
+
+def test_host_planning_chain_provider_verify_graphs(env, monkeypatch, toy):
+    """A provider that re-plans on the host but replays causal-chain verify from a device page table with
+    host lengths (FlashInfer's declaration; here the chain toy): UNIFORM_BATCH, and the builder serves
+    vLLM's captured verify batches from a chain family, handing the core the exact host lengths (the
+    device values with speculative decoding), first at capture, then at every replay-time build."""
+    from vllm.v1.attention.backend import AttentionCGSupport as CG
+
+    from attnplug.core.cuda_graph import GraphState
+    from attnplug.vllm_adapter.backend import AttnplugGraphMetadata
+
+    toy.register_chain()
+    monkeypatch.setenv("ATTNPLUG_PROVIDER_OVERRIDE", toy.TOY_CHAIN)
+    calls = []
+    one_launch = GraphState.update_from_block_table
+    monkeypatch.setattr(GraphState, "update_from_block_table",
+                        lambda gs, *a, **k: calls.append((gs, k)) or one_launch(gs, *a, **k))  # fmt: skip
+    q = 3
+    impl, builder = make(env, "cg_toy_chain")
+    builder._spec_tokens = q - 1
+    assert builder.get_cudagraph_support(None, None) is CG.UNIFORM_BATCH
+    assert not builder.supports_draft_decode_metadata_update  # its drafts still build eagerly
+    for step, (lens, seed) in enumerate([([9, 3, 14], 5), ([25, 4], 6)]):
+        b = Batch(lens, bs=5, seed=seed)
+        cam = verify_cam(b, 5, q)
+        cam.seq_lens_cpu_upper_bound = b.seq_lens + 5  # optimistic: never used with spec decode
+        md = builder.build_for_cudagraph_capture(cam) if step == 0 else builder.build(0, cam)
+        assert isinstance(md, AttnplugGraphMetadata) and md.graphs.q == q
+        gs, kw = calls[-1]
+        assert gs.chain and type(gs.graph).__name__ == "ToyChainGraph" and len(calls) == step + 1
+        assert torch.equal(kw["host_seq_lens"], b.seq_lens[:5]) and kw["host_seq_lens"].device.type == "cpu"
+        x = torch.randn(5 * q, Hq, D, generator=torch.Generator().manual_seed(step), dtype=DT)
+        out = forward(impl, b.kv_cache, md, x)
+        torch.testing.assert_close(out[: b.B * q], verify_reference(b, impl, x, q), atol=1e-5, rtol=1e-5)
 
 
 def test_support_levels_are_honest_per_provider(env, monkeypatch):
