@@ -459,3 +459,19 @@ def engine_refusal(version: str | None = None, engine_root: str | None = None) -
 
 CONTRACT = _contract()
 DRAFT_CONTRACT = _draft_contract()
+
+
+def declare_draft_extend_graphs(cls) -> bool:
+    """Make SGLang capture EAGLE draft extend with attnplug's draft-extend backend ``cls``: SGLang's
+    EAGLE worker (``EAGLEWorkerV2._capture_cuda_graphs``, 0.5.17 and 0.5.23) captures it only when the
+    backend ``isinstance`` one of the types it lists, ``FlashInferAttnBackend`` among them; ``cls`` is
+    registered as a virtual subclass of that ABC (``ABCMeta.register``: no behaviour inherited, only the
+    check answered, for this one class, which captures DRAFT_EXTEND for every provider). ``False`` where
+    SGLang has no such class (draft extend then runs eagerly)."""
+    try:
+        from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+    except Exception:  # noqa: BLE001 - a build without it: SGLang's check fails, draft extend stays eager
+        return False
+    if not issubclass(cls, FlashInferAttnBackend):
+        FlashInferAttnBackend.register(cls)
+    return True
