@@ -88,6 +88,7 @@ def _fake_flashinfer_provider():
     p._fi = types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=_FakeWrapper,
                                   BatchDecodeWithPagedKVCacheWrapper=_FakeWrapper)  # fmt: skip
     p._workspace, p._wrappers, p.default_backend = torch.zeros(8, dtype=torch.uint8), {}, "fa3"
+    p.resolve_backend = lambda backend: backend  # no CUDA capability to read here
     return p
 
 
@@ -102,7 +103,7 @@ def test_flashinfer_chain_family_plans_causal_from_host_lengths_and_device_indic
     bs, B = 3, 2
     gs.prepare_capture(bs)
     wr = gs.graph.wrappers[bs]
-    assert wr.init["use_cuda_graph"] and wr.init["backend"] == "fa3" and "custom_mask_buf" not in wr.init
+    assert wr.init["use_cuda_graph"] and wr.init["backend"] == "fa2" and "custom_mask_buf" not in wr.init
     assert wr.init["paged_kv_indices_buf"] is gs.kv_indices
     with pytest.raises(UnsupportedFeature, match="flashinfer.*without host sequence lengths"):
         gs.update_from_block_table(torch.tensor([7, 9], dtype=torch.int32), torch.ones(2, W, dtype=torch.int32), bs)

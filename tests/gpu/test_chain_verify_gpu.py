@@ -29,10 +29,14 @@ def _batch(B, g):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("provider", PROVIDERS)
-def test_chain_verify_graphs_from_device_block_table(provider):
+@pytest.mark.parametrize("provider", PROVIDERS + ["flashinfer@fa3"])
+def test_chain_verify_graphs_from_device_block_table(provider, monkeypatch):
+    """``flashinfer@fa3``: the chain family on FlashInfer's sm90 template (``ATTNPLUG_FLASHINFER_BACKEND=fa3``)."""
     if not CUDA:
         pytest.skip("needs CUDA (no GPU here)")
+    if provider.endswith("@fa3"):
+        monkeypatch.setenv("ATTNPLUG_FLASHINFER_BACKEND", "fa3")
+        provider = provider.removesuffix("@fa3")
     try:
         gs = GraphState(CFG, provider, MAX_BS, MAX_BS * Q, NUM_PAGES, "cuda", "verify", num_draft_tokens=Q,
                         pad_page=0, max_seq_len=W * CFG.page_size, chain=True)

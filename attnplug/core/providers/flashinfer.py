@@ -244,7 +244,8 @@ class FlashInferChainVerifyGraph(FlashInferGraph):
     (bottom-right), over the static page CSR - no custom mask to pack. As decode, it re-plans on the
     host before each replay from host ``kv_indptr`` / ``kv_last_page_len`` and the *device*
     ``kv_indices`` that ``GraphState.update_from_block_table`` wrote (no sync); the prefill template
-    is the provider's (``"fa3"`` on sm90, ``ATTNPLUG_FLASHINFER_BACKEND``; fp8 KV: ``"fa2"``)."""
+    is ``"fa2"`` (what SGLang's FlashInfer graphs use), ``"fa3"`` where ``ATTNPLUG_FLASHINFER_BACKEND=fa3``
+    asks for it (sm90, 16-bit KV)."""
 
     def __init__(self, provider: "FlashInferProvider", gs):
         ProviderGraph.__init__(self, provider, gs)
@@ -254,7 +255,7 @@ class FlashInferChainVerifyGraph(FlashInferGraph):
     def plan(self, plan: Plan, bs: int) -> None:
         p, gs = self.provider, self.gs
         v = gs.static_views(bs)
-        backend = p.default_backend
+        backend = p.resolve_backend("fa3" if os.environ.get("ATTNPLUG_FLASHINFER_BACKEND") == "fa3" else "fa2")
         wr = p._fi.BatchPrefillWithPagedKVCacheWrapper(
             p._workspace, p.config.kv_layout, use_cuda_graph=True, qo_indptr_buf=v["qo_indptr"],
             paged_kv_indptr_buf=v["kv_indptr"], paged_kv_indices_buf=gs.kv_indices,
