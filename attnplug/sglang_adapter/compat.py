@@ -435,6 +435,11 @@ def _draft_contract():
           ("init_cuda_graph_state", "init_forward_metadata_in_graph", "init_forward_metadata_out_graph")),
         callsite("sglang.srt.speculative.eagle_worker_v2", "init_forward_metadata", _DRAFT + "init_forward_metadata",
                  recv="draft_attn_backend"),
+        # draft extend in CUDA graphs: SGLang's capture check admits FlashInferAttnBackend (declare_draft_extend_graphs)
+        attr("sglang.srt.layers.attention.flashinfer_backend", "FlashInferAttnBackend"),
+        *(callsite("sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner", m, _OURS + m,
+                   recv="draft_extend_attn_backend")
+          for m in ("init_cuda_graph_state", "init_forward_metadata_out_graph", "init_forward_metadata_in_graph")),
     )
 
 
