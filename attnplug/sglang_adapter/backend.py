@@ -123,7 +123,8 @@ class AttnplugAttnBackend(AttentionBackend):
         self._graphs = None  # {"decode"|"verify": {layer key: GraphState}} after init_cuda_graph_state
         self._graph_cfg: dict = {}
         self._graph_fwd = None  # (mode, bs, BatchMetadata) of the current CUDA-graph forward
-        self.graph_refusal: str | None = None  # set by the EAGLE draft-extend factory: graphs refused
+        self.graph_refusal: str | None = None  # graphs refused, and why (shown at init_cuda_graph_state)
+        self.draft_extend = False  # set by the EAGLE draft-extend factory: graphs of DRAFT_EXTEND(_V2) batches
         self._stats = _Stats()
         self._late_counts = engine_glue.LateCounts()  # decode-graph cascade counters, read without a sync
         # Build the provider now: an unavailable provider or unsupported config fails at startup.
@@ -272,11 +273,15 @@ class AttnplugAttnBackend(AttentionBackend):
         ``GraphState.update``, host shapes from ``seq_lens_cpu``.
         """
         mode = self._graph_mode_of(forward_batch)
-        if self._graphs is None or mode is None:
+        if mode == "draft_extend" and self._graphs is not None and mode in self._graphs:
+            self._draft_extend_graph_metadata(forward_batch)
+            return
+        if self._graphs is None or mode not in self._graphs:
             if in_capture:
                 what = "this forward mode" if self._graphs is not None else "capture without init_cuda_graph_state"
                 raise self._unsupported(f"CUDA-graph {what} ({forward_batch.forward_mode.name}); "
-                                        "attnplug captures DECODE and TARGET_VERIFY only")
+                                        "attnplug captures DECODE, TARGET_VERIFY and, on the EAGLE draft-extend "
+                                        "backend, DRAFT_EXTEND")
             self._plan_forward(forward_batch)
             return
         bs = int(forward_batch.batch_size)
@@ -336,8 +341,13 @@ class AttnplugAttnBackend(AttentionBackend):
         q = max(1, int(max_num_tokens) // max(1, int(max_bs)))
         ctx = int(self.req_to_token_pool.req_to_token.shape[1])
         self._graph_cfg = dict(max_bs=int(max_bs), q=q, ctx=ctx)
-        self._graphs = {"decode": {}, "verify": {}}
         keys = list(self._model_layer_keys()) or [self._probe_key]
+        if self.draft_extend:  # EAGLE draft extend: q = the tree width per request, causal chains
+            self._graphs = {"draft_extend": {}}
+            for key in keys:
+                self._graph_state("draft_extend", key)
+            return
+        self._graphs = {"decode": {}, "verify": {}}
         spec = getattr(self._runner, "spec_algorithm", None)  # SGLang captures TARGET_VERIFY only with spec on
         verify = q > 1 and (spec is None or not getattr(spec, "is_none", lambda: False)())
         for key in keys:
@@ -371,8 +381,9 @@ class AttnplugAttnBackend(AttentionBackend):
                 cascade = graph_cascade_mode(get_provider_cls(self.provider_name).graph_support, self.backend_name) \
                     if mode == "decode" else "off"
                 gs = GraphState(self._attention(key).config, self.provider_name, max_batch=c["max_bs"],
-                                max_tokens=c["max_bs"] * q, max_pages=max_pages, device=self.device, mode=mode,
-                                num_draft_tokens=q, pad_page=0, max_seq_len=c["ctx"] + q, cascade=cascade)
+                                max_tokens=c["max_bs"] * q, max_pages=max_pages, device=self.device,
+                                mode="decode" if mode == "decode" else "verify", num_draft_tokens=q, pad_page=0,
+                                max_seq_len=c["ctx"] + q, cascade=cascade, chain=mode == "draft_extend")
             except UnsupportedFeature as e:
                 raise self._unsupported(f"CUDA graphs here ({e}); start SGLang with --disable-cuda-graph") from e
             states[key] = gs
@@ -391,14 +402,51 @@ class AttnplugAttnBackend(AttentionBackend):
         return dict.fromkeys(self._layer_key(m, id(m) in with_sinks) for m in model.modules()
                              if isinstance(m, RadixAttention))
 
-    @staticmethod
-    def _graph_mode_of(fb):
+    def _graph_mode_of(self, fb):
         m = fb.forward_mode
         if m.is_target_verify():
             return "verify"
         if m.is_decode():
             return "decode"
+        if self._extend_modes.get(m) == "DRAFT_EXTEND":
+            return "draft_extend"
         return None
+
+    def _draft_extend_graph_metadata(self, fb) -> None:
+        """EAGLE draft extend in CUDA graphs (SGLang's ``EAGLEDraftExtendCudaGraphRunner``): every request
+        runs the tree width ``W`` of tokens (padded), after a prefix of ``seq_lens - extend_seq_lens``
+        keys, causally: a uniform causal-chain batch of ``q = W`` over ``kv_len = seq_lens -
+        extend_seq_lens + W``, refreshed from ``req_to_token`` on the device in one launch per layer
+        config (``GraphState(chain=True).update_from_block_table``; a host-planning provider plans from
+        ``seq_lens_cpu`` and ``extend_seq_lens_cpu``). SGLang's padded rows (``seq_lens`` = the fill
+        value, ``W`` tokens) come out shorter than ``W`` and become the core's padded requests."""
+        bs, W = int(fb.batch_size), self._graph_cfg["q"]
+        self._forward_id += 1
+        self._batch = None
+        ext = getattr(fb.spec_info, "extend_seq_lens_tensor", None)
+        ext = ext if ext is not None else getattr(fb, "extend_seq_lens", None)
+        seq = fb.seq_lens[:bs] + (W - ext[:bs]) if ext is not None else fb.seq_lens[:bs]
+        seq = torch.where(seq > W, seq, torch.zeros_like(seq)).to(torch.int32)  # > W: a real request
+        states = self._graphs["draft_extend"]
+        host = None
+        if any(gs.needs_host_lengths for gs in states.values()):
+            h = getattr(fb, "seq_lens_cpu", None)
+            h = h[:bs] if h is not None else fb.seq_lens[:bs].cpu()
+            e = getattr(fb.spec_info, "extend_seq_lens_cpu", None) or getattr(fb, "extend_seq_lens_cpu", None)
+            h = h + W - torch.tensor(list(e)[:bs], dtype=h.dtype) if e is not None else h
+            host = torch.where(h > W, h, torch.zeros_like(h)).to(torch.int32)
+        ids, rows = self._read_table(fb, bs)
+
+        def refresh(gs) -> None:
+            if bs not in gs.plans:
+                gs.prepare_capture(bs)
+            gs.update_from_block_table(seq, ids, bs, row_ids=rows, entry_tokens=self.page_size, host_seq_lens=host)
+
+        for gs in states.values():
+            refresh(gs)
+        self._graph_fwd = ("draft_extend", bs, refresh)  # refresh: a layer config first seen at warm-up
+        key = "GRAPH_" + fb.forward_mode.name
+        self._stats.forwards[key] = self._stats.forwards.get(key, 0) + 1
 
     def _graph_batch(self, fb, mode: str, B: int, host: bool, host_plan: bool):
         """``BatchMetadata`` of the ``B`` real requests of a graph batch, built without reading device
@@ -602,10 +650,14 @@ class AttnplugAttnBackend(AttentionBackend):
             if gs is None or bs not in gs.plans:  # a layer config first seen now (warmup forward)
                 if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                     raise self._unsupported(f"a layer config {key} first seen inside CUDA-graph capture")
-                if batch is None or batch.kv_indptr.device.type != "cpu":
+                if mode == "draft_extend":  # from the device table, as the known configs
+                    gs = self._graph_state(mode, key)
+                    batch(gs)
+                elif batch is None or batch.kv_indptr.device.type != "cpu":
                     raise self._unsupported(f"a layer config {key} first seen at CUDA-graph replay")
-                gs = self._graph_state(mode, key)
-                gs.prepare_capture(bs, batch)
+                else:
+                    gs = self._graph_state(mode, key)
+                    gs.prepare_capture(bs, batch)
             gs.run(bs, q3, k_cache, v_cache, out, **scales)
             return
         attn = self._plan(key)

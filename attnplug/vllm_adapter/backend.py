@@ -259,14 +259,14 @@ class AttnplugBackend(AttentionBackend):
 
 def graph_level(provider: str) -> tuple[str, str]:
     """``(vLLM CUDA-graph level, why it is not higher)`` of a core provider, from its ``graph_support``:
-    decode and verify replayed from device-refreshed buffers -> ``UNIFORM_BATCH`` (mixed
-    prefill/decode batches are never captured); decode only, or a provider that re-plans on the host
-    (vLLM's spec-verify batches carry their chain mask on the device) -> ``UNIFORM_SINGLE_TOKEN_DECODE``;
-    no decode graphs -> ``NEVER``."""
+    decode, and causal-chain verify replayed from vLLM's device block table (``chain_verify``: device
+    refresh, or a host re-plan from host lengths as FlashInfer's) -> ``UNIFORM_BATCH``, which both
+    model runners need for FULL graphs of spec-verify batches (mixed prefill/decode batches are never
+    captured); decode only -> ``UNIFORM_SINGLE_TOKEN_DECODE``; no decode graphs -> ``NEVER``."""
     g = get_provider_cls(provider).graph_support
     if not g.decode:
         return "NEVER", g.reason
-    if g.verify and g.device_refresh:
+    if g.chain_verify:
         return "UNIFORM_BATCH", "mixed prefill/decode batches are not captured (no ALWAYS)"
     return "UNIFORM_SINGLE_TOKEN_DECODE", g.reason or "spec-verify batches are not captured"
 
@@ -336,7 +336,7 @@ class _UniformGraphs:
         mode = "decode" if q == 1 else "verify"
         self.states = {cfg: GraphState(cfg, provider, max_batch, max_batch * q, self.max_pages, device, mode,
                                        num_draft_tokens=q, pad_page=pad_page, max_seq_len=max_seq_len,
-                                       cascade=cascade if mode == "decode" else "off")
+                                       cascade=cascade if mode == "decode" else "off", chain=q > 1)
                        for cfg in attention}  # fmt: skip
         # the provider re-plans on the host before a replay: it needs host sequence lengths
         self.host_lengths = any(gs.needs_host_lengths for gs in self.states.values())

@@ -64,6 +64,10 @@ class GraphSupport:
         cascade: decode graphs can read a shared prefix once (``GraphState(cascade=...)``): the
             provider runs a one-request, non-causal prefix plan of ``bs`` query rows over device
             lengths from static memory, next to the suffix plan.
+        chain_verify_from_table: with ``device_refresh`` False: verify families of causal-chain
+            masks (``GraphState(chain=True)``, vLLM's linear spec decode) replay from a device page
+            table given host lengths (``update_from_block_table(host_seq_lens=...)``), as decode does.
+            Implied by ``device_refresh``.
     """
 
     decode: bool
@@ -71,6 +75,13 @@ class GraphSupport:
     device_refresh: bool
     reason: str = ""
     cascade: bool = False
+    chain_verify_from_table: bool = False
+
+    @property
+    def chain_verify(self) -> bool:
+        """Causal-chain verify batches replay from a device page table (with host lengths where the
+        provider plans on the host)."""
+        return self.verify and (self.device_refresh or self.chain_verify_from_table)
 
 
 NO_GRAPHS = GraphSupport(False, False, False, "it plans and runs with host work per forward")
@@ -132,6 +143,9 @@ class Provider(ABC):
     EAGER_RUN_CAPTURABLE: ClassVar[bool] = True
     #: Its part of a ``GraphState`` (subclass of :class:`ProviderGraph`).
     graph_cls: ClassVar[type[ProviderGraph]] = ProviderGraph
+    #: Its part of a causal-chain verify family (``GraphState(chain=True)``) where that differs; ``None``:
+    #: :attr:`graph_cls`.
+    chain_graph_cls: ClassVar[type[ProviderGraph] | None] = None
     #: KV-cache dtypes it reads (``config.kv_dtype``): a provider that lists an fp8 dtype dequantizes
     #: with the per-layer scales its :meth:`run` receives. Default: unquantized caches only.
     KV_DTYPES: ClassVar[frozenset[torch.dtype]] = frozenset(SUPPORTED_DTYPES)
@@ -320,6 +334,8 @@ class Provider(ABC):
         g = self.graph_support
         if not (g.decode if gs.mode == "decode" else g.verify):
             raise self.unsupported(f"CUDA graphs of {gs.mode} batches ({g.reason})")
+        if getattr(gs, "chain", False) and self.chain_graph_cls is not None:
+            return self.chain_graph_cls(self, gs)
         return self.graph_cls(self, gs)
 
     def fork(self) -> "Provider":
