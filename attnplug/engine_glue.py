@@ -12,6 +12,7 @@ Environment (never ``VLLM_*`` / ``SGLANG_*``):
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -21,6 +22,19 @@ logger = logging.getLogger("attnplug")
 
 PROVIDER_OVERRIDE_ENV = "ATTNPLUG_PROVIDER_OVERRIDE"
 MARKER_ENV = "ATTNPLUG_MARKER_DIR"
+
+
+def engine_missing(module: str, engine: str, log: logging.Logger) -> bool:
+    """True, after one log line saying so, when ``engine``'s package ``module`` is not installed here:
+    the adapters' ``register()`` then has nothing to register (no version check, no traceback)."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken or half-removed install: not importable either
+        found = False
+    if not found:
+        log.warning("attnplug: %s is not installed in this environment (no module %r): the attnplug %s "
+                    "backends are not registered", engine, module, engine)
+    return not found
 
 
 class BackendTable(Mapping):

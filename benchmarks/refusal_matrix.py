@@ -20,7 +20,7 @@ cell whose option the engine itself rejects (native included) before any attenti
 Writes ``refusal-matrix-<engine>.json`` and ``.md`` under ``--out-dir`` (default
 ``benchmarks/results``) after every cell. Runs each engine in a subprocess of its own virtual
 environment (``.venvs/vllm``, ``.venvs/sglang``); tiny models with random weights from
-``attnplug.tiny_model`` (built once under ``.models/refusal-<engine>``).
+``attnplug.tools.tiny_model`` (built once under ``.models/refusal-<engine>``).
 
 The reference of a cell is the native backend with the same model and options; where the native
 backend cannot run that option (e.g. a block size its kernel lacks) it is the native run of the same
@@ -259,7 +259,7 @@ def build_models(engine: str, python: str, models: set[str], root: Path) -> dict
     """``{model key: path}`` (built by the engine venv's transformers, once)."""
     code = """
 import json, sys
-from attnplug.tiny_model import make_tiny_llama, make_tiny_model, make_tiny_eagle_draft
+from attnplug.tools.tiny_model import make_tiny_llama, make_tiny_model, make_tiny_eagle_draft
 root, keys = sys.argv[1], json.loads(sys.argv[2])
 out = {}
 for key in keys:

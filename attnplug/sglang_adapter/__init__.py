@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from attnplug.engine_glue import BackendTable
+from attnplug.engine_glue import BackendTable, engine_missing
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +115,8 @@ def _prepare_selected_providers(result, server_args, *args, **kwargs):
 
 def register() -> None:
     """Entry point of the ``sglang.srt.plugins`` group. Never raises."""
+    if engine_missing("sglang", "SGLang", logger):
+        return
     try:
         from . import compat
 

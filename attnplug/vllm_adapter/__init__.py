@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 
-from attnplug.engine_glue import BackendTable
+from attnplug.engine_glue import BackendTable, engine_missing
 
 #: backend name -> (core provider, backend class path), one per provider the core serves
 #: (``ATTNPLUG_TRITON`` -> ``("triton", "attnplug.vllm_adapter.backend.AttnplugTritonBackend")``).
@@ -29,6 +29,8 @@ logger = logging.getLogger("vllm.attnplug")  # child of vLLM's configured "vllm"
 def register() -> None:
     """Register the attnplug backends with vLLM. Idempotent; never raises; imports nothing heavy
     (no triton, flashinfer or FA3: those load only when a selected backend is built)."""
+    if engine_missing("vllm", "vLLM", logger):
+        return
     try:
         from . import compat
 

@@ -39,6 +39,6 @@ else:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    from attnplug.tiny_model import make_tiny_llama
+    from attnplug.tools.tiny_model import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))

@@ -13,7 +13,7 @@ import pytest
 
 from sglang_helpers import HERE, subprocess_env
 
-from attnplug.tiny_model import shared_prefix_prompts
+from attnplug.tools.tiny_model import shared_prefix_prompts
 
 pytestmark = pytest.mark.sglang
 

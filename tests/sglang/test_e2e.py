@@ -18,13 +18,13 @@ import pytest
 
 from sglang_helpers import HERE, subprocess_env
 
-from attnplug.local_server import free_port, post_json, stop_process_group, wait_healthy
-from attnplug.tiny_model import test_prompts as tiny_prompts
+from attnplug.tools.local_server import free_port, post_json, stop_process_group, wait_healthy
+from attnplug.tools.tiny_model import test_prompts as tiny_prompts
 
 pytestmark = pytest.mark.sglang
 
 MAX_NEW = 16
-NUM_LAYERS = 2  # attnplug.tiny_model
+NUM_LAYERS = 2  # attnplug.tools.tiny_model
 
 
 def check_layer_runs(m: dict) -> None:
@@ -43,7 +43,7 @@ def prompts():
 @pytest.fixture(scope="module")
 def hf_greedy(tiny_model, prompts):
     """HF transformers greedy continuation of every prompt (full recompute each step, float32)."""
-    from attnplug.tiny_model import hf_greedy as greedy
+    from attnplug.tools.tiny_model import hf_greedy as greedy
 
     return greedy(tiny_model, prompts, MAX_NEW)
 
@@ -163,7 +163,7 @@ def test_attnplug_flashinfer_fails_at_startup_on_cpu(tiny_model, tmp_path):
 
 
 def test_demo_sglang(tmp_path):
-    """``python -m attnplug.demo_sglang`` (the main-job demo) serves with attnplug_triton and matches torch_native."""
+    """``python -m attnplug.tools.demo_sglang`` (the main-job demo) serves with attnplug_triton and matches torch_native."""
     env = subprocess_env()
     env["PYTHONPATH"] = env["PYTHONPATH"].split(os.pathsep, 1)[1]  # no shim on the path: the demo finds it itself
     from attnplug.sglang_adapter import compat
@@ -173,9 +173,11 @@ def test_demo_sglang(tmp_path):
         # native path), so the demo's torch_native reference run at page 16 needs the interpreter too;
         # attnplug_triton turns it on by itself (checked by the tests above)
         env["TRITON_INTERPRET"] = "1"
-    r = subprocess.run([sys.executable, "-m", "attnplug.demo_sglang", "--page-size", "16", "--max-new-tokens", "8",
+    r = subprocess.run([sys.executable, "-m", "attnplug.tools.demo_sglang", "--page-size", "16", "--max-new-tokens", "8",
                         "--model-dir", str(tmp_path / "tiny")], env=env, capture_output=True, text=True, timeout=500)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "attnplug: attnplug_triton active (provider triton, page 16" in r.stdout
-    assert "demo_sglang: attnplug_triton matches torch_native (5/5 prompts identical)" in r.stdout
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith("PASS sglang: attnplug_triton matches torch_native (5/5 prompts identical); active line: "
+                           '"attnplug: attnplug_triton active (provider triton, page 16'), last
     assert "(cached prompt tokens: 96)" in r.stdout

@@ -274,7 +274,7 @@ def test_engine_refuses_fp8_kv_on_cpu_before_any_backend(tiny_model, tmp_path):
     """Why there is no SGLang fp8 end-to-end run on CPU: SGLang itself refuses both fp8 KV dtypes
     with attnplug_triton selected, before attention backends exist (messages quoted in the module
     docstring). If a future SGLang accepts them, this test fails and the e2e test should be added."""
-    from attnplug.tiny_model import test_prompts
+    from attnplug.tools.tiny_model import test_prompts
 
     log = {}
     for kv in ("fp8_e4m3", "fp8_e5m2"):  # one process each: SGLang kills the launching process on the failure

@@ -29,7 +29,7 @@ def test_sglang_refusal_matrix_ci_cells(tmp_path):
 
 def test_sglang_server_attnplug_triton_under_load(tmp_path):
     from attnplug.bench.server_load import problems, serve_and_load
-    from attnplug.tiny_model import make_tiny_llama
+    from attnplug.tools.tiny_model import make_tiny_llama
 
     model = make_tiny_llama(tmp_path / "tiny")
     res = serve_and_load("sglang", "attnplug_triton", str(model), tmp_path, 32, env=subprocess_env())

@@ -55,7 +55,7 @@ def _standins(tmp, names):
 @pytest.fixture(scope="module")
 def runs(tiny_model, tmp_path_factory):
     """Broken triton alone (SGLang imports triton itself), then broken flashinfer + FA3 with a working triton."""
-    from attnplug.tiny_model import test_prompts
+    from attnplug.tools.tiny_model import test_prompts
 
     tmp = tmp_path_factory.mktemp("unselected")
     prompts = test_prompts()

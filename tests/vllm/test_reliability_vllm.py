@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 
 def test_vllm_serve_attnplug_triton_under_load(tmp_path):
     from attnplug.bench.server_load import problems, serve_and_load
-    from attnplug.tiny_model import make_tiny_llama
+    from attnplug.tools.tiny_model import make_tiny_llama
 
     res = serve_and_load("vllm", "attnplug_triton", str(make_tiny_llama(tmp_path / "m")), tmp_path, 32,
                          env=subprocess_env())  # fmt: skip

@@ -15,7 +15,7 @@ pytest.importorskip("vllm")
 
 @pytest.fixture(scope="module")
 def cascade_runs():
-    from attnplug.tiny_model import make_tiny_llama, shared_prefix_prompts
+    from attnplug.tools.tiny_model import make_tiny_llama, shared_prefix_prompts
 
     wd = workdir()
     model = str(make_tiny_llama(wd / "tiny-llama"))

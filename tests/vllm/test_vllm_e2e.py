@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from attnplug.tiny_model import hf_greedy
+from attnplug.tools.tiny_model import hf_greedy
 from vllm_test_helpers import (
     BROKEN_LIBS,
     CORE_PROVIDER,
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
 ACTIVE = f"attnplug: ATTNPLUG_TRITON active (provider {CORE_PROVIDER}, layout NHD, page 16"
-NUM_LAYERS = 2  # attnplug.tiny_model: every forward runs each layer's attention once
+NUM_LAYERS = 2  # attnplug.tools.tiny_model: every forward runs each layer's attention once
 
 
 def check_layer_runs(m: dict) -> None:
@@ -40,7 +40,7 @@ def check_layer_runs(m: dict) -> None:
 
 @pytest.fixture(scope="module")
 def setup():
-    from attnplug.tiny_model import make_tiny_llama, test_prompts
+    from attnplug.tools.tiny_model import make_tiny_llama, test_prompts
 
     wd = workdir()
     model = str(make_tiny_llama(wd / "tiny-llama"))
@@ -60,7 +60,7 @@ def runs(setup):
     """The LLM-API engines: attnplug, native (plugin installed, not selected, with triton,
     flashinfer and FA3 shadowed by broken installs), native with the plugin disabled, and a run
     attnplug must refuse at startup (fp8 KV: test_vllm_fp8_e2e.py)."""
-    from attnplug.tiny_model import make_tiny_eagle_draft
+    from attnplug.tools.tiny_model import make_tiny_eagle_draft
 
     wd, model, prompts = setup
     draft = str(make_tiny_eagle_draft(wd / "tiny-eagle", model))
@@ -101,7 +101,7 @@ def tp_bind(ranks: int) -> str:
 def served(setup):
     """``vllm serve --attention-backend attnplug_triton`` (spawns EngineCore + worker) and one
     HTTP completion per prompt, in order (prompt 2 then hits the prefix cached by prompt 1)."""
-    from attnplug.demo_vllm import VllmServer
+    from attnplug.tools.demo_vllm import VllmServer
 
     wd, model, prompts = setup
     # cascade off, as the "attnplug" LLM run: single-token decodes run on the CUDA-graph static buffers

@@ -79,7 +79,7 @@ def hf_greedy_fp8(model_dir, prompts, max_tokens, kv_dtype=None, k_scale=1.0, v_
 @pytest.fixture(scope="module")
 def setup():
     """The tiny Llama (real random weights) and the e2e prompts, in a work dir kept with ATTNPLUG_KEEP_TEST_DIR."""
-    from attnplug.tiny_model import make_tiny_llama, test_prompts
+    from attnplug.tools.tiny_model import make_tiny_llama, test_prompts
 
     wd = workdir()
     yield wd, str(make_tiny_llama(wd / "tiny-llama")), test_prompts()

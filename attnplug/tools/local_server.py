@@ -64,3 +64,34 @@ def stop_process_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeou
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def active_line(log_text: str, marker: str) -> str | None:
+    """The first line of a server log holding ``marker`` (attnplug's, e.g. ``"attnplug: ATTNPLUG_TRITON
+    active"``), from the marker to the end of the line; ``None`` when no line has it."""
+    for line in log_text.splitlines():
+        i = line.find(marker)
+        if i >= 0:
+            return line[i:].strip()
+    return None
+
+
+def error_line(log_text: str, n: int = 400) -> str:
+    """The last line of a failed server's log that names an error (attnplug's own first), for one line."""
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    for pick in (lambda ln: "attnplug:" in ln and ("Error" in ln or "must" in ln or "not" in ln),
+                 lambda ln: "Error" in ln or "error" in ln):
+        hits = [ln for ln in lines if pick(ln)]
+        if hits:
+            return hits[-1][-n:]
+    return lines[-1][-n:] if lines else "(empty log)"
+
+
+def verdict(engine: str, same: bool, detail: str, active: str | None) -> int:
+    """Print a demo's last line, ``PASS <engine>: ...`` or ``FAIL <engine>: ...``, quoting attnplug's active
+    line; returns the exit status: 0 only when the tokens are the same and the active line was logged."""
+    if active is None:
+        print(f"FAIL {engine}: attnplug's active line is missing from the server log ({detail})", flush=True)
+        return 1
+    print(f"{'PASS' if same else 'FAIL'} {engine}: {detail}; active line: \"{active}\"", flush=True)
+    return 0 if same else 1

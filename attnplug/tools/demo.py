@@ -1,4 +1,4 @@
-"""``python -m attnplug.demo``: plan one ragged paged batch per mode and run it through every
+"""``python -m attnplug.tools.demo``: plan one ragged paged batch per mode and run it through every
 provider available here, printing each one's error against the float32 reference.
 
 On a machine without CUDA the triton provider runs under the Triton interpreter on CPU tensors;
@@ -14,7 +14,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m attnplug.demo", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m attnplug.tools.demo", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Engine-free demo: plan one ragged paged batch per mode (extend, decode, tree verify, and a\n"
         "decode whose requests share a prefix, read once by cascade attention) and\n"
         "run it through every attnplug provider available here (triton, flashinfer, fa3, reference),\n"
@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-    from .core import PROVIDER_NAMES, AttentionConfig, BatchMetadata, ForwardMode, PagedAttention
-    from .core.reference import reference_attention
+    from ..core import PROVIDER_NAMES, AttentionConfig, BatchMetadata, ForwardMode, PagedAttention
+    from ..core.reference import reference_attention
 
     gen = torch.Generator().manual_seed(args.seed)
     cfg = AttentionConfig(num_qo_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=torch.bfloat16)
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:10s} {mode_name:7s} tokens={plan.num_tokens:3d} rel_err={err:.2e}")
     # shared prefixes: four requests whose prompts start with the same 64 tokens, placed by the core's
     # prefix-caching KV manager (same page ids), decoded with cascade attention (the prefix read once)
-    from .bench.shared_prefix import prompts, shared_prefix_batch
+    from ..bench.shared_prefix import prompts, shared_prefix_batch
 
     sb, sq, sk, sv, sn = shared_prefix_batch(cfg, ForwardMode.DECODE, prompts([(4, 64)], 10, seed=args.seed),
                                              seed=args.seed, device=device)  # fmt: skip

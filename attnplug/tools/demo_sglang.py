@@ -1,12 +1,13 @@
 """Demo: SGLang serving the tiny Llama with ``--attention-backend attnplug_triton``.
 
-    python -m attnplug.demo_sglang [--page-size 16] [--max-new-tokens 16] [--model-dir DIR]
+    python -m attnplug.tools.demo_sglang [--page-size 16] [--max-new-tokens 16] [--model-dir DIR]
 
 Run it in an environment with SGLang and attnplug installed. Makes the tiny model (in a new
 temporary folder unless --model-dir), launches ``python -m sglang.launch_server ...
 --attention-backend attnplug_triton`` on 127.0.0.1, sends ``/generate`` with token ids, prints the
-output ids, then does the same with SGLang's ``torch_native`` backend and says whether they match
-(exit 1 if not).
+output ids, then does the same with SGLang's ``torch_native`` backend and ends with one line,
+``PASS sglang: ...`` or ``FAIL sglang: ...``, quoting attnplug's active log line (exit 1 if the
+outputs differ, the line is missing or a server does not start).
 
 On a machine without CUDA it runs SGLang's CPU engine (``--device cpu``, ``SGLANG_USE_CPU_ENGINE=1``).
 SGLang then imports ``sgl_kernel``, whose wheel is CUDA-only: without an installed one, give a
@@ -24,7 +25,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from attnplug.local_server import free_port, post_json, stop_process_group, wait_healthy
+from attnplug.tools.local_server import (active_line, error_line, free_port, post_json, stop_process_group, verdict,
+                                         wait_healthy)
+
+ACTIVE_LINE = "attnplug: attnplug_triton active"
 
 WAVES = [[0, 1, 3, 4], [2]]  # prompt 2 shares a 96-token prefix with prompt 1: it runs second, from the cache
 
@@ -34,10 +38,10 @@ def _server_env(cpu: bool, shim: str | None) -> dict[str, str]:
     if cpu:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         if importlib.util.find_spec("sgl_kernel") is None:
-            checkout = Path(__file__).resolve().parents[1] / "tests" / "sglang" / "sgl_kernel_shim"
+            checkout = Path(__file__).resolve().parents[2] / "tests" / "sglang" / "sgl_kernel_shim"
             shim = Path(shim) if shim else checkout if checkout.is_dir() else None
             if shim is None or not (shim / "sgl_kernel").is_dir():
-                sys.exit("demo_sglang: SGLang's CPU engine imports sgl_kernel, whose wheel is CUDA-only, and none is "
+                sys.exit("FAIL sglang: SGLang's CPU engine imports sgl_kernel, whose wheel is CUDA-only, and none is "
                          "installed here: pass --sgl-kernel-shim DIR (a folder holding a sgl_kernel package, e.g. "
                          "tests/sglang/sgl_kernel_shim of attnplug's source tree)")
             print(f"demo_sglang: using the CPU sgl_kernel stand-in {shim}")
@@ -45,10 +49,21 @@ def _server_env(cpu: bool, shim: str | None) -> dict[str, str]:
     return env
 
 
-def serve_and_generate(model: Path, backend: str, prompts: list[list[int]], args, cpu: bool) -> tuple[list, list]:
+class ServerFailed(RuntimeError):
+    """A server did not start or did not answer: ``str()`` is one line, ``log`` its log file."""
+
+    def __init__(self, msg: str, log: str):
+        super().__init__(msg)
+        self.log = log
+
+
+def serve_and_generate(model: Path, backend: str, prompts: list[list[int]], args, cpu: bool) -> tuple[list, list, str]:
     """Launch one server, generate greedily for ``prompts`` (in WAVES), stop it.
 
-    Returns ``(output_ids per prompt, cached_tokens per prompt)``.
+    Returns ``(output_ids per prompt, cached_tokens per prompt, the server log's text)``.
+
+    Raises:
+        ServerFailed: the server did not start or did not answer.
     """
     port = free_port()
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--skip-tokenizer-init",
@@ -58,31 +73,34 @@ def serve_and_generate(model: Path, backend: str, prompts: list[list[int]], args
     if cpu:
         cmd += ["--device", "cpu"]
     else:
-        cmd += ["--disable-cuda-graph"]  # attnplug's CUDA-graph support is issue 6
+        cmd += ["--disable-cuda-graph"]  # the demo compares eager runs
     log = tempfile.NamedTemporaryFile("w+", prefix=f"demo_sglang_{backend}_", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, env=_server_env(cpu, args.sgl_kernel_shim), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    env = _server_env(cpu, args.sgl_kernel_shim)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         try:
             wait_healthy(proc, f"http://127.0.0.1:{port}", log.name, args.timeout)
-        except RuntimeError as e:
-            sys.exit(f"demo_sglang: {backend}: {e}\nlog: {log.name}")
+        except RuntimeError:
+            raise ServerFailed(f"the {backend} server did not start: "
+                               f"{error_line(Path(log.name).read_text(errors='replace'))}", log.name) from None
         sp = {"temperature": 0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}
         got = {}
-        for wave in WAVES:
-            payload = {"input_ids": [prompts[i] for i in wave], "sampling_params": sp}
-            got.update(zip(wave, post_json(f"http://127.0.0.1:{port}/generate", payload, timeout=600)))
+        try:
+            for wave in WAVES:
+                payload = {"input_ids": [prompts[i] for i in wave], "sampling_params": sp}
+                got.update(zip(wave, post_json(f"http://127.0.0.1:{port}/generate", payload, timeout=600)))
+        except OSError as e:
+            raise ServerFailed(f"the {backend} server did not answer ({e}): "
+                               f"{error_line(Path(log.name).read_text(errors='replace'))}", log.name) from None
     finally:
         stop_process_group(proc)  # the server's own process group
-    for line in Path(log.name).read_text().splitlines():
-        if "attnplug:" in line:
-            print(f"  [{backend} log] {line.strip()}")
     ids = [got[i]["output_ids"] for i in range(len(prompts))]
     cached = [got[i]["meta_info"].get("cached_tokens", 0) for i in range(len(prompts))]
-    return ids, cached
+    return ids, cached, Path(log.name).read_text(errors="replace")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m attnplug.demo_sglang", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m attnplug.tools.demo_sglang", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--page-size", type=int, default=1, help="SGLang --page-size (default: 1)")
     ap.add_argument("--max-new-tokens", type=int, default=16, help="greedy tokens per prompt (default: 16)")
@@ -97,23 +115,30 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from attnplug.tiny_model import make_tiny_llama, test_prompts
+    from attnplug.tools.tiny_model import make_tiny_llama, test_prompts
 
     cpu = not torch.cuda.is_available()
     model = make_tiny_llama(args.model_dir)
     prompts = test_prompts()
     print(f"demo_sglang: model {model}, device {'cpu' if cpu else 'cuda'}, page size {args.page_size}, "
-          f"{len(prompts)} prompts (lengths {[len(p) for p in prompts]}), {args.max_new_tokens} new tokens each")
-    ours, cached = serve_and_generate(model, "attnplug_triton", prompts, args, cpu)
-    for i, o in enumerate(ours):
-        print(f"  attnplug_triton prompt {i}: {o}  (cached prompt tokens: {cached[i]})")
-    ref, _ = serve_and_generate(model, "torch_native", prompts, args, cpu)
+          f"{len(prompts)} prompts (lengths {[len(p) for p in prompts]}), {args.max_new_tokens} new tokens each",
+          flush=True)
+    try:
+        print("demo_sglang: sglang.launch_server --attention-backend attnplug_triton ...", flush=True)
+        ours, cached, log = serve_and_generate(model, "attnplug_triton", prompts, args, cpu)
+        for i, o in enumerate(ours):
+            print(f"  attnplug_triton prompt {i}: {o}  (cached prompt tokens: {cached[i]})")
+        print("demo_sglang: sglang.launch_server --attention-backend torch_native ...", flush=True)
+        ref, _, _ = serve_and_generate(model, "torch_native", prompts, args, cpu)
+    except ServerFailed as e:
+        print(f"FAIL sglang: {e} (log: {e.log})", flush=True)
+        return 1
     same = [a == b for a, b in zip(ours, ref)]
     for i, (o, s) in enumerate(zip(ref, same)):
         print(f"  torch_native    prompt {i}: {o}  {'==' if s else '!= MISMATCH'}")
-    print(f"demo_sglang: attnplug_triton {'matches' if all(same) else 'DOES NOT match'} torch_native "
-          f"({sum(same)}/{len(same)} prompts identical)")
-    return 0 if all(same) else 1
+    detail = (f"attnplug_triton {'matches' if all(same) else 'DOES NOT match'} torch_native "
+              f"({sum(same)}/{len(same)} prompts identical)")
+    return verdict("sglang", all(same), detail, active_line(log, ACTIVE_LINE))
 
 
 if __name__ == "__main__":

@@ -190,11 +190,11 @@ def make_tiny_eagle_draft(path: str | os.PathLike, target: str | os.PathLike, se
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m attnplug.tiny_model DIR``: write the tiny Llama to ``DIR`` (for ``vllm serve DIR``
+    """``python -m attnplug.tools.tiny_model DIR``: write the tiny Llama to ``DIR`` (for ``vllm serve DIR``
     / ``sglang.launch_server --model-path DIR``, with ``--skip-tokenizer-init``)."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m attnplug.tiny_model", description=main.__doc__.split("\n")[0]
+    ap = argparse.ArgumentParser(prog="python -m attnplug.tools.tiny_model", description=main.__doc__.split("\n")[0]
                                  .replace("``", ""))  # fmt: skip
     ap.add_argument("dir", help="output folder (created; reused when it already holds the same model)")
     ap.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
