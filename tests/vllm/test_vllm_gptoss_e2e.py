@@ -21,10 +21,10 @@ WINDOW = 16  # vLLM's sliding_window (the query included): the core's window_lef
 
 
 def _make_model(path):
-    """The tiny gpt-oss of ``attnplug.tiny_model`` with its sink logits scaled by ``SINK_SCALE``."""
+    """The tiny gpt-oss of ``attnplug.tools.tiny_model`` with its sink logits scaled by ``SINK_SCALE``."""
     from safetensors.torch import load_file, save_file
 
-    from attnplug.tiny_model import make_tiny_model
+    from attnplug.tools.tiny_model import make_tiny_model
 
     model = make_tiny_model(path, "gpt_oss")
     f = model / "model.safetensors"
@@ -59,7 +59,7 @@ def hf_greedy_eager(model_dir: str, prompts, max_tokens: int, drop_sinks: bool =
 
 @pytest.fixture(scope="module")
 def setup():
-    from attnplug.tiny_model import test_prompts
+    from attnplug.tools.tiny_model import test_prompts
 
     wd = workdir()
     model = _make_model(wd / "tiny-gpt-oss")
