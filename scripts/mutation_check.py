@@ -45,6 +45,7 @@ KP = "tests/core/test_kernel_paths.py"
 FK = "tests/core/test_fast_kernels.py"
 KT = "tests/core/test_kernels.py"
 GD = "tests/core/test_graph_draft_oracles.py"
+SK = "tests/core/test_sinks.py"
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,33 @@ MUTATIONS = [
              "wa = tl.exp2(sa - m_safe)\n    wb = tl.exp2(sb - m_safe)", "wa = tl.exp2(sa - m_safe)\n    wb = tl.exp2(sa - m_safe)",
              (f"{KP}::test_merge_state_against_torch",),
              "state b is weighted with state a's LSE"),
+    # -- attention sinks: each row's softmax counts its head's sink exactly once ----------------------------
+    Mutation("sink_counted_twice_split_partials", K,
+             "    if HAS_SINKS and not SPLIT:", "    if HAS_SINKS:",
+             (f"{SK}::test_triton_split_kv",),
+             "sink counted twice: the paged kernel's split partials carry the sink, the merge adds it again"),
+    Mutation("sink_counted_twice_decode_partials", DK,
+             "    if HAS_SINKS and not SPLIT:", "    if HAS_SINKS:",
+             (f"{SK}::test_triton_decode_kernel_fused_merge",),
+             "sink counted twice: the decode kernel's split partials and its fused merge carry the sink"),
+    Mutation("sink_counted_twice_cascade_parts", CA,
+             'sinks = scales.pop("sinks", None)  # both parts without the sink; it joins once, after their m',
+             'sinks = scales.get("sinks")  # both parts without the sink; it joins once, after their m',
+             (f"{SK}::test_cascade",),
+             "sink counted twice: the cascade's suffix part runs with it, the merged state gets it again"),
+    Mutation("sink_counted_twice_cascade_graph", CA,
+             'sinks = scales.pop("sinks", None)  # both parts without the sink; it joins once, after the IF',
+             'sinks = scales.get("sinks")  # both parts without the sink; it joins once, after the IF',
+             (f"{SK}::test_cascade_graph",),
+             "sink counted twice: a cascade graph's suffix part runs with it, the merge gets it again"),
+    Mutation("sink_dropped_in_split_merge", MG,
+             "            tot_splits += tl.exp2(sink2 - m_safe)", "            tot_splits += 0.0",
+             (f"{SK}::test_triton_split_kv",),
+             "sink dropped in one split path: the split merge takes the sink's max but not its weight"),
+    Mutation("sink_dropped_in_fused_decode_merge", DK,
+             "        tot += tl.exp2(sink2 - m_safe)", "        tot += 0.0",
+             (f"{SK}::test_triton_decode_kernel_fused_merge",),
+             "sink dropped in one split path: the decode kernel's fused merge leaves the sink out"),
     # -- planner (validation, lengths, mask-free columns) -----------------------------------------------
     Mutation("kv_len_last_page_off_by_one", PL,
              "kv_lens = (npages - lo_last) * page + last  #", "kv_lens = (npages - lo_last) * page + last - lo_last  #",

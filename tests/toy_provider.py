@@ -67,3 +67,38 @@ def register(served: bool = True) -> None:
     """The one registry line (importable as ``toy_provider`` when tests/ is on ``sys.path``); ``served=False``
     takes it off the engines' backend lists again (it stays selectable as ``ATTNPLUG_PROVIDER_OVERRIDE``)."""
     register_provider(TOY, "toy_provider:ToyProvider", "nothing to install (a test provider)", served=served)
+
+
+TOY_CHAIN = "toychain"
+
+
+class ToyChainGraph(ToyGraph):
+    """The toy's part of a causal-chain verify family (``GraphState(chain=True)``): re-planned on the host
+    from host lengths after the one-launch update from a device page table, as FlashInfer's chain family."""
+
+    def refresh(self, plan: Plan, bs: int, host: dict | None, device_table: bool) -> None:
+        """As the toy's, plus the host twins of the chain mask's layout (FlashInfer's causal plan needs
+        none: it derives the chain from the lengths)."""
+        super().refresh(plan, bs, host, device_table)
+        q = self.gs.q
+        plan.mask_indptr_cpu = torch.cat([torch.zeros(1, dtype=torch.int64), (plan.kv_lens_cpu.long() * q).cumsum(0)])
+        plan.mask_free_cpu = plan.kv_lens_cpu - q
+
+    def check_device_table_update(self, host_seq_lens) -> None:
+        if host_seq_lens is None:
+            raise self.provider.unsupported("a replay from a device page table without host lengths")
+
+
+class ToyChainProvider(ToyProvider):
+    """The toy with FlashInfer's declared support: decode, and chain verify from a device page table with
+    host lengths (``chain_verify_from_table``); tree verify through host metadata only."""
+
+    name = TOY_CHAIN
+    graph_support = GraphSupport(decode=True, verify=True, device_refresh=False, chain_verify_from_table=True,
+                                 reason="the toy re-plans on the host")  # fmt: skip
+    chain_graph_cls = ToyChainGraph
+
+
+def register_chain() -> None:
+    """The chain toy, selectable as ``ATTNPLUG_PROVIDER_OVERRIDE`` (not served)."""
+    register_provider(TOY_CHAIN, "toy_provider:ToyChainProvider", "nothing to install (a test provider)", served=False)

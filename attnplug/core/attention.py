@@ -92,6 +92,7 @@ class PagedAttention:
         v_scale: torch.Tensor | None = None,
         q_scale: torch.Tensor | None = None,
         host_scales: tuple[float, float] | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of ``q [T, Hq, D]`` over the paged cache; returns ``out [T, Hq, D]``.
 
@@ -103,8 +104,12 @@ class PagedAttention:
         on the device (a graph captures them, in-place updates apply); ``q_scale`` is the scale
         providers that quantize q to fp8 (fa3) use (default 1). ``host_scales``: ``(k, v)`` as host
         floats when the engine fixes them (``Provider.run``). Ignored for unquantized caches.
+
+        ``sinks [Hq]`` (float32 or the model dtype, on the device; required iff ``config.sinks``): each
+        head's sink logit, read on the device; ``lse`` then includes it.
         """
         scales = self.config.scale_kwargs(self._unit_scale, k_scale, v_scale, q_scale, host_scales)
+        scales.update(self.config.sink_kwargs(sinks))
         plan = self.current_plan
         check_run_bounds(plan, q, k_cache, v_cache, out)
         if out is None:

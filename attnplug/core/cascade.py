@@ -352,13 +352,25 @@ def run_cascade(cp: CascadePlan, suffix_provider, prefix_provider, q: torch.Tens
                 v_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None = None, **scales) -> None:
     """``out [T, Hq, D]`` (+ natural-log ``lse [T, Hq]``) of the whole forward: the suffix part into
     ``out``, the prefix part into scratch, merged in place by LSE. Launches only (no host work).
-    ``scales``: fp8 KV, the layer's scale tensors (``Provider.run``), for both parts."""
+    ``scales``: fp8 KV, the layer's scale tensors (``Provider.run``), for both parts; ``sinks`` (there): the
+    parts run without it and it joins the merged state once."""
     from .kernels.merge import merge_state  # noqa: PLC0415 - triton is imported only when cascade runs
 
+    sinks = scales.pop("sinks", None)  # both parts without the sink; it joins once, after their merge
     s_lse = _run_suffix(suffix_provider, cp.suffix, q, k_cache, v_cache, out, lse, cp.lse_suffix, scales)
     qp = q if cp.rows is None else torch.index_select(q, 0, cp.rows, out=cp.q_part)
     p_lse = prefix_provider.run_lse(cp.prefix, qp, k_cache, v_cache, cp.out_part, cp.lse_part, **scales)
     merge_state(out, s_lse, cp.out_part, p_lse, out, s_lse, rows=cp.rows)
+    _join_sinks(out, s_lse, sinks)
+
+
+def _join_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> None:
+    """The sink into the merged state ``(out, lse)`` in place
+    (:func:`~attnplug.core.kernels.merge.apply_sinks`); nothing without sinks."""
+    if sinks is not None:
+        from .kernels.merge import apply_sinks  # noqa: PLC0415
+
+        apply_sinks(out, lse, sinks)
 
 
 # -- CUDA graphs -------------------------------------------------------------------------------------
@@ -486,7 +498,9 @@ class CascadeGraph:
         (:meth:`~attnplug.core.providers.base.Provider.run_merge`; launches only). Captured with
         ``ATTNPLUG_GRAPH_IF=1``, the prefix part sits in an IF node on :attr:`active`
         (:func:`~attnplug.core.graph_if.captured_if`): a replay whose batch shares nothing skips it."""
+        sinks = scales.pop("sinks", None)  # both parts without the sink; it joins once, after the IF node
         s_lse = _run_suffix(suffix_provider, suffix, q, k_cache, v_cache, out, lse, self.lse_suffix[:bs], scales)
         with captured_if(self.active):
             self.provider.run_merge(self.plans[bs], q, k_cache, v_cache, out, s_lse, self.out_part[:bs],
                                     self.lse_part[:bs], **scales)  # fmt: skip
+        _join_sinks(out, s_lse, sinks)

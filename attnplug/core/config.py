@@ -72,6 +72,9 @@ class AttentionConfig:
             an fp8 dtype (``torch.float8_e4m3fn``, ``torch.float8_e5m2``): the cache then holds
             ``value / scale`` quantized with saturation (per-layer ``k_scale`` / ``v_scale`` tensors,
             passed to ``PagedAttention.run``) and every provider dequantizes on read.
+        sinks: the layers have attention sinks: one learned logit per query head (a ``[Hq]`` tensor
+            passed to every run entry point as ``sinks=``) that joins each row's softmax denominator
+            once, with no value row: ``softmax([s_1..s_n, sink_h])``; the LSE a run writes includes it.
     """
 
     num_qo_heads: int
@@ -84,6 +87,7 @@ class AttentionConfig:
     logits_soft_cap: float = 0.0
     window_left: int = -1
     kv_dtype: torch.dtype | None = None
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "window_left"):
@@ -117,6 +121,8 @@ class AttentionConfig:
         elif self.kv_dtype != self.dtype and not is_fp8(self.kv_dtype):
             raise ValueError(f"kv_dtype must be None, the model dtype {self.dtype} or one of {FP8_KV_DTYPES}, "
                              f"got {self.kv_dtype}")  # fmt: skip
+        if not isinstance(self.sinks, bool):
+            raise ValueError(f"sinks must be a bool, got {self.sinks!r}")
 
     @property
     def kv_quantized(self) -> bool:
@@ -147,6 +153,24 @@ class AttentionConfig:
         if host_scales is not None:
             kw["host_scales"] = (float(host_scales[0]), float(host_scales[1]))
         return kw
+
+    def sink_kwargs(self, sinks: torch.Tensor | None) -> dict:
+        """The sink keyword argument of ``Provider.run``: ``{"sinks": sinks}`` for a config with
+        :attr:`sinks` (a ``[Hq]`` float32 or model-dtype tensor, required), ``{}`` otherwise (where
+        ``sinks`` must be ``None``). ``ValueError`` naming attnplug for a missing, unexpected or
+        misshaped tensor (shape and dtype only: no device read)."""
+        if not self.sinks:
+            if sinks is not None:
+                raise ValueError("attnplug: sinks given for a layer configured without attention sinks "
+                                 "(AttentionConfig.sinks=False)")
+            return {}
+        if sinks is None:
+            raise ValueError("attnplug: this layer has attention sinks (AttentionConfig.sinks=True): "
+                             "run() needs sinks=[Hq] tensor")
+        if tuple(sinks.shape) != (self.num_qo_heads,) or sinks.dtype not in (torch.float32, self.dtype):
+            raise ValueError(f"attnplug: sinks must be a [{self.num_qo_heads}] float32 or {self.dtype} "
+                             f"tensor, got shape {tuple(sinks.shape)} dtype {sinks.dtype}")
+        return {"sinks": sinks}
 
     def kv_cache_shape(self, num_pages: int) -> tuple[int, int, int, int]:
         """Shape of one of k_cache / v_cache in this config's layout."""

@@ -44,6 +44,11 @@ FILL_SEQ_LEN = 1  # committed length of a padded request (SGLang's CUDA-graph se
 _I32 = torch.int32
 
 
+def chain_mask(q: int, kv_len: int) -> torch.Tensor:
+    """``[q, kv_len]`` bool causal-chain verify mask: row ``i`` sees columns ``c <= kv_len - q + i``."""
+    return torch.arange(kv_len)[None, :] <= (kv_len - q + torch.arange(q))[:, None]
+
+
 class GraphState:
     """Static buffers of one graph family (one forward mode), shared by every captured batch size.
 
@@ -60,6 +65,10 @@ class GraphState:
         pad_page: page id padded requests read.
         max_seq_len: largest ``kv_len`` of one request (default ``max_pages * page_size``).
         num_kv_splits: split-KV count under graphs, for providers that split (default: theirs).
+        chain: verify mode whose masks are causal chains (``c <= kv_len - q + i``: vLLM's linear spec
+            decode, what :meth:`update_from_block_table` writes): a provider may replay it with a causal
+            kernel instead of reading the mask (``GraphSupport.chain_verify``); :meth:`update` checks a
+            host mask is one.
         cascade: shared-prefix attention in decode graphs, ``"off"`` / ``"auto"`` / ``"always"``
             (:class:`~attnplug.core.cascade.CascadeGraph`: each update finds the leading pages all
             real requests share; the captured launches read them once; the graph of one request has
@@ -84,10 +93,12 @@ class GraphState:
         max_seq_len: int | None = None,
         num_kv_splits: int | None = None,
         cascade: str = "off",
+        chain: bool = False,
     ):
         if mode not in ("decode", "verify"):
             raise ValueError(f"mode must be 'decode' or 'verify', got {mode!r}")
         self.config, self.mode, self.device = config, mode, torch.device(device)
+        self.chain = chain and mode == "verify"
         self.q = 1 if mode == "decode" else int(num_draft_tokens)
         if max_batch * self.q > max_tokens:
             raise ValueError(f"max_tokens must be >= max_batch * q = {max_batch * self.q}, got {max_tokens}")
@@ -157,6 +168,8 @@ class GraphState:
                 tail = torch.ones(int(h["mask_indptr"][-1]) - batch.custom_mask.numel(), dtype=torch.bool)
                 h["mask"] = torch.cat([batch.custom_mask.bool(), tail]).to(torch.uint8)
                 self._check_prefix_visible(h, bs)
+                if self.chain:
+                    self._check_chain(h, batch.batch_size)
         return h
 
     def _check_prefix_visible(self, h: dict, bs: int) -> None:
@@ -170,6 +183,17 @@ class GraphState:
             raise UnsupportedFeature(
                 f"attnplug: provider '{self.provider.name}' CUDA-graph verify needs every draft token to see the "
                 f"whole committed prefix; request {b}'s mask hides prefix column {int(free[b])} of {int(h['mask_free'][b])}")
+
+    def _check_chain(self, h: dict, n: int) -> None:
+        """A chain family's contract, checked where the mask is on the host: the ``n`` real requests'
+        masks are causal chains (row ``i`` of a request sees columns ``c <= kv_len - q + i``)."""
+        for b in range(n):
+            kv, lo = int(h["kv_lens"][b]), int(h["mask_indptr"][b])
+            m = h["mask"][lo : lo + self.q * kv].view(self.q, kv).bool()
+            if not torch.equal(m, chain_mask(self.q, kv)):
+                raise UnsupportedFeature(
+                    f"attnplug: provider '{self.provider.name}' CUDA-graph verify family of causal chains "
+                    f"(chain=True) got a tree mask for request {b}: use a family with chain=False")
 
     def _host_csr(self, seq_lens: torch.Tensor, bs: int) -> dict:
         """Host ``kv_indptr [bs+1]`` / ``kv_last_page_len [bs]`` of the padded batch of ``seq_lens [n]``
@@ -349,11 +373,13 @@ class GraphState:
 
     def run(self, bs: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
             lse: torch.Tensor | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-            q_scale: torch.Tensor | None = None, host_scales: tuple[float, float] | None = None) -> torch.Tensor:
+            q_scale: torch.Tensor | None = None, host_scales: tuple[float, float] | None = None,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Launch the ``bs`` plan: ``q [bs*q, Hq, D]`` -> ``out [bs*q, Hq, D]``; no host work (capturable).
         fp8 KV: the layer's scales as in ``PagedAttention.run`` (device tensors: captured, updated in place;
-        ``host_scales``: captured as values)."""
+        ``host_scales``: captured as values). ``sinks [Hq]``: as in ``PagedAttention.run`` (captured)."""
         scales = self.config.scale_kwargs(self._unit_scale, k_scale, v_scale, q_scale, host_scales)
+        scales.update(self.config.sink_kwargs(sinks))
         if self._cascade(bs) is not None:
             self.cascade.run(bs, self.plans[bs], self.provider, q, k_cache, v_cache, out, lse, **scales)
         else:

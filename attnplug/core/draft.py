@@ -311,11 +311,13 @@ class MultiStepDraftPlanner:
         v_scale: torch.Tensor | None = None,
         q_scale: torch.Tensor | None = None,
         host_scales: tuple[float, float] | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of draft step ``step``: ``q [B*topk, Hq, D]`` (row ``b*topk+j``) over the paged
         caches (``config`` shape) -> ``out [B*topk, Hq, D]`` (+ natural-log ``lse [B*topk, Hq]``).
-        fp8 KV: the layer's scales as in ``PagedAttention.run``."""
+        fp8 KV: the layer's scales, ``sinks [Hq]``: the layer's sink logits, as in ``PagedAttention.run``."""
         scales = self.config.scale_kwargs(self._unit_scale, k_scale, v_scale, q_scale, host_scales)
+        scales.update(self.config.sink_kwargs(sinks))
         self.providers[step].run(
             self.plans[step], q, token_view(k_cache, self.config), token_view(v_cache, self.config), out, lse, **scales
         )

@@ -50,6 +50,7 @@ def request_mask(plan: Plan, b: int, q_len: int, kv_len: int, device: torch.devi
 def reference_attention(
     plan: Plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     k_scale: torch.Tensor | float | None = None, v_scale: torch.Tensor | float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact float32 paged attention.
 
@@ -58,6 +59,9 @@ def reference_attention(
         k_cache, v_cache: paged caches in ``plan.config.kv_layout``.
         k_scale, v_scale: fp8 caches: keys = ``k_cache * k_scale`` (values alike; default 1), the
             float32 dequantized cache the attention runs on. Ignored for unquantized caches.
+        sinks: ``[Hq]`` sink logits (attention sinks): each row's softmax runs over its visible logits
+            and its head's sink, which has no value row (``lse`` includes it; a query without keys
+            gets output 0 and lse ``sink``).
 
     Returns:
         ``(out [num_tokens, Hq, D] float32, lse [num_tokens, Hq] float32)``; ``lse`` is the natural
@@ -85,7 +89,11 @@ def reference_attention(
             s = cfg.logits_soft_cap * torch.tanh(s / cfg.logits_soft_cap)
         m = request_mask(plan, b, q_len, kv_len, q.device)
         s = s.masked_fill(~m[None], -math.inf)
-        row_lse = torch.logsumexp(s, dim=-1)  # [Hq, q_len]
+        if sinks is not None:  # one more logit per head, value 0
+            sink_col = sinks.float().to(q.device)[:, None, None].expand(-1, q_len, 1)
+            row_lse = torch.logsumexp(torch.cat([s, sink_col], dim=-1), dim=-1)
+        else:
+            row_lse = torch.logsumexp(s, dim=-1)  # [Hq, q_len]
         p = torch.exp(s - row_lse[..., None]).nan_to_num(0.0)
         out[q0:q1] = torch.einsum("hqk,khd->qhd", p, v)
         lse[q0:q1] = row_lse.transpose(0, 1)

@@ -48,23 +48,27 @@ def _factory(name: str, model_runner):
     return AttnplugAttnBackend(model_runner, backend_name=name)
 
 
-DRAFT_EXTEND_GRAPH_REFUSAL = ("CUDA graphs for EAGLE draft extend (DRAFT_EXTEND_V2 has a ragged number of tokens "
-                              "per request; the core's GraphState captures fixed-q DECODE / TARGET_VERIFY only)")
-
-
 def _make_draft_backend(factory, name: str, multi_step: bool):
     """An attnplug EAGLE draft backend on SGLang's draft runner: the multi-step container (draft
-    decode) or a plain :class:`AttnplugAttnBackend` (draft extend)."""
+    decode) or an :class:`~.draft.AttnplugDraftExtendBackend` (draft extend, captured in CUDA graphs)."""
+    from . import compat
+
     runner = factory.draft_model_runner
     if multi_step:
         from .draft import AttnplugMultiStepDraftBackend
 
         return AttnplugMultiStepDraftBackend(runner, factory.topk, factory.speculative_num_steps, backend_name=name)
-    from .backend import AttnplugAttnBackend
+    from attnplug import engine_glue
+    from attnplug.core.providers import get_provider_cls
 
-    backend = AttnplugAttnBackend(runner, backend_name=name)
-    backend.graph_refusal = DRAFT_EXTEND_GRAPH_REFUSAL
-    return backend
+    from .draft import AttnplugDraftExtendBackend
+
+    if not get_provider_cls(engine_glue.provider_for(BACKENDS[name])).graph_support.chain_verify:
+        from .backend import AttnplugAttnBackend  # SGLang's capture check fails for it: draft extend eager
+
+        return AttnplugAttnBackend(runner, backend_name=name)
+    compat.declare_draft_extend_graphs(AttnplugDraftExtendBackend)
+    return AttnplugDraftExtendBackend(runner, backend_name=name)
 
 
 def _around_create_backend(orig, factory, backend_name, backend_map, error_template, *args, **kwargs):

@@ -25,6 +25,11 @@ KV-cache quant method loads from a checkpoint), 1 when the layer has none - as S
 their floats (``layer.k_scale_float``, fixed at load) go along as ``host_scales``, which the
 flashinfer provider hands to FlashInfer as SGLang's flashinfer backend does.
 
+Attention sinks (gpt-oss passes ``sinks=`` [Hq] to the backend's forward): handed to the core's run
+(eager, graphs, draft steps) at each call, so in-place updates apply; refused by name where the
+provider class declares none (``supports_sinks``). Each layer's ``sliding_window_size`` (SGLang's
+``window_left``) and its sinks are part of its config key: window and full layers get their own plans.
+
 All math is the core's. Whatever the core or this adapter cannot compute is refused with an
 ``UnsupportedFeature`` naming attnplug, the backend and the feature: at startup (constructor) when
 the model says so, else at the first forward that needs it.
@@ -118,12 +123,14 @@ class AttnplugAttnBackend(AttentionBackend):
         self._graphs = None  # {"decode"|"verify": {layer key: GraphState}} after init_cuda_graph_state
         self._graph_cfg: dict = {}
         self._graph_fwd = None  # (mode, bs, BatchMetadata) of the current CUDA-graph forward
-        self.graph_refusal: str | None = None  # set by the EAGLE draft-extend factory: graphs refused
+        self.graph_refusal: str | None = None  # graphs refused, and why (shown at init_cuda_graph_state)
+        self.draft_extend = False  # set by the EAGLE draft-extend factory: graphs of DRAFT_EXTEND(_V2) batches
         self._stats = _Stats()
         self._late_counts = engine_glue.LateCounts()  # decode-graph cascade counters, read without a sync
         # Build the provider now: an unavailable provider or unsupported config fails at startup.
-        self._probe_key = (self.num_qo_heads, self.num_kv_heads, self.head_dim, None, 0.0, -1)
+        self._probe_key = (self.num_qo_heads, self.num_kv_heads, self.head_dim, None, 0.0, -1, False)
         probe = self._make_attention(self._probe_key)
+        self._supports_sinks = type(probe.provider).supports_sinks()  # the provider class declares it
         logger.info(
             "attnplug: %s active (provider %s, page %d, layout NHD, dtype %s, heads %d/%d, head_dim %d, cascade %s, "
             "in CUDA graphs %s, %s%s)",
@@ -180,12 +187,20 @@ class AttnplugAttnBackend(AttentionBackend):
         if compat.attn_dcp_size() > 1:
             raise self._unsupported("decode context parallelism (attn_dcp_size > 1)")
 
-    def _check_layer(self, layer, kwargs) -> None:
-        extra = sorted(k for k, v in kwargs.items() if v is not None and v is not False)
+    def _check_layer(self, layer, kwargs) -> torch.Tensor | None:
+        """Refuse what this layer asks that attnplug cannot compute; returns its ``sinks [Hq]`` (the
+        tensor SGLang passes, e.g. gpt-oss's Parameter: read live at each run) or ``None``."""
+        sinks = kwargs.get("sinks")
+        extra = sorted(k for k, v in kwargs.items() if v is not None and v is not False and k != "sinks")
         if extra:
-            raise self._unsupported(f"attention arguments {extra} (e.g. attention sinks, score_mod)")
+            raise self._unsupported(f"attention arguments {extra} (e.g. score_mod)")
+        if sinks is not None and not self._supports_sinks:
+            raise self._unsupported(f"attention sinks (provider '{self.provider_name}' cannot compute them)")
         if layer.layer_id in self._checked_layers:
-            return
+            return sinks
+        if sinks is not None and tuple(sinks.shape) != (layer.tp_q_head_num,):
+            raise self._unsupported(f"attention sinks of shape {tuple(sinks.shape)} (one per query head: "
+                                    f"[{layer.tp_q_head_num}])")
         from sglang.srt.layers.radix_attention import AttentionType
 
         if layer.is_cross_attention:
@@ -203,15 +218,17 @@ class AttnplugAttnBackend(AttentionBackend):
         if getattr(layer, "xai_temperature_len", -1) > 0:
             raise self._unsupported("xai temperature scaling")
         self._checked_layers.add(layer.layer_id)
+        return sinks
 
     # -- per-config core objects --------------------------------------------------------------------
     def _make_attention(self, key: tuple):
-        """A ``PagedAttention`` for ``key = (Hq, Hkv, D, sm_scale, soft_cap, window_left)``."""
+        """A ``PagedAttention`` for ``key = (Hq, Hkv, D, sm_scale, soft_cap, window_left, sinks)``."""
         from attnplug.core import AttentionConfig, PagedAttention, ProviderUnavailable, UnsupportedFeature
 
-        hq, hkv, d, scale, cap, window = key
+        hq, hkv, d, scale, cap, window, sinks = key
         try:
-            cfg = AttentionConfig(hq, hkv, d, self.page_size, self.dtype, "NHD", scale, cap, window, self.kv_dtype)
+            cfg = AttentionConfig(hq, hkv, d, self.page_size, self.dtype, "NHD", scale, cap, window,
+                                  self.kv_dtype, sinks=sinks)
         except ValueError as e:  # a head count / head dim / dtype the core cannot describe
             raise self._unsupported(f"this layer configuration ({str(e).removeprefix('attnplug: ')})") from e
         try:
@@ -230,10 +247,13 @@ class AttnplugAttnBackend(AttentionBackend):
         return attn
 
     @staticmethod
-    def _layer_key(layer) -> tuple:
+    def _layer_key(layer, sinks: bool = False) -> tuple:
+        """The core config key of ``layer``: each layer's own window (``sliding_window_size``, SGLang's
+        ``window_left``; gpt-oss alternates 127 and -1) and whether it passes ``sinks``."""
         cap = float(layer.logit_cap) if layer.logit_cap and layer.logit_cap > 0 else 0.0
         window = int(layer.sliding_window_size) if layer.sliding_window_size is not None else -1
-        return (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, float(layer.scaling), cap, max(window, -1))
+        return (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, float(layer.scaling), cap,
+                max(window, -1), sinks)
 
     # -- metadata: once per forward -------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch) -> None:
@@ -253,11 +273,15 @@ class AttnplugAttnBackend(AttentionBackend):
         ``GraphState.update``, host shapes from ``seq_lens_cpu``.
         """
         mode = self._graph_mode_of(forward_batch)
-        if self._graphs is None or mode is None:
+        if mode == "draft_extend" and self._graphs is not None and mode in self._graphs:
+            self._draft_extend_graph_metadata(forward_batch)
+            return
+        if self._graphs is None or mode not in self._graphs:
             if in_capture:
                 what = "this forward mode" if self._graphs is not None else "capture without init_cuda_graph_state"
                 raise self._unsupported(f"CUDA-graph {what} ({forward_batch.forward_mode.name}); "
-                                        "attnplug captures DECODE and TARGET_VERIFY only")
+                                        "attnplug captures DECODE, TARGET_VERIFY and, on the EAGLE draft-extend "
+                                        "backend, DRAFT_EXTEND")
             self._plan_forward(forward_batch)
             return
         bs = int(forward_batch.batch_size)
@@ -317,8 +341,13 @@ class AttnplugAttnBackend(AttentionBackend):
         q = max(1, int(max_num_tokens) // max(1, int(max_bs)))
         ctx = int(self.req_to_token_pool.req_to_token.shape[1])
         self._graph_cfg = dict(max_bs=int(max_bs), q=q, ctx=ctx)
-        self._graphs = {"decode": {}, "verify": {}}
         keys = list(self._model_layer_keys()) or [self._probe_key]
+        if self.draft_extend:  # EAGLE draft extend: q = the tree width per request, causal chains
+            self._graphs = {"draft_extend": {}}
+            for key in keys:
+                self._graph_state("draft_extend", key)
+            return
+        self._graphs = {"decode": {}, "verify": {}}
         spec = getattr(self._runner, "spec_algorithm", None)  # SGLang captures TARGET_VERIFY only with spec on
         verify = q > 1 and (spec is None or not getattr(spec, "is_none", lambda: False)())
         for key in keys:
@@ -352,8 +381,9 @@ class AttnplugAttnBackend(AttentionBackend):
                 cascade = graph_cascade_mode(get_provider_cls(self.provider_name).graph_support, self.backend_name) \
                     if mode == "decode" else "off"
                 gs = GraphState(self._attention(key).config, self.provider_name, max_batch=c["max_bs"],
-                                max_tokens=c["max_bs"] * q, max_pages=max_pages, device=self.device, mode=mode,
-                                num_draft_tokens=q, pad_page=0, max_seq_len=c["ctx"] + q, cascade=cascade)
+                                max_tokens=c["max_bs"] * q, max_pages=max_pages, device=self.device,
+                                mode="decode" if mode == "decode" else "verify", num_draft_tokens=q, pad_page=0,
+                                max_seq_len=c["ctx"] + q, cascade=cascade, chain=mode == "draft_extend")
             except UnsupportedFeature as e:
                 raise self._unsupported(f"CUDA graphs here ({e}); start SGLang with --disable-cuda-graph") from e
             states[key] = gs
@@ -365,16 +395,58 @@ class AttnplugAttnBackend(AttentionBackend):
             return []
         from sglang.srt.layers.radix_attention import RadixAttention
 
-        return dict.fromkeys(self._layer_key(m) for m in model.modules() if isinstance(m, RadixAttention))
+        # a layer with sinks: its RadixAttention is a child of a module holding the ``sinks`` tensor it
+        # passes at forward (gpt-oss: ``self.attn(..., sinks=self.sinks)``)
+        with_sinks = {id(c) for m in model.modules() if isinstance(getattr(m, "sinks", None), torch.Tensor)
+                      for c in m.children() if isinstance(c, RadixAttention)}  # fmt: skip
+        return dict.fromkeys(self._layer_key(m, id(m) in with_sinks) for m in model.modules()
+                             if isinstance(m, RadixAttention))
 
-    @staticmethod
-    def _graph_mode_of(fb):
+    def _graph_mode_of(self, fb):
         m = fb.forward_mode
         if m.is_target_verify():
             return "verify"
         if m.is_decode():
             return "decode"
+        if self._extend_modes.get(m) == "DRAFT_EXTEND":
+            return "draft_extend"
         return None
+
+    def _draft_extend_graph_metadata(self, fb) -> None:
+        """EAGLE draft extend in CUDA graphs (SGLang's ``EAGLEDraftExtendCudaGraphRunner``): every request
+        runs the tree width ``W`` of tokens (padded), after a prefix of ``seq_lens - extend_seq_lens``
+        keys, causally: a uniform causal-chain batch of ``q = W`` over ``kv_len = seq_lens -
+        extend_seq_lens + W``, refreshed from ``req_to_token`` on the device in one launch per layer
+        config (``GraphState(chain=True).update_from_block_table``; a host-planning provider plans from
+        ``seq_lens_cpu`` and ``extend_seq_lens_cpu``). SGLang's padded rows (``seq_lens`` = the fill
+        value, ``W`` tokens) come out shorter than ``W`` and become the core's padded requests."""
+        bs, W = int(fb.batch_size), self._graph_cfg["q"]
+        self._forward_id += 1
+        self._batch = None
+        ext = getattr(fb.spec_info, "extend_seq_lens_tensor", None)
+        ext = ext if ext is not None else getattr(fb, "extend_seq_lens", None)
+        seq = fb.seq_lens[:bs] + (W - ext[:bs]) if ext is not None else fb.seq_lens[:bs]
+        seq = torch.where(seq > W, seq, torch.zeros_like(seq)).to(torch.int32)  # > W: a real request
+        states = self._graphs["draft_extend"]
+        host = None
+        if any(gs.needs_host_lengths for gs in states.values()):
+            h = getattr(fb, "seq_lens_cpu", None)
+            h = h[:bs] if h is not None else fb.seq_lens[:bs].cpu()
+            e = getattr(fb.spec_info, "extend_seq_lens_cpu", None) or getattr(fb, "extend_seq_lens_cpu", None)
+            h = h + W - torch.tensor(list(e)[:bs], dtype=h.dtype) if e is not None else h
+            host = torch.where(h > W, h, torch.zeros_like(h)).to(torch.int32)
+        ids, rows = self._read_table(fb, bs)
+
+        def refresh(gs) -> None:
+            if bs not in gs.plans:
+                gs.prepare_capture(bs)
+            gs.update_from_block_table(seq, ids, bs, row_ids=rows, entry_tokens=self.page_size, host_seq_lens=host)
+
+        for gs in states.values():
+            refresh(gs)
+        self._graph_fwd = ("draft_extend", bs, refresh)  # refresh: a layer config first seen at warm-up
+        key = "GRAPH_" + fb.forward_mode.name
+        self._stats.forwards[key] = self._stats.forwards.get(key, 0) + 1
 
     def _graph_batch(self, fb, mode: str, B: int, host: bool, host_plan: bool):
         """``BatchMetadata`` of the ``B`` real requests of a graph batch, built without reading device
@@ -498,21 +570,22 @@ class AttnplugAttnBackend(AttentionBackend):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
 
     def _forward(self, q, k, v, layer, fb, save_kv_cache, kwargs):
-        self._check_layer(layer, kwargs)
+        sinks = self._check_layer(layer, kwargs)
         if not self._metadata_ready():
             raise RuntimeError(f"attnplug: backend '{self.backend_name}': forward before init_forward_metadata")
         scales = self._scales(layer)
         hq, d = layer.tp_q_head_num, layer.qk_head_dim
+        run_kw = scales if sinks is None else {**scales, "sinks": self._sink_tensor(sinks)}
         shape = (self.num_pages, self.page_size, self.num_kv_heads, d)
         k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).view(shape)
         v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id).view(shape)
         if save_kv_cache and k is not None and v is not None:
             # k, v: [T, Hkv, D]; the KV of the new tokens must be in the cache before run().
             self._write_kv(layer, fb, k, v, k_cache, v_cache, scales)
-        key = self._layer_key(layer)
+        key = self._layer_key(layer, sinks is not None)
         q3 = q.reshape(-1, hq, d)
         out = torch.empty_like(q3)
-        self._run(key, q3, k_cache, v_cache, out, scales)
+        self._run(key, q3, k_cache, v_cache, out, run_kw)
         self._stats.layer_runs += 1
         return out.view(-1, hq * d)
 
@@ -557,13 +630,19 @@ class AttnplugAttnBackend(AttentionBackend):
             sc["host_scales"] = host
         return sc
 
+    def _sink_tensor(self, sinks: torch.Tensor) -> torch.Tensor:
+        """The layer's sinks as the core reads them: the tensor itself where it is float32 or the
+        model dtype, else (gpt-oss keeps bf16 sinks in a float32 model) its float32 cast, made on the
+        device at each run (so it reads the live values; a CUDA graph captures the cast)."""
+        return sinks if sinks.dtype in (torch.float32, self.dtype) else sinks.float()
+
     def _metadata_ready(self) -> bool:
         """This forward's metadata was built (eagerly or into the graph state)."""
         return self._batch is not None or self._graph_fwd is not None
 
     def _run(self, key, q3, k_cache, v_cache, out, scales: dict | None = None) -> None:
         """One layer's attention: the captured graph plan of ``key``, else the eager plan.
-        ``scales``: fp8 KV, the layer's (:meth:`_scales`)."""
+        ``scales``: fp8 KV, the layer's (:meth:`_scales`); ``sinks`` for a layer with attention sinks."""
         scales = scales or {}
         if self._graph_fwd is not None:
             mode, bs, batch = self._graph_fwd
@@ -571,10 +650,14 @@ class AttnplugAttnBackend(AttentionBackend):
             if gs is None or bs not in gs.plans:  # a layer config first seen now (warmup forward)
                 if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                     raise self._unsupported(f"a layer config {key} first seen inside CUDA-graph capture")
-                if batch is None or batch.kv_indptr.device.type != "cpu":
+                if mode == "draft_extend":  # from the device table, as the known configs
+                    gs = self._graph_state(mode, key)
+                    batch(gs)
+                elif batch is None or batch.kv_indptr.device.type != "cpu":
                     raise self._unsupported(f"a layer config {key} first seen at CUDA-graph replay")
-                gs = self._graph_state(mode, key)
-                gs.prepare_capture(bs, batch)
+                else:
+                    gs = self._graph_state(mode, key)
+                    gs.prepare_capture(bs, batch)
             gs.run(bs, q3, k_cache, v_cache, out, **scales)
             return
         attn = self._plan(key)

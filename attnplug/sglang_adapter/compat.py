@@ -435,6 +435,11 @@ def _draft_contract():
           ("init_cuda_graph_state", "init_forward_metadata_in_graph", "init_forward_metadata_out_graph")),
         callsite("sglang.srt.speculative.eagle_worker_v2", "init_forward_metadata", _DRAFT + "init_forward_metadata",
                  recv="draft_attn_backend"),
+        # draft extend in CUDA graphs: SGLang's capture check admits FlashInferAttnBackend (declare_draft_extend_graphs)
+        attr("sglang.srt.layers.attention.flashinfer_backend", "FlashInferAttnBackend"),
+        *(callsite("sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner", m, _OURS + m,
+                   recv="draft_extend_attn_backend")
+          for m in ("init_cuda_graph_state", "init_forward_metadata_out_graph", "init_forward_metadata_in_graph")),
     )
 
 
@@ -459,3 +464,19 @@ def engine_refusal(version: str | None = None, engine_root: str | None = None) -
 
 CONTRACT = _contract()
 DRAFT_CONTRACT = _draft_contract()
+
+
+def declare_draft_extend_graphs(cls) -> bool:
+    """Make SGLang capture EAGLE draft extend with attnplug's draft-extend backend ``cls``: SGLang's
+    EAGLE worker (``EAGLEWorkerV2._capture_cuda_graphs``, 0.5.17 and 0.5.23) captures it only when the
+    backend ``isinstance`` one of the types it lists, ``FlashInferAttnBackend`` among them; ``cls`` is
+    registered as a virtual subclass of that ABC (``ABCMeta.register``: no behaviour inherited, only the
+    check answered, for this one class, which captures DRAFT_EXTEND for every provider). ``False`` where
+    SGLang has no such class (draft extend then runs eagerly)."""
+    try:
+        from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+    except Exception:  # noqa: BLE001 - a build without it: SGLang's check fails, draft extend stays eager
+        return False
+    if not issubclass(cls, FlashInferAttnBackend):
+        FlashInferAttnBackend.register(cls)
+    return True

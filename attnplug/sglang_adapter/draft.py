@@ -26,6 +26,17 @@ from .backend import AttnplugAttnBackend
 logger = logging.getLogger(__name__)
 
 
+class AttnplugDraftExtendBackend(AttnplugAttnBackend):
+    """The EAGLE draft-extend backend: an :class:`AttnplugAttnBackend` whose CUDA graphs capture
+    DRAFT_EXTEND(_V2) batches (``W`` tokens a request, causal after the prefix: a core chain family,
+    ``AttnplugAttnBackend._draft_extend_graph_metadata``). SGLang captures draft extend only for backend
+    types it lists; :func:`compat.declare_draft_extend_graphs` adds this class to them."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.draft_extend = True
+
+
 class AttnplugDraftStepBackend(AttnplugAttnBackend):
     """``attn_backends[step]``: a full ``AttentionBackend`` (pools, layer checks, KV writes) whose
     attention is draft step ``step`` of its container's plans."""

@@ -12,6 +12,10 @@
   host sync: FULL CUDA graphs capture it) and ``forward`` runs the core on NHD views of vLLM's
   KV cache. No attention math here.
 
+Attention sinks (gpt-oss): ``supports_sink`` is the provider class's ``supports_sinks``; a layer's
+``sinks [Hq]`` Parameter is kept by reference (weights load after the impl is built) and passed to
+every core run; it is part of the layer's core config (``sinks=True``), as its own window is.
+
 Shapes: ``query [T, Hq, D]``, ``key/value [T, Hkv, D]``, ``output [T, Hq, D]``; a layer's
 ``kv_cache`` is vLLM's ``[num_blocks, Hkv, block_size, 2*D]`` view (see ``compat.split_kv_cache``).
 
@@ -165,6 +169,11 @@ class AttnplugBackend(AttentionBackend):
         return True
 
     @classmethod
+    def supports_sink(cls) -> bool:
+        """Attention sinks (gpt-oss): what the core provider class declares (``Provider.supports_sinks``)."""
+        return get_provider_cls(cls.provider()).supports_sinks()
+
+    @classmethod
     def supports_device_cpu_query_lens_mismatch(cls) -> bool:
         return False  # plans off the host copy of the query lengths
 
@@ -198,14 +207,16 @@ class AttnplugBackend(AttentionBackend):
         attn_type = cfg.get("attn_type", AttentionType.DECODER)
         if attn_type != AttentionType.DECODER:
             r.append(f"attention type '{getattr(attn_type, 'value', attn_type)}' (decoder self-attention only)")
-        names = {"use_mla": "MLA (multi-head latent attention)", "has_sink": "attention sinks",
+        if cfg.get("has_sink") and not cls.supports_sink():
+            r.append(f"attention sinks (provider '{cls.provider()}' cannot compute them)")
+        names = {"use_mla": "MLA (multi-head latent attention)",
                  "use_sparse": "sparse attention", "use_mm_prefix": "bidirectional multimodal-prefix attention",
                  "use_per_head_quant_scales": "per-head quantization scales", "use_non_causal": "non-causal attention",
                  "use_batch_invariant": "batch-invariant mode", "use_pcp": "prefill context parallelism",
                  "use_dcp": "decode context parallelism", "use_rswa": "R-SWA",
                  "use_adaptive_verification": "adaptive speculative verification"}  # fmt: skip
         for key, value in cfg.items():
-            if value and key not in _HARMLESS_FLAGS and key != "attn_type":
+            if value and key not in _HARMLESS_FLAGS and key not in ("attn_type", "has_sink"):
                 r.append(names.get(key, f"{key} (unknown to attnplug)"))
         return r
 
@@ -248,14 +259,14 @@ class AttnplugBackend(AttentionBackend):
 
 def graph_level(provider: str) -> tuple[str, str]:
     """``(vLLM CUDA-graph level, why it is not higher)`` of a core provider, from its ``graph_support``:
-    decode and verify replayed from device-refreshed buffers -> ``UNIFORM_BATCH`` (mixed
-    prefill/decode batches are never captured); decode only, or a provider that re-plans on the host
-    (vLLM's spec-verify batches carry their chain mask on the device) -> ``UNIFORM_SINGLE_TOKEN_DECODE``;
-    no decode graphs -> ``NEVER``."""
+    decode, and causal-chain verify replayed from vLLM's device block table (``chain_verify``: device
+    refresh, or a host re-plan from host lengths as FlashInfer's) -> ``UNIFORM_BATCH``, which both
+    model runners need for FULL graphs of spec-verify batches (mixed prefill/decode batches are never
+    captured); decode only -> ``UNIFORM_SINGLE_TOKEN_DECODE``; no decode graphs -> ``NEVER``."""
     g = get_provider_cls(provider).graph_support
     if not g.decode:
         return "NEVER", g.reason
-    if g.verify and g.device_refresh:
+    if g.chain_verify:
         return "UNIFORM_BATCH", "mixed prefill/decode batches are not captured (no ALWAYS)"
     return "UNIFORM_SINGLE_TOKEN_DECODE", g.reason or "spec-verify batches are not captured"
 
@@ -325,7 +336,7 @@ class _UniformGraphs:
         mode = "decode" if q == 1 else "verify"
         self.states = {cfg: GraphState(cfg, provider, max_batch, max_batch * q, self.max_pages, device, mode,
                                        num_draft_tokens=q, pad_page=pad_page, max_seq_len=max_seq_len,
-                                       cascade=cascade if mode == "decode" else "off")
+                                       cascade=cascade if mode == "decode" else "off", chain=q > 1)
                        for cfg in attention}  # fmt: skip
         # the provider re-plans on the host before a replay: it needs host sequence lengths
         self.host_lengths = any(gs.needs_host_lengths for gs in self.states.values())
@@ -444,7 +455,8 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
             info = (f"provider {attn.provider_name}, layout {cfg.kv_layout}, page {cfg.page_size}, "
                     f"dtype {str(cfg.dtype).removeprefix('torch.')}, kv_dtype {str(cfg.kv_dtype).removeprefix('torch.')}, "
                     f"heads {cfg.num_qo_heads}/{cfg.num_kv_heads}, "
-                    f"head_dim {cfg.head_dim}, window {cfg.window_left}, soft_cap {cfg.logits_soft_cap}, "
+                    f"head_dim {cfg.head_dim}, window {cfg.window_left}, sinks {cfg.sinks}, "
+                    f"soft_cap {cfg.logits_soft_cap}, "
                     f"cascade {attn.cascade}, in CUDA graphs {'on' if self._graph_cascade else 'off'}, "
                     f"cache layout {compat.cache_layout_name(vllm_config)}")  # fmt: skip
             logger.info("attnplug: %s active (%s, %s)", backend.NAME, info, compat.versions_info())
@@ -604,8 +616,11 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
                            "encoder-only and cross attention are refused; decoder self-attention only)")  # fmt: skip
         if alibi_slopes is not None:
             raise b.refuse("ALiBi slopes")
-        if sinks is not None:
-            raise b.refuse("attention sinks")
+        if sinks is not None and not b.supports_sink():
+            raise b.refuse(f"attention sinks (provider '{b.provider()}' cannot compute them)")
+        if sinks is not None and tuple(sinks.shape) != (num_heads,):
+            raise b.refuse(f"attention sinks of shape {tuple(sinks.shape)} (one per query head: "
+                           f"[{num_heads}])")
         why = b.kv_cache_dtype_refusal(kv_cache_dtype)
         if why:
             raise b.refuse(why)
@@ -616,6 +631,9 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.sliding_window = sliding_window
+        # the layer's [Hq] sink logits: the engine's Parameter itself (its weights load after this
+        # impl is built, in place), read at each run; None without sinks
+        self.sinks = sinks
         self.window_left = sliding_window - 1 if sliding_window else -1  # vLLM's window includes the query
         self.logits_soft_cap = float(logits_soft_cap or 0.0)
         self.kv_cache_dtype = kv_cache_dtype
@@ -630,7 +648,8 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
         """The core config of this layer; ``dtype``: the model's (an fp8 cache: ``kv_dtype``)."""
         kv_dtype = kv_dtype_from_name(self.kv_cache_dtype, dtype)
         return AttentionConfig(self.num_heads, self.num_kv_heads, self.head_size, page_size, dtype, "NHD",
-                               self.scale, self.logits_soft_cap, self.window_left, kv_dtype)  # fmt: skip
+                               self.scale, self.logits_soft_cap, self.window_left, kv_dtype,
+                               sinks=self.sinks is not None)  # fmt: skip
 
     def kv_views(self, kv_cache):
         """``(k_cache, v_cache)`` NHD views of vLLM's layer cache, in the fp8 dtype for an fp8 cache."""
@@ -638,13 +657,22 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
             kv_cache = kv_cache.view(self.fp8_dtype)  # vLLM allocates fp8 caches as uint8
         return compat.split_kv_cache(kv_cache, self.head_size)
 
+    def sink_tensor(self) -> torch.Tensor:
+        """The layer's ``[Hq]`` sinks as the core reads them: the live Parameter itself where it is
+        float32 or the model dtype, else its float32 cast made at each run (never a copy made at init)."""
+        s, cfg = self.sinks, self.core_key
+        return s if cfg is None or s.dtype in (torch.float32, cfg.dtype) else s.float()
+
     def scales(self, layer) -> dict:
         """fp8 KV: the layer's scale tensors (device, read by the kernels), and ``host_scales``, their
         floats (``layer._k_scale_float``, what vLLM's FLASHINFER reads) unless ``--calculate-kv-scales``
-        changes them after graph capture; ``{}`` otherwise."""
+        changes them after graph capture; plus ``sinks`` (the layer's ``[Hq]`` Parameter) for a layer
+        with attention sinks; ``{}`` otherwise. Passed to every core run (eager, graph, cascade, draft)."""
+        sk = {} if self.sinks is None else {"sinks": self.sink_tensor()}
         if self.fp8_dtype is None:
-            return {}
-        sc = dict(k_scale=layer._k_scale, v_scale=layer._v_scale, q_scale=getattr(layer, "_q_scale", None))
+            return sk
+        sc = dict(**sk, k_scale=layer._k_scale, v_scale=layer._v_scale,
+                  q_scale=getattr(layer, "_q_scale", None))
         k_f, v_f = getattr(layer, "_k_scale_float", None), getattr(layer, "_v_scale_float", None)
         if self.fixed_scales and isinstance(k_f, float) and isinstance(v_f, float):
             sc["host_scales"] = (k_f, v_f)

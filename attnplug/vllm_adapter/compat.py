@@ -401,7 +401,7 @@ def _contract():
         # AttentionBackend
         *(override(_B, f"AttentionBackend.{m}", ours_b + m) for m in
           ("get_name", "get_impl_cls", "get_builder_cls", "supports_sliding_window", "supports_block_size",
-           "validate_configuration")),
+           "supports_sink", "validate_configuration")),
         override(_B, "AttentionBackend.supports_device_cpu_query_lens_mismatch",
                  ours_b + "supports_device_cpu_query_lens_mismatch", **opt),
         *(override(_B, f"AttentionBackend.{m}", ours_b + m, why="0.26 only", **opt)

@@ -26,6 +26,8 @@
 #     bash benchmarks/e2e/device.sh vllm-fp8 | sglang-fp8 | vllm-shared | sglang-shared
 #   Cascade graphs on unshared rows (issue 13): E2E_BACKENDS="ATTNPLUG_TRITON" bash benchmarks/e2e/device.sh vllm-cg
 #   EAGLE with graphs alone (SGLang): E2E_BACKENDS="attnplug_triton" bash benchmarks/e2e/device.sh sglang-eagle
+#   Issue 42 (speculation in full graphs, drafts accepted: --prompts cycle), after the engine's parts are unpacked:
+#     bash benchmarks/e2e/device.sh vllm-spec42 | sglang-spec42    # E2E_BACKENDS picks backends
 #   (E2E_BACKENDS="..." picks the backends; E2E_DEFAULT_DTYPE="..." limits the fp8 stages' default-dtype
 #   runs to those backends (the KV capacity ratio needs one); on one GPU the jobs run one after another, ~2-3 min each;
 #   the shared stages run attnplug_triton / attnplug_fa3 twice, the second with ATTNPLUG_CASCADE_GRAPHS=1)
@@ -50,7 +52,7 @@ tags() {  # the result name's suffix for engine_run args
   [[ " $* " == *" --tp 2 "* ]] && t+=-tp2; [[ " $* " == *" --spec ngram "* ]] && t+=-ngram
   [[ " $* " == *" --eagle-draft "* ]] && t+=-eagle; [[ " $* " == *" --prompts repeat "* ]] && t+=-repeat
   [[ " $* " =~ " --kv-cache-dtype "([a-z0-9_]+)" " ]] && t+=-kv${BASH_REMATCH[1]}
-  [[ " $* " == *" --prompts shared "* ]] && t+=-shared
+  [[ " $* " == *" --prompts shared "* ]] && t+=-shared; [[ " $* " == *" --prompts cycle "* ]] && t+=-cycle
   echo "$t"
 }
 vllm_job() {  # GPU BACKEND [extra engine_run args]; GPU "0,1": both GPUs, queued on lane 0
@@ -115,7 +117,7 @@ sglang-a)
     sglang_job $g1 attnplug_triton eagle-attnplug_triton --eagle-draft $DRAFT --rows 0
     sglang_job 0 attnplug_fa3 attnplug_fa3
     sglang_job $g1 attnplug_flashinfer eagle-attnplug_flashinfer --eagle-draft $DRAFT --rows 0
-    sglang_job 0 attnplug_fa3 eagle-attnplug_fa3 --eagle-draft $DRAFT --eager --rows 0  # fa3 tree verify: no graphs
+    sglang_job 0 attnplug_fa3 eagle-attnplug_fa3 --eagle-draft $DRAFT --rows 0  # fa3 tree verify in graphs
     sglang_job $g1 attnplug_triton attnplug_triton-eager --eager --rows 0,1
   fi
   $L wait $LANES --max "${max:-15}" --out "$OUT" --results $RES ;;
@@ -193,12 +195,9 @@ sglang-fp8)
     [[ -z ${E2E_DEFAULT_DTYPE+x} || " $E2E_DEFAULT_DTYPE " == *" $b "* ]] && sglang_job $g1 "$b" "$b" $rows
   done
   $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
-sglang-eagle)  # EAGLE with CUDA graphs, row 0, for E2E_BACKENDS (default attnplug_triton); fa3: eager (no tree-verify graphs)
+sglang-eagle)  # EAGLE with CUDA graphs, row 0, for E2E_BACKENDS (default attnplug_triton)
   setup
-  for b in ${E2E_BACKENDS:-attnplug_triton}; do
-    eager=""; [[ $b == *fa3* ]] && eager=--eager
-    sglang_job 0 "$b" "eagle-$b" --eagle-draft $DRAFT $eager --rows 0
-  done
+  for b in ${E2E_BACKENDS:-attnplug_triton}; do sglang_job 0 "$b" "eagle-$b" --eagle-draft $DRAFT --rows 0; done
   $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
 sglang-shared)
   setup
@@ -206,6 +205,21 @@ sglang-shared)
     sglang_job 0 "$b" "$b-shared" --prompts shared --rows 4
     [[ $b == attnplug_triton || $b == attnplug_fa3 ]] &&
       sglang_job $g1 "$b" "$b-cascade-graphs-shared" --prompts shared --rows 4 --env ATTNPLUG_CASCADE_GRAPHS=1
+  done
+  $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
+vllm-spec42)  # issue 42: cycle prompts (n-gram drafts accepted), rows 0,1: no speculation, n-gram, EAGLE (row 0)
+  setup
+  for b in ${E2E_BACKENDS:-FLASH_ATTN ATTNPLUG_TRITON ATTNPLUG_FA3 ATTNPLUG_FLASHINFER}; do
+    vllm_job 0 "$b" --prompts cycle --rows 0,1; vllm_job $g1 "$b" --spec ngram --prompts cycle --rows 0,1
+    vllm_job 0 "$b" --eagle-draft $DRAFT --prompts cycle --rows 0
+  done
+  $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
+sglang-spec42)  # issue 42, SGLang: the same three kinds (EAGLE topk 4, 3 steps), every backend with graphs
+  setup
+  for b in ${E2E_BACKENDS:-flashinfer attnplug_triton attnplug_fa3 attnplug_flashinfer}; do
+    sglang_job 0 "$b" "$b-cycle" --prompts cycle --rows 0,1
+    sglang_job $g1 "$b" "$b-ngram-cycle" --spec ngram --prompts cycle --rows 0,1
+    sglang_job 0 "$b" "eagle-$b-cycle" --eagle-draft $DRAFT --prompts cycle --rows 0
   done
   $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
 wait)

@@ -21,10 +21,13 @@ Tensor parallel (``--tp N``): NVLink multicast stays off (:data:`TP_ENV`: the sh
 and no all-reduce path that would create multicast objects: vLLM's FlashInfer all-reduce fusion and
 symmetric memory off, custom all-reduce off in both engines). Speculation: ``--spec ngram`` (vLLM
 ``{"method": "ngram"}``, 4 tokens, lookup 2..4; SGLang ``NGRAM``), ``--eagle-draft`` (vLLM: EAGLE, 2
-tokens, the drafter on the target's backend, both with dummy weights; SGLang: EAGLE topk 4 / 3 steps /
-8 draft tokens, draft with dummy weights). ``--prompts repeat``: prompts that repeat a random 32-token
-phrase (n-gram drafts get accepted). Each speed row then records ``accepted_per_step`` (tokens the
-target emits per verify step, the bonus token included) from the engine's counters.
+tokens, the drafter on the target's backend; SGLang: EAGLE topk 4 / 3 steps / 8 draft tokens), the draft
+``make_model.py``'s repeat-last-token head (dummy weights for a config-only draft folder).
+``--prompts repeat``: prompts that repeat a random 32-token phrase; ``--prompts cycle``: prompts ending in
+the model's own greedy continuation, found at warm-up, which cycles (``spec_workload.py``: n-gram drafts,
+and the repeat head's where the cycle has period 1, get accepted). Every speculative speed row records
+``accepted_per_step`` (tokens the target emits per request step, the bonus token included; 1.0 where no
+draft was made) and the counts behind it (``spec``) from the engine's counters.
 
 ``--kv-cache-dtype`` (vLLM ``fp8`` / ``fp8_e4m3`` / ``fp8_e5m2``, SGLang ``fp8_e4m3`` / ``fp8_e5m2``):
 the KV cache dtype; every run records the engine's KV capacity in tokens (``kv_capacity_tokens``).
@@ -46,6 +49,8 @@ import random
 import sys
 import tempfile
 import time
+
+import spec_workload
 
 MAX_LEN = 17408  # 16384 + 256 rounded up to a page multiple
 ROWS = [(1, 1024, 128, 3), (64, 1024, 128, 2), (16, 3072, 256, 2), (8, 16384, 256, 1),
@@ -83,6 +88,11 @@ def corr_prompts() -> list[list[int]]:
     return [[rng.randrange(3, VOCAB_HI) for _ in range(n)] for n in CORR_LENS]
 
 
+def has_weights(folder: str) -> bool:
+    """Whether a draft folder holds weights (``make_model.py``'s repeat-last-token EAGLE head)."""
+    return os.path.exists(os.path.join(folder, "model.safetensors"))
+
+
 class VLLM:
     def __init__(self, a):
         from vllm import LLM, SamplingParams  # noqa: PLC0415
@@ -103,7 +113,8 @@ class VLLM:
             draft = os.path.join(a.eagle_draft, "vllm")
             kw["speculative_config"] = {"method": "eagle", "model": draft, "num_speculative_tokens": 2,
                                         "attention_backend": a.backend}  # fmt: skip
-            kw["load_format"] = "dummy"  # the draft dir holds a config only; target and draft random alike
+            if not has_weights(draft):  # a config-only draft dir: target and draft random (dummy) alike
+                kw["load_format"] = "dummy"
         if a.kv_cache_dtype != "auto":
             kw["kv_cache_dtype"] = a.kv_cache_dtype
         self.spec = bool(kw.get("speculative_config"))
@@ -153,9 +164,10 @@ class SGLang:
             kw = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=8)
         elif a.eagle_draft:
             draft = os.path.join(a.eagle_draft, "sglang")
-            kw = dict(speculative_algorithm="EAGLE", speculative_draft_model_path=draft,
-                      speculative_draft_load_format="dummy", speculative_num_steps=3, speculative_eagle_topk=4,
-                      speculative_num_draft_tokens=8)
+            kw = dict(speculative_algorithm="EAGLE", speculative_draft_model_path=draft, speculative_num_steps=3,
+                      speculative_eagle_topk=4, speculative_num_draft_tokens=8)
+            if not has_weights(draft):  # a config-only draft dir (make_model.py's weights: the repeat head)
+                kw["speculative_draft_load_format"] = "dummy"
         kw.update(dtype="bfloat16", mem_fraction_static=0.8, context_length=MAX_LEN)
         if a.kv_cache_dtype != "auto":
             kw["kv_cache_dtype"] = a.kv_cache_dtype
@@ -226,7 +238,7 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs / torch.compile")
     ap.add_argument("--eagle-draft", default=None, help="EAGLE draft dir (make_model.py --eagle-draft: one folder an engine)")
     ap.add_argument("--spec", choices=["none", "ngram"], default="none", help="n-gram speculative decoding")
-    ap.add_argument("--prompts", choices=["random", "repeat", "shared"], default="random", help="speed-row prompts")
+    ap.add_argument("--prompts", choices=["random", "repeat", "shared", "cycle"], default="random", help="speed-row prompts")
     ap.add_argument("--kv-cache-dtype", default="auto", help="the engine's KV cache dtype (e.g. fp8, fp8_e4m3)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs)")
     ap.add_argument("--rows", default="all", help="'all', 'none', or comma list of row indices")
@@ -262,9 +274,12 @@ def main() -> None:
     res["rows"] = {}
     for k, (bs, plen, olen, reps) in enumerate(rows):
         eng.generate(prompts(bs, plen, seed=100 + k), 4)  # warm-up: same shape, other prompts
-        runs, steps, emitted = [], 0, 0
+        runs, stats, cycles = [], None, []
         for r in range(reps):
             ps = prompts(bs, plen, seed=1000 * (k + 1) + r)
+            if PROMPT_KIND == "cycle":  # the model's own continuation (not timed): drafts that get accepted
+                ps, found = spec_workload.cycle_prompts(eng.generate, bs, plen, 1000 * (k + 1) + r, VOCAB_HI)
+                cycles.append(found)
             if PROMPT_KIND == "shared":  # the system prompt in the prefix cache, as in steady serving
                 eng.generate(ps[:1], 1)
             c0 = eng.spec_counters()
@@ -274,20 +289,21 @@ def main() -> None:
             ntok = sum(len(o["tokens"]) for o in outs)
             assert ntok == bs * olen, (ntok, bs, olen)
             runs.append(round(ntok / dt, 1))
-            c1 = eng.spec_counters()
-            if c1.get("steps") is not None:  # vLLM: counters over the run; each step emits accepted + 1
-                steps += c1["steps"] - c0["steps"]
-                emitted += (c1["accepted"] - c0["accepted"]) + (c1["steps"] - c0["steps"])
-            elif outs and "spec_verify_ct" in outs[0]:  # SGLang: verify steps per request
-                steps += sum(o["spec_verify_ct"] for o in outs)
-                emitted += ntok
+            if eng.spec:  # vLLM: counters over the run; SGLang: verify steps per request
+                c1 = eng.spec_counters()
+                one = spec_workload.vllm_step_stats(ntok, c0, c1) if a.engine == "vllm" else \
+                    spec_workload.sglang_step_stats(outs)  # fmt: skip
+                stats = spec_workload.merge(stats, one)
         name = f"{bs}x{plen}->{olen}"
         res["rows"][name] = {"tok_s": max(runs), "runs": runs}
         if PROMPT_KIND == "shared" and "shared_correctness" not in res:  # after the timing: 8 requests on the
             # cached system prompt, greedy with top-5 logprobs (report.py: tokens and gaps vs the native)
             res["shared_correctness"] = eng.generate(ps[:8], CORR_TOKENS, logprobs=True)
-        if steps:
-            res["rows"][name]["accepted_per_step"] = round(emitted / steps, 3)
+        if eng.spec:
+            res["rows"][name]["accepted_per_step"] = stats.get("accepted_per_step")
+            res["rows"][name]["spec"] = stats
+        if cycles:
+            res["rows"][name]["cycle_prompts"] = cycles
         print(f"engine_run: {a.backend} {name}: {max(runs)} tok/s {runs}", flush=True)
     res["total_s"] = round(time.time() - t0, 1)
     res["markers"] = read_markers(markers)

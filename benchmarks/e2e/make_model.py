@@ -8,9 +8,11 @@ peaked rows, where a wrong mask, page or scale changes tokens.
     python benchmarks/e2e/make_model.py /tmp/llama8b-rand [--layers 32] [--eagle-draft /tmp/eagle-draft]
 
 Weights are drawn on the GPU (seeded, one generator), written as safetensors shards
-(``model-0000i-of-0000n.safetensors`` + index). The EAGLE draft directory gets a config only
-(SGLang loads it with ``--speculative-draft-load-format dummy``; acceptance is meaningless with
-random weights, the point is running the multi-step draft path).
+(``model-0000i-of-0000n.safetensors`` + index). The EAGLE draft directory (one folder an engine) gets a
+config and the weights of a *repeat-last-token* head (:func:`eagle_repeat_weights`): ``fc = [0 | I]``
+passes the target's hidden state through, the layer adds nothing (zero projections), and the target's
+shared ``lm_head`` then proposes the token the target has just emitted. Drafts are accepted wherever
+the target repeats a token (its greedy continuation cycling with period 1: ``--prompts cycle``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import os
 import time
 
 import torch
-from safetensors.torch import save_file
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -53,6 +54,7 @@ def tensors(cfg: dict):
 
 
 def write(path: str, cfg: dict, seed: int = 0, shard_bytes: int = 4 << 30) -> None:
+    from safetensors.torch import save_file  # noqa: PLC0415 - the GPU machine's engines bring it
     os.makedirs(path, exist_ok=True)
     stamp = os.path.join(path, "attnplug_random.json")
     if os.path.exists(stamp) and json.load(open(stamp)) == {"seed": seed, **cfg}:
@@ -90,14 +92,43 @@ def write(path: str, cfg: dict, seed: int = 0, shard_bytes: int = 4 << 30) -> No
 EAGLE_ARCH = {"sglang": "LlamaForCausalLMEagle", "vllm": "EagleLlamaForCausalLM"}
 
 
-def write_eagle_draft(path: str, target: dict) -> None:
-    """Configs of a one-layer EAGLE(-1) draft head for ``target``, one folder an engine:
-    ``path/sglang`` and ``path/vllm`` (:data:`EAGLE_ARCH`: the engines name the class differently)."""
+def eagle_repeat_weights(target: dict, engine: str) -> dict[str, torch.Tensor]:
+    """An EAGLE(-1) Llama head (``fc [H, 2H]`` on ``cat(embed(token), hidden)``, one decoder layer, the
+    target's embedding and ``lm_head`` shared) that returns the target's hidden state unchanged: ``fc = [0 |
+    I]``, every projection of the layer zero (attention and MLP add 0 to the residual), norms 1. Its logits
+    are the target's at the previous position: it proposes the last emitted token again. Names as the
+    engines' loaders read them (``model.`` is prefixed by them); SGLang's ``fc`` has a bias (zero), vLLM's
+    layer 0 has no ``input_layernorm``."""
+    h, i = target["hidden_size"], target["intermediate_size"]
+    d, hq, hk = target["head_dim"], target["num_attention_heads"], target["num_key_value_heads"]
+    bf = torch.bfloat16
+    fc = torch.zeros(h, 2 * h, dtype=bf)
+    fc[:, h:] = torch.eye(h, dtype=bf)
+    w = {"fc.weight": fc}
+    shapes = {"self_attn.q_proj": (hq * d, h), "self_attn.k_proj": (hk * d, h), "self_attn.v_proj": (hk * d, h),
+              "self_attn.o_proj": (h, hq * d), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    w.update({f"layers.0.{k}.weight": torch.zeros(shape, dtype=bf) for k, shape in shapes.items()})
+    w["layers.0.post_attention_layernorm.weight"] = torch.ones(h, dtype=bf)
+    if engine == "sglang":
+        w["fc.bias"] = torch.zeros(h, dtype=bf)
+        w["layers.0.input_layernorm.weight"] = torch.ones(h, dtype=bf)  # skipped by SGLang's layer 0
+    return w
+
+
+def write_eagle_draft(path: str, target: dict, weights: bool = True) -> None:
+    """A one-layer EAGLE(-1) draft head for ``target``, one folder an engine: ``path/sglang`` and
+    ``path/vllm`` (:data:`EAGLE_ARCH`: the engines name the class differently), each with its config and
+    (``weights``) :func:`eagle_repeat_weights` as ``model.safetensors``."""
+    from safetensors.torch import save_file  # noqa: PLC0415
+
     cfg = {k: v for k, v in target.items() if k != "initializer_range"}
     for engine, arch in EAGLE_ARCH.items():
         os.makedirs(os.path.join(path, engine), exist_ok=True)
         cfg.update(architectures=[arch], num_hidden_layers=1)
         json.dump(cfg, open(os.path.join(path, engine, "config.json"), "w"), indent=1)
+        if weights:
+            save_file(eagle_repeat_weights(cfg, engine), os.path.join(path, engine, "model.safetensors"),
+                      metadata={"format": "pt"})
 
 
 def main() -> None:

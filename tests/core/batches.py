@@ -36,8 +36,8 @@ def random_case(
 
     Pages are a random permutation of ``[0, num_pages)`` (with spare pages that hold garbage, so a
     wrong page index shows up). For TARGET_VERIFY a custom mask is built: all prefix keys visible,
-    a random tree over the draft tokens (``mask_kind="tree"``) or random bits (``"random"``, every
-    row keeps at least one key).
+    a random tree over the draft tokens (``mask_kind="tree"``), a chain (``"chain"``) or random bits
+    (``"random"``, every row keeps at least one key).
     """
     gen = torch.Generator().manual_seed(seed)
     P = config.page_size
@@ -61,6 +61,8 @@ def random_case(
             m = torch.ones(ql, kl, dtype=torch.bool)
             if mask_kind == "tree":
                 m[:, kl - ql :] = random_tree_mask(ql, gen)
+            elif mask_kind == "chain":  # a linear draft: causal over the draft tokens
+                m[:, kl - ql :] = torch.ones(ql, ql, dtype=torch.bool).tril()
             else:
                 m = torch.rand(ql, kl, generator=gen) < 0.5
                 m[torch.arange(ql), torch.randint(0, max(kl, 1), (ql,), generator=gen)] = True
@@ -227,3 +229,22 @@ def dense_rows(q, k_cache, v_cache, rows: list[list[int]], config) -> torch.Tens
             s = config.logits_soft_cap * torch.tanh(s / config.logits_soft_cap)
         out[r] = torch.einsum("hn,nhd->hd", s.softmax(-1), v)
     return out
+
+
+def chain_batch(config: AttentionConfig, B: int, q: int, width: int, num_pages: int, g: torch.Generator,
+                max_prefix: int = 150):  # fmt: skip
+    """A spec-decode verify batch as vLLM describes it: ``(seq_lens [B] int32, q tokens included;
+    block_table [B, width] int32 of distinct pages 1..num_pages-1; the same batch as BatchMetadata
+    with the causal-chain mask)``."""
+    from attnplug.core.cuda_graph import chain_mask  # noqa: PLC0415
+
+    P = config.page_size
+    seq = (torch.randint(0, max_prefix, (B,), generator=g) + q).to(torch.int32)
+    table = (torch.randperm(num_pages - 1, generator=g)[: B * width] + 1).to(torch.int32).view(B, width)
+    npg = [-(-int(s) // P) for s in seq]
+    pages = torch.cat([table[b, : npg[b]] for b in range(B)])
+    ind = torch.tensor([0] + npg).cumsum(0).to(torch.int32)
+    last = torch.tensor([(int(s) - 1) % P + 1 for s in seq], dtype=torch.int32)
+    mask = torch.cat([chain_mask(q, int(s)).flatten() for s in seq])
+    qo = (torch.arange(B + 1) * q).to(torch.int32)
+    return seq, table, BatchMetadata(ForwardMode.TARGET_VERIFY, qo, ind, pages, last, custom_mask=mask)

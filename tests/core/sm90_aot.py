@@ -6,7 +6,9 @@ The core runs its real plan/run code on CPU tensors for a set of representative 
 and without KV splits, long-context decode, causal prefill, tree verify, soft cap + sliding window,
 HND fp16, head_dim 256, LSE output, fa3's tree part (keys from ``kv_start``) and merge, the Hopper
 prefill / split-decode kernels at the H200 sweep's candidate tiles (TMA pages, fused merge), fp8 KV caches
-(e4m3 / e5m2: attention dequantizing on load, the quantizing KV write, fa3's query quantization), the KV write and the replay-metadata kernel in its
+(e4m3 / e5m2: attention dequantizing on load, the quantizing KV write, fa3's query quantization),
+attention sinks (gpt-oss's 64/8 heads at d64, window 128 and full: each kernel's sink variant, split
+merges, the fold kernel), the KV write and the replay-metadata kernel in its
 vLLM / SGLang / FA3 / chain-mask forms); each ``kernel[grid](...)`` is recorded instead of launched,
 its arguments specialized as Triton's JIT does on a GPU (pointer / int dtypes, divisibility by 16,
 ints equal to 1 as constexprs, tensor descriptors; constexprs by value, ``UPCAST`` False as on a GPU;
@@ -108,7 +110,8 @@ def signature(fn, args, kw):
 
 
 def record_all() -> None:
-    for mod, names in ((attention_mod, ["paged_attention_kernel"]), (merge_mod, ["merge_splits_kernel", "merge_state_kernel"]),
+    for mod, names in ((attention_mod, ["paged_attention_kernel"]),
+                       (merge_mod, ["merge_splits_kernel", "merge_state_kernel", "apply_sinks_kernel"]),
                        (prefill_mod, ["prefill_kernel"]), (decode_mod, ["decode_kernel"]),
                        (kv_mod, ["write_kv_kernel", "quantize_rows_kernel"]),
                        (graph_mod, ["graph_batch_from_block_table_kernel", "shared_pages_kernel"])):  # fmt: skip
@@ -158,6 +161,7 @@ def record_all() -> None:
         lse = torch.empty(c.q.shape[:2], dtype=torch.float32) if with_lse else None
         attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=lse, **scales)
     record_fast_paths(llama)
+    record_sinks()
     v = torch.zeros(6, 32, 128, dtype=torch.bfloat16)
     s = torch.zeros(32, 6)
     merge_mod.merge_state(v, s.t(), v, s.t(), v, s.t())  # the fa3 tree merge (transposed LSE)
@@ -268,14 +272,20 @@ def record_fast_paths(llama) -> None:
         (AttentionConfig(32, 8, 128, 16, torch.float16, kv_dtype=torch.float8_e5m2), ForwardMode.DECODE, [1], [32767],
          False, {d(llama, "decode_tiny"): dec(128, 4, 5, ctas_per_sm=2, fused_merge=True, pairs=True)}),
     ]  # fmt: skip
+    record_runs(runs)
+
+
+def record_runs(runs, sinks: bool = False) -> None:
+    """Plan and run each ``(config, mode, q lens, prefix lens, with LSE, table entries)`` with its entries
+    in the tile table (the planned kernel must be theirs) and the H200's SM count; ``sinks``: zero sinks."""
     for cfg, mode, q_lens, prefix, with_lse, entries in runs:
         if cfg.kv_quantized:  # fp8 configs read the table's fp8 entries first: force those
             entries = {k if k.endswith("/fp8") else k + "/fp8": v for k, v in entries.items()}
         c = random_case(mode, q_lens, prefix, cfg, "cpu")
-        scales = {}
+        scales = dict(sinks=torch.zeros(cfg.num_qo_heads)) if sinks else {}
         if cfg.kv_quantized:
             c.k_cache, c.v_cache = c.k_cache.to(cfg.kv_dtype), c.v_cache.to(cfg.kv_dtype)
-            scales = dict(k_scale=torch.ones(1), v_scale=torch.ones(()))
+            scales.update(k_scale=torch.ones(1), v_scale=torch.ones(()))
         saved = dict(tiles.TILES)
         tiles.TILES.update(entries)
         try:
@@ -285,10 +295,46 @@ def record_fast_paths(llama) -> None:
         finally:
             tiles.TILES.clear()
             tiles.TILES.update(saved)
-        assert plan.state.kernel == next(iter(entries.values()))["kernel"], (cfg, plan.state.kernel)
+        if entries:
+            assert plan.state.kernel == next(iter(entries.values()))["kernel"], (cfg, plan.state.kernel)
         out = torch.empty_like(c.q)
         lse = torch.empty(c.q.shape[:2], dtype=torch.float32) if with_lse else None
         attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=lse, **scales)
+
+
+def record_sinks() -> None:
+    """The sink variants (``HAS_SINKS``) of every kernel at gpt-oss's shape (64 / 8 heads, d64), window
+    128 and full: the paged kernel unsplit and split (the sink in merge_splits), tree verify, fp8 KV, the
+    prefill kernel and the decode kernel (fused and separate merges) forced through the tile table, and
+    the fold kernel (``apply_sinks``: the cascade's join and providers without sinks of their own)."""
+    e4m3 = torch.float8_e4m3fn
+    d = lambda c, b: tiles.key(c.head_dim, c.group_size, b)  # noqa: E731
+    dec = lambda **kw: {"kernel": "decode", "block_n": 64, "num_warps": 4, "num_stages": 5, **kw}  # noqa
+    runs = []  # (config, mode, q lens, prefix lens, with LSE, table entries)
+    for w in (-1, 127):
+        g = AttentionConfig(64, 8, 64, 16, torch.bfloat16, window_left=w, sinks=True)
+        g8 = AttentionConfig(64, 8, 64, 16, torch.bfloat16, window_left=w, sinks=True, kv_dtype=e4m3)
+        runs += [
+            (g, ForwardMode.DECODE, [1] * 64, [1023] * 64, False, {}),  # unsplit
+            (g, ForwardMode.DECODE, [1] * 4, [99, 1999, 32, 700], True, {}),  # split; the merge's sink
+            (g, ForwardMode.EXTEND, [37, 200], [0, 50], True, {}),
+            (g, ForwardMode.TARGET_VERIFY, [8, 8], [300, 40], False, {}),
+            (g8, ForwardMode.DECODE, [1] * 4, [99, 1999, 32, 700], False, {}),
+            (g8, ForwardMode.EXTEND, [37, 200], [0, 50], False, {}),
+            (g, ForwardMode.DECODE, [1] * 4, [32767] * 4, True,
+             {d(g, "decode_split"): dec(ctas_per_sm=2, fused_merge=True)}),
+            (g, ForwardMode.DECODE, [1] * 4, [32767] * 4, False,
+             {d(g, "decode_split"): dec(ctas_per_sm=2)}),
+            (g, ForwardMode.DECODE, [1] * 64, [4095] * 64, False, {d(g, "decode"): dec()}),
+        ]
+    full = AttentionConfig(64, 8, 64, 16, torch.bfloat16, sinks=True)
+    pf = {"kernel": "prefill", "block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3}
+    runs.append((full, ForwardMode.EXTEND, [300, 17], [0, 0], True, {d(full, "prefill"): pf}))
+    record_runs(runs, sinks=True)
+    for dt in (torch.bfloat16, torch.float16):  # the fold: bf16 sinks too; fa3's transposed LSE
+        o, s = torch.zeros(6, 64, 64, dtype=dt), torch.zeros(64, 6)
+        merge_mod.apply_sinks(o, s.t(), torch.zeros(64, dtype=dt))
+        merge_mod.apply_sinks(o, s.t().contiguous(), torch.zeros(64))
 
 
 def cuobjdump(cubin: bytes, *args: str) -> str:

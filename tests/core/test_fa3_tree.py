@@ -55,19 +55,16 @@ def test_tree_mask_hiding_prefix_is_refused():
 
 
 @pytest.mark.parametrize("page", [1, 16])
-def test_tree_verify_graph_state_replay_equals_reference(page, monkeypatch):
+def test_tree_verify_graph_state_replay_equals_reference(page):
     """The fa3 provider's verify under a GraphState (the CUDA-graph path: static buffers, padded
     batches, in-place updates): prefix through the FA3 stand-in on the static block table and
     ``seqused_k = mask_free``, tree part through the Triton kernel on static tiles, LSE-merged. Both
     update paths: a tree mask (``update``) and vLLM's chain mask (``update_from_block_table``)."""
-    import attnplug.core.cuda_graph as cg
     from attnplug.core import BatchMetadata
     from attnplug.core.cuda_graph import GraphState
 
-    real_cls = cg.get_provider_cls
-    monkeypatch.setattr(cg, "get_provider_cls", lambda name: (lambda c, d: fa3_on_cpu(c)) if name == "fa3" else real_cls(name))
     cfg, q, max_bs, pad_page = AttentionConfig(8, 2, 64, page, torch.bfloat16), 4, 3, 0
-    gs = GraphState(cfg, "fa3", max_batch=max_bs, max_tokens=max_bs * q, max_pages=400, device=DEV, mode="verify",
+    gs = GraphState(cfg, fa3_on_cpu(cfg), max_batch=max_bs, max_tokens=max_bs * q, max_pages=400, device=DEV, mode="verify",
                     num_draft_tokens=q, pad_page=pad_page, max_seq_len=200)  # fmt: skip
     plans = {bs: gs.prepare_capture(bs) for bs in range(1, max_bs + 1)}
     for bs, B, seed in ((3, 2, 1), (3, 3, 2), (1, 1, 3), (2, 1, 4)):

@@ -186,15 +186,12 @@ def flashinfer_on_cpu(config):
     return prov
 
 
-def test_flashinfer_plans_from_host_lengths_and_the_device_indices(monkeypatch):
+def test_flashinfer_plans_from_host_lengths_and_the_device_indices():
     """FlashInfer's replay: host kv_indptr / last-page lengths from ``host_seq_lens`` (no device read),
     kv_indices = the static buffer the launch wrote (FlashInfer copies it device to device)."""
-    import attnplug.core.cuda_graph as cg
-
-    real = cg.get_provider_cls
-    monkeypatch.setattr(cg, "get_provider_cls", lambda n: (lambda c, d: flashinfer_on_cpu(c)) if n == "flashinfer" else real(n))
     page, bs = 4, 4
-    gs = GraphState(cfg(page), "flashinfer", bs, bs, 64, DEV, "decode", pad_page=PAD_PAGE, max_seq_len=40)
+    fi = flashinfer_on_cpu(cfg(page))
+    gs = GraphState(cfg(page), fi, bs, bs, 64, DEV, "decode", pad_page=PAD_PAGE, max_seq_len=40)
     assert gs.needs_host_lengths
     gs.prepare_capture(bs)
     wrapper = gs.plans[bs].state.wrapper
@@ -211,7 +208,7 @@ def test_flashinfer_plans_from_host_lengths_and_the_device_indices(monkeypatch):
     assert last.device.type == "cpu" and last.tolist() == want["kv_last_page_len"]
     assert indices.data_ptr() == gs.kv_indices.data_ptr() and indices.cpu().tolist() == want["kv_indices"]
     assert gs.kv_indptr[: bs + 1].cpu().tolist() == want["kv_indptr"]  # the launch read the host lengths
-    vgs = GraphState(cfg(page), "flashinfer", bs, bs * 2, 64, DEV, "verify", num_draft_tokens=2, max_seq_len=40)
+    vgs = GraphState(cfg(page), fi, bs, bs * 2, 64, DEV, "verify", num_draft_tokens=2, max_seq_len=40)
     vgs.prepare_capture(bs)
     with pytest.raises(UnsupportedFeature, match="use GraphState.update"):
         vgs.update_from_block_table(seq.to(DEV), table.to(DEV), bs, host_seq_lens=seq)

@@ -113,11 +113,14 @@ class Requests:
         )
 
 
-def dense_reference(runner, reqs: Requests, layer, q, q_lens, masks=None, cap: float = 0.0, scales=(1.0, 1.0)):
+def dense_reference(runner, reqs: Requests, layer, q, q_lens, masks=None, cap: float = 0.0, scales=(1.0, 1.0),
+                    window_left: int = -1, sinks=None):
     """Plain-torch float64 attention over each request's whole KV (read through req_to_token).
 
     q: ``[T, Hq*D]``; masks: per request ``[q_len, kv_len]`` bool or None (causal, bottom-right);
-    scales: ``(k_scale, v_scale)`` an fp8 pool's values are multiplied by. Returns ``[T, Hq*D]``.
+    scales: ``(k_scale, v_scale)`` an fp8 pool's values are multiplied by; ``window_left`` (>= 0: keys
+    at most that far behind the query); ``sinks [Hq]``: one logit per head in each row's denominator.
+    Returns ``[T, Hq*D]``.
     """
     pool = runner.token_to_kv_pool
     kb, vb = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
@@ -134,7 +137,11 @@ def dense_reference(runner, reqs: Requests, layer, q, q_lens, masks=None, cap: f
         pos = torch.arange(n - ql, n)[:, None]
         key = torch.arange(n)[None, :]
         m = masks[b] if masks is not None else key <= pos
+        if window_left >= 0:
+            m = m & (key >= pos - window_left)
         s = s.masked_fill(~m[None], -math.inf)
-        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v).reshape(ql, HQ * D))
+        if sinks is not None:  # the sink joins the denominator only: a column dropped after the softmax
+            s = torch.cat([s, sinks.double()[:, None, None].expand(HQ, ql, 1)], -1)
+        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1)[..., :n], v).reshape(ql, HQ * D))
         t += ql
     return torch.cat(outs).to(q.dtype)

@@ -216,7 +216,8 @@ def test_unsupported_model_refused_at_startup(mutate, feature):
     (dict(is_cross_attention=True), {}, "cross attention"),
     (dict(attn_type="encoder_only"), {}, "non-causal"),
     (dict(logit_cap=5.0, logit_capping_method="soft"), {}, "logit capping method"),
-    ({}, dict(sinks=torch.zeros(HQ)), "sinks"),
+    ({}, dict(score_mod=lambda s: s), "score_mod"),
+    ({}, dict(sinks=torch.zeros(HQ + 1)), "sinks of shape"),
 ])
 def test_unsupported_layer_refused(layer_over, kwargs, feature):
     from sglang.srt.layers.radix_attention import AttentionType

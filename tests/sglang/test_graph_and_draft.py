@@ -83,9 +83,32 @@ def _batch(runner, mode, n, kv_lens, seed):
     return reqs, None, reqs.batch(ForwardMode.DECODE, q_lens=[1] * len(kv_lens))
 
 
-@pytest.mark.parametrize("mode, page_size", [("decode", 16), ("decode", 1), ("verify", 4)])
-def test_graph_capture_then_replay_matches_eager(mode, page_size, monkeypatch):
+def _fa3_standin(monkeypatch):
+    """The fa3 provider on CPU: FA3's logic with the tests' stand-in kernel (tests/core/fa3_standin.py),
+    float32 configs allowed (the stand-in computes any dtype)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
+    import fa3_standin
+
+    from attnplug.core.providers.fa3 import FA3Provider
+
+    fa3_standin.patch_fa3(monkeypatch)
+    monkeypatch.setattr(FA3Provider, "check_kv_dtype", lambda self, config: None)
+    monkeypatch.setattr(FA3Provider, "check_config", lambda self, config: None)
+
+
+@pytest.mark.parametrize("mode, page_size, provider", [("decode", 16, "triton"), ("decode", 1, "triton"),
+                                                        ("verify", 4, "triton"), ("verify", 4, "fa3"),
+                                                        ("decode", 4, "fa3")])  # fmt: skip
+def test_graph_capture_then_replay_matches_eager(mode, page_size, provider, monkeypatch):
+    """Capture then replay through the backend's graph hooks; ``fa3`` (stand-in kernel): its tree verify
+    (EAGLE topk > 1: FA3 on the prefix, the tree part by attnplug's kernel, LSE-merged) is captured too."""
     from attnplug.core.cuda_graph import GraphState
+
+    if provider == "fa3":
+        _fa3_standin(monkeypatch)
 
     launches = []  # the one-launch replay path (decode) vs GraphState.update (verify: SGLang's tree mask)
     one_launch = GraphState.update_from_block_table
@@ -97,14 +120,14 @@ def test_graph_capture_then_replay_matches_eager(mode, page_size, monkeypatch):
     # come from the fill values, never from that row
     runner.req_to_token_pool.req_to_token[0, :64] = 3 * page_size + torch.arange(64, dtype=torch.int32)
     layer = make_layer(0)
-    be = make_backend(runner)
+    be = make_backend(runner, provider, f"attnplug_{provider}")
     be.init_cuda_graph_state(max_bs=max_bs, max_num_tokens=max_bs * n)
 
     for step, kv_lens in enumerate([[21 + n, 35 + n], [9 + n, 40 + n, 17 + n]]):  # capture, then replay
         reqs, masks, fb = _batch(runner, mode, n, kv_lens, seed=10 + step)
         B = fb.batch_size
         q, k, v = _qkv(bs * n, seed=step)
-        eager = make_backend(runner)
+        eager = make_backend(runner, provider, f"attnplug_{provider}")
         eager.init_forward_metadata(fb)
         if step == 1:
             gs = be._graphs[mode][be._layer_key(layer)]  # the state the layer's captured plan lives in
@@ -262,8 +285,9 @@ def _draft_setup(page_size, topk, steps, seq, seed=0):
     return (runner,) + _draft_batch(runner, topk, steps, seq, seed)
 
 
-def _dense_step(runner, reqs, layer, draft_slots, step, q):
-    """float64: row b*topk+j attends prefix of b + draft tokens 0..step of branch j."""
+def _dense_step(runner, reqs, layer, draft_slots, step, q, sinks=None):
+    """float64: row b*topk+j attends prefix of b + draft tokens 0..step of branch j (``sinks [Hq]``:
+    one more logit per head in the denominator)."""
     kb, vb = (runner.token_to_kv_pool.get_key_buffer(0), runner.token_to_kv_pool.get_value_buffer(0))
     r2t = runner.req_to_token_pool.req_to_token
     B, K, _ = draft_slots.shape
@@ -276,12 +300,16 @@ def _dense_step(runner, reqs, layer, draft_slots, step, q):
             vv = vb[slots].double().repeat_interleave(HQ // HKV, 1)
             qq = q[b * K + j].view(HQ, D).double()
             s = torch.einsum("hd,khd->hk", qq, kk) * layer.scaling
-            outs.append(torch.einsum("hk,khd->hd", torch.softmax(s, -1), vv).reshape(HQ * D))
+            if sinks is not None:
+                s = torch.cat([s, sinks.double()[:, None]], -1)
+            p = torch.softmax(s, -1)[:, : len(slots)]
+            outs.append(torch.einsum("hk,khd->hd", p, vv).reshape(HQ * D))
     return torch.stack(outs).float()
 
 
-def _run_draft_steps(be, fb, draft_slots, layer, seed, rows=None):
-    """Every attention step through ``attn_backends[i]``, writing step i's draft KV first."""
+def _run_draft_steps(be, fb, draft_slots, layer, seed, rows=None, **kwargs):
+    """Every attention step through ``attn_backends[i]``, writing step i's draft KV first (``kwargs``:
+    the layer's forward arguments, e.g. ``sinks``)."""
     B, K, _ = draft_slots.shape
     R = rows or B * K
     outs = []
@@ -290,7 +318,7 @@ def _run_draft_steps(be, fb, draft_slots, layer, seed, rows=None):
         loc[: B * K] = draft_slots[:, :, i].reshape(-1)
         q, k, v = _qkv(R, seed + 10 * i)
         sfb = SimpleNamespace(**{**vars(fb), "out_cache_loc": loc})
-        outs.append((q, child.forward(q, k, v, layer, sfb)))
+        outs.append((q, child.forward(q, k, v, layer, sfb, **kwargs)))
     return outs
 
 
@@ -407,15 +435,20 @@ def test_factory_hook_builds_our_backends(hooked_factory):
     assert dec.decode_attention_backend_str == "attnplug_triton"
     assert all(c.prefill_attention_backend_str == c.decode_attention_backend_str == "attnplug_triton"
                for c in dec.attn_backends)
-    assert type(ext) is AttnplugAttnBackend and ext.backend_name == "attnplug_triton"
-    with pytest.raises(UnsupportedFeature, match="attnplug_triton.*CUDA graphs for EAGLE draft extend.*--disable-cuda-graph"):
-        ext.init_cuda_graph_state(max_bs=2, max_num_tokens=8)
+    from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+
+    from attnplug.sglang_adapter.draft import AttnplugDraftExtendBackend
+
+    assert type(ext) is AttnplugDraftExtendBackend and ext.backend_name == "attnplug_triton"
+    assert isinstance(ext, FlashInferAttnBackend)  # SGLang's draft-extend capture check: passed
+    ext.init_cuda_graph_state(max_bs=2, max_num_tokens=8)  # draft extend graphs of W = 4
+    assert set(ext._graphs) == {"draft_extend"}
     # draft extend with speculative_attention_mode == "decode": SGLang passes the decode name but no
     # stamps_children; it must get the single-step backend, not the multi-step container
     with get_parallel().override(attn_tp_size=1, attn_dcp_size=1):
         ext2 = _factory(_draft_runner(), "attnplug_triton")._create_backend(
             "decode_attention_backend", {}, "EAGLE is not supported in attention backend {backend_type}")
-    assert type(ext2) is AttnplugAttnBackend
+    assert type(ext2) is AttnplugDraftExtendBackend
 
 
 def test_factory_hook_leaves_builtins_untouched(hooked_factory):
@@ -564,8 +597,8 @@ def test_decode_graph_runner_protocol(mode, page_size):
         torch.testing.assert_close(out[: B * n], dense, **TOL)
 
 
-@pytest.mark.parametrize("provider", ["triton", "toy"])
-def test_draft_graph_runner_protocol(provider):
+@pytest.mark.parametrize("provider", ["triton", "toy", "fa3"])
+def test_draft_graph_runner_protocol(provider, monkeypatch):
     """What SGLang's EAGLEDraftCudaGraphRunner does with the container, in both releases (with
     attnplug's triton and with the toy provider, which re-plans on the host):
     ``init_cuda_graph_state(max_bs, max_bs * topk)``, ``attn_backends[0].get_cuda_graph_seq_len_fill_value()``;
@@ -575,6 +608,8 @@ def test_draft_graph_runner_protocol(provider):
     topk, steps, max_bs = 2, 3, 4
     if provider == "toy":
         _toy_provider()
+    if provider == "fa3":
+        _fa3_standin(monkeypatch)
     runner = make_runner(4, is_draft_worker=True)
     layer = make_layer(0)
     be = make_draft(runner, topk, steps, provider=provider)
@@ -615,6 +650,97 @@ def test_draft_factory_public_methods_build_ours(hooked_factory, monkeypatch):
             dec = _factory(_draft_runner(), "attnplug_triton").create_decode_backend()
             ext = _factory(_draft_runner(), "attnplug_triton").create_draft_extend_backend()
         assert type(dec) is AttnplugMultiStepDraftBackend, attn_mode
-        assert type(ext) is AttnplugAttnBackend, attn_mode
+        assert type(ext).__name__ == "AttnplugDraftExtendBackend", attn_mode
         for b in [dec, ext, *dec.attn_backends]:
             assert b.decode_attention_backend_str == b.prefill_attention_backend_str == "attnplug_triton"
+
+
+@pytest.mark.parametrize("provider", ["triton", "fa3", "flashinfer"])
+def test_every_provider_declares_sglang_verify_and_draft_graphs(provider, monkeypatch):
+    """What decides whether SGLang captures attnplug's speculative steps: SGLang calls the target
+    backend's ``init_cuda_graph_state(max_bs, max_bs * num_draft_tokens)`` for TARGET_VERIFY graphs and
+    the draft container's for draft decode, and has no fall-back (a refusal stops the start). Each
+    provider's declared support must cover decode and verify graphs (tree masks through
+    ``GraphState.update``), so neither is refused; triton and fa3 (stand-in) build the states here
+    (the flashinfer provider needs CUDA: its declaration, and its tree family's part)."""
+    from attnplug.core.providers import get_provider_cls
+
+    g = get_provider_cls(provider).graph_support
+    assert g.decode and g.verify, (provider, g)
+    if provider == "flashinfer":
+        from attnplug.core.providers.flashinfer import FlashInferGraph, FlashInferProvider
+
+        assert FlashInferProvider.graph_cls is FlashInferGraph
+        return
+    if provider == "fa3":
+        _fa3_standin(monkeypatch)
+    runner = make_runner(4)
+    be = make_backend(runner, provider, f"attnplug_{provider}")
+    assert not be.graph_refusal
+    be.init_cuda_graph_state(max_bs=4, max_num_tokens=4 * 8)  # EAGLE topk 4 / 8 draft tokens; n-gram alike
+    assert be._graphs["verify"] and be._graphs["decode"]
+    assert all(gs.q == 8 and not gs.chain for gs in be._graphs["verify"].values())
+    draft = make_draft(make_runner(4, is_draft_worker=True), 4, 3, provider=provider)
+    draft.init_cuda_graph_state(4, 4 * 4)
+
+
+@pytest.mark.parametrize("provider", ["triton", "fa3", "toychain"])
+def test_draft_extend_graph_capture_and_replay(provider, monkeypatch):
+    """EAGLE draft extend in CUDA graphs, as SGLang's EAGLEDraftExtendCudaGraphRunner drives the backend
+    (both releases): ``init_cuda_graph_state(max_bs, max_bs * W)``, capture over fill-value rows, replays
+    of padded batches (``W`` tokens a request after its prefix; padded rows: pool row 0, ``seq_lens`` =
+    the fill value, ``W`` tokens) through ``init_forward_metadata_out_graph``; outputs of the real rows
+    equal the eager backend's and dense causal attention. SGLang's capture check (``isinstance`` of its
+    listed backend types) passes for the draft-extend class only."""
+    from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+
+    from attnplug.sglang_adapter.draft import AttnplugDraftExtendBackend
+
+    if provider == "fa3":
+        _fa3_standin(monkeypatch)
+    if provider == "toychain":  # re-plans on the host from seq_lens_cpu / extend_seq_lens_cpu, as FlashInfer
+        _toy_provider().register_chain()
+    mode = compat.sglang_forward_mode()
+    de = getattr(mode, "DRAFT_EXTEND_V2", None) or mode.DRAFT_EXTEND
+    W, max_bs, bs = 4, 4, 4
+    runner = make_runner(4, is_draft_worker=True)
+    layer = make_layer(0)
+    assert compat.declare_draft_extend_graphs(AttnplugDraftExtendBackend)
+    with get_parallel().override(attn_tp_size=1, attn_dcp_size=1):
+        be = AttnplugDraftExtendBackend(runner, backend_name=f"attnplug_{provider}", provider=provider)
+    assert isinstance(be, FlashInferAttnBackend) and not isinstance(make_backend(runner), FlashInferAttnBackend)
+    be.init_cuda_graph_state(max_bs, max_bs * W)
+    assert set(be._graphs) == {"draft_extend"} and all(gs.chain and gs.q == W for gs in be._graphs["draft_extend"].values())
+    fill = be.get_cuda_graph_seq_len_fill_value()
+    cap = SimpleNamespace(forward_mode=de, batch_size=bs, req_pool_indices=torch.zeros(bs, dtype=torch.int64),
+                          seq_lens=torch.full((bs,), fill), seq_lens_cpu=torch.full((bs,), fill),
+                          extend_seq_lens=torch.full((bs,), W, dtype=torch.int32), extend_seq_lens_cpu=[W] * bs,
+                          out_cache_loc=torch.zeros(bs * W, dtype=torch.int64), out_cache_loc_is_physical=False,
+                          spec_info=SimpleNamespace(), encoder_lens=None, kv_loc_plan=None)  # fmt: skip
+    be.init_forward_metadata_out_graph(cap, in_capture=True)
+    gs = next(iter(be._graphs["draft_extend"].values()))
+    ptrs = [gs.kv_indices.data_ptr(), gs.kv_indptr.data_ptr(), gs.mask.data_ptr()]
+    for seed, prefix in enumerate([[7, 13, 9], [10, 3], [5, 6, 8, 11]]):
+        B = len(prefix)
+        reqs = Requests(runner, kv_lens=[p + W for p in prefix], prefix=prefix, seed=20 + seed)
+        fb = reqs.batch(de, q_lens=[W] * B, spec_info=SimpleNamespace())
+        pad = bs - B
+        # SGLang counts only the accepted tokens in seq_lens / extend_seq_lens; every request still runs W
+        # tokens after its prefix (seq_lens - extend_seq_lens), as SGLang's own backends read them
+        ext = torch.tensor([W - (b + seed) % 3 for b in range(B)] + [W] * pad, dtype=torch.int32)
+        seq = torch.cat([fb.seq_lens - (W - ext[:B]).long(), torch.full((pad,), fill)])
+        view = SimpleNamespace(**{**vars(fb), **dict(
+            batch_size=bs, req_pool_indices=torch.cat([fb.req_pool_indices, torch.zeros(pad, dtype=torch.int64)]),
+            seq_lens=seq, seq_lens_cpu=seq.clone(),
+            out_cache_loc=torch.cat([fb.out_cache_loc, torch.zeros(pad * W, dtype=torch.int64)]),
+            spec_info=SimpleNamespace(extend_seq_lens_tensor=ext, extend_seq_lens_cpu=ext.tolist()))})  # fmt: skip
+        be.init_forward_metadata_out_graph(view)
+        assert [gs.kv_indices.data_ptr(), gs.kv_indptr.data_ptr(), gs.mask.data_ptr()] == ptrs and set(gs.plans) == {bs}
+        q, k, v = _qkv(bs * W, seed=30 + seed)
+        out = be.forward(q, k, v, layer, view)  # the captured plan, refreshed in place
+        eager = make_backend(runner, provider, f"attnplug_{provider}")
+        eager.init_forward_metadata(fb)
+        ref = eager.forward(q[: B * W], k[: B * W], v[: B * W], layer, fb)
+        torch.testing.assert_close(out[: B * W], ref, **TOL)
+        torch.testing.assert_close(out[: B * W], dense_reference(runner, reqs, layer, q[: B * W], [W] * B), **TOL)
+    assert be._stats.forwards.get("GRAPH_" + de.name) == 4

@@ -239,7 +239,6 @@ def test_cpu_platform_override_only_for_attnplug(vllm_env):
         (dict(kv_cache_dtype="fp8_inc"), "kv_cache_dtype 'fp8_inc' with provider 'triton'"),  # fp8 itself: read
         (dict(kv_cache_dtype="float16"), "kv_cache_dtype 'float16' with model dtype"),
         (dict(use_mla=True), "MLA"),
-        (dict(has_sink=True), "attention sinks"),
         (dict(attn_type="encoder_only"), "attention type 'encoder_only'"),
         (dict(use_non_causal=True), "non-causal"),
         (dict(block_size=512), "block_size 512"),
@@ -258,7 +257,7 @@ def test_cpu_selection_refuses_unsupported_features(vllm_env, kw, feature):
 @pytest.mark.parametrize("kw,feature", [
     (dict(attn_type="encoder_only"), "encoder_only"), (dict(attn_type="encoder_decoder"), "encoder_decoder"),
     (dict(attn_type="encoder"), "'encoder'"), (dict(kv_cache_dtype="fp8_inc"), "fp8_inc"),
-    (dict(alibi_slopes=[0.5] * 4), "ALiBi"), (dict(sinks=torch.zeros(4)), "sinks"),
+    (dict(alibi_slopes=[0.5] * 4), "ALiBi"), (dict(sinks=torch.zeros(4, 4)), "sinks"),
 ])  # fmt: skip
 def test_impl_refuses_unsupported_layers(vllm_env, kw, feature):
     from attnplug.core import UnsupportedFeature

@@ -72,9 +72,9 @@ def test_cuda_platform_selects_attnplug_classes(cuda_selection, name):
     from attnplug.vllm_adapter import BACKENDS
 
     r = cuda_selection[name]
-    for case in ("sm90", "fp32", "window", "fp8"):  # fp8 (e4m3) KV: every provider reads it
+    for case in ("sm90", "fp32", "window", "fp8", "sink"):  # fp8 (e4m3) KV and sinks: every provider has them
         assert r[case].get("path") == BACKENDS[name][1] and r[case]["name"] == name, (case, r[case])
-    refused = [("mla", "MLA"), ("sink", "attention sinks"), ("encoder", "encoder_only")]
+    refused = [("mla", "MLA"), ("encoder", "encoder_only")]
     if name == "ATTNPLUG_FA3":  # FA3 has no e5m2 kernels
         refused.append(("e5m2", "kv_cache_dtype 'fp8_e5m2' with provider 'fa3'"))
     else:
@@ -94,7 +94,7 @@ def test_cuda_auto_selection_never_picks_attnplug(cuda_selection):
 
 def test_cuda_graph_levels_seen_by_cuda_selection(cuda_selection):
     levels = {n: cuda_selection[n]["sm90"]["cg"] for n in ("ATTNPLUG_TRITON", "ATTNPLUG_FLASHINFER", "ATTNPLUG_FA3")}
-    assert levels == {"ATTNPLUG_TRITON": "UNIFORM_BATCH", "ATTNPLUG_FLASHINFER": "UNIFORM_SINGLE_TOKEN_DECODE",
+    assert levels == {"ATTNPLUG_TRITON": "UNIFORM_BATCH", "ATTNPLUG_FLASHINFER": "UNIFORM_BATCH",
                       "ATTNPLUG_FA3": "UNIFORM_BATCH"}  # fmt: skip
 
 
@@ -187,8 +187,7 @@ def test_fa3_capability_check_only_on_cuda_selection(monkeypatch):
 @pytest.mark.parametrize("spec_tokens", [0, 3])
 def test_default_cudagraph_mode_resolves_per_backend(monkeypatch, spec_tokens):
     """vLLM's own resolution of the default FULL_AND_PIECEWISE from each backend's level: FULL
-    decode graphs (plus spec verify for triton and fa3) where the level allows, PIECEWISE otherwise;
-    never an error."""
+    decode and spec-verify graphs for every provider (all reach UNIFORM_BATCH); never an error."""
     import inspect
 
     from vllm.config import CompilationConfig
@@ -198,7 +197,7 @@ def test_default_cudagraph_mode_resolves_per_backend(monkeypatch, spec_tokens):
 
     monkeypatch.delenv("ATTNPLUG_PROVIDER_OVERRIDE", raising=False)
     want = {"AttnplugTritonBackend": "FULL_AND_PIECEWISE", "AttnplugFA3Backend": "FULL_AND_PIECEWISE",
-            "AttnplugFlashInferBackend": "PIECEWISE" if spec_tokens else "FULL_AND_PIECEWISE"}  # fmt: skip
+            "AttnplugFlashInferBackend": "FULL_AND_PIECEWISE"}
     got = {}
     for name in want:
         cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)

@@ -173,28 +173,45 @@ def test_capture_padded_batch_matches_eager_then_replay_updates_in_place(env):
     assert isinstance(builder._build_eager(0, b2.cam(2)), AttnplugMetadata)
 
 
+def verify_cam(b, n, q):
+    """vLLM's metadata of a spec-verify batch: ``q`` tokens for each of ``b``'s real requests, ``n - B``
+    padding rows with none."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    ql = [q] * b.B + [0] * (n - b.B)
+    qsl = torch.tensor([0] + ql).cumsum(0).to(torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=b.seq_lens[:n], num_reqs=n,
+        num_actual_tokens=n * q, max_query_len=q, max_seq_len=int(b.seq_lens.max()),
+        block_table_tensor=b.block_table[:n], slot_mapping=torch.full((n * q,), -1, dtype=torch.long))
+
+
+def verify_reference(b, impl, x, q):
+    """The float32 reference of ``b``'s real requests, ``q`` causal tokens each."""
+    from attnplug.core import BatchMetadata, ForwardMode, PagedAttention
+    from attnplug.vllm_adapter.compat import split_kv_cache
+
+    B = b.B
+    ref = PagedAttention(impl.core_config(P, DT), "reference", "cpu")
+    ref.plan(BatchMetadata.from_block_table(ForwardMode.MIXED, torch.arange(B + 1, dtype=torch.int32) * q,
+                                            b.block_table[:B], b.seq_lens[:B], P))  # fmt: skip
+    k, v = split_kv_cache(b.kv_cache, D)
+    return ref.run(x[: B * q].contiguous(), k, v)
+
+
 def test_capture_and_replay_uniform_spec_verify_batch(env):
     """UNIFORM_BATCH: verify batches of q = 1 + num_speculative_tokens causal tokens per request,
     padded by vLLM, run through the core's verify graphs with the chain mask built on the device."""
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
-    from attnplug.core import BatchMetadata, ForwardMode, PagedAttention
     from attnplug.core.cuda_graph import FILL_SEQ_LEN
     from attnplug.core.draft import build_tree_verify_mask
     from attnplug.vllm_adapter.backend import AttnplugGraphMetadata
-    from attnplug.vllm_adapter.compat import split_kv_cache
 
     q = 3
     impl, builder = make(env, "cg_verify")
     key = next(iter(builder.attention))
 
     def cam_of(b, n):
-        ql = [q] * b.B + [0] * (n - b.B)
-        qsl = torch.tensor([0] + ql).cumsum(0).to(torch.int32)
-        return CommonAttentionMetadata(
-            query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=b.seq_lens[:n], num_reqs=n,
-            num_actual_tokens=n * q, max_query_len=q, max_seq_len=int(b.seq_lens.max()),
-            block_table_tensor=b.block_table[:n], slot_mapping=torch.full((n * q,), -1, dtype=torch.long))
+        return verify_cam(b, n, q)
 
     def check(b, md):
         B, bs = b.B, md.bs
@@ -202,12 +219,8 @@ def test_capture_and_replay_uniform_spec_verify_batch(env):
         x = torch.randn(bs * q, Hq, D, generator=g, dtype=DT)
         out = forward(impl, b.kv_cache, md, x)
         eager = forward(impl, b.kv_cache, builder._build_eager(0, cam_of(b, B)), x)
-        ref = PagedAttention(impl.core_config(P, DT), "reference", "cpu")
-        ref.plan(BatchMetadata.from_block_table(ForwardMode.MIXED, torch.arange(B + 1, dtype=torch.int32) * q,
-                                                b.block_table[:B], b.seq_lens[:B], P))  # fmt: skip
-        k, v = split_kv_cache(b.kv_cache, D)
         torch.testing.assert_close(out[: B * q], eager[: B * q], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(out[: B * q], ref.run(x[: B * q].contiguous(), k, v), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[: B * q], verify_reference(b, impl, x, q), atol=1e-5, rtol=1e-5)
         plan = md.plan_for(key)
         mi = [int(t) for t in plan.mask_indptr[: bs + 1]]
         chain = torch.arange(q)[None].repeat(B, 1) - 1
@@ -344,6 +357,41 @@ def test_host_planning_provider_graph_builds_get_exact_host_lengths(env, monkeyp
         builder.update_draft_decode_metadata(md)
 
 
+def test_host_planning_chain_provider_verify_graphs(env, monkeypatch, toy):
+    """A provider that re-plans on the host but replays causal-chain verify from a device page table with
+    host lengths (FlashInfer's declaration; here the chain toy): UNIFORM_BATCH, and the builder serves
+    vLLM's captured verify batches from a chain family, handing the core the exact host lengths (the
+    device values with speculative decoding), first at capture, then at every replay-time build."""
+    from vllm.v1.attention.backend import AttentionCGSupport as CG
+
+    from attnplug.core.cuda_graph import GraphState
+    from attnplug.vllm_adapter.backend import AttnplugGraphMetadata
+
+    toy.register_chain()
+    monkeypatch.setenv("ATTNPLUG_PROVIDER_OVERRIDE", toy.TOY_CHAIN)
+    calls = []
+    one_launch = GraphState.update_from_block_table
+    monkeypatch.setattr(GraphState, "update_from_block_table",
+                        lambda gs, *a, **k: calls.append((gs, k)) or one_launch(gs, *a, **k))  # fmt: skip
+    q = 3
+    impl, builder = make(env, "cg_toy_chain")
+    builder._spec_tokens = q - 1
+    assert builder.get_cudagraph_support(None, None) is CG.UNIFORM_BATCH
+    assert not builder.supports_draft_decode_metadata_update  # its drafts still build eagerly
+    for step, (lens, seed) in enumerate([([9, 3, 14], 5), ([25, 4], 6)]):
+        b = Batch(lens, bs=5, seed=seed)
+        cam = verify_cam(b, 5, q)
+        cam.seq_lens_cpu_upper_bound = b.seq_lens + 5  # optimistic: never used with spec decode
+        md = builder.build_for_cudagraph_capture(cam) if step == 0 else builder.build(0, cam)
+        assert isinstance(md, AttnplugGraphMetadata) and md.graphs.q == q
+        gs, kw = calls[-1]
+        assert gs.chain and type(gs.graph).__name__ == "ToyChainGraph" and len(calls) == step + 1
+        assert torch.equal(kw["host_seq_lens"], b.seq_lens[:5]) and kw["host_seq_lens"].device.type == "cpu"
+        x = torch.randn(5 * q, Hq, D, generator=torch.Generator().manual_seed(step), dtype=DT)
+        out = forward(impl, b.kv_cache, md, x)
+        torch.testing.assert_close(out[: b.B * q], verify_reference(b, impl, x, q), atol=1e-5, rtol=1e-5)
+
+
 def test_support_levels_are_honest_per_provider(env, monkeypatch):
     from vllm.v1.attention.backend import AttentionCGSupport as CG
 
@@ -352,10 +400,10 @@ def test_support_levels_are_honest_per_provider(env, monkeypatch):
     monkeypatch.delenv("ATTNPLUG_PROVIDER_OVERRIDE", raising=False)
     level = {n: getattr(B, n).get_builder_cls().get_cudagraph_support(None, None)
              for n in ("AttnplugTritonBackend", "AttnplugFA3Backend", "AttnplugFlashInferBackend")}  # fmt: skip
-    # from each provider's graph_support: device-refreshed decode + verify -> UNIFORM_BATCH; FlashInfer
-    # re-plans on the host (vLLM's verify masks live on the device) -> single-token decode
+    # from each provider's graph_support: decode + causal-chain verify from the device block table (device
+    # refresh, or FlashInfer's host re-plan from host lengths) -> UNIFORM_BATCH
     assert level == {"AttnplugTritonBackend": CG.UNIFORM_BATCH, "AttnplugFA3Backend": CG.UNIFORM_BATCH,
-                     "AttnplugFlashInferBackend": CG.UNIFORM_SINGLE_TOKEN_DECODE}
+                     "AttnplugFlashInferBackend": CG.UNIFORM_BATCH}
     assert {n: getattr(B, n).get_builder_cls()._cudagraph_support for n in level} == level
     # spec decode: verify graphs only where their static buffers fit the budget
     triton = B.AttnplugTritonBackend.get_builder_cls()
@@ -419,3 +467,83 @@ def test_decode_graphs_read_the_shared_prefix_once_when_enabled(env, monkeypatch
     monkeypatch.setenv("ATTNPLUG_CASCADE_GRAPHS", "2")
     with pytest.raises(ValueError, match="ATTNPLUG_CASCADE_GRAPHS must be 0 or 1"):
         make(env, "cg_cascade_bad")
+
+
+BACKEND_NAMES = ("AttnplugTritonBackend", "AttnplugFA3Backend", "AttnplugFlashInferBackend")
+
+
+def _spec_config(num_spec: int, seqs: int = 64, max_len: int = 17408):
+    """The e2e harness's vLLM limits (``benchmarks/e2e/engine_run.py``) with ``num_spec`` draft tokens."""
+    return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=num_spec), model_config=None,
+                           scheduler_config=SimpleNamespace(max_num_seqs=seqs, max_model_len=max_len),
+                           compilation_config=SimpleNamespace(max_cudagraph_capture_size=seqs))  # fmt: skip
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+@pytest.mark.parametrize("num_spec,v2", [(4, False), (2, True), (2, False), (4, True)])
+def test_spec_verify_batches_get_full_graphs_under_both_runners(env, monkeypatch, name, num_spec, v2):
+    """What vLLM reads to choose the graph mode of speculative batches: each builder's
+    ``get_cudagraph_support(vllm_config, kv_cache_spec)`` (V1 runner: on the class; V2: on the instance -
+    a classmethod, the same answer), folded by vLLM's own ``resolve_cudagraph_mode_and_sizes`` with
+    ``uniform_decode_query_len = 1 + k``. Every provider must keep FULL graphs of uniform verify batches
+    (not vLLM's fall-back "not supported with spec-decode ...; setting cudagraph_mode=PIECEWISE")."""
+    import inspect
+
+    from vllm.config import CompilationConfig
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+    from vllm.v1.attention.backend import AttentionCGSupport as CG
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from attnplug.vllm_adapter import backend as B
+
+    monkeypatch.delenv("ATTNPLUG_PROVIDER_OVERRIDE", raising=False)
+    cls = getattr(B, name).get_builder_cls()
+    assert isinstance(inspect.getattr_static(cls, "get_cudagraph_support"), classmethod)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    level = cls.get_cudagraph_support(_spec_config(num_spec), spec)
+    assert level is CG.UNIFORM_BATCH, (name, level)
+    cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+                           cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64], max_cudagraph_capture_size=64)  # fmt: skip
+    mode = cc.resolve_cudagraph_mode_and_sizes(level, getattr(B, name).__name__, uniform_decode_query_len=1 + num_spec,
+                                               use_v2_model_runner=v2)  # fmt: skip
+    assert mode.decode_mode() == CUDAGraphMode.FULL and mode == CUDAGraphMode.FULL_AND_PIECEWISE, mode
+    # the same resolution with a single-token-decode level falls back (the check above can fail)
+    low = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+                            cudagraph_capture_sizes=[1, 2, 4, 8], max_cudagraph_capture_size=8)  # fmt: skip
+    fallback = low.resolve_cudagraph_mode_and_sizes(CG.UNIFORM_SINGLE_TOKEN_DECODE, "X", uniform_decode_query_len=1 + num_spec,
+                                                    use_v2_model_runner=v2)  # fmt: skip
+    assert fallback.decode_mode() != CUDAGraphMode.FULL
+
+
+def test_both_runners_read_the_builders_cudagraph_support(env):
+    """The two places vLLM asks (pins this release's code path): the V1 runner's
+    ``_check_and_update_cudagraph_mode`` and the V2 runner's attention setup both take the minimum of
+    the builders' ``get_cudagraph_support`` and hand it to ``resolve_cudagraph_mode_and_sizes``."""
+    import inspect
+
+    from vllm.v1.worker import gpu_model_runner as v1
+
+    v1_src = inspect.getsource(v1.GPUModelRunner._check_and_update_cudagraph_mode)
+    assert "get_cudagraph_support(" in v1_src and "resolve_cudagraph_mode_and_sizes(" in v1_src
+    from vllm.v1.worker.gpu import attn_utils, model_runner as v2
+
+    assert "get_cudagraph_support(" in inspect.getsource(attn_utils)
+    assert "resolve_cudagraph_mode_and_sizes(" in inspect.getsource(v2)
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+def test_verify_graph_family_is_a_chain_family(env, monkeypatch, name):
+    """The builder's verify graphs (``q = 1 + k``) are causal-chain families (``GraphState(chain=True)``):
+    FlashInfer replays them with its causal prefill template, planned from host lengths; the others read
+    the chain mask the one-launch update writes. The provider's declared support covers them."""
+    from attnplug.core.providers import get_provider_cls
+
+    monkeypatch.delenv("ATTNPLUG_PROVIDER_OVERRIDE", raising=False)
+    from attnplug.vllm_adapter import backend as B
+
+    g = get_provider_cls(getattr(B, name).provider()).graph_support
+    assert g.chain_verify and g.decode
+    if name == "AttnplugFlashInferBackend":
+        from attnplug.core.providers.flashinfer import FlashInferChainVerifyGraph, FlashInferProvider
+
+        assert FlashInferProvider.chain_graph_cls is FlashInferChainVerifyGraph and not g.device_refresh

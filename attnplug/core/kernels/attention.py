@@ -42,6 +42,13 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
+def sink_state(SINKS, head, l_i):
+    """The online softmax state ``(m, l)`` of the sink alone: ``m = sink * log2(e)`` (base 2), ``l = 1``;
+    a row's keys then join it as usual (``SINKS [Hq]``, ``head [BLOCK_M]``)."""
+    return tl.load(SINKS + head).to(tl.float32) * 1.4426950408889634, l_i + 1.0
+
+
+@triton.jit
 def _attend_block(
     q, K, V, kv_indices, page_base, kvh, n0, hi, m_i, l_i, acc, row_ok, pos, mask_row, d, d_ok,
     sm_scale, soft_cap, window_left, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
@@ -107,6 +114,7 @@ def paged_attention_kernel(
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr,
     SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     HAS_KV_START: tl.constexpr, KV_FP8: tl.constexpr, FP8_F16: tl.constexpr = False, PDL: tl.constexpr = False,
+    SINKS=None, HAS_SINKS: tl.constexpr = False,
 ):
     """Grid ``(num_tiles, Hkv, num_splits)``.
 
@@ -114,6 +122,8 @@ def paged_attention_kernel(
     ``[T, Hq, S, D]`` when SPLIT); LSE ``[T, Hq]`` natural log (or base-2 partials ``[T, Hq, S]``).
     ``KV_FP8``: K/V hold ``value / scale`` in fp8; ``K_SCALE`` / ``V_SCALE`` one-element float32.
     ``PDL``: a programmatic dependent launched after this kernel (:mod:`.pdl`) may start at once.
+    ``HAS_SINKS``: ``SINKS [Hq]`` sink logits join each row's softmax (unsplit launches; split partials
+    carry none: :func:`.merge.merge_splits` adds it once).
     """
     if PDL:
         gdc_launch_dependents()
@@ -170,6 +180,8 @@ def paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS and not SPLIT:  # the sink: one more (base-2) logit, weight 1 at its own max, no value row
+        m_i, l_i = sink_state(SINKS, head, l_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     # Phase 1: whole blocks that every row of the tile sees entirely -> no mask work at all.

@@ -38,6 +38,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .attention import sink_state
 from .common import kv_offsets
 from .prefill import attend_block, softmax_update
 
@@ -67,12 +68,15 @@ def decode_kernel(
     SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_S: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     NUM_STAGES: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     KV_FP8: tl.constexpr, FP8_F16: tl.constexpr = False, PAIRS: tl.constexpr = False,
+    SINKS=None, HAS_SINKS: tl.constexpr = False,
 ):
     """Grid ``(B, Hkv, num_splits)``. Q ``[T, Hq, D]`` (request ``b``'s token at ``qo_indptr[b]``, none
     when its ``q_len`` is 0); O ``[T, Hq, D]``; LSE ``[T, Hq]`` natural log (``STORE_LSE``).
     ``SPLIT``: PO ``[T, Hq, S, D]`` fp32 partials, PL ``[T, Hq, S]`` base-2 LSE; ``FUSED_MERGE``:
     COUNTERS ``[B * Hkv]`` int32, zero before and after the launch; ``MERGE_S`` = next power of 2 of
-    ``num_splits``, ``MERGE_CHUNK`` splits merged per step."""
+    ``num_splits``, ``MERGE_CHUNK`` splits merged per step. ``HAS_SINKS``: ``SINKS [Hq]`` sink logits join
+    each row's softmax: in the program's state when unsplit, in the fused merge when split (partials
+    carry none; without ``FUSED_MERGE``, :func:`.merge.merge_splits` adds it)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -123,7 +127,8 @@ def decode_kernel(
                       stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_ot, stride_oh,
                       stride_lt, stride_lh, stride_pt, stride_ph, stride_ps, stride_plt, stride_plh,
                       GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, PAGE_SIZE, SOFT_CAP, SPLIT, FUSED_MERGE, MERGE_S,
-                      MERGE_CHUNK, NUM_STAGES, STORE_LSE, DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE, PAIRS)
+                      MERGE_CHUNK, NUM_STAGES, STORE_LSE, DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE, PAIRS,
+                      SINKS, HAS_SINKS)
 
 
 @triton.jit
@@ -209,7 +214,8 @@ def _decode_split(q, K, V, O, LSE, PO, PL, COUNTERS, kv_indices, K_SCALE, V_SCAL
                   BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, SOFT_CAP: tl.constexpr, SPLIT: tl.constexpr,
                   FUSED_MERGE: tl.constexpr, MERGE_S: tl.constexpr, MERGE_CHUNK: tl.constexpr,
                   NUM_STAGES: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  UPCAST: tl.constexpr, KV_FP8: tl.constexpr, P_DTYPE: tl.constexpr, PAIRS: tl.constexpr):
+                  UPCAST: tl.constexpr, KV_FP8: tl.constexpr, P_DTYPE: tl.constexpr, PAIRS: tl.constexpr,
+                  SINKS, HAS_SINKS: tl.constexpr):
     """Keys ``[lo, hi)`` of request ``b``'s token for the heads of ``kvh``: the output (unsplit), or
     split ``split``'s partial, then (``FUSED_MERGE``) the merge of the ``active`` splits by the last to
     arrive."""
@@ -217,6 +223,8 @@ def _decode_split(q, K, V, O, LSE, PO, PL, COUNTERS, kv_indices, K_SCALE, V_SCAL
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS and not SPLIT:  # the sink's (base-2) logit with weight 1; split partials carry none
+        m_i, l_i = sink_state(SINKS, head, l_i)
     if PAIRS:  # fp8 K/V as byte pairs: q and the output in even / odd dims
         q_e, q_o = tl.split(tl.reshape(q, [BLOCK_M, HEAD_DIM // 2, 2]))
         acc_e = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
@@ -266,16 +274,17 @@ def _decode_split(q, K, V, O, LSE, PO, PL, COUNTERS, kv_indices, K_SCALE, V_SCAL
                 tl.atomic_xchg(COUNTERS + b * tl.num_programs(1) + kvh, 0, sem="relaxed", scope="gpu")
                 _merge_group(O, LSE, PO, PL, t64, kvh, has_q, active, stride_ot, stride_oh, stride_lt, stride_lh,
                              stride_pt, stride_ph, stride_ps, stride_plt, stride_plh,
-                             GROUP, HEAD_DIM, BLOCK_D, MERGE_S, MERGE_CHUNK, STORE_LSE)
+                             GROUP, HEAD_DIM, BLOCK_D, MERGE_S, MERGE_CHUNK, STORE_LSE, SINKS, HAS_SINKS)
 
 
 @triton.jit
 def _merge_group(O, LSE, PO, PL, t64, kvh, has_q, num_splits, stride_ot, stride_oh, stride_lt, stride_lh,
                  stride_pt, stride_ph, stride_ps, stride_plt, stride_plh,
                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MERGE_S: tl.constexpr,
-                 MERGE_CHUNK: tl.constexpr, STORE_LSE: tl.constexpr):
-    """Merge the ``num_splits`` partials of the ``GROUP`` heads of ``kvh`` (token ``t64``) into O / LSE.
-    Partials were written by other programs of this launch: loads bypass L1 (``.cg``)."""
+                 MERGE_CHUNK: tl.constexpr, STORE_LSE: tl.constexpr, SINKS, HAS_SINKS: tl.constexpr):
+    """Merge the ``num_splits`` partials of the ``GROUP`` heads of ``kvh`` (token ``t64``) into O / LSE
+    (``HAS_SINKS``: and each head's sink, one more term with no value row). Partials were written by
+    other programs of this launch: loads bypass L1 (``.cg``)."""
     GP: tl.constexpr = pow2_at_least(GROUP)
     g = tl.arange(0, GP)
     g_ok = g < tl.where(has_q, GROUP, 0)
@@ -284,8 +293,13 @@ def _merge_group(O, LSE, PO, PL, t64, kvh, has_q, num_splits, stride_ot, stride_
     lse = tl.load(PL + t64 * stride_plt + head[:, None] * stride_plh + sp[None, :],
                   mask=g_ok[:, None] & (sp[None, :] < num_splits), other=float("-inf"), cache_modifier=".cg")
     m = tl.max(lse, 1)
+    if HAS_SINKS:
+        sink2 = tl.load(SINKS + head, mask=g_ok, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink2)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     tot = tl.sum(tl.exp2(lse - m_safe[:, None]), 1)
+    if HAS_SINKS:
+        tot += tl.exp2(sink2 - m_safe)
     inv = 1.0 / tl.where(tot > 0.0, tot, 1.0)
     d = tl.arange(0, BLOCK_D)
     c = tl.arange(0, MERGE_CHUNK)

@@ -27,13 +27,15 @@ def merge_splits_kernel(
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     stride_ot, stride_oh, stride_st, stride_sh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
-    STORE_LSE: tl.constexpr, BASE: tl.constexpr, PDL: tl.constexpr = False,
+    STORE_LSE: tl.constexpr, BASE: tl.constexpr, PDL: tl.constexpr = False, SINKS=None,
+    HAS_SINKS: tl.constexpr = False,
 ):
     """Grid ``(T, cdiv(H, BLOCK_H))``: merge ``num_splits`` partials ``P [T,H,S,D]`` (fp32 or the
     output dtype) with base-2 LSE ``PL [T,H,S]`` into ``O [T,H,D]`` (and natural-log ``LSE [T,H]``),
     ``BLOCK_H`` heads a program. With ``BASE``, ``O`` / ``LSE`` already hold a state over other keys
     and the splits merge into it; a row whose splits are all empty is not written. ``PDL`` (launched
-    with ``launch_pdl=True``): waits for the kernel before it (:mod:`.pdl`) before reading anything."""
+    with ``launch_pdl=True``): waits for the kernel before it (:mod:`.pdl`) before reading anything.
+    ``HAS_SINKS``: ``SINKS [H]`` sink logits join as one more state with no value row (every row written)."""
     if PDL:
         gdc_wait()
     t = tl.program_id(0).to(tl.int64)
@@ -44,6 +46,9 @@ def merge_splits_kernel(
     s_ok = h_ok[:, None] & (sp[None, :] < num_splits)
     lse = tl.load(PL + t * stride_lt + h[:, None] * stride_lh + sp[None, :], mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 1)
+    if HAS_SINKS:
+        sink2 = tl.load(SINKS + h, mask=h_ok, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink2)
     go = True
     if BASE:  # a program whose splits are all empty leaves the base state as it is: one load, no more
         go = tl.max(m, 0) > float("-inf")
@@ -69,6 +74,9 @@ def merge_splits_kernel(
             acc += tl.where((ws > 0.0)[:, None], p * ws[:, None], 0.0)
             tot_splits += ws
         tot = tot_splits
+        if HAS_SINKS:
+            tot_splits += tl.exp2(sink2 - m_safe)  # a row of empty splits still gets (0, sink)
+            tot = tot_splits
         need = d_ok
         if BASE:
             need = need & (tot_splits > 0.0)[:, None]
@@ -146,7 +154,8 @@ def heads_per_program(rows: int, heads: int, elems_per_head: int) -> int:
 
 
 def merge_splits(partial: torch.Tensor, partial_lse2: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
-                 base: bool = False, block_h: int | None = None, num_warps: int = 4, pdl: bool = False) -> None:
+                 base: bool = False, block_h: int | None = None, num_warps: int = 4, pdl: bool = False,
+                 sinks: torch.Tensor | None = None) -> None:
     """Merge split-KV partials.
 
     Args:
@@ -159,6 +168,8 @@ def merge_splits(partial: torch.Tensor, partial_lse2: torch.Tensor, out: torch.T
         block_h: heads a program (a power of two); ``None``: :func:`heads_per_program`.
         num_warps: warps a program.
         pdl: launched as a programmatic dependent of the kernel before it (:mod:`.pdl`; CUDA sm90+ only).
+        sinks: ``[H]`` sink logits: each row's softmax counts its head's sink once, here (the partials
+            carry none).
     """
     T, H, S, D = partial.shape
     if T == 0:
@@ -175,6 +186,7 @@ def merge_splits(partial: torch.Tensor, partial_lse2: torch.Tensor, out: torch.T
         lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
         HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_S=bs, BLOCK_H=bh,
         STORE_LSE=lse is not None, BASE=base, num_warps=num_warps, **({"PDL": True, "launch_pdl": True} if pdl else {}),
+        **({"SINKS": sinks, "HAS_SINKS": True} if sinks is not None else {}),
     )
 
 
@@ -212,4 +224,46 @@ def merge_state(
         *((s_out.stride(0), s_out.stride(1)) if s_out is not None else (0, 0)),
         HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_H=bh, STORE_LSE=s_out is not None,
         HAS_ROWS=rows is not None, IN_PLACE=in_place, num_warps=4,
+    )
+
+
+@triton.jit
+def apply_sinks_kernel(O, LSE, SINKS, num_heads, stride_ot, stride_oh, stride_lt, stride_lh,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Grid ``(T, cdiv(H, BLOCK_H))``: the sink logit ``SINKS[h]`` joins the state ``(O [T, H, D],
+    LSE [T, H])`` (natural log) in place: ``O *= sigmoid(LSE - sink)``, ``LSE = logaddexp(LSE, sink)``.
+    A row without keys (``LSE = -inf``) becomes ``(0, sink)`` whatever its ``O`` held."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < num_heads
+    d = tl.arange(0, BLOCK_D)
+    s = tl.load(LSE + t * stride_lt + h * stride_lh, mask=h_ok, other=0.0)
+    k = tl.load(SINKS + h, mask=h_ok, other=0.0).to(tl.float32)
+    m = tl.maximum(s, k)
+    e = tl.exp(-tl.abs(s - k))  # exp(min - max), in [0, 1]; s = -inf: 0
+    w = tl.where(s >= k, 1.0 / (1.0 + e), e / (1.0 + e))  # sigmoid(s - k), no overflow either way
+    ok = h_ok[:, None] & (d[None, :] < HEAD_DIM)
+    o_ptrs = O + t * stride_ot + h[:, None] * stride_oh + d[None, :]
+    o = tl.load(o_ptrs, mask=ok & (w > 0.0)[:, None], other=0.0).to(tl.float32)
+    tl.store(o_ptrs, tl.where((w > 0.0)[:, None], o * w[:, None], 0.0).to(O.dtype.element_ty), mask=ok)
+    tl.store(LSE + t * stride_lt + h * stride_lh, m + tl.log(1.0 + e), mask=h_ok)
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+    """Join per-head sink logits to finished attention states in place (exact: the sink is one more
+    softmax term with no value row).
+
+    Args:
+        out: ``[T, H, D]`` attention output over the keys (last dim contiguous).
+        lse: ``[T, H]`` float32 natural-log LSE over the same keys (any strides); receives
+            ``logaddexp(lse, sink)``.
+        sinks: ``[H]`` sink logits (float32 or 16-bit), contiguous.
+    """
+    T, H, D = out.shape
+    if T == 0:
+        return
+    bh = heads_per_program(T, H, triton.next_power_of_2(D))
+    apply_sinks_kernel[(T, triton.cdiv(H, bh))](
+        out, lse, sinks, H, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_H=bh, num_warps=4,
     )

@@ -46,6 +46,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .attention import sink_state
 from .common import kv_offsets, tanh
 from .pdl import gdc_launch_dependents, gdc_wait
 
@@ -195,7 +196,7 @@ def prefill_kernel(
     PAGE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr,
     STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
     FP8_F16: tl.constexpr = False, NONCAUSAL: tl.constexpr = False, num_splits=1, stride_os=0,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, SINKS=None, HAS_SINKS: tl.constexpr = False,
 ):
     """Grid ``(num_tiles, Hkv)``: causal (bottom-right aligned), no split. ``NONCAUSAL`` (the cascade's
     shared-prefix parts): grid ``(num_tiles, Hkv, num_splits)``, every row sees every key; split ``s``
@@ -210,6 +211,8 @@ def prefill_kernel(
 
     ``PDL`` (launched with ``launch_pdl=True``, :mod:`.pdl`): reads nothing the kernel before it writes;
     lets the next kernel launch at once and waits for the one before it to complete before exiting.
+    ``HAS_SINKS`` (``num_splits == 1`` only; split partials carry no sink, their merge adds it):
+    ``SINKS [Hq]`` sink logits join each row's softmax.
     """
     if PDL:
         gdc_launch_dependents()
@@ -258,6 +261,8 @@ def prefill_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # the sink's (base-2) logit with weight 1, no value row (see :func:`.attention.sink_state`)
+        m_i, l_i = sink_state(SINKS, head, l_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     if NONCAUSAL:  # every key visible: this split's whole blocks unmasked, then its ragged end masked

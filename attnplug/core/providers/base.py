@@ -8,7 +8,9 @@ A provider decides, for its library:
   dtypes it reads, fp8 included or not), :meth:`Provider.preferred_kv_layout` (the cache layout its
   kernels read fastest, where an engine lets the backend choose), :attr:`Provider.graph_support` (what its
   CUDA graphs can replay, and why not more), :meth:`Provider.prepare_process` (what a process must
-  do before the library is imported, e.g. the Triton interpreter on CPU);
+  do before the library is imported, e.g. the Triton interpreter on CPU), :meth:`Provider.supports_sinks`
+  (attention sinks, ``config.sinks``: :attr:`Provider.NATIVE_SINKS` where the library's kernels take
+  them, else the core joins them after the run, :meth:`Provider.run_folded`);
 * **one forward** - :meth:`Provider.plan` (host work, once per forward; the launch arguments go into
   ``plan.state``, typed) and :meth:`Provider.run` (per layer, launches only);
 * **static buffers** - :meth:`Provider.static_buffers` (storage that lets ``plan`` write into fixed
@@ -62,6 +64,10 @@ class GraphSupport:
         cascade: decode graphs can read a shared prefix once (``GraphState(cascade=...)``): the
             provider runs a one-request, non-causal prefix plan of ``bs`` query rows over device
             lengths from static memory, next to the suffix plan.
+        chain_verify_from_table: with ``device_refresh`` False: verify families of causal-chain
+            masks (``GraphState(chain=True)``, vLLM's linear spec decode) replay from a device page
+            table given host lengths (``update_from_block_table(host_seq_lens=...)``), as decode does.
+            Implied by ``device_refresh``.
     """
 
     decode: bool
@@ -69,6 +75,13 @@ class GraphSupport:
     device_refresh: bool
     reason: str = ""
     cascade: bool = False
+    chain_verify_from_table: bool = False
+
+    @property
+    def chain_verify(self) -> bool:
+        """Causal-chain verify batches replay from a device page table (with host lengths where the
+        provider plans on the host)."""
+        return self.verify and (self.device_refresh or self.chain_verify_from_table)
 
 
 NO_GRAPHS = GraphSupport(False, False, False, "it plans and runs with host work per forward")
@@ -130,15 +143,23 @@ class Provider(ABC):
     EAGER_RUN_CAPTURABLE: ClassVar[bool] = True
     #: Its part of a ``GraphState`` (subclass of :class:`ProviderGraph`).
     graph_cls: ClassVar[type[ProviderGraph]] = ProviderGraph
+    #: Its part of a causal-chain verify family (``GraphState(chain=True)``) where that differs; ``None``:
+    #: :attr:`graph_cls`.
+    chain_graph_cls: ClassVar[type[ProviderGraph] | None] = None
     #: KV-cache dtypes it reads (``config.kv_dtype``): a provider that lists an fp8 dtype dequantizes
     #: with the per-layer scales its :meth:`run` receives. Default: unquantized caches only.
     KV_DTYPES: ClassVar[frozenset[torch.dtype]] = frozenset(SUPPORTED_DTYPES)
+    #: Attention sinks (``config.sinks``) computed by its own kernels: :meth:`run` takes ``sinks`` in every
+    #: mode. ``False``: its :meth:`run` hands a ``sinks`` argument to :meth:`run_folded` (run without the
+    #: sink with the LSE, then the core's exact join, :func:`~attnplug.core.kernels.merge.apply_sinks`).
+    NATIVE_SINKS: ClassVar[bool] = False
 
     def __init__(self, config: AttentionConfig, device: torch.device):
         self.config = config
         self.device = device
         self.check_available(device)
         self.check_kv_dtype(config)
+        self.check_sinks(config)
         self.check_config(config)
 
     # -- capabilities ---------------------------------------------------------------------------------
@@ -172,6 +193,19 @@ class Provider(ABC):
 
         return ProviderUnavailable(f"attnplug: provider '{cls.name}' is unavailable: {reason}. "
                                    f"To install: {install_hint(cls.name)}")  # fmt: skip
+
+    @classmethod
+    def supports_sinks(cls) -> bool:
+        """Whether this provider computes attention sinks (``AttentionConfig.sinks``) in every mode it
+        runs, natively (:attr:`NATIVE_SINKS`) or through :meth:`run_folded`; asked before any device
+        exists (engine adapters). Default: ``True`` (every provider's :meth:`run` writes the LSE the
+        fold needs); a provider that cannot returns ``False`` and is refused at construction."""
+        return True
+
+    def check_sinks(self, config: AttentionConfig) -> None:
+        """Raise :class:`UnsupportedFeature` for ``config.sinks`` when :meth:`supports_sinks` is false."""
+        if config.sinks and not self.supports_sinks():
+            raise self.unsupported("attention sinks")
 
     def check_config(self, config: AttentionConfig) -> None:
         """Raise :class:`UnsupportedFeature` for configurations this provider cannot compute."""
@@ -216,6 +250,7 @@ class Provider(ABC):
         v_scale: torch.Tensor | None = None,
         q_scale: torch.Tensor | None = None,
         host_scales: tuple[float, float] | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """Write attention of ``q [T, Hq, D]`` over the paged cache into ``out [T, Hq, D]``
         (and the natural-log LSE into ``lse [T, Hq]`` float32 when given). No host work.
@@ -229,7 +264,26 @@ class Provider(ABC):
         ``host_scales``: the same ``(k_scale, v_scale)`` values as Python floats, given only by a
         caller whose engine fixes them for the process (its own backends read the same floats);
         a provider may then fold them on the host instead of reading the tensors (a CUDA graph
-        keeps the values it was captured with). Providers that read the tensors ignore it."""
+        keeps the values it was captured with). Providers that read the tensors ignore it.
+
+        ``sinks``: passed only for ``config.sinks``: ``[Hq]`` sink logits (float32 or the model dtype) on
+        the device, read there; each row's softmax counts its head's sink once (``lse`` includes it). A
+        provider without :attr:`NATIVE_SINKS` passes it on to :meth:`run_folded`."""
+
+    def run_folded(self, plan: Plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor | None, sinks: torch.Tensor, **scales) -> None:
+        """The default sink path: :meth:`run` without the sink into ``out`` and the LSE (``lse``, or a
+        ``[T, Hq]`` float32 temporary), then :func:`~attnplug.core.kernels.merge.apply_sinks` joins the
+        sink in place: ``out *= sigmoid(lse - sink)``, ``lse = logaddexp(lse, sink)`` (exact)."""
+        from ..kernels.merge import apply_sinks  # noqa: PLC0415 - triton is imported only where sinks run
+
+        if lse is not None:
+            self.run(plan, q, k_cache, v_cache, out, lse, **scales)
+            s = lse
+        else:
+            s = self.run_lse(plan, q, k_cache, v_cache, out,
+                             torch.empty(out.shape[:2], dtype=torch.float32, device=out.device), **scales)
+        apply_sinks(out, s, sinks)
 
     def run_lse(self, plan: Plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                 lse: torch.Tensor, **scales: torch.Tensor) -> torch.Tensor:
@@ -256,11 +310,15 @@ class Provider(ABC):
         ``lse [T, Hq]`` (float32, natural log), which holds attention over a disjoint key set (the
         cascade's prefix part). Rows with no key in the plan leave ``out`` / ``lse`` untouched. No
         host work. Default: :meth:`run_lse` into ``scratch_out [T, Hq, D]`` / ``scratch_lse [T, Hq]``,
-        then the core's in-place :func:`~attnplug.core.kernels.merge.merge_state`."""
-        from ..kernels.merge import merge_state  # noqa: PLC0415 - triton is imported only when cascade runs
+        then the core's in-place :func:`~attnplug.core.kernels.merge.merge_state`. ``sinks`` (in
+        ``scales``): joins the merged state once, after the merge (every row, keys in this plan or not)."""
+        from ..kernels.merge import apply_sinks, merge_state  # noqa: PLC0415 - triton: where cascade runs
 
+        sinks = scales.pop("sinks", None)
         s_b = self.run_lse(plan, q, k_cache, v_cache, scratch_out, scratch_lse, **scales)
         merge_state(out, lse, scratch_out, s_b, out, lse)
+        if sinks is not None:
+            apply_sinks(out, lse, sinks)
 
     # -- static memory, graphs, drafts ----------------------------------------------------------------
     def static_buffers(self, max_rows: int, max_tokens: int, max_kv_len: int, q: int = 1,
@@ -276,6 +334,8 @@ class Provider(ABC):
         g = self.graph_support
         if not (g.decode if gs.mode == "decode" else g.verify):
             raise self.unsupported(f"CUDA graphs of {gs.mode} batches ({g.reason})")
+        if getattr(gs, "chain", False) and self.chain_graph_cls is not None:
+            return self.chain_graph_cls(self, gs)
         return self.graph_cls(self, gs)
 
     def fork(self) -> "Provider":

@@ -35,6 +35,11 @@ fp8 kernels write bfloat16) as vLLM's FLASH_ATTN runs it on Hopper: ``run`` quan
 attnplug's Triton kernel, which dequantizes the fp8 cache itself and reads the same e4m3-rounded
 query (``q8 * q_scale``, written by the quantize launch), so both parts see one query.
 
+Attention sinks (``config.sinks``): a build whose entry point takes them (vLLM's fork: ``s_aux``;
+sgl_kernel: ``sinks``) computes them in its kernel where ``run`` writes no LSE and the plan has no tree
+part; otherwise (the LSE asked, a tree verify, a build without the argument) the core's exact join
+(:meth:`~attnplug.core.providers.base.Provider.run_folded`).
+
 Sliding window together with a tree mask is refused. ``run`` does no host work, no sync and no
 allocation of attnplug's own (the FA3 libraries allocate their LSE themselves). hopper/sgl_kernel
 builds have no ``out=`` argument, so their result is copied into ``out``.
@@ -43,8 +48,10 @@ builds have no ``out=`` argument, so their result is copied into ``out``.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import numpy as np
@@ -69,12 +76,25 @@ class FA3Lib:
     fn: Callable
     varlen_style: bool  # vLLM's flash_attn_varlen_func (out=, block_table=) vs *_with_kvcache
 
+    @cached_property
+    def sink_arg(self) -> str | None:
+        """The keyword of the build's per-head sink logits (vLLM's fork: ``s_aux``, sgl_kernel: ``sinks``),
+        or ``None`` where its entry point has none."""
+        try:
+            params = inspect.signature(self.fn).parameters
+        except (TypeError, ValueError):  # a builtin without a signature
+            return None
+        return next((k for k in ("s_aux", "sinks") if k in params), None)
+
     def paged(self, q, k_cache, v_cache, out, *, block_table, cu_seqlens_q, seqused_k, max_seqlen_q,
-              max_seqlen_k, causal, window, softcap, scale, return_lse, descale=None):
+              max_seqlen_k, causal, window, softcap, scale, return_lse, descale=None, sinks=None):
         """``q [T, Hq, D]``, caches ``[num_pages, P, Hkv, D]`` -> writes ``out``; returns lse ``[Hq, T]`` or None.
         ``descale``: fp8 (q, k, v all e4m3): ``{"q_descale": ..., "k_descale": ..., "v_descale": ...}``,
-        each ``[num_seqs, Hkv]`` float32 (every build takes these keyword arguments)."""
-        fp8 = descale or {}
+        each ``[num_seqs, Hkv]`` float32 (every build takes these keyword arguments). ``sinks``: ``[Hq]``
+        float32 sink logits, through :attr:`sink_arg` (only where it is not ``None``)."""
+        fp8 = dict(descale or {})
+        if sinks is not None:
+            fp8[self.sink_arg] = sinks
         if self.varlen_style:
             r = self.fn(q, k_cache, v_cache, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k=seqused_k,
                         softmax_scale=scale, causal=causal, window_size=list(window), softcap=softcap,
@@ -380,9 +400,17 @@ class FA3Provider(Provider):
 
     def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None,
             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-            q_scale: torch.Tensor | None = None, host_scales=None) -> None:
+            q_scale: torch.Tensor | None = None, host_scales=None, sinks: torch.Tensor | None = None) -> None:
         """``q [T, Hq, D]``, caches ``[num_pages, P, Hkv, D]`` -> ``out [T, Hq, D]`` (+ natural-log ``lse [T, Hq]``).
-        fp8 KV: one-element float32 scale tensors (see the module docstring)."""
+        fp8 KV: one-element float32 scale tensors (see the module docstring). ``sinks``: the build's own
+        sink argument where it has one, no LSE is asked and the plan has no tree part, else
+        :meth:`run_folded`."""
+        if sinks is not None:
+            if lse is None and self.lib.sink_arg is not None and plan.state.tree is None:
+                self._run(plan, q, k_cache, v_cache, out, None, False, k_scale, v_scale, q_scale, sinks=sinks)
+                return
+            return self.run_folded(plan, q, k_cache, v_cache, out, lse, sinks, k_scale=k_scale,
+                                   v_scale=v_scale, q_scale=q_scale)
         s = self._run(plan, q, k_cache, v_cache, out, lse, lse is not None, k_scale, v_scale, q_scale)
         if s is not None:
             lse.copy_(s)
@@ -396,9 +424,10 @@ class FA3Provider(Provider):
         return lse if s is None else s
 
     def _run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None, want_lse: bool,
-             k_scale, v_scale, q_scale) -> torch.Tensor | None:
+             k_scale, v_scale, q_scale, sinks: torch.Tensor | None = None) -> torch.Tensor | None:
         """The launches of :meth:`run`; returns FA3's LSE as a ``[T, Hq]`` view when ``want_lse`` and the plan
-        has no tree (else ``None``: a tree plan writes ``lse`` itself)."""
+        has no tree (else ``None``: a tree plan writes ``lse`` itself). ``sinks`` (no tree, no LSE): the
+        build's sink argument, float32."""
         st: FA3State = plan.state
         a = vars(st.args)  # no copy: FA3Args' fields are paged()'s keyword arguments
         tree = st.tree
@@ -413,7 +442,10 @@ class FA3Provider(Provider):
                            v_descale=v_scale.reshape(1, 1).expand(shape))  # fmt: skip
             scales = dict(k_scale=k_scale, v_scale=v_scale)
         if tree is None:
-            s = self.lib.paged(q_fa, k_cache, v_cache, out, return_lse=want_lse, descale=descale, **a)
+            if sinks is not None and sinks.dtype != torch.float32:
+                sinks = sinks.float()
+            s = self.lib.paged(q_fa, k_cache, v_cache, out, return_lse=want_lse, descale=descale, sinks=sinks,
+                               **a)
             return s.t() if want_lse else None
         s_a = self.lib.paged(q_fa, k_cache, v_cache, tree.prefix_out, return_lse=True, descale=descale, **a)
         q_tree = q if st.q8 is None else tree.q_deq[: q.shape[0]]  # fp8: the query FA3's part reads

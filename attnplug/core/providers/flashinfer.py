@@ -238,16 +238,58 @@ class FlashInferGraph(ProviderGraph):
                 "(FlashInfer plans on the host and packs a custom mask there: use GraphState.update)")
 
 
+class FlashInferChainVerifyGraph(FlashInferGraph):
+    """Verify families of causal chains (``GraphState(chain=True)``: vLLM's linear spec decode, ``q`` =
+    1 + k tokens a request): a ``use_cuda_graph=True`` paged-prefill wrapper per batch size, causal
+    (bottom-right), over the static page CSR - no custom mask to pack. As decode, it re-plans on the
+    host before each replay from host ``kv_indptr`` / ``kv_last_page_len`` and the *device*
+    ``kv_indices`` that ``GraphState.update_from_block_table`` wrote (no sync); the prefill template
+    is ``"fa2"`` (what SGLang's FlashInfer graphs use), ``"fa3"`` where ``ATTNPLUG_FLASHINFER_BACKEND=fa3``
+    asks for it (sm90, 16-bit KV)."""
+
+    def __init__(self, provider: "FlashInferProvider", gs):
+        ProviderGraph.__init__(self, provider, gs)
+        self.wrappers: dict[int, object] = {}
+        self.qo_indptr_host: dict[int, torch.Tensor] = {}
+
+    def plan(self, plan: Plan, bs: int) -> None:
+        p, gs = self.provider, self.gs
+        v = gs.static_views(bs)
+        backend = p.resolve_backend("fa3" if os.environ.get("ATTNPLUG_FLASHINFER_BACKEND") == "fa3" else "fa2")
+        wr = p._fi.BatchPrefillWithPagedKVCacheWrapper(
+            p._workspace, p.config.kv_layout, use_cuda_graph=True, qo_indptr_buf=v["qo_indptr"],
+            paged_kv_indptr_buf=v["kv_indptr"], paged_kv_indices_buf=gs.kv_indices,
+            paged_kv_last_page_len_buf=v["kv_last_page_len"], backend=backend)  # fmt: skip
+        self.wrappers[bs] = wr
+        self.qo_indptr_host[bs] = torch.arange(bs + 1, dtype=torch.int32) * gs.q
+        plan.state = FlashInferState(wr, backend, p.q_buffer(bs * gs.q))
+
+    def refresh(self, plan: Plan, bs: int, host: dict | None, device_table: bool) -> None:
+        if host is None:
+            raise ValueError("attnplug: provider 'flashinfer' plans on the host: a verify replay needs host "
+                             "kv_indptr / kv_last_page_len (host metadata, or host_seq_lens)")
+        p = self.provider
+        self.wrappers[bs].plan(self.qo_indptr_host[bs], host["kv_indptr"], host["kv_indices"],
+                               host["kv_last_page_len"], *p.heads(), causal=True, **p.plan_kwargs())  # fmt: skip
+
+    def check_device_table_update(self, host_seq_lens: torch.Tensor | None) -> None:
+        if host_seq_lens is None:
+            raise self.provider.unsupported(
+                "a verify graph replay from a device page table without host sequence lengths (FlashInfer plans "
+                "on the host)")
+
+
 class FlashInferProvider(Provider):
     """FlashInfer paged attention (decode: tensor-core decode; extend/verify: paged prefill)."""
 
     name = "flashinfer"
     OPTIONS = frozenset({"prefill_backend"})
     graph_support = GraphSupport(
-        decode=True, verify=True, device_refresh=False,
+        decode=True, verify=True, device_refresh=False, chain_verify_from_table=True,
         reason="FlashInfer plans on the host before each replay (no in-graph metadata updates; a replay from a "
-               "device page table needs host lengths, and verify masks are packed on the host)")  # fmt: skip
+               "device page table needs host lengths, and tree verify masks are packed on the host)")  # fmt: skip
     graph_cls = FlashInferGraph
+    chain_graph_cls = FlashInferChainVerifyGraph
     EAGER_RUN_CAPTURABLE = False  # eager wrappers (use_cuda_graph=False) replan their buffers; graphs: FlashInferGraph
     KV_DTYPES = frozenset((torch.float16, torch.bfloat16) + FP8_KV_DTYPES)
 
@@ -382,10 +424,14 @@ class FlashInferProvider(Provider):
 
     def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None,
             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, q_scale=None,
-            host_scales: tuple[float, float] | None = None) -> None:
+            host_scales: tuple[float, float] | None = None, sinks: torch.Tensor | None = None) -> None:
         """``q [T, Hq, D]``, caches in ``config.kv_layout`` -> ``out [T, Hq, D]`` (+ natural-log ``lse [T, Hq]``).
         fp8 KV: ``k_scale`` / ``v_scale`` one-element float32 device tensors, or ``host_scales``
-        ``(k, v)`` floats, which FlashInfer folds itself (see the module docstring)."""
+        ``(k, v)`` floats, which FlashInfer folds itself (see the module docstring). ``sinks``:
+        :meth:`run_folded` (the paged wrappers this provider drives take no sink input)."""
+        if sinks is not None:
+            return self.run_folded(plan, q, k_cache, v_cache, out, lse, sinks, k_scale=k_scale,
+                                   v_scale=v_scale, host_scales=host_scales)
         st: FlashInferState = plan.state
         fold = {}  # the host floats FlashInfer folds itself
         on_device = st.q_buf is not None and host_scales is None

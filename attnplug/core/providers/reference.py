@@ -18,13 +18,14 @@ class ReferenceProvider(Provider):
     name = "reference"
     graph_support = GraphSupport(False, False, False, "the float32 reference loops over requests on the host")
     KV_DTYPES = frozenset(SUPPORTED_DTYPES + FP8_KV_DTYPES)
+    NATIVE_SINKS = True
 
     def plan(self, plan: Plan, static=None) -> None:
         pass
 
     def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None,
-            k_scale=None, v_scale=None, q_scale=None, host_scales=None) -> None:
-        o, s = reference_attention(plan, q, k_cache, v_cache, k_scale, v_scale)
+            k_scale=None, v_scale=None, q_scale=None, host_scales=None, sinks=None) -> None:
+        o, s = reference_attention(plan, q, k_cache, v_cache, k_scale, v_scale, sinks)
         out.copy_(o)
         if lse is not None:
             lse.copy_(s)

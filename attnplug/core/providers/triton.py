@@ -3,7 +3,9 @@
 ``plan`` picks block sizes and the split count, builds the tile list on the host once and keeps
 the split workspace; ``run`` only launches (one kernel, plus the merge when split).
 On a machine without CUDA it runs on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1``).
-fp8 KV caches (e4m3 / e5m2) are dequantized on load inside the kernel, every mode.
+fp8 KV caches (e4m3 / e5m2) are dequantized on load inside the kernel, every mode. Attention sinks
+(``config.sinks``) join every kernel's softmax natively: unsplit programs start their state at the
+sink, split partials carry none and the merge (fused or not) adds it once.
 """
 
 from __future__ import annotations
@@ -159,6 +161,7 @@ class TritonProvider(Provider):
     graph_support = GraphSupport(decode=True, verify=True, device_refresh=True, cascade=True)
     graph_cls = TritonGraph
     KV_DTYPES = frozenset(SUPPORTED_DTYPES + FP8_KV_DTYPES)
+    NATIVE_SINKS = True
 
     @classmethod
     def prepare_process(cls, device_type: str) -> None:
@@ -424,15 +427,15 @@ class TritonProvider(Provider):
     # -- run --------------------------------------------------------------------------------------
     def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None,
             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, q_scale=None,
-            host_scales=None) -> None:
-        self._run(plan, q, k_cache, v_cache, out, lse, k_scale, v_scale)
+            host_scales=None, sinks: torch.Tensor | None = None) -> None:
+        self._run(plan, q, k_cache, v_cache, out, lse, k_scale, v_scale, sinks=sinks)
 
     def run_merge(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor,
                   scratch_out: torch.Tensor, scratch_lse: torch.Tensor, **scales) -> None:
         """A split plan of the paged or prefill kernel merges its splits straight into ``(out, lse)`` (one
         merge launch, no scratch); other plans take the default (run into scratch, then merge)."""
         a: TritonState = plan.state
-        if a.kernel == "decode" or a.num_splits == 1:
+        if a.kernel == "decode" or a.num_splits == 1 or "sinks" in scales:
             return super().run_merge(plan, q, k_cache, v_cache, out, lse, scratch_out, scratch_lse, **scales)
         # not inside a CUDA IF node: the body's first launch has no kernel before it in its own graph
         self._run(plan, q, k_cache, v_cache, out, lse, scales.get("k_scale"), scales.get("v_scale"), merge_base=True,
@@ -450,9 +453,10 @@ class TritonProvider(Provider):
 
     def _run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None,
              k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, merge_base: bool = False,
-             pdl: bool = False) -> None:
+             pdl: bool = False, sinks: torch.Tensor | None = None) -> None:
         """:meth:`run`; ``merge_base`` (split plans): the splits merge into ``(out, lse)``; ``pdl`` (prefill-kernel
-        plans): the kernel and the merge after it launch as programmatic dependents (:meth:`_pdl`)."""
+        plans): the kernel and the merge after it launch as programmatic dependents (:meth:`_pdl`); ``sinks``:
+        ``[Hq]`` sink logits (kernel arguments only when given: launches without sinks are unchanged)."""
         from ..kernels.attention import paged_attention_kernel
         from ..kernels.merge import merge_splits
 
@@ -465,9 +469,10 @@ class TritonProvider(Provider):
         else:
             ks, vs = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1)), (v_cache.stride(0), v_cache.stride(2), v_cache.stride(1))
         if a.kernel == "prefill":
-            return self._run_prefill(plan, a, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale, merge_base, pdl)
+            return self._run_prefill(plan, a, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale,
+                                     merge_base, pdl, sinks)
         if a.kernel == "decode":
-            return self._run_decode(plan, a, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale)
+            return self._run_decode(plan, a, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale, sinks)
         split = a.num_splits > 1
         if split:
             o, o_strides = a.partial, (a.partial.stride(0), a.partial.stride(1), a.partial.stride(2))
@@ -496,12 +501,13 @@ class TritonProvider(Provider):
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             UPCAST=q.device.type == "cpu", HAS_KV_START=a.kv_start is not None, KV_FP8=fp8, FP8_F16=a.fp8_f16,
             num_warps=a.num_warps, num_stages=a.num_stages, **({"PDL": True} if self._pdl() else {}),
+            **_sink_args(sinks),  # the kernel joins them where unsplit
         )
         if split:
-            merge_splits(a.partial, a.partial_lse, out, lse, base=merge_base)
+            merge_splits(a.partial, a.partial_lse, out, lse, base=merge_base, sinks=sinks)
 
     def _run_prefill(self, plan: Plan, a: TritonState, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale,
-                     merge_base: bool = False, pdl: bool = False) -> None:
+                     merge_base: bool = False, pdl: bool = False, sinks: torch.Tensor | None = None) -> None:
         """The prefill kernel (:mod:`attnplug.core.kernels.prefill`), grid ``(tiles, Hkv)``: causal; or
         non-causal (a cascade prefix part), grid ``(tiles, Hkv, splits)``, the splits' partials then
         merged into ``(out, lse)`` (``merge_base``: into the state they hold). ``pdl``: both launches are
@@ -533,11 +539,13 @@ class TritonProvider(Provider):
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=q.device.type == "cpu", KV_FP8=fp8,
             FP8_F16=a.fp8_f16, NONCAUSAL=noncausal, num_splits=a.num_splits, stride_os=o.stride(2) if split else 0,
             num_warps=a.num_warps, num_stages=a.num_stages, **({"PDL": True, "launch_pdl": True} if pdl else {}),
+            **_sink_args(None if split else sinks),  # split: the merge adds them
         )
         if split:
-            merge_splits(a.partial, a.partial_lse, out, lse, base=merge_base, pdl=pdl)
+            merge_splits(a.partial, a.partial_lse, out, lse, base=merge_base, pdl=pdl, sinks=sinks)
 
-    def _run_decode(self, plan: Plan, a: TritonState, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale) -> None:
+    def _run_decode(self, plan: Plan, a: TritonState, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale,
+                    sinks: torch.Tensor | None = None) -> None:
         """The split-KV decode kernel (:mod:`attnplug.core.kernels.decode`), grid ``(B, Hkv, splits)``;
         the merge is fused (``a.counters``) or :func:`~attnplug.core.kernels.merge.merge_splits` after."""
         from ..kernels.decode import decode_kernel
@@ -564,10 +572,15 @@ class TritonProvider(Provider):
             NUM_STAGES=a.num_stages, STORE_LSE=lse is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=q.device.type == "cpu", KV_FP8=fp8,
             FP8_F16=a.fp8_f16, PAIRS=a.pairs and _even(k_cache, ks) and _even(v_cache, vs),
-            num_warps=a.num_warps, num_stages=a.num_stages,
+            num_warps=a.num_warps, num_stages=a.num_stages, **_sink_args(sinks),  # unsplit or the fused merge
         )
         if split and not fused:
-            merge_splits(a.partial, a.partial_lse, out, lse)
+            merge_splits(a.partial, a.partial_lse, out, lse, sinks=sinks)
+
+
+def _sink_args(sinks: torch.Tensor | None) -> dict:
+    """The kernels' sink arguments: none without sinks (their ``HAS_SINKS`` default compiles them out)."""
+    return {} if sinks is None else {"SINKS": sinks, "HAS_SINKS": True}
 
 
 def _kv_descriptor(cache: torch.Tensor, strides: tuple[int, int, int], cfg: AttentionConfig, block_n: int):
