@@ -2,7 +2,7 @@
 
 FA3 build, first importable wins (the startup log names it):
 
-1. ``flash_attn_interface`` - FlashAttention's own hopper build (``pip install flash-attn-3`` /
+1. ``flash_attn_interface`` - FlashAttention's own hopper build (a source build of
    ``flash-attention/hopper``): ``flash_attn_with_kvcache(page_table=, cache_seqlens=, cu_seqlens_q=)``.
 2. ``sgl_kernel.flash_attn`` - SGLang's copy, same ``flash_attn_with_kvcache`` signature.
 3. ``vllm.vllm_flash_attn.flash_attn_interface`` - vLLM's fork (what ``shared/tools/gpu-wheels.sh``
