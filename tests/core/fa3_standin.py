@@ -82,3 +82,18 @@ def patch_fa3(monkeypatch) -> None:
 
     monkeypatch.setattr(fa3.FA3Provider, "check_available", classmethod(lambda cls, device: None))
     monkeypatch.setattr(fa3, "load_fa3", lambda: fa3.FA3Lib("fake", fake_fa3_varlen, varlen_style=True))
+
+
+def use_fa3(monkeypatch, device: str) -> None:
+    """The fa3 provider's library for a test: the real FA3 on a CUDA machine (the test skips where it is
+    missing), the stand-in on CPU (so the provider's own logic runs in CI)."""
+    if device == "cuda":
+        from attnplug.core.providers.base import ProviderUnavailable
+        from attnplug.core.providers.fa3 import FA3Provider
+
+        try:
+            FA3Provider.check_available(torch.device(device))
+        except ProviderUnavailable as e:
+            pytest.skip(f"no FA3 on this CUDA machine: {e}")
+    else:
+        patch_fa3(monkeypatch)

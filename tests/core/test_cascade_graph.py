@@ -38,16 +38,7 @@ def provider(request, monkeypatch):
     """The provider whose decode graphs run the cascade: triton, and fa3 (the real FA3 on a Hopper
     GPU; the FA3 stand-in on CPU, so the provider's own cascade logic runs in CI)."""
     if request.param == "fa3":
-        if DEV == "cuda":
-            from attnplug.core.providers.fa3 import FA3Provider
-            from attnplug.core.providers.base import ProviderUnavailable
-
-            try:
-                FA3Provider.check_available(torch.device(DEV))
-            except ProviderUnavailable as e:
-                pytest.skip(f"no FA3 on this CUDA machine: {e}")
-        else:
-            fa3_standin.patch_fa3(monkeypatch)
+        fa3_standin.use_fa3(monkeypatch, DEV)
     return request.param
 
 

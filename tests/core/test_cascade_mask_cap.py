@@ -34,16 +34,7 @@ def provider(request, monkeypatch):
         except ProviderUnavailable as e:
             pytest.skip(f"flashinfer cannot run here: {e}")
     if request.param == "fa3":
-        if DEV == "cuda":
-            from attnplug.core.providers.base import ProviderUnavailable
-            from attnplug.core.providers.fa3 import FA3Provider
-
-            try:
-                FA3Provider.check_available(torch.device(DEV))
-            except ProviderUnavailable as e:
-                pytest.skip(f"no FA3 on this CUDA machine: {e}")
-        else:
-            fa3_standin.patch_fa3(monkeypatch)
+        fa3_standin.use_fa3(monkeypatch, DEV)
     return request.param
 
 
