@@ -28,7 +28,8 @@ def test_not_capturable_is_refused_before_any_call():
 
 def test_eager_run_capturable_is_the_providers_own():
     assert fip.FlashInferProvider.EAGER_RUN_CAPTURABLE is False  # eager FlashInfer wrappers replan their buffers
-    attn = PagedAttention(AttentionConfig(4, 2, 32, 16, torch.float32), "triton", "cpu")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # triton compiled on a GPU, interpreted on CPU
+    attn = PagedAttention(AttentionConfig(4, 2, 32, 16, torch.float32), "triton", dev)
     assert attn.provider.EAGER_RUN_CAPTURABLE is True
 
 

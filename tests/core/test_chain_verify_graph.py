@@ -20,6 +20,7 @@ from attnplug.core.reference import reference_attention
 from batches import chain_batch, rel_err
 
 Q, MAX_BS, W, NUM_PAGES = 3, 4, 6, 40
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # triton compiled on a GPU, interpreted on CPU
 CFG = AttentionConfig(4, 2, 32, 4, torch.float32)
 
 
@@ -33,7 +34,7 @@ def _batch(B, seed):
 
 
 def _state(provider="triton"):
-    return GraphState(CFG, provider, MAX_BS, MAX_BS * Q, NUM_PAGES, "cpu", "verify", num_draft_tokens=Q,
+    return GraphState(CFG, provider, MAX_BS, MAX_BS * Q, NUM_PAGES, DEV, "verify", num_draft_tokens=Q,
                       pad_page=0, max_seq_len=W * CFG.page_size, chain=True)  # fmt: skip
 
 
@@ -43,14 +44,14 @@ def test_chain_family_from_block_table_matches_reference(B, bs):
     assert gs.chain
     gs.prepare_capture(bs)
     seq, table, batch = _batch(B, seed=B * 10 + bs)
-    gs.update_from_block_table(seq, table, bs)  # rows B..bs-1: padding
+    gs.update_from_block_table(seq.to(DEV), table.to(DEV), bs)  # rows B..bs-1: padding
     g = torch.Generator().manual_seed(1)
-    k = torch.randn(CFG.kv_cache_shape(NUM_PAGES), generator=g)
-    v = torch.randn(CFG.kv_cache_shape(NUM_PAGES), generator=g)
-    q = torch.randn(bs * Q, CFG.num_qo_heads, CFG.head_dim, generator=g)
+    k = torch.randn(CFG.kv_cache_shape(NUM_PAGES), generator=g).to(DEV)
+    v = torch.randn(CFG.kv_cache_shape(NUM_PAGES), generator=g).to(DEV)
+    q = torch.randn(bs * Q, CFG.num_qo_heads, CFG.head_dim, generator=g).to(DEV)
     out = torch.full_like(q, float("nan"))
     gs.run(bs, q, k, v, out)
-    ref, _ = reference_attention(make_plan(CFG, batch, NUM_PAGES, device="cpu"), q[: B * Q], k, v)
+    ref, _ = reference_attention(make_plan(CFG, batch, NUM_PAGES, device=DEV), q[: B * Q], k, v)
     assert not torch.isnan(out).any()
     assert rel_err(out[: B * Q], ref) <= 1e-4
     # the host path with the same chain mask writes the same buffers and output
