@@ -21,7 +21,8 @@ def fake_fa3_varlen(q, k_cache, v_cache, max_seqlen_q, cu_seqlens_q, max_seqlen_
 
     fp8 (FA3's contract, checked): q, k and v all e4m3, descales ``[num_seqs, Hkv]`` float32, a
     bfloat16 output, attention of ``q * q_descale`` over ``k * k_descale`` / ``v * v_descale``.
-    ``s_aux``: ``[Hq]`` float32 sink logits (vLLM's fork): one more logit per head with no value row."""
+    ``s_aux``: ``[Hq]`` bfloat16 sink logits, at most 64 query heads (vLLM's fork checks both): one more logit
+    per head with no value row."""
     assert fa_version == 3 and max_seqlen_q >= 1 and max_seqlen_k >= 1
     B, hkv = cu_seqlens_q.numel() - 1, k_cache.shape[2]
     fp8 = q.dtype == E4M3
@@ -53,7 +54,7 @@ def fake_fa3_varlen(q, k_cache, v_cache, max_seqlen_q, cu_seqlens_q, max_seqlen_
             pos = torch.arange(n - (q1 - q0), n, device=q.device)[:, None]
             s = s.masked_fill(torch.arange(n, device=q.device)[None, :] > pos, -math.inf)
         if s_aux is not None:  # the sink: one more column, a zero value row
-            assert s_aux.shape == (H,) and s_aux.dtype == torch.float32
+            assert s_aux.shape == (H,) and s_aux.dtype == torch.bfloat16 and H <= 64
             s = torch.cat([s, s_aux.float()[:, None, None].expand(H, q1 - q0, 1)], -1)
             v = torch.cat([v, v.new_zeros(1, H, D)])
         lse[:, q0:q1] = torch.logsumexp(s, -1)

@@ -86,8 +86,8 @@ def make_case(mode, shape, window, seed, kv="bf16", mask_kind="tree"):
     return c, {}
 
 
-def run_case(c, scales, provider="triton", cascade="off", lse_too=True, **knobs):
-    sinks = draw_sinks(c.config.num_qo_heads, seed=c.q.shape[0])
+def run_case(c, scales, provider="triton", cascade="off", lse_too=True, sink_dtype=torch.float32, **knobs):
+    sinks = draw_sinks(c.config.num_qo_heads, seed=c.q.shape[0]).to(sink_dtype)
     attn = PagedAttention(c.config, provider, DEVICE, cascade=cascade)
     plan = attn.plan(c.batch, num_pages=c.num_pages, **knobs)
     out = torch.full_like(c.q, math.nan)
@@ -277,10 +277,12 @@ def test_multi_step_draft(splits):
         assert_matches(out, lse, ref, ref_lse, REL, f"draft step {i}")
 
 
+@pytest.mark.parametrize("sink_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
-def test_fa3_standin(monkeypatch, kv):
-    """fa3 (CPU stand-in of vLLM's build, whose ``s_aux`` takes the sinks): decode, extend and tree verify,
-    full attention; without an LSE the build's sink argument (no tree part), with one the core's join."""
+def test_fa3_standin(monkeypatch, kv, sink_dtype):
+    """fa3 (CPU stand-in of vLLM's build, whose ``s_aux`` takes bfloat16 sinks): decode, extend and tree
+    verify, full attention; without an LSE the build's sink argument (no tree part, bfloat16 sinks), with
+    one (or float32 sinks, which the build would refuse) the core's join."""
     from attnplug.core.providers import fa3
 
     fa3_standin.patch_fa3(monkeypatch)
@@ -299,8 +301,10 @@ def test_fa3_standin(monkeypatch, kv):
         rel = REL_FP8 if kv == "fp8" else REL
         for lse_too in (True, False):
             calls.clear()
-            plan, out, lse, ref, ref_lse, sinks = run_case(c, scales, provider="fa3", lse_too=lse_too)
-            assert calls and all(calls) == (not lse_too and mode != "verify"), (mode, lse_too, calls)
+            plan, out, lse, ref, ref_lse, sinks = run_case(c, scales, provider="fa3", lse_too=lse_too,
+                                                           sink_dtype=sink_dtype)
+            own = not lse_too and mode != "verify" and sink_dtype == torch.bfloat16
+            assert calls and all(calls) == own, (mode, lse_too, calls)
             if kv == "fp8":  # FA3 reads q quantized to e4m3: the oracle on the same (dequantized) query
                 q_deq = plan.state.q8.float() * scales["q_scale"]
                 ref, ref_lse = reference_attention(plan, q_deq, c.k_cache, c.v_cache, scales["k_scale"],

@@ -36,8 +36,9 @@ attnplug's Triton kernel, which dequantizes the fp8 cache itself and reads the s
 query (``q8 * q_scale``, written by the quantize launch), so both parts see one query.
 
 Attention sinks (``config.sinks``): a build whose entry point takes them (vLLM's fork: ``s_aux``;
-sgl_kernel: ``sinks``) computes them in its kernel where ``run`` writes no LSE and the plan has no tree
-part; otherwise (the LSE asked, a tree verify, a build without the argument) the core's exact join
+sgl_kernel: ``sinks``; bfloat16 logits, at most 64 query heads, as the engines' gpt-oss passes them)
+computes them in its kernel where ``run`` writes no LSE and the plan has no tree part; otherwise (the LSE
+asked, a tree verify, float32 sinks, a build without the argument) the core's exact join
 (:meth:`~attnplug.core.providers.base.Provider.run_folded`).
 
 Sliding window together with a tree mask is refused. ``run`` does no host work, no sync and no
@@ -86,12 +87,17 @@ class FA3Lib:
             return None
         return next((k for k in ("s_aux", "sinks") if k in params), None)
 
+    def takes_sinks(self, sinks: torch.Tensor, num_qo_heads: int) -> bool:
+        """Whether the build computes these sinks itself, exactly: it has the argument, and the FA3 kernel's
+        limits hold (bfloat16 sink logits, at most 64 query heads). Otherwise the core's exact join."""
+        return self.sink_arg is not None and sinks.dtype == torch.bfloat16 and num_qo_heads <= 64
+
     def paged(self, q, k_cache, v_cache, out, *, block_table, cu_seqlens_q, seqused_k, max_seqlen_q,
               max_seqlen_k, causal, window, softcap, scale, return_lse, descale=None, sinks=None):
         """``q [T, Hq, D]``, caches ``[num_pages, P, Hkv, D]`` -> writes ``out``; returns lse ``[Hq, T]`` or None.
         ``descale``: fp8 (q, k, v all e4m3): ``{"q_descale": ..., "k_descale": ..., "v_descale": ...}``,
         each ``[num_seqs, Hkv]`` float32 (every build takes these keyword arguments). ``sinks``: ``[Hq]``
-        float32 sink logits, through :attr:`sink_arg` (only where it is not ``None``)."""
+        bfloat16 sink logits, through :attr:`sink_arg` (only where :meth:`takes_sinks`)."""
         fp8 = dict(descale or {})
         if sinks is not None:
             fp8[self.sink_arg] = sinks
@@ -406,7 +412,7 @@ class FA3Provider(Provider):
         sink argument where it has one, no LSE is asked and the plan has no tree part, else
         :meth:`run_folded`."""
         if sinks is not None:
-            if lse is None and self.lib.sink_arg is not None and plan.state.tree is None:
+            if lse is None and plan.state.tree is None and self.lib.takes_sinks(sinks, self.config.num_qo_heads):
                 self._run(plan, q, k_cache, v_cache, out, None, False, k_scale, v_scale, q_scale, sinks=sinks)
                 return
             return self.run_folded(plan, q, k_cache, v_cache, out, lse, sinks, k_scale=k_scale,
@@ -427,7 +433,7 @@ class FA3Provider(Provider):
              k_scale, v_scale, q_scale, sinks: torch.Tensor | None = None) -> torch.Tensor | None:
         """The launches of :meth:`run`; returns FA3's LSE as a ``[T, Hq]`` view when ``want_lse`` and the plan
         has no tree (else ``None``: a tree plan writes ``lse`` itself). ``sinks`` (no tree, no LSE): the
-        build's sink argument, float32."""
+        build's sink argument (:meth:`FA3Lib.takes_sinks`)."""
         st: FA3State = plan.state
         a = vars(st.args)  # no copy: FA3Args' fields are paged()'s keyword arguments
         tree = st.tree
@@ -442,8 +448,6 @@ class FA3Provider(Provider):
                            v_descale=v_scale.reshape(1, 1).expand(shape))  # fmt: skip
             scales = dict(k_scale=k_scale, v_scale=v_scale)
         if tree is None:
-            if sinks is not None and sinks.dtype != torch.float32:
-                sinks = sinks.float()
             s = self.lib.paged(q_fa, k_cache, v_cache, out, return_lse=want_lse, descale=descale, sinks=sinks,
                                **a)
             return s.t() if want_lse else None
