@@ -248,3 +248,14 @@ def chain_batch(config: AttentionConfig, B: int, q: int, width: int, num_pages: 
     mask = torch.cat([chain_mask(q, int(s)).flatten() for s in seq])
     qo = (torch.arange(B + 1) * q).to(torch.int32)
     return seq, table, BatchMetadata(ForwardMode.TARGET_VERIFY, qo, ind, pages, last, custom_mask=mask)
+
+
+def interpreter_smoke_skip():
+    """``pytest.mark.skipif`` for a probe's ``--smoke`` run (CPU, Triton interpreter) where the installed
+    triton's interpreter is too old for the kernels (< 3.7: the GPU machine's 3.6 compiles them instead)."""
+    import pytest  # noqa: PLC0415
+    import triton  # noqa: PLC0415
+
+    old = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7)
+    return pytest.mark.skipif(old, reason=f"--smoke runs the Triton interpreter, which triton "
+                                          f"{triton.__version__} cannot (>= 3.7); the probe runs compiled here")

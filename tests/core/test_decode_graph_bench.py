@@ -7,6 +7,9 @@ import os
 import subprocess
 import sys
 
+from batches import interpreter_smoke_skip
+
+pytestmark = interpreter_smoke_skip()
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

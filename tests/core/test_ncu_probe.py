@@ -10,6 +10,9 @@ import sys
 
 import pytest
 
+from batches import interpreter_smoke_skip
+
+pytestmark = interpreter_smoke_skip()
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
