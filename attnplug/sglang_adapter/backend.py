@@ -676,4 +676,5 @@ class AttnplugAttnBackend(AttentionBackend):
             max_cached_prefix=st.max_cached_prefix, max_kv_len=st.max_kv_len,
             cascade_forwards=st.cascade_forwards, cascade_shared_tokens=st.cascade_shared_tokens,
             cascade_graph_updates=st.cascade_graph_updates, cascade_graph_shared_tokens=st.cascade_graph_shared_tokens,
-            triton_interpret=os.environ.get("TRITON_INTERPRET")))
+            triton_interpret=os.environ.get("TRITON_INTERPRET"),
+            layer_configs=sorted(f"window {k[5]}, sinks {k[6]}" for k in self._attn if k != self._probe_key)))
