@@ -86,3 +86,37 @@ def test_sglang_runs_draft_extend_eagerly_for_a_backend_it_does_not_list(monkeyp
         decode = _factory(_draft_runner(), "attnplug_triton", TOPK, STEPS).create_decode_backend()
         plain = AttnplugAttnBackend(_draft_runner(), backend_name="attnplug_triton")
     assert set(_capture(monkeypatch, decode, plain)) == {"draft_decode"}
+
+
+@pytest.mark.parametrize("provider", ["triton", "fa3"])
+def test_ngram_target_verify_graph_state_on_sglangs_capture_width(provider, monkeypatch):
+    """n-gram speculation (SGLang's ``NGRAM``, both releases): SGLang's decode graph runner captures
+    ``TARGET_VERIFY`` whenever the algorithm is speculative, ``decode_num_tokens_per_req`` (SGLang's
+    ``ModelRunner`` method, run on the stand-in runner) tokens a request, and sizes the backend with
+    ``init_cuda_graph_state(max_bs, max_bs * width)``: attnplug builds tree-mask verify graph states of
+    that width next to its decode ones (a refusal here would stop SGLang's start; there is no eager
+    fall-back). Without speculation the same runner asks one token a request: decode states only."""
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from sglang_helpers import make_runner
+    from test_graph_and_draft import make_backend
+
+    if provider == "fa3":
+        _fa3_standin(monkeypatch)
+    from sglang.srt.speculative import spec_utils
+
+    spec = SimpleNamespace(speculative_num_draft_tokens=DRAFT_TOKENS, speculative_eagle_topk=None)
+    monkeypatch.setattr(spec_utils, "get_spec", lambda: spec, raising=False)  # 0.5.23 reads the published bag
+    for algo, want in (("NGRAM", DRAFT_TOKENS), (None, 1)):
+        server_args = SimpleNamespace(speculative_num_draft_tokens=DRAFT_TOKENS, speculative_algorithm=algo,
+                                      speculative_eagle_topk=None, speculative_num_steps=None, dllm_algorithm=None)
+        runner = make_runner(4, spec_algorithm=SpeculativeAlgorithm.from_string(algo), server_args=server_args)
+        width = ModelRunner.decode_num_tokens_per_req(runner, num_draft_tokens=DRAFT_TOKENS if algo else None)
+        assert width == want, (algo, width)
+        be = make_backend(runner, provider, f"attnplug_{provider}")
+        be.init_cuda_graph_state(max_bs=4, max_num_tokens=4 * width)
+        assert be._graphs["decode"], provider
+        verify = be._graphs["verify"]
+        assert bool(verify) is (algo is not None), (algo, verify)
+        assert all(gs.q == width and not gs.chain for gs in verify.values())
