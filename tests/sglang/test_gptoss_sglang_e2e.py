@@ -2,7 +2,8 @@
 sinks, layers alternating a 16-token sliding window and full attention, MoE) through ``attnplug_triton``
 and through its own ``triton`` backend (Triton interpreter). attnplug's greedy tokens equal the HF
 transformers eager forward of the same weights (float32) on every prompt; SGLang's triton backend equals
-them on the prompt that stays inside the window and differs on the longer ones (SGLang 0.5.23 on CPU). The sinks are scaled up (and held in bf16, SGLang's
+them on the prompt that stays inside the window and differs on the longer ones (its decode window is one
+key short of its extend window; see the test). The sinks are scaled up (and held in bf16, SGLang's
 gpt-oss dtype for them) so that they change the greedy tokens; markers prove attnplug ran with a
 windowed and a full layer config, each with sinks, and that SGLang's run did not touch attnplug."""
 
@@ -60,9 +61,11 @@ def test_gptoss_tokens_equal_sglang_triton_and_hf_and_attnplug_ran(runs):
     hf = hf_greedy_eager(model, prompts, MAX_NEW)
     assert hf != hf_greedy_eager(model, prompts, MAX_NEW, drop_sinks=True), "the sinks must change the tokens"
     assert ours["output_ids"] == hf  # every prompt, past the window and through the prefix cache
-    # SGLang's triton backend (Triton interpreter, CPU) equals both while a sequence fits in the window
-    # (prompt 0: 7 + 8 tokens); on the longer ones it differs from HF's float32 eager forward (attnplug and
-    # vLLM's CPU backend agree with HF there; tests/vllm/test_vllm_gptoss_e2e.py)
+    # SGLang's triton backend equals both while a sequence fits in the window (prompt 0: 7 + 8 tokens); on
+    # the longer ones it differs from HF's float32 eager forward: its decode reads the last
+    # min(seq_len, sliding_window_size) = 15 keys of a windowed layer (update_sliding_window_buffer), its
+    # extend kernel and HF 16 (q - k <= 15); attnplug and vLLM's CPU backend agree with HF
+    # (tests/vllm/test_vllm_gptoss_e2e.py)
     short = [i for i, p in enumerate(prompts) if len(p) + MAX_NEW <= WINDOW]
     assert short == [0] and native["output_ids"][0] == ours["output_ids"][0]
     print("SGLang triton vs HF, prompts past the window:",
