@@ -50,3 +50,18 @@ def test_unselected_attnplug_changes_nothing(resolved):
     out, _ = resolved
     assert out["triton"]["hybrid_swa"] is True and out["triton"]["backends"][0] == "triton", out["triton"]
     assert out["torch_native"]["error"].startswith(REFUSAL), out["torch_native"]
+
+
+def test_backend_refuses_a_hybrid_swa_pool_naming_the_flag():
+    """A hybrid SWA pool reaching the backend (another hybrid-SWA model, which the hook leaves to SGLang)
+    is refused at startup with the flag that gives attnplug a plain pool."""
+    from sglang_helpers import make_runner
+    from test_backend_unit import make_backend
+
+    from attnplug.core import UnsupportedFeature
+
+    runner = make_runner(1)
+    runner.token_to_kv_pool = type("SWAKVPool", (), dict(vars(runner.token_to_kv_pool)))()
+    with pytest.raises(UnsupportedFeature, match=r"attnplug: backend 'attnplug_triton' does not support the KV pool "
+                       r"SWAKVPool .*; start SGLang with --disable-hybrid-swa-memory"):
+        make_backend(runner, provider="reference")
