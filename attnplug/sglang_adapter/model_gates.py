@@ -70,18 +70,23 @@ def around_model_step(step, server_args, *args, **kwargs):
     for a model in :data:`GATED_MODELS`; then the step's backend resolver reports each attnplug name
     as the model's reference backend while the step runs."""
     names = selected_attnplug_backends(server_args)
-    reference = GATED_MODELS.get(model_arch(server_args)) if names else None
+    arch = model_arch(server_args) if names else None
+    reference = GATED_MODELS.get(arch)
     if reference is None:
         return step(server_args, *args, **kwargs)
     owner, attr = resolver_site(server_args)
-    raw = owner.__dict__[attr]
+    raw = owner.__dict__.get(attr)
+    if raw is None:  # the resolver moved: SGLang's own check decides (and refuses with its message)
+        logger.warning("attnplug: SGLang's backend resolver %s.%s is gone; %s keeps SGLang's own backend list",
+                       getattr(owner, "__name__", owner), attr, arch)
+        return step(server_args, *args, **kwargs)
 
     def resolved(*a, **k):
         return tuple(reference if n in names else n for n in raw(*a, **k))
 
     logger.info("attnplug: %s's attention-backend check admits %s (attention sinks and per-layer sliding "
                 "windows computed by attnplug's core, checked as SGLang's %r)",
-                model_arch(server_args), ", ".join(sorted(names)), reference)
+                arch, ", ".join(sorted(names)), reference)
     setattr(owner, attr, resolved)
     try:
         return step(server_args, *args, **kwargs)

@@ -65,3 +65,17 @@ def test_backend_refuses_a_hybrid_swa_pool_naming_the_flag():
     with pytest.raises(UnsupportedFeature, match=r"attnplug: backend 'attnplug_triton' does not support the KV pool "
                        r"SWAKVPool .*; start SGLang with --disable-hybrid-swa-memory"):
         make_backend(runner, provider="reference")
+
+
+def test_install_never_raises(monkeypatch, caplog):
+    from sglang.srt.plugins import hook_registry
+
+    from attnplug.sglang_adapter import model_gates
+
+    def boom(*a, **k):
+        raise RuntimeError("simulated SGLang API change")
+
+    monkeypatch.setattr(model_gates, "_INSTALLED", set())
+    monkeypatch.setattr(hook_registry.HookRegistry, "register", boom)
+    assert model_gates.install() is False
+    assert "attnplug: could not hook SGLang's per-model backend checks (RuntimeError: simulated" in caplog.text
