@@ -7,7 +7,8 @@ so each one registers for itself). Registration only adds three names to SGLang'
 and to the ``--attention-backend`` choices, and (SGLang 0.5.17..0.5.23 only) an AROUND hook on
 SGLang's ``DraftBackendFactory._create_backend`` plus the names in the draft-backend choices
 (0.5.23; 0.5.17 has no such list), so
-that ``--speculative-algorithm EAGLE`` builds attnplug's multi-step draft backend; nothing runs, and nothing heavy (torch kernels, triton,
+that ``--speculative-algorithm EAGLE`` builds attnplug's multi-step draft backend, and the per-model check
+hook of :mod:`.model_gates` (gpt-oss: acts only when an attnplug backend is selected); nothing runs, and nothing heavy (torch kernels, triton,
 the attnplug core) is imported until SGLang calls a factory, i.e. until a backend is selected.
 """
 
@@ -118,7 +119,7 @@ def register() -> None:
     if engine_missing("sglang", "SGLang", logger):
         return
     try:
-        from . import compat
+        from . import compat, model_gates
 
         refusal = compat.engine_refusal()
         if refusal:  # the names stay selectable; choosing one raises this message (_factory)
@@ -127,6 +128,7 @@ def register() -> None:
             compat.register_attention_backend(name, functools.partial(_factory, name))
         compat.add_attention_backend_choices(list(BACKENDS))
         compat.after_server_args_resolved(_prepare_selected_providers)
+        model_gates.install()  # gpt-oss: SGLang's own backend list, its hybrid SWA pool
         # EAGLE: SGLang has no draft-backend registry; hook its private factory (version-guarded).
         if compat.install_draft_backend_hook(_around_create_backend):
             compat.add_draft_attention_backend_choices(list(DRAFT_BACKENDS))

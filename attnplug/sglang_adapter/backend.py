@@ -162,9 +162,11 @@ class AttnplugAttnBackend(AttentionBackend):
                 raise UnsupportedFeature(f"{refusal} (backend '{self.backend_name}' on the draft model)")
         pool_cls = compat.plain_mha_pool_cls()
         if type(self.token_to_kv_pool) is not pool_cls:
-            raise self._unsupported(
-                f"the KV pool {type(self.token_to_kv_pool).__name__} (only {pool_cls.__name__}: no hybrid "
-                "sliding-window/mamba, MLA, quantized or page-major pools)")
+            name = type(self.token_to_kv_pool).__name__
+            hint = ("; start SGLang with --disable-hybrid-swa-memory: one pool for every layer, each layer's window "
+                    "applied in attention") if "SWA" in name else ""
+            raise self._unsupported(f"the KV pool {name} (only {pool_cls.__name__}: no hybrid sliding-window/mamba, "
+                                    f"MLA, quantized or page-major pools){hint}")
         if getattr(self.token_to_kv_pool, "is_quantized_kv_cache", False):  # a KV quant method owns the bytes
             qm = getattr(getattr(self.token_to_kv_pool, "quant_method", None), "name", "?")
             raise self._unsupported(f"a quantized KV pool (quant method {qm!r}: the pool quantizes and scales "
@@ -676,4 +678,5 @@ class AttnplugAttnBackend(AttentionBackend):
             max_cached_prefix=st.max_cached_prefix, max_kv_len=st.max_kv_len,
             cascade_forwards=st.cascade_forwards, cascade_shared_tokens=st.cascade_shared_tokens,
             cascade_graph_updates=st.cascade_graph_updates, cascade_graph_shared_tokens=st.cascade_graph_shared_tokens,
-            triton_interpret=os.environ.get("TRITON_INTERPRET")))
+            triton_interpret=os.environ.get("TRITON_INTERPRET"),
+            layer_configs=sorted(f"window {k[5]}, sinks {k[6]}" for k in self._attn if k != self._probe_key)))

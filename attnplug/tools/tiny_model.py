@@ -155,6 +155,54 @@ def make_tiny_model(path: str | os.PathLike, kind: str, seed: int = 0) -> Path:
     return path
 
 
+def make_tiny_gptoss(path: str | os.PathLike, sink_scale: float = 15.0, sink_dtype: str | None = None) -> Path:
+    """The tiny gpt-oss of :data:`TINY_KINDS` in a fresh ``path``, its sink logits (``[Hq]`` a layer, init
+    std 0.2) times ``sink_scale``: logits of a few units, which change the greedy tokens. ``sink_dtype``
+    (e.g. ``"bfloat16"``): the sinks rounded to it, for an engine that holds them in that dtype (SGLang's
+    gpt-oss), so that the float32 oracle reads the same values."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = make_tiny_model(path, "gpt_oss")
+    stamp, want = model / "attnplug_sinks.json", {"sink_scale": sink_scale, "sink_dtype": sink_dtype}
+    if stamp.exists():
+        if json.loads(stamp.read_text()) != want:
+            raise ValueError(f"{model} holds sinks scaled as {stamp.read_text()}, not {want}: use a fresh path")
+        return model
+    f = model / "model.safetensors"
+    sd = load_file(f)
+    sinks = [k for k in sd if k.endswith("self_attn.sinks")]
+    assert len(sinks) == 2, sorted(sd)
+    for k in sinks:
+        sd[k] = sd[k] * sink_scale
+        if sink_dtype is not None:
+            sd[k] = sd[k].to(getattr(torch, sink_dtype)).float()
+    save_file(sd, f, metadata={"format": "pt"})
+    stamp.write_text(json.dumps(want))
+    return model
+
+
+def hf_greedy_eager(model_dir: str | os.PathLike, prompts: list[list[int]], max_tokens: int,
+                    drop_sinks: bool = False) -> list[list[int]]:
+    """Greedy tokens of HF's model in ``model_dir`` with its eager attention (float32, full recompute);
+    ``drop_sinks``: every attention sink set to -inf (the same model without sinks)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        if drop_sinks:
+            for layer in model.model.layers:
+                layer.self_attn.sinks.fill_(-float("inf"))
+        outs = []
+        for p in prompts:
+            ids = torch.tensor([p])
+            for _ in range(max_tokens):
+                ids = torch.cat([ids, model(ids).logits[0, -1].argmax().view(1, 1)], 1)
+            outs.append(ids[0, len(p) :].tolist())
+    return outs
+
+
 def make_tiny_eagle_draft(path: str | os.PathLike, target: str | os.PathLike, seed: int = 1) -> Path:
     """Create (once) a one-layer EAGLE(-1) draft head with random weights for the tiny Llama in
     ``target`` (vLLM's ``EagleLlamaForCausalLM`` layout: ``embed_tokens``, ``fc [H, 2H]``, one

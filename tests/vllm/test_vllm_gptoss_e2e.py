@@ -16,53 +16,15 @@ from vllm_test_helpers import MAX_TOKENS, llm_job, run_jobs, workdir
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
-SINK_SCALE = 15.0  # the tiny model's sinks (init std 0.2) times this: logits of a few units
 WINDOW = 16  # vLLM's sliding_window (the query included): the core's window_left 15
-
-
-def _make_model(path):
-    """The tiny gpt-oss of ``attnplug.tools.tiny_model`` with its sink logits scaled by ``SINK_SCALE``."""
-    from safetensors.torch import load_file, save_file
-
-    from attnplug.tools.tiny_model import make_tiny_model
-
-    model = make_tiny_model(path, "gpt_oss")
-    f = model / "model.safetensors"
-    sd = load_file(f)
-    sinks = [k for k in sd if k.endswith("self_attn.sinks")]
-    assert len(sinks) == 2, sorted(sd)
-    for k in sinks:
-        sd[k] = sd[k] * SINK_SCALE
-    save_file(sd, f, metadata={"format": "pt"})
-    return str(model)
-
-
-def hf_greedy_eager(model_dir: str, prompts, max_tokens: int, drop_sinks: bool = False) -> list[list[int]]:
-    """Greedy tokens of HF's ``GptOssForCausalLM`` with its eager attention (float32, full recompute);
-    ``drop_sinks``: every sink set to -inf (the same model without sinks)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    with torch.no_grad():
-        if drop_sinks:
-            for layer in model.model.layers:
-                layer.self_attn.sinks.fill_(-float("inf"))
-        outs = []
-        for p in prompts:
-            ids = torch.tensor([p])
-            for _ in range(max_tokens):
-                ids = torch.cat([ids, model(ids).logits[0, -1].argmax().view(1, 1)], 1)
-            outs.append(ids[0, len(p) :].tolist())
-    return outs
 
 
 @pytest.fixture(scope="module")
 def setup():
-    from attnplug.tools.tiny_model import test_prompts
+    from attnplug.tools.tiny_model import make_tiny_gptoss, test_prompts
 
     wd = workdir()
-    model = _make_model(wd / "tiny-gpt-oss")
+    model = str(make_tiny_gptoss(wd / "tiny-gpt-oss"))
     prompts = test_prompts()  # prompts longer than the window, one hitting the prefix cache
     specs = {"attnplug": (llm_job(model, prompts, "attnplug_triton", 16), {"ATTNPLUG_CASCADE": "0"}),
              "native": (llm_job(model, prompts, None, 32), {})}  # fmt: skip
@@ -73,6 +35,8 @@ def setup():
 
 
 def test_gptoss_tokens_equal_native_and_hf_and_attnplug_ran(setup):
+    from attnplug.tools.tiny_model import hf_greedy_eager
+
     model, prompts, jobs = setup
     ours, native = jobs["attnplug"].check_ok(), jobs["native"].check_ok()
     hf = hf_greedy_eager(model, prompts, MAX_TOKENS)
