@@ -23,9 +23,10 @@ or nested groups go through the core's radix tree (:func:`~attnplug.core.radix_t
 :func:`cascade_pays` is the cost model.
 
 Environment: ``ATTNPLUG_CASCADE`` = ``0`` (off), ``1`` / unset (on where the cost model says it
-pays), ``always`` (every shared group, e.g. for tests). ``ATTNPLUG_CASCADE_GRAPHS`` = ``1``: decode
-CUDA graphs read the prefix common to the whole batch once too (:class:`CascadeGraph`, providers
-whose ``graph_support.cascade`` is set), under the same mode; ``0`` / unset: graphs replay without.
+pays), ``always`` (every shared group, e.g. for tests). ``ATTNPLUG_CASCADE_GRAPHS`` = ``1`` / unset:
+decode CUDA graphs read the prefix common to the whole batch once too (:class:`CascadeGraph`, providers
+whose ``graph_support.cascade`` is set), under the same mode; ``0``: graphs replay without. A replay
+whose batch shares nothing pays one launch that returns at once (``docs/cascade.md``).
 """
 
 from __future__ import annotations
@@ -69,10 +70,10 @@ def cascade_mode(value: str | None = None) -> str:
 
 def graph_cascade_mode(graph_support, who: str | None = None) -> str:
     """The ``cascade`` argument of a decode ``GraphState`` for a provider with ``graph_support``:
-    :func:`cascade_mode` when ``$ATTNPLUG_CASCADE_GRAPHS`` is ``1`` and the provider's graphs can run
-    it, else ``"off"``. Called at startup: where the mode is on, ``ATTNPLUG_GRAPH_IF=1`` on a torch
+    :func:`cascade_mode` when ``$ATTNPLUG_CASCADE_GRAPHS`` is ``1`` or unset and the provider's graphs
+    can run it, else ``"off"``. Called at startup: where the mode is on, ``ATTNPLUG_GRAPH_IF=1`` on a torch
     without IF nodes raises (:func:`~attnplug.core.graph_if.check_requested`, naming ``who``)."""
-    mode = cascade_mode() if env_flag(CASCADE_GRAPHS_ENV, False) and graph_support.cascade else "off"
+    mode = cascade_mode() if env_flag(CASCADE_GRAPHS_ENV, True) and graph_support.cascade else "off"
     if mode != "off":
         graph_if.check_requested(who)
     else:
@@ -431,7 +432,7 @@ class CascadeGraph:
         self.out_part = torch.empty((*hd, cfg.head_dim), dtype=cfg.dtype, device=dev)
         self.lse_part = torch.empty(hd, dtype=torch.float32, device=dev)
         self.lse_suffix = torch.empty(hd, dtype=torch.float32, device=dev)
-        self.provider = gs.provider.fork()  # the prefix part's plans apart; its static memory below
+        self.provider = gs.provider.graph_prefix_provider()  # the prefix part's plans apart; its static memory below
         # one block_m for every bs (when the provider takes the knob): the tile lists of all bs are then
         # prefixes of one list in the static memory, of tiles of block_q query rows each
         self.block_m, block_q = None, gs.max_batch

@@ -344,6 +344,12 @@ class Provider(ABC):
         plans live in the ``Plan`` objects)."""
         return self
 
+    def graph_prefix_provider(self) -> "Provider":
+        """The provider that runs the shared-prefix part of this provider's cascade graphs
+        (:class:`~attnplug.core.cascade.CascadeGraph`: a one-request non-causal plan over static device
+        lengths, :meth:`run_merge` into the suffix state). Default: a fork of this one."""
+        return self.fork()
+
     def step_providers(self, num_steps: int) -> list["Provider"]:
         """Providers for ``num_steps`` draft steps whose plans must all stay valid at once: this one,
         then forks of it (:meth:`fork`)."""
