@@ -100,3 +100,27 @@ def test_an_unshared_replay_pays_one_launch_for_the_prefix_part(provider, splits
     extra = per_mode["always"] - per_mode["off"]
     assert extra == collections.Counter({"prefill_kernel": 1}), per_mode
     assert not (per_mode["off"] - per_mode["always"]), per_mode
+
+
+def test_cascade_graphs_are_on_by_default_with_two_escape_hatches(monkeypatch):
+    """Unset, ``ATTNPLUG_CASCADE_GRAPHS`` puts cascade in the decode graphs of providers whose graphs
+    run it, under ``ATTNPLUG_CASCADE``'s mode; ``ATTNPLUG_CASCADE_GRAPHS=0`` or ``ATTNPLUG_CASCADE=0``
+    turn it off; a provider whose graphs cannot run it stays off; a malformed value is refused."""
+    from attnplug.core.cascade import graph_cascade_mode
+    from attnplug.core.providers import get_provider_cls
+
+    for var in ("ATTNPLUG_CASCADE_GRAPHS", "ATTNPLUG_CASCADE", "ATTNPLUG_GRAPH_IF"):
+        monkeypatch.delenv(var, raising=False)
+    support = {p: get_provider_cls(p).graph_support for p in ("triton", "fa3", "flashinfer")}
+    assert {p: graph_cascade_mode(s) for p, s in support.items()} == {"triton": "auto", "fa3": "auto",
+                                                                       "flashinfer": "off"}
+    monkeypatch.setenv("ATTNPLUG_CASCADE", "always")
+    assert graph_cascade_mode(support["triton"]) == "always"
+    monkeypatch.setenv("ATTNPLUG_CASCADE", "0")
+    assert graph_cascade_mode(support["triton"]) == "off"
+    monkeypatch.delenv("ATTNPLUG_CASCADE")
+    monkeypatch.setenv("ATTNPLUG_CASCADE_GRAPHS", "0")
+    assert graph_cascade_mode(support["fa3"]) == "off"
+    monkeypatch.setenv("ATTNPLUG_CASCADE_GRAPHS", "yes please")
+    with pytest.raises(ValueError, match="ATTNPLUG_CASCADE_GRAPHS"):
+        graph_cascade_mode(support["triton"])

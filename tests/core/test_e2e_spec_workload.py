@@ -74,10 +74,11 @@ class _FakeEngine:
     def spec_counters(self):
         return dict(self.n) if self.spec else {}
 
-    def generate(self, ps, n, logprobs=False):
+    def generate(self, ps, n, logprobs=False, samples=1):
         self.n["steps"] += len(ps) * n // 3
         self.n["accepted"] += 2 * (len(ps) * n // 3)
-        return [{"tokens": [7] * n, **({"top": [[[7, 0.0]]] * n} if logprobs else {})} for _ in ps]
+        self.calls = getattr(self, "calls", []) + [(len(ps), n, samples)]
+        return [{"tokens": [7] * n, **({"top": [[[7, 0.0]]] * n} if logprobs else {})} for _ in ps for _ in range(samples)]
 
     def close(self):
         pass
@@ -102,6 +103,27 @@ def test_engine_run_records_accepted_per_step_for_every_speculative_row(tmp_path
             assert "accepted_per_step" not in r
         else:
             assert r["accepted_per_step"] == 3.0 and r["spec"]["accepted_per_verify"] == 3.0
+
+
+def test_engine_run_samples_row_times_every_sample_on_a_cached_prompt(tmp_path, monkeypatch):
+    """``--prompts shared --samples 8`` (issue 43's parallel-sampling row): the prompt goes through the
+    prefix cache first, the timed run asks 8 samples of it and counts their tokens, the row is named
+    with ``n=8``, and the samples of the first prompt are kept for the token comparison."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"vocab_size": 500}))
+    engines = []
+    monkeypatch.setattr(engine_run, "VLLM", lambda a: engines.append(_FakeEngine(a)) or engines[-1])
+    monkeypatch.setattr(engine_run, "ROWS", [(1, 300, 9, 1)])
+    monkeypatch.setattr(engine_run, "SHARED_PREFIX", 40)
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["engine_run.py", "vllm", "X", "--model", str(tmp_path / "m"), "--out", str(out),
+                                      "--prompts", "shared", "--samples", "8", "--rows", "0"])  # fmt: skip
+    monkeypatch.setenv("ATTNPLUG_MARKER_DIR", str(tmp_path / "markers"))
+    engine_run.main()
+    res = json.loads(out.read_text())
+    assert set(res["rows"]) == {"1x300->9 n=8"} and res["samples"] == 8
+    assert engines[0].calls[-3:] == [(1, 1, 1), (1, 9, 8), (1, engine_run.CORR_TOKENS, 8)]
+    assert len(res["shared_correctness"]) == 8
 
 
 SMALL = {"hidden_size": 16, "intermediate_size": 24, "num_attention_heads": 4, "num_key_value_heads": 2,
