@@ -24,7 +24,7 @@ or nested groups go through the core's radix tree (:func:`~attnplug.core.radix_t
 
 Environment: ``ATTNPLUG_CASCADE`` = ``0`` (off), ``1`` / unset (on where the cost model says it
 pays), ``always`` (every shared group, e.g. for tests). ``ATTNPLUG_CASCADE_GRAPHS`` = ``1`` / unset:
-decode CUDA graphs read the prefix common to the whole batch once too (:class:`CascadeGraph`, providers
+decode and verify CUDA graphs read the prefix common to the whole batch once too (:class:`CascadeGraph`, providers
 whose ``graph_support.cascade`` is set), under the same mode; ``0``: graphs replay without. A replay
 whose batch shares nothing pays one launch that returns at once (``docs/cascade.md``).
 """
@@ -69,7 +69,7 @@ def cascade_mode(value: str | None = None) -> str:
 
 
 def graph_cascade_mode(graph_support, who: str | None = None) -> str:
-    """The ``cascade`` argument of a decode ``GraphState`` for a provider with ``graph_support``:
+    """The ``cascade`` argument of a decode / verify ``GraphState`` for a provider with ``graph_support``:
     :func:`cascade_mode` when ``$ATTNPLUG_CASCADE_GRAPHS`` is ``1`` or unset and the provider's graphs
     can run it, else ``"off"``. Called at startup: where the mode is on, ``ATTNPLUG_GRAPH_IF=1`` on a torch
     without IF nodes raises (:func:`~attnplug.core.graph_if.check_requested`, naming ``who``)."""
