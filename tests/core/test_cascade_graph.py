@@ -349,11 +349,16 @@ def test_replays_change_the_group_in_place(provider):
         check_out(c, batch, q, k, v, n, gs, bs)
 
 
-def test_cascade_graphs_refused_where_not_supported():
+def test_cascade_graphs_refused_where_not_supported(monkeypatch):
+    from attnplug.core.providers.base import GraphSupport
+    from attnplug.core.providers.triton import TritonProvider
+
     c = cfg()
+    monkeypatch.setattr(TritonProvider, "graph_support", GraphSupport(decode=True, verify=True, device_refresh=True))
     with pytest.raises(UnsupportedFeature, match=r"attnplug: provider 'triton' .*cascade.*verify"):
         GraphState(c, "triton", max_batch=2, max_tokens=8, max_pages=10, device=DEV, mode="verify",
                    num_draft_tokens=4, cascade="auto")  # fmt: skip
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="ATTNPLUG_CASCADE"):
         state(c, mode="sometimes")
     assert state(c, mode="off").cascade is None
