@@ -197,7 +197,9 @@ def main() -> None:
                 gcasc = sum(m.get("cascade_graph_updates", 0) for m in marks)
                 if b not in nat and marks:  # the proof markers: forwards / graph replays that read a prefix once
                     cell += f", cascade {casc} eager + {gcasc} graph forwards"
-                    if ("-shared" in v or re.search(r"-n\d", v)) and casc + gcasc == 0:  # a harness bug
+                    off = "0" in (vr[b].get("env") or {}).get("ATTNPLUG_CASCADE", "1") + \
+                        (vr[b].get("env") or {}).get("ATTNPLUG_CASCADE_GRAPHS", "1")  # turned off on purpose
+                    if ("-shared" in v or re.search(r"-n\d", v)) and casc + gcasc == 0 and not off:  # a harness bug
                         cell += " (NO CASCADE RAN)"
                 # the variant's own prompts where the run has them (shared: 8 requests on the cached prefix)
                 ck = "shared_correctness" if vr[b].get("shared_correctness") else "correctness"

@@ -182,3 +182,37 @@ def test_engine_run_loads_draft_weights_when_present(tmp_path):
     assert not engine_run.has_weights(str(tmp_path))
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert engine_run.has_weights(str(tmp_path))
+
+
+def test_report_counts_cascade_replays_and_flags_a_shared_run_that_cut_nothing(tmp_path, monkeypatch, capsys):
+    """benchmarks/e2e/report.py: every attnplug run of a variant shows its markers' cascade forwards (eager +
+    graph replays); a shared-prefix or n-sample run whose markers count none, cascade not turned off, is
+    flagged, as a harness bug."""
+    import report
+
+    def run(backend, tok_s, graph_updates, env=None):
+        return {"engine": "vllm", "engine_version": "x", "backend": backend, "eager": False, "eagle": False,
+                "spec": "none", "tp": 1, "prompts": "shared", "env": env or {}, "samples": 8,
+                "kv_cache_dtype": "auto", "init_s": 1, "rows": {"1x256->256 n=8": {"tok_s": tok_s, "runs": [tok_s]}},
+                "markers": [] if backend == "FLASH_ATTN" else
+                [{"cascade_forwards": 0, "cascade_graph_updates": graph_updates}]}  # fmt: skip
+
+    res = tmp_path / "res"
+    res.mkdir()
+    runs = {"vllm-FLASH_ATTN-shared-n8": run("FLASH_ATTN", 100.0, 0),
+            "vllm-ATTNPLUG_TRITON-shared-n8": run("ATTNPLUG_TRITON", 170.0, 255),
+            "vllm-ATTNPLUG_TRITON-env-shared-n8": run("ATTNPLUG_TRITON", 100.0, 0, {"ATTNPLUG_CASCADE_GRAPHS": "0"}),
+            "vllm-ATTNPLUG_FA3-shared-n8": run("ATTNPLUG_FA3", 160.0, 0)}  # fmt: skip
+    for name, r in runs.items():
+        (res / f"{name}.json").write_text(json.dumps(r))
+    monkeypatch.setattr(sys, "argv", ["report.py", str(res), "--engine", "vllm", "--name", "t", "--command", "c",
+                                      "--out", str(tmp_path / "out")])  # fmt: skip
+    report.main()
+    md = (tmp_path / "out" / "t.md").read_text()
+    row = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if line.startswith("| ATTNPLUG")}
+    assert "8 samples of each prompt" in md
+    assert "cascade 0 eager + 255 graph forwards" in row["ATTNPLUG_TRITON"] and "NO CASCADE" not in row["ATTNPLUG_TRITON"]
+    assert "(1.700 vs FLASH_ATTN)" in row["ATTNPLUG_TRITON"]
+    assert "NO CASCADE RAN" in row["ATTNPLUG_FA3"]
+    off = row["ATTNPLUG_TRITON+ATTNPLUG_CASCADE_GRAPHS=0"]  # turned off on purpose: counted, not flagged
+    assert "cascade 0 eager + 0 graph forwards" in off and "NO CASCADE" not in off
