@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from attnplug.bench.shared_prefix import prompts, shared_prefix_batch  # noqa: E402
-from attnplug.core import AttentionConfig, ForwardMode  # noqa: E402
+from attnplug.core import AttentionConfig, ForwardMode, ProviderUnavailable  # noqa: E402
 from attnplug.core.cuda_graph import GraphState  # noqa: E402
 from attnplug.core.plan import make_plan  # noqa: E402
 from attnplug.core.providers import get_provider_cls  # noqa: E402
@@ -123,6 +123,11 @@ def main() -> None:
     print(f"{'provider':10} {'row':28} {'off us':>8} {'on us':>8} {'extra':>14}  verdict")
     providers = []
     for p in [x for x in a.providers.split(",") if x]:
+        try:
+            get_provider_cls(p).check_available(dev)
+        except ProviderUnavailable as e:
+            print(f"{p:10} n/a: {str(e)[:100]}")
+            continue
         if get_provider_cls(p).graph_support.cascade:
             providers.append(p)
         else:
