@@ -261,6 +261,28 @@ MUTATIONS = [
              "dr_val = draft_slots.reshape(B * K, -1).long()[row // K * K, ",
              (f"{GD}::test_every_draft_step_matches_dense",),
              "every branch attends to branch 0's draft tokens"),
+    # -- branch cascade (issue 43): cascade graphs on by default, the one-launch prefix part ----------------
+    Mutation("cascade_prefix_merge_drops_base", "attnplug/core/kernels/prefill.py",
+             '    w = tl.where(m > float("-inf"), 1.0, 0.0)\n', '    w = tl.where(m > float("-inf"), 0.0, 0.0)\n',
+             ("tests/core/test_cascade_graph.py::test_prefix_part_on_the_prefill_kernel",),
+             "cascade graphs: the prefix kernel's in-kernel merge gives the suffix state no weight"),
+    Mutation("cascade_prefix_merge_counter_not_rearmed", "attnplug/core/kernels/prefill.py",
+             '                    tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")\n', "",
+             ("tests/core/test_cascade_launches.py::test_an_unshared_replay_pays_one_launch_for_the_prefix_part",),
+             "cascade graphs: the prefix kernel's merge counters are not re-armed: the next replay never merges"),
+    Mutation("cascade_fa3_graph_prefix_on_fa3", "attnplug/core/providers/fa3.py",
+             'return provider_instance("triton", self.config, self.device).fork()', "return self.fork()",
+             ("tests/core/test_cascade_launches.py::test_an_unshared_replay_pays_one_launch_for_the_prefix_part",),
+             "cascade graphs: fa3's prefix part is an FA3 call and a merge, replayed where nothing is shared"),
+    Mutation("cascade_prefix_merge_launched_apart", "attnplug/core/providers/triton.py",
+             "fused = merge_base and noncausal and sinks is None and (not split or a.counters is not None)",
+             "fused = False",
+             ("tests/core/test_cascade_launches.py::test_an_unshared_replay_pays_one_launch_for_the_prefix_part",),
+             "cascade graphs: the prefix part's merge is a launch of its own again"),
+    Mutation("cascade_graphs_default_off", CA,
+             "env_flag(CASCADE_GRAPHS_ENV, True)", "env_flag(CASCADE_GRAPHS_ENV, False)",
+             ("tests/core/test_cascade_launches.py::test_cascade_graphs_are_on_by_default_with_two_escape_hatches",),
+             "cascade graphs off unless ATTNPLUG_CASCADE_GRAPHS=1"),
 ]
 
 

@@ -23,9 +23,10 @@ or nested groups go through the core's radix tree (:func:`~attnplug.core.radix_t
 :func:`cascade_pays` is the cost model.
 
 Environment: ``ATTNPLUG_CASCADE`` = ``0`` (off), ``1`` / unset (on where the cost model says it
-pays), ``always`` (every shared group, e.g. for tests). ``ATTNPLUG_CASCADE_GRAPHS`` = ``1``: decode
-CUDA graphs read the prefix common to the whole batch once too (:class:`CascadeGraph`, providers
-whose ``graph_support.cascade`` is set), under the same mode; ``0`` / unset: graphs replay without.
+pays), ``always`` (every shared group, e.g. for tests). ``ATTNPLUG_CASCADE_GRAPHS`` = ``1`` / unset:
+decode and verify CUDA graphs read the prefix common to the whole batch once too (:class:`CascadeGraph`, providers
+whose ``graph_support.cascade`` is set), under the same mode; ``0``: graphs replay without. A replay
+whose batch shares nothing pays one launch that returns at once (``docs/cascade.md``).
 """
 
 from __future__ import annotations
@@ -68,11 +69,11 @@ def cascade_mode(value: str | None = None) -> str:
 
 
 def graph_cascade_mode(graph_support, who: str | None = None) -> str:
-    """The ``cascade`` argument of a decode ``GraphState`` for a provider with ``graph_support``:
-    :func:`cascade_mode` when ``$ATTNPLUG_CASCADE_GRAPHS`` is ``1`` and the provider's graphs can run
-    it, else ``"off"``. Called at startup: where the mode is on, ``ATTNPLUG_GRAPH_IF=1`` on a torch
+    """The ``cascade`` argument of a decode / verify ``GraphState`` for a provider with ``graph_support``:
+    :func:`cascade_mode` when ``$ATTNPLUG_CASCADE_GRAPHS`` is ``1`` or unset and the provider's graphs
+    can run it, else ``"off"``. Called at startup: where the mode is on, ``ATTNPLUG_GRAPH_IF=1`` on a torch
     without IF nodes raises (:func:`~attnplug.core.graph_if.check_requested`, naming ``who``)."""
-    mode = cascade_mode() if env_flag(CASCADE_GRAPHS_ENV, False) and graph_support.cascade else "off"
+    mode = cascade_mode() if env_flag(CASCADE_GRAPHS_ENV, True) and graph_support.cascade else "off"
     if mode != "off":
         graph_if.check_requested(who)
     else:
@@ -383,21 +384,24 @@ def min_saved_pages(config, mode: str) -> int:
     return -(-MIN_SAVED_BYTES // page_bytes)
 
 
-def common_prefix_pages(kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_lens: np.ndarray, page_size: int) -> int:
-    """Leading page ids every request of a decode batch shares with request 0, within each one's
-    ``(kv_len - 1) // page_size`` shareable pages (host twin of
-    :func:`~attnplug.core.kernels.graph_update.batch_shared_pages`); 0 with fewer than two requests."""
+def common_prefix_pages(kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_lens: np.ndarray, page_size: int,
+                        q: int = 1) -> int:
+    """Leading page ids every request of a uniform batch of ``q`` query tokens a request (decode 1,
+    verify the draft tokens) shares with request 0, within each one's ``(kv_len - q) // page_size``
+    shareable pages (host twin of :func:`~attnplug.core.kernels.graph_update.batch_shared_pages`); 0
+    with fewer than two requests."""
     B = kv_lens.shape[0]
     if B < 2:
         return 0
-    m = int(max(int(((kv_lens.astype(np.int64) - 1) // page_size).min()), 0))
+    m = int(max(int(((kv_lens.astype(np.int64) - q) // page_size).min()), 0))
     return _common_pages(_same_as_first(kv_indices, kv_indptr[:-1], m)) if m else 0
 
 
 class CascadeGraph:
-    """The shared-prefix part of a decode :class:`~attnplug.core.cuda_graph.GraphState`: every real
-    request's leading pages common to the whole batch are read once, by a one-request non-causal
-    prefix plan of the ``bs`` query rows, and merged with the suffix plan's output by LSE. The group
+    """The shared-prefix part of a decode or verify :class:`~attnplug.core.cuda_graph.GraphState`: every
+    real request's leading pages common to the whole batch (before its ``q`` query tokens: verify masks
+    show every draft token the whole committed prefix) are read once, by a one-request non-causal
+    prefix plan of the ``bs * q`` query rows, and merged with the suffix plan's output by LSE. The group
     is found at each replay update from the page table (``GraphState.update``: on the host;
     ``update_from_block_table``: on the device, no sync); a batch without a prefix worth it
     (:func:`min_saved_pages`) runs an empty prefix part (its launches return at once). Padded rows
@@ -408,8 +412,8 @@ class CascadeGraph:
     life without a host sync (the adapters' proof counters read them late).
 
     Static memory: ``shared [1]``, the prefix batch ``kv_indptr [2]`` / ``kv_indices [max_pages_per_request]``
-    / ``kv_lens [1]`` (int32), per ``bs`` a ``qo_indptr [2] = (0, bs)`` and the prefix plan, and the
-    merge's ``out_part [max_batch, Hq, D]``, ``lse_part`` / ``lse_suffix [max_batch, Hq]`` float32.
+    / ``kv_lens [1]`` (int32), per ``bs`` a ``qo_indptr [2] = (0, bs * q)`` and the prefix plan, and the
+    merge's ``out_part [max_tokens, Hq, D]``, ``lse_part`` / ``lse_suffix [max_tokens, Hq]`` float32.
     """
 
     def __init__(self, gs, mode: str):
@@ -427,41 +431,43 @@ class CascadeGraph:
         self.kv_last_page_len = torch.full((1,), P, **i32)
         self.qo_indptr: dict[int, torch.Tensor] = {}
         self.plans: dict[int, Plan] = {}
-        hd = (gs.max_batch, cfg.num_qo_heads)
+        hd = (gs.max_batch * gs.q, cfg.num_qo_heads)
         self.out_part = torch.empty((*hd, cfg.head_dim), dtype=cfg.dtype, device=dev)
         self.lse_part = torch.empty(hd, dtype=torch.float32, device=dev)
         self.lse_suffix = torch.empty(hd, dtype=torch.float32, device=dev)
-        self.provider = gs.provider.fork()  # the prefix part's plans apart; its static memory below
+        self.provider = gs.provider.graph_prefix_provider()  # the prefix part's plans apart; its static memory below
         # one block_m for every bs (when the provider takes the knob): the tile lists of all bs are then
         # prefixes of one list in the static memory, of tiles of block_q query rows each
-        self.block_m, block_q = None, gs.max_batch
+        self.block_m, block_q = None, gs.max_batch * gs.q
         if "block_m" in self.provider.OPTIONS:
             probe = self._plan(gs.max_batch)
             self.provider.plan(probe)
             self.block_m = getattr(probe.state, "block_m", None)
-            block_q = getattr(probe.state, "block_q", None) or gs.max_batch
+            block_q = getattr(probe.state, "block_q", None) or gs.max_batch * gs.q
         # split partials for the largest tiles * block_q * splits(tiles) over the captured sizes
-        self.static = self.provider.static_buffers(max_rows=num_pages(gs.max_batch, block_q), max_tokens=gs.max_batch,
+        rows = gs.max_batch * gs.q
+        self.static = self.provider.static_buffers(max_rows=num_pages(rows, block_q), max_tokens=rows,
                                                    max_kv_len=gs.max_seq_len, q=block_q,
                                                    num_kv_splits=gs.num_kv_splits)  # fmt: skip
 
     def _plan(self, bs: int) -> Plan:
         gs, P = self.gs, self.gs.config.page_size
+        n = bs * gs.q  # query rows
         qo = self.qo_indptr.get(bs)
         if qo is None:
-            qo = self.qo_indptr[bs] = torch.tensor([0, bs], dtype=torch.int32, device=gs.device)
+            qo = self.qo_indptr[bs] = torch.tensor([0, n], dtype=torch.int32, device=gs.device)
         i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
         return Plan(
-            config=gs.config, mode=ForwardMode.EXTEND, batch_size=1, num_tokens=bs, max_q_len=bs,
+            config=gs.config, mode=ForwardMode.EXTEND, batch_size=1, num_tokens=n, max_q_len=n,
             max_kv_len=self.max_pages * P, causal=False, device=gs.device,
             qo_indptr=qo, kv_indptr=self.kv_indptr, kv_indices=self.kv_indices,
             kv_last_page_len=self.kv_last_page_len, kv_lens=self.kv_lens,
-            qo_indptr_cpu=i32(0, bs), kv_indptr_cpu=i32(0, self.max_pages), kv_indices_cpu=torch.zeros(self.max_pages, dtype=torch.int32),
-            kv_last_page_len_cpu=i32(P), q_lens_cpu=i32(bs), kv_lens_cpu=i32(self.max_pages * P),
+            qo_indptr_cpu=i32(0, n), kv_indptr_cpu=i32(0, self.max_pages), kv_indices_cpu=torch.zeros(self.max_pages, dtype=torch.int32),
+            kv_last_page_len_cpu=i32(P), q_lens_cpu=i32(n), kv_lens_cpu=i32(self.max_pages * P),
         )  # fmt: skip
 
     def prepare_capture(self, bs: int) -> None:
-        """The prefix plan of ``bs`` query rows (outside the graph)."""
+        """The prefix plan of ``bs * q`` query rows (outside the graph)."""
         plan, knobs = self._plan(bs), {}
         if plan.max_q_len > 1 and self.block_m is not None:
             knobs["block_m"] = self.block_m
@@ -485,22 +491,23 @@ class CascadeGraph:
             self.counts[1].add_(shared * self.gs.config.page_size)
 
     def host_shared(self, batch) -> int:
-        """The shared pages the host path cuts from ``batch`` (host CSR, ``DECODE``): the common
-        prefix when ``(B - 1) * shared`` clears :attr:`min_saved_pages`, else 0."""
+        """The shared pages the host path cuts from ``batch`` (host CSR, ``q`` tokens a request): the
+        common prefix when ``(B - 1) * shared`` clears :attr:`min_saved_pages`, else 0."""
         P = self.gs.config.page_size
         kv = tokens_from_pages(batch.kv_indptr[1:] - batch.kv_indptr[:-1], batch.kv_last_page_len, P)
-        s = common_prefix_pages(batch.kv_indptr.numpy(), batch.kv_indices.numpy(), kv.numpy(), P)
+        s = common_prefix_pages(batch.kv_indptr.numpy(), batch.kv_indices.numpy(), kv.numpy(), P, self.gs.q)
         return s if (batch.batch_size - 1) * s >= self.min_saved_pages else 0
 
     def run(self, bs: int, suffix: Plan, suffix_provider, q: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, **scales) -> None:
-        """``out [bs, Hq, D]``: the suffix plan, then the prefix plan merged into it by LSE
+        """``out [bs * q, Hq, D]``: the suffix plan, then the prefix plan merged into it by LSE
         (:meth:`~attnplug.core.providers.base.Provider.run_merge`; launches only). Captured with
         ``ATTNPLUG_GRAPH_IF=1``, the prefix part sits in an IF node on :attr:`active`
         (:func:`~attnplug.core.graph_if.captured_if`): a replay whose batch shares nothing skips it."""
         sinks = scales.pop("sinks", None)  # both parts without the sink; it joins once, after the IF node
-        s_lse = _run_suffix(suffix_provider, suffix, q, k_cache, v_cache, out, lse, self.lse_suffix[:bs], scales)
+        n = bs * self.gs.q
+        s_lse = _run_suffix(suffix_provider, suffix, q, k_cache, v_cache, out, lse, self.lse_suffix[:n], scales)
         with captured_if(self.active):
-            self.provider.run_merge(self.plans[bs], q, k_cache, v_cache, out, s_lse, self.out_part[:bs],
-                                    self.lse_part[:bs], **scales)  # fmt: skip
+            self.provider.run_merge(self.plans[bs], q, k_cache, v_cache, out, s_lse, self.out_part[:n],
+                                    self.lse_part[:n], **scales)  # fmt: skip
         _join_sinks(out, s_lse, sinks)

@@ -44,6 +44,17 @@ FILL_SEQ_LEN = 1  # committed length of a padded request (SGLang's CUDA-graph se
 _I32 = torch.int32
 
 
+def _mask_columns_from(kv_lens: torch.Tensor, q: int, cut: int) -> torch.Tensor:
+    """``[sum q * (kv_len - cut)]`` int64: the flat positions, in a mask of ``[q, kv_len]`` blocks one a
+    request (row-major, ``kv_lens [B]`` host), of every column from ``cut`` on."""
+    kv = kv_lens.to(torch.int64)
+    starts = torch.cumsum(kv * q, 0) - kv * q
+    rows = torch.repeat_interleave(starts, q) + torch.arange(q).repeat(kv.numel()) * torch.repeat_interleave(kv, q)
+    keep = torch.repeat_interleave(kv, q) - cut
+    return torch.repeat_interleave(rows + cut, keep) + (torch.arange(int(keep.sum())) - torch.repeat_interleave(
+        torch.cumsum(keep, 0) - keep, keep))
+
+
 def chain_mask(q: int, kv_len: int) -> torch.Tensor:
     """``[q, kv_len]`` bool causal-chain verify mask: row ``i`` sees columns ``c <= kv_len - q + i``."""
     return torch.arange(kv_len)[None, :] <= (kv_len - q + torch.arange(q))[:, None]
@@ -69,14 +80,15 @@ class GraphState:
             decode, what :meth:`update_from_block_table` writes): a provider may replay it with a causal
             kernel instead of reading the mask (``GraphSupport.chain_verify``); :meth:`update` checks a
             host mask is one.
-        cascade: shared-prefix attention in decode graphs, ``"off"`` / ``"auto"`` / ``"always"``
+        cascade: shared-prefix attention, ``"off"`` / ``"auto"`` / ``"always"``
             (:class:`~attnplug.core.cascade.CascadeGraph`: each update finds the leading pages all
-            real requests share; the captured launches read them once; the graph of one request has
-            no cascade part).
+            real requests share before their ``q`` tokens; the captured launches read them once; the
+            graph of one request has no cascade part). Verify: cut where the update reads a host
+            page CSR (and mask) or a device page table (chain masks); a device CSR cuts nothing.
 
     Raises:
         UnsupportedFeature: the provider cannot replay ``mode`` (its ``graph_support`` says why), or
-            ``cascade`` is on where the provider's graphs cannot run it (or ``mode`` is not decode).
+            ``cascade`` is on where the provider's graphs cannot run it.
     """
 
     def __init__(
@@ -130,7 +142,7 @@ class GraphState:
         self.graph = self.provider.graph(self)  # the provider's static state; raises if it cannot replay mode
         self.cascade = None
         if cascade_mode(cascade) != "off":
-            if mode != "decode" or not self.provider.graph_support.cascade:
+            if not self.provider.graph_support.cascade:
                 raise UnsupportedFeature(f"attnplug: provider '{self.provider.name}' does not support shared-prefix "
                                          f"(cascade) attention in CUDA graphs of {mode} batches")  # fmt: skip
             self.cascade = CascadeGraph(self, cascade_mode(cascade))
@@ -306,7 +318,8 @@ class GraphState:
 
     def _cut_shared(self, batch: BatchMetadata) -> BatchMetadata:
         """Cascade, host path: write the prefix batch and return ``batch`` without its shared pages
-        (a device batch: nothing shared, it is not read back)."""
+        (verify: and its mask without their columns; a device batch: nothing shared, it is not read
+        back)."""
         host = batch.kv_indptr.device.type == "cpu" and batch.kv_indices.device.type == "cpu" \
             and batch.kv_last_page_len.device.type == "cpu"
         shared = self.cascade.host_shared(batch) if host else 0
@@ -317,8 +330,13 @@ class GraphState:
         counts = ind[1:] - ind[:-1]
         pos = torch.arange(int(ind[-1])) - torch.repeat_interleave(ind[:-1], counts)  # page index within its request
         keep = pos >= shared
+        mask = batch.custom_mask
+        if mask is not None:  # each request's [q, kv_len] block loses its first shared * P columns
+            P = self.config.page_size
+            kv = tokens_from_pages(counts, batch.kv_last_page_len.to(torch.int64), P)
+            mask = mask[_mask_columns_from(kv, self.q, shared * P).to(mask.device)]
         return BatchMetadata(batch.mode, batch.qo_indptr, (ind - torch.arange(ind.numel()) * shared).to(_I32),
-                             batch.kv_indices[keep], batch.kv_last_page_len)  # fmt: skip
+                             batch.kv_indices[keep], batch.kv_last_page_len, custom_mask=mask)  # fmt: skip
 
     def update_from_block_table(self, seq_lens: torch.Tensor, block_table: torch.Tensor, bs: int,
                                 row_ids: torch.Tensor | None = None, entry_tokens: int = 1,
@@ -357,7 +375,7 @@ class GraphState:
         c = self._cascade(bs)
         if c is not None:
             batch_shared_pages(seq_lens, block_table, self.config.page_size, c.shared, row_ids=row_ids,
-                               entry_tokens=entry_tokens)  # fmt: skip
+                               entry_tokens=entry_tokens, q=self.q)  # fmt: skip
         graph_batch_from_block_table(
             seq_lens, block_table, bs, self.config.page_size, self.pad_page, self.pad_kv_len,
             v["kv_indptr"], self.kv_indices, v["kv_last_page_len"], v["kv_lens"],

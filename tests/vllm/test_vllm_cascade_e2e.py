@@ -25,8 +25,10 @@ def cascade_runs():
         return dict(model=model, prompts=prompts, backend=backend, block_size=block, max_tokens=MAX_TOKENS,
                     batches=[[0], list(range(1, len(prompts)))])  # fmt: skip
 
-    specs = {"cascade": (job("attnplug_triton", 16), {"ATTNPLUG_CASCADE": "always"}),
-             "cascade_graphs": (job("attnplug_triton", 16), {"ATTNPLUG_CASCADE": "always", "ATTNPLUG_CASCADE_GRAPHS": "1"}),
+    # "cascade": eager cascade alone (graph cascade off: decode batches plan eagerly); "cascade_graphs": the
+    # default graph cascade, forced to cut (ATTNPLUG_CASCADE=always) on this tiny model
+    specs = {"cascade": (job("attnplug_triton", 16), {"ATTNPLUG_CASCADE": "always", "ATTNPLUG_CASCADE_GRAPHS": "0"}),
+             "cascade_graphs": (job("attnplug_triton", 16), {"ATTNPLUG_CASCADE": "always"}),
              "native": (job(None, 32), {})}  # fmt: skip
     return prompts, run_jobs(wd, specs)
 
@@ -45,7 +47,7 @@ def test_cascade_tokens_equal_native_and_cascade_ran(cascade_runs):
 
 
 def test_cascade_in_decode_graph_buffers_equals_native_and_is_counted(cascade_runs):
-    """ATTNPLUG_CASCADE_GRAPHS=1: the decode steps run on the CUDA-graph static buffers (on CPU the
+    """Graph cascade (on by default): the decode steps run on the CUDA-graph static buffers (on CPU the
     same launches, uncaptured), whose update cuts the pages every request of the batch shares (on
     the device, from vLLM's block table); tokens equal vLLM's own backend and the markers count
     those steps (``cascade_graph_updates``)."""

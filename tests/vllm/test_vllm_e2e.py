@@ -67,7 +67,7 @@ def runs(setup):
     eagle = dict(method="eagle", model=draft, num_speculative_tokens=2)
     specs = {
         # cascade off: single-token decodes then run on the CUDA-graph static buffers (on CPU too);
-        # with cascade on they plan eagerly (test_vllm_cascade_e2e.py)
+        # with eager cascade on and graph cascade off they plan eagerly (test_vllm_cascade_e2e.py)
         "attnplug": (llm_job(model, prompts, "attnplug_triton", 16), {"ATTNPLUG_CASCADE": "0"}),
         # EAGLE: vLLM picks the drafter's backend separately (speculative_config.attention_backend)
         "eagle": (llm_job(model, prompts, "attnplug_triton", 16,

@@ -74,6 +74,8 @@ class EngineJob:
         self.results = {int(k): v for k, v in json.loads(out.read_text()).items()} if out.exists() else None
         metrics = self.dir / "metrics.json"
         self.metrics = json.loads(metrics.read_text()) if metrics.exists() else None
+        samples = self.dir / "samples.json"  # every sample of the n > 1 batches, by prompt index
+        self.samples = json.loads(samples.read_text()) if samples.exists() else {}
         self.markers = read_markers(self.marker_dir)
         return self
 

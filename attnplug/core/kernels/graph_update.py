@@ -11,7 +11,7 @@ writes all of them at once, in place, with no host sync and no allocation. SGLan
 Padded requests (``seq_lens <= 0``, and rows ``n..bs-1``) become the core's padded request
 (``pad_kv_len`` tokens on ``pad_page``; an all-True mask block), as ``GraphState.update`` pads.
 
-Shared prefix (cascade under CUDA graphs, decode): :func:`batch_shared_pages` finds the leading
+Shared prefix (cascade under CUDA graphs, decode and verify): :func:`batch_shared_pages` finds the leading
 page ids every real request shares with request 0 (one launch, an atomic minimum), and the update
 launch then writes each real request's *suffix* (its pages after the shared ones) and the shared
 pages as a one-request prefix batch, when the saving clears the cost model's bound.
@@ -115,12 +115,12 @@ def graph_batch_from_block_table_kernel(
 
 @triton.jit
 def shared_pages_kernel(
-    SEQ, BT, stride_bt_row, stride_bt_col, n, W, ROW_IDX, SHARED, page_size,
+    SEQ, BT, stride_bt_row, stride_bt_col, n, W, ROW_IDX, SHARED, page_size, q,
     BLOCK_J: tl.constexpr, HAS_ROW_IDX: tl.constexpr, ENTRY_TOKENS: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(n,)``, ``SHARED[0]`` preset to a bound: program ``b`` lowers it to the number of leading
-    page ids request ``b`` shares with request 0, within its shareable pages ``(seq_lens[b] - 1) // P``
-    (the last token, this step's query, is never shared). A padding row (``seq_lens <= 0``) at 0
+    page ids request ``b`` shares with request 0, within its shareable pages ``(seq_lens[b] - q) // P``
+    (this step's ``q`` query tokens are never shared). A padding row (``seq_lens <= 0``) at 0
     leaves nothing shared; elsewhere padding rows take no part."""
     b = tl.program_id(0)
     s_b = tl.load(SEQ + b).to(tl.int32)
@@ -128,7 +128,7 @@ def shared_pages_kernel(
     if s_0 <= 0:
         tl.atomic_min(SHARED, 0)
     elif s_b > 0:
-        lim = tl.minimum((s_b - 1) // page_size, (s_0 - 1) // page_size)
+        lim = tl.maximum(tl.minimum((s_b - q) // page_size, (s_0 - q) // page_size), 0)
         lim = tl.minimum(lim, W // ENTRY_TOKENS)
         r0 = tl.zeros([], dtype=tl.int64)
         rb = b.to(tl.int64)
@@ -147,11 +147,11 @@ def shared_pages_kernel(
 
 
 def batch_shared_pages(seq_lens: torch.Tensor, block_table: torch.Tensor, page_size: int, shared: torch.Tensor,
-                       row_ids: torch.Tensor | None = None, entry_tokens: int = 1) -> None:
+                       row_ids: torch.Tensor | None = None, entry_tokens: int = 1, q: int = 1) -> None:
     """``shared [1]`` int32 <- the leading page ids every real request of the engine's table shares
-    with request 0 (within each one's ``(seq_lens - 1) // page_size`` shareable pages); 0 with fewer
-    than two requests. Device work only (a fill and one launch, grid ``(n,)``): no sync. Arguments
-    as :func:`graph_batch_from_block_table`'s."""
+    with request 0 (within each one's ``(seq_lens - q) // page_size`` shareable pages: ``q`` query
+    tokens a request); 0 with fewer than two requests. Device work only (a fill and one launch, grid
+    ``(n,)``): no sync. Arguments as :func:`graph_batch_from_block_table`'s."""
     n = seq_lens.shape[0]
     shared.fill_(0 if n < 2 else 1 << 30)
     if n < 2:
@@ -159,7 +159,7 @@ def batch_shared_pages(seq_lens: torch.Tensor, block_table: torch.Tensor, page_s
     W = block_table.shape[1] if block_table.dim() == 2 else 0
     shared_pages_kernel[(n,)](
         seq_lens, block_table, block_table.stride(0), block_table.stride(1) if W else 1, n, W,
-        seq_lens if row_ids is None else row_ids, shared, page_size,
+        seq_lens if row_ids is None else row_ids, shared, page_size, q,
         BLOCK_J=128, HAS_ROW_IDX=row_ids is not None, ENTRY_TOKENS=entry_tokens,
     )  # fmt: skip
 

@@ -182,6 +182,52 @@ def attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, po
 
 
 @triton.jit
+def _merge_into_base(PO, PL, BO, BL, t_glob, head, row_ok, d, num_splits, stride_ot, stride_oh, stride_os,
+                     stride_lt, stride_lh, stride_bot, stride_boh, stride_blt, stride_blh,
+                     HEAD_DIM: tl.constexpr, FROM_SPLITS: tl.constexpr, own_o, own_lse2):
+    """Merge into the base state ``BO [T, Hq, D]`` / ``BL [T, Hq]`` (natural log) of a tile's rows: the
+    ``num_splits`` partials ``PO`` / base-2 ``PL`` (``FROM_SPLITS``; loads bypass L1: other programs of
+    this launch wrote them), or the state ``own_o`` / base-2 ``own_lse2`` in registers. An empty partial
+    is not read; a row with no keys here is not written."""
+    d_ok = d[None, :] < HEAD_DIM
+    m = tl.load(BL + t_glob * stride_blt + head * stride_blh, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+    w = tl.where(m > float("-inf"), 1.0, 0.0)
+    acc = tl.load(BO + t_glob[:, None] * stride_bot + head[:, None] * stride_boh + d[None, :],
+                  mask=row_ok[:, None] & d_ok & (m > float("-inf"))[:, None], other=0.0).to(tl.float32)
+    mine = m < float("-inf")  # rows this part has keys for (none yet)
+    if FROM_SPLITS:
+        for s in range(0, num_splits):
+            ls = tl.load(PL + t_glob * stride_lt + head * stride_lh + s, mask=row_ok, other=float("-inf"),
+                         cache_modifier=".cg")
+            p = tl.load(PO + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + s * stride_os + d[None, :],
+                        mask=row_ok[:, None] & d_ok & (ls > float("-inf"))[:, None], other=0.0,
+                        cache_modifier=".cg").to(tl.float32)
+            m, w, acc = _lse_add(m, w, acc, ls, p)
+            mine = mine | (ls > float("-inf"))
+    else:
+        m, w, acc = _lse_add(m, w, acc, own_lse2, tl.where((own_lse2 > float("-inf"))[:, None], own_o, 0.0))
+        mine = own_lse2 > float("-inf")
+    keep = row_ok & mine
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    tl.store(BO + t_glob[:, None] * stride_bot + head[:, None] * stride_boh + d[None, :],
+             (acc / tl.where(w > 0.0, w, 1.0)[:, None]).to(BO.dtype.element_ty), mask=keep[:, None] & d_ok)
+    tl.store(BL + t_glob * stride_blt + head * stride_blh,
+             tl.where(w > 0.0, (m_safe + tl.log2(tl.where(w > 0.0, w, 1.0))) * 0.6931471805599453, float("-inf")),
+             mask=keep)
+
+
+@triton.jit
+def _lse_add(m, w, acc, ls, p):
+    """Online merge of one more state (base-2 LSE ``ls``, value ``p``) into ``(m, w, acc)``: the running
+    base-2 maximum, the weight sum and the weighted values, both relative to ``m``."""
+    m_new = tl.maximum(m, ls)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_safe)
+    ws = tl.exp2(ls - m_safe)
+    return m_new, w * alpha + ws, acc * alpha[:, None] + p * ws[:, None]
+
+
+@triton.jit
 def prefill_kernel(
     Q, K, V, O, LSE, K_desc, V_desc,
     qo_indptr, kv_indptr, kv_indices, kv_lens, tile_req, tile_qstart, K_SCALE, V_SCALE,
@@ -197,6 +243,8 @@ def prefill_kernel(
     STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
     FP8_F16: tl.constexpr = False, NONCAUSAL: tl.constexpr = False, num_splits=1, stride_os=0,
     PDL: tl.constexpr = False, SINKS=None, HAS_SINKS: tl.constexpr = False,
+    MERGE_BASE: tl.constexpr = False, COUNTERS=None, BASE_O=None, BASE_L=None,
+    stride_bot=0, stride_boh=0, stride_blt=0, stride_blh=0,
 ):
     """Grid ``(num_tiles, Hkv)``: causal (bottom-right aligned), no split. ``NONCAUSAL`` (the cascade's
     shared-prefix parts): grid ``(num_tiles, Hkv, num_splits)``, every row sees every key; split ``s``
@@ -213,6 +261,13 @@ def prefill_kernel(
     lets the next kernel launch at once and waits for the one before it to complete before exiting.
     ``HAS_SINKS`` (``num_splits == 1`` only; split partials carry no sink, their merge adds it):
     ``SINKS [Hq]`` sink logits join each row's softmax.
+
+    ``MERGE_BASE`` (``NONCAUSAL``, no sinks; the cascade graphs' prefix part): the result merges by LSE
+    into the state ``BASE_O [T, Hq, D]`` / ``BASE_L [T, Hq]`` (natural log) the suffix part wrote, in
+    this launch: unsplit, each program merges its own rows (``BASE_O`` / ``BASE_L`` are then ``O`` /
+    ``LSE``); split, the last split of a ``(tile, KV head)`` to arrive on ``COUNTERS [tiles * Hkv]``
+    int32 (zero before and after the launch) merges the partials. A request without keys (a batch
+    that shares nothing) returns at once: the whole launch does no work and the base is untouched.
     """
     if PDL:
         gdc_launch_dependents()
@@ -225,6 +280,11 @@ def prefill_kernel(
     q_start = tl.load(qo_indptr + b)
     q_len = tl.load(qo_indptr + b + 1) - q_start
     kv_len = tl.load(kv_lens + b)
+    if MERGE_BASE:
+        if kv_len == 0:  # nothing shared at this replay: no work, the suffix state stays as it is
+            if PDL:
+                gdc_wait()
+            return
     page_base = tl.load(kv_indptr + b)
 
     rows = tl.arange(0, BLOCK_M)
@@ -309,6 +369,22 @@ def prefill_kernel(
             o_ptrs = O + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + d[None, :]
             tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=keys_ok[:, None] & (d[None, :] < HEAD_DIM))
             tl.store(LSE + t_glob * stride_lt + head * stride_lh + split, lse2, mask=row_ok)
+            if MERGE_BASE:
+                tl.debug_barrier()  # every thread's partial stores precede the (release) arrival
+                cnt = COUNTERS + tile * tl.num_programs(1) + kvh
+                arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+                if arrived == num_splits - 1:  # the last split of (tile, kvh): merge, then re-arm the counter
+                    tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+                    if PDL:  # the base is the suffix part's output: the kernel before this one
+                        gdc_wait()
+                    _merge_into_base(O, LSE, BASE_O, BASE_L, t_glob, head, row_ok, d, num_splits, stride_ot,
+                                     stride_oh, stride_os, stride_lt, stride_lh, stride_bot, stride_boh,
+                                     stride_blt, stride_blh, HEAD_DIM, True, out, lse2)
+        elif MERGE_BASE:  # unsplit: this program's own state into the base (O / LSE), in registers
+            if PDL:
+                gdc_wait()
+            _merge_into_base(O, LSE, O, LSE, t_glob, head, row_ok, d, 1, 0, 0, 0, 0, 0, stride_ot, stride_oh,
+                             stride_lt, stride_lh, HEAD_DIM, False, out, lse2)
         else:
             o_ptrs = O + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
             tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))

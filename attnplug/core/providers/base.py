@@ -61,9 +61,10 @@ class GraphSupport:
             lengths (``kv_indptr`` / ``kv_last_page_len``), and from a device page table only in
             decode mode.
         reason: what is not supported and why (shown in refusals); ``""`` when everything is.
-        cascade: decode graphs can read a shared prefix once (``GraphState(cascade=...)``): the
-            provider runs a one-request, non-causal prefix plan of ``bs`` query rows over device
-            lengths from static memory, next to the suffix plan.
+        cascade: decode and verify graphs can read a shared prefix once (``GraphState(cascade=...)``):
+            the prefix part (:meth:`Provider.graph_prefix_provider`) runs a one-request, non-causal
+            plan of ``bs * q`` query rows over device lengths from static memory, next to the suffix
+            plan, which must give an LSE.
         chain_verify_from_table: with ``device_refresh`` False: verify families of causal-chain
             masks (``GraphState(chain=True)``, vLLM's linear spec decode) replay from a device page
             table given host lengths (``update_from_block_table(host_seq_lens=...)``), as decode does.
@@ -343,6 +344,12 @@ class Provider(ABC):
         library workspace): for graph families, cascade parts and draft steps. Default: this one (its
         plans live in the ``Plan`` objects)."""
         return self
+
+    def graph_prefix_provider(self) -> "Provider":
+        """The provider that runs the shared-prefix part of this provider's cascade graphs
+        (:class:`~attnplug.core.cascade.CascadeGraph`: a one-request non-causal plan over static device
+        lengths, :meth:`run_merge` into the suffix state). Default: a fork of this one."""
+        return self.fork()
 
     def step_providers(self, num_steps: int) -> list["Provider"]:
         """Providers for ``num_steps`` draft steps whose plans must all stay valid at once: this one,

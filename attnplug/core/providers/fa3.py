@@ -58,7 +58,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..config import AttentionConfig
+from ..config import AttentionConfig, UnsupportedFeature
 from ..pages import num_pages
 from ..plan import Plan, PlanOptions
 from .base import GraphSupport, Provider, ProviderGraph
@@ -420,6 +420,18 @@ class FA3Provider(Provider):
         s = self._run(plan, q, k_cache, v_cache, out, lse, lse is not None, k_scale, v_scale, q_scale)
         if s is not None:
             lse.copy_(s)
+
+    def graph_prefix_provider(self) -> Provider:
+        """The triton provider where it runs here: its prefix part is one launch that merges into FA3's
+        suffix state in the kernel and returns at once when the batch shares nothing (an FA3 call and a
+        merge are two launches that replay either way); else a fork of this one."""
+        from . import provider_instance  # noqa: PLC0415
+        from .base import ProviderUnavailable  # noqa: PLC0415
+
+        try:
+            return provider_instance("triton", self.config, self.device).fork()
+        except (ProviderUnavailable, UnsupportedFeature, ImportError):
+            return self.fork()
 
     def run_lse(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,

@@ -370,6 +370,9 @@ class TritonProvider(Provider):
             if self._prefill_kernel_ok(plan, pe, block_m, splits):
                 kernel, entry = "prefill", pe
         fused = kernel == "decode" and splits > 1 and bool(entry.get("fused_merge", False))
+        # a split non-causal prefill plan in static memory (a cascade graph's prefix part): counters for
+        # run_merge's in-kernel merge into the suffix state
+        fused = fused or (kernel == "prefill" and noncausal and splits > 1 and static is not None)
         diag_n = min(block_n, entry.get("diag_n", block_n)) if kernel == "prefill" else 0
         tma = (kernel == "prefill" and bool(entry.get("tma", False)) and cfg.page_size % block_n == 0
                and cfg.head_dim == _next_pow2(cfg.head_dim) and diag_n == block_n)  # fmt: skip
@@ -412,7 +415,7 @@ class TritonProvider(Provider):
             if static is not None and static.counters is not None and static.counters.numel() >= n_cnt:
                 counters = static.counters[:n_cnt]
             elif static is not None:
-                raise ValueError(f"attnplug: {num_tiles} decode tiles exceed the static merge counters")
+                raise ValueError(f"attnplug: {num_tiles} tiles exceed the static merge counters")
             else:
                 counters = torch.zeros(n_cnt, dtype=torch.int32, device=self.device)
         plan.state = TritonState(
@@ -432,10 +435,13 @@ class TritonProvider(Provider):
 
     def run_merge(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor,
                   scratch_out: torch.Tensor, scratch_lse: torch.Tensor, **scales) -> None:
-        """A split plan of the paged or prefill kernel merges its splits straight into ``(out, lse)`` (one
-        merge launch, no scratch); other plans take the default (run into scratch, then merge)."""
+        """A prefill-kernel plan (unsplit, or split with merge counters: a cascade graph's prefix part) merges
+        into ``(out, lse)`` inside its one launch, which returns at once when the plan has no keys; a split
+        plan of the paged kernel merges its splits straight into ``(out, lse)`` (one merge launch, no
+        scratch); other plans take the default (run into scratch, then merge)."""
         a: TritonState = plan.state
-        if a.kernel == "decode" or a.num_splits == 1 or "sinks" in scales:
+        in_kernel = a.kernel == "prefill" and (a.num_splits == 1 or a.counters is not None)
+        if a.kernel == "decode" or (a.num_splits == 1 and not in_kernel) or "sinks" in scales:
             return super().run_merge(plan, q, k_cache, v_cache, out, lse, scratch_out, scratch_lse, **scales)
         # not inside a CUDA IF node: the body's first launch has no kernel before it in its own graph
         self._run(plan, q, k_cache, v_cache, out, lse, scales.get("k_scale"), scales.get("v_scale"), merge_base=True,
@@ -527,6 +533,12 @@ class TritonProvider(Provider):
             o, l, o_strides = out, (lse if lse is not None else out), (out.stride(0), out.stride(1))
             l_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
         noncausal = not plan.causal and plan.mask is None
+        fused = merge_base and noncausal and sinks is None and (not split or a.counters is not None)
+        base = {}
+        if fused:  # the merge into the suffix state (out, lse) happens in the kernel
+            base = dict(MERGE_BASE=True, COUNTERS=a.counters if split else plan.kv_lens, BASE_O=out, BASE_L=lse,
+                        stride_bot=out.stride(0), stride_boh=out.stride(1), stride_blt=lse.stride(0),
+                        stride_blh=lse.stride(1))
         prefill_kernel[(a.num_tiles, cfg.num_kv_heads, a.num_splits)](
             q, k_cache, v_cache, o, l, k_desc, v_desc,
             plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, a.tile_req, a.tile_qstart,
@@ -540,8 +552,9 @@ class TritonProvider(Provider):
             FP8_F16=a.fp8_f16, NONCAUSAL=noncausal, num_splits=a.num_splits, stride_os=o.stride(2) if split else 0,
             num_warps=a.num_warps, num_stages=a.num_stages, **({"PDL": True, "launch_pdl": True} if pdl else {}),
             **_sink_args(None if split else sinks),  # split: the merge adds them
+            **base,
         )
-        if split:
+        if split and not fused:
             merge_splits(a.partial, a.partial_lse, out, lse, base=merge_base, pdl=pdl, sinks=sinks)
 
     def _run_decode(self, plan: Plan, a: TritonState, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale,

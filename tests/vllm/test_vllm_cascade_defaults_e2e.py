@@ -1,0 +1,54 @@
+"""Cascade with default settings (no attnplug variable set) through vLLM on CPU: a shared-prefix prompt
+set and an ``n = 4`` sampling request over a cached prompt. The tiny Llama here has wide KV heads (16 x
+256, float32: 512 KiB a page of 16 tokens), so 3 requests re-reading a 448-token prefix clear the cost
+model's bound (:data:`attnplug.core.cascade.MIN_SAVED_BYTES` a layer) as a long system prompt does on a
+real model (4 requests on the shared prompt: 3 x 28 pages x 512 KiB = 42 MiB). Tokens equal vLLM's own CPU backend; the markers prove the shared pages were read once:
+decode batches run on the CUDA-graph static buffers (on CPU the same launches, uncaptured), whose
+cascade part is on by default."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_test_helpers import run_jobs, workdir
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+
+SHARED, MAX_TOKENS, N = 448, 8, 4
+WIDE_KV = dict(num_attention_heads=16, num_key_value_heads=16, head_dim=256)
+
+
+@pytest.fixture(scope="module")
+def default_runs():
+    from attnplug.tools.tiny_model import make_tiny_llama, shared_prefix_prompts
+
+    wd = workdir()
+    model = str(make_tiny_llama(wd / "tiny-llama-wide-kv", **WIDE_KV))
+    prompts = shared_prefix_prompts(n=5, shared=SHARED)
+    # prompt 0 first (it fills the prefix cache), then the others together, then prompt 0 again with
+    # n = 4 samples (top_k = 1: every sample is the greedy one, so tokens can be compared)
+    batches = [[0], [1, 2, 3, 4], {"prompts": [0], "sampling": dict(n=N, temperature=1.0, top_k=1, seed=0)}]
+
+    def job(backend, block):
+        return dict(model=model, prompts=prompts, backend=backend, block_size=block, max_tokens=MAX_TOKENS,
+                    batches=batches)  # fmt: skip
+
+    defaults = {k: None for k in ("ATTNPLUG_CASCADE", "ATTNPLUG_CASCADE_GRAPHS", "ATTNPLUG_GRAPH_IF", "ATTNPLUG_PDL")}
+    return prompts, run_jobs(wd, {"defaults": (job("attnplug_triton", 16), defaults), "native": (job(None, 32), {})})
+
+
+def test_defaults_give_native_tokens_and_read_shared_prefixes_once(default_runs):
+    prompts, runs = default_runs
+    ours, native = runs["defaults"].check_ok(), runs["native"].check_ok()
+    for i in range(len(prompts)):
+        assert ours.results[i]["token_ids"] == native.results[i]["token_ids"], i
+    assert ours.samples["0"] == native.samples["0"] and len(ours.samples["0"]) == N
+    assert all(s == ours.results[0]["token_ids"] for s in ours.samples["0"]), "top_k = 1 samples are greedy"
+    assert all(ours.results[i]["num_cached_tokens"] >= SHARED - 16 for i in (1, 2, 3, 4))  # prefix-cache hits
+    (m,) = [m for m in ours.markers if m["layer_runs"]]
+    line = " ".join(m["backends"]["ATTNPLUG_TRITON"])
+    assert "cascade auto" in line and "in CUDA graphs on" in line, line
+    # decode steps of the 4 grouped requests and of the 4 samples cut their common prefix (27-28 pages)
+    assert m["cascade_graph_updates"] >= 2 * (MAX_TOKENS - 1) - 2, m
+    assert m["cascade_graph_shared_tokens"] >= m["cascade_graph_updates"] * (SHARED - 16), m
