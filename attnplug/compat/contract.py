@@ -158,8 +158,8 @@ class SourceTree:
             return None
         seen.add((mod, cls.name))
         for node in cls.body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
-                return mod, node
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name and not _overload(node):
+                return mod, node  # the implementation: ``@overload`` stubs before it are not what runs
             if name in _assigned(node):
                 return mod, node
         for node in ast.walk(cls):
@@ -188,6 +188,11 @@ class SourceTree:
                 if m:
                     return m
         return None
+
+
+def _overload(fn) -> bool:
+    """``fn`` is a ``typing.overload`` stub (``@overload`` / ``@typing.overload``)."""
+    return any((d.id if isinstance(d, ast.Name) else getattr(d, "attr", "")) == "overload" for d in fn.decorator_list)
 
 
 def _assigned(node) -> set[str]:

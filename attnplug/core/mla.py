@@ -85,12 +85,23 @@ def check_mla_support(provider: str, config: AttentionConfig) -> None:
     cls = get_provider_cls(provider).mla_class()
     if cls is None:
         raise UnsupportedFeature(f"attnplug: provider '{provider}' does not support MLA (multi-head latent attention)")
-    if config.kv_dtype not in cls.KV_DTYPES:
-        raise UnsupportedFeature(f"attnplug: provider '{provider}' does not support an MLA latent cache of "
-                                 f"{str(config.kv_dtype).removeprefix('torch.')}")
     refusal = cls.mla_refusal(config)
     if refusal:
         raise UnsupportedFeature(f"attnplug: provider '{provider}' does not support {refusal}")
+    if config.kv_dtype not in cls.KV_DTYPES:
+        raise UnsupportedFeature(f"attnplug: provider '{provider}' does not support an MLA latent cache of "
+                                 f"{str(config.kv_dtype).removeprefix('torch.')}")
+
+
+def library_refusal(config: AttentionConfig, library: str) -> str | None:
+    """What of the MLA ``config`` a library's DeepSeek-shaped MLA kernels (16-bit, latent 512 + rope 64:
+    FlashInfer's MLA wrapper, FA3's ``qv`` path) cannot compute, for ``Provider.mla_refusal``; ``None``: all."""
+    if config.dtype not in (torch.float16, torch.bfloat16):
+        return f"MLA in {config.dtype} ({library} runs float16/bfloat16)"
+    if (config.kv_lora_rank, config.rope_dim) != (512, 64):
+        return (f"MLA with kv_lora_rank {config.kv_lora_rank} + rope dim {config.rope_dim} ({library}'s MLA "
+                "kernels: 512 + 64)")
+    return None
 
 
 def mla_reference(plan: Plan, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, w_uk: torch.Tensor,
@@ -134,5 +145,5 @@ def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, d
     return torch.cat([q_lat, q_pe.float()], dim=-1).to(dtype).contiguous()
 
 
-__all__ = ["absorb_query", "check_latent_views", "check_mla_support", "latent_cache_views", "mla_config",
-           "mla_reference", "write_latent"]
+__all__ = ["absorb_query", "check_latent_views", "check_mla_support", "latent_cache_views", "library_refusal",
+           "mla_config", "mla_reference", "write_latent"]

@@ -62,17 +62,35 @@ def _stub(node):
 
 def stand_in(src: str, edit=None):
     """``import_module`` for :func:`fip.interface_refusal`: each module of FlashInfer the provider calls,
-    built from the sources under ``src`` (``edit(rel, text)``: the text used for file ``rel``)."""
+    built from the sources under ``src`` (``edit(rel, text)``: the text used for file ``rel``); names a
+    module re-exports with a relative ``from .x import name`` are taken from ``x``'s stand-in."""
+    built: dict[str, types.ModuleType] = {}
+
     def import_module(name: str):
-        rel = name.split(".", 1)[1].replace(".", "/") + ".py"
+        if name not in built:
+            built[name] = types.ModuleType(name)  # a cycle of re-exports meets the module being built
+            _build(name, built[name])
+        return built[name]
+
+    def _build(name: str, mod: types.ModuleType) -> None:
+        rel = name.split(".", 1)[1].replace(".", "/")
+        rel = rel + "/__init__.py" if os.path.isdir(os.path.join(src, "flashinfer", rel)) else rel + ".py"
         with open(os.path.join(src, "flashinfer", rel)) as f:
             text = f.read()
         tree = ast.parse(edit(rel, text) if edit else text)
         defs = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
         body = [_stub(n) for n in tree.body if isinstance(n, defs)]
-        mod = types.ModuleType(name)
         exec(compile(ast.fix_missing_locations(ast.Module(body, [])), rel, "exec"), mod.__dict__)
-        return mod
+        pkg = name if rel.endswith("__init__.py") else name.rsplit(".", 1)[0]
+        for node in tree.body:  # relative re-exports of names this file does not define
+            if isinstance(node, ast.ImportFrom) and node.level and node.module:
+                base = pkg.rsplit(".", node.level - 1)[0] if node.level > 1 else pkg
+                for a in node.names:
+                    if a.name != "*" and (a.asname or a.name) not in mod.__dict__:
+                        try:
+                            setattr(mod, a.asname or a.name, getattr(import_module(f"{base}.{node.module}"), a.name))
+                        except (OSError, AttributeError, SyntaxError):
+                            pass
 
     return import_module
 
@@ -90,7 +108,7 @@ def test_the_contract_covers_the_numerics_the_provider_passes():
     """Every keyword of the provider's wrapper ``plan`` calls is one the contract checks."""
     prov = object.__new__(fip.FlashInferProvider)  # plan_kwargs reads only the config (no GPU here)
     prov.config = AttentionConfig(32, 8, 128, 16, torch.bfloat16)
-    plans = [c for c in fip.CALLS if c.name.endswith(".plan")]
+    plans = [c for c in fip.CALLS if c.name.endswith(".plan") and "MLA" not in c.name]  # MLA: positional only
     assert len(plans) == 2
     for it in plans:
         assert set(prov.plan_kwargs()) <= set(it.kwargs), it.name

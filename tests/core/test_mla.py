@@ -35,6 +35,19 @@ def _run(c: MLACase, provider: str = "triton", cascade: str = "off", lse: bool =
     return attn, out, s
 
 
+def _share_first_pages(c: MLACase, n: int) -> tuple[BatchMetadata, torch.Tensor]:
+    """``c``'s batch with every request's first ``n`` pages replaced by request 0's (a shared prefix), and
+    the unabsorbed reference of that batch."""
+    p = c.plan
+    idx, ind = p.kv_indices_cpu.clone(), p.kv_indptr_cpu.tolist()
+    for b in range(1, p.batch_size):
+        idx[ind[b] : ind[b] + n] = idx[ind[0] : ind[0] + n]
+    mask = p.mask.bool() if p.mask is not None else None
+    batch = BatchMetadata(p.mode, p.qo_indptr_cpu, p.kv_indptr_cpu, idx, p.kv_last_page_len_cpu, custom_mask=mask)
+    plan = make_plan(p.config, batch, num_pages=c.cache.shape[0], device="cpu")
+    return batch, mla_reference(plan, c.q_nope, c.q_pe, c.cache, c.w_uk, c.w_uv)
+
+
 def _check(c: MLACase, out: torch.Tensor, tol: float = 1e-2) -> None:
     assert not out.isnan().any(), "NaN in the MLA output"
     up = c.up(out)
@@ -101,14 +114,7 @@ def test_triton_mla_cascade(cascade):
     """Requests that share their first pages: the cascade (prefix read once, LSE merge) equals the reference."""
     c = mla_case(D, [1, 1, 1], [40, 40, 40], dtype=torch.float32, seed=5)
     p = c.plan
-    # every request's first two pages := request 0's (a shared 32-token prefix)
-    idx = p.kv_indices_cpu.clone()
-    ind = p.kv_indptr_cpu.tolist()
-    for b in (1, 2):
-        idx[ind[b] : ind[b] + 2] = idx[ind[0] : ind[0] + 2]
-    batch = BatchMetadata(D, p.qo_indptr_cpu, p.kv_indptr_cpu, idx, p.kv_last_page_len_cpu)
-    plan = make_plan(p.config, batch, num_pages=c.cache.shape[0], device="cpu")
-    ref = mla_reference(plan, c.q_nope, c.q_pe, c.cache, c.w_uk, c.w_uv)
+    batch, ref = _share_first_pages(c, 2)
     attn = PagedAttention(p.config, provider="triton", device="cpu", cascade=cascade)
     plan2 = attn.plan(batch, num_pages=c.cache.shape[0])
     assert plan2.cascade is not None, "the cascade did not cut the shared prefix"
@@ -164,7 +170,7 @@ def test_mla_config_and_refusals():
         AttentionConfig(4, 1, 80, 16, window_left=8, head_dim_v=64)
     with pytest.raises(ValueError, match="num_kv_heads=1"):
         AttentionConfig(4, 2, 80, 16, head_dim_v=64)
-    for name in ("triton", "reference"):
+    for name in ("triton", "flashinfer", "fa3", "reference"):
         assert get_provider_cls(name).supports_mla()
     check_mla_support("triton", mla_config(16, kv_dtype=torch.float8_e4m3fn))
 
@@ -188,3 +194,84 @@ def test_run_refuses_a_v_cache_that_is_not_the_latent_view():
     with pytest.raises(ValueError, match="v_cache must be k_cache"):
         attn.check_inputs(c.q, c.k_cache, c.v_cache.clone())
     attn.check_inputs(c.q, c.k_cache, c.v_cache)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fa3_mla_on_the_standin(name, monkeypatch):
+    """The fa3 provider's MLA class (FA3's ``qv`` call; tree verify: FA3 prefix + the Triton MLA tree part,
+    LSE-merged) on CPU through the FA3 stand-in; the same test runs the real FA3 in tests/gpu/test_mla_gpu.py."""
+    from fa3_standin import patch_fa3
+
+    patch_fa3(monkeypatch)
+    mode, q_lens, prefix, kind = CASES[name]
+    c = mla_case(mode, q_lens, prefix, rank=512, rope=64, nope=64, page_size=16, mask_kind=kind, seed=7)
+    attn, out, lse = _run(c, provider="fa3", lse=True)
+    assert type(attn.provider).__name__ == "FA3MLAProvider"
+    _check(c, out)
+    _, _, ref_lse = _run(c, provider="reference", lse=True)
+    assert torch.allclose(lse, ref_lse, atol=2e-2)
+
+
+def test_fa3_mla_cascade_on_the_standin(monkeypatch):
+    from fa3_standin import patch_fa3
+
+    patch_fa3(monkeypatch)
+    c = mla_case(D, [1, 1, 1], [40, 40, 40], rank=512, rope=64, nope=64, seed=5)
+    p = c.plan
+    batch, ref = _share_first_pages(c, 2)
+    attn = PagedAttention(p.config, provider="fa3", device="cpu", cascade="always")
+    assert attn.plan(batch, num_pages=c.cache.shape[0]).cascade is not None
+    out = attn.run(c.q, c.k_cache, c.v_cache)
+    assert not out.isnan().any() and rel_err(c.up(out), ref) <= 1e-2
+
+
+def test_mla_refusals_of_the_library_providers():
+    """flashinfer / fa3 refuse what their MLA kernels cannot compute, naming attnplug, the provider and the feature."""
+    with pytest.raises(UnsupportedFeature, match="attnplug: provider 'fa3' does not support an MLA latent cache of "
+                                                 "float8_e4m3fn"):
+        check_mla_support("fa3", mla_config(16, kv_dtype=torch.float8_e4m3fn))
+    with pytest.raises(UnsupportedFeature, match="provider 'flashinfer' does not support MLA with kv_lora_rank 64"):
+        check_mla_support("flashinfer", mla_config(16, 64, 16))
+    with pytest.raises(UnsupportedFeature, match="provider 'fa3' does not support MLA in torch.float32"):
+        check_mla_support("fa3", mla_config(16, dtype=torch.float32))
+    check_mla_support("flashinfer", mla_config(16))
+    from attnplug.core.providers.flashinfer_mla import FlashInferMLAProvider
+
+    assert FlashInferMLAProvider.graph_support.decode and not FlashInferMLAProvider.graph_support.device_refresh
+
+
+@pytest.mark.parametrize("provider", ["triton", "fa3"])
+@pytest.mark.parametrize("mode, cascade", [("decode", "off"), ("decode", "always"), ("verify", "off"),
+                                           ("chain", "off")])
+def test_mla_graph_state(provider, mode, cascade, monkeypatch):
+    """GraphState (CUDA-graph static buffers, replayed here without capture) over MLA: padded batches of every
+    captured size equal the unabsorbed reference on their real rows."""
+    from attnplug.core.cuda_graph import GraphState
+
+    if provider == "fa3":
+        from fa3_standin import patch_fa3
+
+        patch_fa3(monkeypatch)
+    big = provider == "fa3"
+    q = 1 if mode == "decode" else 3
+    fm = D if mode == "decode" else V
+    kw = dict(rank=512, rope=64, nope=64) if big else {}
+    cfg = mla_case(D, [1], [3], **kw).plan.config
+    gs = GraphState(cfg, provider, max_batch=3, max_tokens=3 * q, max_pages=40, device="cpu",
+                    mode="decode" if mode == "decode" else "verify", num_draft_tokens=q, cascade=cascade,
+                    chain=mode == "chain", max_seq_len=160)
+    for bs in (1, 2, 3):
+        gs.prepare_capture(bs)
+    for B, bs, seed in ((1, 1, 0), (2, 3, 1), (3, 3, 2)):
+        prefix = [20 + 9 * b for b in range(B)]
+        c = mla_case(fm, [q] * B, prefix, mask_kind="chain" if mode == "chain" else "tree", seed=seed, **kw)
+        # cascade: a shared first page, which the cascade part cuts
+        batch, ref = _share_first_pages(c, 1) if cascade != "off" else (_batch(c), c.ref)
+        gs.update(batch, bs)
+        qp = torch.zeros(bs * q, *c.q.shape[1:], dtype=c.q.dtype)
+        qp[: B * q] = c.q
+        out = torch.full((bs * q, c.q.shape[1], cfg.head_dim_v), float("nan"), dtype=c.q.dtype)
+        gs.run(bs, qp, c.k_cache, c.v_cache, out)
+        assert not out[: B * q].isnan().any()
+        err = rel_err(c.up(out[: B * q]), ref)
+        assert err <= 1e-2, f"bs={bs} B={B}: {err:.3g}"
