@@ -275,3 +275,22 @@ def test_mla_graph_state(provider, mode, cascade, monkeypatch):
         assert not out[: B * q].isnan().any()
         err = rel_err(c.up(out[: B * q]), ref)
         assert err <= 1e-2, f"bs={bs} B={B}: {err:.3g}"
+
+
+def test_bench_mla_rows_quick(tmp_path):
+    """``python -m attnplug.bench --quick``'s MLA rows: attnplug's triton provider is checked against the
+    float32 reference and timed; the library MLA kernels report why they do not run here."""
+    import json
+
+    from attnplug.bench.__main__ import main
+
+    assert main(["--quick", "--rows", "MLA", "--providers", "triton,fa3", "--no-ceilings", "--out",
+                 str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*.json")
+    recs = json.loads(path.read_text())["rows"]
+    tri = [r for r in recs if r["impl"] == "attnplug.triton"]
+    assert {r["row"] for r in tri} == {"MLA decode 4x100 h4", "MLA prefill 2x48 h4"}
+    assert all(r["status"] == "ok" and r["err"] < 1e-2 for r in tri), tri
+    libs = {r["impl"]: r["status"] for r in recs if r["row"] == "MLA decode 4x100 h4" and r["library"]}
+    assert libs.keys() >= {"fa3.mla_qv", "flashmla"} and all(s.startswith(("n/a", "unavailable"))
+                                                              for s in libs.values()), libs
