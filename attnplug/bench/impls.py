@@ -273,20 +273,27 @@ def _fi_cascade(work: Work):
 
 
 # ---- FA3 called directly -------------------------------------------------------------------------
-def _fa3_direct(work: Work):
+def fa3_lib(work: Work):
+    """The loaded FA3 build (:func:`~attnplug.core.providers.fa3.load_fa3`); :class:`Unavailable` without
+    one or off sm90."""
     from ..core.providers.base import ProviderUnavailable as PU  # noqa: PLC0415
     from ..core.providers.fa3 import load_fa3  # noqa: PLC0415
 
-    if work.row.kind == "verify":
-        raise NotApplicable("FA3 has no custom (tree) mask")
-    if work.config.kv_layout != "NHD":
-        raise NotApplicable("FA3 needs NHD")
     try:
         lib = load_fa3()
     except PU as e:
         raise Unavailable(str(e)) from e
     if torch.cuda.get_device_capability(work.q.device)[0] != 9:
         raise Unavailable("FA3 needs sm90")
+    return lib
+
+
+def _fa3_direct(work: Work):
+    if work.row.kind == "verify":
+        raise NotApplicable("FA3 has no custom (tree) mask")
+    if work.config.kv_layout != "NHD":
+        raise NotApplicable("FA3 needs NHD")
+    lib = fa3_lib(work)
     r, c = work.row, work.config
     q, k, v = work.q, work.k_cache, work.v_cache
     cu_q = work.batch.qo_indptr.to(q.device)

@@ -20,7 +20,7 @@ import torch
 
 from ..core import BatchMetadata
 from ..core.mla import absorb_query, latent_cache_views, mla_config
-from .impls import NotApplicable, Unavailable, _flashinfer, _workspace
+from .impls import NotApplicable, Unavailable, _flashinfer, _workspace, fa3_lib
 from .workloads import Row, Work
 
 RANK, ROPE, NOPE, PAGE = 512, 64, 128, 64
@@ -100,22 +100,9 @@ def _fi_mla(work: Work):
     return fn
 
 
-def _fa3_lib(work: Work):
-    from ..core.providers.base import ProviderUnavailable  # noqa: PLC0415
-    from ..core.providers.fa3 import load_fa3  # noqa: PLC0415
-
-    try:
-        lib = load_fa3()
-    except ProviderUnavailable as e:
-        raise Unavailable(str(e)) from e
-    if torch.cuda.get_device_capability(work.q.device)[0] != 9:
-        raise Unavailable("FA3 needs sm90")
-    return lib
-
-
 def _fa3_mla(work: Work):
     _mla_only(work, "FA3's qv MLA path")
-    lib, r, c = _fa3_lib(work), work.row, work.config
+    lib, r, c = fa3_lib(work), work.row, work.config
     q, lat = work.q, work.k_cache
     cu_q = work.batch.qo_indptr.to(q.device)
     out = q.new_empty(*q.shape[:2], RANK)
@@ -146,7 +133,7 @@ def _fa3_mla_prefill_mha(work: Work):
     _mla_only(work, "the FA-based MLA prefill")
     if work.row.kind != "prefill" or work.row.prefix:
         raise NotApplicable("the FA-based MLA prefill: prefill rows without a prefix")
-    lib, r, c = _fa3_lib(work), work.row, work.config
+    lib, r, c = fa3_lib(work), work.row, work.config
     if not lib.varlen_style:
         raise Unavailable(f"the un-paged varlen call of vLLM's FA3 fork (loaded: {lib.source})")
     B, L, dev = r.batch, r.q_len, work.q.device
