@@ -269,9 +269,10 @@ MUTATIONS = [
              (f"{MT}::test_triton_mla_deepseek_shape",),
              "MLA scores: the rope part q_pe . k_pe dropped (only q_nope . c)"),
     Mutation("mla_rope_columns_offset", ML,
-             "pe = tl.load(row[:, None] + R + dr[None, :]", "pe = tl.load(row[:, None] + R - DR + dr[None, :]",
+             "pe = tl.load(row[:, None] + R + dr[None, :]",
+             "pe = tl.load(row[:, None] + R - DR + dr[None, :]",
              (f"{MT}::test_triton_mla_deepseek_shape",),
-             "MLA scores: k_pe read from the latent's last Dr columns before the rope part (nope/rope split offset)"),
+             "MLA scores: k_pe read from the Dr latent columns before the rope part (split offset)"),
     Mutation("mla_output_wrong_latent_columns", ML,
              "acc += tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)",
              "acc += tl.dot(p.to(c.dtype), tl.where(rr[None, :] < R - DR, c, 0.0).to(c.dtype), "
@@ -282,7 +283,7 @@ MUTATIONS = [
              'return q[..., R:], k_cache[..., R:], v_cache, {"qv": q[..., :R]}',
              'return q[..., R:], k_cache[..., R:], k_cache[..., -R:], {"qv": q[..., :R]}',
              (f"{MT}::test_fa3_mla_on_the_standin",),
-             "MLA fa3: FA3's value (and qv) cache taken from the latent's last R columns (rope part included)"),
+             "MLA fa3: FA3's value cache taken from the latent's last R columns (rope part included)"),
 ]
 
 

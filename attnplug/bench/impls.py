@@ -358,7 +358,8 @@ def _gqa(make):
 def _mla_impls() -> list[Impl]:
     from . import mla  # noqa: PLC0415
 
-    return [Impl("flashinfer.mla", "flashinfer", True, mla._fi_mla), Impl("fa3.mla_qv", "fa3", True, mla._fa3_mla),
+    return [Impl("flashinfer.mla", "flashinfer", True, mla._fi_mla),
+            Impl("fa3.mla_qv", "fa3", True, mla._fa3_mla),
             Impl("fa3.mla_prefill_mha", "fa3", True, mla._fa3_mla_prefill_mha),
             Impl("flashmla", "fa3", True, mla._flashmla)]
 

@@ -1,7 +1,7 @@
 """MLA rows of the benchmark (issue 45): DeepSeek latent 512 + rope 64, page 64, bf16, 128 or 16 query heads.
 
-attnplug's providers run the absorbed form through ``PagedAttention`` (``q [T, H, 576]`` over the latent cache,
-``out [T, H, 512]``). The library kernels measured beside them, called directly:
+attnplug's providers run the absorbed form through ``PagedAttention`` (``q [T, H, 576]`` over the latent
+cache, ``out [T, H, 512]``). The library kernels measured beside them, called directly:
 
 * ``flashinfer.mla``: FlashInfer's ``BatchMLAPagedAttentionWrapper`` (SGLang's flashinfer MLA backend);
 * ``fa3.mla_qv``: FA3's paged call with ``q = q_pe``, ``k = k_pe``, ``v = c``, ``q_v = q_nope`` (vLLM's
@@ -41,8 +41,8 @@ def mla_rows(quick: bool) -> list[Row]:
 
 def build_mla(row: Row, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Work:
     """A random latent cache (random permuted page table), per-head ``W_UK`` / ``W_UV`` ``[H, R, 128]``, the
-    un-absorbed query ``q_mha = cat(q_nope, q_pe)`` ``[T, H, 192]`` (``work.extra``: the FA prefill's inputs) and
-    its absorbed form ``work.q [T, H, R + Dr]``."""
+    un-absorbed query ``q_mha = cat(q_nope, q_pe)`` ``[T, H, 192]`` (``work.extra``: the FA prefill's
+    inputs) and its absorbed form ``work.q [T, H, R + Dr]``."""
     h, rank, rope = row.mla
     page = PAGE if rank == RANK else 16
     cfg = mla_config(h, rank, rope, page_size=page, sm_scale=(NOPE + rope) ** -0.5, dtype=dtype)
@@ -119,13 +119,15 @@ def _flashmla(work: Work):
     try:
         from flash_mla import flash_mla_with_kvcache, get_mla_metadata  # noqa: PLC0415
     except Exception as e:
-        raise Unavailable(f"FlashMLA is not installed here ({e!r}): the GPU bundles carry neither the flash_mla "
-                          "package nor vLLM's _flashmla_C; pip install flash-mla (from its repository) to measure it")
+        raise Unavailable(f"FlashMLA is not installed here ({e!r}): the GPU bundles carry neither the "
+                          "flash_mla package nor vLLM's _flashmla_C; pip install flash-mla (from its "
+                          "repository) to measure it")
     r, c = work.row, work.config
     q = work.q.view(r.batch, r.q_len, c.num_qo_heads, c.head_dim)
     md, splits = get_mla_metadata(work.seq_lens, r.q_len * c.num_qo_heads, 1)
     return lambda: flash_mla_with_kvcache(q, work.k_cache, work.block_table, work.seq_lens, RANK, md, splits,
-                                          softmax_scale=c.scale, causal=True)[0].view(-1, c.num_qo_heads, RANK)
+                                          softmax_scale=c.scale,
+                                          causal=True)[0].view(-1, c.num_qo_heads, RANK)
 
 
 def _fa3_mla_prefill_mha(work: Work):
@@ -138,7 +140,8 @@ def _fa3_mla_prefill_mha(work: Work):
         raise Unavailable(f"the un-paged varlen call of vLLM's FA3 fork (loaded: {lib.source})")
     B, L, dev = r.batch, r.q_len, work.q.device
     # the latent rows in token order (the page table's), then the per-head up-projections (untimed)
-    rows = work.k_cache.squeeze(2)[work.block_table.long()].reshape(B, -1, c.head_dim)[:, :L].reshape(B * L, -1)
+    rows = work.k_cache.squeeze(2)[work.block_table.long()].reshape(B, -1, c.head_dim)[:, :L]
+    rows = rows.reshape(B * L, -1)
     w_uk, w_uv = work.extra["w_uk"], work.extra["w_uv"]
     k_nope = torch.einsum("tr,hrn->thn", rows[:, :RANK], w_uk)
     k = torch.cat([k_nope, rows[:, None, RANK:].expand(-1, c.num_qo_heads, -1)], -1).contiguous()

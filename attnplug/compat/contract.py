@@ -158,7 +158,8 @@ class SourceTree:
             return None
         seen.add((mod, cls.name))
         for node in cls.body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name and not _overload(node):
+            fn = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if fn and node.name == name and not _overload(node):
                 return mod, node  # the implementation: ``@overload`` stubs before it are not what runs
             if name in _assigned(node):
                 return mod, node
@@ -192,7 +193,8 @@ class SourceTree:
 
 def _overload(fn) -> bool:
     """``fn`` is a ``typing.overload`` stub (``@overload`` / ``@typing.overload``)."""
-    return any((d.id if isinstance(d, ast.Name) else getattr(d, "attr", "")) == "overload" for d in fn.decorator_list)
+    names = (d.id if isinstance(d, ast.Name) else getattr(d, "attr", "") for d in fn.decorator_list)
+    return "overload" in names
 
 
 def _assigned(node) -> set[str]:

@@ -36,8 +36,8 @@ def mla_case(mode: ForwardMode, q_lens: list[int], prefix_lens: list[int], heads
     """A random ragged MLA batch (random page table) and its unabsorbed float32 reference."""
     cfg = mla_config(heads, rank, rope, page_size=page_size, sm_scale=(nope + rope) ** -0.5, dtype=dtype,
                      kv_dtype=kv_dtype)
-    base = random_case(mode, q_lens, prefix_lens, mla_config(heads, rank, rope, page_size=page_size, dtype=dtype),
-                       seed=seed, mask_kind=mask_kind)
+    base = random_case(mode, q_lens, prefix_lens, mla_config(heads, rank, rope, page_size=page_size,
+                                                             dtype=dtype), seed=seed, mask_kind=mask_kind)
     gen = torch.Generator().manual_seed(seed + 1)
     cache = base.k_cache.squeeze(2)
     if kv_dtype is not None and kv_dtype != dtype:
@@ -56,4 +56,5 @@ def mla_case(mode: ForwardMode, q_lens: list[int], prefix_lens: list[int], heads
     k_cache, v_cache = latent_cache_views(cache.to(dev), cfg)
     if dev.type != "cpu":
         plan = make_plan(cfg, base.batch, num_pages=base.num_pages, device=dev)
-    return MLACase(plan, q.to(dev), cache.to(dev), k_cache, v_cache, q_nope, q_pe, w_uk, w_uv.to(dev), ref.to(dev))
+    return MLACase(plan, q.to(dev), cache.to(dev), k_cache, v_cache, q_nope, q_pe, w_uk, w_uv.to(dev),
+                   ref.to(dev))

@@ -8,7 +8,8 @@ HND fp16, head_dim 256, LSE output, fa3's tree part (keys from ``kv_start``) and
 prefill / split-decode kernels at the H200 sweep's candidate tiles (TMA pages, fused merge), fp8 KV caches
 (e4m3 / e5m2: attention dequantizing on load, the quantizing KV write, fa3's query quantization),
 attention sinks (gpt-oss's 64/8 heads at d64, window 128 and full: each kernel's sink variant, split
-merges, the fold kernel), MLA (the absorbed latent kernel in every mode, the latent write), the KV write and the replay-metadata kernel in its
+merges, the fold kernel), MLA (the absorbed latent kernel in every mode, the latent write), the KV
+write and the replay-metadata kernel in its
 vLLM / SGLang / FA3 / chain-mask forms); each ``kernel[grid](...)`` is recorded instead of launched,
 its arguments specialized as Triton's JIT does on a GPU (pointer / int dtypes, divisibility by 16,
 ints equal to 1 as constexprs, tensor descriptors; constexprs by value, ``UPCAST`` False as on a GPU;
@@ -368,8 +369,9 @@ def record_mla() -> None:
         attn.run(c.q, k, v, lse=lse, **({"k_scale": torch.ones(1)} if kv_dtype else {}))
     for cdt in (torch.bfloat16, e4m3):
         cache = torch.zeros(10, 64, 576, dtype=cdt)
-        write_latent(torch.zeros(3, 512, dtype=torch.bfloat16), torch.zeros(3, 1, 64, dtype=torch.bfloat16), cache,
-                     torch.zeros(3, dtype=torch.int64), torch.ones(1) if cdt == e4m3 else None)
+        kv_c, k_pe = torch.zeros(3, 512, dtype=torch.bfloat16), torch.zeros(3, 1, 64, dtype=torch.bfloat16)
+        scale = torch.ones(1) if cdt == e4m3 else None
+        write_latent(kv_c, k_pe, cache, torch.zeros(3, dtype=torch.int64), scale)
 
 
 def cuobjdump(cubin: bytes, *args: str) -> str:

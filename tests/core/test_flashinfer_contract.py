@@ -68,11 +68,10 @@ def stand_in(src: str, edit=None):
 
     def import_module(name: str):
         if name not in built:
-            built[name] = types.ModuleType(name)  # a cycle of re-exports meets the module being built
-            _build(name, built[name])
+            built[name] = _build(name)
         return built[name]
 
-    def _build(name: str, mod: types.ModuleType) -> None:
+    def _build(name: str) -> types.ModuleType:
         rel = name.split(".", 1)[1].replace(".", "/")
         rel = rel + "/__init__.py" if os.path.isdir(os.path.join(src, "flashinfer", rel)) else rel + ".py"
         with open(os.path.join(src, "flashinfer", rel)) as f:
@@ -80,17 +79,28 @@ def stand_in(src: str, edit=None):
         tree = ast.parse(edit(rel, text) if edit else text)
         defs = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
         body = [_stub(n) for n in tree.body if isinstance(n, defs)]
+        mod = types.ModuleType(name)
         exec(compile(ast.fix_missing_locations(ast.Module(body, [])), rel, "exec"), mod.__dict__)
         pkg = name if rel.endswith("__init__.py") else name.rsplit(".", 1)[0]
-        for node in tree.body:  # relative re-exports of names this file does not define
+        reexports = {}  # relative re-exports, resolved when asked for (module __getattr__)
+        for node in tree.body:
             if isinstance(node, ast.ImportFrom) and node.level and node.module:
                 base = pkg.rsplit(".", node.level - 1)[0] if node.level > 1 else pkg
-                for a in node.names:
-                    if a.name != "*" and (a.asname or a.name) not in mod.__dict__:
-                        try:
-                            setattr(mod, a.asname or a.name, getattr(import_module(f"{base}.{node.module}"), a.name))
-                        except (OSError, AttributeError, SyntaxError):
-                            pass
+                reexports.update({a.asname or a.name: (f"{base}.{node.module}", a.name) for a in node.names})
+
+        def getattr_(attr):
+            if attr not in reexports:
+                raise AttributeError(attr)
+            module, orig = reexports.pop(attr)  # popped: a cycle ends in AttributeError
+            try:
+                value = getattr(import_module(module), orig)
+            except (OSError, SyntaxError) as e:
+                raise AttributeError(attr) from e
+            setattr(mod, attr, value)
+            return value
+
+        mod.__getattr__ = getattr_
+        return mod
 
     return import_module
 

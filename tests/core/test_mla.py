@@ -25,13 +25,15 @@ def _batch(c: MLACase) -> BatchMetadata:
                          custom_mask=mask, causal=p.causal)
 
 
-def _run(c: MLACase, provider: str = "triton", cascade: str = "off", lse: bool = False, k_scale=None, **knobs):
+def _run(c: MLACase, provider: str = "triton", cascade: str = "off", lse: bool = False, k_scale=None,
+         **knobs):
     attn = PagedAttention(c.plan.config, provider=provider, device=c.q.device, cascade=cascade)
     attn.plan(_batch(c), num_pages=c.cache.shape[0], **knobs)
     T, H = c.q.shape[:2]
     out = torch.full((T, H, c.plan.config.head_dim_v), float("nan"), dtype=c.q.dtype)
     s = torch.full((T, H), float("nan")) if lse else None
-    attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=s, **({"k_scale": k_scale} if k_scale is not None else {}))
+    scales = {"k_scale": k_scale} if k_scale is not None else {}
+    attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=s, **scales)
     return attn, out, s
 
 
@@ -43,7 +45,8 @@ def _share_first_pages(c: MLACase, n: int) -> tuple[BatchMetadata, torch.Tensor]
     for b in range(1, p.batch_size):
         idx[ind[b] : ind[b] + n] = idx[ind[0] : ind[0] + n]
     mask = p.mask.bool() if p.mask is not None else None
-    batch = BatchMetadata(p.mode, p.qo_indptr_cpu, p.kv_indptr_cpu, idx, p.kv_last_page_len_cpu, custom_mask=mask)
+    batch = BatchMetadata(p.mode, p.qo_indptr_cpu, p.kv_indptr_cpu, idx, p.kv_last_page_len_cpu,
+                          custom_mask=mask)
     plan = make_plan(p.config, batch, num_pages=c.cache.shape[0], device="cpu")
     return batch, mla_reference(plan, c.q_nope, c.q_pe, c.cache, c.w_uk, c.w_uv)
 
@@ -104,14 +107,16 @@ def test_triton_mla_split_kv_and_lse(name):
 def test_triton_mla_deepseek_shape():
     """R=512, Dr=64 (the DeepSeek latent), 16 heads: decode and a short chain verify."""
     for mode, q_lens, prefix, kind in ((D, [1, 1], [70, 5], "tree"), (V, [2], [33], "chain")):
-        c = mla_case(mode, q_lens, prefix, heads=16, rank=512, rope=64, nope=128, page_size=64, mask_kind=kind)
+        c = mla_case(mode, q_lens, prefix, heads=16, rank=512, rope=64, nope=128, page_size=64,
+                     mask_kind=kind)
         _, out, _ = _run(c)
         _check(c, out)
 
 
 @pytest.mark.parametrize("cascade", ["always"])
 def test_triton_mla_cascade(cascade):
-    """Requests that share their first pages: the cascade (prefix read once, LSE merge) equals the reference."""
+    """Requests that share their first pages: the cascade (prefix read once, LSE merge) equals the
+    reference."""
     c = mla_case(D, [1, 1, 1], [40, 40, 40], dtype=torch.float32, seed=5)
     p = c.plan
     batch, ref = _share_first_pages(c, 2)
@@ -199,7 +204,7 @@ def test_run_refuses_a_v_cache_that_is_not_the_latent_view():
 @pytest.mark.parametrize("name", list(CASES))
 def test_fa3_mla_on_the_standin(name, monkeypatch):
     """The fa3 provider's MLA class (FA3's ``qv`` call; tree verify: FA3 prefix + the Triton MLA tree part,
-    LSE-merged) on CPU through the FA3 stand-in; the same test runs the real FA3 in tests/gpu/test_mla_gpu.py."""
+    LSE-merged) on CPU through the FA3 stand-in; tests/gpu/test_mla_gpu.py runs the real FA3."""
     from fa3_standin import patch_fa3
 
     patch_fa3(monkeypatch)
@@ -226,18 +231,20 @@ def test_fa3_mla_cascade_on_the_standin(monkeypatch):
 
 
 def test_mla_refusals_of_the_library_providers():
-    """flashinfer / fa3 refuse what their MLA kernels cannot compute, naming attnplug, the provider and the feature."""
-    with pytest.raises(UnsupportedFeature, match="attnplug: provider 'fa3' does not support an MLA latent cache of "
-                                                 "float8_e4m3fn"):
+    """flashinfer / fa3 refuse what their MLA kernels cannot compute, naming attnplug, the provider and the
+    feature."""
+    fa3_fp8 = "attnplug: provider 'fa3' does not support an MLA latent cache of float8_e4m3fn"
+    with pytest.raises(UnsupportedFeature, match=fa3_fp8):
         check_mla_support("fa3", mla_config(16, kv_dtype=torch.float8_e4m3fn))
-    with pytest.raises(UnsupportedFeature, match="provider 'flashinfer' does not support MLA with kv_lora_rank 64"):
+    with pytest.raises(UnsupportedFeature, match="'flashinfer' does not support MLA with kv_lora_rank 64"):
         check_mla_support("flashinfer", mla_config(16, 64, 16))
     with pytest.raises(UnsupportedFeature, match="provider 'fa3' does not support MLA in torch.float32"):
         check_mla_support("fa3", mla_config(16, dtype=torch.float32))
     check_mla_support("flashinfer", mla_config(16))
     from attnplug.core.providers.flashinfer_mla import FlashInferMLAProvider
 
-    assert FlashInferMLAProvider.graph_support.decode and not FlashInferMLAProvider.graph_support.device_refresh
+    g = FlashInferMLAProvider.graph_support
+    assert g.decode and not g.device_refresh
 
 
 @pytest.mark.parametrize("provider", ["triton", "fa3"])
@@ -294,3 +301,26 @@ def test_bench_mla_rows_quick(tmp_path):
     libs = {r["impl"]: r["status"] for r in recs if r["row"] == "MLA decode 4x100 h4" and r["library"]}
     assert libs.keys() >= {"fa3.mla_qv", "flashmla"} and all(s.startswith(("n/a", "unavailable"))
                                                               for s in libs.values()), libs
+
+
+def test_mla_multi_step_draft():
+    """MultiStepDraftPlanner over an MLA config (token view of the latent cache): every step's triton run
+    equals the float32 reference on the same step batch."""
+    from attnplug.core.draft import MultiStepDraftPlanner, token_config, token_view
+    from test_graph_draft_oracles import draft_case
+
+    seq_lens, topk, steps = [37, 0, 70], 2, 2
+    ind, idx, last, draft, num_pages = draft_case(seq_lens, 16, topk, steps, seed=3)
+    cfg = mla_config(4, 64, 16, page_size=16, dtype=torch.float32)
+    cache = torch.randn(num_pages, 16, 80, generator=torch.Generator().manual_seed(1))
+    k, v = latent_cache_views(cache, cfg)
+    planner = MultiStepDraftPlanner(cfg, topk, steps, max_batch=3, provider="triton", device="cpu")
+    planner.plan(ind, idx, last, draft, num_pages=num_pages)
+    tc = token_config(cfg)
+    for i, batch in enumerate(planner.step_batches(ind, idx, last, draft)):
+        q = torch.randn(len(seq_lens) * topk, 4, 80)
+        got = planner.run(i, q, k, v, torch.full((q.shape[0], 4, 64), float("nan")))
+        ref = PagedAttention(tc, provider="reference", device="cpu")
+        ref.plan(batch)
+        want = ref.run(q, token_view(k, cfg), token_view(v, cfg))
+        assert not got.isnan().any() and rel_err(got, want) <= 1e-4, i

@@ -92,7 +92,7 @@ class FA3Lib:
         ``descale``: fp8 (q, k, v all e4m3): ``{"q_descale": ..., "k_descale": ..., "v_descale": ...}``,
         each ``[num_seqs, Hkv]`` float32 (every build takes these keyword arguments). ``sinks``: ``[Hq]``
         float32 sink logits, through :attr:`sink_arg` (only where it is not ``None``). ``qv [T, Hq, Dv]``:
-        FA3's MLA input (the absorbed query part that multiplies ``v_cache``; vLLM's fork calls it ``q_v``)."""
+        FA3's MLA input (the absorbed query part that multiplies ``v_cache``; vLLM's fork: ``q_v``)."""
         fp8 = dict(descale or {})
         if sinks is not None:
             fp8[self.sink_arg] = sinks
@@ -454,9 +454,11 @@ class FA3Provider(Provider):
         if tree is None:
             if sinks is not None and sinks.dtype != torch.float32:
                 sinks = sinks.float()
-            s = self.lib.paged(q_fa, k_fa, v_fa, out, return_lse=want_lse, descale=descale, sinks=sinks, **a, **extra)
+            s = self.lib.paged(q_fa, k_fa, v_fa, out, return_lse=want_lse, descale=descale, sinks=sinks, **a,
+                               **extra)
             return s.t() if want_lse else None
-        s_a = self.lib.paged(q_fa, k_fa, v_fa, tree.prefix_out, return_lse=True, descale=descale, **a, **extra)
+        s_a = self.lib.paged(q_fa, k_fa, v_fa, tree.prefix_out, return_lse=True, descale=descale, **a,
+                             **extra)
         q_tree = q if st.q8 is None else tree.q_deq[: q.shape[0]]  # fp8: the query FA3's part reads
         self._tree.run(tree.tree_plan, q_tree, k_cache, v_cache, tree.tree_out, tree.tree_lse, **scales)
         self._merge(tree.prefix_out, s_a.t(), tree.tree_out, tree.tree_lse, out, lse)

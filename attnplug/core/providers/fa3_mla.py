@@ -5,7 +5,8 @@ computes ``softmax(q_pe . k_pe + qv . c) @ c`` with ``q = q_pe [T, H, Dr]``, ``k
 Dr]``, ``v_cache = c [pages, P, 1, R]`` and ``qv = q_nope`` (absorbed) ``[T, H, R]``: views of attnplug's
 ``q [T, H, R + Dr]`` and latent cache (vLLM's FLASH_ATTN_MLA calls it the same way). Everything else is the
 GQA provider's: block table, graphs, cascade; a tree-masked verify runs FA3 on the prefix and attnplug's
-Triton MLA kernel on the tree part, LSE-merged. Refused: fp8 latent caches, float32, shapes other than 512 + 64.
+Triton MLA kernel on the tree part, LSE-merged. Refused: fp8 latent caches, float32, shapes other than
+512 + 64.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class FA3MLAProvider(FA3Provider):
         """Everything is checked by :meth:`mla_refusal` and :attr:`KV_DTYPES`."""
 
     def library_inputs(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
-        """``q_pe``, the rope columns of the latent cache, its first ``R`` columns (``v_cache``), ``qv=q_nope``."""
+        """``q_pe``, the rope columns of the latent cache, its first ``R`` columns (``v_cache``),
+        ``qv=q_nope``."""
         R = self.config.kv_lora_rank
         return q[..., R:], k_cache[..., R:], v_cache, {"qv": q[..., :R]}
 

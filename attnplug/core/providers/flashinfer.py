@@ -74,7 +74,7 @@ class LibraryCall:
 
 def _calls() -> tuple[LibraryCall, ...]:
     dec, pre = "BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper"
-    mla = "BatchMLAPagedAttentionWrapper"
+    mla, mla_mod = "BatchMLAPagedAttentionWrapper", "flashinfer.mla._core"  # 0.7: re-exported there
     numerics = ("pos_encoding_mode", "window_left", "logits_soft_cap", "q_data_type", "kv_data_type", "sm_scale")
     run = ("out", "lse", "return_lse", "k_scale", "v_scale")
     return (
@@ -91,11 +91,12 @@ def _calls() -> tuple[LibraryCall, ...]:
                     why="prefill plan: (qo_indptr, kv_indptr, kv_indices, last_page_len, Hq, Hkv, D, P) "
                         "+ mask + numerics"),
         LibraryCall("flashinfer.prefill", f"{pre}.run", 2, run, why="prefill run: (q, (k, v))"),
-        LibraryCall("flashinfer.mla._core", f"{mla}.__init__", 1, ("use_cuda_graph", "qo_indptr", "kv_indptr", "kv_indices",
-                                                           "kv_len_arr"), why="MLA wrappers (eager and CUDA-graph)"),
-        LibraryCall("flashinfer.mla._core", f"{mla}.plan", 12,
-                    why="MLA plan: (qo_indptr, kv_indptr, kv_indices, kv_lens, H, R, Dr, P, causal, scale, dtypes)"),
-        LibraryCall("flashinfer.mla._core", f"{mla}.run", 4, ("out", "lse", "return_lse", "return_lse_base_on_e"),
+        LibraryCall(mla_mod, f"{mla}.__init__", 1, ("use_cuda_graph", "qo_indptr", "kv_indptr", "kv_indices",
+                                                    "kv_len_arr"), why="MLA wrappers (eager and CUDA-graph)"),
+        LibraryCall(mla_mod, f"{mla}.plan", 12,
+                    why="MLA plan: (qo_indptr, kv_indptr, kv_indices, kv_lens, H, R, Dr, P, causal, scale, "
+                        "dtypes)"),
+        LibraryCall(mla_mod, f"{mla}.run", 4, ("out", "lse", "return_lse", "return_lse_base_on_e"),
                     why="MLA run: (q_nope, q_pe, ckv, kpe)"),
         LibraryCall("flashinfer.utils", "is_sm90a_supported", 1, required=False,
                     why="the fa3 template's check (a capability fallback exists)"),

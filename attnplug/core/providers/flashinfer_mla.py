@@ -45,13 +45,14 @@ class FlashInferMLAGraph(FlashInferChainVerifyGraph):
             p._workspace, use_cuda_graph=True, qo_indptr=v["qo_indptr"], kv_indptr=v["kv_indptr"],
             kv_indices=gs.kv_indices, kv_len_arr=v["kv_lens"])  # fmt: skip
         self.wrappers[bs] = wr
-        p.plan_wrapper(wr, plan.qo_indptr_cpu, plan.kv_indptr_cpu, plan.kv_indices, plan.kv_lens_cpu, plan.causal)
+        p.plan_wrapper(wr, plan.qo_indptr_cpu, plan.kv_indptr_cpu, plan.kv_indices, plan.kv_lens_cpu,
+                       plan.causal)
         plan.state = FlashInferState(wr, "mla")
 
     def refresh(self, plan: Plan, bs: int, host: dict | None, device_table: bool) -> None:
         if host is None:
-            raise ValueError("attnplug: provider 'flashinfer' plans on the host: an MLA graph replay needs host "
-                             "kv_indptr / kv_last_page_len (host metadata, or host_seq_lens)")
+            raise ValueError("attnplug: provider 'flashinfer' plans on the host: an MLA graph replay needs "
+                             "host kv_indptr / kv_last_page_len (host metadata, or host_seq_lens)")
         gs, P = self.gs, self.provider.config.page_size
         indptr, last = host["kv_indptr"], host["kv_last_page_len"]
         kv_lens = tokens_from_pages(indptr[1:] - indptr[:-1], last, P).to(torch.int32)
@@ -67,7 +68,8 @@ class FlashInferMLAProvider(FlashInferProvider):
     IS_MLA = True
     OPTIONS = frozenset()
     graph_support = dataclasses.replace(FlashInferProvider.graph_support, reason=(
-        "FlashInfer plans on the host before each replay; its MLA wrapper takes no custom mask (tree verify refused)"))
+        "FlashInfer plans on the host before each replay; its MLA wrapper takes no custom mask (tree verify "
+        "refused)"))
     graph_cls = FlashInferMLAGraph
     chain_graph_cls = None
     KV_DTYPES = frozenset((torch.float16, torch.bfloat16))
@@ -89,10 +91,11 @@ class FlashInferMLAProvider(FlashInferProvider):
         return w
 
     def plan_wrapper(self, wrapper, qo_indptr, kv_indptr, kv_indices, kv_lens, causal: bool) -> None:
-        """One MLA wrapper ``plan`` (host ``qo_indptr`` / ``kv_indptr`` / ``kv_lens``, device ``kv_indices``)."""
+        """One MLA wrapper ``plan`` (host ``qo_indptr`` / ``kv_indptr`` / ``kv_lens``, device
+        ``kv_indices``)."""
         cfg = self.config
-        wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, cfg.num_qo_heads, cfg.kv_lora_rank, cfg.rope_dim,
-                     cfg.page_size, bool(causal), cfg.scale, cfg.dtype, cfg.kv_dtype)  # fmt: skip
+        wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, cfg.num_qo_heads, cfg.kv_lora_rank,
+                     cfg.rope_dim, cfg.page_size, bool(causal), cfg.scale, cfg.dtype, cfg.kv_dtype)
 
     def plan(self, plan: Plan, static=None) -> None:
         if plan.mask is not None:
