@@ -75,14 +75,15 @@ class TritonMLAProvider(TritonProvider):
     def split_count(self, num_tiles: int, max_kv_len: int, forced: int | None = None,
                     noncausal: bool = False) -> int:
         """``forced``, else enough splits for two programs an SM where ``num_tiles x head blocks`` do not
-        fill the GPU, at most one per 256 keys and 64 in all; 1 below 1024 keys."""
+        fill the GPU, at most one per 256 keys and 128 in all (one request of 32k keys fills an H200's 132
+        SMs); 1 below 1024 keys."""
         if forced is not None:
             return max(1, int(forced))
         cfg = self.config
         programs = max(1, num_tiles * num_pages(cfg.num_qo_heads, self._mla_tiles(1)[1]))
         if max_kv_len < 1024 or programs >= self._sms:
             return 1
-        return max(1, min(64, max_kv_len // 256, num_pages(2 * self._sms, programs)))
+        return max(1, min(128, max_kv_len // 256, num_pages(2 * self._sms, programs)))
 
     def static_buffers(self, max_rows: int, max_tokens: int, max_kv_len: int, q: int = 1,
                        num_kv_splits: int | None = None) -> TritonStatic:
