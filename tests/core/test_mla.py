@@ -13,7 +13,14 @@ from attnplug.core.mla import check_mla_support, latent_cache_views, mla_config,
 from attnplug.core.plan import make_plan
 from attnplug.core.providers import get_provider_cls
 from batches import rel_err
-from mla_cases import MLACase, mla_case
+from mla_cases import MLACase
+from mla_cases import mla_case as _mla_case
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # a CUDA machine compiles the kernels instead
+
+
+def mla_case(*args, **kw) -> MLACase:
+    return _mla_case(*args, device=DEVICE, **kw)
 
 D, V, TV, E = ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.TARGET_VERIFY, ForwardMode.EXTEND
 
@@ -30,8 +37,8 @@ def _run(c: MLACase, provider: str = "triton", cascade: str = "off", lse: bool =
     attn = PagedAttention(c.plan.config, provider=provider, device=c.q.device, cascade=cascade)
     attn.plan(_batch(c), num_pages=c.cache.shape[0], **knobs)
     T, H = c.q.shape[:2]
-    out = torch.full((T, H, c.plan.config.head_dim_v), float("nan"), dtype=c.q.dtype)
-    s = torch.full((T, H), float("nan")) if lse else None
+    out = torch.full((T, H, c.plan.config.head_dim_v), float("nan"), dtype=c.q.dtype, device=DEVICE)
+    s = torch.full((T, H), float("nan"), device=DEVICE) if lse else None
     scales = {"k_scale": k_scale} if k_scale is not None else {}
     attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=s, **scales)
     return attn, out, s
@@ -48,7 +55,7 @@ def _share_first_pages(c: MLACase, n: int) -> tuple[BatchMetadata, torch.Tensor]
     batch = BatchMetadata(p.mode, p.qo_indptr_cpu, p.kv_indptr_cpu, idx, p.kv_last_page_len_cpu,
                           custom_mask=mask)
     plan = make_plan(p.config, batch, num_pages=c.cache.shape[0], device="cpu")
-    return batch, mla_reference(plan, c.q_nope, c.q_pe, c.cache, c.w_uk, c.w_uv)
+    return batch, mla_reference(plan, c.q_nope, c.q_pe, c.cache.cpu(), c.w_uk, c.w_uv.cpu()).to(DEVICE)
 
 
 def _check(c: MLACase, out: torch.Tensor, tol: float = 1e-2) -> None:
@@ -120,7 +127,7 @@ def test_triton_mla_cascade(cascade):
     c = mla_case(D, [1, 1, 1], [40, 40, 40], dtype=torch.float32, seed=5)
     p = c.plan
     batch, ref = _share_first_pages(c, 2)
-    attn = PagedAttention(p.config, provider="triton", device="cpu", cascade=cascade)
+    attn = PagedAttention(p.config, provider="triton", device=DEVICE, cascade=cascade)
     plan2 = attn.plan(batch, num_pages=c.cache.shape[0])
     assert plan2.cascade is not None, "the cascade did not cut the shared prefix"
     out = attn.run(c.q, c.k_cache, c.v_cache)
@@ -130,7 +137,7 @@ def test_triton_mla_cascade(cascade):
 
 def test_fp8_latent_cache():
     """An fp8 latent (e4m3, one k_scale) dequantized on load equals the reference on the stored values."""
-    scale = torch.tensor([0.5])
+    scale = torch.tensor([0.5], device=DEVICE)
     c = mla_case(D, [1, 1, 1], [30, 3, 17], kv_dtype=torch.float8_e4m3fn, k_scale=0.5, seed=2)
     _, out, _ = _run(c, k_scale=scale)
     _check(c, out)
@@ -141,9 +148,9 @@ def test_fp8_latent_cache():
 
 def test_write_latent_and_views():
     cfg = mla_config(4, 64, 16, page_size=8, dtype=torch.float32)
-    cache = torch.zeros(5, 8, 80)
-    kv_c, k_pe = torch.randn(4, 64), torch.randn(4, 1, 16)
-    slots = torch.tensor([3, -1, 17, 39])
+    cache = torch.zeros(5, 8, 80, device=DEVICE)
+    kv_c, k_pe = torch.randn(4, 64, device=DEVICE), torch.randn(4, 1, 16, device=DEVICE)
+    slots = torch.tensor([3, -1, 17, 39], device=DEVICE)
     write_latent(kv_c, k_pe, cache, slots)
     flat = cache.view(-1, 80)
     for t, s in enumerate(slots.tolist()):
@@ -157,9 +164,10 @@ def test_write_latent_and_views():
 
 
 def test_fp8_write_latent_roundtrip():
-    cache = torch.zeros(2, 4, 80, dtype=torch.float8_e4m3fn)
-    kv_c, k_pe = torch.randn(3, 64), torch.randn(3, 16)
-    write_latent(kv_c, k_pe, cache, torch.tensor([0, 5, 7]), k_scale=torch.tensor([0.25]))
+    cache = torch.zeros(2, 4, 80, dtype=torch.float8_e4m3fn, device=DEVICE)
+    kv_c, k_pe = torch.randn(3, 64, device=DEVICE), torch.randn(3, 16, device=DEVICE)
+    write_latent(kv_c, k_pe, cache, torch.tensor([0, 5, 7], device=DEVICE),
+                 k_scale=torch.tensor([0.25], device=DEVICE))
     got = cache.view(-1, 80)[[0, 5, 7]].float() * 0.25
     want = (torch.cat([kv_c, k_pe], 1) / 0.25).to(torch.float8_e4m3fn).float() * 0.25
     assert torch.equal(got, want)
@@ -194,7 +202,7 @@ def test_provider_without_mla_refuses():
 
 def test_run_refuses_a_v_cache_that_is_not_the_latent_view():
     c = mla_case(D, [1, 1], [5, 9], dtype=torch.float32)
-    attn = PagedAttention(c.plan.config, provider="triton", device="cpu", cascade="off")
+    attn = PagedAttention(c.plan.config, provider="triton", device=DEVICE, cascade="off")
     attn.plan(_batch(c))
     with pytest.raises(ValueError, match="v_cache must be k_cache"):
         attn.check_inputs(c.q, c.k_cache, c.v_cache.clone())
@@ -205,9 +213,9 @@ def test_run_refuses_a_v_cache_that_is_not_the_latent_view():
 def test_fa3_mla_on_the_standin(name, monkeypatch):
     """The fa3 provider's MLA class (FA3's ``qv`` call; tree verify: FA3 prefix + the Triton MLA tree part,
     LSE-merged) on CPU through the FA3 stand-in; tests/gpu/test_mla_gpu.py runs the real FA3."""
-    from fa3_standin import patch_fa3
+    from fa3_standin import use_fa3
 
-    patch_fa3(monkeypatch)
+    use_fa3(monkeypatch, DEVICE)
     mode, q_lens, prefix, kind = CASES[name]
     c = mla_case(mode, q_lens, prefix, rank=512, rope=64, nope=64, page_size=16, mask_kind=kind, seed=7)
     attn, out, lse = _run(c, provider="fa3", lse=True)
@@ -218,13 +226,13 @@ def test_fa3_mla_on_the_standin(name, monkeypatch):
 
 
 def test_fa3_mla_cascade_on_the_standin(monkeypatch):
-    from fa3_standin import patch_fa3
+    from fa3_standin import use_fa3
 
-    patch_fa3(monkeypatch)
+    use_fa3(monkeypatch, DEVICE)
     c = mla_case(D, [1, 1, 1], [40, 40, 40], rank=512, rope=64, nope=64, seed=5)
     p = c.plan
     batch, ref = _share_first_pages(c, 2)
-    attn = PagedAttention(p.config, provider="fa3", device="cpu", cascade="always")
+    attn = PagedAttention(p.config, provider="fa3", device=DEVICE, cascade="always")
     assert attn.plan(batch, num_pages=c.cache.shape[0]).cascade is not None
     out = attn.run(c.q, c.k_cache, c.v_cache)
     assert not out.isnan().any() and rel_err(c.up(out), ref) <= 1e-2
@@ -256,15 +264,15 @@ def test_mla_graph_state(provider, mode, cascade, monkeypatch):
     from attnplug.core.cuda_graph import GraphState
 
     if provider == "fa3":
-        from fa3_standin import patch_fa3
+        from fa3_standin import use_fa3
 
-        patch_fa3(monkeypatch)
+        use_fa3(monkeypatch, DEVICE)
     big = provider == "fa3"
     q = 1 if mode == "decode" else 3
     fm = D if mode == "decode" else V
     kw = dict(rank=512, rope=64, nope=64) if big else {}
     cfg = mla_case(D, [1], [3], **kw).plan.config
-    gs = GraphState(cfg, provider, max_batch=3, max_tokens=3 * q, max_pages=40, device="cpu",
+    gs = GraphState(cfg, provider, max_batch=3, max_tokens=3 * q, max_pages=40, device=DEVICE,
                     mode="decode" if mode == "decode" else "verify", num_draft_tokens=q, cascade=cascade,
                     chain=mode == "chain", max_seq_len=160)
     for bs in (1, 2, 3):
@@ -275,9 +283,9 @@ def test_mla_graph_state(provider, mode, cascade, monkeypatch):
         # cascade: a shared first page, which the cascade part cuts
         batch, ref = _share_first_pages(c, 1) if cascade != "off" else (_batch(c), c.ref)
         gs.update(batch, bs)
-        qp = torch.zeros(bs * q, *c.q.shape[1:], dtype=c.q.dtype)
+        qp = torch.zeros(bs * q, *c.q.shape[1:], dtype=c.q.dtype, device=DEVICE)
         qp[: B * q] = c.q
-        out = torch.full((bs * q, c.q.shape[1], cfg.head_dim_v), float("nan"), dtype=c.q.dtype)
+        out = torch.full((bs * q, c.q.shape[1], cfg.head_dim_v), float("nan"), dtype=c.q.dtype, device=DEVICE)
         gs.run(bs, qp, c.k_cache, c.v_cache, out)
         assert not out[: B * q].isnan().any()
         err = rel_err(c.up(out[: B * q]), ref)
@@ -312,15 +320,15 @@ def test_mla_multi_step_draft():
     seq_lens, topk, steps = [37, 0, 70], 2, 2
     ind, idx, last, draft, num_pages = draft_case(seq_lens, 16, topk, steps, seed=3)
     cfg = mla_config(4, 64, 16, page_size=16, dtype=torch.float32)
-    cache = torch.randn(num_pages, 16, 80, generator=torch.Generator().manual_seed(1))
+    cache = torch.randn(num_pages, 16, 80, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     k, v = latent_cache_views(cache, cfg)
-    planner = MultiStepDraftPlanner(cfg, topk, steps, max_batch=3, provider="triton", device="cpu")
+    planner = MultiStepDraftPlanner(cfg, topk, steps, max_batch=3, provider="triton", device=DEVICE)
     planner.plan(ind, idx, last, draft, num_pages=num_pages)
     tc = token_config(cfg)
     for i, batch in enumerate(planner.step_batches(ind, idx, last, draft)):
-        q = torch.randn(len(seq_lens) * topk, 4, 80)
-        got = planner.run(i, q, k, v, torch.full((q.shape[0], 4, 64), float("nan")))
-        ref = PagedAttention(tc, provider="reference", device="cpu")
+        q = torch.randn(len(seq_lens) * topk, 4, 80, device=DEVICE)
+        got = planner.run(i, q, k, v, torch.full((q.shape[0], 4, 64), float("nan"), device=DEVICE))
+        ref = PagedAttention(tc, provider="reference", device=DEVICE)
         ref.plan(batch)
         want = ref.run(q, token_view(k, cfg), token_view(v, cfg))
         assert not got.isnan().any() and rel_err(got, want) <= 1e-4, i
