@@ -1,0 +1,186 @@
+"""Gluon causal prefill / extend for Hopper (sm90) over a paged KV cache: the triton provider's prefill
+kernel where Gluon (``triton.experimental.gluon``, Triton 3.6 to 3.8) and an sm90 GPU are present.
+
+Same tile list and GQA packing as :mod:`.prefill` (a program = ``BLOCK_Q`` query tokens x the ``GROUP``
+heads of one KV head, ``BLOCK_M = BLOCK_Q * GROUP`` rows: row ``r`` is token ``r // GROUP``, head
+``r % GROUP``; program ``p`` takes tile ``num_tiles - 1 - p``, longest causal tiles first). What Gluon
+adds over the Triton kernel is explicit control of the Hopper pipeline:
+
+* **Loads**: K and V of a ``BLOCK_N``-key block are gathered row by row through the page table
+  (``cp.async``, 16 bytes a copy, rows past ``hi`` zero-filled) into a ``NUM_STAGES``-slot shared-memory
+  ring in the wgmma (NVMMA, 128-byte swizzled) layout; ``NUM_STAGES - 1`` blocks are in flight while
+  one computes. The page ids of block ``i + NUM_STAGES - 1`` are read while ``Q K^T`` of block ``i``
+  runs on the tensor cores (issued asynchronously first).
+* **Matmuls**: ``warpgroup_mma`` (wgmma): ``S = Q K^T`` with Q and K from shared memory, ``O += P V``
+  with P from registers (fp32 softmax cast to the value dtype) and V from shared memory; fp32 accumulators.
+* **Causal block skipping**: keys ``[0, hi)`` only (``hi``: the tile's last row's position + 1); blocks
+  below ``free_hi`` (seen by every row) skip all mask work, the diagonal blocks mask ``n > pos[row]``.
+* Online softmax in base 2 with the scale folded into one FMA; LSE (natural log) out if asked.
+
+Scope (the provider falls back to :mod:`.prefill` / :mod:`.attention` for anything else): causal, 16-bit
+Q/K/V, head_dim 64 / 128 / 256, ``GROUP`` a power of two dividing ``BLOCK_M`` (128), no custom mask,
+window, soft cap, sinks, fp8 KV, KV splits or ``kv_start``.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+# (head_dim) -> (block_n, num_stages, num_warps): the configurations the provider launches (BLOCK_M 128);
+# shared memory: Q 128 x D plus NUM_STAGES x (K + V) blocks of BLOCK_N x D, 16-bit.
+CONFIGS = {64: (128, 3, 8), 128: (64, 3, 8), 256: (64, 2, 8)}
+BLOCK_M = 128
+
+
+@gluon.constexpr_function
+def _load_layout(rows, head_dim, num_warps):
+    """Blocked layout of a ``[rows, head_dim]`` 16-bit gather: 8 elements (16 bytes) a thread along D."""
+    tpw_d = min(32, head_dim // 8)
+    return gl.BlockedLayout([1, 8], [32 // tpw_d, tpw_d], [num_warps, 1], [1, 0])
+
+
+@gluon.jit
+def _issue_block(K, V, k_slot, v_slot, kv_indices, page_base, n0, hi, kvh,
+                 stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                 LAYOUT: gl.constexpr):
+    """Start the asynchronous gather of keys ``n0 .. n0+BLOCK_N`` (KV head ``kvh``) of K and V into
+    ``k_slot`` / ``v_slot`` ``[BLOCK_N, HEAD_DIM]``; rows at or past ``hi`` are zero-filled."""
+    n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAYOUT))
+    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LAYOUT))
+    ok = n < hi
+    page = gl.load(kv_indices + page_base + n // PAGE_SIZE, mask=ok, other=0).to(gl.int64)
+    slot = n % PAGE_SIZE
+    k_off = page * stride_kp + slot * stride_kt + kvh * stride_kh
+    v_off = page * stride_vp + slot * stride_vt + kvh * stride_vh
+    k_off = gl.multiple_of(k_off, 8)  # the provider checks: strides multiples of 8, 16-byte aligned caches
+    v_off = gl.multiple_of(v_off, 8)
+    mask = gl.expand_dims(ok, 1) & gl.expand_dims(d < HEAD_DIM, 0)
+    async_copy.async_copy_global_to_shared(k_slot, K + (gl.expand_dims(k_off, 1) + gl.expand_dims(d, 0)), mask=mask)
+    async_copy.async_copy_global_to_shared(v_slot, V + (gl.expand_dims(v_off, 1) + gl.expand_dims(d, 0)), mask=mask)
+
+
+@gluon.jit
+def gluon_prefill_kernel(
+    Q, K, V, O, LSE,
+    qo_indptr, kv_indptr, kv_indices, kv_lens, tile_req, tile_qstart,
+    num_tiles, sm_scale,
+    stride_qt, stride_qh,
+    stride_kp, stride_kt, stride_kh,
+    stride_vp, stride_vt, stride_vh,
+    stride_ot, stride_oh,
+    stride_lt, stride_lh,
+    GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, STORE_LSE: gl.constexpr,
+):
+    """Grid ``(num_tiles, Hkv)``, causal (bottom-right aligned), launched with 8 warps (two warpgroups of
+    64 rows). Q ``[T, Hq, D]`` 16-bit; K/V paged caches (strides given, page ``PAGE_SIZE``, same dtype as
+    Q); O ``[T, Hq, D]``; LSE ``[T, Hq]`` float32 natural log (``STORE_LSE``). ``qo_indptr [B+1]``,
+    ``kv_indptr [B+1]``, ``kv_indices``, ``kv_lens [B]``, ``tile_req`` / ``tile_qstart [num_tiles]`` int32."""
+    NW: gl.constexpr = gl.num_warps()
+    dtype: gl.constexpr = Q.dtype.element_ty
+    LOAD: gl.constexpr = _load_layout(BLOCK_N, HEAD_DIM, NW)
+    QLOAD: gl.constexpr = _load_layout(BLOCK_M, HEAD_DIM, NW)
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
+    P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+    SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+
+    tile = num_tiles - 1 - gl.program_id(0)  # longest causal tiles first
+    kvh = gl.program_id(1)
+    b = gl.load(tile_req + tile)
+    q0 = gl.load(tile_qstart + tile)
+    q_start = gl.load(qo_indptr + b)
+    q_len = gl.load(qo_indptr + b + 1) - q_start
+    kv_len = gl.load(kv_lens + b)
+    page_base = gl.load(kv_indptr + b)
+
+    # Q tile -> shared memory (wgmma operand A)
+    rq = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, QLOAD))
+    dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, QLOAD))
+    tok_q = q0 + rq // GROUP
+    q_rows = (q_start + tok_q).to(gl.int64) * stride_qt + (kvh * GROUP + rq % GROUP) * stride_qh
+    q_rows = gl.multiple_of(q_rows, 8)
+    q_mask = gl.expand_dims(tok_q < q_len, 1) & gl.expand_dims(dq < HEAD_DIM, 0)
+    q = gl.load(Q + (gl.expand_dims(q_rows, 1) + gl.expand_dims(dq, 0)), mask=q_mask, other=0.0)
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], Q_SMEM, value=q)
+
+    k_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], SMEM)
+    v_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], SMEM)
+
+    pos0 = kv_len - q_len + q0  # the tile's first row: keys [0, pos0] are visible to every row
+    hi = gl.minimum(kv_len, pos0 + BLOCK_Q)
+    free_hi = (pos0 + 1) // BLOCK_N * BLOCK_N
+    num_blocks = gl.cdiv(hi, BLOCK_N)
+
+    for j in gl.static_range(NUM_STAGES - 1):  # prologue: the first NUM_STAGES - 1 blocks in flight
+        if j < num_blocks:
+            _issue_block(K, V, k_ring.index(j), v_ring.index(j), kv_indices, page_base, j * BLOCK_N, hi, kvh,
+                         stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                         BLOCK_N, HEAD_DIM, PAGE_SIZE, LOAD)
+        async_copy.commit_group()
+    fence_async_shared()  # Q's generic-proxy store before the wgmma reads it
+    gl.thread_barrier()
+
+    rs = gl.arange(0, BLOCK_M, layout=ROW_S)
+    pos = kv_len - q_len + q0 + rs // GROUP  # absolute position of each row
+    qk_scale = sm_scale * 1.4426950408889634
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW_S)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=ROW_S)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=O_L)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
+
+    for i in range(num_blocks):
+        n0 = i * BLOCK_N
+        slot = i % NUM_STAGES
+        async_copy.wait_group(NUM_STAGES - 2)  # block i has landed (this thread's copies)
+        fence_async_shared()  # cp.async (generic proxy) writes before the wgmma (async proxy) reads
+        gl.thread_barrier()  # ... every thread's copies
+        k_slot = k_ring.index(slot)
+        v_slot = v_ring.index(slot)
+        s = warpgroup_mma(q_smem, k_slot.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        # meanwhile: block i + NUM_STAGES - 1 into the slot block i - 1 used (its wgmmas have completed)
+        nxt = i + NUM_STAGES - 1
+        if nxt < num_blocks:
+            ns = nxt % NUM_STAGES
+            _issue_block(K, V, k_ring.index(ns), v_ring.index(ns), kv_indices, page_base, nxt * BLOCK_N, hi, kvh,
+                         stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                         BLOCK_N, HEAD_DIM, PAGE_SIZE, LOAD)
+        async_copy.commit_group()
+        s, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s, k_slot))
+        if n0 + BLOCK_N > free_hi:  # a diagonal block: hide keys past each row's position
+            n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+            s = gl.where(gl.expand_dims(n, 0) <= gl.expand_dims(pos, 1), s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+        p_op = gl.convert_layout(p.to(dtype), P_L)
+        acc = warpgroup_mma(p_op, v_slot, acc, is_async=True)
+        acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_slot))
+    async_copy.wait_group(0)
+
+    has = l_i > 0.0
+    l_o = gl.convert_layout(gl.where(has, l_i, 1.0), ROW_O)
+    out = acc / gl.expand_dims(l_o, 1)
+    out = gl.convert_layout(out.to(O.dtype.element_ty), QLOAD)
+    o_rows = (q_start + tok_q).to(gl.int64) * stride_ot + (kvh * GROUP + rq % GROUP) * stride_oh
+    o_rows = gl.multiple_of(o_rows, 8)
+    gl.store(O + (gl.expand_dims(o_rows, 1) + gl.expand_dims(dq, 0)), out, mask=q_mask)
+    if STORE_LSE:
+        lse = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf")) * 0.6931471805599453
+        tok = q0 + rs // GROUP
+        l_ptrs = LSE + (q_start + tok).to(gl.int64) * stride_lt + (kvh * GROUP + rs % GROUP) * stride_lh
+        gl.store(l_ptrs, lse, mask=tok < q_len)
