@@ -9,7 +9,8 @@ prefill / split-decode kernels at the H200 sweep's candidate tiles (TMA pages, f
 (e4m3 / e5m2: attention dequantizing on load, the quantizing KV write, fa3's query quantization),
 attention sinks (gpt-oss's 64/8 heads at d64, window 128 and full: each kernel's sink variant, split
 merges, the fold kernel), the KV write and the replay-metadata kernel in its
-vLLM / SGLang / FA3 / chain-mask forms); each ``kernel[grid](...)`` is recorded instead of launched,
+vLLM / SGLang / FA3 / chain-mask forms, the Gluon prefill kernel at every configuration the provider
+launches on sm90 (compiled from its Gluon source); each ``kernel[grid](...)`` is recorded instead of launched,
 its arguments specialized as Triton's JIT does on a GPU (pointer / int dtypes, divisibility by 16,
 ints equal to 1 as constexprs, tensor descriptors; constexprs by value, ``UPCAST`` False as on a GPU;
 ``num_warps`` / ``num_stages`` as launched) and compiled through Triton's NVIDIA pipeline to a cubin
@@ -33,9 +34,11 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 import attnplug.core.kernels.attention as attention_mod  # noqa: E402
 import attnplug.core.kernels.decode as decode_mod  # noqa: E402
+import attnplug.core.kernels.gluon_prefill as gluon_mod  # noqa: E402
 import attnplug.core.kernels.graph_update as graph_mod  # noqa: E402
 import attnplug.core.kernels.kv_write as kv_mod  # noqa: E402
 import attnplug.core.kernels.merge as merge_mod  # noqa: E402
@@ -113,6 +116,7 @@ def record_all() -> None:
     for mod, names in ((attention_mod, ["paged_attention_kernel"]),
                        (merge_mod, ["merge_splits_kernel", "merge_state_kernel", "apply_sinks_kernel"]),
                        (prefill_mod, ["prefill_kernel"]), (decode_mod, ["decode_kernel"]),
+                       (gluon_mod, ["gluon_prefill_kernel"]),
                        (kv_mod, ["write_kv_kernel", "quantize_rows_kernel"]),
                        (graph_mod, ["graph_batch_from_block_table_kernel", "shared_pages_kernel"])):  # fmt: skip
         for n in names:
@@ -162,6 +166,7 @@ def record_all() -> None:
         attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=lse, **scales)
     record_fast_paths(llama)
     record_sinks()
+    record_gluon()
     v = torch.zeros(6, 32, 128, dtype=torch.bfloat16)
     s = torch.zeros(32, 6)
     merge_mod.merge_state(v, s.t(), v, s.t(), v, s.t())  # the fa3 tree merge (transposed LSE)
@@ -302,6 +307,34 @@ def record_runs(runs, sinks: bool = False) -> None:
         attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=lse, **scales)
 
 
+def record_gluon() -> None:
+    """The Gluon prefill kernel (kernels/gluon_prefill.py) at every configuration the provider launches
+    on sm90: head_dim 64 / 128 / 256 (each with its block_n / stages), GQA groups 1 to 16, bf16 and fp16,
+    NHD and HND pages, with and without LSE, prefill and extend; the plan must pick it (``_gluon`` set as
+    on an sm90 GPU with Gluon), and must not where a feature falls back (``_gluon_fallbacks``)."""
+    bf, fp = torch.bfloat16, torch.float16
+    cases = [  # (config, q lens, prefix lens, with LSE)
+        (AttentionConfig(32, 8, 128, 16, bf), [300, 200], [0, 250], False),
+        (AttentionConfig(32, 8, 128, 16, bf), [300], [40], True),
+        (AttentionConfig(32, 32, 128, 16, bf), [200], [0], False),  # MHA
+        (AttentionConfig(64, 8, 128, 16, fp, "HND"), [130], [17], False),  # group 8, fp16, HND
+        (AttentionConfig(32, 8, 64, 16, bf), [300], [0], False),
+        (AttentionConfig(32, 8, 64, 16, fp), [300], [5], True),
+        (AttentionConfig(16, 8, 256, 16, bf), [300], [0], False),
+        (AttentionConfig(32, 2, 256, 16, bf, "HND"), [100], [64], True),  # group 16
+    ]
+    for cfg, q_lens, prefix, with_lse in cases:
+        c = random_case(ForwardMode.EXTEND, q_lens, prefix, cfg, "cpu")
+        attn = PagedAttention(cfg, "triton", "cpu")
+        attn.provider._sms, attn.provider._gluon = H200_SMS, True
+        plan = attn.plan(c.batch, c.num_pages)
+        assert plan.state.kernel == "gluon", (cfg, plan.state.kernel)
+        out = torch.empty_like(c.q)
+        lse = torch.empty(c.q.shape[:2], dtype=torch.float32) if with_lse else None
+        attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=lse)
+    assert sum(k[0] == "gluon_prefill_kernel" for k in LAUNCHES) >= len(cases), "gluon launches not recorded"
+
+
 def record_sinks() -> None:
     """The sink variants (``HAS_SINKS``) of every kernel at gpt-oss's shape (64 / 8 heads, d64), window
     128 and full: the paged kernel unsplit and split (the sink in merge_splits), tree verify, fp8 KV, the
@@ -366,7 +399,8 @@ def main() -> None:
     kinds = {}
     stats = "--stats" in sys.argv  # registers / stack (spills) / static shared memory of each launch
     for fn, sig, const, opts, attrs in LAUNCHES.values():
-        src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+        gluon = getattr(fn, "is_gluon", lambda: False)()
+        src = (GluonASTSource if gluon else ASTSource)(fn=fn, signature=sig, constexprs=const, attrs=attrs)
         k = triton.compile(src, target=target, options=opts)
         cubin = k.asm["cubin"]
         assert len(cubin) > 1000, (fn.__name__, len(cubin))

@@ -44,7 +44,8 @@ class TritonState:
     partial: torch.Tensor | None  # [T, Hq, S, D] float32 (or the output dtype: entry 'partials') when split
     partial_lse: torch.Tensor | None  # [T, Hq, S] float32 (base-2) when split
     kv_start: torch.Tensor | None  # [B] int32: attend only to keys >= kv_start[b]
-    kernel: str = "paged"  # "paged" (kernels.attention), "prefill" (kernels.prefill), "decode" (kernels.decode)
+    kernel: str = "paged"  # "paged" (kernels.attention), "prefill" (kernels.prefill), "decode" (kernels.decode),
+    # "gluon" (kernels.gluon_prefill: causal prefill on sm90 where Gluon is present)
     diag_n: int = 0  # prefill: keys per block of the masked diagonal loop
     tma: bool = False  # prefill: K/V through tensor descriptors (page size a multiple of block_n)
     counters: torch.Tensor | None = None  # decode with fused merge: [B * Hkv] int32, zero between launches
@@ -136,6 +137,34 @@ def _even(cache: torch.Tensor, strides) -> bool:
     return cache.data_ptr() % 2 == 0 and not any(x % 2 for x in strides)
 
 
+def _aligned16(t: torch.Tensor, strides) -> bool:
+    """A 16-bit tensor the Gluon prefill kernel may copy in 16-byte pieces: 16-byte aligned, strides of 8."""
+    return t.data_ptr() % 16 == 0 and not any(x % 8 for x in strides)
+
+
+# Triton releases whose Gluon API the Gluon kernels are written (and compile-checked: tests/core/sm90_aot.py) for
+GLUON_TRITON = ((3, 6), (3, 8))
+
+
+def gluon_sm90(device: torch.device) -> bool:
+    """Whether the Gluon prefill kernel (:mod:`attnplug.core.kernels.gluon_prefill`) runs on ``device``:
+    a CUDA sm90 GPU (compute capability 9.0) without the Triton interpreter, with a triton in
+    :data:`GLUON_TRITON` whose ``triton.experimental.gluon`` imports."""
+    if device.type != "cuda" or triton_interpreter_active() or torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    try:
+        import triton
+
+        version = tuple(int(x) for x in triton.__version__.split(".")[:2])
+        if not GLUON_TRITON[0] <= version <= GLUON_TRITON[1]:
+            return False
+        from ..kernels import gluon_prefill  # noqa: F401
+    except Exception as e:  # ImportError, or a Gluon API this kernel does not know
+        logger.info("attnplug: provider 'triton': Gluon prefill kernel unavailable (%r)", e)
+        return False
+    return True
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -205,6 +234,7 @@ class TritonProvider(Provider):
         if config.head_dim < 16:
             raise self.unsupported(f"head_dim {config.head_dim} (min 16)")
         self._sms = _num_sms(self.device)
+        self._gluon = gluon_sm90(self.device)
         self._pdl_ok: bool | None = None
         self._entry_keys: dict[str, tuple[str, ...]] = {}
 
@@ -280,6 +310,25 @@ class TritonProvider(Provider):
                 and plan.options.kv_start is None and plan.max_q_len > 1
                 and (splits == 1 if plan.causal else not cfg.kv_quantized))  # fmt: skip
 
+    def _gluon_config(self, plan: Plan) -> tuple[int, int, int] | None:
+        """``(block_n, num_stages, num_warps)`` of the Gluon prefill kernel (:mod:`..kernels.gluon_prefill`,
+        ``BLOCK_M`` 128) where it computes this batch: an sm90 GPU with Gluon (:func:`gluon_sm90`), causal
+        queries that fill its 128-row tiles, 16-bit KV in pages of 16, head_dim 64 / 128 / 256, a power-of-two
+        GQA group, no custom mask, window, soft cap, sinks, ``kv_start`` or forced tiles / splits; else None
+        (the Triton kernels)."""
+        cfg, o = self.config, plan.options
+        if not (self._gluon and plan.causal and plan.mask is None and plan.max_q_len > 1
+                and plan.max_q_len * cfg.group_size >= 128
+                and cfg.page_size == 16 and not cfg.kv_quantized and cfg.dtype in (torch.bfloat16, torch.float16)
+                and cfg.window_left < 0 and cfg.logits_soft_cap <= 0 and not cfg.sinks
+                and cfg.group_size == _next_pow2(cfg.group_size) and cfg.group_size <= 128):  # fmt: skip
+            return None
+        if any(x is not None for x in (o.kv_start, o.block_m, o.block_n, o.num_warps, o.num_stages, o.num_kv_splits)):
+            return None
+        from ..kernels.gluon_prefill import CONFIGS
+
+        return CONFIGS.get(cfg.head_dim)
+
     def split_count(self, num_tiles: int, max_kv_len: int, forced: int | None = None, noncausal: bool = False) -> int:
         """Split-KV chunks per tile: ``forced``, else (when ``num_tiles * Hkv`` programs do not fill the
         SMs, or fill them but their ``decode`` entry names a ``ctas_per_sm``, and ``max_kv_len >= 1024``)
@@ -338,6 +387,10 @@ class TritonProvider(Provider):
         With ``static`` the tile list and the split partials live in its memory."""
         cfg, o = self.config, plan.options
         block_q, block_m, block_n, warps, stages = self._blocks(plan)
+        blocks = block_q, block_m, block_n, warps, stages
+        gluon = self._gluon_config(plan) if self._gluon else None
+        if gluon is not None:
+            block_q, block_m, (block_n, stages, warps) = 128 // cfg.group_size, 128, gluon
         if o.block_m is not None:
             block_m, block_q = o.block_m, max(1, o.block_m // cfg.group_size)
         block_n = o.block_n or block_n
@@ -345,15 +398,20 @@ class TritonProvider(Provider):
         # tile list on the host in numpy (a handful of vector ops, no per-request Python)
         q_lens = plan.q_lens_cpu.numpy()
         nreq = q_lens.shape[0]
-        # one tile per request, from token 0 (decode, short verify): the list is arange / zeros
-        identity = nreq == 0 or (q_lens[q_lens.argmin()] >= 1 and q_lens[q_lens.argmax()] <= block_q)
-        if identity:
-            counts, num_tiles = None, nreq
-        else:
-            counts, ends = _tile_counts(q_lens, block_q)
-            num_tiles = int(ends[-1])
         noncausal = plan.max_q_len > 1 and not plan.causal and plan.mask is None
-        splits = self.split_count(num_tiles, plan.max_kv_len, o.num_kv_splits, noncausal)
+        while True:
+            # one tile per request, from token 0 (decode, short verify): the list is arange / zeros
+            identity = nreq == 0 or (q_lens[q_lens.argmin()] >= 1 and q_lens[q_lens.argmax()] <= block_q)
+            if identity:
+                counts, num_tiles = None, nreq
+            else:
+                counts, ends = _tile_counts(q_lens, block_q)
+                num_tiles = int(ends[-1])
+            splits = self.split_count(num_tiles, plan.max_kv_len, o.num_kv_splits, noncausal)
+            if gluon is None or splits == 1:
+                break
+            # too few tiles to fill the GPU: the Triton kernels' blocks and split plan
+            gluon, (block_q, block_m, block_n, warps, stages) = None, blocks
         kernel, entry = "paged", self._entry("prefill")
         if plan.max_q_len <= 1:
             programs = num_tiles * cfg.num_kv_heads
@@ -367,7 +425,9 @@ class TritonProvider(Provider):
                 kernel = "decode"
         else:  # the prefill kernel where the batch's entry names it (cascade prefix parts: the noncausal one)
             pe = self._entry("noncausal") if noncausal else entry
-            if self._prefill_kernel_ok(plan, pe, block_m, splits):
+            if gluon is not None:
+                kernel = "gluon"
+            elif self._prefill_kernel_ok(plan, pe, block_m, splits):
                 kernel, entry = "prefill", pe
         fused = kernel == "decode" and splits > 1 and bool(entry.get("fused_merge", False))
         diag_n = min(block_n, entry.get("diag_n", block_n)) if kernel == "prefill" else 0
@@ -384,7 +444,7 @@ class TritonProvider(Provider):
                 tile_req, tile_q = np.arange(num_tiles, dtype=np.int32), np.zeros(num_tiles, dtype=np.int32)
             else:  # prefill: ascending causal work, the kernel runs the list backwards, longest first
                 tile_req, tile_q = _tile_list(q_lens, plan.kv_lens_cpu.numpy(), counts, ends, block_q,
-                                              kernel == "prefill")
+                                              kernel in ("prefill", "gluon"))
             if static is not None:
                 if num_tiles > static.tile_req.numel():
                     raise ValueError(f"attnplug: {num_tiles} triton tiles exceed the static capacity "
@@ -468,6 +528,12 @@ class TritonProvider(Provider):
             ks, vs = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)), (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
         else:
             ks, vs = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1)), (v_cache.stride(0), v_cache.stride(2), v_cache.stride(1))
+        if a.kernel == "gluon":
+            if _aligned16(q, q.stride()[:2]) and _aligned16(out, out.stride()[:2]) and _aligned16(k_cache, ks) \
+                    and _aligned16(v_cache, vs):  # fmt: skip
+                return self._run_gluon(plan, a, q, k_cache, v_cache, ks, vs, out, lse)
+            # caches or views the 16-byte copies cannot read: the Triton prefill kernel on the same tile list
+            a = dataclasses.replace(a, kernel="prefill", block_n=64, num_stages=3, num_warps=8, diag_n=64)
         if a.kernel == "prefill":
             return self._run_prefill(plan, a, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale,
                                      merge_base, pdl, sinks)
@@ -543,6 +609,20 @@ class TritonProvider(Provider):
         )
         if split:
             merge_splits(a.partial, a.partial_lse, out, lse, base=merge_base, pdl=pdl, sinks=sinks)
+
+    def _run_gluon(self, plan: Plan, a: TritonState, q, k_cache, v_cache, ks, vs, out, lse) -> None:
+        """The Gluon prefill kernel (:mod:`attnplug.core.kernels.gluon_prefill`), grid ``(tiles, Hkv)``, causal."""
+        from ..kernels.gluon_prefill import gluon_prefill_kernel
+
+        cfg = self.config
+        gluon_prefill_kernel[(a.num_tiles, cfg.num_kv_heads)](
+            q, k_cache, v_cache, out, lse if lse is not None else out,
+            plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, a.tile_req, a.tile_qstart,
+            a.num_tiles, cfg.scale, q.stride(0), q.stride(1), *ks, *vs, out.stride(0), out.stride(1),
+            *((lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)),
+            GROUP=cfg.group_size, BLOCK_Q=a.block_q, BLOCK_M=a.block_m, BLOCK_N=a.block_n, HEAD_DIM=cfg.head_dim,
+            PAGE_SIZE=cfg.page_size, NUM_STAGES=a.num_stages, STORE_LSE=lse is not None, num_warps=a.num_warps,
+        )
 
     def _run_decode(self, plan: Plan, a: TritonState, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale,
                     sinks: torch.Tensor | None = None) -> None:
