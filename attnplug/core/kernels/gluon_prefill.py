@@ -33,9 +33,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-# (head_dim) -> (block_n, num_stages, num_warps): the configurations the provider launches (BLOCK_M 128);
-# shared memory: Q 128 x D plus NUM_STAGES x (K + V) blocks of BLOCK_N x D, 16-bit.
-CONFIGS = {64: (128, 3, 8), 128: (64, 3, 8), 256: (64, 2, 8)}
+# (head_dim) -> (block_n, num_stages, num_warps, qk_ahead): the configurations the provider launches (BLOCK_M
+# 128); shared memory: Q 128 x D plus NUM_STAGES x (K + V) blocks of BLOCK_N x D, 16-bit (at most 227 KiB);
+# ``QK_AHEAD`` needs 3 stages or more.
+CONFIGS = {64: (128, 4, 8, True), 128: (64, 4, 8, True), 256: (64, 2, 8, False)}
 BLOCK_M = 128
 
 
@@ -68,6 +69,22 @@ def _issue_block(K, V, k_slot, v_slot, kv_indices, page_base, n0, hi, kvh,
 
 
 @gluon.jit
+def _softmax_step(s, m_i, l_i, n0, free_hi, pos, qk_scale, BLOCK_N: gl.constexpr, dtype: gl.constexpr,
+                  S_L: gl.constexpr, ROW_O: gl.constexpr, P_L: gl.constexpr):
+    """Logits ``s [BLOCK_M, BLOCK_N]`` (``q . k`` of keys ``n0 ..``) into the online softmax (base 2):
+    ``(p as the PV wgmma's A operand, alpha [BLOCK_M] in the accumulator's row layout, m_new, l_new)``.
+    Blocks reaching ``free_hi`` are on the diagonal: keys past each row's position ``pos`` are hidden."""
+    if n0 + BLOCK_N > free_hi:
+        n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+        s = gl.where(gl.expand_dims(n, 0) <= gl.expand_dims(pos, 1), s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return gl.convert_layout(p.to(dtype), P_L), gl.convert_layout(alpha, ROW_O), m_new, l_i
+
+
+@gluon.jit
 def gluon_prefill_kernel(
     Q, K, V, O, LSE,
     qo_indptr, kv_indptr, kv_indices, kv_lens, tile_req, tile_qstart,
@@ -79,6 +96,7 @@ def gluon_prefill_kernel(
     stride_lt, stride_lh,
     GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, STORE_LSE: gl.constexpr,
+    QK_AHEAD: gl.constexpr = True,
 ):
     """Grid ``(num_tiles, Hkv)``, causal (bottom-right aligned), launched with 8 warps (two warpgroups of
     64 rows). Q ``[T, Hq, D]`` 16-bit; K/V paged caches (strides given, page ``PAGE_SIZE``, same dtype as
@@ -123,14 +141,15 @@ def gluon_prefill_kernel(
     free_hi = (pos0 + 1) // BLOCK_N * BLOCK_N
     num_blocks = gl.cdiv(hi, BLOCK_N)
 
-    for j in gl.static_range(NUM_STAGES - 1):  # prologue: the first NUM_STAGES - 1 blocks in flight
+    # prologue: the first blocks in flight (every slot with QK_AHEAD, which refills a slot once its P V is done;
+    # all but one otherwise, refilled while the block's Q K^T runs)
+    PROLOGUE: gl.constexpr = NUM_STAGES if QK_AHEAD else NUM_STAGES - 1
+    for j in gl.static_range(PROLOGUE):
         if j < num_blocks:
             _issue_block(K, V, k_ring.index(j), v_ring.index(j), kv_indices, page_base, j * BLOCK_N, hi, kvh,
                          stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                          BLOCK_N, HEAD_DIM, PAGE_SIZE, LOAD)
         async_copy.commit_group()
-    fence_async_shared()  # Q's generic-proxy store before the wgmma reads it
-    gl.thread_barrier()
 
     rs = gl.arange(0, BLOCK_M, layout=ROW_S)
     pos = kv_len - q_len + q0 + rs // GROUP  # absolute position of each row
@@ -140,36 +159,60 @@ def gluon_prefill_kernel(
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=O_L)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
 
-    for i in range(num_blocks):
-        n0 = i * BLOCK_N
-        slot = i % NUM_STAGES
-        async_copy.wait_group(NUM_STAGES - 2)  # block i has landed (this thread's copies)
-        fence_async_shared()  # cp.async (generic proxy) writes before the wgmma (async proxy) reads
-        gl.thread_barrier()  # ... every thread's copies
-        k_slot = k_ring.index(slot)
-        v_slot = v_ring.index(slot)
-        s = warpgroup_mma(q_smem, k_slot.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        # meanwhile: block i + NUM_STAGES - 1 into the slot block i - 1 used (its wgmmas have completed)
-        nxt = i + NUM_STAGES - 1
-        if nxt < num_blocks:
-            ns = nxt % NUM_STAGES
-            _issue_block(K, V, k_ring.index(ns), v_ring.index(ns), kv_indices, page_base, nxt * BLOCK_N, hi, kvh,
-                         stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                         BLOCK_N, HEAD_DIM, PAGE_SIZE, LOAD)
-        async_copy.commit_group()
-        s, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s, k_slot))
-        if n0 + BLOCK_N > free_hi:  # a diagonal block: hide keys past each row's position
-            n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
-            s = gl.where(gl.expand_dims(n, 0) <= gl.expand_dims(pos, 1), s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
-        p_op = gl.convert_layout(p.to(dtype), P_L)
-        acc = warpgroup_mma(p_op, v_slot, acc, is_async=True)
-        acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_slot))
+    if QK_AHEAD:
+        # per block i: issue Q K_i^T, rescale O, issue P_{i-1} V_{i-1}; wait for S_i only, so the softmax of
+        # block i runs while P_{i-1} V_{i-1} is on the tensor cores; then wait for O. Only finished values
+        # cross the loop edge (an in-flight accumulator there makes ptxas serialize the wgmmas).
+        async_copy.wait_group(NUM_STAGES - 1)  # block 0 has landed (this thread's copies)
+        fence_async_shared()  # Q's store and the cp.async writes (generic proxy) before wgmma (async proxy)
+        gl.thread_barrier()  # ... of every thread
+        s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False)
+        p_op, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, free_hi, pos, qk_scale, BLOCK_N, dtype, S_L, ROW_O, P_L)
+        for i in range(1, num_blocks):
+            async_copy.wait_group(NUM_STAGES - 2)  # block i has landed (blocks 0 .. i + NUM_STAGES - 2 issued)
+            fence_async_shared()
+            gl.thread_barrier()
+            s_tok = warpgroup_mma(q_smem, k_ring.index(i % NUM_STAGES).permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)
+            acc = acc * gl.expand_dims(alpha, 1)
+            acc_tok = warpgroup_mma(p_op, v_ring.index((i - 1) % NUM_STAGES), acc, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # S_i done; P_{i-1} V_{i-1} runs on
+            p_op, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, i * BLOCK_N, free_hi, pos, qk_scale,
+                                                  BLOCK_N, dtype, S_L, ROW_O, P_L)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
+            gl.thread_barrier()  # both warpgroups are done with block i - 1's slot
+            nxt = i - 1 + NUM_STAGES
+            if nxt < num_blocks:
+                ns = nxt % NUM_STAGES
+                _issue_block(K, V, k_ring.index(ns), v_ring.index(ns), kv_indices, page_base, nxt * BLOCK_N, hi,
+                             kvh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                             BLOCK_N, HEAD_DIM, PAGE_SIZE, LOAD)
+            async_copy.commit_group()
+        acc = acc * gl.expand_dims(alpha, 1)
+        acc = warpgroup_mma(p_op, v_ring.index((num_blocks - 1) % NUM_STAGES), acc)
+    else:
+        for i in range(num_blocks):
+            slot = i % NUM_STAGES
+            async_copy.wait_group(NUM_STAGES - 2)  # block i has landed (this thread's copies)
+            fence_async_shared()  # cp.async / Q stores (generic proxy) before the wgmma (async proxy) reads
+            gl.thread_barrier()  # ... every thread's
+            k_slot = k_ring.index(slot)
+            v_slot = v_ring.index(slot)
+            s = warpgroup_mma(q_smem, k_slot.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            # meanwhile: block i + NUM_STAGES - 1 into the slot block i - 1 used (its wgmmas have completed)
+            nxt = i + NUM_STAGES - 1
+            if nxt < num_blocks:
+                ns = nxt % NUM_STAGES
+                _issue_block(K, V, k_ring.index(ns), v_ring.index(ns), kv_indices, page_base, nxt * BLOCK_N, hi,
+                             kvh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                             BLOCK_N, HEAD_DIM, PAGE_SIZE, LOAD)
+            async_copy.commit_group()
+            s, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s, k_slot))
+            p_op, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, i * BLOCK_N, free_hi, pos, qk_scale,
+                                                  BLOCK_N, dtype, S_L, ROW_O, P_L)
+            acc = acc * gl.expand_dims(alpha, 1)
+            acc = warpgroup_mma(p_op, v_slot, acc, is_async=True)
+            acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_slot))
     async_copy.wait_group(0)
 
     has = l_i > 0.0

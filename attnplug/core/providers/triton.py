@@ -51,6 +51,7 @@ class TritonState:
     counters: torch.Tensor | None = None  # decode with fused merge: [B * Hkv] int32, zero between launches
     fp8_f16: bool = False  # fp8 KV: fp16 dots on a pre-scaled query (tile-table field)
     pairs: bool = False  # fp8 KV, decode kernel: K/V read as 16-bit byte pairs (tile-table field)
+    qk_ahead: bool = False  # gluon: the next block's Q K^T issued before this block's softmax
 
 
 @dataclass
@@ -310,8 +311,8 @@ class TritonProvider(Provider):
                 and plan.options.kv_start is None and plan.max_q_len > 1
                 and (splits == 1 if plan.causal else not cfg.kv_quantized))  # fmt: skip
 
-    def _gluon_config(self, plan: Plan) -> tuple[int, int, int] | None:
-        """``(block_n, num_stages, num_warps)`` of the Gluon prefill kernel (:mod:`..kernels.gluon_prefill`,
+    def _gluon_config(self, plan: Plan) -> tuple[int, int, int, bool] | None:
+        """``(block_n, num_stages, num_warps, qk_ahead)`` of the Gluon prefill kernel (:mod:`..kernels.gluon_prefill`,
         ``BLOCK_M`` 128) where it computes this batch: an sm90 GPU with Gluon (:func:`gluon_sm90`), causal
         queries that fill its 128-row tiles, 16-bit KV in pages of 16, head_dim 64 / 128 / 256, a power-of-two
         GQA group, no custom mask, window, soft cap, sinks, ``kv_start`` or forced tiles / splits; else None
@@ -390,7 +391,7 @@ class TritonProvider(Provider):
         blocks = block_q, block_m, block_n, warps, stages
         gluon = self._gluon_config(plan) if self._gluon else None
         if gluon is not None:
-            block_q, block_m, (block_n, stages, warps) = 128 // cfg.group_size, 128, gluon
+            block_q, block_m, (block_n, stages, warps, _) = 128 // cfg.group_size, 128, gluon
         if o.block_m is not None:
             block_m, block_q = o.block_m, max(1, o.block_m // cfg.group_size)
         block_n = o.block_n or block_n
@@ -479,7 +480,7 @@ class TritonProvider(Provider):
             tile_req=tile_req, tile_qstart=tile_q, num_tiles=num_tiles, num_splits=splits, block_q=block_q,
             block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, partial=partial,
             partial_lse=partial_lse, kv_start=o.kv_start, kernel=kernel, diag_n=diag_n, tma=tma, counters=counters,
-            fp8_f16=cfg.kv_quantized and bool(entry.get("fp8_f16", False)),
+            fp8_f16=cfg.kv_quantized and bool(entry.get("fp8_f16", False)), qk_ahead=kernel == "gluon" and gluon[3],
             pairs=(cfg.kv_quantized and kernel == "decode" and bool(entry.get("pairs", False))
                    and cfg.head_dim == _next_pow2(cfg.head_dim) and cfg.head_dim >= 32),
         )
@@ -621,7 +622,8 @@ class TritonProvider(Provider):
             a.num_tiles, cfg.scale, q.stride(0), q.stride(1), *ks, *vs, out.stride(0), out.stride(1),
             *((lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)),
             GROUP=cfg.group_size, BLOCK_Q=a.block_q, BLOCK_M=a.block_m, BLOCK_N=a.block_n, HEAD_DIM=cfg.head_dim,
-            PAGE_SIZE=cfg.page_size, NUM_STAGES=a.num_stages, STORE_LSE=lse is not None, num_warps=a.num_warps,
+            PAGE_SIZE=cfg.page_size, NUM_STAGES=a.num_stages, STORE_LSE=lse is not None, QK_AHEAD=a.qk_ahead,
+            num_warps=a.num_warps,
         )
 
     def _run_decode(self, plan: Plan, a: TritonState, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale,
