@@ -48,24 +48,31 @@ def _load_layout(rows, head_dim, num_warps):
 
 
 @gluon.jit
-def _issue_block(K, V, k_slot, v_slot, kv_indices, page_base, n0, hi, kvh,
+def _issue_block(K, V, k_ring, v_ring, j, num_blocks, kv_indices, page_base, hi, kvh,
                  stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                 LAYOUT: gl.constexpr):
-    """Start the asynchronous gather of keys ``n0 .. n0+BLOCK_N`` (KV head ``kvh``) of K and V into
-    ``k_slot`` / ``v_slot`` ``[BLOCK_N, HEAD_DIM]``; rows at or past ``hi`` are zero-filled."""
-    n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAYOUT))
-    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LAYOUT))
-    ok = n < hi
-    page = gl.load(kv_indices + page_base + n // PAGE_SIZE, mask=ok, other=0).to(gl.int64)
-    slot = n % PAGE_SIZE
-    k_off = page * stride_kp + slot * stride_kt + kvh * stride_kh
-    v_off = page * stride_vp + slot * stride_vt + kvh * stride_vh
-    k_off = gl.multiple_of(k_off, 8)  # the provider checks: strides multiples of 8, 16-byte aligned caches
-    v_off = gl.multiple_of(v_off, 8)
-    mask = gl.expand_dims(ok, 1) & gl.expand_dims(d < HEAD_DIM, 0)
-    async_copy.async_copy_global_to_shared(k_slot, K + (gl.expand_dims(k_off, 1) + gl.expand_dims(d, 0)), mask=mask)
-    async_copy.async_copy_global_to_shared(v_slot, V + (gl.expand_dims(v_off, 1) + gl.expand_dims(d, 0)), mask=mask)
+                 NUM_STAGES: gl.constexpr, LAYOUT: gl.constexpr):
+    """Start the asynchronous gather of block ``j`` (keys ``j * BLOCK_N ..``, KV head ``kvh``) of K and V into
+    ring slot ``j % NUM_STAGES`` (``[BLOCK_N, HEAD_DIM]`` each; rows at or past ``hi`` zero-filled) and
+    commit it as one cp.async group (an empty group from ``num_blocks`` on: the group count stays fixed)."""
+    if j < num_blocks:
+        n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAYOUT))
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LAYOUT))
+        ok = n < hi
+        page = gl.load(kv_indices + page_base + n // PAGE_SIZE, mask=ok, other=0).to(gl.int64)
+        slot = n % PAGE_SIZE
+        k_off = page * stride_kp + slot * stride_kt + kvh * stride_kh
+        v_off = page * stride_vp + slot * stride_vt + kvh * stride_vh
+        k_off = gl.multiple_of(k_off, 8)  # the provider checks: strides of 8, 16-byte aligned
+        v_off = gl.multiple_of(v_off, 8)
+        mask = gl.expand_dims(ok, 1) & gl.expand_dims(d < HEAD_DIM, 0)
+        ring = j % NUM_STAGES
+        d0 = gl.expand_dims(d, 0)
+        k_ptrs = K + (gl.expand_dims(k_off, 1) + d0)
+        v_ptrs = V + (gl.expand_dims(v_off, 1) + d0)
+        async_copy.async_copy_global_to_shared(k_ring.index(ring), k_ptrs, mask=mask)
+        async_copy.async_copy_global_to_shared(v_ring.index(ring), v_ptrs, mask=mask)
+    async_copy.commit_group()
 
 
 @gluon.jit
@@ -106,8 +113,10 @@ def gluon_prefill_kernel(
     dtype: gl.constexpr = Q.dtype.element_ty
     LOAD: gl.constexpr = _load_layout(BLOCK_N, HEAD_DIM, NW)
     QLOAD: gl.constexpr = _load_layout(BLOCK_M, HEAD_DIM, NW)
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                  instr_shape=[16, BLOCK_N, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                  instr_shape=[16, HEAD_DIM, 16])
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
@@ -141,15 +150,13 @@ def gluon_prefill_kernel(
     free_hi = (pos0 + 1) // BLOCK_N * BLOCK_N
     num_blocks = gl.cdiv(hi, BLOCK_N)
 
-    # prologue: the first blocks in flight (every slot with QK_AHEAD, which refills a slot once its P V is done;
-    # all but one otherwise, refilled while the block's Q K^T runs)
+    # prologue: the first blocks in flight (every slot with QK_AHEAD, which refills a slot once its P V is
+    # done; all but one otherwise, refilled while the block's Q K^T runs)
     PROLOGUE: gl.constexpr = NUM_STAGES if QK_AHEAD else NUM_STAGES - 1
     for j in gl.static_range(PROLOGUE):
-        if j < num_blocks:
-            _issue_block(K, V, k_ring.index(j), v_ring.index(j), kv_indices, page_base, j * BLOCK_N, hi, kvh,
-                         stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                         BLOCK_N, HEAD_DIM, PAGE_SIZE, LOAD)
-        async_copy.commit_group()
+        _issue_block(K, V, k_ring, v_ring, j, num_blocks, kv_indices, page_base, hi, kvh,
+                     stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, BLOCK_N, HEAD_DIM,
+                     PAGE_SIZE, NUM_STAGES, LOAD)
 
     rs = gl.arange(0, BLOCK_M, layout=ROW_S)
     pos = kv_len - q_len + q0 + rs // GROUP  # absolute position of each row
@@ -167,9 +174,10 @@ def gluon_prefill_kernel(
         fence_async_shared()  # Q's store and the cp.async writes (generic proxy) before wgmma (async proxy)
         gl.thread_barrier()  # ... of every thread
         s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False)
-        p_op, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, free_hi, pos, qk_scale, BLOCK_N, dtype, S_L, ROW_O, P_L)
+        p_op, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, free_hi, pos, qk_scale, BLOCK_N, dtype,
+                                              S_L, ROW_O, P_L)
         for i in range(1, num_blocks):
-            async_copy.wait_group(NUM_STAGES - 2)  # block i has landed (blocks 0 .. i + NUM_STAGES - 2 issued)
+            async_copy.wait_group(NUM_STAGES - 2)  # block i has landed (0 .. i + NUM_STAGES - 2 issued)
             fence_async_shared()
             gl.thread_barrier()
             s_tok = warpgroup_mma(q_smem, k_ring.index(i % NUM_STAGES).permute((1, 0)), s_zero, use_acc=False,
@@ -181,13 +189,9 @@ def gluon_prefill_kernel(
                                                   BLOCK_N, dtype, S_L, ROW_O, P_L)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
             gl.thread_barrier()  # both warpgroups are done with block i - 1's slot
-            nxt = i - 1 + NUM_STAGES
-            if nxt < num_blocks:
-                ns = nxt % NUM_STAGES
-                _issue_block(K, V, k_ring.index(ns), v_ring.index(ns), kv_indices, page_base, nxt * BLOCK_N, hi,
-                             kvh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                             BLOCK_N, HEAD_DIM, PAGE_SIZE, LOAD)
-            async_copy.commit_group()
+            _issue_block(K, V, k_ring, v_ring, i - 1 + NUM_STAGES, num_blocks, kv_indices, page_base, hi, kvh,
+                         stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, BLOCK_N, HEAD_DIM,
+                         PAGE_SIZE, NUM_STAGES, LOAD)
         acc = acc * gl.expand_dims(alpha, 1)
         acc = warpgroup_mma(p_op, v_ring.index((num_blocks - 1) % NUM_STAGES), acc)
     else:
@@ -200,13 +204,9 @@ def gluon_prefill_kernel(
             v_slot = v_ring.index(slot)
             s = warpgroup_mma(q_smem, k_slot.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             # meanwhile: block i + NUM_STAGES - 1 into the slot block i - 1 used (its wgmmas have completed)
-            nxt = i + NUM_STAGES - 1
-            if nxt < num_blocks:
-                ns = nxt % NUM_STAGES
-                _issue_block(K, V, k_ring.index(ns), v_ring.index(ns), kv_indices, page_base, nxt * BLOCK_N, hi,
-                             kvh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                             BLOCK_N, HEAD_DIM, PAGE_SIZE, LOAD)
-            async_copy.commit_group()
+            _issue_block(K, V, k_ring, v_ring, i + NUM_STAGES - 1, num_blocks, kv_indices, page_base, hi, kvh,
+                         stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, BLOCK_N, HEAD_DIM,
+                         PAGE_SIZE, NUM_STAGES, LOAD)
             s, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s, k_slot))
             p_op, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, i * BLOCK_N, free_hi, pos, qk_scale,
                                                   BLOCK_N, dtype, S_L, ROW_O, P_L)
