@@ -19,6 +19,7 @@ SM count is set to the H200's 132 so the split heuristics pick the GPU's configu
 
     python tests/core/sm90_aot.py          # prints "compiled N distinct launches for sm90"
     python tests/core/sm90_aot.py --stats  # and each launch's registers, stack (spills), shared memory
+    python tests/core/sm90_aot.py --only gluon_prefill_kernel  # compile one kernel's launches (all recorded)
 """
 
 from __future__ import annotations
@@ -393,24 +394,49 @@ def resource_usage(cubin: bytes) -> str:
     return m.group(0) if m else "?"
 
 
+def wgmma_serialized(ptx: str) -> str:
+    """ptxas's verbose notes on a kernel's PTX that say its wgmmas were serialized (``C7514`` / ``C7515``: an
+    accumulator read while in flight, a loop edge crossed by one), or ``""``: a Gluon kernel written for
+    overlapped wgmmas must not lose it silently."""
+    import re
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([tool, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True, timeout=300)
+    notes = (r.stdout + r.stderr).splitlines()
+    return "\n".join(line for line in notes if re.search(r"C751[45]|serialized", line))
+
+
 def main() -> None:
     record_all()
     target = GPUTarget("cuda", 90, 32)
     kinds = {}
     stats = "--stats" in sys.argv  # registers / stack (spills) / static shared memory of each launch
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
     for fn, sig, const, opts, attrs in LAUNCHES.values():
+        if only is not None and fn.__name__ != only:
+            continue
         gluon = getattr(fn, "is_gluon", lambda: False)()
         src = (GluonASTSource if gluon else ASTSource)(fn=fn, signature=sig, constexprs=const, attrs=attrs)
         k = triton.compile(src, target=target, options=opts)
         cubin = k.asm["cubin"]
         assert len(cubin) > 1000, (fn.__name__, len(cubin))
         kinds[fn.__name__] = kinds.get(fn.__name__, 0) + 1
+        if gluon:
+            serialized = wgmma_serialized(k.asm["ptx"])
+            assert not serialized, (fn.__name__, const, serialized)
         if stats:
             names = fn.arg_names
             show = {names[i[0]]: v for i, v in const.items() if names[i[0]].isupper() and names[i[0]] not in ("UPCAST",)}
             print(f"{fn.__name__} {opts} {resource_usage(cubin)} smem {k.metadata.shared} {show}", flush=True)
     print(" ".join(f"{k}={n}" for k, n in sorted(kinds.items())))
-    print(f"compiled {len(LAUNCHES)} distinct launches for sm90")
+    print(f"compiled {sum(kinds.values())} distinct launches for sm90")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 that has it (``_gluon``, set from :func:`gluon_sm90` at config time; forced here, plans launch nothing) causal
 16-bit page-16 prefill / extend batches at head_dim 64 / 128 / 256 plan ``gluon`` with 128-row tiles sorted
 longest first; every feature it does not cover plans the Triton kernels, exactly as without Gluon. Its
-compiled form is checked by ``sm90_aot.py``; what it computes, on the GPU (``tests/gpu/test_gluon_prefill_gpu.py``).
+compiled form is checked by ``sm90_aot.py``; what it computes, on the GPU
+(``tests/gpu/test_gluon_prefill_gpu.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from attnplug.core.providers.triton import gluon_sm90
 from batches import random_case, triton_launch
 
 BF = torch.bfloat16
+E4M3 = torch.float8_e4m3fn
 H200_SMS = 132
 COVERED = {  # name -> (config, q lens, prefix lens)
     "prefill_d128": (AttentionConfig(32, 8, 128, 16, BF), [300, 17, 129], [0, 0, 0]),
@@ -27,7 +29,7 @@ FALLBACKS = {  # name -> (config, mode, q lens, prefix lens): features the Gluon
     "window": (AttentionConfig(32, 8, 128, 16, BF, window_left=100), ForwardMode.EXTEND, [300], [50]),
     "soft_cap": (AttentionConfig(32, 8, 128, 16, BF, logits_soft_cap=30.0), ForwardMode.EXTEND, [300], [50]),
     "sinks": (AttentionConfig(32, 8, 64, 16, BF, sinks=True), ForwardMode.EXTEND, [300], [50]),
-    "fp8_kv": (AttentionConfig(32, 8, 128, 16, BF, kv_dtype=torch.float8_e4m3fn), ForwardMode.EXTEND, [300], [50]),
+    "fp8_kv": (AttentionConfig(32, 8, 128, 16, BF, kv_dtype=E4M3), ForwardMode.EXTEND, [300], [50]),
     "fp32": (AttentionConfig(8, 8, 64, 16, torch.float32), ForwardMode.EXTEND, [300], [50]),
     "page_1": (AttentionConfig(32, 8, 128, 1, BF), ForwardMode.EXTEND, [300], [50]),
     "page_64": (AttentionConfig(32, 8, 128, 64, BF), ForwardMode.EXTEND, [300], [50]),
@@ -35,7 +37,7 @@ FALLBACKS = {  # name -> (config, mode, q lens, prefix lens): features the Gluon
     "group_3": (AttentionConfig(24, 8, 128, 16, BF), ForwardMode.EXTEND, [300], [50]),
     "tree_verify": (AttentionConfig(32, 8, 128, 16, BF), ForwardMode.TARGET_VERIFY, [64, 64], [300, 40]),
     "short_extend": (AttentionConfig(32, 8, 128, 16, BF), ForwardMode.EXTEND, [5, 9], [1000, 30]),
-    "split": (AttentionConfig(32, 8, 128, 16, BF), ForwardMode.EXTEND, [200], [8000]),  # too few tiles: KV splits
+    "split": (AttentionConfig(32, 8, 128, 16, BF), ForwardMode.EXTEND, [200], [8000]),  # few tiles: KV splits
 }
 
 
@@ -56,14 +58,16 @@ def test_covered_batches_plan_gluon():
         plan = _plan(config, ForwardMode.EXTEND, q_lens, prefix, True)
         t = triton_launch(plan)
         assert t["kernel"] == "gluon", name
-        assert t["block_m"] == 128 and t["block_q"] * config.group_size == 128 and t["num_splits"] == 1, (name, t)
+        assert t["block_m"] == 128 and t["block_q"] * config.group_size == 128, (name, t)
+        assert t["num_splits"] == 1, (name, t)
         req, q0 = plan.state.tile_req.tolist(), plan.state.tile_qstart.tolist()
         kv = plan.kv_lens_cpu.tolist()
         work = [kv[r] - q_lens[r] + s for r, s in zip(req, q0)]  # the causal keys of each tile's first row
         assert work == sorted(work), name  # ascending: the kernel runs the list backwards, longest first
         assert sum(-(-q // t["block_q"]) for q in q_lens) == t["num_tiles"], name
         # the same batch without Gluon: a Triton kernel
-        assert triton_launch(_plan(config, ForwardMode.EXTEND, q_lens, prefix, False))["kernel"] != "gluon", name
+        without = triton_launch(_plan(config, ForwardMode.EXTEND, q_lens, prefix, False))
+        assert without["kernel"] != "gluon", name
 
 
 def test_uncovered_features_plan_the_triton_kernels():
@@ -78,4 +82,5 @@ def test_uncovered_features_plan_the_triton_kernels():
 def test_forced_knobs_plan_the_triton_kernels():
     config, q_lens, prefix = COVERED["prefill_d128"]
     for knobs in (dict(block_n=32), dict(num_warps=4), dict(num_kv_splits=1), dict(block_m=64)):
-        assert triton_launch(_plan(config, ForwardMode.EXTEND, q_lens, prefix, True, **knobs))["kernel"] != "gluon"
+        forced = triton_launch(_plan(config, ForwardMode.EXTEND, q_lens, prefix, True, **knobs))
+        assert forced["kernel"] != "gluon", knobs

@@ -50,11 +50,11 @@ def _gluon_or_fail():
         pytest.skip("the Gluon prefill kernel is sm90 only (the fallback test covers other GPUs)")
     if not GLUON_TRITON[0] <= _triton_version() <= GLUON_TRITON[1]:
         pytest.skip(f"triton {_triton_version()} outside the Gluon kernel's supported range {GLUON_TRITON}")
-    assert gluon_sm90(torch.device("cuda")), "sm90 and a supported triton, but the Gluon prefill kernel is unavailable"
+    assert gluon_sm90(torch.device("cuda")), "sm90 and a supported triton, but no Gluon prefill kernel"
 
 
 def _check(config: AttentionConfig, q_lens, prefix, seed=0, with_lse=True, q_view=None):
-    """Plan + run the triton provider on a random case; compare with the float32 reference. Returns the plan."""
+    """Plan + run the triton provider on a random case, compare with the float32 reference; the plan."""
     case = random_case(ForwardMode.EXTEND, q_lens, prefix, config, "cuda", seed=seed)
     attn = PagedAttention(config, "triton", "cuda")
     plan = attn.plan(case.batch, num_pages=case.num_pages)
@@ -63,8 +63,8 @@ def _check(config: AttentionConfig, q_lens, prefix, seed=0, with_lse=True, q_vie
     lse = torch.full(case.q.shape[:2], math.nan, device="cuda") if with_lse else None
     attn.run(q, case.k_cache, case.v_cache, out=out, lse=lse)
     torch.cuda.synchronize()
-    ref, ref_lse = reference_attention(make_plan(config, case.batch, case.num_pages, device="cuda"), case.q.float(),
-                                       case.k_cache, case.v_cache)  # fmt: skip
+    whole = make_plan(config, case.batch, case.num_pages, device="cuda")
+    ref, ref_lse = reference_attention(whole, case.q.float(), case.k_cache, case.v_cache)
     assert torch.isfinite(out).all(), "NaN / inf in the output"
     err = rel_err(out, ref)
     assert err <= REL, f"relative error {err:.3g} > {REL} ({config}, q {q_lens}, prefix {prefix})"
@@ -94,7 +94,7 @@ def test_gluon_prefill_fp16_hnd():
 
 @pytest.mark.gpu
 def test_gluon_misaligned_query_falls_back():
-    """A query view 2 bytes off 16-byte alignment: the run takes the Triton prefill kernel (same tiles), correct."""
+    """A query view 2 bytes off 16-byte alignment: the run takes the Triton prefill kernel (same tiles)."""
     _gluon_or_fail()
 
     def shifted(q):
@@ -126,7 +126,8 @@ def test_uncovered_features_fall_back(name):
     sinks = torch.randn(config.num_qo_heads, device="cuda") if config.sinks else None
     out = torch.full_like(case.q, math.nan)
     attn.run(case.q, case.k_cache, case.v_cache, out=out, sinks=sinks, **scales)
-    ref, _ = reference_attention(make_plan(config, case.batch, case.num_pages, device="cuda"), case.q.float(), case.k_cache, case.v_cache, scales.get("k_scale"),
-                                 scales.get("v_scale"), sinks)  # fmt: skip
+    whole = make_plan(config, case.batch, case.num_pages, device="cuda")
+    ref, _ = reference_attention(whole, case.q.float(), case.k_cache, case.v_cache, scales.get("k_scale"),
+                                 scales.get("v_scale"), sinks)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) <= (4e-2 if config.kv_quantized else REL), name

@@ -44,8 +44,9 @@ class TritonState:
     partial: torch.Tensor | None  # [T, Hq, S, D] float32 (or the output dtype: entry 'partials') when split
     partial_lse: torch.Tensor | None  # [T, Hq, S] float32 (base-2) when split
     kv_start: torch.Tensor | None  # [B] int32: attend only to keys >= kv_start[b]
-    kernel: str = "paged"  # "paged" (kernels.attention), "prefill" (kernels.prefill), "decode" (kernels.decode),
-    # "gluon" (kernels.gluon_prefill: causal prefill on sm90 where Gluon is present)
+    # "paged" (kernels.attention), "prefill" (kernels.prefill), "decode" (kernels.decode), "gluon"
+    # (kernels.gluon_prefill: causal prefill on sm90 where Gluon is present)
+    kernel: str = "paged"
     diag_n: int = 0  # prefill: keys per block of the masked diagonal loop
     tma: bool = False  # prefill: K/V through tensor descriptors (page size a multiple of block_n)
     counters: torch.Tensor | None = None  # decode with fused merge: [B * Hkv] int32, zero between launches
@@ -143,7 +144,8 @@ def _aligned16(t: torch.Tensor, strides) -> bool:
     return t.data_ptr() % 16 == 0 and not any(x % 8 for x in strides)
 
 
-# Triton releases whose Gluon API the Gluon kernels are written (and compile-checked: tests/core/sm90_aot.py) for
+# the Triton releases whose Gluon API the Gluon kernels are written and compile-checked
+# (tests/core/sm90_aot.py) for
 GLUON_TRITON = ((3, 6), (3, 8))
 
 
@@ -151,7 +153,9 @@ def gluon_sm90(device: torch.device) -> bool:
     """Whether the Gluon prefill kernel (:mod:`attnplug.core.kernels.gluon_prefill`) runs on ``device``:
     a CUDA sm90 GPU (compute capability 9.0) without the Triton interpreter, with a triton in
     :data:`GLUON_TRITON` whose ``triton.experimental.gluon`` imports."""
-    if device.type != "cuda" or triton_interpreter_active() or torch.cuda.get_device_capability(device) != (9, 0):
+    if device.type != "cuda" or triton_interpreter_active():
+        return False
+    if torch.cuda.get_device_capability(device) != (9, 0):
         return False
     try:
         import triton
@@ -312,19 +316,21 @@ class TritonProvider(Provider):
                 and (splits == 1 if plan.causal else not cfg.kv_quantized))  # fmt: skip
 
     def _gluon_config(self, plan: Plan) -> tuple[int, int, int, bool] | None:
-        """``(block_n, num_stages, num_warps, qk_ahead)`` of the Gluon prefill kernel (:mod:`..kernels.gluon_prefill`,
-        ``BLOCK_M`` 128) where it computes this batch: an sm90 GPU with Gluon (:func:`gluon_sm90`), causal
-        queries that fill its 128-row tiles, 16-bit KV in pages of 16, head_dim 64 / 128 / 256, a power-of-two
-        GQA group, no custom mask, window, soft cap, sinks, ``kv_start`` or forced tiles / splits; else None
-        (the Triton kernels)."""
+        """``(block_n, num_stages, num_warps, qk_ahead)`` of the Gluon prefill kernel
+        (:mod:`..kernels.gluon_prefill`, ``BLOCK_M`` 128) where it computes this batch: an sm90 GPU with
+        Gluon (:func:`gluon_sm90`), causal queries that fill its 128-row tiles, 16-bit KV in pages of 16,
+        head_dim 64 / 128 / 256, a power-of-two GQA group, no custom mask, window, soft cap, sinks,
+        ``kv_start`` or forced tiles / splits; else None (the Triton kernels)."""
         cfg, o = self.config, plan.options
         if not (self._gluon and plan.causal and plan.mask is None and plan.max_q_len > 1
                 and plan.max_q_len * cfg.group_size >= 128
-                and cfg.page_size == 16 and not cfg.kv_quantized and cfg.dtype in (torch.bfloat16, torch.float16)
+                and cfg.page_size == 16 and not cfg.kv_quantized
+                and cfg.dtype in (torch.bfloat16, torch.float16)
                 and cfg.window_left < 0 and cfg.logits_soft_cap <= 0 and not cfg.sinks
                 and cfg.group_size == _next_pow2(cfg.group_size) and cfg.group_size <= 128):  # fmt: skip
             return None
-        if any(x is not None for x in (o.kv_start, o.block_m, o.block_n, o.num_warps, o.num_stages, o.num_kv_splits)):
+        forced = (o.kv_start, o.block_m, o.block_n, o.num_warps, o.num_stages, o.num_kv_splits)
+        if any(x is not None for x in forced):
             return None
         from ..kernels.gluon_prefill import CONFIGS
 
@@ -480,7 +486,8 @@ class TritonProvider(Provider):
             tile_req=tile_req, tile_qstart=tile_q, num_tiles=num_tiles, num_splits=splits, block_q=block_q,
             block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, partial=partial,
             partial_lse=partial_lse, kv_start=o.kv_start, kernel=kernel, diag_n=diag_n, tma=tma, counters=counters,
-            fp8_f16=cfg.kv_quantized and bool(entry.get("fp8_f16", False)), qk_ahead=kernel == "gluon" and gluon[3],
+            fp8_f16=cfg.kv_quantized and bool(entry.get("fp8_f16", False)),
+            qk_ahead=kernel == "gluon" and gluon[3],
             pairs=(cfg.kv_quantized and kernel == "decode" and bool(entry.get("pairs", False))
                    and cfg.head_dim == _next_pow2(cfg.head_dim) and cfg.head_dim >= 32),
         )
@@ -530,8 +537,8 @@ class TritonProvider(Provider):
         else:
             ks, vs = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1)), (v_cache.stride(0), v_cache.stride(2), v_cache.stride(1))
         if a.kernel == "gluon":
-            if _aligned16(q, q.stride()[:2]) and _aligned16(out, out.stride()[:2]) and _aligned16(k_cache, ks) \
-                    and _aligned16(v_cache, vs):  # fmt: skip
+            if (_aligned16(q, q.stride()[:2]) and _aligned16(out, out.stride()[:2])
+                    and _aligned16(k_cache, ks) and _aligned16(v_cache, vs)):  # fmt: skip
                 return self._run_gluon(plan, a, q, k_cache, v_cache, ks, vs, out, lse)
             # caches or views the 16-byte copies cannot read: the Triton prefill kernel on the same tile list
             a = dataclasses.replace(a, kernel="prefill", block_n=64, num_stages=3, num_warps=8, diag_n=64)
@@ -612,7 +619,7 @@ class TritonProvider(Provider):
             merge_splits(a.partial, a.partial_lse, out, lse, base=merge_base, pdl=pdl, sinks=sinks)
 
     def _run_gluon(self, plan: Plan, a: TritonState, q, k_cache, v_cache, ks, vs, out, lse) -> None:
-        """The Gluon prefill kernel (:mod:`attnplug.core.kernels.gluon_prefill`), grid ``(tiles, Hkv)``, causal."""
+        """The Gluon prefill kernel (:mod:`attnplug.core.kernels.gluon_prefill`): grid ``(tiles, Hkv)``."""
         from ..kernels.gluon_prefill import gluon_prefill_kernel
 
         cfg = self.config
@@ -621,9 +628,9 @@ class TritonProvider(Provider):
             plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, a.tile_req, a.tile_qstart,
             a.num_tiles, cfg.scale, q.stride(0), q.stride(1), *ks, *vs, out.stride(0), out.stride(1),
             *((lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)),
-            GROUP=cfg.group_size, BLOCK_Q=a.block_q, BLOCK_M=a.block_m, BLOCK_N=a.block_n, HEAD_DIM=cfg.head_dim,
-            PAGE_SIZE=cfg.page_size, NUM_STAGES=a.num_stages, STORE_LSE=lse is not None, QK_AHEAD=a.qk_ahead,
-            num_warps=a.num_warps,
+            GROUP=cfg.group_size, BLOCK_Q=a.block_q, BLOCK_M=a.block_m, BLOCK_N=a.block_n,
+            HEAD_DIM=cfg.head_dim, PAGE_SIZE=cfg.page_size, NUM_STAGES=a.num_stages,
+            STORE_LSE=lse is not None, QK_AHEAD=a.qk_ahead, num_warps=a.num_warps,
         )
 
     def _run_decode(self, plan: Plan, a: TritonState, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale,
