@@ -33,6 +33,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+# a CTA-wide barrier: ``gl.thread_barrier`` in Triton 3.6, ``gl.barrier`` from 3.7 on
+thread_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+
 # (head_dim) -> (block_n, num_stages, num_warps, qk_ahead): the configurations the provider launches (BLOCK_M
 # 128); shared memory: Q 128 x D plus NUM_STAGES x (K + V) blocks of BLOCK_N x D, 16-bit (at most 227 KiB);
 # ``QK_AHEAD`` needs 3 stages or more.
@@ -172,14 +175,14 @@ def gluon_prefill_kernel(
         # cross the loop edge (an in-flight accumulator there makes ptxas serialize the wgmmas).
         async_copy.wait_group(NUM_STAGES - 1)  # block 0 has landed (this thread's copies)
         fence_async_shared()  # Q's store and the cp.async writes (generic proxy) before wgmma (async proxy)
-        gl.thread_barrier()  # ... of every thread
+        thread_barrier()  # ... of every thread
         s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False)
         p_op, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, free_hi, pos, qk_scale, BLOCK_N, dtype,
                                               S_L, ROW_O, P_L)
         for i in range(1, num_blocks):
             async_copy.wait_group(NUM_STAGES - 2)  # block i has landed (0 .. i + NUM_STAGES - 2 issued)
             fence_async_shared()
-            gl.thread_barrier()
+            thread_barrier()
             s_tok = warpgroup_mma(q_smem, k_ring.index(i % NUM_STAGES).permute((1, 0)), s_zero, use_acc=False,
                                   is_async=True)
             acc = acc * gl.expand_dims(alpha, 1)
@@ -188,7 +191,7 @@ def gluon_prefill_kernel(
             p_op, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, i * BLOCK_N, free_hi, pos, qk_scale,
                                                   BLOCK_N, dtype, S_L, ROW_O, P_L)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
-            gl.thread_barrier()  # both warpgroups are done with block i - 1's slot
+            thread_barrier()  # both warpgroups are done with block i - 1's slot
             _issue_block(K, V, k_ring, v_ring, i - 1 + NUM_STAGES, num_blocks, kv_indices, page_base, hi, kvh,
                          stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, BLOCK_N, HEAD_DIM,
                          PAGE_SIZE, NUM_STAGES, LOAD)
@@ -199,7 +202,7 @@ def gluon_prefill_kernel(
             slot = i % NUM_STAGES
             async_copy.wait_group(NUM_STAGES - 2)  # block i has landed (this thread's copies)
             fence_async_shared()  # cp.async / Q stores (generic proxy) before the wgmma (async proxy) reads
-            gl.thread_barrier()  # ... every thread's
+            thread_barrier()  # ... every thread's
             k_slot = k_ring.index(slot)
             v_slot = v_ring.index(slot)
             s = warpgroup_mma(q_smem, k_slot.permute((1, 0)), s_zero, use_acc=False, is_async=True)
