@@ -5,7 +5,9 @@ the split workspace; ``run`` only launches (one kernel, plus the merge when spli
 On a machine without CUDA it runs on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1``).
 fp8 KV caches (e4m3 / e5m2) are dequantized on load inside the kernel, every mode. Attention sinks
 (``config.sinks``) join every kernel's softmax natively: unsplit programs start their state at the
-sink, split partials carry none and the merge (fused or not) adds it once.
+sink, split partials carry none and the merge (fused or not) adds it once. On an sm90 GPU with Gluon
+(:func:`gluon_sm90`) causal 16-bit page-16 prefill / extend runs the Gluon kernel
+(:mod:`attnplug.core.kernels.gluon_prefill`), chosen at plan time (:meth:`TritonProvider._gluon_config`).
 """
 
 from __future__ import annotations
