@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from attnplug.core import AttentionConfig, ForwardMode, PagedAttention
+from attnplug.core.kernels.gluon_prefill import CONFIGS
 from attnplug.core.providers.triton import gluon_sm90
 
 from batches import random_case, triton_launch
@@ -58,7 +59,7 @@ def test_covered_batches_plan_gluon():
         plan = _plan(config, ForwardMode.EXTEND, q_lens, prefix, True)
         t = triton_launch(plan)
         assert t["kernel"] == "gluon", name
-        assert t["block_m"] == 128 and t["block_q"] * config.group_size == 128, (name, t)
+        assert t["block_m"] == CONFIGS[config.head_dim][0] == t["block_q"] * config.group_size, (name, t)
         assert t["num_splits"] == 1, (name, t)
         req, q0 = plan.state.tile_req.tolist(), plan.state.tile_qstart.tolist()
         kv = plan.kv_lens_cpu.tolist()

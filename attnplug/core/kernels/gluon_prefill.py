@@ -36,11 +36,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 # a CTA-wide barrier: ``gl.thread_barrier`` in Triton 3.6, ``gl.barrier`` from 3.7 on
 thread_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 
-# (head_dim) -> (block_n, num_stages, num_warps, qk_ahead): the configurations the provider launches (BLOCK_M
-# 128); shared memory: Q 128 x D plus NUM_STAGES x (K + V) blocks of BLOCK_N x D, 16-bit (at most 227 KiB);
-# ``QK_AHEAD`` needs 3 stages or more.
-CONFIGS = {64: (128, 4, 8, True), 128: (64, 4, 8, True), 256: (64, 2, 8, False)}
-BLOCK_M = 128
+# (head_dim) -> (block_m, block_n, num_stages, num_warps, qk_ahead): the configurations the provider launches
+# (``BLOCK_M`` rows over ``num_warps // 4`` warpgroups of 64 rows); shared memory: Q BLOCK_M x D plus
+# NUM_STAGES x (K + V) blocks of BLOCK_N x D, 16-bit (at most 227 KiB an SM); ``QK_AHEAD`` needs 3 stages.
+CONFIGS = {64: (128, 128, 4, 8, True), 128: (128, 64, 4, 8, True), 256: (128, 64, 2, 8, False)}
 
 
 @gluon.constexpr_function
@@ -108,10 +107,11 @@ def gluon_prefill_kernel(
     HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, STORE_LSE: gl.constexpr,
     QK_AHEAD: gl.constexpr = True,
 ):
-    """Grid ``(num_tiles, Hkv)``, causal (bottom-right aligned), launched with 8 warps (two warpgroups of
-    64 rows). Q ``[T, Hq, D]`` 16-bit; K/V paged caches (strides given, page ``PAGE_SIZE``, same dtype as
-    Q); O ``[T, Hq, D]``; LSE ``[T, Hq]`` float32 natural log (``STORE_LSE``). ``qo_indptr [B+1]``,
-    ``kv_indptr [B+1]``, ``kv_indices``, ``kv_lens [B]``, ``tile_req`` / ``tile_qstart [num_tiles]`` int32."""
+    """Grid ``(num_tiles, Hkv)``, causal (bottom-right aligned), launched with ``BLOCK_M // 16`` warps (a
+    warpgroup for each 64 rows). Q ``[T, Hq, D]`` 16-bit; K/V paged caches (strides given, page
+    ``PAGE_SIZE``, Q's dtype); O ``[T, Hq, D]``; LSE ``[T, Hq]`` float32 natural log (``STORE_LSE``).
+    ``qo_indptr [B+1]``, ``kv_indptr [B+1]``, ``kv_indices``, ``kv_lens [B]``, ``tile_req`` /
+    ``tile_qstart [num_tiles]`` int32."""
     NW: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = Q.dtype.element_ty
     LOAD: gl.constexpr = _load_layout(BLOCK_N, HEAD_DIM, NW)

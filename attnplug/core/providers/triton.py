@@ -317,26 +317,26 @@ class TritonProvider(Provider):
                 and plan.options.kv_start is None and plan.max_q_len > 1
                 and (splits == 1 if plan.causal else not cfg.kv_quantized))  # fmt: skip
 
-    def _gluon_config(self, plan: Plan) -> tuple[int, int, int, bool] | None:
-        """``(block_n, num_stages, num_warps, qk_ahead)`` of the Gluon prefill kernel
-        (:mod:`..kernels.gluon_prefill`, ``BLOCK_M`` 128) where it computes this batch: an sm90 GPU with
-        Gluon (:func:`gluon_sm90`), causal queries that fill its 128-row tiles, 16-bit KV in pages of 16,
-        head_dim 64 / 128 / 256, a power-of-two GQA group, no custom mask, window, soft cap, sinks,
+    def _gluon_config(self, plan: Plan) -> tuple[int, int, int, int, bool] | None:
+        """``(block_m, block_n, num_stages, num_warps, qk_ahead)`` of the Gluon prefill kernel
+        (:mod:`..kernels.gluon_prefill`'s ``CONFIGS``) where it computes this batch: an sm90 GPU with
+        Gluon (:func:`gluon_sm90`), causal queries that fill its ``block_m``-row tiles, 16-bit KV in pages
+        of 16, head_dim 64 / 128 / 256, a power-of-two GQA group, no custom mask, window, soft cap, sinks,
         ``kv_start`` or forced tiles / splits; else None (the Triton kernels)."""
         cfg, o = self.config, plan.options
         if not (self._gluon and plan.causal and plan.mask is None and plan.max_q_len > 1
-                and plan.max_q_len * cfg.group_size >= 128
                 and cfg.page_size == 16 and not cfg.kv_quantized
                 and cfg.dtype in (torch.bfloat16, torch.float16)
                 and cfg.window_left < 0 and cfg.logits_soft_cap <= 0 and not cfg.sinks
-                and cfg.group_size == _next_pow2(cfg.group_size) and cfg.group_size <= 128):  # fmt: skip
+                and cfg.group_size == _next_pow2(cfg.group_size)):  # fmt: skip
             return None
         forced = (o.kv_start, o.block_m, o.block_n, o.num_warps, o.num_stages, o.num_kv_splits)
         if any(x is not None for x in forced):
             return None
         from ..kernels.gluon_prefill import CONFIGS
 
-        return CONFIGS.get(cfg.head_dim)
+        c = CONFIGS.get(cfg.head_dim)
+        return c if c is not None and cfg.group_size <= c[0] <= plan.max_q_len * cfg.group_size else None
 
     def split_count(self, num_tiles: int, max_kv_len: int, forced: int | None = None, noncausal: bool = False) -> int:
         """Split-KV chunks per tile: ``forced``, else (when ``num_tiles * Hkv`` programs do not fill the
@@ -399,7 +399,8 @@ class TritonProvider(Provider):
         blocks = block_q, block_m, block_n, warps, stages
         gluon = self._gluon_config(plan) if self._gluon else None
         if gluon is not None:
-            block_q, block_m, (block_n, stages, warps, _) = 128 // cfg.group_size, 128, gluon
+            block_m, block_n, stages, warps, _ = gluon
+            block_q = block_m // cfg.group_size
         if o.block_m is not None:
             block_m, block_q = o.block_m, max(1, o.block_m // cfg.group_size)
         block_n = o.block_n or block_n
@@ -489,7 +490,7 @@ class TritonProvider(Provider):
             block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, partial=partial,
             partial_lse=partial_lse, kv_start=o.kv_start, kernel=kernel, diag_n=diag_n, tma=tma, counters=counters,
             fp8_f16=cfg.kv_quantized and bool(entry.get("fp8_f16", False)),
-            qk_ahead=kernel == "gluon" and gluon[3],
+            qk_ahead=kernel == "gluon" and gluon[4],
             pairs=(cfg.kv_quantized and kernel == "decode" and bool(entry.get("pairs", False))
                    and cfg.head_dim == _next_pow2(cfg.head_dim) and cfg.head_dim >= 32),
         )
