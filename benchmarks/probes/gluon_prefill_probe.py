@@ -99,7 +99,7 @@ def bench_row(tag, row, sweep: bool) -> list[dict]:
     results, outs = [], {}
     runs = [("attnplug.triton.gluon", True, None), ("attnplug.triton.nogluon", False, None),
             ("fa3.paged", None, None)]
-    runs += [(f"attnplug.triton.gluon{list(c)}", True, c) for c in (SWEEP.get(d, []) if sweep else [])]
+    runs += [(f"attnplug.triton.gluon.sweep{list(c)}", True, c) for c in (SWEEP.get(d, []) if sweep else [])]
     product = gluon_prefill.CONFIGS.get(d)
     for label, gluon, cfg in runs:
         try:
@@ -172,9 +172,14 @@ def main() -> None:
         if "error" in r:
             print(f"{r['row']} | {r['impl']} | ERROR {r['error'][:200]}")
         else:
+            wrong = "  <-- WRONG (> 1e-2)" if r.get("rel_err_vs_fa3", 0.0) > 1e-2 else ""
             print(f"{r['row']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
-                  f"{r.get('x_fa3', math.nan):.2f} | {r.get('rel_err_vs_fa3', math.nan):.2e}")
+                  f"{r.get('x_fa3', math.nan):.2f} | {r.get('rel_err_vs_fa3', math.nan):.2e}{wrong}")
     bad = [c["check"] for c in res["checks"] if not c.get("ok")]
+    bad += [f"{r['row']}: {r['impl']}" for r in res["rows"]  # the product configuration: Gluon, right
+            if r["impl"].startswith(("attnplug.triton.gluon[", "attnplug.triton.gluon"))
+            and ".sweep" not in r["impl"]
+            and ("error" in r or "[gluon]" not in r["impl"] or not r.get("rel_err_vs_fa3", 0.0) <= 1e-2)]
     print("checks:", "all ok" if not bad else f"FAILED {bad}")
     if args.out:
         with open(args.out, "w") as f:
