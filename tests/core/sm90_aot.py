@@ -324,7 +324,7 @@ def record_gluon() -> None:
         (AttentionConfig(16, 8, 256, 16, bf), [300], [0], False),
         (AttentionConfig(32, 2, 256, 16, bf, "HND"), [100], [64], True),  # group 16
     ]
-    for cfg, q_lens, prefix, with_lse in cases:
+    for n, (cfg, q_lens, prefix, with_lse) in enumerate(cases):
         c = random_case(ForwardMode.EXTEND, q_lens, prefix, cfg, "cpu")
         attn = PagedAttention(cfg, "triton", "cpu")
         attn.provider._sms, attn.provider._gluon = H200_SMS, True
@@ -333,6 +333,9 @@ def record_gluon() -> None:
         out = torch.empty_like(c.q)
         lse = torch.empty(c.q.shape[:2], dtype=torch.float32) if with_lse else None
         attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=lse)
+        if n in (0, 4, 6):  # a query 2 bytes off 16-byte alignment: the run's Triton prefill fallback
+            q = torch.empty(c.q.numel() + 1, dtype=c.q.dtype)[1:].view(c.q.shape)
+            attn.run(q, c.k_cache, c.v_cache, out=out, lse=lse)
     assert sum(k[0] == "gluon_prefill_kernel" for k in LAUNCHES) >= len(cases), "gluon launches not recorded"
 
 

@@ -544,7 +544,8 @@ class TritonProvider(Provider):
                     and _aligned16(k_cache, ks) and _aligned16(v_cache, vs)):  # fmt: skip
                 return self._run_gluon(plan, a, q, k_cache, v_cache, ks, vs, out, lse)
             # caches or views the 16-byte copies cannot read: the Triton prefill kernel on the same tile list
-            a = dataclasses.replace(a, kernel="prefill", block_n=64, num_stages=3, num_warps=8, diag_n=64)
+            bn = 64 if cfg.head_dim <= 128 else 32
+            a = dataclasses.replace(a, kernel="prefill", block_n=bn, num_stages=3, num_warps=8, diag_n=bn)
         if a.kernel == "prefill":
             return self._run_prefill(plan, a, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale,
                                      merge_base, pdl, sinks)
