@@ -306,6 +306,26 @@ MUTATIONS = [
              'return q[..., R:], k_cache[..., R:], k_cache[..., -R:], {"qv": q[..., :R]}',
              (f"{MT}::test_fa3_mla_on_the_standin",),
              "MLA fa3: FA3's value cache taken from the latent's last R columns (rope part included)"),
+    # -- gluon (issue 46): the triton provider's plan-time choice of the Gluon prefill kernel ---------------
+    Mutation("gluon_takes_sinks", "attnplug/core/providers/triton.py",
+             "and cfg.window_left < 0 and cfg.logits_soft_cap <= 0 and not cfg.sinks",
+             "and cfg.window_left < 0 and cfg.logits_soft_cap <= 0",
+             ("tests/core/test_gluon_plan.py::test_uncovered_features_plan_the_triton_kernels",),
+             "the Gluon kernel (no sinks) is planned for layers with attention sinks"),
+    Mutation("gluon_takes_any_page_size", "attnplug/core/providers/triton.py",
+             "and cfg.page_size == 16 and not cfg.kv_quantized",
+             "and not cfg.kv_quantized",
+             ("tests/core/test_gluon_plan.py::test_uncovered_features_plan_the_triton_kernels",),
+             "the Gluon kernel is planned for page sizes other than 16"),
+    Mutation("gluon_keeps_split_plan", "attnplug/core/providers/triton.py",
+             "            if gluon is None or splits == 1:\n                break",
+             "            break",
+             ("tests/core/test_gluon_plan.py::test_uncovered_features_plan_the_triton_kernels",),
+             "a batch that needs KV splits keeps the Gluon tiles (the Gluon kernel has no splits)"),
+    Mutation("gluon_tiles_unsorted", "attnplug/core/providers/triton.py",
+             'kernel in ("prefill", "gluon"))', 'kernel == "prefill")',
+             ("tests/core/test_gluon_plan.py::test_covered_batches_plan_gluon",),
+             "the Gluon kernel's tile list is not sorted by causal work (longest-first schedule lost)"),
 ]
 
 

@@ -173,7 +173,7 @@ def triton_launch(plan) -> dict:
     """The triton provider's launch choices of ``plan`` (the ONE place tests read provider state):
     ``num_splits``, ``block_n``, ``block_m``, ``block_q``, ``partial_lse`` (``[T, Hq, S]`` base-2 split
     LSEs, a workspace the run writes: poison it before the run, read it after), ``partial``, ``kernel``
-    (``"paged"``, ``"prefill"`` or ``"decode"``), ``fused_merge`` (the decode kernel's last split merges)."""
+    (``"paged"``, ``"prefill"``, ``"decode"`` or ``"gluon"``), ``fused_merge`` (the decode kernel's last split merges)."""
     a = plan.state  # TritonState
     return dict(num_splits=a.num_splits, block_n=a.block_n, block_m=a.block_m, block_q=a.block_q,
                 partial_lse=a.partial_lse, partial=a.partial, num_tiles=a.num_tiles, kernel=a.kernel,

@@ -10,7 +10,8 @@ prefill / split-decode kernels at the H200 sweep's candidate tiles (TMA pages, f
 attention sinks (gpt-oss's 64/8 heads at d64, window 128 and full: each kernel's sink variant, split
 merges, the fold kernel), MLA (the absorbed latent kernel in every mode, the latent write), the KV
 write and the replay-metadata kernel in its
-vLLM / SGLang / FA3 / chain-mask forms); each ``kernel[grid](...)`` is recorded instead of launched,
+vLLM / SGLang / FA3 / chain-mask forms, the Gluon prefill kernel at every configuration the provider
+launches on sm90 (compiled from its Gluon source); each ``kernel[grid](...)`` is recorded instead of launched,
 its arguments specialized as Triton's JIT does on a GPU (pointer / int dtypes, divisibility by 16,
 ints equal to 1 as constexprs, tensor descriptors; constexprs by value, ``UPCAST`` False as on a GPU;
 ``num_warps`` / ``num_stages`` as launched) and compiled through Triton's NVIDIA pipeline to a cubin
@@ -19,6 +20,7 @@ SM count is set to the H200's 132 so the split heuristics pick the GPU's configu
 
     python tests/core/sm90_aot.py          # prints "compiled N distinct launches for sm90"
     python tests/core/sm90_aot.py --stats  # and each launch's registers, stack (spills), shared memory
+    python tests/core/sm90_aot.py --only gluon_prefill_kernel  # compile one kernel's launches (all recorded)
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 import attnplug.core.kernels.attention as attention_mod  # noqa: E402
 import attnplug.core.kernels.decode as decode_mod  # noqa: E402
+import attnplug.core.kernels.gluon_prefill as gluon_mod  # noqa: E402
 import attnplug.core.kernels.graph_update as graph_mod  # noqa: E402
 import attnplug.core.kernels.kv_write as kv_mod  # noqa: E402
 import attnplug.core.kernels.merge as merge_mod  # noqa: E402
@@ -115,6 +119,7 @@ def record_all() -> None:
     for mod, names in ((attention_mod, ["paged_attention_kernel"]),
                        (merge_mod, ["merge_splits_kernel", "merge_state_kernel", "apply_sinks_kernel"]),
                        (prefill_mod, ["prefill_kernel"]), (decode_mod, ["decode_kernel"]),
+                       (gluon_mod, ["gluon_prefill_kernel"]),
                        (kv_mod, ["write_kv_kernel", "quantize_rows_kernel"]),
                        (graph_mod, ["graph_batch_from_block_table_kernel", "shared_pages_kernel"]),
                        (mla_mod, ["mla_attention_kernel", "write_latent_kernel"])):  # fmt: skip
@@ -166,6 +171,7 @@ def record_all() -> None:
     record_fast_paths(llama)
     record_sinks()
     record_mla()
+    record_gluon()
     v = torch.zeros(6, 32, 128, dtype=torch.bfloat16)
     s = torch.zeros(32, 6)
     merge_mod.merge_state(v, s.t(), v, s.t(), v, s.t())  # the fa3 tree merge (transposed LSE)
@@ -306,6 +312,37 @@ def record_runs(runs, sinks: bool = False) -> None:
         attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=lse, **scales)
 
 
+def record_gluon() -> None:
+    """The Gluon prefill kernel (kernels/gluon_prefill.py) at every configuration the provider launches
+    on sm90: head_dim 64 / 128 / 256 (each with its block_n / stages), GQA groups 1 to 16, bf16 and fp16,
+    NHD and HND pages, with and without LSE, prefill and extend; the plan must pick it (``_gluon`` set as
+    on an sm90 GPU with Gluon), and must not where a feature falls back (``_gluon_fallbacks``)."""
+    bf, fp = torch.bfloat16, torch.float16
+    cases = [  # (config, q lens, prefix lens, with LSE)
+        (AttentionConfig(32, 8, 128, 16, bf), [300, 200], [0, 250], False),
+        (AttentionConfig(32, 8, 128, 16, bf), [300], [40], True),
+        (AttentionConfig(32, 32, 128, 16, bf), [200], [0], False),  # MHA
+        (AttentionConfig(64, 8, 128, 16, fp, "HND"), [130], [17], False),  # group 8, fp16, HND
+        (AttentionConfig(32, 8, 64, 16, bf), [300], [0], False),
+        (AttentionConfig(32, 8, 64, 16, fp), [300], [5], True),
+        (AttentionConfig(16, 8, 256, 16, bf), [300], [0], False),
+        (AttentionConfig(32, 2, 256, 16, bf, "HND"), [100], [64], True),  # group 16
+    ]
+    for n, (cfg, q_lens, prefix, with_lse) in enumerate(cases):
+        c = random_case(ForwardMode.EXTEND, q_lens, prefix, cfg, "cpu")
+        attn = PagedAttention(cfg, "triton", "cpu")
+        attn.provider._sms, attn.provider._gluon = H200_SMS, True
+        plan = attn.plan(c.batch, c.num_pages)
+        assert plan.state.kernel == "gluon", (cfg, plan.state.kernel)
+        out = torch.empty_like(c.q)
+        lse = torch.empty(c.q.shape[:2], dtype=torch.float32) if with_lse else None
+        attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=lse)
+        if n in (0, 4, 6):  # a query 2 bytes off 16-byte alignment: the run's Triton prefill fallback
+            q = torch.empty(c.q.numel() + 1, dtype=c.q.dtype)[1:].view(c.q.shape)
+            attn.run(q, c.k_cache, c.v_cache, out=out, lse=lse)
+    assert sum(k[0] == "gluon_prefill_kernel" for k in LAUNCHES) >= len(cases), "gluon launches not recorded"
+
+
 def record_sinks() -> None:
     """The sink variants (``HAS_SINKS``) of every kernel at gpt-oss's shape (64 / 8 heads, d64), window
     128 and full: the paged kernel unsplit and split (the sink in merge_splits), tree verify, fp8 KV, the
@@ -397,23 +434,49 @@ def resource_usage(cubin: bytes) -> str:
     return m.group(0) if m else "?"
 
 
+def wgmma_serialized(ptx: str) -> str:
+    """ptxas's verbose notes on a kernel's PTX that say its wgmmas were serialized (``C7514`` / ``C7515``: an
+    accumulator read while in flight, a loop edge crossed by one), or ``""``: a Gluon kernel written for
+    overlapped wgmmas must not lose it silently."""
+    import re
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([tool, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True, timeout=300)
+    notes = (r.stdout + r.stderr).splitlines()
+    return "\n".join(line for line in notes if re.search(r"C751[45]|serialized", line))
+
+
 def main() -> None:
     record_all()
     target = GPUTarget("cuda", 90, 32)
     kinds = {}
     stats = "--stats" in sys.argv  # registers / stack (spills) / static shared memory of each launch
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
     for fn, sig, const, opts, attrs in LAUNCHES.values():
-        src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+        if only is not None and fn.__name__ != only:
+            continue
+        gluon = getattr(fn, "is_gluon", lambda: False)()
+        src = (GluonASTSource if gluon else ASTSource)(fn=fn, signature=sig, constexprs=const, attrs=attrs)
         k = triton.compile(src, target=target, options=opts)
         cubin = k.asm["cubin"]
         assert len(cubin) > 1000, (fn.__name__, len(cubin))
         kinds[fn.__name__] = kinds.get(fn.__name__, 0) + 1
+        if gluon:
+            serialized = wgmma_serialized(k.asm["ptx"])
+            assert not serialized, (fn.__name__, const, serialized)
         if stats:
             names = fn.arg_names
             show = {names[i[0]]: v for i, v in const.items() if names[i[0]].isupper() and names[i[0]] not in ("UPCAST",)}
             print(f"{fn.__name__} {opts} {resource_usage(cubin)} smem {k.metadata.shared} {show}", flush=True)
     print(" ".join(f"{k}={n}" for k, n in sorted(kinds.items())))
-    print(f"compiled {len(LAUNCHES)} distinct launches for sm90")
+    print(f"compiled {sum(kinds.values())} distinct launches for sm90")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ the split workspace; ``run`` only launches (one kernel, plus the merge when spli
 On a machine without CUDA it runs on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1``).
 fp8 KV caches (e4m3 / e5m2) are dequantized on load inside the kernel, every mode. Attention sinks
 (``config.sinks``) join every kernel's softmax natively: unsplit programs start their state at the
-sink, split partials carry none and the merge (fused or not) adds it once.
+sink, split partials carry none and the merge (fused or not) adds it once. On an sm90 GPU with Gluon
+(:func:`gluon_sm90`) causal 16-bit page-16 prefill / extend runs the Gluon kernel
+(:mod:`attnplug.core.kernels.gluon_prefill`), chosen at plan time (:meth:`TritonProvider._gluon_config`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 import torch
 
 from .. import graph_if, staging
-from ..config import FP8_KV_DTYPES, SUPPORTED_DTYPES, AttentionConfig
+from ..config import FP8_KV_DTYPES, SUPPORTED_DTYPES, AttentionConfig, env_flag
 from ..kernels import tiles as tile_table
 from ..pages import num_pages
 from ..plan import Plan
@@ -44,12 +46,15 @@ class TritonState:
     partial: torch.Tensor | None  # [T, Hq, S, D] float32 (or the output dtype: entry 'partials') when split
     partial_lse: torch.Tensor | None  # [T, Hq, S] float32 (base-2) when split
     kv_start: torch.Tensor | None  # [B] int32: attend only to keys >= kv_start[b]
-    kernel: str = "paged"  # "paged" (kernels.attention), "prefill" (kernels.prefill), "decode" (kernels.decode)
+    # "paged" (kernels.attention), "prefill" (kernels.prefill), "decode" (kernels.decode), "gluon"
+    # (kernels.gluon_prefill: causal prefill on sm90 where Gluon is present)
+    kernel: str = "paged"
     diag_n: int = 0  # prefill: keys per block of the masked diagonal loop
     tma: bool = False  # prefill: K/V through tensor descriptors (page size a multiple of block_n)
     counters: torch.Tensor | None = None  # decode with fused merge: [B * Hkv] int32, zero between launches
     fp8_f16: bool = False  # fp8 KV: fp16 dots on a pre-scaled query (tile-table field)
     pairs: bool = False  # fp8 KV, decode kernel: K/V read as 16-bit byte pairs (tile-table field)
+    qk_ahead: bool = False  # gluon: the next block's Q K^T issued before this block's softmax
 
 
 @dataclass
@@ -147,6 +152,39 @@ def _even(cache: torch.Tensor, strides) -> bool:
     return cache.data_ptr() % 2 == 0 and not any(x % 2 for x in strides)
 
 
+def _aligned16(t: torch.Tensor, strides) -> bool:
+    """A 16-bit tensor the Gluon prefill kernel may copy in 16-byte pieces: 16-byte aligned, strides of 8."""
+    return t.data_ptr() % 16 == 0 and not any(x % 8 for x in strides)
+
+
+# the Triton releases whose Gluon API the Gluon kernels are written and compile-checked
+# (tests/core/sm90_aot.py) for
+GLUON_TRITON = ((3, 6), (3, 8))
+GLUON_ENV = "ATTNPLUG_GLUON"  # opt-in until the kernel has passed tests/gpu/test_gluon_prefill_gpu.py on sm90
+
+
+def gluon_sm90(device: torch.device) -> bool:
+    """Whether the Gluon prefill kernel (:mod:`attnplug.core.kernels.gluon_prefill`) runs on ``device``:
+    a CUDA sm90 GPU (compute capability 9.0) without the Triton interpreter, with a triton in
+    :data:`GLUON_TRITON` whose ``triton.experimental.gluon`` imports, and ``ATTNPLUG_GLUON=1`` (opt-in: the
+    kernel has not yet run on a GPU; docs/gluon.md)."""
+    if device.type != "cuda" or triton_interpreter_active() or not env_flag(GLUON_ENV, False):
+        return False
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    try:
+        import triton
+
+        version = tuple(int(x) for x in triton.__version__.split(".")[:2])
+        if not GLUON_TRITON[0] <= version <= GLUON_TRITON[1]:
+            return False
+        from ..kernels import gluon_prefill  # noqa: F401
+    except Exception as e:  # ImportError, or a Gluon API this kernel does not know
+        logger.info("attnplug: provider 'triton': Gluon prefill kernel unavailable (%r)", e)
+        return False
+    return True
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -217,6 +255,7 @@ class TritonProvider(Provider):
         if config.head_dim < 16:
             raise self.unsupported(f"head_dim {config.head_dim} (min 16)")
         self._sms = _num_sms(self.device)
+        self._gluon = gluon_sm90(self.device)
         self._pdl_ok: bool | None = None
         self._entry_keys: dict[str, tuple[str, ...]] = {}
 
@@ -317,6 +356,27 @@ class TritonProvider(Provider):
                 and plan.options.kv_start is None and plan.max_q_len > 1
                 and (splits == 1 if plan.causal else not cfg.kv_quantized))  # fmt: skip
 
+    def _gluon_config(self, plan: Plan) -> tuple[int, int, int, int, bool] | None:
+        """``(block_m, block_n, num_stages, num_warps, qk_ahead)`` of the Gluon prefill kernel
+        (:mod:`..kernels.gluon_prefill`'s ``CONFIGS``) where it computes this batch: an sm90 GPU with
+        Gluon (:func:`gluon_sm90`), causal queries that fill its ``block_m``-row tiles, 16-bit KV in pages
+        of 16, head_dim 64 / 128 / 256, a power-of-two GQA group, no custom mask, window, soft cap, sinks,
+        ``kv_start`` or forced tiles / splits; else None (the Triton kernels)."""
+        cfg, o = self.config, plan.options
+        if not (self._gluon and plan.causal and plan.mask is None and plan.max_q_len > 1
+                and cfg.page_size == 16 and not cfg.kv_quantized
+                and cfg.dtype in (torch.bfloat16, torch.float16)
+                and cfg.window_left < 0 and cfg.logits_soft_cap <= 0 and not cfg.sinks
+                and cfg.group_size == _next_pow2(cfg.group_size)):  # fmt: skip
+            return None
+        forced = (o.kv_start, o.block_m, o.block_n, o.num_warps, o.num_stages, o.num_kv_splits)
+        if any(x is not None for x in forced):
+            return None
+        from ..kernels.gluon_prefill import CONFIGS
+
+        c = CONFIGS.get(cfg.head_dim)
+        return c if c is not None and cfg.group_size <= c[0] <= plan.max_q_len * cfg.group_size else None
+
     def split_count(self, num_tiles: int, max_kv_len: int, forced: int | None = None, noncausal: bool = False) -> int:
         """Split-KV chunks per tile: ``forced``, else (when ``num_tiles * Hkv`` programs do not fill the
         SMs, or fill them but their ``decode`` entry names a ``ctas_per_sm``, and ``max_kv_len >= 1024``)
@@ -375,6 +435,11 @@ class TritonProvider(Provider):
         With ``static`` the tile list and the split partials live in its memory."""
         cfg, o = self.config, plan.options
         block_q, block_m, block_n, warps, stages = self._blocks(plan)
+        blocks = block_q, block_m, block_n, warps, stages
+        gluon = self._gluon_config(plan) if self._gluon else None
+        if gluon is not None:
+            block_m, block_n, stages, warps, _ = gluon
+            block_q = block_m // cfg.group_size
         if o.block_m is not None:
             block_m, block_q = o.block_m, max(1, o.block_m // cfg.group_size)
         block_n = o.block_n or block_n
@@ -382,7 +447,19 @@ class TritonProvider(Provider):
         # tile list on the host in numpy (a handful of vector ops, no per-request Python)
         identity, counts, ends, num_tiles = _tiling(plan.q_lens_cpu.numpy(), block_q)
         noncausal = plan.max_q_len > 1 and not plan.causal and plan.mask is None
-        splits = self.split_count(num_tiles, plan.max_kv_len, o.num_kv_splits, noncausal)
+        while True:
+            # one tile per request, from token 0 (decode, short verify): the list is arange / zeros
+            identity = nreq == 0 or (q_lens[q_lens.argmin()] >= 1 and q_lens[q_lens.argmax()] <= block_q)
+            if identity:
+                counts, num_tiles = None, nreq
+            else:
+                counts, ends = _tile_counts(q_lens, block_q)
+                num_tiles = int(ends[-1])
+            splits = self.split_count(num_tiles, plan.max_kv_len, o.num_kv_splits, noncausal)
+            if gluon is None or splits == 1:
+                break
+            # too few tiles to fill the GPU: the Triton kernels' blocks and split plan
+            gluon, (block_q, block_m, block_n, warps, stages) = None, blocks
         kernel, entry = "paged", self._entry("prefill")
         if plan.max_q_len <= 1:
             programs = num_tiles * cfg.num_kv_heads
@@ -396,7 +473,9 @@ class TritonProvider(Provider):
                 kernel = "decode"
         else:  # the prefill kernel where the batch's entry names it (cascade prefix parts: the noncausal one)
             pe = self._entry("noncausal") if noncausal else entry
-            if self._prefill_kernel_ok(plan, pe, block_m, splits):
+            if gluon is not None:
+                kernel = "gluon"
+            elif self._prefill_kernel_ok(plan, pe, block_m, splits):
                 kernel, entry = "prefill", pe
         fused = kernel == "decode" and splits > 1 and bool(entry.get("fused_merge", False))
         # a split non-causal prefill plan in static memory (a cascade graph's prefix part): counters for
@@ -408,7 +487,7 @@ class TritonProvider(Provider):
         shape = (plan.num_tokens, cfg.num_qo_heads, splits, cfg.head_dim)
         partial = partial_lse = None
         tile_req, tile_q = self._place_tiles(plan, static, identity, num_tiles, counts, ends, block_q,
-                                             kernel == "prefill")
+                                             kernel in ("prefill", "gluon"))
         # the prefill kernel's split partials in the output dtype where its entry says so (half the bytes)
         pdt = cfg.dtype if kernel == "prefill" and entry.get("partials") == "out" else torch.float32
         if splits > 1 and static is not None:
@@ -435,6 +514,7 @@ class TritonProvider(Provider):
             block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, partial=partial,
             partial_lse=partial_lse, kv_start=o.kv_start, kernel=kernel, diag_n=diag_n, tma=tma, counters=counters,
             fp8_f16=cfg.kv_quantized and bool(entry.get("fp8_f16", False)),
+            qk_ahead=kernel == "gluon" and gluon[4],
             pairs=(cfg.kv_quantized and kernel == "decode" and bool(entry.get("pairs", False))
                    and cfg.head_dim == _next_pow2(cfg.head_dim) and cfg.head_dim >= 32),
         )
@@ -486,6 +566,13 @@ class TritonProvider(Provider):
             ks, vs = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)), (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
         else:
             ks, vs = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1)), (v_cache.stride(0), v_cache.stride(2), v_cache.stride(1))
+        if a.kernel == "gluon":
+            if (_aligned16(q, q.stride()[:2]) and _aligned16(out, out.stride()[:2])
+                    and _aligned16(k_cache, ks) and _aligned16(v_cache, vs)):  # fmt: skip
+                return self._run_gluon(plan, a, q, k_cache, v_cache, ks, vs, out, lse)
+            # caches or views the 16-byte copies cannot read: the Triton prefill kernel on the same tile list
+            bn = 64 if cfg.head_dim <= 128 else 32
+            a = dataclasses.replace(a, kernel="prefill", block_n=bn, num_stages=3, num_warps=8, diag_n=bn)
         if a.kernel == "prefill":
             return self._run_prefill(plan, a, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale,
                                      merge_base, pdl, sinks)
@@ -568,6 +655,21 @@ class TritonProvider(Provider):
         )
         if split and not fused:
             merge_splits(a.partial, a.partial_lse, out, lse, base=merge_base, pdl=pdl, sinks=sinks)
+
+    def _run_gluon(self, plan: Plan, a: TritonState, q, k_cache, v_cache, ks, vs, out, lse) -> None:
+        """The Gluon prefill kernel (:mod:`attnplug.core.kernels.gluon_prefill`): grid ``(tiles, Hkv)``."""
+        from ..kernels.gluon_prefill import gluon_prefill_kernel
+
+        cfg = self.config
+        gluon_prefill_kernel[(a.num_tiles, cfg.num_kv_heads)](
+            q, k_cache, v_cache, out, lse if lse is not None else out,
+            plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, a.tile_req, a.tile_qstart,
+            a.num_tiles, cfg.scale, q.stride(0), q.stride(1), *ks, *vs, out.stride(0), out.stride(1),
+            *((lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)),
+            GROUP=cfg.group_size, BLOCK_Q=a.block_q, BLOCK_M=a.block_m, BLOCK_N=a.block_n,
+            HEAD_DIM=cfg.head_dim, PAGE_SIZE=cfg.page_size, NUM_STAGES=a.num_stages,
+            STORE_LSE=lse is not None, QK_AHEAD=a.qk_ahead, num_warps=a.num_warps,
+        )
 
     def _run_decode(self, plan: Plan, a: TritonState, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale,
                     sinks: torch.Tensor | None = None) -> None:

@@ -1,0 +1,232 @@
+"""Gluon causal prefill / extend for Hopper (sm90) over a paged KV cache: the triton provider's prefill
+kernel where Gluon (``triton.experimental.gluon``, Triton 3.6 to 3.8) and an sm90 GPU are present.
+
+Same tile list and GQA packing as :mod:`.prefill` (a program = ``BLOCK_Q`` query tokens x the ``GROUP``
+heads of one KV head, ``BLOCK_M = BLOCK_Q * GROUP`` rows: row ``r`` is token ``r // GROUP``, head
+``r % GROUP``; program ``p`` takes tile ``num_tiles - 1 - p``, longest causal tiles first). What Gluon
+adds over the Triton kernel is explicit control of the Hopper pipeline:
+
+* **Loads**: K and V of a ``BLOCK_N``-key block are gathered row by row through the page table
+  (``cp.async``, 16 bytes a copy, rows past ``hi`` zero-filled) into a ``NUM_STAGES``-slot shared-memory
+  ring in the wgmma (NVMMA, 128-byte swizzled) layout; ``NUM_STAGES - 1`` blocks are in flight while
+  one computes. The page ids of block ``i + NUM_STAGES - 1`` are read while ``Q K^T`` of block ``i``
+  runs on the tensor cores (issued asynchronously first).
+* **Matmuls**: ``warpgroup_mma`` (wgmma): ``S = Q K^T`` with Q and K from shared memory, ``O += P V``
+  with P from registers (fp32 softmax cast to the value dtype) and V from shared memory; fp32 accumulators.
+* **Causal block skipping**: keys ``[0, hi)`` only (``hi``: the tile's last row's position + 1); blocks
+  below ``free_hi`` (seen by every row) skip all mask work, the diagonal blocks mask ``n > pos[row]``.
+* Online softmax in base 2 with the scale folded into one FMA; LSE (natural log) out if asked.
+
+Scope (the provider falls back to :mod:`.prefill` / :mod:`.attention` for anything else): causal, 16-bit
+Q/K/V, head_dim 64 / 128 / 256, ``GROUP`` a power of two dividing ``BLOCK_M`` (128), no custom mask,
+window, soft cap, sinks, fp8 KV, KV splits or ``kv_start``.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+# a CTA-wide barrier: ``gl.thread_barrier`` in Triton 3.6, ``gl.barrier`` from 3.7 on
+thread_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+
+# (head_dim) -> (block_m, block_n, num_stages, num_warps, qk_ahead): the configurations the provider launches
+# (``BLOCK_M`` rows over ``num_warps // 4`` warpgroups of 64 rows); shared memory: Q BLOCK_M x D plus
+# NUM_STAGES x (K + V) blocks of BLOCK_N x D, 16-bit (at most 227 KiB an SM); ``QK_AHEAD`` needs 3 stages.
+CONFIGS = {64: (128, 128, 4, 8, True), 128: (128, 64, 4, 8, True), 256: (128, 64, 2, 8, False)}
+
+
+@gluon.constexpr_function
+def _load_layout(rows, head_dim, num_warps):
+    """Blocked layout of a ``[rows, head_dim]`` 16-bit gather: 8 elements (16 bytes) a thread along D."""
+    tpw_d = min(32, head_dim // 8)
+    return gl.BlockedLayout([1, 8], [32 // tpw_d, tpw_d], [num_warps, 1], [1, 0])
+
+
+@gluon.jit
+def _issue_block(K, V, k_ring, v_ring, j, num_blocks, kv_indices, page_base, hi, kvh,
+                 stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                 NUM_STAGES: gl.constexpr, LAYOUT: gl.constexpr):
+    """Start the asynchronous gather of block ``j`` (keys ``j * BLOCK_N ..``, KV head ``kvh``) of K and V into
+    ring slot ``j % NUM_STAGES`` (``[BLOCK_N, HEAD_DIM]`` each; rows at or past ``hi`` zero-filled) and
+    commit it as one cp.async group (an empty group from ``num_blocks`` on: the group count stays fixed)."""
+    if j < num_blocks:
+        n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAYOUT))
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LAYOUT))
+        ok = n < hi
+        page = gl.load(kv_indices + page_base + n // PAGE_SIZE, mask=ok, other=0).to(gl.int64)
+        slot = n % PAGE_SIZE
+        k_off = page * stride_kp + slot * stride_kt + kvh * stride_kh
+        v_off = page * stride_vp + slot * stride_vt + kvh * stride_vh
+        k_off = gl.multiple_of(k_off, 8)  # the provider checks: strides of 8, 16-byte aligned
+        v_off = gl.multiple_of(v_off, 8)
+        mask = gl.expand_dims(ok, 1) & gl.expand_dims(d < HEAD_DIM, 0)
+        ring = j % NUM_STAGES
+        d0 = gl.expand_dims(d, 0)
+        k_ptrs = K + (gl.expand_dims(k_off, 1) + d0)
+        v_ptrs = V + (gl.expand_dims(v_off, 1) + d0)
+        async_copy.async_copy_global_to_shared(k_ring.index(ring), k_ptrs, mask=mask)
+        async_copy.async_copy_global_to_shared(v_ring.index(ring), v_ptrs, mask=mask)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, n0, free_hi, pos, qk_scale, BLOCK_N: gl.constexpr, dtype: gl.constexpr,
+                  S_L: gl.constexpr, ROW_O: gl.constexpr, P_L: gl.constexpr):
+    """Logits ``s [BLOCK_M, BLOCK_N]`` (``q . k`` of keys ``n0 ..``) into the online softmax (base 2):
+    ``(p as the PV wgmma's A operand, alpha [BLOCK_M] in the accumulator's row layout, m_new, l_new)``.
+    Blocks reaching ``free_hi`` are on the diagonal: keys past each row's position ``pos`` are hidden."""
+    if n0 + BLOCK_N > free_hi:
+        n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+        s = gl.where(gl.expand_dims(n, 0) <= gl.expand_dims(pos, 1), s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return gl.convert_layout(p.to(dtype), P_L), gl.convert_layout(alpha, ROW_O), m_new, l_i
+
+
+@gluon.jit
+def gluon_prefill_kernel(
+    Q, K, V, O, LSE,
+    qo_indptr, kv_indptr, kv_indices, kv_lens, tile_req, tile_qstart,
+    num_tiles, sm_scale,
+    stride_qt, stride_qh,
+    stride_kp, stride_kt, stride_kh,
+    stride_vp, stride_vt, stride_vh,
+    stride_ot, stride_oh,
+    stride_lt, stride_lh,
+    GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, STORE_LSE: gl.constexpr,
+    QK_AHEAD: gl.constexpr = True,
+):
+    """Grid ``(num_tiles, Hkv)``, causal (bottom-right aligned), launched with ``BLOCK_M // 16`` warps (a
+    warpgroup for each 64 rows). Q ``[T, Hq, D]`` 16-bit; K/V paged caches (strides given, page
+    ``PAGE_SIZE``, Q's dtype); O ``[T, Hq, D]``; LSE ``[T, Hq]`` float32 natural log (``STORE_LSE``).
+    ``qo_indptr [B+1]``, ``kv_indptr [B+1]``, ``kv_indices``, ``kv_lens [B]``, ``tile_req`` /
+    ``tile_qstart [num_tiles]`` int32."""
+    NW: gl.constexpr = gl.num_warps()
+    dtype: gl.constexpr = Q.dtype.element_ty
+    LOAD: gl.constexpr = _load_layout(BLOCK_N, HEAD_DIM, NW)
+    QLOAD: gl.constexpr = _load_layout(BLOCK_M, HEAD_DIM, NW)
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                  instr_shape=[16, BLOCK_N, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                  instr_shape=[16, HEAD_DIM, 16])
+    P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+    SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+
+    tile = num_tiles - 1 - gl.program_id(0)  # longest causal tiles first
+    kvh = gl.program_id(1)
+    b = gl.load(tile_req + tile)
+    q0 = gl.load(tile_qstart + tile)
+    q_start = gl.load(qo_indptr + b)
+    q_len = gl.load(qo_indptr + b + 1) - q_start
+    kv_len = gl.load(kv_lens + b)
+    page_base = gl.load(kv_indptr + b)
+
+    # Q tile -> shared memory (wgmma operand A)
+    rq = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, QLOAD))
+    dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, QLOAD))
+    tok_q = q0 + rq // GROUP
+    q_rows = (q_start + tok_q).to(gl.int64) * stride_qt + (kvh * GROUP + rq % GROUP) * stride_qh
+    q_rows = gl.multiple_of(q_rows, 8)
+    q_mask = gl.expand_dims(tok_q < q_len, 1) & gl.expand_dims(dq < HEAD_DIM, 0)
+    q = gl.load(Q + (gl.expand_dims(q_rows, 1) + gl.expand_dims(dq, 0)), mask=q_mask, other=0.0)
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], Q_SMEM, value=q)
+
+    k_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], SMEM)
+    v_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], SMEM)
+
+    pos0 = kv_len - q_len + q0  # the tile's first row: keys [0, pos0] are visible to every row
+    hi = gl.minimum(kv_len, pos0 + BLOCK_Q)
+    free_hi = (pos0 + 1) // BLOCK_N * BLOCK_N
+    num_blocks = gl.cdiv(hi, BLOCK_N)
+
+    # prologue: the first blocks in flight (every slot with QK_AHEAD, which refills a slot once its P V is
+    # done; all but one otherwise, refilled while the block's Q K^T runs)
+    PROLOGUE: gl.constexpr = NUM_STAGES if QK_AHEAD else NUM_STAGES - 1
+    for j in gl.static_range(PROLOGUE):
+        _issue_block(K, V, k_ring, v_ring, j, num_blocks, kv_indices, page_base, hi, kvh,
+                     stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, BLOCK_N, HEAD_DIM,
+                     PAGE_SIZE, NUM_STAGES, LOAD)
+
+    rs = gl.arange(0, BLOCK_M, layout=ROW_S)
+    pos = kv_len - q_len + q0 + rs // GROUP  # absolute position of each row
+    qk_scale = sm_scale * 1.4426950408889634
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW_S)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=ROW_S)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=O_L)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
+
+    if QK_AHEAD:
+        # per block i: issue Q K_i^T, rescale O, issue P_{i-1} V_{i-1}; wait for S_i only, so the softmax of
+        # block i runs while P_{i-1} V_{i-1} is on the tensor cores; then wait for O. Only finished values
+        # cross the loop edge (an in-flight accumulator there makes ptxas serialize the wgmmas).
+        async_copy.wait_group(NUM_STAGES - 1)  # block 0 has landed (this thread's copies)
+        fence_async_shared()  # Q's store and the cp.async writes (generic proxy) before wgmma (async proxy)
+        thread_barrier()  # ... of every thread
+        s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False)
+        p_op, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, free_hi, pos, qk_scale, BLOCK_N, dtype,
+                                              S_L, ROW_O, P_L)
+        for i in range(1, num_blocks):
+            async_copy.wait_group(NUM_STAGES - 2)  # block i has landed (0 .. i + NUM_STAGES - 2 issued)
+            fence_async_shared()
+            thread_barrier()
+            s_tok = warpgroup_mma(q_smem, k_ring.index(i % NUM_STAGES).permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)
+            acc = acc * gl.expand_dims(alpha, 1)
+            acc_tok = warpgroup_mma(p_op, v_ring.index((i - 1) % NUM_STAGES), acc, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # S_i done; P_{i-1} V_{i-1} runs on
+            p_op, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, i * BLOCK_N, free_hi, pos, qk_scale,
+                                                  BLOCK_N, dtype, S_L, ROW_O, P_L)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
+            thread_barrier()  # both warpgroups are done with block i - 1's slot
+            _issue_block(K, V, k_ring, v_ring, i - 1 + NUM_STAGES, num_blocks, kv_indices, page_base, hi, kvh,
+                         stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, BLOCK_N, HEAD_DIM,
+                         PAGE_SIZE, NUM_STAGES, LOAD)
+        acc = acc * gl.expand_dims(alpha, 1)
+        acc = warpgroup_mma(p_op, v_ring.index((num_blocks - 1) % NUM_STAGES), acc)
+    else:
+        for i in range(num_blocks):
+            slot = i % NUM_STAGES
+            async_copy.wait_group(NUM_STAGES - 2)  # block i has landed (this thread's copies)
+            fence_async_shared()  # cp.async / Q stores (generic proxy) before the wgmma (async proxy) reads
+            thread_barrier()  # ... every thread's
+            k_slot = k_ring.index(slot)
+            v_slot = v_ring.index(slot)
+            s = warpgroup_mma(q_smem, k_slot.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            # meanwhile: block i + NUM_STAGES - 1 into the slot block i - 1 used (its wgmmas have completed)
+            _issue_block(K, V, k_ring, v_ring, i + NUM_STAGES - 1, num_blocks, kv_indices, page_base, hi, kvh,
+                         stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, BLOCK_N, HEAD_DIM,
+                         PAGE_SIZE, NUM_STAGES, LOAD)
+            s, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s, k_slot))
+            p_op, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, i * BLOCK_N, free_hi, pos, qk_scale,
+                                                  BLOCK_N, dtype, S_L, ROW_O, P_L)
+            acc = acc * gl.expand_dims(alpha, 1)
+            acc = warpgroup_mma(p_op, v_slot, acc, is_async=True)
+            acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_slot))
+    async_copy.wait_group(0)
+
+    has = l_i > 0.0
+    l_o = gl.convert_layout(gl.where(has, l_i, 1.0), ROW_O)
+    out = acc / gl.expand_dims(l_o, 1)
+    out = gl.convert_layout(out.to(O.dtype.element_ty), QLOAD)
+    o_rows = (q_start + tok_q).to(gl.int64) * stride_ot + (kvh * GROUP + rq % GROUP) * stride_oh
+    o_rows = gl.multiple_of(o_rows, 8)
+    gl.store(O + (gl.expand_dims(o_rows, 1) + gl.expand_dims(dq, 0)), out, mask=q_mask)
+    if STORE_LSE:
+        lse = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf")) * 0.6931471805599453
+        tok = q0 + rs // GROUP
+        l_ptrs = LSE + (q_start + tok).to(gl.int64) * stride_lt + (kvh * GROUP + rs % GROUP) * stride_lh
+        gl.store(l_ptrs, lse, mask=tok < q_len)

@@ -1,0 +1,102 @@
+"""The triton provider's choice of the Gluon prefill kernel (issue 46), decided at plan time: on a machine
+that has it (``_gluon``, set from :func:`gluon_sm90` at config time; forced here, plans launch nothing) causal
+16-bit page-16 prefill / extend batches at head_dim 64 / 128 / 256 plan ``gluon`` with 128-row tiles sorted
+longest first; every feature it does not cover plans the Triton kernels, exactly as without Gluon. Its
+compiled form is checked by ``sm90_aot.py``; what it computes, on the GPU
+(``tests/gpu/test_gluon_prefill_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnplug.core import AttentionConfig, ForwardMode, PagedAttention
+from attnplug.core.kernels.gluon_prefill import CONFIGS
+from attnplug.core.providers.triton import gluon_sm90
+
+from batches import random_case, triton_launch
+
+BF = torch.bfloat16
+E4M3 = torch.float8_e4m3fn
+H200_SMS = 132
+COVERED = {  # name -> (config, q lens, prefix lens)
+    "prefill_d128": (AttentionConfig(32, 8, 128, 16, BF), [300, 17, 129], [0, 0, 0]),
+    "extend_d128": (AttentionConfig(32, 8, 128, 16, BF), [200, 37, 513], [1000, 0, 77]),
+    "d64": (AttentionConfig(32, 8, 64, 16, BF), [300], [0]),
+    "d256_fp16_hnd": (AttentionConfig(16, 8, 256, 16, torch.float16, "HND"), [300], [10]),
+    "mha": (AttentionConfig(8, 8, 128, 16, BF), [300], [0]),
+}
+FALLBACKS = {  # name -> (config, mode, q lens, prefix lens): features the Gluon kernel does not cover
+    "window": (AttentionConfig(32, 8, 128, 16, BF, window_left=100), ForwardMode.EXTEND, [300], [50]),
+    "soft_cap": (AttentionConfig(32, 8, 128, 16, BF, logits_soft_cap=30.0), ForwardMode.EXTEND, [300], [50]),
+    "sinks": (AttentionConfig(32, 8, 64, 16, BF, sinks=True), ForwardMode.EXTEND, [300], [50]),
+    "fp8_kv": (AttentionConfig(32, 8, 128, 16, BF, kv_dtype=E4M3), ForwardMode.EXTEND, [300], [50]),
+    "fp32": (AttentionConfig(8, 8, 64, 16, torch.float32), ForwardMode.EXTEND, [300], [50]),
+    "page_1": (AttentionConfig(32, 8, 128, 1, BF), ForwardMode.EXTEND, [300], [50]),
+    "page_64": (AttentionConfig(32, 8, 128, 64, BF), ForwardMode.EXTEND, [300], [50]),
+    "d96": (AttentionConfig(32, 8, 96, 16, BF), ForwardMode.EXTEND, [300], [50]),
+    "group_3": (AttentionConfig(24, 8, 128, 16, BF), ForwardMode.EXTEND, [300], [50]),
+    "tree_verify": (AttentionConfig(32, 8, 128, 16, BF), ForwardMode.TARGET_VERIFY, [64, 64], [300, 40]),
+    "short_extend": (AttentionConfig(32, 8, 128, 16, BF), ForwardMode.EXTEND, [5, 9], [1000, 30]),
+    "split": (AttentionConfig(32, 8, 128, 16, BF), ForwardMode.EXTEND, [200], [8000]),  # few tiles: KV splits
+}
+
+
+def _plan(config, mode, q_lens, prefix, gluon: bool, **knobs):
+    case = random_case(mode, q_lens, prefix, config, "cpu")
+    attn = PagedAttention(config, "triton", "cpu")
+    attn.provider._sms, attn.provider._gluon = H200_SMS, gluon
+    return attn.plan(case.batch, num_pages=case.num_pages, **knobs)
+
+
+def test_no_gluon_on_cpu():
+    assert not gluon_sm90(torch.device("cpu"))
+    assert PagedAttention(AttentionConfig(32, 8, 128, 16, BF), "triton", "cpu").provider._gluon is False
+
+
+def test_covered_batches_plan_gluon():
+    for name, (config, q_lens, prefix) in COVERED.items():
+        plan = _plan(config, ForwardMode.EXTEND, q_lens, prefix, True)
+        t = triton_launch(plan)
+        assert t["kernel"] == "gluon", name
+        assert t["block_m"] == CONFIGS[config.head_dim][0] == t["block_q"] * config.group_size, (name, t)
+        assert t["num_splits"] == 1, (name, t)
+        req, q0 = plan.state.tile_req.tolist(), plan.state.tile_qstart.tolist()
+        kv = plan.kv_lens_cpu.tolist()
+        work = [kv[r] - q_lens[r] + s for r, s in zip(req, q0)]  # the causal keys of each tile's first row
+        assert work == sorted(work), name  # ascending: the kernel runs the list backwards, longest first
+        assert sum(-(-q // t["block_q"]) for q in q_lens) == t["num_tiles"], name
+        # the same batch without Gluon: a Triton kernel
+        without = triton_launch(_plan(config, ForwardMode.EXTEND, q_lens, prefix, False))
+        assert without["kernel"] != "gluon", name
+
+
+def test_uncovered_features_plan_the_triton_kernels():
+    for name, (config, mode, q_lens, prefix) in FALLBACKS.items():
+        with_gluon = triton_launch(_plan(config, mode, q_lens, prefix, True))
+        without = triton_launch(_plan(config, mode, q_lens, prefix, False))
+        assert with_gluon["kernel"] != "gluon", name
+        keys = ("kernel", "block_m", "block_q", "block_n", "num_splits", "num_tiles")
+        assert {k: with_gluon[k] for k in keys} == {k: without[k] for k in keys}, name
+
+
+def test_forced_knobs_plan_the_triton_kernels():
+    config, q_lens, prefix = COVERED["prefill_d128"]
+    for knobs in (dict(block_n=32), dict(num_warps=4), dict(num_kv_splits=1), dict(block_m=64)):
+        forced = triton_launch(_plan(config, ForwardMode.EXTEND, q_lens, prefix, True, **knobs))
+        assert forced["kernel"] != "gluon", knobs
+
+
+def test_gluon_is_opt_in(monkeypatch):
+    """On an sm90 GPU (faked here) the Gluon kernel is chosen only with ``ATTNPLUG_GLUON=1``."""
+    from attnplug.core.providers import triton as tp
+
+    monkeypatch.setattr(tp, "triton_interpreter_active", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.delenv(tp.GLUON_ENV, raising=False)
+    assert not tp.gluon_sm90(torch.device("cuda"))
+    monkeypatch.setenv(tp.GLUON_ENV, "1")
+    seen = []
+    monkeypatch.setattr(tp, "GLUON_TRITON", ((0, 0), (0, 0)))  # past the flag: the version check runs
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: seen.append(1) or (9, 0))
+    assert not tp.gluon_sm90(torch.device("cuda")) and seen
