@@ -445,16 +445,10 @@ class TritonProvider(Provider):
         block_n = o.block_n or block_n
         warps, stages = o.num_warps or warps, o.num_stages or stages
         # tile list on the host in numpy (a handful of vector ops, no per-request Python)
-        identity, counts, ends, num_tiles = _tiling(plan.q_lens_cpu.numpy(), block_q)
+        q_lens = plan.q_lens_cpu.numpy()
         noncausal = plan.max_q_len > 1 and not plan.causal and plan.mask is None
         while True:
-            # one tile per request, from token 0 (decode, short verify): the list is arange / zeros
-            identity = nreq == 0 or (q_lens[q_lens.argmin()] >= 1 and q_lens[q_lens.argmax()] <= block_q)
-            if identity:
-                counts, num_tiles = None, nreq
-            else:
-                counts, ends = _tile_counts(q_lens, block_q)
-                num_tiles = int(ends[-1])
+            identity, counts, ends, num_tiles = _tiling(q_lens, block_q)
             splits = self.split_count(num_tiles, plan.max_kv_len, o.num_kv_splits, noncausal)
             if gluon is None or splits == 1:
                 break
