@@ -126,12 +126,14 @@ run_suite() {
       return ;;
     peer-vllm | peer-sglang)  # scripts/peer_suite.py: exit 1 on an attnplug failure with no verdict
       declare -A peer=([peer-vllm]="vllm 0.32.0" [peer-sglang]="sglang 0.5.23")
-      declare -A sel=([peer-vllm]="causal and small_decode and auto" [peer-sglang]="")
+      declare -A pick=([peer-vllm]="ATTNPLUG_TRITON,ATTNPLUG_FLASHINFER,FLEX_ATTENTION"
+        [peer-sglang]="attnplug_triton,torch_native,triton")
+      declare -A sel=([peer-vllm]="causal and small_decode and 1-meta" [peer-sglang]="")
       read -r eng ver <<< "${peer[$s]}"
       t0=$SECONDS; log=$(mktemp); out=$(mktemp -d); rc=1
       if setup "scripts/setup_${eng}_env.sh"; then
         python3 scripts/peer_suite.py --engine "$eng" --version "$ver" --out "$out" \
-          ${sel[$s]:+-k "${sel[$s]}"} 2>&1 | tee "$log" | grep -E '^(peer_suite|FAILED|ERROR)'; rc=${PIPESTATUS[0]}
+          --backends "${pick[$s]}" ${sel[$s]:+-k "${sel[$s]}"} 2>&1 | tee "$log" | grep -E '^(peer_suite|FAILED|ERROR)'; rc=${PIPESTATUS[0]}
       else build_failed_row "$s"; rm -f "$log"; rm -rf "$out"; return; fi
       ((rc == 0)) || { status=1; tail -40 "$log"; }
       row "$s" ".venvs/$eng/bin/python" $((SECONDS - t0)) \
