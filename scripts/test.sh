@@ -126,7 +126,7 @@ run_suite() {
       return ;;
     peer-vllm | peer-sglang)  # scripts/peer_suite.py: exit 1 on an attnplug failure with no verdict
       declare -A peer=([peer-vllm]="vllm 0.32.0" [peer-sglang]="sglang 0.5.23")
-      declare -A pick=([peer-vllm]="ATTNPLUG_TRITON,ATTNPLUG_FLASHINFER,FLEX_ATTENTION"
+      declare -A pick=([peer-vllm]="ATTNPLUG_TRITON,ATTNPLUG_FLASHINFER,TRITON_ATTN"
         [peer-sglang]="attnplug_triton,torch_native,triton")
       declare -A sel=([peer-vllm]="causal and small_decode and 1-meta" [peer-sglang]="")
       read -r eng ver <<< "${peer[$s]}"
