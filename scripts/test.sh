@@ -20,6 +20,8 @@
 #            (scripts/setup_vllm026_env.sh --unit, a hard-link clone of .venvs/vllm)
 #   sglang - SGLang 0.5.23 on CPU end to end with --attention-backend attnplug_triton; its contract
 #   sglang0517 - the H200's SGLang release 0.5.17: the adapter unit tests (scripts/setup_sglang0517_env.sh)
+#   peer-vllm, peer-sglang - the engines' own attention-backend tests of the installed release against the
+#            attnplug backends (scripts/peer_suite.py; a small CPU subset, verdicts in a temporary folder)
 # Prints the matrix of what ran (suite, engine, triton, result) at the end.
 # Disk: before each suite, the free space is checked against what its environment builds take
 # (need_mib, plus pip's downloads where they cannot go to /dev/shm) and what its tests write
@@ -27,11 +29,12 @@
 # (a developer's existing venvs are never touched); a build that fails is removed, so its half-written
 # files do not starve the suites after it. All environments together take ~21 GiB; pruned, the run fits
 # in ~9 GiB (SGLang's two take 7.3). A suite that still does not fit fails with the space it needs.
-# Usage: scripts/test.sh [core] [mutation] [sm90-aot] [package] [newest] [vllm] [vllm026] [sglang] [sglang0517]
+# Usage: scripts/test.sh [core] [mutation] [sm90-aot] [package] [newest] [vllm] [vllm026] [peer-vllm] [sglang]
+#        [sglang0517] [peer-sglang]
 #        (default: all, in this order: the engine-free suites first, so their environments can be pruned)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-suites=("$@"); [[ ${#suites[@]} -eq 0 ]] && suites=(core mutation sm90-aot package newest vllm vllm026 sglang sglang0517)
+suites=("$@"); [[ ${#suites[@]} -eq 0 ]] && suites=(core mutation sm90-aot package newest vllm vllm026 peer-vllm sglang sglang0517 peer-sglang)
 matrix=()
 # one matrix row: suite, engine (distribution + version, or "-"), triton, torch, seconds, result
 row() {  # row SUITE VENV_PYTHON SECONDS RESULT
@@ -76,7 +79,8 @@ fi
 setup() { TMPDIR=${build_tmp:-${TMPDIR:-/tmp}} bash "$@"; }  # an environment build: setup SCRIPT ARGS...
 # the environments (.venvs/NAME) each suite reads, in the order it builds them
 declare -A uses=([core]=core [mutation]=core [sm90-aot]="core triton-3.6.0 triton-3.8.0" [package]=pkg
-  [newest]=newest [vllm]=vllm [vllm026]="vllm vllm026-unit" [sglang]=sglang [sglang0517]="sglang sglang0517")
+  [newest]=newest [vllm]=vllm [vllm026]="vllm vllm026-unit" [sglang]=sglang [sglang0517]="sglang sglang0517"
+  [peer-vllm]=vllm [peer-sglang]=sglang)
 gib() { awk -v m="$1" 'BEGIN {printf "%.1f", m / 1024}'; }
 built=()  # environments this run created
 # prune I: remove the environments this run built that no suite from index I on reads
@@ -122,6 +126,21 @@ run_suite() {
         pytest_row "$s" "${venv[$s]}/bin/python" "${files[@]}" || status=1
       else build_failed_row "$s"; fi
       return ;;
+    peer-vllm | peer-sglang)  # scripts/peer_suite.py: exit 1 on an attnplug failure with no verdict
+      declare -A peer=([peer-vllm]="vllm 0.32.0" [peer-sglang]="sglang 0.5.23")
+      declare -A pick=([peer-vllm]="ATTNPLUG_TRITON,ATTNPLUG_FLASHINFER,TRITON_ATTN"
+        [peer-sglang]="attnplug_triton,torch_native,triton")
+      declare -A sel=([peer-vllm]="causal and small_decode and 1-meta" [peer-sglang]="")
+      read -r eng ver <<< "${peer[$s]}"
+      t0=$SECONDS; log=$(mktemp); out=$(mktemp -d); rc=1
+      if setup "scripts/setup_${eng}_env.sh"; then
+        python3 scripts/peer_suite.py --engine "$eng" --version "$ver" --out "$out" \
+          --backends "${pick[$s]}" ${sel[$s]:+-k "${sel[$s]}"} 2>&1 | tee "$log" | grep -E '^(peer_suite|FAILED|ERROR)'; rc=${PIPESTATUS[0]}
+      else build_failed_row "$s"; rm -f "$log"; rm -rf "$out"; return; fi
+      ((rc == 0)) || { status=1; tail -40 "$log"; }
+      row "$s" ".venvs/$eng/bin/python" $((SECONDS - t0)) \
+        "$( ((rc == 0)) && echo PASS || echo FAIL): $(grep -E "^peer_suite: $eng" "$log" | tail -1 | cut -d: -f3 | cut -d';' -f1)"
+      rm -f "$log"; rm -rf "$out"; return ;;
     newest)
       if setup scripts/setup_newest_env.sh; then
         ATTNPLUG_NEWEST_ROW=1 pytest_row "$s" .venvs/newest/bin/python tests/core tests/gpu || status=1

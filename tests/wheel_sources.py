@@ -116,8 +116,9 @@ def _member_data(r: _Reader, method: int, csize: int, out) -> tuple[int, int]:
     return crc, size
 
 
-def _stream_extract(url: str, sha256: str | None, dest: str) -> None:
-    """Unpack the wanted members of the wheel at ``url`` into ``dest`` while it downloads."""
+def _stream_extract(url: str, sha256: str | None, dest: str, want=wanted) -> None:
+    """Unpack the members of the wheel at ``url`` that ``want(name)`` takes into ``dest`` while it
+    downloads."""
     with urllib.request.urlopen(url, timeout=300) as resp:
         r = _Reader(resp)
         n = 0
@@ -141,7 +142,7 @@ def _stream_extract(url: str, sha256: str | None, dest: str) -> None:
                     i += 4 + hlen
             path = os.path.join(dest, name)
             assert os.path.realpath(path).startswith(os.path.realpath(dest) + os.sep), f"unsafe member {name}"
-            if wanted(name):
+            if want(name):
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 with open(path, "wb") as out:
                     got_crc, got_size = _member_data(r, method, csize, out)

@@ -101,7 +101,7 @@ class AttnplugAttnBackend(AttentionBackend):
 
         pool = self.token_to_kv_pool
         self.num_kv_heads, self.head_dim = int(pool.head_num), int(pool.head_dim)
-        self.dtype, self.kv_dtype = model_runner.model_config.dtype, pool.dtype  # kv_dtype: the model's or fp8
+        self.dtype, self.kv_dtype = model_runner.dtype, pool.dtype  # kv_dtype: the model's or fp8
         mc = model_runner.model_config
         self.num_qo_heads = int(mc.get_num_attention_heads(compat.attn_tp_size()))
         slots = int(pool.get_key_buffer(getattr(pool, "start_layer", 0)).shape[0])
@@ -178,9 +178,9 @@ class AttnplugAttnBackend(AttentionBackend):
         from attnplug.core.config import FP8_KV_DTYPES
 
         kv_dtype = getattr(runner, "kv_cache_dtype", self.token_to_kv_pool.dtype)
-        plain = kv_dtype == runner.model_config.dtype and kv_dtype in (torch.float16, torch.bfloat16, torch.float32)
+        plain = kv_dtype == runner.dtype and kv_dtype in (torch.float16, torch.bfloat16, torch.float32)
         if not plain and kv_dtype not in FP8_KV_DTYPES:
-            raise self._unsupported(f"KV cache dtype {kv_dtype} with model dtype {runner.model_config.dtype} "
+            raise self._unsupported(f"KV cache dtype {kv_dtype} with model dtype {runner.dtype} "
                                     "(the model's dtype, fp8_e4m3 or fp8_e5m2 only)")
         if self.token_to_kv_pool.dtype != kv_dtype:
             raise self._unsupported(f"a KV pool of dtype {self.token_to_kv_pool.dtype} for kv_cache_dtype {kv_dtype}")

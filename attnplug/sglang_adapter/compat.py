@@ -402,7 +402,7 @@ def _contract():
            "init_cuda_graph_state", "get_cuda_graph_seq_len_fill_value", "forward_extend", "forward_decode")),
         # what the backend reads from the model runner, the pools, the batch and the layer
         *(attr("sglang.srt.model_executor.model_runner", f"ModelRunner.{a}") for a in
-          ("device", "req_to_token_pool", "token_to_kv_pool", "model_config")),
+          ("device", "dtype", "req_to_token_pool", "token_to_kv_pool", "model_config")),
         attr("sglang.srt.model_executor.model_runner", "ModelRunner.page_size", **opt),
         attr("sglang.srt.model_executor.model_runner", "ModelRunner.kv_index_translator", **opt),
         call(pool, "MHATokenToKVPool.set_kv_buffer", npos=4),

@@ -49,7 +49,8 @@ def make_runner(page_size: int, *, num_slots: int = 1024, layers: int = 2, dtype
     mc = SimpleNamespace(is_encoder_decoder=False, attention_arch=AttentionArch.MHA, dtype=dtype,
                          get_num_attention_heads=lambda tp: HQ // tp)
     runner = SimpleNamespace(device="cpu", page_size=page_size, req_to_token_pool=r2t, token_to_kv_pool=kv,
-                             kv_index_translator=tr, model_config=mc, kv_cache_dtype=dtype, is_draft_worker=False)
+                             kv_index_translator=tr, model_config=mc, dtype=dtype, kv_cache_dtype=dtype,
+                             is_draft_worker=False)
     for k, v in over.items():
         setattr(runner, k, v)
     return runner
