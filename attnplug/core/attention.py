@@ -94,7 +94,8 @@ class PagedAttention:
         host_scales: tuple[float, float] | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention of ``q [T, Hq, D]`` over the paged cache; returns ``out [T, Hq, D]``.
+        """Attention of ``q [T, Hq, D]`` over the paged cache; returns ``out [T, Hq, Dv]`` (``Dv``:
+        ``config.head_dim_v``, = ``D`` but for MLA, :mod:`attnplug.core.mla`).
 
         ``lse [T, Hq]`` float32, when given, receives the natural-log LSE of each row. Pass ``out``
         to avoid an allocation (required under CUDA-graph capture).
@@ -113,7 +114,7 @@ class PagedAttention:
         plan = self.current_plan
         check_run_bounds(plan, q, k_cache, v_cache, out)
         if out is None:
-            out = torch.empty_like(q)
+            out = q.new_empty(q.shape[0], self.config.num_qo_heads, self.config.head_dim_v)
         if plan.cascade is None:
             self.provider.run(plan, q, k_cache, v_cache, out, lse, **scales)
         else:

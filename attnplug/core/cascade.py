@@ -195,7 +195,7 @@ def cascade_pays(plan: Plan, groups: list[Group]) -> bool:
     if not groups:
         return False
     cfg = plan.config
-    page_bytes = 2 * cfg.page_size * cfg.num_kv_heads * cfg.head_dim * cfg.dtype.itemsize
+    page_bytes = (1 if cfg.is_mla else 2) * cfg.page_size * cfg.num_kv_heads * cfg.head_dim * cfg.dtype.itemsize
     saved = sum((g.members.size - 1) * g.pages for g in groups) * page_bytes
     q_lens = plan.q_lens_cpu.numpy()
     grouped = np.concatenate([g.members for g in groups])
@@ -318,7 +318,7 @@ def build_cascade_plan(plan: Plan, groups: list[Group]) -> CascadePlan:
         groups=groups, suffix=suffix, prefix=prefix,
         rows=d.get("rows"),
         q_part=None if identity else torch.empty((Tp, *hd), dtype=cfg.dtype, device=dev),
-        out_part=torch.empty((Tp, *hd), dtype=cfg.dtype, device=dev),
+        out_part=torch.empty((Tp, hd[0], cfg.head_dim_v), dtype=cfg.dtype, device=dev),
         lse_part=torch.empty((Tp, hd[0]), dtype=torch.float32, device=dev),
         lse_suffix=torch.empty((plan.num_tokens, hd[0]), dtype=torch.float32, device=dev),
     )  # fmt: skip
@@ -379,7 +379,7 @@ def min_saved_pages(config, mode: str) -> int:
     part runs over it: :data:`MIN_SAVED_BYTES` of KV (``"auto"``), one page (``"always"``)."""
     if mode == "always":
         return 1
-    page_bytes = 2 * config.page_size * config.num_kv_heads * config.head_dim * config.kv_dtype.itemsize
+    page_bytes = (1 if config.is_mla else 2) * config.page_size * config.num_kv_heads * config.head_dim * config.kv_dtype.itemsize
     return -(-MIN_SAVED_BYTES // page_bytes)
 
 
@@ -428,7 +428,7 @@ class CascadeGraph:
         self.qo_indptr: dict[int, torch.Tensor] = {}
         self.plans: dict[int, Plan] = {}
         hd = (gs.max_batch, cfg.num_qo_heads)
-        self.out_part = torch.empty((*hd, cfg.head_dim), dtype=cfg.dtype, device=dev)
+        self.out_part = torch.empty((*hd, cfg.head_dim_v), dtype=cfg.dtype, device=dev)
         self.lse_part = torch.empty(hd, dtype=torch.float32, device=dev)
         self.lse_suffix = torch.empty(hd, dtype=torch.float32, device=dev)
         self.provider = gs.provider.fork()  # the prefix part's plans apart; its static memory below

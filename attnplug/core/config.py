@@ -75,6 +75,10 @@ class AttentionConfig:
         sinks: the layers have attention sinks: one learned logit per query head (a ``[Hq]`` tensor
             passed to every run entry point as ``sinks=``) that joins each row's softmax denominator
             once, with no value row: ``softmax([s_1..s_n, sink_h])``; the LSE a run writes includes it.
+        head_dim_v: value/output head dim; ``None`` (default) = ``head_dim``. A smaller one is MLA
+            (multi-head latent attention, :mod:`attnplug.core.mla`): one KV head holding the latent
+            ``[kv_lora_rank + rope_dim]`` per token, V = its first ``head_dim_v`` columns, q ``[T, Hq,
+            head_dim]`` absorbed, out ``[T, Hq, head_dim_v]``.
     """
 
     num_qo_heads: int
@@ -88,6 +92,7 @@ class AttentionConfig:
     window_left: int = -1
     kv_dtype: torch.dtype | None = None
     sinks: bool = False
+    head_dim_v: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "window_left"):
@@ -123,6 +128,42 @@ class AttentionConfig:
                              f"got {self.kv_dtype}")  # fmt: skip
         if not isinstance(self.sinks, bool):
             raise ValueError(f"sinks must be a bool, got {self.sinks!r}")
+        self._check_head_dim_v()
+
+    def _check_head_dim_v(self) -> None:
+        """Normalize ``head_dim_v`` (``None`` -> ``head_dim``) and check an MLA config (one KV head,
+        NHD, ``0 < head_dim_v < head_dim``; soft cap, window and sinks refused)."""
+        v = self.head_dim if self.head_dim_v is None else self.head_dim_v
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise ValueError(f"head_dim_v must be None or an int, got {v!r}")
+        object.__setattr__(self, "head_dim_v", int(v))
+        if self.head_dim_v == self.head_dim:
+            return
+        if not 0 < self.head_dim_v < self.head_dim:
+            raise ValueError(f"head_dim_v must be in 1..head_dim={self.head_dim} (MLA: kv_lora_rank < kv_lora_rank "
+                             f"+ rope dim), got {self.head_dim_v}")
+        if self.num_kv_heads != 1 or self.kv_layout != "NHD":
+            raise ValueError(f"attnplug: MLA (head_dim_v != head_dim) needs num_kv_heads=1 and kv_layout='NHD' "
+                             f"(one latent KV head), got {self.num_kv_heads}, {self.kv_layout!r}")
+        for feature, on in (("a logits soft cap", self.logits_soft_cap > 0),
+                            ("a sliding window", self.window_left >= 0), ("attention sinks", self.sinks)):
+            if on:
+                raise UnsupportedFeature(f"attnplug: MLA (multi-head latent attention) does not support {feature}")
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention: V is the first :attr:`head_dim_v` columns of the one K head."""
+        return self.head_dim_v != self.head_dim
+
+    @property
+    def kv_lora_rank(self) -> int:
+        """MLA: the latent width ``R`` (= :attr:`head_dim_v`)."""
+        return self.head_dim_v
+
+    @property
+    def rope_dim(self) -> int:
+        """MLA: the rotary part ``Dr`` of each latent row (``head_dim - head_dim_v``; 0 otherwise)."""
+        return self.head_dim - self.head_dim_v
 
     @property
     def kv_quantized(self) -> bool:
@@ -174,6 +215,6 @@ class AttentionConfig:
 
     def kv_cache_shape(self, num_pages: int) -> tuple[int, int, int, int]:
         """Shape of one of k_cache / v_cache in this config's layout."""
-        if self.kv_layout == "NHD":
+        if self.kv_layout == "NHD":  # MLA: the latent cache, one head of head_dim (v: its first head_dim_v)
             return (num_pages, self.page_size, self.num_kv_heads, self.head_dim)
         return (num_pages, self.num_kv_heads, self.page_size, self.head_dim)

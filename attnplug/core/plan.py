@@ -440,7 +440,13 @@ def check_run_inputs(
         if t.dtype != want:
             raise ValueError(f"{name} must have dtype {want}, got {t.dtype}")
     exp_c = config.kv_cache_shape(k_cache.shape[0])
+    if config.is_mla:
+        from .mla import check_latent_views  # noqa: PLC0415
+
+        check_latent_views(config, k_cache, v_cache)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if config.is_mla and name == "v_cache":
+            continue
         if tuple(t.shape) != exp_c:
             raise ValueError(
                 f"{name} must have shape {list(exp_c)} ({config.kv_layout} layout), got {list(t.shape)}"

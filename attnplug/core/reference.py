@@ -22,12 +22,12 @@ def gather_kv(config: AttentionConfig, cache: torch.Tensor, pages: torch.Tensor,
         kv_len: tokens to keep.
 
     Returns:
-        ``[kv_len, Hkv, D]`` float32.
+        ``[kv_len, Hkv, D]`` float32 (``D``: the cache's last dim).
     """
     blocks = cache[pages.long()].float()
     if config.kv_layout == "HND":
         blocks = blocks.transpose(1, 2)
-    return blocks.reshape(-1, config.num_kv_heads, config.head_dim)[:kv_len]
+    return blocks.reshape(-1, config.num_kv_heads, cache.shape[-1])[:kv_len]
 
 
 def request_mask(plan: Plan, b: int, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
@@ -64,14 +64,17 @@ def reference_attention(
             gets output 0 and lse ``sink``).
 
     Returns:
-        ``(out [num_tokens, Hq, D] float32, lse [num_tokens, Hq] float32)``; ``lse`` is the natural
+        ``(out [num_tokens, Hq, Dv] float32, lse [num_tokens, Hq] float32)`` (``Dv = head_dim_v``:
+        MLA's latent output, with ``k_scale`` for the whole latent row); ``lse`` is the natural
         log-sum-exp of the scaled (and soft-capped) logits; a query that sees no key gets output 0
         and lse ``-inf``.
     """
     cfg = plan.config
     ks = float(k_scale) if cfg.kv_quantized and k_scale is not None else 1.0  # a host read: the oracle may sync
     vs = float(v_scale) if cfg.kv_quantized and v_scale is not None else 1.0
-    out = torch.zeros(q.shape[0], cfg.num_qo_heads, cfg.head_dim, dtype=torch.float32, device=q.device)
+    if cfg.is_mla:  # one latent row, one scale: v_cache is its first head_dim_v columns
+        vs = ks
+    out = torch.zeros(q.shape[0], cfg.num_qo_heads, cfg.head_dim_v, dtype=torch.float32, device=q.device)
     lse = torch.full((q.shape[0], cfg.num_qo_heads), -math.inf, dtype=torch.float32, device=q.device)
     qo, kvp = plan.qo_indptr_cpu.tolist(), plan.kv_indptr_cpu.tolist()
     kv_lens = plan.kv_lens_cpu.tolist()

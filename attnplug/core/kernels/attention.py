@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import tanh
+from .common import softmax_step, tanh, tile_request
 from .pdl import gdc_launch_dependents
 
 LOG2E = 1.4426950408889634
@@ -81,11 +81,7 @@ def _attend_block(
         mv = tl.load(mask_row[:, None] + n[None, :], mask=ok, other=0)
         ok = ok & (mv != 0)
     s = tl.where(ok, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_new, p, alpha, l_i = softmax_step(s, m_i, l_i)
     v_off = page * stride_vp + in_page * stride_vt + kvh * stride_vh
     v = tl.load(V + v_off[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     if KV_FP8:  # dequantize: the scale is applied to the output
@@ -131,12 +127,8 @@ def paged_attention_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
 
-    b = tl.load(tile_req + tile)
-    q0 = tl.load(tile_qstart + tile)
-    q_start = tl.load(qo_indptr + b)
-    q_len = tl.load(qo_indptr + b + 1) - q_start
-    kv_len = tl.load(kv_lens + b)
-    page_base = tl.load(kv_indptr + b)
+    b, q0, q_start, q_len, kv_len, page_base = tile_request(tile_req, tile_qstart, qo_indptr, kv_lens, kv_indptr,
+                                                            tile)
 
     rows = tl.arange(0, BLOCK_M)
     tok = q0 + rows // GROUP

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from .attention import sink_state
-from .common import kv_offsets, tanh
+from .common import kv_offsets, tanh, tile_request
 from .pdl import gdc_launch_dependents, gdc_wait
 
 
@@ -220,12 +220,8 @@ def prefill_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
 
-    b = tl.load(tile_req + tile)
-    q0 = tl.load(tile_qstart + tile)
-    q_start = tl.load(qo_indptr + b)
-    q_len = tl.load(qo_indptr + b + 1) - q_start
-    kv_len = tl.load(kv_lens + b)
-    page_base = tl.load(kv_indptr + b)
+    b, q0, q_start, q_len, kv_len, page_base = tile_request(tile_req, tile_qstart, qo_indptr, kv_lens, kv_indptr,
+                                                            tile)
 
     rows = tl.arange(0, BLOCK_M)
     tok = q0 + rows // GROUP

@@ -153,11 +153,22 @@ class Provider(ABC):
     #: mode. ``False``: its :meth:`run` hands a ``sinks`` argument to :meth:`run_folded` (run without the
     #: sink with the LSE, then the core's exact join, :func:`~attnplug.core.kernels.merge.apply_sinks`).
     NATIVE_SINKS: ClassVar[bool] = False
+    #: MLA (``config.is_mla``, :mod:`attnplug.core.mla`): ``"module:Class"`` (relative to this package) of the
+    #: subclass serving MLA configs, which constructing this class with one yields (:meth:`mla_class`); ``None``:
+    #: refused. A class that itself serves MLA configs sets :attr:`IS_MLA`.
+    MLA_IMPL: ClassVar[str | None] = None
+    IS_MLA: ClassVar[bool] = False
+
+    def __new__(cls, config: AttentionConfig | None = None, *args, **kwargs):
+        """An MLA config builds :meth:`mla_class` (a subclass) where this class does not serve it itself."""
+        mla = cls.mla_class() if getattr(config, "is_mla", False) and not cls.IS_MLA else None
+        return super().__new__(mla if mla is not None else cls)
 
     def __init__(self, config: AttentionConfig, device: torch.device):
         self.config = config
         self.device = device
         self.check_available(device)
+        self.check_mla(config)
         self.check_kv_dtype(config)
         self.check_sinks(config)
         self.check_config(config)
@@ -201,6 +212,39 @@ class Provider(ABC):
         exists (engine adapters). Default: ``True`` (every provider's :meth:`run` writes the LSE the
         fold needs); a provider that cannot returns ``False`` and is refused at construction."""
         return True
+
+    @classmethod
+    def supports_mla(cls) -> bool:
+        """Whether this provider serves MLA configs (``AttentionConfig.is_mla``); asked before any device
+        exists (engine adapters). :meth:`mla_class` is the class that does (its graph support, KV dtypes)."""
+        return cls.mla_class() is not None
+
+    @classmethod
+    def mla_class(cls) -> "type[Provider] | None":
+        """The class serving this provider's MLA configs: this one (:attr:`IS_MLA`), the subclass
+        :attr:`MLA_IMPL` names, or ``None`` (MLA refused)."""
+        if cls.IS_MLA:
+            return cls
+        if cls.MLA_IMPL is None:
+            return None
+        import importlib  # noqa: PLC0415
+
+        mod, name = cls.MLA_IMPL.split(":")
+        return getattr(importlib.import_module(mod, __package__), name)
+
+    @classmethod
+    def mla_refusal(cls, config: AttentionConfig) -> str | None:
+        """On the MLA class (:meth:`mla_class`): the feature of the MLA ``config`` it cannot serve (e.g. a
+        head dim), for the refusal; ``None`` when it can. Checked without a device."""
+        return None
+
+    def check_mla(self, config: AttentionConfig) -> None:
+        """Raise :class:`UnsupportedFeature` for an MLA config this class does not serve."""
+        if config.is_mla and not self.IS_MLA:
+            raise self.unsupported("MLA (multi-head latent attention: head_dim_v != head_dim)")
+        refusal = self.mla_refusal(config) if config.is_mla else None
+        if refusal:
+            raise self.unsupported(refusal)
 
     def check_sinks(self, config: AttentionConfig) -> None:
         """Raise :class:`UnsupportedFeature` for ``config.sinks`` when :meth:`supports_sinks` is false."""

@@ -19,6 +19,7 @@ class ReferenceProvider(Provider):
     graph_support = GraphSupport(False, False, False, "the float32 reference loops over requests on the host")
     KV_DTYPES = frozenset(SUPPORTED_DTYPES + FP8_KV_DTYPES)
     NATIVE_SINKS = True
+    IS_MLA = True  # the oracle computes MLA configs too (V: the first head_dim_v columns of the latent)
 
     def plan(self, plan: Plan, static=None) -> None:
         pass

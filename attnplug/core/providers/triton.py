@@ -106,6 +106,17 @@ def _tile_counts(q_lens: np.ndarray, block_q: int) -> tuple[np.ndarray, np.ndarr
     return counts, counts.cumsum(dtype=np.int32)
 
 
+def _tiling(q_lens: np.ndarray, block_q: int) -> tuple[bool, np.ndarray | None, np.ndarray | None, int]:
+    """``(identity, counts, ends, num_tiles)`` of tiles of ``block_q`` tokens over ``q_lens [B]``:
+    ``identity`` when each request is one tile from token 0 (decode, short verify: the list is arange /
+    zeros; ``counts`` / ``ends`` then ``None``), else :func:`_tile_counts`."""
+    nreq = q_lens.shape[0]
+    if nreq == 0 or (q_lens[q_lens.argmin()] >= 1 and q_lens[q_lens.argmax()] <= block_q):
+        return True, None, None, nreq
+    counts, ends = _tile_counts(q_lens, block_q)
+    return False, counts, ends, int(ends[-1])
+
+
 def _tile_list(q_lens: np.ndarray, kv_lens: np.ndarray, counts: np.ndarray, ends: np.ndarray, block_q: int,
                ascending_work: bool) -> tuple[np.ndarray, np.ndarray]:
     """The tile list: ``tile_req [T]`` int32 (request of each tile) and ``tile_q [T]`` int32 (its first
@@ -162,6 +173,7 @@ class TritonProvider(Provider):
     graph_cls = TritonGraph
     KV_DTYPES = frozenset(SUPPORTED_DTYPES + FP8_KV_DTYPES)
     NATIVE_SINKS = True
+    MLA_IMPL = ".triton_mla:TritonMLAProvider"
 
     @classmethod
     def prepare_process(cls, device_type: str) -> None:
@@ -209,6 +221,31 @@ class TritonProvider(Provider):
         self._entry_keys: dict[str, tuple[str, ...]] = {}
 
     # -- plan -------------------------------------------------------------------------------------
+    def _place_tiles(self, plan: Plan, static: TritonStatic | None, identity: bool, num_tiles: int, counts, ends,
+                     block_q: int, ascending_work: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tile list (``tile_req``, ``tile_qstart`` int32 on the device) of ``num_tiles`` tiles of
+        ``block_q`` tokens (:func:`_tile_counts`'s ``counts`` / ``ends``; ``identity``: one tile a request,
+        the ``arange`` / ``zeros`` list): views of the static decode list or the provider's identity
+        buffers where they serve, else built on the host and copied (into ``static`` when given).
+        ``ascending_work``: sorted by causal work (:func:`_tile_list`)."""
+        if static is not None and identity and num_tiles <= static.identity_rows:
+            return static.tile_req[:num_tiles], static.tile_qstart[:num_tiles]
+        if static is None and identity:
+            return self._identity_tiles(num_tiles)
+        if identity:
+            tile_req, tile_q = np.arange(num_tiles, dtype=np.int32), np.zeros(num_tiles, dtype=np.int32)
+        else:  # prefill: ascending causal work, the kernel runs the list backwards, longest first
+            tile_req, tile_q = _tile_list(plan.q_lens_cpu.numpy(), plan.kv_lens_cpu.numpy(), counts, ends, block_q,
+                                          ascending_work)
+        if static is None:
+            return staging.to_device((tile_req, tile_q), self.device)
+        if num_tiles > static.tile_req.numel():
+            raise ValueError(f"attnplug: {num_tiles} triton tiles exceed the static capacity "
+                             f"{static.tile_req.numel()}")  # fmt: skip
+        static.identity_rows = 0  # the decode tile list is overwritten
+        return (static.tile_req[:num_tiles].copy_(torch.from_numpy(tile_req), non_blocking=True),
+                static.tile_qstart[:num_tiles].copy_(torch.from_numpy(tile_q), non_blocking=True))
+
     def _identity_tiles(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``arange(n)`` / ``zeros(n)`` int32 on the device, the tile list of single-tile requests:
         views of two buffers kept per provider (grown by doubling), cached per ``n`` (read-only
@@ -343,15 +380,7 @@ class TritonProvider(Provider):
         block_n = o.block_n or block_n
         warps, stages = o.num_warps or warps, o.num_stages or stages
         # tile list on the host in numpy (a handful of vector ops, no per-request Python)
-        q_lens = plan.q_lens_cpu.numpy()
-        nreq = q_lens.shape[0]
-        # one tile per request, from token 0 (decode, short verify): the list is arange / zeros
-        identity = nreq == 0 or (q_lens[q_lens.argmin()] >= 1 and q_lens[q_lens.argmax()] <= block_q)
-        if identity:
-            counts, num_tiles = None, nreq
-        else:
-            counts, ends = _tile_counts(q_lens, block_q)
-            num_tiles = int(ends[-1])
+        identity, counts, ends, num_tiles = _tiling(plan.q_lens_cpu.numpy(), block_q)
         noncausal = plan.max_q_len > 1 and not plan.causal and plan.mask is None
         splits = self.split_count(num_tiles, plan.max_kv_len, o.num_kv_splits, noncausal)
         kernel, entry = "paged", self._entry("prefill")
@@ -375,25 +404,7 @@ class TritonProvider(Provider):
                and cfg.head_dim == _next_pow2(cfg.head_dim) and diag_n == block_n)  # fmt: skip
         shape = (plan.num_tokens, cfg.num_qo_heads, splits, cfg.head_dim)
         partial = partial_lse = None
-        if static is not None and identity and num_tiles <= static.identity_rows:
-            tile_req, tile_q = static.tile_req[:num_tiles], static.tile_qstart[:num_tiles]
-        elif static is None and identity:
-            tile_req, tile_q = self._identity_tiles(num_tiles)
-        else:
-            if identity:
-                tile_req, tile_q = np.arange(num_tiles, dtype=np.int32), np.zeros(num_tiles, dtype=np.int32)
-            else:  # prefill: ascending causal work, the kernel runs the list backwards, longest first
-                tile_req, tile_q = _tile_list(q_lens, plan.kv_lens_cpu.numpy(), counts, ends, block_q,
-                                              kernel == "prefill")
-            if static is not None:
-                if num_tiles > static.tile_req.numel():
-                    raise ValueError(f"attnplug: {num_tiles} triton tiles exceed the static capacity "
-                                     f"{static.tile_req.numel()}")  # fmt: skip
-                tile_req = static.tile_req[:num_tiles].copy_(torch.from_numpy(tile_req), non_blocking=True)
-                tile_q = static.tile_qstart[:num_tiles].copy_(torch.from_numpy(tile_q), non_blocking=True)
-                static.identity_rows = 0  # the decode tile list is overwritten
-            else:
-                tile_req, tile_q = staging.to_device((tile_req, tile_q), self.device)
+        tile_req, tile_q = self._place_tiles(plan, static, identity, num_tiles, counts, ends, block_q, kernel == "prefill")
         # the prefill kernel's split partials in the output dtype where its entry says so (half the bytes)
         pdt = cfg.dtype if kernel == "prefill" and entry.get("partials") == "out" else torch.float32
         if splits > 1 and static is not None:

@@ -1,0 +1,190 @@
+"""MLA (issue 45): the absorbed kernels against a float32 reference computed WITHOUT absorption (from
+up-projected K/V), every mode, on random ragged batches and random page tables; the config, cache views,
+latent write and the provider contract's refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnplug.core import BatchMetadata, ForwardMode, PagedAttention, UnsupportedFeature
+from attnplug.core.config import AttentionConfig
+from attnplug.core.mla import check_mla_support, latent_cache_views, mla_config, mla_reference, write_latent
+from attnplug.core.plan import make_plan
+from attnplug.core.providers import get_provider_cls
+from batches import rel_err
+from mla_cases import MLACase, mla_case
+
+D, V, TV, E = ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.TARGET_VERIFY, ForwardMode.EXTEND
+
+
+def _batch(c: MLACase) -> BatchMetadata:
+    p = c.plan
+    mask = p.mask.bool() if p.mask is not None else None
+    return BatchMetadata(p.mode, p.qo_indptr_cpu, p.kv_indptr_cpu, p.kv_indices_cpu, p.kv_last_page_len_cpu,
+                         custom_mask=mask, causal=p.causal)
+
+
+def _run(c: MLACase, provider: str = "triton", cascade: str = "off", lse: bool = False, k_scale=None, **knobs):
+    attn = PagedAttention(c.plan.config, provider=provider, device=c.q.device, cascade=cascade)
+    attn.plan(_batch(c), num_pages=c.cache.shape[0], **knobs)
+    T, H = c.q.shape[:2]
+    out = torch.full((T, H, c.plan.config.head_dim_v), float("nan"), dtype=c.q.dtype)
+    s = torch.full((T, H), float("nan")) if lse else None
+    attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=s, **({"k_scale": k_scale} if k_scale is not None else {}))
+    return attn, out, s
+
+
+def _check(c: MLACase, out: torch.Tensor, tol: float = 1e-2) -> None:
+    assert not out.isnan().any(), "NaN in the MLA output"
+    up = c.up(out)
+    err = rel_err(up, c.ref)
+    assert err <= tol, f"relative error {err:.3g} > {tol}"
+    # per request: one wrong request cannot hide in the whole batch's norm
+    qo = c.plan.qo_indptr_cpu.tolist()
+    for b in range(len(qo) - 1):
+        if qo[b + 1] > qo[b]:
+            e = rel_err(up[qo[b] : qo[b + 1]], c.ref[qo[b] : qo[b + 1]])
+            assert e <= 2 * tol, f"request {b}: relative error {e:.3g}"
+
+
+CASES = {
+    "decode": (D, [1, 1, 1, 1], [5, 40, 17, 0], "tree"),
+    "chain_verify": (V, [4, 3, 4], [9, 30, 0], "chain"),
+    "tree_verify": (TV, [5, 4], [21, 3], "tree"),
+    "prefill": (E, [7, 20, 3], [0, 0, 0], "tree"),
+    "extend": (E, [7, 20, 3, 1], [13, 40, 2, 9], "tree"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_mla_matches_unabsorbed_reference(name, dtype):
+    mode, q_lens, prefix, kind = CASES[name]
+    for seed in (0, 1):
+        c = mla_case(mode, q_lens, prefix, dtype=dtype, seed=seed, mask_kind=kind)
+        _, out, _ = _run(c)
+        _check(c, out, 1e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.parametrize("name", ["decode", "extend", "tree_verify"])
+def test_reference_provider_mla(name):
+    mode, q_lens, prefix, kind = CASES[name]
+    c = mla_case(mode, q_lens, prefix, dtype=torch.float32, mask_kind=kind)
+    _, out, _ = _run(c, provider="reference")
+    _check(c, out, 1e-5)
+
+
+@pytest.mark.parametrize("name", ["decode", "chain_verify", "extend"])
+def test_triton_mla_split_kv_and_lse(name):
+    """Forced splits (merge of partials) equal the unsplit run, LSE included."""
+    mode, q_lens, prefix, kind = CASES[name]
+    c = mla_case(mode, q_lens, [p + 60 for p in prefix], dtype=torch.float32, mask_kind=kind, seed=3)
+    _, o1, l1 = _run(c, lse=True)
+    _, o3, l3 = _run(c, lse=True, num_kv_splits=3)
+    _check(c, o3, 1e-4)
+    assert torch.allclose(o1, o3, atol=1e-5) and torch.allclose(l1, l3, atol=1e-5)
+    _, ref_o, ref_l = _run(c, provider="reference", lse=True)
+    assert torch.allclose(l3, ref_l, atol=1e-4)
+
+
+def test_triton_mla_deepseek_shape():
+    """R=512, Dr=64 (the DeepSeek latent), 16 heads: decode and a short chain verify."""
+    for mode, q_lens, prefix, kind in ((D, [1, 1], [70, 5], "tree"), (V, [2], [33], "chain")):
+        c = mla_case(mode, q_lens, prefix, heads=16, rank=512, rope=64, nope=128, page_size=64, mask_kind=kind)
+        _, out, _ = _run(c)
+        _check(c, out)
+
+
+@pytest.mark.parametrize("cascade", ["always"])
+def test_triton_mla_cascade(cascade):
+    """Requests that share their first pages: the cascade (prefix read once, LSE merge) equals the reference."""
+    c = mla_case(D, [1, 1, 1], [40, 40, 40], dtype=torch.float32, seed=5)
+    p = c.plan
+    # every request's first two pages := request 0's (a shared 32-token prefix)
+    idx = p.kv_indices_cpu.clone()
+    ind = p.kv_indptr_cpu.tolist()
+    for b in (1, 2):
+        idx[ind[b] : ind[b] + 2] = idx[ind[0] : ind[0] + 2]
+    batch = BatchMetadata(D, p.qo_indptr_cpu, p.kv_indptr_cpu, idx, p.kv_last_page_len_cpu)
+    plan = make_plan(p.config, batch, num_pages=c.cache.shape[0], device="cpu")
+    ref = mla_reference(plan, c.q_nope, c.q_pe, c.cache, c.w_uk, c.w_uv)
+    attn = PagedAttention(p.config, provider="triton", device="cpu", cascade=cascade)
+    plan2 = attn.plan(batch, num_pages=c.cache.shape[0])
+    assert plan2.cascade is not None, "the cascade did not cut the shared prefix"
+    out = attn.run(c.q, c.k_cache, c.v_cache)
+    assert not out.isnan().any()
+    assert rel_err(c.up(out), ref) <= 1e-4
+
+
+def test_fp8_latent_cache():
+    """An fp8 latent (e4m3, one k_scale) dequantized on load equals the reference on the stored values."""
+    scale = torch.tensor([0.5])
+    c = mla_case(D, [1, 1, 1], [30, 3, 17], kv_dtype=torch.float8_e4m3fn, k_scale=0.5, seed=2)
+    _, out, _ = _run(c, k_scale=scale)
+    _check(c, out)
+    c = mla_case(V, [3, 2], [20, 9], kv_dtype=torch.float8_e4m3fn, k_scale=0.5, seed=2, mask_kind="tree")
+    _, out, _ = _run(c, k_scale=scale)
+    _check(c, out)
+
+
+def test_write_latent_and_views():
+    cfg = mla_config(4, 64, 16, page_size=8, dtype=torch.float32)
+    cache = torch.zeros(5, 8, 80)
+    kv_c, k_pe = torch.randn(4, 64), torch.randn(4, 1, 16)
+    slots = torch.tensor([3, -1, 17, 39])
+    write_latent(kv_c, k_pe, cache, slots)
+    flat = cache.view(-1, 80)
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(flat[s], torch.cat([kv_c[t], k_pe[t, 0]]))
+    assert flat[[i for i in range(40) if i not in (3, 17, 39)]].abs().sum() == 0, "a padding slot was written"
+    k, v = latent_cache_views(cache, cfg)
+    assert k.shape == (5, 8, 1, 80) and v.shape == (5, 8, 1, 64) and v.data_ptr() == k.data_ptr()
+    with pytest.raises(ValueError, match="attnplug"):
+        latent_cache_views(torch.zeros(5, 8, 64), cfg)
+
+
+def test_fp8_write_latent_roundtrip():
+    cache = torch.zeros(2, 4, 80, dtype=torch.float8_e4m3fn)
+    kv_c, k_pe = torch.randn(3, 64), torch.randn(3, 16)
+    write_latent(kv_c, k_pe, cache, torch.tensor([0, 5, 7]), k_scale=torch.tensor([0.25]))
+    got = cache.view(-1, 80)[[0, 5, 7]].float() * 0.25
+    want = (torch.cat([kv_c, k_pe], 1) / 0.25).to(torch.float8_e4m3fn).float() * 0.25
+    assert torch.equal(got, want)
+
+
+def test_mla_config_and_refusals():
+    cfg = mla_config(16)
+    assert cfg.is_mla and cfg.kv_lora_rank == 512 and cfg.rope_dim == 64 and cfg.head_dim == 576
+    assert cfg.num_kv_heads == 1 and not AttentionConfig(8, 8, 64, 16).is_mla
+    with pytest.raises(UnsupportedFeature, match="attnplug: MLA .* soft cap"):
+        AttentionConfig(4, 1, 80, 16, logits_soft_cap=30.0, head_dim_v=64)
+    with pytest.raises(UnsupportedFeature, match="sliding window"):
+        AttentionConfig(4, 1, 80, 16, window_left=8, head_dim_v=64)
+    with pytest.raises(ValueError, match="num_kv_heads=1"):
+        AttentionConfig(4, 2, 80, 16, head_dim_v=64)
+    for name in ("triton", "reference"):
+        assert get_provider_cls(name).supports_mla()
+    check_mla_support("triton", mla_config(16, kv_dtype=torch.float8_e4m3fn))
+
+
+def test_provider_without_mla_refuses():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from toy_provider import ToyProvider  # a provider with no MLA_IMPL
+
+    assert not ToyProvider.supports_mla()
+    with pytest.raises(UnsupportedFeature, match="attnplug: provider .* does not support MLA"):
+        ToyProvider(mla_config(4, 64, 16, page_size=16, dtype=torch.float32), torch.device("cpu"))
+
+
+def test_run_refuses_a_v_cache_that_is_not_the_latent_view():
+    c = mla_case(D, [1, 1], [5, 9], dtype=torch.float32)
+    attn = PagedAttention(c.plan.config, provider="triton", device="cpu", cascade="off")
+    attn.plan(_batch(c))
+    with pytest.raises(ValueError, match="v_cache must be k_cache"):
+        attn.check_inputs(c.q, c.k_cache, c.v_cache.clone())
+    attn.check_inputs(c.q, c.k_cache, c.v_cache)
