@@ -73,8 +73,15 @@ class AttnplugMLABackend(AttnplugBackend, MLACommonBackend):
     """Common base of the MLA backends: attnplug's capability checks (:class:`AttnplugBackend`) on
     vLLM's MLA backend (latent cache shape ``[num_blocks, block_size, R + Dr]``, ``is_mla``)."""
 
-    get_kv_cache_shape = staticmethod(MLACommonBackend.get_kv_cache_shape)  # 0.26: [blocks, P, R + Dr]
-    get_kv_cache_stride_order = staticmethod(MLACommonBackend.get_kv_cache_stride_order)
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+        """0.26 only (0.32+ takes it from the MLA spec): the latent cache ``[num_blocks, block_size, R + Dr]``."""
+        return (num_blocks, block_size, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False):
+        """0.26 only: the latent cache is contiguous, blocks outermost (no cross-layer layout)."""
+        return (0, 1, 2, 3) if include_num_layers_dimension else (0, 1, 2)
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
