@@ -46,6 +46,8 @@ FK = "tests/core/test_fast_kernels.py"
 KT = "tests/core/test_kernels.py"
 GD = "tests/core/test_graph_draft_oracles.py"
 SK = "tests/core/test_sinks.py"
+ML = "attnplug/core/kernels/mla.py"
+MT = "tests/core/test_mla.py"
 
 
 @dataclass(frozen=True)
@@ -261,6 +263,27 @@ MUTATIONS = [
              "dr_val = draft_slots.reshape(B * K, -1).long()[row // K * K, ",
              (f"{GD}::test_every_draft_step_matches_dense",),
              "every branch attends to branch 0's draft tokens"),
+    # -- branch mla: MLA (issue 45) -------------------------------------------------------------------------
+    Mutation("mla_rope_part_dropped", ML,
+             "        s += tl.dot(q_pe, tl.trans(pe), input_precision=DOT_PRECISION)\n", "",
+             (f"{MT}::test_triton_mla_deepseek_shape",),
+             "MLA scores: the rope part q_pe . k_pe dropped (only q_nope . c)"),
+    Mutation("mla_rope_columns_offset", ML,
+             "pe = tl.load(row[:, None] + R + dr[None, :]",
+             "pe = tl.load(row[:, None] + R - DR + dr[None, :]",
+             (f"{MT}::test_triton_mla_deepseek_shape",),
+             "MLA scores: k_pe read from the Dr latent columns before the rope part (split offset)"),
+    Mutation("mla_output_wrong_latent_columns", ML,
+             "acc += tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)",
+             "acc += tl.dot(p.to(c.dtype), tl.where(rr[None, :] < R - DR, c, 0.0).to(c.dtype), "
+             "input_precision=DOT_PRECISION)",
+             (f"{MT}::test_triton_mla_deepseek_shape",),
+             "MLA absorbed output: the last Dr latent columns of the value rows dropped"),
+    Mutation("mla_fa3_value_columns_shifted", "attnplug/core/providers/fa3_mla.py",
+             'return q[..., R:], k_cache[..., R:], v_cache, {"qv": q[..., :R]}',
+             'return q[..., R:], k_cache[..., R:], k_cache[..., -R:], {"qv": q[..., :R]}',
+             (f"{MT}::test_fa3_mla_on_the_standin",),
+             "MLA fa3: FA3's value cache taken from the latent's last R columns (rope part included)"),
 ]
 
 

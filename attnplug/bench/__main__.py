@@ -108,7 +108,10 @@ def main(argv=None) -> int:
     if bad:
         print(f"unknown --providers {bad}; expected some of {I.FAMILIES}", file=sys.stderr)
         return 2
+    from .mla import mla_rows, up_projected  # noqa: PLC0415
+
     cfg_kw, rows = (W.QUICK_CONFIG, W.QUICK_ROWS) if args.quick else (W.FULL_CONFIG, W.FULL_ROWS)
+    rows = rows + mla_rows(args.quick)
     sel = [s.strip() for s in args.rows.split(",") if s.strip()]
     if sel:
         rows = [r for r in rows if any(s == r.kind or (s[:-1] == r.name if s.endswith("$") else s in r.name)
@@ -166,7 +169,8 @@ def main(argv=None) -> int:
                 o = fn()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                err = W.rel_err(o[:t_ref], ref)
+                # MLA's un-absorbed prefill returns the up-projected output: against the reference times W_UV
+                err = W.rel_err(o[:t_ref], ref if o.shape[-1] == ref.shape[-1] else up_projected(work, ref))
                 rec["err"] = err
                 if f"{impl.name}.plan_ms" in work.extra:
                     rec["plan_ms"] = work.extra[f"{impl.name}.plan_ms"]
@@ -184,7 +188,8 @@ def main(argv=None) -> int:
                         o = fn()
                         if device.type == "cuda":
                             torch.cuda.synchronize(device)
-                        rec["err_graph"] = W.rel_err(o[:t_ref], ref)
+                        rec["err_graph"] = W.rel_err(o[:t_ref], ref if o.shape[-1] == ref.shape[-1]
+                                                     else up_projected(work, ref))
                         not_timed_if_wrong(rec)
             except I.Unavailable as e:
                 rec["status"] = f"unavailable: {e}"

@@ -78,7 +78,7 @@ def _provider(name: str, cascade: str | None = None):
         except UnsupportedFeature as e:
             raise NotApplicable(str(e)) from e
         q, k, v = work.q, work.k_cache, work.v_cache
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:2], work.config.head_dim_v)  # MLA rows: the latent output
         scales = engine_scales(work)
         fn = lambda: attn.run(q, k, v, out=out, **scales)  # noqa: E731
         if not attn.provider.EAGER_RUN_CAPTURABLE:
@@ -101,7 +101,7 @@ def _decode_graph_run(work: Work, provider: str):
                     max_seq_len=work.block_table.shape[1] * cfg.page_size)  # fmt: skip
     gs.prepare_capture(B)
     gs.update(work.batch, B)
-    out, scales = torch.empty_like(q), engine_scales(work)
+    out, scales = q.new_empty(*q.shape[:2], cfg.head_dim_v), engine_scales(work)
     return lambda: gs.run(B, q, k, v, out, **scales)
 
 
@@ -273,20 +273,27 @@ def _fi_cascade(work: Work):
 
 
 # ---- FA3 called directly -------------------------------------------------------------------------
-def _fa3_direct(work: Work):
+def fa3_lib(work: Work):
+    """The loaded FA3 build (:func:`~attnplug.core.providers.fa3.load_fa3`); :class:`Unavailable` without
+    one or off sm90."""
     from ..core.providers.base import ProviderUnavailable as PU  # noqa: PLC0415
     from ..core.providers.fa3 import load_fa3  # noqa: PLC0415
 
-    if work.row.kind == "verify":
-        raise NotApplicable("FA3 has no custom (tree) mask")
-    if work.config.kv_layout != "NHD":
-        raise NotApplicable("FA3 needs NHD")
     try:
         lib = load_fa3()
     except PU as e:
         raise Unavailable(str(e)) from e
     if torch.cuda.get_device_capability(work.q.device)[0] != 9:
         raise Unavailable("FA3 needs sm90")
+    return lib
+
+
+def _fa3_direct(work: Work):
+    if work.row.kind == "verify":
+        raise NotApplicable("FA3 has no custom (tree) mask")
+    if work.config.kv_layout != "NHD":
+        raise NotApplicable("FA3 needs NHD")
+    lib = fa3_lib(work)
     r, c = work.row, work.config
     q, k, v = work.q, work.k_cache, work.v_cache
     cu_q = work.batch.qo_indptr.to(q.device)
@@ -338,6 +345,25 @@ def _torch_sdpa(work: Work):
     return fn
 
 
+def _gqa(make):
+    """``make`` for the GQA rows only: the MLA rows have their own library calls (:mod:`.mla`)."""
+    def gqa_only(work: Work):
+        if work.config.is_mla:
+            raise NotApplicable("MLA rows: the library's MLA kernel is measured instead")
+        return make(work)
+
+    return gqa_only
+
+
+def _mla_impls() -> list[Impl]:
+    from . import mla  # noqa: PLC0415
+
+    return [Impl("flashinfer.mla", "flashinfer", True, mla._fi_mla),
+            Impl("fa3.mla_qv", "fa3", True, mla._fa3_mla),
+            Impl("fa3.mla_prefill_mha", "fa3", True, mla._fa3_mla_prefill_mha),
+            Impl("flashmla", "fa3", True, mla._flashmla)]
+
+
 IMPLS = [
     Impl("attnplug.triton", "triton", False, _provider("triton")),
     Impl("attnplug.flashinfer", "flashinfer", False, _provider("flashinfer")),
@@ -349,12 +375,13 @@ IMPLS = [
     Impl("attnplug.triton.graph_cascade", "triton", False, _graph("triton", "auto")),
     Impl("attnplug.fa3.graph", "fa3", False, _graph("fa3", "off")),
     Impl("attnplug.fa3.graph_cascade", "fa3", False, _graph("fa3", "auto")),
-    Impl("attnplug_kernel.triton_fp8", "triton", True, _triton_kernel_fp8),
-    Impl("flashinfer.decode_tc", "flashinfer", True, _fi_decode),
-    Impl("flashinfer.cascade", "flashinfer", True, _fi_cascade),
-    Impl("flashinfer.prefill_fa3", "flashinfer", True, _fi_prefill("fa3")),
-    Impl("flashinfer.prefill_fa2", "flashinfer", True, _fi_prefill("fa2")),
-    Impl("fa3.paged", "fa3", True, _fa3_direct),
-    Impl("torch.gather_sdpa", "torch", False, _torch_sdpa),
+    Impl("attnplug_kernel.triton_fp8", "triton", True, _gqa(_triton_kernel_fp8)),
+    Impl("flashinfer.decode_tc", "flashinfer", True, _gqa(_fi_decode)),
+    Impl("flashinfer.cascade", "flashinfer", True, _gqa(_fi_cascade)),
+    Impl("flashinfer.prefill_fa3", "flashinfer", True, _gqa(_fi_prefill("fa3"))),
+    Impl("flashinfer.prefill_fa2", "flashinfer", True, _gqa(_fi_prefill("fa2"))),
+    Impl("fa3.paged", "fa3", True, _gqa(_fa3_direct)),
+    Impl("torch.gather_sdpa", "torch", False, _gqa(_torch_sdpa)),
+    *_mla_impls(),
 ]
 FAMILIES = ("triton", "flashinfer", "fa3", "torch")

@@ -26,6 +26,7 @@ class Row:
     kv: str = ""  # "fp8": an fp8 (e4m3) KV cache with per-layer scales, else the model dtype
     heads: tuple[int, ...] = ()  # (q heads, KV heads, head dim) of this row, else the run's config
     layout: str = ""  # the cache layout of this row ("HND": [pages, Hkv, P, D]), else the run's config
+    mla: tuple[int, ...] = ()  # MLA row (attnplug.bench.mla): (q heads, kv_lora_rank, rope dim)
 
     @property
     def cascade_row(self) -> bool:
@@ -152,6 +153,10 @@ def _quantize_kv(work: Work) -> Work:
 
 def build(row: Row, config: AttentionConfig, device: torch.device, seed: int = 0) -> Work:
     """Random q / paged KV (random permuted page table) for ``row``."""
+    if row.mla:
+        from .mla import build_mla  # noqa: PLC0415
+
+        return build_mla(row, config.dtype, device, seed)
     if row.heads:  # this row's own head counts / head dim
         hq, hkv, d = row.heads
         config = dataclasses.replace(config, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d)

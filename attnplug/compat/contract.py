@@ -158,8 +158,9 @@ class SourceTree:
             return None
         seen.add((mod, cls.name))
         for node in cls.body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
-                return mod, node
+            fn = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if fn and node.name == name and not _overload(node):
+                return mod, node  # the implementation: ``@overload`` stubs before it are not what runs
             if name in _assigned(node):
                 return mod, node
         for node in ast.walk(cls):
@@ -188,6 +189,12 @@ class SourceTree:
                 if m:
                     return m
         return None
+
+
+def _overload(fn) -> bool:
+    """``fn`` is a ``typing.overload`` stub (``@overload`` / ``@typing.overload``)."""
+    names = (d.id if isinstance(d, ast.Name) else getattr(d, "attr", "") for d in fn.decorator_list)
+    return "overload" in names
 
 
 def _assigned(node) -> set[str]:

@@ -195,7 +195,8 @@ def cascade_pays(plan: Plan, groups: list[Group]) -> bool:
     if not groups:
         return False
     cfg = plan.config
-    page_bytes = (1 if cfg.is_mla else 2) * cfg.page_size * cfg.num_kv_heads * cfg.head_dim * cfg.dtype.itemsize
+    per_token = (1 if cfg.is_mla else 2) * cfg.num_kv_heads * cfg.head_dim  # MLA: one latent row, K and V
+    page_bytes = per_token * cfg.page_size * cfg.dtype.itemsize
     saved = sum((g.members.size - 1) * g.pages for g in groups) * page_bytes
     q_lens = plan.q_lens_cpu.numpy()
     grouped = np.concatenate([g.members for g in groups])
@@ -379,7 +380,8 @@ def min_saved_pages(config, mode: str) -> int:
     part runs over it: :data:`MIN_SAVED_BYTES` of KV (``"auto"``), one page (``"always"``)."""
     if mode == "always":
         return 1
-    page_bytes = (1 if config.is_mla else 2) * config.page_size * config.num_kv_heads * config.head_dim * config.kv_dtype.itemsize
+    per_token = (1 if config.is_mla else 2) * config.num_kv_heads * config.head_dim  # MLA: one latent row
+    page_bytes = per_token * config.page_size * config.kv_dtype.itemsize
     return -(-MIN_SAVED_BYTES // page_bytes)
 
 

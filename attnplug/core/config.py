@@ -140,15 +140,17 @@ class AttentionConfig:
         if self.head_dim_v == self.head_dim:
             return
         if not 0 < self.head_dim_v < self.head_dim:
-            raise ValueError(f"head_dim_v must be in 1..head_dim={self.head_dim} (MLA: kv_lora_rank < kv_lora_rank "
-                             f"+ rope dim), got {self.head_dim_v}")
+            raise ValueError(f"head_dim_v must be in 1..head_dim={self.head_dim} (MLA: kv_lora_rank < "
+                             f"kv_lora_rank + rope dim), got {self.head_dim_v}")
         if self.num_kv_heads != 1 or self.kv_layout != "NHD":
-            raise ValueError(f"attnplug: MLA (head_dim_v != head_dim) needs num_kv_heads=1 and kv_layout='NHD' "
-                             f"(one latent KV head), got {self.num_kv_heads}, {self.kv_layout!r}")
+            raise ValueError(f"attnplug: MLA (head_dim_v != head_dim) needs num_kv_heads=1 and "
+                             f"kv_layout='NHD' (one latent KV head), got {self.num_kv_heads}, "
+                             f"{self.kv_layout!r}")
         for feature, on in (("a logits soft cap", self.logits_soft_cap > 0),
                             ("a sliding window", self.window_left >= 0), ("attention sinks", self.sinks)):
             if on:
-                raise UnsupportedFeature(f"attnplug: MLA (multi-head latent attention) does not support {feature}")
+                raise UnsupportedFeature(f"attnplug: MLA (multi-head latent attention) does not support "
+                                         f"{feature}")
 
     @property
     def is_mla(self) -> bool:

@@ -29,7 +29,8 @@ def mla_config(num_heads: int, kv_lora_rank: int = 512, qk_rope_head_dim: int = 
                kv_dtype: torch.dtype | None = None) -> AttentionConfig:
     """The core config of one MLA layer family: ``num_heads`` query heads (per GPU) over one latent head.
     ``sm_scale``: the model's softmax scale (DeepSeek: ``mscale**2 / sqrt(qk_nope + qk_rope)``; ``None``:
-    ``1/sqrt(R + Dr)``). ``kv_dtype``: an fp8 latent cache (one scale, ``k_scale``) where the provider reads it."""
+    ``1/sqrt(R + Dr)``). ``kv_dtype``: an fp8 latent cache (one scale, ``k_scale``) where the provider
+    reads it."""
     return AttentionConfig(num_qo_heads=num_heads, num_kv_heads=1, head_dim=kv_lora_rank + qk_rope_head_dim,
                            page_size=page_size, dtype=dtype, kv_layout="NHD", sm_scale=sm_scale,
                            kv_dtype=kv_dtype, head_dim_v=kv_lora_rank)  # fmt: skip
@@ -58,7 +59,8 @@ def check_latent_views(config: AttentionConfig, k_cache: torch.Tensor, v_cache: 
     want = (k_cache.shape[0], config.page_size, 1, config.head_dim_v)
     if (tuple(v_cache.shape) != want or v_cache.data_ptr() != k_cache.data_ptr()
             or v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1):  # fmt: skip
-        raise ValueError(f"attnplug: MLA v_cache must be k_cache[..., :{config.head_dim_v}] (latent_cache_views), "
+        raise ValueError(f"attnplug: MLA v_cache must be k_cache[..., :{config.head_dim_v}] "
+                         "(latent_cache_views), "
                          f"got shape {list(v_cache.shape)} strides {v_cache.stride()} vs k_cache strides "
                          f"{k_cache.stride()}")
 
@@ -84,23 +86,36 @@ def check_mla_support(provider: str, config: AttentionConfig) -> None:
     _require_mla(config)
     cls = get_provider_cls(provider).mla_class()
     if cls is None:
-        raise UnsupportedFeature(f"attnplug: provider '{provider}' does not support MLA (multi-head latent attention)")
-    if config.kv_dtype not in cls.KV_DTYPES:
-        raise UnsupportedFeature(f"attnplug: provider '{provider}' does not support an MLA latent cache of "
-                                 f"{str(config.kv_dtype).removeprefix('torch.')}")
+        raise UnsupportedFeature(f"attnplug: provider '{provider}' does not support MLA (multi-head latent "
+                                 "attention)")
     refusal = cls.mla_refusal(config)
     if refusal:
         raise UnsupportedFeature(f"attnplug: provider '{provider}' does not support {refusal}")
+    if config.kv_dtype not in cls.KV_DTYPES:
+        raise UnsupportedFeature(f"attnplug: provider '{provider}' does not support an MLA latent cache of "
+                                 f"{str(config.kv_dtype).removeprefix('torch.')}")
 
 
-def mla_reference(plan: Plan, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, w_uk: torch.Tensor,
-                  w_uv: torch.Tensor, k_scale: float = 1.0) -> torch.Tensor:
+def library_refusal(config: AttentionConfig, library: str) -> str | None:
+    """What of the MLA ``config`` a library's DeepSeek-shaped MLA kernels (16-bit, latent 512 + rope 64:
+    FlashInfer's MLA wrapper, FA3's ``qv`` path) cannot compute, for ``Provider.mla_refusal``; ``None``:
+    all."""
+    if config.dtype not in (torch.float16, torch.bfloat16):
+        return f"MLA in {config.dtype} ({library} runs float16/bfloat16)"
+    if (config.kv_lora_rank, config.rope_dim) != (512, 64):
+        return (f"MLA with kv_lora_rank {config.kv_lora_rank} + rope dim {config.rope_dim} ({library}'s MLA "
+                "kernels: 512 + 64)")
+    return None
+
+
+def mla_reference(plan: Plan, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                  w_uk: torch.Tensor, w_uv: torch.Tensor, k_scale: float = 1.0) -> torch.Tensor:
     """Float32 MLA WITHOUT absorption (the oracle of the absorbed kernels): per head, keys
     ``cat(c @ w_uk[h], k_pe)``, values ``c @ w_uv[h]`` from the latent ``c`` and rope part ``k_pe`` of
     ``cache [pages, P, R + Dr]`` (times ``k_scale``), masks as :func:`~attnplug.core.reference.request_mask`.
 
-    ``q_nope [T, H, Dn]``, ``q_pe [T, H, Dr]``, ``w_uk [H, R, Dn]``, ``w_uv [H, R, Dv]``. Returns ``[T, H, Dv]``
-    float32 (a query without keys: 0)."""
+    ``q_nope [T, H, Dn]``, ``q_pe [T, H, Dr]``, ``w_uk [H, R, Dn]``, ``w_uv [H, R, Dv]``. Returns
+    ``[T, H, Dv]`` float32 (a query without keys: 0)."""
     from .reference import request_mask  # noqa: PLC0415
 
     cfg = plan.config
@@ -128,11 +143,13 @@ def mla_reference(plan: Plan, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: t
     return out
 
 
-def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The absorbed query ``[T, H, R + Dr]`` in ``dtype``: ``cat(q_nope[h] @ w_uk[h]^T, q_pe)`` (``w_uk [H, R, Dn]``)."""
+def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """The absorbed query ``[T, H, R + Dr]`` in ``dtype``: ``cat(q_nope[h] @ w_uk[h]^T, q_pe)``
+    (``w_uk [H, R, Dn]``)."""
     q_lat = torch.einsum("thn,hrn->thr", q_nope.float(), w_uk.float())
     return torch.cat([q_lat, q_pe.float()], dim=-1).to(dtype).contiguous()
 
 
-__all__ = ["absorb_query", "check_latent_views", "check_mla_support", "latent_cache_views", "mla_config",
-           "mla_reference", "write_latent"]
+__all__ = ["absorb_query", "check_latent_views", "check_mla_support", "latent_cache_views", "library_refusal",
+           "mla_config", "mla_reference", "write_latent"]

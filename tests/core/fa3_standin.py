@@ -14,14 +14,15 @@ E4M3 = torch.float8_e4m3fn
 
 def fake_fa3_varlen(q, k_cache, v_cache, max_seqlen_q, cu_seqlens_q, max_seqlen_k, *, seqused_k, softmax_scale,
                     causal, window_size, softcap, block_table, return_softmax_lse, out, fa_version, q_descale=None,
-                    k_descale=None, v_descale=None, s_aux=None):  # fmt: skip
+                    k_descale=None, v_descale=None, s_aux=None, q_v=None):  # fmt: skip
     """Paged attention of request ``b``'s queries over the first ``seqused_k[b]`` keys of its
     ``block_table`` row (``causal``: bottom-right aligned); natural-log LSE ``[Hq, T]``, ``-inf``
     (and a zero output) for a request without keys, as FA3 returns them.
 
     fp8 (FA3's contract, checked): q, k and v all e4m3, descales ``[num_seqs, Hkv]`` float32, a
     bfloat16 output, attention of ``q * q_descale`` over ``k * k_descale`` / ``v * v_descale``.
-    ``s_aux``: ``[Hq]`` float32 sink logits (vLLM's fork): one more logit per head with no value row."""
+    ``s_aux``: ``[Hq]`` float32 sink logits (vLLM's fork): one more logit per head with no value row.
+    ``q_v [T, Hq, Dv]`` (FA3's MLA input): the logits add ``q_v . v``; the output is ``[T, Hq, Dv]``."""
     assert fa_version == 3 and max_seqlen_q >= 1 and max_seqlen_k >= 1
     B, hkv = cu_seqlens_q.numel() - 1, k_cache.shape[2]
     fp8 = q.dtype == E4M3
@@ -32,9 +33,10 @@ def fake_fa3_varlen(q, k_cache, v_cache, max_seqlen_q, cu_seqlens_q, max_seqlen_
     else:
         assert q_descale is k_descale is v_descale is None
     T, H, D = q.shape
-    P = k_cache.shape[1]
+    P, Dv = k_cache.shape[1], v_cache.shape[-1]
+    assert q_v is None or (q_v.shape == (T, H, Dv) and q_v.dtype == q.dtype)
     lse = torch.full((H, T), -math.inf, device=q.device)
-    o = torch.zeros(T, H, D, device=q.device)
+    o = torch.zeros(T, H, Dv, device=q.device)
     for b in range(B):
         q0, q1, n = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seqused_k[b])
         if n == 0 or q1 == q0:
@@ -42,20 +44,23 @@ def fake_fa3_varlen(q, k_cache, v_cache, max_seqlen_q, cu_seqlens_q, max_seqlen_
         assert q1 - q0 <= max_seqlen_q and n <= max_seqlen_k
         pages = block_table[b, : -(-n // P)].long()
         k = k_cache[pages].reshape(-1, hkv, D)[:n].float()
-        v = v_cache[pages].reshape(-1, hkv, D)[:n].float()
+        v = v_cache[pages].reshape(-1, hkv, Dv)[:n].float()
         qb = q[q0:q1].float()
         if fp8:
             k, v = k * k_descale[b][None, :, None], v * v_descale[b][None, :, None]
             qb = qb * q_descale[b].repeat_interleave(H // hkv)[None, :, None]
         k, v = k.repeat_interleave(H // hkv, 1), v.repeat_interleave(H // hkv, 1)
-        s = torch.einsum("qhd,khd->hqk", qb, k) * softmax_scale
+        s = torch.einsum("qhd,khd->hqk", qb, k)
+        if q_v is not None:
+            s = s + torch.einsum("qhd,khd->hqk", q_v[q0:q1].float(), v)
+        s = s * softmax_scale
         if causal:
             pos = torch.arange(n - (q1 - q0), n, device=q.device)[:, None]
             s = s.masked_fill(torch.arange(n, device=q.device)[None, :] > pos, -math.inf)
         if s_aux is not None:  # the sink: one more column, a zero value row
             assert s_aux.shape == (H,) and s_aux.dtype == torch.float32
             s = torch.cat([s, s_aux.float()[:, None, None].expand(H, q1 - q0, 1)], -1)
-            v = torch.cat([v, v.new_zeros(1, H, D)])
+            v = torch.cat([v, v.new_zeros(1, H, Dv)])
         lse[:, q0:q1] = torch.logsumexp(s, -1)
         o[q0:q1] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
     out.copy_(o)

@@ -36,8 +36,8 @@ def mla_case(mode: ForwardMode, q_lens: list[int], prefix_lens: list[int], heads
     """A random ragged MLA batch (random page table) and its unabsorbed float32 reference."""
     cfg = mla_config(heads, rank, rope, page_size=page_size, sm_scale=(nope + rope) ** -0.5, dtype=dtype,
                      kv_dtype=kv_dtype)
-    base = random_case(mode, q_lens, prefix_lens, mla_config(heads, rank, rope, page_size=page_size, dtype=dtype),
-                       seed=seed, mask_kind=mask_kind)
+    base = random_case(mode, q_lens, prefix_lens, mla_config(heads, rank, rope, page_size=page_size,
+                                                             dtype=dtype), seed=seed, mask_kind=mask_kind)
     gen = torch.Generator().manual_seed(seed + 1)
     cache = base.k_cache.squeeze(2)
     if kv_dtype is not None and kv_dtype != dtype:
@@ -49,11 +49,12 @@ def mla_case(mode: ForwardMode, q_lens: list[int], prefix_lens: list[int], heads
     q_pe = torch.randn(T, heads, rope, generator=gen)
     plan = make_plan(cfg, base.batch, num_pages=base.num_pages, device="cpu")
     q = absorb_query(q_nope, q_pe, w_uk, dtype)
-    # the reference sees the inputs as the kernels do: q_nope / q_pe rounded through the absorbed dtype
-    # only where they meet (absorption is the kernels' step), the latent cache exactly as stored
-    ref = mla_reference(plan, q_nope, q_pe, cache, w_uk, w_uv, k_scale=k_scale)
+    # the reference (float32, on ``device``) reads the latent cache exactly as stored
     dev = torch.device(device)
+    ref = mla_reference(plan, q_nope.to(dev), q_pe.to(dev), cache.to(dev), w_uk.to(dev), w_uv.to(dev),
+                        k_scale=k_scale)
     k_cache, v_cache = latent_cache_views(cache.to(dev), cfg)
     if dev.type != "cpu":
         plan = make_plan(cfg, base.batch, num_pages=base.num_pages, device=dev)
-    return MLACase(plan, q.to(dev), cache.to(dev), k_cache, v_cache, q_nope, q_pe, w_uk, w_uv.to(dev), ref.to(dev))
+    return MLACase(plan, q.to(dev), cache.to(dev), k_cache, v_cache, q_nope, q_pe, w_uk, w_uv.to(dev),
+                   ref.to(dev))

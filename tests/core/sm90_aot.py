@@ -8,7 +8,8 @@ HND fp16, head_dim 256, LSE output, fa3's tree part (keys from ``kv_start``) and
 prefill / split-decode kernels at the H200 sweep's candidate tiles (TMA pages, fused merge), fp8 KV caches
 (e4m3 / e5m2: attention dequantizing on load, the quantizing KV write, fa3's query quantization),
 attention sinks (gpt-oss's 64/8 heads at d64, window 128 and full: each kernel's sink variant, split
-merges, the fold kernel), the KV write and the replay-metadata kernel in its
+merges, the fold kernel), MLA (the absorbed latent kernel in every mode, the latent write), the KV
+write and the replay-metadata kernel in its
 vLLM / SGLang / FA3 / chain-mask forms); each ``kernel[grid](...)`` is recorded instead of launched,
 its arguments specialized as Triton's JIT does on a GPU (pointer / int dtypes, divisibility by 16,
 ints equal to 1 as constexprs, tensor descriptors; constexprs by value, ``UPCAST`` False as on a GPU;
@@ -39,6 +40,7 @@ import attnplug.core.kernels.decode as decode_mod  # noqa: E402
 import attnplug.core.kernels.graph_update as graph_mod  # noqa: E402
 import attnplug.core.kernels.kv_write as kv_mod  # noqa: E402
 import attnplug.core.kernels.merge as merge_mod  # noqa: E402
+import attnplug.core.kernels.mla as mla_mod  # noqa: E402
 import attnplug.core.kernels.prefill as prefill_mod  # noqa: E402
 from attnplug.core.kernels import tiles  # noqa: E402
 from attnplug.core import AttentionConfig, ForwardMode, PagedAttention  # noqa: E402
@@ -114,7 +116,8 @@ def record_all() -> None:
                        (merge_mod, ["merge_splits_kernel", "merge_state_kernel", "apply_sinks_kernel"]),
                        (prefill_mod, ["prefill_kernel"]), (decode_mod, ["decode_kernel"]),
                        (kv_mod, ["write_kv_kernel", "quantize_rows_kernel"]),
-                       (graph_mod, ["graph_batch_from_block_table_kernel", "shared_pages_kernel"])):  # fmt: skip
+                       (graph_mod, ["graph_batch_from_block_table_kernel", "shared_pages_kernel"]),
+                       (mla_mod, ["mla_attention_kernel", "write_latent_kernel"])):  # fmt: skip
         for n in names:
             setattr(mod, n, Recorder(getattr(mod, n)))
     TritonProvider.check_available = classmethod(lambda cls, device: None)  # CPU tensors, compiled triton
@@ -162,6 +165,7 @@ def record_all() -> None:
         attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=lse, **scales)
     record_fast_paths(llama)
     record_sinks()
+    record_mla()
     v = torch.zeros(6, 32, 128, dtype=torch.bfloat16)
     s = torch.zeros(32, 6)
     merge_mod.merge_state(v, s.t(), v, s.t(), v, s.t())  # the fa3 tree merge (transposed LSE)
@@ -335,6 +339,39 @@ def record_sinks() -> None:
         o, s = torch.zeros(6, 64, 64, dtype=dt), torch.zeros(64, 6)
         merge_mod.apply_sinks(o, s.t(), torch.zeros(64, dtype=dt))
         merge_mod.apply_sinks(o, s.t().contiguous(), torch.zeros(64))
+
+
+def record_mla() -> None:
+    """MLA (DeepSeek latent 512 + rope 64, 128 and 16 heads a GPU, page 64): the absorbed kernel in every
+    mode (decode unsplit and split with the merge, extend, chain and tree verify, LSE, fp8 latent, fa3's tree
+    part from ``kv_start``) and the latent write (16-bit and quantizing)."""
+    from attnplug.core.mla import latent_cache_views, mla_config, write_latent  # noqa: PLC0415
+
+    e4m3 = torch.float8_e4m3fn
+    runs = []  # (heads, kv dtype, mode, q lens, prefix lens, with LSE, knobs)
+    for h in (128, 16):
+        runs += [(h, None, ForwardMode.DECODE, [1] * 64, [4095] * 64, False, {}),
+                 (h, None, ForwardMode.DECODE, [1], [32767], True, {}),
+                 (h, None, ForwardMode.EXTEND, [300, 17], [0, 40], False, {}),
+                 (h, None, ForwardMode.TARGET_VERIFY, [4, 4], [300, 40], True, {})]
+    runs += [(16, e4m3, ForwardMode.DECODE, [1] * 4, [99, 1999, 32, 700], False, {}),
+             (16, None, ForwardMode.TARGET_VERIFY, [4, 4], [300, 40], True,
+              {"kv_start": torch.tensor([300, 40], dtype=torch.int32), "num_kv_splits": 1})]
+    for h, kv_dtype, mode, q_lens, prefix, with_lse, knobs in runs:
+        cfg = mla_config(h, page_size=64, kv_dtype=kv_dtype)
+        c = random_case(mode, q_lens, prefix, mla_config(h, page_size=64), "cpu")
+        cache = c.k_cache.to(cfg.kv_dtype)
+        k, v = latent_cache_views(cache, cfg)
+        attn = PagedAttention(cfg, "triton", "cpu")
+        attn.provider._sms = H200_SMS
+        attn.plan(c.batch, c.num_pages, **knobs)
+        lse = torch.empty(c.q.shape[:2], dtype=torch.float32) if with_lse else None
+        attn.run(c.q, k, v, lse=lse, **({"k_scale": torch.ones(1)} if kv_dtype else {}))
+    for cdt in (torch.bfloat16, e4m3):
+        cache = torch.zeros(10, 64, 576, dtype=cdt)
+        kv_c, k_pe = torch.zeros(3, 512, dtype=torch.bfloat16), torch.zeros(3, 1, 64, dtype=torch.bfloat16)
+        scale = torch.ones(1) if cdt == e4m3 else None
+        write_latent(kv_c, k_pe, cache, torch.zeros(3, dtype=torch.int64), scale)
 
 
 def cuobjdump(cubin: bytes, *args: str) -> str:

@@ -37,7 +37,9 @@ def test_every_kernel_launch_compiles_for_sm90(tmp_path):
     assert set(counts) == {"paged_attention_kernel", "merge_splits_kernel", "merge_state_kernel", "write_kv_kernel",
                            "graph_batch_from_block_table_kernel", "quantize_rows_kernel", "prefill_kernel",
                            "decode_kernel", "shared_pages_kernel",
-                           "apply_sinks_kernel"}, r.stdout  # fmt: skip
+                           "apply_sinks_kernel", "mla_attention_kernel",
+                           "write_latent_kernel"}, r.stdout  # fmt: skip
+    assert int(counts["mla_attention_kernel"]) >= 8 and int(counts["write_latent_kernel"]) == 2, r.stdout
     assert int(counts["prefill_kernel"]) >= 6 and int(counts["decode_kernel"]) >= 4, r.stdout  # the Hopper paths
     assert int(counts["paged_attention_kernel"]) >= 16 and int(counts["graph_batch_from_block_table_kernel"]) == 6, r.stdout
     assert int(counts["write_kv_kernel"]) >= 5, r.stdout  # bf16, fp16 and three fp8 (quantizing) writes

@@ -13,7 +13,14 @@ from attnplug.core.mla import check_mla_support, latent_cache_views, mla_config,
 from attnplug.core.plan import make_plan
 from attnplug.core.providers import get_provider_cls
 from batches import rel_err
-from mla_cases import MLACase, mla_case
+from mla_cases import MLACase
+from mla_cases import mla_case as _mla_case
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # a CUDA machine compiles the kernels instead
+
+
+def mla_case(*args, **kw) -> MLACase:
+    return _mla_case(*args, device=DEVICE, **kw)
 
 D, V, TV, E = ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.TARGET_VERIFY, ForwardMode.EXTEND
 
@@ -25,14 +32,30 @@ def _batch(c: MLACase) -> BatchMetadata:
                          custom_mask=mask, causal=p.causal)
 
 
-def _run(c: MLACase, provider: str = "triton", cascade: str = "off", lse: bool = False, k_scale=None, **knobs):
+def _run(c: MLACase, provider: str = "triton", cascade: str = "off", lse: bool = False, k_scale=None,
+         **knobs):
     attn = PagedAttention(c.plan.config, provider=provider, device=c.q.device, cascade=cascade)
     attn.plan(_batch(c), num_pages=c.cache.shape[0], **knobs)
     T, H = c.q.shape[:2]
-    out = torch.full((T, H, c.plan.config.head_dim_v), float("nan"), dtype=c.q.dtype)
-    s = torch.full((T, H), float("nan")) if lse else None
-    attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=s, **({"k_scale": k_scale} if k_scale is not None else {}))
+    out = torch.full((T, H, c.plan.config.head_dim_v), float("nan"), dtype=c.q.dtype, device=DEVICE)
+    s = torch.full((T, H), float("nan"), device=DEVICE) if lse else None
+    scales = {"k_scale": k_scale} if k_scale is not None else {}
+    attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=s, **scales)
     return attn, out, s
+
+
+def _share_first_pages(c: MLACase, n: int) -> tuple[BatchMetadata, torch.Tensor]:
+    """``c``'s batch with every request's first ``n`` pages replaced by request 0's (a shared prefix), and
+    the unabsorbed reference of that batch."""
+    p = c.plan
+    idx, ind = p.kv_indices_cpu.clone(), p.kv_indptr_cpu.tolist()
+    for b in range(1, p.batch_size):
+        idx[ind[b] : ind[b] + n] = idx[ind[0] : ind[0] + n]
+    mask = p.mask.bool() if p.mask is not None else None
+    batch = BatchMetadata(p.mode, p.qo_indptr_cpu, p.kv_indptr_cpu, idx, p.kv_last_page_len_cpu,
+                          custom_mask=mask)
+    plan = make_plan(p.config, batch, num_pages=c.cache.shape[0], device="cpu")
+    return batch, mla_reference(plan, c.q_nope, c.q_pe, c.cache.cpu(), c.w_uk, c.w_uv.cpu()).to(DEVICE)
 
 
 def _check(c: MLACase, out: torch.Tensor, tol: float = 1e-2) -> None:
@@ -91,25 +114,20 @@ def test_triton_mla_split_kv_and_lse(name):
 def test_triton_mla_deepseek_shape():
     """R=512, Dr=64 (the DeepSeek latent), 16 heads: decode and a short chain verify."""
     for mode, q_lens, prefix, kind in ((D, [1, 1], [70, 5], "tree"), (V, [2], [33], "chain")):
-        c = mla_case(mode, q_lens, prefix, heads=16, rank=512, rope=64, nope=128, page_size=64, mask_kind=kind)
+        c = mla_case(mode, q_lens, prefix, heads=16, rank=512, rope=64, nope=128, page_size=64,
+                     mask_kind=kind)
         _, out, _ = _run(c)
         _check(c, out)
 
 
 @pytest.mark.parametrize("cascade", ["always"])
 def test_triton_mla_cascade(cascade):
-    """Requests that share their first pages: the cascade (prefix read once, LSE merge) equals the reference."""
+    """Requests that share their first pages: the cascade (prefix read once, LSE merge) equals the
+    reference."""
     c = mla_case(D, [1, 1, 1], [40, 40, 40], dtype=torch.float32, seed=5)
     p = c.plan
-    # every request's first two pages := request 0's (a shared 32-token prefix)
-    idx = p.kv_indices_cpu.clone()
-    ind = p.kv_indptr_cpu.tolist()
-    for b in (1, 2):
-        idx[ind[b] : ind[b] + 2] = idx[ind[0] : ind[0] + 2]
-    batch = BatchMetadata(D, p.qo_indptr_cpu, p.kv_indptr_cpu, idx, p.kv_last_page_len_cpu)
-    plan = make_plan(p.config, batch, num_pages=c.cache.shape[0], device="cpu")
-    ref = mla_reference(plan, c.q_nope, c.q_pe, c.cache, c.w_uk, c.w_uv)
-    attn = PagedAttention(p.config, provider="triton", device="cpu", cascade=cascade)
+    batch, ref = _share_first_pages(c, 2)
+    attn = PagedAttention(p.config, provider="triton", device=DEVICE, cascade=cascade)
     plan2 = attn.plan(batch, num_pages=c.cache.shape[0])
     assert plan2.cascade is not None, "the cascade did not cut the shared prefix"
     out = attn.run(c.q, c.k_cache, c.v_cache)
@@ -119,7 +137,7 @@ def test_triton_mla_cascade(cascade):
 
 def test_fp8_latent_cache():
     """An fp8 latent (e4m3, one k_scale) dequantized on load equals the reference on the stored values."""
-    scale = torch.tensor([0.5])
+    scale = torch.tensor([0.5], device=DEVICE)
     c = mla_case(D, [1, 1, 1], [30, 3, 17], kv_dtype=torch.float8_e4m3fn, k_scale=0.5, seed=2)
     _, out, _ = _run(c, k_scale=scale)
     _check(c, out)
@@ -130,9 +148,9 @@ def test_fp8_latent_cache():
 
 def test_write_latent_and_views():
     cfg = mla_config(4, 64, 16, page_size=8, dtype=torch.float32)
-    cache = torch.zeros(5, 8, 80)
-    kv_c, k_pe = torch.randn(4, 64), torch.randn(4, 1, 16)
-    slots = torch.tensor([3, -1, 17, 39])
+    cache = torch.zeros(5, 8, 80, device=DEVICE)
+    kv_c, k_pe = torch.randn(4, 64, device=DEVICE), torch.randn(4, 1, 16, device=DEVICE)
+    slots = torch.tensor([3, -1, 17, 39], device=DEVICE)
     write_latent(kv_c, k_pe, cache, slots)
     flat = cache.view(-1, 80)
     for t, s in enumerate(slots.tolist()):
@@ -146,9 +164,10 @@ def test_write_latent_and_views():
 
 
 def test_fp8_write_latent_roundtrip():
-    cache = torch.zeros(2, 4, 80, dtype=torch.float8_e4m3fn)
-    kv_c, k_pe = torch.randn(3, 64), torch.randn(3, 16)
-    write_latent(kv_c, k_pe, cache, torch.tensor([0, 5, 7]), k_scale=torch.tensor([0.25]))
+    cache = torch.zeros(2, 4, 80, dtype=torch.float8_e4m3fn, device=DEVICE)
+    kv_c, k_pe = torch.randn(3, 64, device=DEVICE), torch.randn(3, 16, device=DEVICE)
+    write_latent(kv_c, k_pe, cache, torch.tensor([0, 5, 7], device=DEVICE),
+                 k_scale=torch.tensor([0.25], device=DEVICE))
     got = cache.view(-1, 80)[[0, 5, 7]].float() * 0.25
     want = (torch.cat([kv_c, k_pe], 1) / 0.25).to(torch.float8_e4m3fn).float() * 0.25
     assert torch.equal(got, want)
@@ -164,7 +183,7 @@ def test_mla_config_and_refusals():
         AttentionConfig(4, 1, 80, 16, window_left=8, head_dim_v=64)
     with pytest.raises(ValueError, match="num_kv_heads=1"):
         AttentionConfig(4, 2, 80, 16, head_dim_v=64)
-    for name in ("triton", "reference"):
+    for name in ("triton", "flashinfer", "fa3", "reference"):
         assert get_provider_cls(name).supports_mla()
     check_mla_support("triton", mla_config(16, kv_dtype=torch.float8_e4m3fn))
 
@@ -183,8 +202,133 @@ def test_provider_without_mla_refuses():
 
 def test_run_refuses_a_v_cache_that_is_not_the_latent_view():
     c = mla_case(D, [1, 1], [5, 9], dtype=torch.float32)
-    attn = PagedAttention(c.plan.config, provider="triton", device="cpu", cascade="off")
+    attn = PagedAttention(c.plan.config, provider="triton", device=DEVICE, cascade="off")
     attn.plan(_batch(c))
     with pytest.raises(ValueError, match="v_cache must be k_cache"):
         attn.check_inputs(c.q, c.k_cache, c.v_cache.clone())
     attn.check_inputs(c.q, c.k_cache, c.v_cache)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fa3_mla_on_the_standin(name, monkeypatch):
+    """The fa3 provider's MLA class (FA3's ``qv`` call; tree verify: FA3 prefix + the Triton MLA tree part,
+    LSE-merged) on CPU through the FA3 stand-in; tests/gpu/test_mla_gpu.py runs the real FA3."""
+    from fa3_standin import use_fa3
+
+    use_fa3(monkeypatch, DEVICE)
+    mode, q_lens, prefix, kind = CASES[name]
+    c = mla_case(mode, q_lens, prefix, rank=512, rope=64, nope=64, page_size=16, mask_kind=kind, seed=7)
+    attn, out, lse = _run(c, provider="fa3", lse=True)
+    assert type(attn.provider).__name__ == "FA3MLAProvider"
+    _check(c, out)
+    _, _, ref_lse = _run(c, provider="reference", lse=True)
+    assert torch.allclose(lse, ref_lse, atol=2e-2)
+
+
+def test_fa3_mla_cascade_on_the_standin(monkeypatch):
+    from fa3_standin import use_fa3
+
+    use_fa3(monkeypatch, DEVICE)
+    c = mla_case(D, [1, 1, 1], [40, 40, 40], rank=512, rope=64, nope=64, seed=5)
+    p = c.plan
+    batch, ref = _share_first_pages(c, 2)
+    attn = PagedAttention(p.config, provider="fa3", device=DEVICE, cascade="always")
+    assert attn.plan(batch, num_pages=c.cache.shape[0]).cascade is not None
+    out = attn.run(c.q, c.k_cache, c.v_cache)
+    assert not out.isnan().any() and rel_err(c.up(out), ref) <= 1e-2
+
+
+def test_mla_refusals_of_the_library_providers():
+    """flashinfer / fa3 refuse what their MLA kernels cannot compute, naming attnplug, the provider and the
+    feature."""
+    fa3_fp8 = "attnplug: provider 'fa3' does not support an MLA latent cache of float8_e4m3fn"
+    with pytest.raises(UnsupportedFeature, match=fa3_fp8):
+        check_mla_support("fa3", mla_config(16, kv_dtype=torch.float8_e4m3fn))
+    with pytest.raises(UnsupportedFeature, match="'flashinfer' does not support MLA with kv_lora_rank 64"):
+        check_mla_support("flashinfer", mla_config(16, 64, 16))
+    with pytest.raises(UnsupportedFeature, match="provider 'fa3' does not support MLA in torch.float32"):
+        check_mla_support("fa3", mla_config(16, dtype=torch.float32))
+    check_mla_support("flashinfer", mla_config(16))
+    from attnplug.core.providers.flashinfer_mla import FlashInferMLAProvider
+
+    g = FlashInferMLAProvider.graph_support
+    assert g.decode and not g.device_refresh
+
+
+@pytest.mark.parametrize("provider", ["triton", "fa3"])
+@pytest.mark.parametrize("mode, cascade", [("decode", "off"), ("decode", "always"), ("verify", "off"),
+                                           ("chain", "off")])
+def test_mla_graph_state(provider, mode, cascade, monkeypatch):
+    """GraphState (CUDA-graph static buffers, replayed here without capture) over MLA: padded batches of every
+    captured size equal the unabsorbed reference on their real rows."""
+    from attnplug.core.cuda_graph import GraphState
+
+    if provider == "fa3":
+        from fa3_standin import use_fa3
+
+        use_fa3(monkeypatch, DEVICE)
+    big = provider == "fa3"
+    q = 1 if mode == "decode" else 3
+    fm = D if mode == "decode" else V
+    kw = dict(rank=512, rope=64, nope=64) if big else {}
+    cfg = mla_case(D, [1], [3], **kw).plan.config
+    gs = GraphState(cfg, provider, max_batch=3, max_tokens=3 * q, max_pages=40, device=DEVICE,
+                    mode="decode" if mode == "decode" else "verify", num_draft_tokens=q, cascade=cascade,
+                    chain=mode == "chain", max_seq_len=160)
+    for bs in (1, 2, 3):
+        gs.prepare_capture(bs)
+    for B, bs, seed in ((1, 1, 0), (2, 3, 1), (3, 3, 2)):
+        prefix = [20 + 9 * b for b in range(B)]
+        c = mla_case(fm, [q] * B, prefix, mask_kind="chain" if mode == "chain" else "tree", seed=seed, **kw)
+        # cascade: a shared first page, which the cascade part cuts
+        batch, ref = _share_first_pages(c, 1) if cascade != "off" else (_batch(c), c.ref)
+        gs.update(batch, bs)
+        qp = torch.zeros(bs * q, *c.q.shape[1:], dtype=c.q.dtype, device=DEVICE)
+        qp[: B * q] = c.q
+        out = torch.full((bs * q, c.q.shape[1], cfg.head_dim_v), float("nan"), dtype=c.q.dtype, device=DEVICE)
+        gs.run(bs, qp, c.k_cache, c.v_cache, out)
+        assert not out[: B * q].isnan().any()
+        err = rel_err(c.up(out[: B * q]), ref)
+        assert err <= 1e-2, f"bs={bs} B={B}: {err:.3g}"
+
+
+def test_bench_mla_rows_quick(tmp_path):
+    """``python -m attnplug.bench --quick``'s MLA rows: attnplug's triton provider is checked against the
+    float32 reference and timed; the library MLA kernels report why they do not run here."""
+    import json
+
+    from attnplug.bench.__main__ import main
+
+    assert main(["--quick", "--rows", "MLA", "--providers", "triton,fa3", "--no-ceilings", "--out",
+                 str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*.json")
+    recs = json.loads(path.read_text())["rows"]
+    tri = [r for r in recs if r["impl"] == "attnplug.triton"]
+    assert {r["row"] for r in tri} == {"MLA decode 4x100 h4", "MLA prefill 2x48 h4"}
+    assert all(r["status"] == "ok" and r["err"] < 1e-2 for r in tri), tri
+    libs = {r["impl"]: r["status"] for r in recs if r["row"] == "MLA decode 4x100 h4" and r["library"]}
+    assert libs.keys() >= {"fa3.mla_qv", "flashmla"} and all(s.startswith(("n/a", "unavailable"))
+                                                              for s in libs.values()), libs
+
+
+def test_mla_multi_step_draft():
+    """MultiStepDraftPlanner over an MLA config (token view of the latent cache): every step's triton run
+    equals the float32 reference on the same step batch."""
+    from attnplug.core.draft import MultiStepDraftPlanner, token_config, token_view
+    from test_graph_draft_oracles import draft_case
+
+    seq_lens, topk, steps = [37, 0, 70], 2, 2
+    ind, idx, last, draft, num_pages = draft_case(seq_lens, 16, topk, steps, seed=3)
+    cfg = mla_config(4, 64, 16, page_size=16, dtype=torch.float32)
+    cache = torch.randn(num_pages, 16, 80, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    k, v = latent_cache_views(cache, cfg)
+    planner = MultiStepDraftPlanner(cfg, topk, steps, max_batch=3, provider="triton", device=DEVICE)
+    planner.plan(ind, idx, last, draft, num_pages=num_pages)
+    tc = token_config(cfg)
+    for i, batch in enumerate(planner.step_batches(ind, idx, last, draft)):
+        q = torch.randn(len(seq_lens) * topk, 4, 80, device=DEVICE)
+        got = planner.run(i, q, k, v, torch.full((q.shape[0], 4, 64), float("nan"), device=DEVICE))
+        ref = PagedAttention(tc, provider="reference", device=DEVICE)
+        ref.plan(batch)
+        want = ref.run(q, token_view(k, cfg), token_view(v, cfg))
+        assert not got.isnan().any() and rel_err(got, want) <= 1e-4, i

@@ -127,8 +127,8 @@ def paged_attention_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
 
-    b, q0, q_start, q_len, kv_len, page_base = tile_request(tile_req, tile_qstart, qo_indptr, kv_lens, kv_indptr,
-                                                            tile)
+    b, q0, q_start, q_len, kv_len, page_base = tile_request(tile_req, tile_qstart, qo_indptr, kv_lens,
+                                                            kv_indptr, tile)
 
     rows = tl.arange(0, BLOCK_M)
     tok = q0 + rows // GROUP

@@ -34,7 +34,8 @@ def mla_attention_kernel(
     tile = tl.program_id(0)
     hb = tl.program_id(1)
     split = tl.program_id(2)
-    b, q0, q_start, q_len, kv_len, page_lo = tile_request(TILE_REQ, TILE_Q, QO_INDPTR, KV_LENS, KV_INDPTR, tile)
+    b, q0, q_start, q_len, kv_len, page_lo = tile_request(TILE_REQ, TILE_Q, QO_INDPTR, KV_LENS, KV_INDPTR,
+                                                          tile)
 
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
     m_idx = tl.arange(0, BLOCK_M)
@@ -74,7 +75,8 @@ def mla_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
-        offs, key_ok = kv_offsets(KV_INDICES, page_lo, n0, 0, stride_cp, stride_ct, 0, hi, BLOCK_N, PAGE_SIZE, True)
+        offs, key_ok = kv_offsets(KV_INDICES, page_lo, n0, 0, stride_cp, stride_ct, 0, hi, BLOCK_N, PAGE_SIZE,
+                                  True)
         row = C + offs
         c = tl.load(row[:, None] + rr[None, :], mask=key_ok[:, None] & (rr[None, :] < R), other=0.0)
         pe = tl.load(row[:, None] + R + dr[None, :], mask=key_ok[:, None] & (dr[None, :] < DR), other=0.0)
@@ -106,8 +108,8 @@ def mla_attention_kernel(
                  out.to(O.dtype.element_ty), mask=o_ok)
         tl.store(LSE + t * stride_lt + h * stride_lh + split, lse2, mask=row_ok)
     else:
-        tl.store(O + t[:, None] * stride_ot + h[:, None] * stride_oh + rr[None, :], out.to(O.dtype.element_ty),
-                 mask=o_ok)
+        tl.store(O + t[:, None] * stride_ot + h[:, None] * stride_oh + rr[None, :],
+                 out.to(O.dtype.element_ty), mask=o_ok)
         if STORE_LSE:
             tl.store(LSE + t * stride_lt + h * stride_lh, lse2 * 0.6931471805599453, mask=row_ok)
 
@@ -116,7 +118,8 @@ def mla_attention_kernel(
 def write_latent_kernel(
     KVC, KPE, CACHE, SLOT, page_size, K_SCALE, stride_ct, stride_pt, stride_cp, stride_co,
     R: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
-    FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_NORMAL: tl.constexpr,
+    SUB_MAGIC: tl.constexpr,
 ):
     """Grid ``(T,)``: token ``t`` -> latent row ``SLOT[t]`` (``< 0``: skipped) = ``cat(KVC[t], KPE[t])``."""
     t = tl.program_id(0).to(tl.int64)
@@ -139,8 +142,8 @@ def write_latent_kernel(
     tl.store(row + R + dr, pe.to(CACHE.dtype.element_ty), mask=m_p)
 
 
-def write_latent_paged(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
-                       k_scale: torch.Tensor | None = None) -> None:
+def write_latent_paged(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
+                       slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None) -> None:
     """:func:`attnplug.core.mla.write_latent` (see there): one launch of :func:`write_latent_kernel`."""
     T = slot_mapping.shape[0]
     if T == 0:
@@ -151,7 +154,8 @@ def write_latent_paged(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tens
         cache = cache.squeeze(2)
     R, DR = kv_c.shape[-1], k_pe.shape[-1]
     if cache.dim() != 3 or cache.shape[-1] != R + DR:
-        raise ValueError(f"attnplug: the MLA latent cache must be [pages, P, {R + DR}], got {list(cache.shape)}")
+        raise ValueError(f"attnplug: the MLA latent cache must be [pages, P, {R + DR}], got "
+                         f"{list(cache.shape)}")
     for name, x in (("kv_c", kv_c), ("k_pe", k_pe), ("cache", cache)):
         if x.stride(-1) != 1:
             raise ValueError(f"attnplug: {name} must have a contiguous last dim, got strides {x.stride()}")

@@ -10,7 +10,9 @@ A provider decides, for its library:
   CUDA graphs can replay, and why not more), :meth:`Provider.prepare_process` (what a process must
   do before the library is imported, e.g. the Triton interpreter on CPU), :meth:`Provider.supports_sinks`
   (attention sinks, ``config.sinks``: :attr:`Provider.NATIVE_SINKS` where the library's kernels take
-  them, else the core joins them after the run, :meth:`Provider.run_folded`);
+  them, else the core joins them after the run, :meth:`Provider.run_folded`), :meth:`Provider.supports_mla`
+  (MLA configs, ``config.is_mla``: served by :meth:`Provider.mla_class`, a subclass that constructing the
+  provider with such a config yields, :mod:`attnplug.core.mla`);
 * **one forward** - :meth:`Provider.plan` (host work, once per forward; the launch arguments go into
   ``plan.state``, typed) and :meth:`Provider.run` (per layer, launches only);
 * **static buffers** - :meth:`Provider.static_buffers` (storage that lets ``plan`` write into fixed
@@ -153,9 +155,9 @@ class Provider(ABC):
     #: mode. ``False``: its :meth:`run` hands a ``sinks`` argument to :meth:`run_folded` (run without the
     #: sink with the LSE, then the core's exact join, :func:`~attnplug.core.kernels.merge.apply_sinks`).
     NATIVE_SINKS: ClassVar[bool] = False
-    #: MLA (``config.is_mla``, :mod:`attnplug.core.mla`): ``"module:Class"`` (relative to this package) of the
-    #: subclass serving MLA configs, which constructing this class with one yields (:meth:`mla_class`); ``None``:
-    #: refused. A class that itself serves MLA configs sets :attr:`IS_MLA`.
+    #: MLA (``config.is_mla``, :mod:`attnplug.core.mla`): ``"module:Class"`` (relative to this package) of
+    #: the subclass serving MLA configs, which constructing this class with one yields (:meth:`mla_class`);
+    #: ``None``: refused. A class that itself serves MLA configs sets :attr:`IS_MLA`.
     MLA_IMPL: ClassVar[str | None] = None
     IS_MLA: ClassVar[bool] = False
 

@@ -87,14 +87,17 @@ class FA3Lib:
         return next((k for k in ("s_aux", "sinks") if k in params), None)
 
     def paged(self, q, k_cache, v_cache, out, *, block_table, cu_seqlens_q, seqused_k, max_seqlen_q,
-              max_seqlen_k, causal, window, softcap, scale, return_lse, descale=None, sinks=None):
+              max_seqlen_k, causal, window, softcap, scale, return_lse, descale=None, sinks=None, qv=None):
         """``q [T, Hq, D]``, caches ``[num_pages, P, Hkv, D]`` -> writes ``out``; returns lse ``[Hq, T]`` or None.
         ``descale``: fp8 (q, k, v all e4m3): ``{"q_descale": ..., "k_descale": ..., "v_descale": ...}``,
         each ``[num_seqs, Hkv]`` float32 (every build takes these keyword arguments). ``sinks``: ``[Hq]``
-        float32 sink logits, through :attr:`sink_arg` (only where it is not ``None``)."""
+        float32 sink logits, through :attr:`sink_arg` (only where it is not ``None``). ``qv [T, Hq, Dv]``:
+        FA3's MLA input (the absorbed query part that multiplies ``v_cache``; vLLM's fork: ``q_v``)."""
         fp8 = dict(descale or {})
         if sinks is not None:
             fp8[self.sink_arg] = sinks
+        if qv is not None:
+            fp8["q_v" if self.varlen_style else "qv"] = qv
         if self.varlen_style:
             r = self.fn(q, k_cache, v_cache, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k=seqused_k,
                         softmax_scale=scale, causal=causal, window_size=list(window), softcap=softcap,
@@ -278,6 +281,7 @@ class FA3Provider(Provider):
     graph_support = GraphSupport(decode=True, verify=True, device_refresh=True, cascade=True)
     graph_cls = FA3Graph
     KV_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float8_e4m3fn))  # FA3 has no e5m2 kernels
+    MLA_IMPL = ".fa3_mla:FA3MLAProvider"
 
     def __init__(self, config: AttentionConfig, device: torch.device):
         super().__init__(config, device)
@@ -378,13 +382,14 @@ class FA3Provider(Provider):
 
     def tree_buffers(self, num_tokens: int, device) -> dict:
         """Scratch of the tree-verify split for ``num_tokens`` rows: ``prefix_out [T, Hq, D]`` (dtype),
-        ``tree_out [T, Hq, D]`` and ``tree_lse [T, Hq]`` float32; fp8 KV: ``q_deq [T, Hq, D]`` (dtype)."""
-        cfg, hd = self.config, (num_tokens, self.config.num_qo_heads, self.config.head_dim)
+        ``tree_out [T, Hq, D]`` and ``tree_lse [T, Hq]`` float32 (``D``: the value head dim); fp8 KV:
+        ``q_deq [T, Hq, D]`` (dtype)."""
+        cfg, hd = self.config, (num_tokens, self.config.num_qo_heads, self.config.head_dim_v)
         bufs = dict(prefix_out=torch.empty(hd, dtype=cfg.dtype, device=device),
                     tree_out=torch.empty(hd, dtype=torch.float32, device=device),
                     tree_lse=torch.empty(hd[:2], dtype=torch.float32, device=device))  # fmt: skip
         if cfg.kv_quantized:
-            bufs["q_deq"] = torch.empty(hd, dtype=cfg.dtype, device=device)
+            bufs["q_deq"] = torch.empty((*hd[:2], cfg.head_dim), dtype=cfg.dtype, device=device)
         return bufs
 
     def plan_tree_part(self, plan: Plan, prefix: torch.Tensor, static=None, buffers: dict | None = None) -> FA3Tree:
@@ -423,6 +428,10 @@ class FA3Provider(Provider):
         s = self._run(plan, q, k_cache, v_cache, out, lse, True, k_scale, v_scale, q_scale)
         return lse if s is None else s
 
+    def library_inputs(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
+        """``(q, k_cache, v_cache, extra keyword arguments)`` of the FA3 call (the MLA class splits them)."""
+        return q, k_cache, v_cache, {}
+
     def _run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None, want_lse: bool,
              k_scale, v_scale, q_scale, sinks: torch.Tensor | None = None) -> torch.Tensor | None:
         """The launches of :meth:`run`; returns FA3's LSE as a ``[T, Hq]`` view when ``want_lse`` and the plan
@@ -441,13 +450,15 @@ class FA3Provider(Provider):
             descale = dict(q_descale=q_scale.reshape(1, 1).expand(shape), k_descale=k_scale.reshape(1, 1).expand(shape),
                            v_descale=v_scale.reshape(1, 1).expand(shape))  # fmt: skip
             scales = dict(k_scale=k_scale, v_scale=v_scale)
+        q_fa, k_fa, v_fa, extra = self.library_inputs(q_fa, k_cache, v_cache)
         if tree is None:
             if sinks is not None and sinks.dtype != torch.float32:
                 sinks = sinks.float()
-            s = self.lib.paged(q_fa, k_cache, v_cache, out, return_lse=want_lse, descale=descale, sinks=sinks,
-                               **a)
+            s = self.lib.paged(q_fa, k_fa, v_fa, out, return_lse=want_lse, descale=descale, sinks=sinks, **a,
+                               **extra)
             return s.t() if want_lse else None
-        s_a = self.lib.paged(q_fa, k_cache, v_cache, tree.prefix_out, return_lse=True, descale=descale, **a)
+        s_a = self.lib.paged(q_fa, k_fa, v_fa, tree.prefix_out, return_lse=True, descale=descale, **a,
+                             **extra)
         q_tree = q if st.q8 is None else tree.q_deq[: q.shape[0]]  # fp8: the query FA3's part reads
         self._tree.run(tree.tree_plan, q_tree, k_cache, v_cache, tree.tree_out, tree.tree_lse, **scales)
         self._merge(tree.prefix_out, s_a.t(), tree.tree_out, tree.tree_lse, out, lse)

@@ -74,6 +74,7 @@ class LibraryCall:
 
 def _calls() -> tuple[LibraryCall, ...]:
     dec, pre = "BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper"
+    mla, mla_mod = "BatchMLAPagedAttentionWrapper", "flashinfer.mla._core"  # 0.7: re-exported there
     numerics = ("pos_encoding_mode", "window_left", "logits_soft_cap", "q_data_type", "kv_data_type", "sm_scale")
     run = ("out", "lse", "return_lse", "k_scale", "v_scale")
     return (
@@ -90,6 +91,13 @@ def _calls() -> tuple[LibraryCall, ...]:
                     why="prefill plan: (qo_indptr, kv_indptr, kv_indices, last_page_len, Hq, Hkv, D, P) "
                         "+ mask + numerics"),
         LibraryCall("flashinfer.prefill", f"{pre}.run", 2, run, why="prefill run: (q, (k, v))"),
+        LibraryCall(mla_mod, f"{mla}.__init__", 1, ("use_cuda_graph", "qo_indptr", "kv_indptr", "kv_indices",
+                                                    "kv_len_arr"), why="MLA wrappers (eager and CUDA-graph)"),
+        LibraryCall(mla_mod, f"{mla}.plan", 12,
+                    why="MLA plan: (qo_indptr, kv_indptr, kv_indices, kv_lens, H, R, Dr, P, causal, scale, "
+                        "dtypes)"),
+        LibraryCall(mla_mod, f"{mla}.run", 4, ("out", "lse", "return_lse", "return_lse_base_on_e"),
+                    why="MLA run: (q_nope, q_pe, ckv, kpe)"),
         LibraryCall("flashinfer.utils", "is_sm90a_supported", 1, required=False,
                     why="the fa3 template's check (a capability fallback exists)"),
     )
@@ -292,6 +300,7 @@ class FlashInferProvider(Provider):
     chain_graph_cls = FlashInferChainVerifyGraph
     EAGER_RUN_CAPTURABLE = False  # eager wrappers (use_cuda_graph=False) replan their buffers; graphs: FlashInferGraph
     KV_DTYPES = frozenset((torch.float16, torch.bfloat16) + FP8_KV_DTYPES)
+    MLA_IMPL = ".flashinfer_mla:FlashInferMLAProvider"
 
     def __init__(self, config: AttentionConfig, device: torch.device):
         super().__init__(config, device)

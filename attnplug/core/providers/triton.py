@@ -221,8 +221,8 @@ class TritonProvider(Provider):
         self._entry_keys: dict[str, tuple[str, ...]] = {}
 
     # -- plan -------------------------------------------------------------------------------------
-    def _place_tiles(self, plan: Plan, static: TritonStatic | None, identity: bool, num_tiles: int, counts, ends,
-                     block_q: int, ascending_work: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _place_tiles(self, plan: Plan, static: TritonStatic | None, identity: bool, num_tiles: int, counts,
+                     ends, block_q: int, ascending_work: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The tile list (``tile_req``, ``tile_qstart`` int32 on the device) of ``num_tiles`` tiles of
         ``block_q`` tokens (:func:`_tile_counts`'s ``counts`` / ``ends``; ``identity``: one tile a request,
         the ``arange`` / ``zeros`` list): views of the static decode list or the provider's identity
@@ -235,8 +235,8 @@ class TritonProvider(Provider):
         if identity:
             tile_req, tile_q = np.arange(num_tiles, dtype=np.int32), np.zeros(num_tiles, dtype=np.int32)
         else:  # prefill: ascending causal work, the kernel runs the list backwards, longest first
-            tile_req, tile_q = _tile_list(plan.q_lens_cpu.numpy(), plan.kv_lens_cpu.numpy(), counts, ends, block_q,
-                                          ascending_work)
+            tile_req, tile_q = _tile_list(plan.q_lens_cpu.numpy(), plan.kv_lens_cpu.numpy(), counts, ends,
+                                          block_q, ascending_work)
         if static is None:
             return staging.to_device((tile_req, tile_q), self.device)
         if num_tiles > static.tile_req.numel():
@@ -404,7 +404,8 @@ class TritonProvider(Provider):
                and cfg.head_dim == _next_pow2(cfg.head_dim) and diag_n == block_n)  # fmt: skip
         shape = (plan.num_tokens, cfg.num_qo_heads, splits, cfg.head_dim)
         partial = partial_lse = None
-        tile_req, tile_q = self._place_tiles(plan, static, identity, num_tiles, counts, ends, block_q, kernel == "prefill")
+        tile_req, tile_q = self._place_tiles(plan, static, identity, num_tiles, counts, ends, block_q,
+                                             kernel == "prefill")
         # the prefill kernel's split partials in the output dtype where its entry says so (half the bytes)
         pdt = cfg.dtype if kernel == "prefill" and entry.get("partials") == "out" else torch.float32
         if splits > 1 and static is not None:
