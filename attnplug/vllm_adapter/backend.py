@@ -209,7 +209,7 @@ class AttnplugBackend(AttentionBackend):
             r.append(f"attention type '{getattr(attn_type, 'value', attn_type)}' (decoder self-attention only)")
         if cfg.get("has_sink") and not cls.supports_sink():
             r.append(f"attention sinks (provider '{cls.provider()}' cannot compute them)")
-        names = {"use_mla": "MLA (multi-head latent attention)",
+        names = {"use_mla": f"MLA (multi-head latent attention; select {cls.NAME}_MLA for MLA models)",
                  "use_sparse": "sparse attention", "use_mm_prefix": "bidirectional multimodal-prefix attention",
                  "use_per_head_quant_scales": "per-head quantization scales", "use_non_causal": "non-causal attention",
                  "use_batch_invariant": "batch-invariant mode", "use_pcp": "prefill context parallelism",
@@ -257,13 +257,15 @@ class AttnplugBackend(AttentionBackend):
         cls.check_available(device)
 
 
-def graph_level(provider: str) -> tuple[str, str]:
+def graph_level(provider: str, mla: bool = False) -> tuple[str, str]:
     """``(vLLM CUDA-graph level, why it is not higher)`` of a core provider, from its ``graph_support``:
     decode, and causal-chain verify replayed from vLLM's device block table (``chain_verify``: device
     refresh, or a host re-plan from host lengths as FlashInfer's) -> ``UNIFORM_BATCH``, which both
     model runners need for FULL graphs of spec-verify batches (mixed prefill/decode batches are never
-    captured); decode only -> ``UNIFORM_SINGLE_TOKEN_DECODE``; no decode graphs -> ``NEVER``."""
-    g = get_provider_cls(provider).graph_support
+    captured); decode only -> ``UNIFORM_SINGLE_TOKEN_DECODE``; no decode graphs -> ``NEVER``.
+    ``mla``: of the provider's MLA class (``Provider.mla_class``)."""
+    cls = get_provider_cls(provider)
+    g = (cls.mla_class() if mla else cls).graph_support
     if not g.decode:
         return "NEVER", g.reason
     if g.chain_verify:

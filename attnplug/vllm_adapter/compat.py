@@ -370,6 +370,8 @@ REFUSED_PREFIX = "refused_backend_"
 
 _B = ("vllm.v1.attention.backend", "vllm.attention.backends.abstract", "vllm.v1.attention.backends.utils")
 _OURS = "attnplug.vllm_adapter.backend:"
+_OURS_MLA = "attnplug.vllm_adapter.mla:"
+_MLA = "vllm.model_executor.layers.attention.mla_attention"
 
 
 def _contract():
@@ -450,6 +452,13 @@ def _contract():
         attr("vllm.v1.kv_cache_interface", "FullAttentionSpec"),
         attr("vllm.v1.kv_cache_interface", "create_kv_cache_views", why="0.32+: the 4-D per-layer view", **opt),
         attr("vllm.v1.attention.backends.utils", "NULL_BLOCK_ID", **opt),
+        # the MLA backends (mla.py) on vLLM's shared MLA scaffolding: MLA models only
+        *(override(_MLA, f"{c}.{m}", _OURS_MLA + f"AttnplugMLA{o}.{m}", why="MLA models only", **opt)
+          for c, o, m in (("MLACommonImpl", "Impl", "forward_mqa"), ("MLACommonMetadataBuilder", "MetadataBuilder", "build"),
+                          ("MLACommonMetadataBuilder", "MetadataBuilder", "build_for_cudagraph_capture"))),
+        *(attr(_MLA, a, why="MLA models only", **opt) for a in
+          ("MLACommonBackend", "MLACommonDecodeMetadata", "QueryLenSupport.UNIFORM", "MLACommonMetadata.decode",
+           "MLACommonMetadata.num_decodes", "MLACommonMetadata.num_prefills")),
     )
 
 

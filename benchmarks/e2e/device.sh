@@ -28,6 +28,9 @@
 #   Cascade graphs by default (issue 43): shared row, n = 8 sampling row, rows 0-3, defaults vs
 #   ATTNPLUG_CASCADE_GRAPHS=0 interleaved: bash benchmarks/e2e/device.sh vllm-cascade43 | sglang-cascade43
 #   EAGLE with graphs alone (SGLang): E2E_BACKENDS="attnplug_triton" bash benchmarks/e2e/device.sh sglang-eagle
+#   Issue 45 (MLA: a dense DeepSeek-V2 with random weights, E2E_MLA_LAYERS layers, default 8), after the
+#   engine's parts are unpacked: rows 0,1,3 of each engine's MLA backends and attnplug's (E2E_BACKENDS picks):
+#     bash benchmarks/e2e/device.sh vllm-mla | sglang-mla
 #   Issue 42 (speculation in full graphs, drafts accepted: --prompts cycle), after the engine's parts are unpacked:
 #     bash benchmarks/e2e/device.sh vllm-spec42 | sglang-spec42    # E2E_BACKENDS picks backends
 #   (E2E_BACKENDS="..." picks the backends; E2E_DEFAULT_DTYPE="..." limits the fp8 stages' default-dtype
@@ -39,7 +42,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 stage=${1:-wait}; max=${2:-}
 R=/tmp/e2e; L="python3 $R/bin/lanes.py"; LANES=$R/lanes; RES=$R/res
-MODEL=/tmp/llama8b-rand; DRAFT=/tmp/eagle-draft
+MODEL=/tmp/llama8b-rand; DRAFT=/tmp/eagle-draft; MLA_MODEL=/tmp/dsv2-rand
 V=/tmp/vsite; S=/tmp/ssite; FA3=/tmp/fa3site; AP=/tmp/apsite-$stage
 export PYTHONUNBUFFERED=1
 
@@ -59,18 +62,22 @@ tags() {  # the result name's suffix for engine_run args
   echo "$t"
 }
 vllm_job() {  # GPU BACKEND [extra engine_run args]; GPU "0,1": both GPUs, queued on lane 0
-  local gpu=$1 b=$2; shift 2; local tag=$b$(tags "$@") vis=""
+  local gpu=$1 b=$2; shift 2; local tag=$b$(tags "$@") vis="" m=${JOB_MODEL:-$MODEL}
   [[ $gpu == *,* ]] && { vis="CUDA_VISIBLE_DEVICES=$gpu"; gpu=0; }
-  queue "$gpu" "vllm-$tag" 480 $V/.ready-b $MODEL/attnplug_random.json -- \
-    "$vis VLLM_CACHE_ROOT=/tmp/vcache$gpu FLASHINFER_WORKSPACE_BASE=/tmp/fi-vllm PYTHONPATH=/tmp/apsite-vllm-a:$V python3 $R/bin/engine_run.py vllm $b --model $MODEL --out $RES/vllm-$tag.json $*"
+  queue "$gpu" "vllm-$tag" 480 $V/.ready-b $m/attnplug_random.json -- \
+    "$vis VLLM_CACHE_ROOT=/tmp/vcache$gpu FLASHINFER_WORKSPACE_BASE=/tmp/fi-vllm PYTHONPATH=/tmp/apsite-vllm-a:$V python3 $R/bin/engine_run.py vllm $b --model $m --out $RES/vllm-$tag.json $*"
 }
 sglang_job() {  # GPU BACKEND NAME [extra engine_run args]; GPU "0,1" as above. deep_gemm: a stand-in
   # (benchmarks/e2e/stubs) for the import SGLang's EAGLE graph capture makes (never called for Llama;
   # SGLANG_ENABLE_JIT_DEEPGEMM=0 so SGLang does not take the stand-in for DeepGEMM)
-  local gpu=$1 b=$2 name=$3; shift 3; local fa=() vis=""; [[ $b == *fa3* ]] && fa=($FA3/.ready)
+  local gpu=$1 b=$2 name=$3; shift 3; local fa=() vis="" m=${JOB_MODEL:-$MODEL}; [[ $b == *fa3* ]] && fa=($FA3/.ready)
   [[ $gpu == *,* ]] && { vis="CUDA_VISIBLE_DEVICES=$gpu"; gpu=0; }
-  queue "$gpu" "sglang-$name" 420 $S/.ready-b $MODEL/attnplug_random.json "${fa[@]}" -- \
-    "$vis SGLANG_ENABLE_JIT_DEEPGEMM=0 FLASHINFER_WORKSPACE_BASE=/tmp/fi-sglang PYTHONPATH=/tmp/apsite-sglang-a:$S:$FA3:$R/stubs python3 $R/bin/engine_run.py sglang $b --model $MODEL --out $RES/sglang-$name.json $*"
+  queue "$gpu" "sglang-$name" 420 $S/.ready-b $m/attnplug_random.json "${fa[@]}" -- \
+    "$vis SGLANG_ENABLE_JIT_DEEPGEMM=0 FLASHINFER_WORKSPACE_BASE=/tmp/fi-sglang PYTHONPATH=/tmp/apsite-sglang-a:$S:$FA3:$R/stubs python3 $R/bin/engine_run.py sglang $b --model $m --out $RES/sglang-$name.json $*"
+}
+mla_model() {  # issue 45: the dense DeepSeek-V2 (MLA) of make_model.py --deepseek-v2, queued once (E2E_MLA_LAYERS, default 8)
+  [[ -e $MLA_MODEL/.queued ]] || { mkdir -p $MLA_MODEL && touch $MLA_MODEL/.queued &&
+    queue 0 make-mla-model 600 -- "python3 $R/bin/make_model.py $MLA_MODEL --deepseek-v2 --layers ${E2E_MLA_LAYERS:-8}"; }
 }
 
 setup() {  # idempotent: scripts snapshot, attnplug installed from this call's tree (entry points), lanes, model
@@ -243,6 +250,21 @@ vllm-cascade43 | sglang-cascade43)  # issue 43: cascade graphs on by default. Th
         ((attnplug)) && sglang_job 0 "$b" "$b-cg0$(tags $w)" $w --env ATTNPLUG_CASCADE_GRAPHS=0
       fi
     done
+  done
+  $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
+vllm-mla)  # issue 45: MLA (dense DeepSeek-V2, make_model.py --deepseek-v2), rows E2E_ROWS (default 0,1,3:
+  # 1x1024->128, 64x1024->128, 8x16384->256), vLLM's MLA backends (FLASHMLA where the bundle has _flashmla_C)
+  # and attnplug's (E2E_BACKENDS overrides the list); vLLM parts already unpacked into $V
+  setup; mla_model; rows="--rows ${E2E_ROWS:-0,1,3}"
+  native="FLASH_ATTN_MLA TRITON_MLA"; ls $V/vllm/_flashmla_C*.so >/dev/null 2>&1 && native+=" FLASHMLA"
+  for b in ${E2E_BACKENDS:-$native ATTNPLUG_FA3_MLA ATTNPLUG_TRITON_MLA ATTNPLUG_FLASHINFER_MLA}; do
+    JOB_MODEL=$MLA_MODEL vllm_job 0 "$b" $rows
+  done
+  $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
+sglang-mla)  # issue 45, SGLang 0.5.17: the same model and rows, flashinfer / triton vs attnplug's (result names mla-*)
+  setup; mla_model; rows="--rows ${E2E_ROWS:-0,1,3}"
+  for b in ${E2E_BACKENDS:-flashinfer triton attnplug_fa3 attnplug_triton attnplug_flashinfer}; do
+    JOB_MODEL=$MLA_MODEL sglang_job 0 "$b" "mla-$b" $rows
   done
   $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
 wait)

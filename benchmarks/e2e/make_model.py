@@ -6,6 +6,12 @@ norms are 1: after RMSNorm the q/k entries have std ~1.3, so attention logits ha
 peaked rows, where a wrong mask, page or scale changes tokens.
 
     python benchmarks/e2e/make_model.py /tmp/llama8b-rand [--layers 32] [--eagle-draft /tmp/eagle-draft]
+    python benchmarks/e2e/make_model.py /tmp/dsv2-rand --deepseek-v2 [--layers 8]    # MLA (issue 45)
+
+``--deepseek-v2``: DeepSeek-V2's attention (MLA: 128 heads, q_lora_rank 1536, kv_lora_rank 512, nope 128 +
+rope 64, v 128; hidden 5120) with dense MLP layers only (``first_k_dense_replace`` = the layer count: no MoE
+library needed), cut to ``--layers``. ``q_b_proj`` / ``kv_b_proj`` are drawn wider (:data:`STD`) so that
+the up-projected q / k entries have std ~1.2 after the latent norms and the attention logits std ~1.5.
 
 Weights are drawn on the GPU (seeded, one generator), written as safetensors shards
 (``model-0000i-of-0000n.safetensors`` + index). The EAGLE draft directory (one folder an engine) gets a
@@ -33,24 +39,53 @@ LLAMA3_8B = {
 }
 
 
+DEEPSEEK_V2 = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 5120,
+    "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_attention_heads": 128, "num_key_value_heads": 128,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "num_hidden_layers": 8, "first_k_dense_replace": 8, "n_routed_experts": 160, "n_shared_experts": 2,
+    "num_experts_per_tok": 6, "moe_layer_freq": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+    "norm_topk_prob": False, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "hidden_act": "silu",
+    "vocab_size": 102400, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "rope_scaling": None, "attention_bias": False, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.02,
+}
+#: per-matrix std where the initializer range would leave MLA's attention near uniform
+STD = {"q_b_proj": 0.03, "kv_b_proj": 0.05}
+
+
 def tensors(cfg: dict):
-    """Yield (name, shape) of a Llama checkpoint in HF naming."""
+    """Yield (name, shape) of a Llama (or, ``model_type`` deepseek_v2, a dense DeepSeek-V2) checkpoint in HF naming."""
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    d, hq, hk = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    attention = mla_tensors if cfg.get("model_type") == "deepseek_v2" else gqa_tensors
     yield "model.embed_tokens.weight", (v, h)
     for layer in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{layer}."
         yield p + "input_layernorm.weight", (h,)
-        yield p + "self_attn.q_proj.weight", (hq * d, h)
-        yield p + "self_attn.k_proj.weight", (hk * d, h)
-        yield p + "self_attn.v_proj.weight", (hk * d, h)
-        yield p + "self_attn.o_proj.weight", (h, hq * d)
+        yield from ((p + "self_attn." + n, shape) for n, shape in attention(cfg))
         yield p + "post_attention_layernorm.weight", (h,)
         yield p + "mlp.gate_proj.weight", (i, h)
         yield p + "mlp.up_proj.weight", (i, h)
         yield p + "mlp.down_proj.weight", (h, i)
     yield "model.norm.weight", (h,)
     yield "lm_head.weight", (v, h)
+
+
+def gqa_tensors(cfg: dict):
+    """A Llama layer's attention weights: (name under ``self_attn.``, shape)."""
+    h, d, hq, hk = cfg["hidden_size"], cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    return [("q_proj.weight", (hq * d, h)), ("k_proj.weight", (hk * d, h)), ("v_proj.weight", (hk * d, h)),
+            ("o_proj.weight", (h, hq * d))]  # fmt: skip
+
+
+def mla_tensors(cfg: dict):
+    """A DeepSeek-V2 layer's MLA weights: (name under ``self_attn.``, shape)."""
+    h, hq = cfg["hidden_size"], cfg["num_attention_heads"]
+    ql, kl, dn, dr, dv = (cfg[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                           "v_head_dim"))  # fmt: skip
+    return [("q_a_proj.weight", (ql, h)), ("q_a_layernorm.weight", (ql,)), ("q_b_proj.weight", (hq * (dn + dr), ql)),
+            ("kv_a_proj_with_mqa.weight", (kl + dr, h)), ("kv_a_layernorm.weight", (kl,)),
+            ("kv_b_proj.weight", (hq * (dn + dv), kl)), ("o_proj.weight", (h, hq * dv))]  # fmt: skip
 
 
 def write(path: str, cfg: dict, seed: int = 0, shard_bytes: int = 4 << 30) -> None:
@@ -68,7 +103,8 @@ def write(path: str, cfg: dict, seed: int = 0, shard_bytes: int = 4 << 30) -> No
         if name.endswith("norm.weight"):
             t = torch.ones(shape, dtype=torch.bfloat16)
         else:
-            t = (torch.randn(shape, generator=gen, device=dev, dtype=torch.float32) * std).to(torch.bfloat16).cpu()
+            sd = next((x for k, x in STD.items() if f".{k}." in name), std)
+            t = (torch.randn(shape, generator=gen, device=dev, dtype=torch.float32) * sd).to(torch.bfloat16).cpu()
         cur[name] = t
         size += t.numel() * 2
         if size >= shard_bytes:
@@ -134,11 +170,16 @@ def write_eagle_draft(path: str, target: dict, weights: bool = True) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("path")
-    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=None, help="default: 32 (Llama), 8 (--deepseek-v2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eagle-draft", default=None)
+    ap.add_argument("--deepseek-v2", action="store_true", help="a dense DeepSeek-V2 (MLA) instead of Llama-3-8B")
     a = ap.parse_args()
-    cfg = dict(LLAMA3_8B, num_hidden_layers=a.layers)
+    if a.deepseek_v2:
+        n = a.layers or DEEPSEEK_V2["num_hidden_layers"]
+        cfg = dict(DEEPSEEK_V2, num_hidden_layers=n, first_k_dense_replace=n)
+    else:
+        cfg = dict(LLAMA3_8B, num_hidden_layers=a.layers or 32)
     t = time.time()
     write(a.path, cfg, a.seed)
     if a.eagle_draft:

@@ -89,9 +89,12 @@ class Requests:
             self.slots.append(slots)
         for layer_id in range(pool.layer_num):
             for b, p in enumerate(prefix):
-                s = self.slots[b][:p]
-                pool.get_key_buffer(layer_id)[s] = torch.randn(p, HKV, D, generator=g)
-                pool.get_value_buffer(layer_id)[s] = torch.randn(p, HKV, D, generator=g)
+                self.fill(pool, layer_id, self.slots[b][:p], g)
+
+    def fill(self, pool, layer_id: int, slots, g) -> None:
+        """Random cached KV at ``slots`` of layer ``layer_id``."""
+        pool.get_key_buffer(layer_id)[slots] = torch.randn(len(slots), HKV, D, generator=g)
+        pool.get_value_buffer(layer_id)[slots] = torch.randn(len(slots), HKV, D, generator=g)
 
     def batch(self, mode, q_lens: list[int], lens: list[int] | None = None, spec_info=None):
         """A ForwardBatch stand-in over the first ``lens[b]`` (default: all) tokens of each request,

@@ -1,0 +1,214 @@
+"""attnplug's SGLang backend on MLA models (issue 45; attnplug/sglang_adapter/mla.py): SGLang's real
+``MLATokenToKVPool`` and MLA ``RadixAttention`` layer (``attn_mqa``: 1 KV head, head dim R + Dr, v head
+dim R), hand-built ForwardBatch-like objects. Oracle: a float64 MLA computed WITHOUT absorption from the
+up-projected K/V of the latents read through ``req_to_token`` (independent of the core's metadata).
+Also the factory's routing, the absorbed-MLA dispatch registration, refusals and CUDA-graph replay."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.runtime_context import get_parallel
+
+from sglang_helpers import Requests
+
+from attnplug.core import UnsupportedFeature
+from attnplug.core.cuda_graph import FILL_SEQ_LEN
+
+pytestmark = pytest.mark.sglang
+
+H, R, DR, DN = 4, 64, 16, 32  # heads, kv_lora_rank, rope dim, nope (= v) dim of the un-absorbed model
+SCALE = (DN + DR) ** -0.5
+
+
+def make_runner(page_size: int, num_slots: int = 512, layers: int = 2, **over):
+    from sglang.srt.configs.model_config import AttentionArch
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool
+
+    r2t = ReqToTokenPool(size=8, max_context_len=256, device="cpu", enable_memory_saver=False)
+    kv = MLATokenToKVPool(size=num_slots, page_size=page_size, dtype=torch.float32, kv_lora_rank=R,
+                          qk_rope_head_dim=DR, layer_num=layers, device="cpu", enable_memory_saver=False)
+    mc = SimpleNamespace(is_encoder_decoder=False, attention_arch=AttentionArch.MLA, dtype=torch.float32,
+                         get_num_attention_heads=lambda tp: H // tp)
+    runner = SimpleNamespace(device="cpu", page_size=page_size, req_to_token_pool=r2t, token_to_kv_pool=kv,
+                             kv_index_translator=None, model_config=mc, kv_cache_dtype=torch.float32,
+                             is_draft_worker=False)
+    for k, v in over.items():
+        setattr(runner, k, v)
+    return runner
+
+
+def mla_layer(layer_id: int = 0):
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    return RadixAttention(H, R + DR, SCALE, num_kv_heads=1, layer_id=layer_id, v_head_dim=R)
+
+
+def make_backend(runner, name="attnplug_triton"):
+    """What SGLang's registry builds for ``--attention-backend name`` (attnplug's factory)."""
+    import attnplug.sglang_adapter as adapter
+
+    with get_parallel().override(attn_tp_size=1, attn_dcp_size=1):
+        return adapter._factory(name, runner)
+
+
+class MLARequests(Requests):
+    """Requests in the runner's MLA pool: random page-aligned slots, the cached prefix's latents filled in."""
+
+    def fill(self, pool, layer_id, slots, g) -> None:
+        pool.get_key_buffer(layer_id)[slots] = torch.randn(len(slots), 1, R + DR, generator=g)
+
+
+def absorbed_inputs(T, seed):
+    """What SGLang's DeepSeek hands ``attn_mqa``: ``q [T, H*(R+Dr)]`` = cat(q_nope @ W_UK, q_pe) per head,
+    ``k [T, 1, R+Dr]`` the new latent rows, ``v`` their first R columns; plus the model's pieces."""
+    g = torch.Generator().manual_seed(seed)
+    w_uk, w_uv = torch.randn(H, R, DN, generator=g) * R**-0.5, torch.randn(H, R, DN, generator=g) * R**-0.5
+    q_nope, q_pe = torch.randn(T, H, DN, generator=g), torch.randn(T, H, DR, generator=g)
+    q = torch.cat([torch.einsum("thn,hrn->thr", q_nope, w_uk), q_pe], -1).reshape(T, H * (R + DR))
+    k = torch.randn(T, 1, R + DR, generator=g)
+    return q, k, k[..., :R], dict(q_nope=q_nope, q_pe=q_pe, w_uk=w_uk, w_uv=w_uv)
+
+
+def unabsorbed_reference(runner, reqs, layer, m, q_lens, masks=None):
+    """Float64 MLA per request from the pool's latents (read through req_to_token): keys
+    ``cat(c @ W_UK, k_pe)``, values ``c @ W_UV``; causal bottom-right or ``masks[b]``. -> ``[T, H, DN]``."""
+    buf = runner.token_to_kv_pool.get_key_buffer(layer.layer_id)[:, 0].double()
+    outs, t = [], 0
+    for b, ql in enumerate(q_lens):
+        n = reqs.kv_lens[b]
+        rows = buf[runner.req_to_token_pool.req_to_token[reqs.rows[b], :n].long()]
+        c, pe = rows[:, :R], rows[:, R:]
+        k_nope = torch.einsum("kr,hrn->hkn", c, m["w_uk"].double())
+        v = torch.einsum("kr,hrv->hkv", c, m["w_uv"].double())
+        s = (torch.einsum("qhn,hkn->hqk", m["q_nope"][t: t + ql].double(), k_nope)
+             + torch.einsum("qhd,kd->hqk", m["q_pe"][t: t + ql].double(), pe)) * SCALE  # fmt: skip
+        ok = masks[b] if masks is not None else torch.arange(n)[None] <= torch.arange(n - ql, n)[:, None]
+        outs.append(torch.einsum("hqk,hkv->qhv", s.masked_fill(~ok[None], -math.inf).softmax(-1), v))
+        t += ql
+    return torch.cat(outs)
+
+
+def up(out, m):
+    return torch.einsum("thr,hrv->thv", out.view(out.shape[0], H, R).double(), m["w_uv"].double())
+
+
+def tree_spec(kv_lens, n, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    masks = []
+    for kv in kv_lens:
+        tree = torch.tril(torch.rand(n, n, generator=g) < 0.6) | torch.eye(n, dtype=torch.bool)
+        tree[:, 0] = True
+        masks.append(torch.cat([torch.ones(n, kv - n, dtype=torch.bool), tree], 1))
+    flat = torch.cat([x.reshape(-1) for x in masks])
+    return masks, SimpleNamespace(custom_mask=flat, draft_token_num=n, num_tokens_per_req=-1, kv_indptr=None)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("mode", ["EXTEND", "DECODE", "TARGET_VERIFY"])
+def test_mla_modes_match_unabsorbed_reference(page_size, mode):
+    runner = make_runner(page_size)
+    layer = mla_layer(0)
+    if mode == "EXTEND":  # a fresh prompt, an extend on a cached prefix, a prefix ending mid-page
+        kv, q_lens = [9, 41, 38], [9, 7, 17]
+    elif mode == "DECODE":
+        kv, q_lens = [9, 41, 3], [1, 1, 1]
+    else:
+        kv, q_lens = [12, 40], [4, 4]
+    reqs = MLARequests(runner, kv, [k - q for k, q in zip(kv, q_lens)])
+    masks, spec = tree_spec(kv, 4) if mode == "TARGET_VERIFY" else (None, None)
+    fb = reqs.batch(getattr(ForwardMode, mode), q_lens, spec_info=spec)
+    be = make_backend(runner)
+    be.init_forward_metadata(fb)
+    q, k, v, m = absorbed_inputs(sum(q_lens), seed=5)
+    fwd = be.forward_decode if mode == "DECODE" else be.forward_extend
+    out = fwd(q, k, v, layer, fb)
+    assert out.shape == (sum(q_lens), H * R) and not out.isnan().any()
+    written = runner.token_to_kv_pool.get_key_buffer(0)[fb.out_cache_loc]
+    torch.testing.assert_close(written, k, rtol=0, atol=0)  # the new latents, at out_cache_loc
+    torch.testing.assert_close(up(out, m), unabsorbed_reference(runner, reqs, layer, m, q_lens, masks),
+                               atol=2e-4, rtol=1e-3)  # fmt: skip
+    assert be._stats.layer_runs == 1
+
+
+def test_factory_routes_mla_and_registers_absorbed_dispatch():
+    from sglang.srt.models.deepseek_common.attention_backend_handler import (
+        AttentionBackendRegistry,
+        _dispatch_mla_subtype,
+    )
+
+    from attnplug.sglang_adapter.mla import AttnplugMLAAttnBackend
+
+    be = make_backend(make_runner(16), name="attnplug_triton")
+    assert type(be) is AttnplugMLAAttnBackend and (be.num_kv_heads, be.head_dim, be.kv_lora_rank) == (1, R + DR, R)
+    assert AttentionBackendRegistry.get_handler("attnplug_triton") is _dispatch_mla_subtype  # absorbed, every mode
+
+
+@pytest.mark.parametrize("mutate, feature", [
+    (lambda r: setattr(r, "is_draft_worker", True), "EAGLE / MTP draft models with MLA"),
+    (lambda r: setattr(r.token_to_kv_pool, "use_dsa", True), "(DSA)"),
+    (lambda r: setattr(r, "token_to_kv_pool", SimpleNamespace(**vars(r.token_to_kv_pool))), "MLA KV pool"),
+])  # fmt: skip
+def test_refused_at_startup(mutate, feature):
+    runner = make_runner(16)
+    mutate(runner)
+    with pytest.raises(UnsupportedFeature) as e:
+        make_backend(runner)
+    assert str(e.value).startswith("attnplug: backend 'attnplug_triton' does not support") and feature in str(e.value)
+
+
+def test_provider_without_mla_refused(monkeypatch):
+    from attnplug.core.providers import get_provider_cls
+
+    monkeypatch.setattr(get_provider_cls("triton"), "supports_mla", classmethod(lambda cls: False))
+    with pytest.raises(UnsupportedFeature, match="attnplug: backend 'attnplug_triton' does not support MLA .*"
+                                                 "with provider 'triton'"):
+        make_backend(make_runner(16))
+
+
+def test_mha_prefill_path_refused_by_name():
+    """SGLang's MHA prefill layer (``attn_mha``: H KV heads, head dims 48/32) never reaches attnplug
+    once the dispatch is registered; if it did, it is refused by name, never computed wrongly."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    runner = make_runner(16)
+    reqs = MLARequests(runner, [5], [0])
+    fb = reqs.batch(ForwardMode.EXTEND, [5])
+    be = make_backend(runner)
+    be.init_forward_metadata(fb)
+    mha = RadixAttention(H, DN + DR, SCALE, num_kv_heads=H, layer_id=0, v_head_dim=DN)
+    with pytest.raises(UnsupportedFeature, match="attnplug: backend 'attnplug_triton' does not support layer 0's "
+                                                 "attention of 4 KV heads, head dims 48/32 on an MLA model"):
+        be.forward_extend(torch.zeros(5, H * (DN + DR)), torch.zeros(5, H, DN + DR), torch.zeros(5, H, DN), mha, fb,
+                          save_kv_cache=False)
+
+
+def test_decode_graph_capture_then_replay_matches_reference():
+    """A decode batch padded to the captured size: capture (plan into static buffers), then a replay
+    with other lengths refreshed in place; the real rows equal the un-absorbed reference."""
+    runner = make_runner(16)
+    layer = mla_layer(0)
+    be = make_backend(runner)
+    bs = 4
+    be.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs)
+    for step, kv in enumerate([[9, 41, 3], [30, 17, 66]]):
+        reqs = MLARequests(runner, kv, [k - 1 for k in kv], seed=step)
+        fb = reqs.batch(ForwardMode.DECODE, [1, 1, 1])
+        pad = bs - 3
+        fill = torch.full((pad,), FILL_SEQ_LEN, dtype=torch.int64)
+        gfb = SimpleNamespace(**{**vars(fb), **dict(
+            batch_size=bs, num_padding=pad, req_pool_indices=torch.cat([fb.req_pool_indices, torch.zeros(pad, dtype=torch.int64)]),
+            seq_lens=torch.cat([fb.seq_lens, fill]), seq_lens_cpu=torch.cat([fb.seq_lens_cpu, fill]),
+            out_cache_loc=torch.cat([fb.out_cache_loc, torch.zeros(pad, dtype=torch.int64)]))})  # fmt: skip
+        be.init_forward_metadata_out_graph(gfb, in_capture=step == 0)
+        q, k, v, m = absorbed_inputs(bs, seed=11 + step)
+        out = be.forward_decode(q, k, v, layer, gfb)
+        want = unabsorbed_reference(runner, reqs, layer, {n: (t[:3] if n.startswith("q") else t) for n, t in m.items()},
+                                    [1, 1, 1])  # fmt: skip
+        torch.testing.assert_close(up(out[:3], m), want, atol=2e-4, rtol=1e-3)
+    assert be._stats.forwards == {"GRAPH_DECODE": 2}
