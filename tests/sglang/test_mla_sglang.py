@@ -36,7 +36,7 @@ def make_runner(page_size: int, num_slots: int = 512, layers: int = 2, **over):
     mc = SimpleNamespace(is_encoder_decoder=False, attention_arch=AttentionArch.MLA, dtype=torch.float32,
                          get_num_attention_heads=lambda tp: H // tp)
     runner = SimpleNamespace(device="cpu", page_size=page_size, req_to_token_pool=r2t, token_to_kv_pool=kv,
-                             kv_index_translator=None, model_config=mc, kv_cache_dtype=torch.float32,
+                             kv_index_translator=None, model_config=mc, dtype=mc.dtype, kv_cache_dtype=torch.float32,
                              is_draft_worker=False)
     for k, v in over.items():
         setattr(runner, k, v)
