@@ -2,9 +2,9 @@
 
 Read by :meth:`attnplug.core.providers.triton.TritonProvider.plan` (no autotuning in the serving
 path). ``benchmarks/sweep_triton.py`` measures candidates on the GPU and rewrites :data:`TILES`
-(the block between the markers below); the seeds are the 2026-11-29 H200 choices
-(``benchmarks/results/h200-sweep-triton-2026-11-29.jsonl``, ``benchmarks/NOTES.md`` v1/v2), so a
-table that nothing re-measured behaves as the provider did before the table existed.
+(the block between the markers below, with a line naming the sweeps that chose its entries); the
+seeds are the provider's first measured choices (``docs/measured-choices.md``), so a table that
+nothing re-measured behaves as the provider did before the table existed.
 
 Keys are ``"d{D}/g{G}/{bucket}"``: ``D`` = the head dim rounded up to 64 / 128 / 256, ``G`` = the
 GQA group rounded up to a power of two, or ``*`` for any group (an exact group wins); a ``/fp8``
@@ -36,7 +36,7 @@ partials stored in the output dtype instead of float32);
 ``fp8_f16`` (fp8 entries: fp16 dots, :mod:`.attention`); ``pairs`` (fp8 entries, ``decode`` kernel: K/V read
 as 16-bit byte pairs, :mod:`.decode`);
 ``small_tiles_from_splits`` (seed only: the tile fields apply from this many splits on, below it
-the ``decode_split`` tiles do: the 2026-11-29 rule).
+the ``decode_split`` tiles do: the seed's rule).
 """
 
 from __future__ import annotations

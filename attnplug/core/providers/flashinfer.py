@@ -3,7 +3,7 @@
 Kernels (flashinfer-python >= 0.6; written against 0.6.14):
 
 * DECODE: ``BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)`` (the prefill template run
-  as decode; 4.1 TB/s on H200 vs 2.8 TB/s for the CUDA-core kernel).
+  as decode; faster than the CUDA-core kernel: ``docs/measured-choices.md``).
 * EXTEND / MIXED / DRAFT_EXTEND / chain TARGET_VERIFY: ``BatchPrefillWithPagedKVCacheWrapper``,
   causal bottom-right; backend ``"fa3"`` (Hopper template) where supported, else ``"fa2"``.
 * TARGET_VERIFY with a tree mask: the same wrapper with ``custom_mask`` (FlashInfer packs the bool

@@ -122,8 +122,8 @@ def _tile_list(q_lens: np.ndarray, kv_lens: np.ndarray, counts: np.ndarray, ends
 
 
 # a full decode batch of more than this many programs an SM (``B * Hkv``) reads the ``decode_wide``
-# entry: beyond one wave of four programs an SM (H200 fp8: 7-stage one-warp programs win up to 512
-# programs, lose 2% at 768 and 40% at 1024: benchmarks/NOTES.md)
+# entry: beyond one wave of four programs an SM (deep one-warp pipelines stop paying off there:
+# docs/measured-choices.md)
 _WIDE_PROGRAMS_PER_SM = 4
 
 
@@ -177,7 +177,7 @@ class TritonProvider(Provider):
     def preferred_kv_layout(cls, kv_dtype: torch.dtype | None) -> str | None:
         """``"HND"`` for an fp8 cache: a decode program reads one KV head, whose ``P`` keys of a page
         are then one contiguous ``P * D``-byte run instead of ``P`` runs of ``D`` bytes ``Hkv * D`` apart
-        (H200, page 16, d128: fp8 decode 2-4% faster, bf16 within 1%: ``benchmarks/NOTES.md``)."""
+        (measured: ``docs/measured-choices.md``)."""
         return "HND" if kv_dtype in FP8_KV_DTYPES else None
 
     @classmethod
@@ -247,7 +247,7 @@ class TritonProvider(Provider):
 
     def _blocks(self, plan: Plan) -> tuple[int, int, int, int, int]:
         """(block_q, block_m, block_n, num_warps, num_stages) for this batch, from the tile table
-        (:mod:`attnplug.core.kernels.tiles`: H200 sweeps, ``benchmarks/sweep_triton.py``); decode
+        (:mod:`attnplug.core.kernels.tiles`, measured by ``benchmarks/sweep_triton.py``); decode
         batches that split refine theirs in :meth:`plan` once the split count is known."""
         cfg = self.config
         g = cfg.group_size
@@ -288,7 +288,7 @@ class TritonProvider(Provider):
         program waits for a slot, or one more an SM where that would leave a fifth of them idle), at
         most ``max_splits`` (64) and one per ``min_split_keys``
         keys (default 128 for ``decode_tiny`` and 16-bit ``decode_split`` batches, 512 for fp8
-        ``decode_split``: the H200's eager 1-4 x 1024-4096 rows, ``benchmarks/NOTES.md``).
+        ``decode_split``: ``docs/measured-choices.md``).
         ``noncausal`` (the cascade's prefix parts: tiles of equal work, on the paged or the prefill
         kernel): ``ctas_per_sm`` and ``min_split_keys`` from the ``noncausal`` entry when it names them
         (else the bucket's ``ctas_per_sm`` and the default keys), and at most that many
