@@ -328,6 +328,12 @@ class Provider(ABC):
         Default: ``None`` (the provider's plan holds no memory of its own)."""
         return None
 
+    def fixed_tile_options(self, plan: Plan) -> tuple[dict, int | None]:
+        """Plan options that fix the tile shape of ``plan`` (the largest batch of a graph part) for its
+        smaller batches too, so that their tile lists are prefixes of one list in static memory, and
+        the query rows of one such tile. Default ``({}, None)``: this provider has no tile knobs."""
+        return {}, None
+
     def graph(self, gs: "GraphState") -> ProviderGraph:
         """This provider's part of ``gs`` (raises :class:`UnsupportedFeature` when
         :attr:`graph_support` cannot serve ``gs.mode``)."""

@@ -316,6 +316,12 @@ class TritonProvider(Provider):
             per = num_pages(slots, programs)
         return max(1, min(e.get("max_splits", 64), by_len, per))
 
+    def fixed_tile_options(self, plan: Plan) -> tuple[dict, int | None]:
+        """``block_m`` of ``plan``'s tiles (planned here), and their query rows ``block_q``."""
+        self.plan(plan)
+        st: TritonState = plan.state
+        return {"block_m": st.block_m}, st.block_q
+
     def static_buffers(self, max_rows: int, max_tokens: int, max_kv_len: int, q: int = 1,
                        num_kv_splits: int | None = None) -> TritonStatic:
         """Tiles for ``max_tokens`` rows (the first ``max_rows`` hold the decode tile list) and split
