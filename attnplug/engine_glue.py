@@ -70,16 +70,16 @@ def provider_for(default: str) -> str:
     return selected_provider(default)
 
 
-def prepare_process(provider, device_type: str) -> None:
-    """Let ``provider`` (a provider class, or a backend's provider name: the override applies) prepare this
+def prepare_process(provider: str, device_type: str) -> None:
+    """Let the provider of a backend whose own provider is ``provider`` (the override applies) prepare this
     process (and the ones it spawns) for ``device_type`` before its library is imported, e.g. the Triton
-    interpreter on CPU. Never raises: an unknown or broken provider fails later, at backend
+    interpreter on CPU; for the adapters' registration hooks (a backend calls its resolved class's
+    ``prepare_process``). Never raises: an unknown or broken provider fails later, at backend
     construction, with its own message."""
     try:
         from attnplug.core.registry import resolve_provider  # noqa: PLC0415 - light, but not at load
 
-        cls = resolve_provider(provider)[1] if isinstance(provider, str) else provider
-        cls.prepare_process(device_type)
+        resolve_provider(provider)[1].prepare_process(device_type)
     except Exception as e:  # noqa: BLE001 - a registration hook must never break the engine
         logger.warning("attnplug: preparing provider %r for %s failed (%s)", provider, device_type, e)
 

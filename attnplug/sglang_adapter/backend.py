@@ -128,7 +128,7 @@ class AttnplugAttnBackend(AttentionBackend):
         # when a batch carries no seq_lens_sum (0.5.17 and 0.5.23 read it off any target backend).
         self.max_context_len = int(self.req_to_token_pool.req_to_token.shape[1])
 
-        engine_glue.prepare_process(self.provider, self.device.type)  # too late only if triton was imported
+        self.provider.prepare_process(self.device.type)  # too late only if triton was imported
 
         self._configs: dict[tuple, AttentionConfig] = {}  # a layer's fields -> its core config
         self._attn: dict[AttentionConfig, PagedAttention] = {}  # one per distinct layer config
@@ -163,6 +163,8 @@ class AttnplugAttnBackend(AttentionBackend):
     def unsupported(self, feature: str) -> UnsupportedFeature:
         """The refusal of ``feature``, naming attnplug and this backend (raise it)."""
         return UnsupportedFeature(f"attnplug: backend '{self.backend_name}' does not support {feature}")
+
+    _unsupported = unsupported  # the former name, for branches written before it became public
 
     def _cannot_start(self, e: ProviderUnavailable) -> ProviderUnavailable:
         why = str(e).removeprefix("attnplug: ")

@@ -4,7 +4,7 @@
 * ``MetadataBuilder.build``: ``CommonAttentionMetadata`` -> core ``BatchMetadata`` -> one
   ``PagedAttention.plan`` per forward for each distinct layer config (shared by its layers).
 * CUDA graphs / EAGLE drafting (uniform batches: decode, draft steps, spec verify): the builder
-  owns a core ``GraphFamily`` per query length (a ``GraphState`` per layer config);
+  owns a core ``GraphFamily`` per query length (:class:`_UniformGraphs`; a ``GraphState`` per layer config);
   capture, replay-time builds, draft builds and ``update_draft_decode_metadata`` translate
   vLLM's block table + ``seq_lens`` into their static buffers on the device, in place
   (:class:`AttnplugGraphMetadata`). Levels per provider: :func:`graph_level` (from its ``graph_support``).
@@ -308,13 +308,34 @@ class AttnplugMetadata:
         return attn, plan
 
 
+class _UniformGraphs(GraphFamily):
+    """The core's :class:`GraphFamily` of uniform batches of ``q`` query tokens per request over vLLM's
+    block table (``q = 1``: decode and draft steps; ``q = 1 + num_speculative_tokens``: spec-decode
+    verify, a causal-chain mask), one ``GraphState`` per layer config of ``attention``. A row with
+    ``seq_len <= 0`` is a vLLM padding row: the core's padded request on ``pad_page``, vLLM's null block."""
+
+    def __init__(self, attention, provider, page_size: int, max_batch: int, max_seq_len: int, device,
+                 pad_page: int, q: int = 1, cascade: str = "off", refuse=None):  # fmt: skip
+        super().__init__(provider, refuse=refuse, max_batch=max_batch, max_tokens=max_batch * q,
+                         max_pages=max_batch * num_pages(max_seq_len, page_size), device=device,
+                         mode="decode" if q == 1 else "verify", num_draft_tokens=q, pad_page=pad_page,
+                         max_seq_len=max_seq_len, cascade=cascade if q == 1 else "off", chain=q > 1)
+        self.add(attention)
+
+    def refresh(self, seq_lens: torch.Tensor, block_table: torch.Tensor, bs: int,
+                host_seq_lens: torch.Tensor | None = None) -> None:
+        """``seq_lens [n]`` / ``block_table [n, W]`` (``n <= bs``; rows ``n..bs-1`` padding) into every
+        state, in place (:meth:`GraphFamily.refresh_from_block_table`)."""
+        self.refresh_from_block_table(seq_lens, block_table, bs, host_seq_lens=host_seq_lens)
+
+
 @dataclass
 class AttnplugGraphMetadata:
     """Metadata of a uniform batch of ``bs`` rows (``q`` tokens each) living in the builder's static
     buffers (CUDA-graph capture / replay, draft steps). ``seq_lens`` / ``block_table`` are the
     vLLM buffers it was built from; ``update_draft_decode_metadata`` re-reads them in place."""
 
-    graphs: GraphFamily
+    graphs: _UniformGraphs
     bs: int
     seq_lens: torch.Tensor
     block_table: torch.Tensor
@@ -368,7 +389,7 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         self._refuse_extra("metadata-builder options", extra)  # e.g. block_table_width (requires_block_table_width)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         backend = self.BACKEND
-        self._graphs: dict[int, GraphFamily] | None = None  # per q, created on first graph / draft use
+        self._graphs: dict[int, _UniformGraphs] | None = None  # per q, created on first graph / draft use
         self._level = self.get_cudagraph_support(vllm_config, kv_cache_spec).name
         # a provider that re-plans on the host cannot update drafts in place (in-graph): its drafts build eagerly
         try:
@@ -387,7 +408,7 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         head_v = getattr(kv_cache_spec, "head_size_v", kv_cache_spec.head_size)
         if head_v != kv_cache_spec.head_size:
             raise backend.refuse(f"different K and V head sizes ({kv_cache_spec.head_size} / {head_v})")
-        engine_glue.prepare_process(self._provider, torch.device(device).type)
+        self._provider.prepare_process(torch.device(device).type)
         self.attention: dict[AttentionConfig, PagedAttention] = {}
         model_dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", None)
         if not isinstance(model_dtype, torch.dtype):  # no model config (unit tests): the spec's, unquantized
@@ -461,7 +482,7 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         # padded tokens past num_reqs * q (a vLLM that pads tokens, not requests): padding rows
         return max(n, cam.num_actual_tokens // q if cam.num_actual_tokens % q == 0 else n), q
 
-    def _graph_family(self, q: int) -> GraphFamily | None:
+    def _graph_family(self, q: int) -> _UniformGraphs | None:
         """Static state of uniform batches of ``q`` query tokens per request, one core ``GraphState``
         per layer config (created on first use; ``q = 1``: decode and draft steps; ``q = 1 +
         num_speculative_tokens``: spec-decode verify with a causal-chain mask); ``None`` if this
@@ -474,20 +495,17 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
             self._graphs = {}
         if q not in self._graphs:
             max_batch, max_seq_len = compat.graph_limits(self.vllm_config)
-            self._graphs[q] = GraphFamily(
-                self._provider, refuse=self.BACKEND.refuse, max_batch=max_batch, max_tokens=max_batch * q,
-                max_pages=max_batch * num_pages(max_seq_len, self.page_size), device=self.device,
-                mode="decode" if q == 1 else "verify", num_draft_tokens=q, pad_page=compat.null_block_id(),
-                max_seq_len=max_seq_len, cascade=self._graph_cascade_mode if q == 1 else "off", chain=q > 1,
-            ).add(self.attention)
+            self._graphs[q] = _UniformGraphs(self.attention, self._provider, self.page_size, max_batch, max_seq_len,
+                                             self.device, compat.null_block_id(), q, self._graph_cascade_mode,
+                                             refuse=self.BACKEND.refuse)  # fmt: skip
         return self._graphs[q]
 
-    def _build_graph(self, cam, g: GraphFamily, bs: int) -> AttnplugGraphMetadata:
+    def _build_graph(self, cam, g: _UniformGraphs, bs: int) -> AttnplugGraphMetadata:
         g.plan_for(bs)  # no-op once this bs is planned (replay)
         n = cam.num_reqs
         md = AttnplugGraphMetadata(g, bs, compat.seq_lens(cam)[:n], cam.block_table_tensor[:n])
         host = compat.host_seq_lens(cam, self._spec_tokens == 0) if g.host_lengths else None
-        g.refresh_from_block_table(md.seq_lens, md.block_table, bs, host_seq_lens=host)
+        g.refresh(md.seq_lens, md.block_table, bs, host)
         STATS["builds"] += 1
         STATS["graph_builds"] += 1
         counts = g.cascade_counts
@@ -556,7 +574,7 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
             raise self._refuse_graphs("in-place (capturable) draft metadata updates")
         if not isinstance(metadata, AttnplugGraphMetadata):
             raise self._refuse_graphs("in-place draft metadata update of a non-decode (eager) batch")
-        metadata.graphs.refresh_from_block_table(metadata.seq_lens, metadata.block_table, metadata.bs)
+        metadata.graphs.refresh(metadata.seq_lens, metadata.block_table, metadata.bs)
 
 
 class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
