@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 logger = logging.getLogger("attnplug")
 
-PROVIDER_OVERRIDE_ENV = "ATTNPLUG_PROVIDER_OVERRIDE"
+PROVIDER_OVERRIDE_ENV = "ATTNPLUG_PROVIDER_OVERRIDE"  # the core registry's (``registry.selected_provider``)
 MARKER_ENV = "ATTNPLUG_MARKER_DIR"
 
 
@@ -66,17 +66,21 @@ class BackendTable(Mapping):
 
 def provider_for(default: str) -> str:
     """The core provider a backend whose own provider is ``default`` runs (the override wins)."""
-    return os.environ.get(PROVIDER_OVERRIDE_ENV) or default
+    from attnplug.core.registry import selected_provider  # noqa: PLC0415 - light, but not at load
+
+    return selected_provider(default)
 
 
 def prepare_process(provider: str, device_type: str) -> None:
-    """Let ``provider`` prepare this process (and the ones it spawns) for ``device_type`` before its
-    library is imported, e.g. the Triton interpreter on CPU. Never raises: an unknown or broken
-    provider fails later, at backend construction, with its own message."""
+    """Let the provider of a backend whose own provider is ``provider`` (the override applies) prepare this
+    process (and the ones it spawns) for ``device_type`` before its library is imported, e.g. the Triton
+    interpreter on CPU; for the adapters' registration hooks (a backend calls its resolved class's
+    ``prepare_process``). Never raises: an unknown or broken provider fails later, at backend
+    construction, with its own message."""
     try:
-        from attnplug.core.registry import get_provider_cls
+        from attnplug.core.registry import resolve_provider  # noqa: PLC0415 - light, but not at load
 
-        get_provider_cls(provider).prepare_process(device_type)
+        resolve_provider(provider)[1].prepare_process(device_type)
     except Exception as e:  # noqa: BLE001 - a registration hook must never break the engine
         logger.warning("attnplug: preparing provider %r for %s failed (%s)", provider, device_type, e)
 

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from attnplug.core.graph_views import HostBatch
 from attnplug.core.pages import tokens_from_pages
-from attnplug.core.plan import Plan
+from attnplug.core.plan import Plan, ProviderState
 from attnplug.core.providers import GraphSupport, Provider, ProviderGraph, register_provider
 from attnplug.core.reference import reference_attention
 
@@ -22,7 +23,7 @@ TOY = "toy"
 
 
 @dataclass
-class ToyState:
+class ToyState(ProviderState):
     planned_batch: int  # the batch size this plan was built for
 
 
@@ -33,12 +34,12 @@ class ToyGraph(ProviderGraph):
         super().__init__(provider, gs)
         self.refreshes: list[tuple[int, bool]] = []  # (bs, device_table) per refresh
 
-    def refresh(self, plan: Plan, bs: int, host: dict | None, device_table: bool) -> None:
+    def refresh(self, plan: Plan, bs: int, host: HostBatch | None, device_table: bool) -> None:
         if host is None:
             raise ValueError("attnplug: provider 'toy' plans on the host: a replay needs host metadata")
         P = plan.config.page_size
-        plan.kv_indptr_cpu, plan.kv_last_page_len_cpu = host["kv_indptr"], host["kv_last_page_len"]
-        plan.kv_indices_cpu = host["kv_indices"].cpu()
+        plan.kv_indptr_cpu, plan.kv_last_page_len_cpu = host.kv_indptr, host.kv_last_page_len
+        plan.kv_indices_cpu = host.kv_indices.cpu()
         plan.kv_lens_cpu = tokens_from_pages(plan.kv_indptr_cpu[1:] - plan.kv_indptr_cpu[:-1],
                                              plan.kv_last_page_len_cpu, P).to(torch.int32)  # fmt: skip
         self.refreshes.append((bs, device_table))
@@ -76,7 +77,7 @@ class ToyChainGraph(ToyGraph):
     """The toy's part of a causal-chain verify family (``GraphState(chain=True)``): re-planned on the host
     from host lengths after the one-launch update from a device page table, as FlashInfer's chain family."""
 
-    def refresh(self, plan: Plan, bs: int, host: dict | None, device_table: bool) -> None:
+    def refresh(self, plan: Plan, bs: int, host: HostBatch | None, device_table: bool) -> None:
         """As the toy's, plus the host twins of the chain mask's layout (FlashInfer's causal plan needs
         none: it derives the chain from the lengths)."""
         super().refresh(plan, bs, host, device_table)

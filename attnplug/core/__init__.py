@@ -21,6 +21,24 @@ _EXPORTS = {
     "available_providers": ".providers",
     "provider_instance": ".providers",
     "reference_attention": ".reference",
+    # what the engine adapters use: one entry point
+    "resolve_provider": ".registry",
+    "GraphFamily": ".graph_family",
+    "FILL_SEQ_LEN": ".cuda_graph",
+    "write_kv_capturable": ".kv_layout",
+    "cascade_mode": ".cascade",
+    "graph_cascade_mode": ".cascade",
+    "num_pages": ".pages",
+    "csr_from_req_to_token": ".page_table",
+    "FP8_KV_DTYPES": ".config",
+    "KV_DTYPE_NAMES": ".config",
+    "MAX_PAGE_SIZE": ".config",
+    "is_fp8": ".config",
+    "kv_dtype_from_name": ".config",
+    "MultiStepDraftPlanner": ".draft",
+    "step_batches_from_token_table": ".draft",
+    "token_config": ".draft",
+    "token_view": ".draft",
 }
 
 __all__ = sorted(_EXPORTS)

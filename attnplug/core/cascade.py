@@ -440,12 +440,8 @@ class CascadeGraph:
         self.provider = gs.provider.graph_prefix_provider()  # the prefix part's plans apart; its static memory below
         # one block_m for every bs (when the provider takes the knob): the tile lists of all bs are then
         # prefixes of one list in the static memory, of tiles of block_q query rows each
-        self.block_m, block_q = None, gs.max_batch * gs.q
-        if "block_m" in self.provider.OPTIONS:
-            probe = self._plan(gs.max_batch)
-            self.provider.plan(probe)
-            self.block_m = getattr(probe.state, "block_m", None)
-            block_q = getattr(probe.state, "block_q", None) or gs.max_batch * gs.q
+        self.tile_options, block_q = self.provider.fixed_tile_options(self._plan(gs.max_batch))
+        block_q = block_q or gs.max_batch * gs.q
         # split partials for the largest tiles * block_q * splits(tiles) over the captured sizes
         rows = gs.max_batch * gs.q
         self.static = self.provider.static_buffers(max_rows=num_pages(rows, block_q), max_tokens=rows,
@@ -470,9 +466,8 @@ class CascadeGraph:
 
     def prepare_capture(self, bs: int) -> None:
         """The prefix plan of ``bs * q`` query rows (outside the graph)."""
-        plan, knobs = self._plan(bs), {}
-        if plan.max_q_len > 1 and self.block_m is not None:
-            knobs["block_m"] = self.block_m
+        plan = self._plan(bs)
+        knobs = dict(self.tile_options) if plan.max_q_len > 1 else {}
         if self.gs.num_kv_splits is not None and "num_kv_splits" in self.provider.OPTIONS:
             knobs["num_kv_splits"] = self.gs.num_kv_splits  # the static split memory is sized by it
         if knobs:

@@ -35,6 +35,7 @@ import torch
 
 from .cascade import CascadeGraph, cascade_mode
 from .config import AttentionConfig, UnsupportedFeature
+from .graph_views import HostBatch, StaticViews
 from .metadata import BatchMetadata, ForwardMode
 from .pages import indptr_from_counts, last_page_len, num_pages, tokens_from_pages
 from .plan import Plan, _leading_visible_columns
@@ -153,16 +154,15 @@ class GraphState:
         return not self.provider.graph_support.device_refresh
 
     # -- helpers -----------------------------------------------------------------------------------
-    def static_views(self, bs: int) -> dict:
-        """The static buffers as the ``bs`` batch's plan sees them (``qo_indptr``, ``kv_indptr``,
-        ``kv_indices``, ``kv_last_page_len``, ``kv_lens``; verify: ``mask``, ``mask_indptr``, ``mask_free``)."""
-        v = dict(qo_indptr=self.qo_indptr[: bs + 1], kv_indptr=self.kv_indptr[: bs + 1], kv_indices=self.kv_indices,
-                 kv_last_page_len=self.kv_last_page_len[:bs], kv_lens=self.kv_lens[:bs])
+    def static_views(self, bs: int) -> StaticViews:
+        """The static buffers as the ``bs`` batch's plan sees them (verify: with the mask's)."""
+        v = StaticViews(qo_indptr=self.qo_indptr[: bs + 1], kv_indptr=self.kv_indptr[: bs + 1],
+                        kv_indices=self.kv_indices, kv_last_page_len=self.kv_last_page_len[:bs], kv_lens=self.kv_lens[:bs])
         if self.mode == "verify":
-            v.update(mask=self.mask, mask_indptr=self.mask_indptr[: bs + 1], mask_free=self.mask_free[:bs])
+            v.mask, v.mask_indptr, v.mask_free = self.mask, self.mask_indptr[: bs + 1], self.mask_free[:bs]
         return v
 
-    def _padded_host(self, batch: BatchMetadata, bs: int) -> dict | None:
+    def _padded_host(self, batch: BatchMetadata, bs: int) -> HostBatch | None:
         """Host twins of the padded batch (``None`` when the inputs live on the device)."""
         if batch.kv_indptr.device.type != "cpu" or batch.kv_last_page_len.device.type != "cpu":
             return None
@@ -172,42 +172,42 @@ class GraphState:
         idx = torch.cat([batch.kv_indices.cpu().to(_I32), torch.full((pad * self.pad_pages,), self.pad_page, dtype=_I32)])
         last = torch.cat([batch.kv_last_page_len.to(_I32), torch.full((pad,), self.pad_last, dtype=_I32)])
         kv_lens = tokens_from_pages(ind[1:] - ind[:-1], last, P).to(_I32)
-        h = dict(qo_indptr=torch.arange(bs + 1, dtype=_I32) * self.q, kv_indptr=ind, kv_indices=idx,
-                 kv_last_page_len=last, kv_lens=kv_lens, q_lens=torch.full((bs,), self.q, dtype=_I32))
+        h = HostBatch(qo_indptr=torch.arange(bs + 1, dtype=_I32) * self.q, kv_indptr=ind, kv_indices=idx,
+                      kv_last_page_len=last, kv_lens=kv_lens, q_lens=torch.full((bs,), self.q, dtype=_I32))
         if self.mode == "verify":
-            h["mask_indptr"], h["mask_free"] = indptr_from_counts(kv_lens.long() * self.q, torch.int64), kv_lens - self.q
+            h.mask_indptr, h.mask_free = indptr_from_counts(kv_lens.long() * self.q, torch.int64), kv_lens - self.q
             if batch.custom_mask is not None and batch.custom_mask.device.type == "cpu":
-                tail = torch.ones(int(h["mask_indptr"][-1]) - batch.custom_mask.numel(), dtype=torch.bool)
-                h["mask"] = torch.cat([batch.custom_mask.bool(), tail]).to(torch.uint8)
+                tail = torch.ones(int(h.mask_indptr[-1]) - batch.custom_mask.numel(), dtype=torch.bool)
+                h.mask = torch.cat([batch.custom_mask.bool(), tail]).to(torch.uint8)
                 self._check_prefix_visible(h, bs)
                 if self.chain:
                     self._check_chain(h, batch.batch_size)
         return h
 
-    def _check_prefix_visible(self, h: dict, bs: int) -> None:
+    def _check_prefix_visible(self, h: HostBatch, bs: int) -> None:
         """The verify graphs' contract, checked where the mask is on the host (capture, CPU): every
         draft token sees the whole committed prefix (``mask_free = kv_len - q``; the kernels skip
         the mask there). A device mask (a replay) is not read back: that would sync."""
-        free = _leading_visible_columns(h["mask"], h["mask_indptr"], h["q_lens"], h["kv_lens"])
-        hidden = torch.nonzero(free < h["mask_free"])
+        free = _leading_visible_columns(h.mask, h.mask_indptr, h.q_lens, h.kv_lens)
+        hidden = torch.nonzero(free < h.mask_free)
         if hidden.numel():
             b = int(hidden[0])
             raise UnsupportedFeature(
                 f"attnplug: provider '{self.provider.name}' CUDA-graph verify needs every draft token to see the "
-                f"whole committed prefix; request {b}'s mask hides prefix column {int(free[b])} of {int(h['mask_free'][b])}")
+                f"whole committed prefix; request {b}'s mask hides prefix column {int(free[b])} of {int(h.mask_free[b])}")
 
-    def _check_chain(self, h: dict, n: int) -> None:
+    def _check_chain(self, h: HostBatch, n: int) -> None:
         """A chain family's contract, checked where the mask is on the host: the ``n`` real requests'
         masks are causal chains (row ``i`` of a request sees columns ``c <= kv_len - q + i``)."""
         for b in range(n):
-            kv, lo = int(h["kv_lens"][b]), int(h["mask_indptr"][b])
-            m = h["mask"][lo : lo + self.q * kv].view(self.q, kv).bool()
+            kv, lo = int(h.kv_lens[b]), int(h.mask_indptr[b])
+            m = h.mask[lo : lo + self.q * kv].view(self.q, kv).bool()
             if not torch.equal(m, chain_mask(self.q, kv)):
                 raise UnsupportedFeature(
                     f"attnplug: provider '{self.provider.name}' CUDA-graph verify family of causal chains "
                     f"(chain=True) got a tree mask for request {b}: use a family with chain=False")
 
-    def _host_csr(self, seq_lens: torch.Tensor, bs: int) -> dict:
+    def _host_csr(self, seq_lens: torch.Tensor, bs: int) -> HostBatch:
         """Host ``kv_indptr [bs+1]`` / ``kv_last_page_len [bs]`` of the padded batch of ``seq_lens [n]``
         (the same padding as the kernel: ``<= 0`` and rows ``n..bs-1`` are padded requests), with
         ``kv_indices`` the device buffer's used prefix."""
@@ -216,7 +216,7 @@ class GraphState:
         host = seq_lens.cpu()
         s[:n] = torch.where(host > 0, host, self.pad_kv_len).to(_I32)
         ind = indptr_from_counts(num_pages(s, P))
-        return dict(kv_indptr=ind, kv_indices=self.kv_indices[: int(ind[-1])], kv_last_page_len=last_page_len(s, P))
+        return HostBatch(kv_indptr=ind, kv_indices=self.kv_indices[: int(ind[-1])], kv_last_page_len=last_page_len(s, P))
 
     # -- capture / replay --------------------------------------------------------------------------
     def prepare_capture(self, bs: int, batch: BatchMetadata | None = None) -> Plan:
@@ -239,9 +239,9 @@ class GraphState:
             config=self.config, mode=ForwardMode.DECODE if self.mode == "decode" else ForwardMode.TARGET_VERIFY,
             batch_size=bs, num_tokens=bs * self.q, max_q_len=self.q, max_kv_len=self.max_seq_len,
             causal=self.mode == "decode", device=self.device,
-            qo_indptr_cpu=h["qo_indptr"], kv_indptr_cpu=h["kv_indptr"], kv_indices_cpu=h["kv_indices"],
-            kv_last_page_len_cpu=h["kv_last_page_len"], q_lens_cpu=h["q_lens"], kv_lens_cpu=h["kv_lens"],
-            mask_indptr_cpu=h.get("mask_indptr"), mask_free_cpu=h.get("mask_free"), **self.static_views(bs),
+            qo_indptr_cpu=h.qo_indptr, kv_indptr_cpu=h.kv_indptr, kv_indices_cpu=h.kv_indices,
+            kv_last_page_len_cpu=h.kv_last_page_len, q_lens_cpu=h.q_lens, kv_lens_cpu=h.kv_lens,
+            mask_indptr_cpu=h.mask_indptr, mask_free_cpu=h.mask_free, **self.static_views(bs).plan_fields(),
         )
         self.plans[bs] = plan
         self.graph.plan(plan, bs)
@@ -309,10 +309,10 @@ class GraphState:
             torch.sub(kl, q, out=self.mask_free[:bs])
         h = self._padded_host(batch, bs)
         if h is not None:  # keep the host twins current (reference checks, host-planning providers)
-            plan.kv_indptr_cpu, plan.kv_indices_cpu = h["kv_indptr"], h["kv_indices"]
-            plan.kv_last_page_len_cpu, plan.kv_lens_cpu = h["kv_last_page_len"], h["kv_lens"]
+            plan.kv_indptr_cpu, plan.kv_indices_cpu = h.kv_indptr, h.kv_indices
+            plan.kv_last_page_len_cpu, plan.kv_lens_cpu = h.kv_last_page_len, h.kv_lens
             if self.mode == "verify":
-                plan.mask_indptr_cpu, plan.mask_free_cpu = h["mask_indptr"], h["mask_free"]
+                plan.mask_indptr_cpu, plan.mask_free_cpu = h.mask_indptr, h.mask_free
         self.graph.refresh(plan, bs, h, device_table=False)
         return plan
 
@@ -378,9 +378,9 @@ class GraphState:
                                entry_tokens=entry_tokens, q=self.q)  # fmt: skip
         graph_batch_from_block_table(
             seq_lens, block_table, bs, self.config.page_size, self.pad_page, self.pad_kv_len,
-            v["kv_indptr"], self.kv_indices, v["kv_last_page_len"], v["kv_lens"],
+            v.kv_indptr, self.kv_indices, v.kv_last_page_len, v.kv_lens,
             block_table_out=self.graph.block_table, q=self.q,
-            mask=self.mask if verify else None, mask_indptr=v.get("mask_indptr"), mask_free=v.get("mask_free"),
+            mask=self.mask if verify else None, mask_indptr=v.mask_indptr, mask_free=v.mask_free,
             max_batch=self.max_batch, row_ids=row_ids, entry_tokens=entry_tokens,
             shared=None if c is None else c.shared, prefix=None if c is None else (c.kv_indptr, c.kv_indices, c.kv_lens),
             counts=None if c is None else c.counts, active=None if c is None else c.active,

@@ -166,3 +166,22 @@ def write_kv_fixed_shape(
     keep = keep[:, None, None]
     k_cache[page, off] = torch.where(keep, _to_cache(k[:T], k_cache, k_scale), k_cache[page, off])
     v_cache[page, off] = torch.where(keep, _to_cache(v[:T], v_cache, v_scale), v_cache[page, off])
+
+
+def write_kv_capturable(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    scratch_page: int = 0, k_scale: torch.Tensor | float | None = None, v_scale: torch.Tensor | float | None = None,
+) -> None:
+    """:func:`write_kv` of ``k, v [>= T, H_kv, D]`` to ``slot_mapping [T]`` (negative = padding) in NHD
+    ``k_cache / v_cache [pages, P, H_kv, D]``, with no host sync, so a CUDA graph can capture it: where
+    Triton runs (CUDA, or the interpreter on CPU) one launch (``kernels.kv_write.write_kv_paged``), else
+    :func:`write_kv_fixed_shape` (padding to ``scratch_page``). fp8 caches: quantized with saturation by
+    ``k_scale`` / ``v_scale``. Both engine adapters write through it."""
+    from .providers.triton import triton_runs_on  # noqa: PLC0415 - no triton import unless it runs
+
+    if triton_runs_on(k_cache):
+        from .kernels.kv_write import write_kv_paged  # noqa: PLC0415 - triton is optional
+
+        write_kv_paged(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return
+    write_kv_fixed_shape(k, v, k_cache, v_cache, slot_mapping, scratch_page, k_scale, v_scale)

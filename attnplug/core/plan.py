@@ -8,7 +8,7 @@ the value expected. Providers then add their own kernel arguments to the plan; t
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -16,6 +16,17 @@ import torch
 from .config import AttentionConfig
 from .metadata import BatchMetadata, ForwardMode
 from .staging import to_device
+
+if TYPE_CHECKING:
+    from .cascade import CascadePlan
+
+
+class ProviderState:
+    """Base of a provider's per-forward state (``Plan.state``: its launch arguments, set by ``Provider.plan``)."""
+
+
+class ProviderStatic:
+    """Base of a provider's static memory (``Provider.static_buffers``, handed back to ``Provider.plan``)."""
 
 
 @dataclass(frozen=True)
@@ -109,8 +120,8 @@ class Plan:
     mask_free: torch.Tensor | None = None
     mask_free_cpu: torch.Tensor | None = None
     options: PlanOptions = field(default_factory=lambda: PlanOptions())
-    state: Any = None
-    cascade: Any = None
+    state: ProviderState | None = None
+    cascade: CascadePlan | None = None
     max_page_id: int = -1
 
     def replace(self, **changes: Any) -> "Plan":

@@ -9,6 +9,7 @@ happens in ``check_available`` / at first use).
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -78,6 +79,27 @@ def install_hint(name: str) -> str:
     """How to make provider ``name`` available."""
     entry = _REGISTRY.get(name)
     return entry.install_hint if entry else f"unknown provider {name!r}; expected one of {provider_names()}"
+
+
+#: Debug only: run every attnplug backend on this core provider (e.g. ``reference``, the float32 oracle).
+PROVIDER_OVERRIDE_ENV = "ATTNPLUG_PROVIDER_OVERRIDE"
+
+
+def selected_provider(default: str) -> str:
+    """The provider name a backend whose own provider is ``default`` runs (``$ATTNPLUG_PROVIDER_OVERRIDE`` wins)."""
+    return os.environ.get(PROVIDER_OVERRIDE_ENV) or default
+
+
+def resolve_provider(default: str, chosen: str | None = None) -> tuple[str, type[Provider]]:
+    """``(name, class)`` of the provider an engine backend runs, resolved once by the backend and passed
+    down as a class: ``chosen`` if given, else :func:`selected_provider` of the backend's ``default``.
+
+    Raises:
+        ValueError: unknown name.
+        ProviderUnavailable: the provider's module cannot be imported here.
+    """
+    name = chosen or selected_provider(default)
+    return name, get_provider_cls(name)
 
 
 def get_provider_cls(name: str) -> type[Provider]:

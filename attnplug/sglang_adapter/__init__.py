@@ -63,12 +63,11 @@ def _make_draft_backend(factory, name: str, multi_step: bool):
         from .draft import AttnplugMultiStepDraftBackend
 
         return AttnplugMultiStepDraftBackend(runner, factory.topk, factory.speculative_num_steps, backend_name=name)
-    from attnplug import engine_glue
-    from attnplug.core.providers import get_provider_cls
+    from attnplug.core import resolve_provider
 
     from .draft import AttnplugDraftExtendBackend
 
-    if not get_provider_cls(engine_glue.provider_for(BACKENDS[name])).graph_support.chain_verify:
+    if not resolve_provider(BACKENDS[name])[1].graph_support.chain_verify:
         from .backend import AttnplugAttnBackend  # SGLang's capture check fails for it: draft extend eager
 
         return AttnplugAttnBackend(runner, backend_name=name)
@@ -112,7 +111,7 @@ def _prepare_selected_providers(result, server_args, *args, **kwargs):
                  ("attention_backend", "prefill_attention_backend", "decode_attention_backend")}
         device = str(getattr(server_args, "device", "") or "cuda")
         for name in names & set(BACKENDS):
-            engine_glue.prepare_process(engine_glue.provider_for(BACKENDS[name]), device)
+            engine_glue.prepare_process(BACKENDS[name], device)  # the override applies
     except Exception as e:  # noqa: BLE001 - never break argument resolution
         logger.warning("attnplug: could not prepare the selected attnplug providers (%s)", e)
     return None  # keep SGLang's result

@@ -46,8 +46,23 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from attnplug import engine_glue
-from attnplug.core.cascade import graph_cascade_mode
-from attnplug.core.pages import num_pages
+from attnplug.core import (
+    FILL_SEQ_LEN,
+    FP8_KV_DTYPES,
+    MAX_PAGE_SIZE,
+    AttentionConfig,
+    BatchMetadata,
+    ForwardMode as CoreMode,
+    GraphFamily,
+    PagedAttention,
+    ProviderUnavailable,
+    UnsupportedFeature,
+    csr_from_req_to_token,
+    graph_cascade_mode,
+    num_pages,
+    resolve_provider,
+    write_kv_capturable,
+)
 
 from . import compat
 
@@ -86,16 +101,17 @@ class AttnplugAttnBackend(AttentionBackend):
         from attnplug.sglang_adapter import BACKENDS
 
         self.backend_name = backend_name
-        self.provider_name = provider or engine_glue.provider_for(BACKENDS[backend_name])
         self.device = torch.device(model_runner.device)
+        try:  # resolved once: every core object gets the class
+            self.provider_name, self.provider = resolve_provider(provider or BACKENDS[backend_name], provider)
+        except ProviderUnavailable as e:
+            raise self._cannot_start(e) from e
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.kv_index_translator = getattr(model_runner, "kv_index_translator", None)
         self.page_size = int(getattr(model_runner, "page_size", 1) or 1)
-        from attnplug.core.config import MAX_PAGE_SIZE
-
         if not 1 <= self.page_size <= MAX_PAGE_SIZE:
-            raise self._unsupported(f"page size {self.page_size} (--page-size; supported: 1..{MAX_PAGE_SIZE})")
+            raise self.unsupported(f"page size {self.page_size} (--page-size; supported: 1..{MAX_PAGE_SIZE})")
         self._check_model(model_runner)
         self._extend_modes = compat.extend_like_modes()
 
@@ -106,47 +122,52 @@ class AttnplugAttnBackend(AttentionBackend):
         self.num_qo_heads = int(mc.get_num_attention_heads(compat.attn_tp_size()))
         slots = int(pool.get_key_buffer(getattr(pool, "start_layer", 0)).shape[0])
         if slots % self.page_size:
-            raise self._unsupported(f"a KV pool of {slots} slots that is not a whole number of pages of {self.page_size}")
+            raise self.unsupported(f"a KV pool of {slots} slots that is not a whole number of pages of {self.page_size}")
         self.num_pages = slots // self.page_size
         # SGLang's EAGLE worker sizes a verify tree mask with ``bs * attn_backend.max_context_len``
         # when a batch carries no seq_lens_sum (0.5.17 and 0.5.23 read it off any target backend).
         self.max_context_len = int(self.req_to_token_pool.req_to_token.shape[1])
 
-        engine_glue.prepare_process(self.provider_name, self.device.type)  # too late only if triton was imported
+        self.provider.prepare_process(self.device.type)  # too late only if triton was imported
 
-        self._attn: dict[tuple, object] = {}  # per-layer-config key -> PagedAttention
-        self._planned: dict[tuple, int] = {}  # key -> forward id its plan belongs to
+        self._configs: dict[tuple, AttentionConfig] = {}  # a layer's fields -> its core config
+        self._attn: dict[AttentionConfig, PagedAttention] = {}  # one per distinct layer config
+        self._planned: dict[AttentionConfig, int] = {}  # config -> forward id its plan belongs to
         self._checked_layers: set[int] = set()
         self._forward_id = 0
         self._batch = None  # BatchMetadata of the current forward
         self._runner = model_runner
-        self._graphs = None  # {"decode"|"verify": {layer key: GraphState}} after init_cuda_graph_state
+        self._graphs: dict[str, GraphFamily] | None = None  # "decode" / "verify" / "draft_extend" families
         self._graph_cfg: dict = {}
-        self._graph_fwd = None  # (mode, bs, BatchMetadata) of the current CUDA-graph forward
+        self._graph_fwd = None  # (mode, bs) of the current CUDA-graph forward
         self.graph_refusal: str | None = None  # graphs refused, and why (shown at init_cuda_graph_state)
         self.draft_extend = False  # set by the EAGLE draft-extend factory: graphs of DRAFT_EXTEND(_V2) batches
         self._stats = _Stats()
         self._late_counts = engine_glue.LateCounts()  # decode-graph cascade counters, read without a sync
         # Build the provider now: an unavailable provider or unsupported config fails at startup.
-        self._probe_key = (self.num_qo_heads, self.num_kv_heads, self.head_dim, None, 0.0, -1, False)
-        probe = self._make_attention(self._probe_key)
-        self._supports_sinks = type(probe.provider).supports_sinks()  # the provider class declares it
+        self.probe_config = self._config((self.num_qo_heads, self.num_kv_heads, self.head_dim, None, 0.0, -1, False))
+        probe = self._new_attention(self.probe_config)  # not kept: the layers' configs are planned
+        self._supports_sinks = self.provider.supports_sinks()  # the provider class declares it
         logger.info(
             "attnplug: %s active (provider %s, page %d, layout NHD, dtype %s, heads %d/%d, head_dim %d, cascade %s, "
             "in CUDA graphs %s, %s%s)",
             self.backend_name, probe.provider_name, self.page_size, str(self.dtype).replace("torch.", ""),
             self.num_qo_heads, self.num_kv_heads, self.head_dim, probe.cascade,
-            "on (decode)" if graph_cascade_mode(type(probe.provider).graph_support, self.backend_name) != "off" else "off",
+            "on (decode)" if graph_cascade_mode(self.provider.graph_support, self.backend_name) != "off" else "off",
             compat.versions_info(),
             f", kv_dtype {str(self.kv_dtype).replace('torch.', '')}" if self.kv_dtype != self.dtype else "",
         )
         self._write_marker()
 
     # -- startup checks -----------------------------------------------------------------------------
-    def _unsupported(self, feature: str):
-        from attnplug.core import UnsupportedFeature
-
+    def unsupported(self, feature: str) -> UnsupportedFeature:
+        """The refusal of ``feature``, naming attnplug and this backend (raise it)."""
         return UnsupportedFeature(f"attnplug: backend '{self.backend_name}' does not support {feature}")
+
+
+    def _cannot_start(self, e: ProviderUnavailable) -> ProviderUnavailable:
+        why = str(e).removeprefix("attnplug: ")
+        return ProviderUnavailable(f"attnplug: backend '{self.backend_name}' cannot start on {self.device}: {why}")
 
     def _pool_dims(self) -> tuple[int, int]:
         """``(KV heads, head dim)`` of the pool's rows."""
@@ -156,52 +177,56 @@ class AttnplugAttnBackend(AttentionBackend):
         """The value head dim the layers must have (GQA / MHA: the qk head dim)."""
         return self.head_dim
 
+    def _serves_layer(self, layer) -> bool:
+        """Whether ``layer`` (a ``RadixAttention``) runs through this backend (GQA / MHA: every one)."""
+        return True
+
+    def _check_model(self, runner) -> None:
+        mc = runner.model_config
+        if getattr(mc, "is_encoder_decoder", False):
+            raise self.unsupported("encoder-decoder models (cross attention)")
+        self._check_arch_and_pool(runner)
+        self._check_pool(runner)
+
     def _check_arch_and_pool(self, runner) -> None:
         """The model's attention family and its pool class: GQA / MHA over the plain token pool
         (MLA models get :class:`~attnplug.sglang_adapter.mla.AttnplugMLAAttnBackend`)."""
         arch = getattr(runner.model_config, "attention_arch", None)
         if arch is not None and getattr(arch, "name", "") == "MLA":
-            raise self._unsupported("MLA (multi-head latent attention) models")
+            raise self.unsupported("MLA (multi-head latent attention) models")
         if getattr(runner, "is_draft_worker", False):
             refusal = compat.draft_hook_refusal()
             if refusal is not None:
-                from attnplug.core import UnsupportedFeature
-
                 raise UnsupportedFeature(f"{refusal} (backend '{self.backend_name}' on the draft model)")
         pool_cls = compat.plain_mha_pool_cls()
         if type(self.token_to_kv_pool) is not pool_cls:
             name = type(self.token_to_kv_pool).__name__
             hint = ("; start SGLang with --disable-hybrid-swa-memory: one pool for every layer, each layer's window "
                     "applied in attention") if "SWA" in name else ""
-            raise self._unsupported(f"the KV pool {name} (only {pool_cls.__name__}: no hybrid sliding-window/mamba, "
-                                    f"MLA, quantized or page-major pools){hint}")
+            raise self.unsupported(f"the KV pool {name} (only {pool_cls.__name__}: no hybrid sliding-window/mamba, "
+                                   f"MLA, quantized or page-major pools){hint}")
 
-    def _check_model(self, runner) -> None:
-        mc = runner.model_config
-        if getattr(mc, "is_encoder_decoder", False):
-            raise self._unsupported("encoder-decoder models (cross attention)")
-        self._check_arch_and_pool(runner)
+    def _check_pool(self, runner) -> None:
+        """The pool's quantization, layout and dtypes, the index translation, context parallelism."""
         if getattr(self.token_to_kv_pool, "is_quantized_kv_cache", False):  # a KV quant method owns the bytes
             qm = getattr(getattr(self.token_to_kv_pool, "quant_method", None), "name", "?")
-            raise self._unsupported(f"a quantized KV pool (quant method {qm!r}: the pool quantizes and scales "
+            raise self.unsupported(f"a quantized KV pool (quant method {qm!r}: the pool quantizes and scales "
                                     "itself; attnplug reads plain fp8 pools with per-layer scales)")
         layout = getattr(self.token_to_kv_pool, "kv_cache_layout", "nhd")
         if layout != "nhd":
-            raise self._unsupported(f"KV cache layout {layout!r} (only 'nhd')")
-        from attnplug.core.config import FP8_KV_DTYPES
-
+            raise self.unsupported(f"KV cache layout {layout!r} (only 'nhd')")
         kv_dtype = getattr(runner, "kv_cache_dtype", self.token_to_kv_pool.dtype)
         plain = kv_dtype == runner.dtype and kv_dtype in (torch.float16, torch.bfloat16, torch.float32)
         if not plain and kv_dtype not in FP8_KV_DTYPES:
-            raise self._unsupported(f"KV cache dtype {kv_dtype} with model dtype {runner.dtype} "
+            raise self.unsupported(f"KV cache dtype {kv_dtype} with model dtype {runner.dtype} "
                                     "(the model's dtype, fp8_e4m3 or fp8_e5m2 only)")
         if self.token_to_kv_pool.dtype != kv_dtype:
-            raise self._unsupported(f"a KV pool of dtype {self.token_to_kv_pool.dtype} for kv_cache_dtype {kv_dtype}")
+            raise self.unsupported(f"a KV pool of dtype {self.token_to_kv_pool.dtype} for kv_cache_dtype {kv_dtype}")
         tr = self.kv_index_translator
         if tr is not None and getattr(tr, "reads_are_translated", False):
-            raise self._unsupported("translated (unified / virtual->physical) KV pools")
+            raise self.unsupported("translated (unified / virtual->physical) KV pools")
         if compat.attn_dcp_size() > 1:
-            raise self._unsupported("decode context parallelism (attn_dcp_size > 1)")
+            raise self.unsupported("decode context parallelism (attn_dcp_size > 1)")
 
     def _check_layer(self, layer, kwargs) -> torch.Tensor | None:
         """Refuse what this layer asks that attnplug cannot compute; returns its ``sinks [Hq]`` (the
@@ -209,73 +234,74 @@ class AttnplugAttnBackend(AttentionBackend):
         sinks = kwargs.get("sinks")
         extra = sorted(k for k, v in kwargs.items() if v is not None and v is not False and k != "sinks")
         if extra:
-            raise self._unsupported(f"attention arguments {extra} (e.g. score_mod)")
+            raise self.unsupported(f"attention arguments {extra} (e.g. score_mod)")
         if sinks is not None and not self._supports_sinks:
-            raise self._unsupported(f"attention sinks (provider '{self.provider_name}' cannot compute them)")
+            raise self.unsupported(f"attention sinks (provider '{self.provider_name}' cannot compute them)")
         if layer.layer_id in self._checked_layers:
             return sinks
         if sinks is not None and tuple(sinks.shape) != (layer.tp_q_head_num,):
-            raise self._unsupported(f"attention sinks of shape {tuple(sinks.shape)} (one per query head: "
+            raise self.unsupported(f"attention sinks of shape {tuple(sinks.shape)} (one per query head: "
                                     f"[{layer.tp_q_head_num}])")
         from sglang.srt.layers.radix_attention import AttentionType
 
         if layer.is_cross_attention:
-            raise self._unsupported("cross attention")
+            raise self.unsupported("cross attention")
         if layer.attn_type != AttentionType.DECODER:
-            raise self._unsupported(f"non-causal attention ({layer.attn_type})")
+            raise self.unsupported(f"non-causal attention ({layer.attn_type})")
         if layer.v_head_dim != self._head_dim_v():
-            raise self._unsupported(f"qk_head_dim {layer.qk_head_dim} with v_head_dim {layer.v_head_dim}")
+            raise self.unsupported(f"qk_head_dim {layer.qk_head_dim} with v_head_dim {layer.v_head_dim}")
         if (layer.tp_k_head_num, layer.qk_head_dim) != (self.num_kv_heads, self.head_dim):
-            raise self._unsupported(f"layer {layer.layer_id} KV shape differing from the pool's")
+            raise self.unsupported(f"layer {layer.layer_id} KV shape differing from the pool's")
         if layer.logit_cap and layer.logit_cap > 0 and getattr(layer, "logit_capping_method", "tanh") != "tanh":
-            raise self._unsupported(f"logit capping method {layer.logit_capping_method!r} (only tanh)")
+            raise self.unsupported(f"logit capping method {layer.logit_capping_method!r} (only tanh)")
         if getattr(layer, "use_irope", False):
-            raise self._unsupported("chunked local attention (iRoPE)")
+            raise self.unsupported("chunked local attention (iRoPE)")
         if getattr(layer, "xai_temperature_len", -1) > 0:
-            raise self._unsupported("xai temperature scaling")
+            raise self.unsupported("xai temperature scaling")
         self._checked_layers.add(layer.layer_id)
         return sinks
 
     # -- per-config core objects --------------------------------------------------------------------
-    def _make_attention(self, key: tuple):
-        """A ``PagedAttention`` for ``key = (Hq, Hkv, D, sm_scale, soft_cap, window_left, sinks)``."""
-        from attnplug.core import PagedAttention, ProviderUnavailable, UnsupportedFeature
+    def _config(self, key: tuple) -> AttentionConfig:
+        """The core config of ``key = (Hq, Hkv, D, sm_scale, soft_cap, window_left, sinks)`` (cached)."""
+        cfg = self._configs.get(key)
+        if cfg is None:
+            try:
+                cfg = self._core_config(key)
+            except ValueError as e:  # a head count / head dim / dtype the core cannot describe
+                raise self.unsupported(f"this layer configuration ({str(e).removeprefix('attnplug: ')})") from e
+            cfg = self._configs[key] = cfg
+        return cfg
 
-        try:
-            cfg = self._core_config(key)
-        except ValueError as e:  # a head count / head dim / dtype the core cannot describe
-            raise self._unsupported(f"this layer configuration ({str(e).removeprefix('attnplug: ')})") from e
-        try:
-            return PagedAttention(cfg, provider=self.provider_name, device=self.device)
-        except ProviderUnavailable as e:  # the provider's reason and install hint
-            why = str(e).removeprefix("attnplug: ")
-            raise ProviderUnavailable(f"attnplug: backend '{self.backend_name}' cannot start on {self.device}: {why}") from e
-        except UnsupportedFeature as e:  # e.g. an fp8 dtype the provider does not read
-            raise self._unsupported(f"this configuration ({str(e).removeprefix('attnplug: ')})") from e
-
-    def _core_config(self, key: tuple):
-        """The core ``AttentionConfig`` of ``key = (Hq, Hkv, D, sm_scale, soft_cap, window_left, sinks)``."""
-        from attnplug.core import AttentionConfig
-
+    def _core_config(self, key: tuple) -> AttentionConfig:
+        """A new core config of ``key = (Hq, Hkv, D, sm_scale, soft_cap, window_left, sinks)``."""
         hq, hkv, d, scale, cap, window, sinks = key
         return AttentionConfig(hq, hkv, d, self.page_size, self.dtype, "NHD", scale, cap, window, self.kv_dtype,
                                sinks=sinks)
 
-    def _attention(self, key: tuple):
-        """The cached ``PagedAttention`` of ``key`` (one per distinct layer config, usually one)."""
-        attn = self._attn.get(key)
+    def attention(self, config: AttentionConfig) -> PagedAttention:
+        """The ``PagedAttention`` of ``config`` (one per distinct layer config, usually one), built on
+        first use: an unavailable provider or unsupported config is refused naming this backend."""
+        attn = self._attn.get(config)
         if attn is None:
-            attn = self._attn[key] = self._make_attention(key)
+            attn = self._attn[config] = self._new_attention(config)
         return attn
 
-    @staticmethod
-    def _layer_key(layer, sinks: bool = False) -> tuple:
-        """The core config key of ``layer``: each layer's own window (``sliding_window_size``, SGLang's
+    def _new_attention(self, config: AttentionConfig) -> PagedAttention:
+        try:
+            return PagedAttention(config, provider=self.provider, device=self.device)
+        except ProviderUnavailable as e:  # the provider's reason and install hint
+            raise self._cannot_start(e) from e
+        except UnsupportedFeature as e:  # e.g. an fp8 dtype the provider does not read
+            raise self.unsupported(f"this configuration ({str(e).removeprefix('attnplug: ')})") from e
+
+    def layer_config(self, layer, sinks: bool = False) -> AttentionConfig:
+        """The core config of ``layer``: each layer's own window (``sliding_window_size``, SGLang's
         ``window_left``; gpt-oss alternates 127 and -1) and whether it passes ``sinks``."""
         cap = float(layer.logit_cap) if layer.logit_cap and layer.logit_cap > 0 else 0.0
         window = int(layer.sliding_window_size) if layer.sliding_window_size is not None else -1
-        return (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, float(layer.scaling), cap,
-                max(window, -1), sinks)
+        return self._config((layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, float(layer.scaling),
+                             cap, max(window, -1), sinks))
 
     # -- metadata: once per forward -------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch) -> None:
@@ -301,7 +327,7 @@ class AttnplugAttnBackend(AttentionBackend):
         if self._graphs is None or mode not in self._graphs:
             if in_capture:
                 what = "this forward mode" if self._graphs is not None else "capture without init_cuda_graph_state"
-                raise self._unsupported(f"CUDA-graph {what} ({forward_batch.forward_mode.name}); "
+                raise self.unsupported(f"CUDA-graph {what} ({forward_batch.forward_mode.name}); "
                                         "attnplug captures DECODE, TARGET_VERIFY and, on the EAGLE draft-extend "
                                         "backend, DRAFT_EXTEND")
             self._plan_forward(forward_batch)
@@ -310,11 +336,10 @@ class AttnplugAttnBackend(AttentionBackend):
         real = bs - int(getattr(forward_batch, "num_padding", 0) or 0)
         self._forward_id += 1
         self._batch = None
-        states = self._graphs[mode]
-        if not states:  # no layer config known yet: the probe's (layers add theirs lazily)
-            self._graph_state(mode, self._probe_key)
-        batch = None
-        host_plan = any(gs.needs_host_lengths for gs in states.values())
+        family = self._graphs[mode]
+        if not family:  # no layer config known yet: the probe's (layers add theirs lazily)
+            family.state(self.probe_config)
+        host_plan = family.host_lengths
         host_seq = getattr(forward_batch, "seq_lens_cpu", None)
         host_seq = host_seq[:real] if host_seq is not None and host_plan else None
         # Decode replays from req_to_token on the device, in one launch per layer config; a provider
@@ -322,25 +347,20 @@ class AttnplugAttnBackend(AttentionBackend):
         # The host path below stays for capture, TARGET_VERIFY (SGLang's tree mask) and a host-planning
         # provider when SGLang gives no seq_lens_cpu.
         fast = mode == "decode" and (not host_plan or host_seq is not None)
-        if fast and not in_capture and all(bs in gs.plans for gs in states.values()):
+        if fast and not in_capture and family.planned(bs):
             ids, rows = self._read_table(forward_batch, real)
-            for gs in states.values():
-                gs.update_from_block_table(forward_batch.seq_lens[:real], ids, bs, row_ids=rows,
-                                           entry_tokens=self.page_size, host_seq_lens=host_seq)  # fmt: skip
+            family.refresh_from_block_table(forward_batch.seq_lens[:real], ids, bs, row_ids=rows,
+                                            entry_tokens=self.page_size, host_seq_lens=host_seq)  # fmt: skip
         else:
             batch = self._graph_batch(forward_batch, mode, real, host=in_capture, host_plan=host_plan)
-            for gs in states.values():
-                if in_capture or bs not in gs.plans:
-                    gs.prepare_capture(bs, batch)
-                else:
-                    gs.update(batch, bs)
-        self._graph_fwd = (mode, bs, batch)
+            family.set_batch(bs, batch, capture=in_capture)
+        self._graph_fwd = (mode, bs)
         st = self._stats
         key = "GRAPH_" + forward_batch.forward_mode.name
         st.forwards[key] = st.forwards.get(key, 0) + 1
-        counts = [gs.cascade_counts for gs in states.values() if gs.cascade_counts is not None]
-        if counts and engine_glue.markers_on():  # replays that cut a shared prefix (first layer config)
-            new = self._late_counts.read(counts[0])
+        counts = family.cascade_counts
+        if counts is not None and engine_glue.markers_on():  # replays that cut a shared prefix (first layer config)
+            new = self._late_counts.read(counts)
             if new != [st.cascade_graph_updates, st.cascade_graph_shared_tokens]:
                 st.cascade_graph_updates, st.cascade_graph_shared_tokens = new
                 self._write_marker()
@@ -358,61 +378,44 @@ class AttnplugAttnBackend(AttentionBackend):
                 why), or its verify cannot run with this config (``fa3`` with a sliding window).
         """
         if self.graph_refusal:
-            raise self._unsupported(f"{self.graph_refusal}; start SGLang with --disable-cuda-graph")
-        self._check_graph_support()
+            raise self.unsupported(f"{self.graph_refusal}; start SGLang with --disable-cuda-graph")
+        self.check_graph_support()
         q = max(1, int(max_num_tokens) // max(1, int(max_bs)))
         ctx = int(self.req_to_token_pool.req_to_token.shape[1])
         self._graph_cfg = dict(max_bs=int(max_bs), q=q, ctx=ctx)
-        keys = list(self._model_layer_keys()) or [self._probe_key]
+        configs = list(self.model_layer_configs()) or [self.probe_config]
         if self.draft_extend:  # EAGLE draft extend: q = the tree width per request, causal chains
-            self._graphs = {"draft_extend": {}}
-            for key in keys:
-                self._graph_state("draft_extend", key)
+            self._graphs = {"draft_extend": self._graph_family("draft_extend").add(configs)}
             return
-        self._graphs = {"decode": {}, "verify": {}}
+        self._graphs = {"decode": self._graph_family("decode").add(configs)}
         spec = getattr(self._runner, "spec_algorithm", None)  # SGLang captures TARGET_VERIFY only with spec on
         verify = q > 1 and (spec is None or not getattr(spec, "is_none", lambda: False)())
-        for key in keys:
-            self._graph_state("decode", key)
-            if verify:
-                self._graph_state("verify", key)
+        self._graphs["verify"] = self._graph_family("verify").add(configs if verify else ())
 
-    def _check_graph_support(self) -> None:
+    def check_graph_support(self) -> None:
         """Refuse CUDA graphs at once when the provider cannot replay decode batches (it says why)."""
-        from attnplug.core.providers import get_provider_cls
-
-        g = get_provider_cls(self.provider_name).graph_support
+        g = self.provider.graph_support
         if not g.decode:
-            raise self._unsupported(f"CUDA graphs with provider '{self.provider_name}' ({g.reason}); "
-                                    "start SGLang with --disable-cuda-graph")
+            raise self.unsupported(f"CUDA graphs with provider '{self.provider_name}' ({g.reason}); "
+                                   "start SGLang with --disable-cuda-graph")
 
-    def _graph_state(self, mode: str, key: tuple):
-        """The ``GraphState`` of ``(mode, layer key)``, created on first use."""
-        from attnplug.core import UnsupportedFeature
-        from attnplug.core.cuda_graph import GraphState
-        from attnplug.core.providers import get_provider_cls
+    def refuse_graphs(self, what: str) -> UnsupportedFeature:
+        """The refusal of ``what`` in CUDA graphs (a :class:`GraphFamily`'s ``refuse``)."""
+        return self.unsupported(f"{what}; start SGLang with --disable-cuda-graph")
 
-        states = self._graphs[mode]
-        gs = states.get(key)
-        if gs is None:
-            c = self._graph_cfg
-            q = 1 if mode == "decode" else c["q"]
-            P = self.page_size
-            max_pages = c["max_bs"] * num_pages(c["ctx"] + q, P)
-            try:
-                # decode only: verify replays write a device CSR here, which the cascade update does not cut
-                cascade = graph_cascade_mode(get_provider_cls(self.provider_name).graph_support, self.backend_name) \
-                    if mode == "decode" else "off"
-                gs = GraphState(self._attention(key).config, self.provider_name, max_batch=c["max_bs"],
-                                max_tokens=c["max_bs"] * q, max_pages=max_pages, device=self.device,
-                                mode="decode" if mode == "decode" else "verify", num_draft_tokens=q, pad_page=0,
-                                max_seq_len=c["ctx"] + q, cascade=cascade, chain=mode == "draft_extend")
-            except UnsupportedFeature as e:
-                raise self._unsupported(f"CUDA graphs here ({e}); start SGLang with --disable-cuda-graph") from e
-            states[key] = gs
-        return gs
+    def _graph_family(self, mode: str) -> GraphFamily:
+        """The graph family of ``mode`` (``decode`` / ``verify`` / ``draft_extend``), sized from
+        :meth:`init_cuda_graph_state`'s limits; its states join per layer config."""
+        c = self._graph_cfg
+        q = 1 if mode == "decode" else c["q"]
+        cascade = graph_cascade_mode(self.provider.graph_support, self.backend_name) if mode == "decode" else "off"
+        return GraphFamily(self.provider, refuse=self.refuse_graphs, max_batch=c["max_bs"],
+                           max_tokens=c["max_bs"] * q, max_pages=c["max_bs"] * num_pages(c["ctx"] + q, self.page_size),
+                           device=self.device, mode="decode" if mode == "decode" else "verify", num_draft_tokens=q,
+                           pad_page=0, max_seq_len=c["ctx"] + q, cascade=cascade, chain=mode == "draft_extend")
 
-    def _model_layer_keys(self):
+    def model_layer_configs(self) -> dict[AttentionConfig, None]:
+        """The core configs of the model's ``RadixAttention`` layers, in order (empty without a model)."""
         model = getattr(self._runner, "model", None)
         if model is None or not hasattr(model, "modules"):
             return []
@@ -422,8 +425,8 @@ class AttnplugAttnBackend(AttentionBackend):
         # passes at forward (gpt-oss: ``self.attn(..., sinks=self.sinks)``)
         with_sinks = {id(c) for m in model.modules() if isinstance(getattr(m, "sinks", None), torch.Tensor)
                       for c in m.children() if isinstance(c, RadixAttention)}  # fmt: skip
-        return dict.fromkeys(self._layer_key(m, id(m) in with_sinks) for m in model.modules()
-                             if isinstance(m, RadixAttention))
+        return dict.fromkeys(self.layer_config(m, id(m) in with_sinks) for m in model.modules()
+                             if isinstance(m, RadixAttention) and self._serves_layer(m))
 
     def _graph_mode_of(self, fb):
         m = fb.forward_mode
@@ -450,24 +453,17 @@ class AttnplugAttnBackend(AttentionBackend):
         ext = ext if ext is not None else getattr(fb, "extend_seq_lens", None)
         seq = fb.seq_lens[:bs] + (W - ext[:bs]) if ext is not None else fb.seq_lens[:bs]
         seq = torch.where(seq > W, seq, torch.zeros_like(seq)).to(torch.int32)  # > W: a real request
-        states = self._graphs["draft_extend"]
+        family = self._graphs["draft_extend"]
         host = None
-        if any(gs.needs_host_lengths for gs in states.values()):
+        if family.host_lengths:
             h = getattr(fb, "seq_lens_cpu", None)
             h = h[:bs] if h is not None else fb.seq_lens[:bs].cpu()
             e = getattr(fb.spec_info, "extend_seq_lens_cpu", None) or getattr(fb, "extend_seq_lens_cpu", None)
             h = h + W - torch.tensor(list(e)[:bs], dtype=h.dtype) if e is not None else h
             host = torch.where(h > W, h, torch.zeros_like(h)).to(torch.int32)
         ids, rows = self._read_table(fb, bs)
-
-        def refresh(gs) -> None:
-            if bs not in gs.plans:
-                gs.prepare_capture(bs)
-            gs.update_from_block_table(seq, ids, bs, row_ids=rows, entry_tokens=self.page_size, host_seq_lens=host)
-
-        for gs in states.values():
-            refresh(gs)
-        self._graph_fwd = ("draft_extend", bs, refresh)  # refresh: a layer config first seen at warm-up
+        family.refresh_from_block_table(seq, ids, bs, row_ids=rows, entry_tokens=self.page_size, host_seq_lens=host)
+        self._graph_fwd = ("draft_extend", bs)
         key = "GRAPH_" + fb.forward_mode.name
         self._stats.forwards[key] = self._stats.forwards.get(key, 0) + 1
 
@@ -476,9 +472,6 @@ class AttnplugAttnBackend(AttentionBackend):
         values on the host (sizes from ``seq_lens_cpu``, one gather on the device); ``host``: every
         tensor on the host (capture time); ``host_plan``: the provider re-plans on the host, so
         ``kv_indptr`` / ``kv_last_page_len`` stay there."""
-        from attnplug.core import BatchMetadata, ForwardMode as CoreMode
-        from attnplug.core.page_table import csr_from_req_to_token
-
         seq = fb.seq_lens_cpu if getattr(fb, "seq_lens_cpu", None) is not None else fb.seq_lens.cpu()
         seq = seq[:B].to(torch.int64)
         q, custom_mask = 1, None
@@ -486,7 +479,7 @@ class AttnplugAttnBackend(AttentionBackend):
             spec = fb.spec_info
             q = spec.num_tokens_per_req if getattr(spec, "num_tokens_per_req", -1) > 0 else spec.draft_token_num
         if mode == "verify" and q != self._graph_cfg["q"]:
-            raise self._unsupported(f"a TARGET_VERIFY graph batch of {q} draft tokens per request (graph state "
+            raise self.unsupported(f"a TARGET_VERIFY graph batch of {q} draft tokens per request (graph state "
                                     f"sized for {self._graph_cfg['q']} = max_num_tokens // max_bs)")
         kv = seq + (q if mode == "verify" else 0)
         ids, rows = self._read_table(fb, B)
@@ -508,20 +501,16 @@ class AttnplugAttnBackend(AttentionBackend):
         table = compat.kv_read_table(self.kv_index_translator, fb, self.req_to_token_pool.req_to_token,
                                      fb.req_pool_indices[:B])
         if table is None:
-            raise self._unsupported("translated (unified / virtual->physical) KV reads")
+            raise self.unsupported("translated (unified / virtual->physical) KV reads")
         return table
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """Committed length SGLang gives padded requests of a graph batch: the core's ``FILL_SEQ_LEN``
         (1: one valid KV slot, never an empty row). The core's ``GraphState`` pads with the same value."""
-        from attnplug.core.cuda_graph import FILL_SEQ_LEN
-
         return FILL_SEQ_LEN
 
     def _batch_metadata(self, fb):
         """SGLang ``ForwardBatch`` -> core ``BatchMetadata`` (int32 CSR page table over ``req_to_token``)."""
-        from attnplug.core import BatchMetadata, ForwardMode as CoreMode
-
         mode = fb.forward_mode
         bs = int(fb.req_pool_indices.shape[0])
         dev = fb.seq_lens.device
@@ -530,7 +519,7 @@ class AttnplugAttnBackend(AttentionBackend):
         if mode.is_decode():
             spec = getattr(fb, "spec_info", None)
             if spec is not None and getattr(spec, "kv_indptr", None) is not None:
-                raise self._unsupported("EAGLE multi-step draft decode in a single-step backend (SGLang builds "
+                raise self.unsupported("EAGLE multi-step draft decode in a single-step backend (SGLang builds "
                                         "AttnplugMultiStepDraftBackend through its DraftBackendFactory for it)")
             core_mode, q_lens, kv_lens = CoreMode.DECODE, torch.ones_like(seq_lens), seq_lens
         elif mode.is_target_verify():
@@ -545,13 +534,13 @@ class AttnplugAttnBackend(AttentionBackend):
             q_lens, kv_lens = fb.extend_seq_lens[:bs].to(torch.int32), seq_lens
             core_mode = CoreMode[self._extend_modes[mode]]
         else:
-            raise self._unsupported(f"forward mode {mode.name}")
+            raise self.unsupported(f"forward mode {mode.name}")
         qo_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=dev)
         torch.cumsum(q_lens, 0, out=qo_indptr[1:])
         table = compat.kv_read_table(self.kv_index_translator, fb, self.req_to_token_pool.req_to_token,
                                      fb.req_pool_indices[:bs])
         if table is None:
-            raise self._unsupported("translated (unified / virtual->physical) KV reads")
+            raise self.unsupported("translated (unified / virtual->physical) KV reads")
         ids, rows = table
         batch = BatchMetadata.from_req_to_token(core_mode, qo_indptr, ids, rows, kv_lens, self.page_size,
                                                 custom_mask=custom_mask)
@@ -576,8 +565,8 @@ class AttnplugAttnBackend(AttentionBackend):
                 st.max_cached_prefix = max(st.max_cached_prefix, int((kv_lens - q_lens).max()))
         self._write_marker()
 
-    def _plan(self, key: tuple):
-        attn = self._attention(key)
+    def _plan(self, key: AttentionConfig):
+        attn = self.attention(key)
         if self._planned.get(key) != self._forward_id:
             attn.plan(self._batch, num_pages=self.num_pages)
             self._planned[key] = self._forward_id
@@ -605,7 +594,7 @@ class AttnplugAttnBackend(AttentionBackend):
         if save_kv_cache and k is not None and v is not None:
             # k, v: [T, Hkv, D]; the KV of the new tokens must be in the cache before run().
             self._write_kv(layer, fb, k, v, k_cache, v_cache, scales)
-        key = self._layer_key(layer, sinks is not None)
+        key = self.layer_config(layer, sinks is not None)
         q3 = q.reshape(-1, hq, d)
         out = torch.empty_like(q3)
         self._run(key, q3, k_cache, v_cache, out, run_kw)
@@ -614,27 +603,14 @@ class AttnplugAttnBackend(AttentionBackend):
 
     def _write_kv(self, layer, fb, k, v, k_cache, v_cache, scales: dict) -> None:
         """The new tokens' K/V ``[T, Hkv, D]`` into the pool. bf16 / fp16: SGLang's ``set_kv_buffer``.
-        fp8: quantized with saturation by the layer's scales; where Triton runs (CUDA, or the
-        interpreter on CPU) in one launch straight into the pool's pages (``write_kv_paged`` at
-        ``out_cache_loc``, the slots ``set_kv_buffer`` writes), else in torch, then ``set_kv_buffer``
-        stores the fp8 tensors as they are."""
+        fp8: the core's ``write_kv_capturable`` at ``out_cache_loc`` (the slots ``set_kv_buffer``
+        writes) straight into the pool's pages, quantized with saturation by the layer's scales."""
         if not scales:
             self.token_to_kv_pool.set_kv_buffer(layer, compat.write_loc(fb), k, v)
             return
-        from attnplug.core.providers.triton import triton_runs_on  # noqa: PLC0415
-
-        if triton_runs_on(k_cache):
-            from attnplug.core.kernels.kv_write import write_kv_paged  # noqa: PLC0415 - triton is optional
-
-            hkv, d = k_cache.shape[2], k_cache.shape[3]
-            write_kv_paged(k.view(-1, hkv, d), v.view(-1, hkv, d), k_cache, v_cache, fb.out_cache_loc,
-                           scales["k_scale"], scales["v_scale"])  # fmt: skip
-            return
-        from attnplug.core.kv_layout import quantize_fp8  # noqa: PLC0415
-
-        k = quantize_fp8(k, scales["k_scale"], self.kv_dtype)
-        v = quantize_fp8(v, scales["v_scale"], self.kv_dtype)
-        self.token_to_kv_pool.set_kv_buffer(layer, compat.write_loc(fb), k, v)
+        hkv, d = k_cache.shape[2], k_cache.shape[3]
+        write_kv_capturable(k.view(-1, hkv, d), v.view(-1, hkv, d), k_cache, v_cache, fb.out_cache_loc,
+                            k_scale=scales["k_scale"], v_scale=scales["v_scale"])
 
     def _scales(self, layer) -> dict:
         """fp8 KV pool: the layer's scale tensors (``layer.k_scale`` / ``v_scale``, SGLang's KV quant
@@ -663,25 +639,13 @@ class AttnplugAttnBackend(AttentionBackend):
         """This forward's metadata was built (eagerly or into the graph state)."""
         return self._batch is not None or self._graph_fwd is not None
 
-    def _run(self, key, q3, k_cache, v_cache, out, scales: dict | None = None) -> None:
-        """One layer's attention: the captured graph plan of ``key``, else the eager plan.
-        ``scales``: fp8 KV, the layer's (:meth:`_scales`); ``sinks`` for a layer with attention sinks."""
+    def _run(self, key: AttentionConfig, q3, k_cache, v_cache, out, scales: dict | None = None) -> None:
+        """One layer's attention: the graph family's plan of ``key`` (:class:`GraphFamily`), else the
+        eager plan. ``scales``: fp8 KV, the layer's (:meth:`_scales`); ``sinks`` for a layer with sinks."""
         scales = scales or {}
         if self._graph_fwd is not None:
-            mode, bs, batch = self._graph_fwd
-            gs = self._graphs[mode].get(key)
-            if gs is None or bs not in gs.plans:  # a layer config first seen now (warmup forward)
-                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                    raise self._unsupported(f"a layer config {key} first seen inside CUDA-graph capture")
-                if mode == "draft_extend":  # from the device table, as the known configs
-                    gs = self._graph_state(mode, key)
-                    batch(gs)
-                elif batch is None or batch.kv_indptr.device.type != "cpu":
-                    raise self._unsupported(f"a layer config {key} first seen at CUDA-graph replay")
-                else:
-                    gs = self._graph_state(mode, key)
-                    gs.prepare_capture(bs, batch)
-            gs.run(bs, q3, k_cache, v_cache, out, **scales)
+            mode, bs = self._graph_fwd
+            self._graphs[mode].run(key, bs, q3, k_cache, v_cache, out, **scales)
             return
         attn = self._plan(key)
         n = attn.current_plan.num_tokens

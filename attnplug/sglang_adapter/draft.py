@@ -20,6 +20,17 @@ import logging
 
 import torch
 
+from attnplug.core import (
+    AttentionConfig,
+    GraphFamily,
+    MultiStepDraftPlanner,
+    UnsupportedFeature,
+    csr_from_req_to_token,
+    step_batches_from_token_table,
+    token_config,
+    token_view,
+)
+
 from . import compat
 from .backend import AttnplugAttnBackend
 
@@ -55,8 +66,8 @@ class AttnplugDraftStepBackend(AttnplugAttnBackend):
     def _metadata_ready(self) -> bool:
         return self._parent.metadata_ready()
 
-    def _run(self, key, q3, k_cache, v_cache, out, scales: dict | None = None) -> None:
-        self._parent._run_step(self._step, key, q3, k_cache, v_cache, out, scales or {})
+    def _run(self, key: AttentionConfig, q3, k_cache, v_cache, out, scales: dict | None = None) -> None:
+        self._parent.run_step(self._step, key, q3, k_cache, v_cache, out, scales or {})
 
 
 class AttnplugMultiStepDraftBackend:
@@ -77,8 +88,6 @@ class AttnplugMultiStepDraftBackend:
 
     def __init__(self, model_runner, topk: int, speculative_num_steps: int, backend_name: str = "attnplug_triton",
                  provider: str | None = None):
-        from attnplug.core import UnsupportedFeature
-
         refusal = compat.draft_hook_refusal()
         if refusal is not None:
             raise UnsupportedFeature(refusal)
@@ -95,23 +104,23 @@ class AttnplugMultiStepDraftBackend:
                               for i in range(self.num_attn_steps)]
         b0 = self.attn_backends[0]
         self.backend_name, self.provider_name, self.device = backend_name, b0.provider_name, b0.device
+        self.provider = b0.provider  # the class every step's backend resolved
         self.page_size, self.num_pages = b0.page_size, b0.num_pages
         self.req_to_token_pool, self.token_to_kv_pool = b0.req_to_token_pool, b0.token_to_kv_pool
         self.kv_index_translator = b0.kv_index_translator
-        self._planners: dict[tuple, tuple] = {}  # key -> (planner, max_batch, max_prefix_tokens)
+        self._planners: dict[AttentionConfig, tuple] = {}  # config -> (planner, max_batch, max_prefix_tokens)
         self._inputs = None  # host (kv_indptr, kv_indices, last, draft_slots) of the current pass
         self._forward_id = 0
-        self._planned: dict[tuple, int] = {}
-        self._graphs = None  # [step] -> {key: GraphState}
-        self._graph_cfg: dict = {}
-        self._graph_fwd = None  # (bs*topk rows, step batches)
+        self._planned: dict[AttentionConfig, int] = {}
+        self._graphs: list[GraphFamily] | None = None  # one family per attention step
+        self._graph_fwd = None  # bs*topk rows of the current CUDA-graph pass
 
     # -- eager ----------------------------------------------------------------------------------------
     def _read_table(self, fb, B: int):
         table = compat.kv_read_table(self.kv_index_translator, fb, self.req_to_token_pool.req_to_token,
                                      fb.req_pool_indices[:B])
         if table is None:
-            raise self.attn_backends[0]._unsupported("translated (unified / virtual->physical) KV reads")
+            raise self.attn_backends[0].unsupported("translated (unified / virtual->physical) KV reads")
         return table
 
     def _seq_cpu(self, fb, B: int) -> torch.Tensor:
@@ -120,8 +129,6 @@ class AttnplugMultiStepDraftBackend:
 
     def init_forward_metadata(self, forward_batch) -> None:
         """Plan every draft step of this pass at once (one host->device copy per layer config)."""
-        from attnplug.core.page_table import csr_from_req_to_token
-
         fb = forward_batch
         B = int(fb.batch_size)
         seq = self._seq_cpu(fb, B)
@@ -143,21 +150,19 @@ class AttnplugMultiStepDraftBackend:
         """This draft pass's metadata was built (eagerly or into the graph state)."""
         return self._inputs is not None or self._graph_fwd is not None
 
-    def _planner(self, key: tuple, B: int, ntok: int):
-        from attnplug.core.draft import MultiStepDraftPlanner
-
+    def _planner(self, key: AttentionConfig, B: int, ntok: int):
         ent = self._planners.get(key)
         if ent is None or B > ent[1] or ntok > ent[2]:  # (re)size on demand, outside graphs only
             mb = max(B, 2 * ent[1] if ent else min(64, self.req_to_token_pool.size))
             mt = max(ntok, 2 * ent[2] if ent else self.num_pages * self.page_size)
-            cfg = self.attn_backends[0]._attention(key).config
-            ent = self._planners[key] = (MultiStepDraftPlanner(cfg, self.topk, self.num_attn_steps, mb,
-                                                               provider=self.provider_name, device=self.device,
+            self.attn_backends[0].attention(key)  # the layer config is refused here, naming the backend
+            ent = self._planners[key] = (MultiStepDraftPlanner(key, self.topk, self.num_attn_steps, mb,
+                                                               provider=self.provider, device=self.device,
                                                                max_prefix_tokens=mt), mb, mt)
             self._planned.pop(key, None)
         return ent[0]
 
-    def _plan(self, key: tuple):
+    def _plan(self, key: AttentionConfig):
         indptr, indices, last, slots, ntok = self._inputs
         planner = self._planner(key, int(last.numel()), ntok)
         if self._planned.get(key) != self._forward_id:
@@ -165,22 +170,13 @@ class AttnplugMultiStepDraftBackend:
             self._planned[key] = self._forward_id
         return planner
 
-    def _run_step(self, step: int, key: tuple, q3, k_cache, v_cache, out, scales: dict | None = None) -> None:
-        scales = scales or {}  # fp8 KV: the layer's scale tensors
-        from attnplug.core.draft import token_view
-
+    def run_step(self, step: int, key: AttentionConfig, q3, k_cache, v_cache, out, scales: dict | None = None) -> None:
+        """Draft step ``step``'s attention of a layer of config ``key`` (what ``attn_backends[step]`` runs):
+        its graph family's plan under CUDA graphs, else this pass's eager plan. ``scales``: fp8 KV."""
+        scales = scales or {}
         if self._graph_fwd is not None:
-            rows, batches = self._graph_fwd
-            gs = self._graphs[step].get(key)
-            if gs is None or rows not in gs.plans:  # a layer config first seen now (warmup forward)
-                capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-                if capturing or batches[step].kv_indptr.device.type != "cpu":
-                    raise self.attn_backends[0]._unsupported(
-                        f"a draft layer config {key} first seen inside CUDA-graph capture or at replay")
-                gs = self._graph_state(step, key)
-                gs.prepare_capture(rows, batches[step])
-            cfg = self.attn_backends[0]._attention(key).config
-            gs.run(rows, q3, token_view(k_cache, cfg), token_view(v_cache, cfg), out, **scales)
+            rows = self._graph_fwd
+            self._graphs[step].run(key, rows, q3, token_view(k_cache, key), token_view(v_cache, key), out, **scales)
             return
         if self._inputs is None:
             raise RuntimeError(f"attnplug: backend '{self.backend_name}': draft forward before init_forward_metadata")
@@ -191,45 +187,26 @@ class AttnplugMultiStepDraftBackend:
         """One core ``GraphState`` (decode, token granularity) per attention step and layer config,
         sized for ``max_bs`` requests = ``max_bs * topk`` rows."""
         b0 = self.attn_backends[0]
-        b0._check_graph_support()
-        ctx = int(self.req_to_token_pool.req_to_token.shape[1])
-        self._graph_cfg = dict(rows=int(max_bs) * self.topk, ctx=ctx + self.speculative_num_steps)
-        self._graphs = [{} for _ in range(self.num_attn_steps)]
-        keys = list(b0._model_layer_keys()) or [b0._probe_key]
-        for key in keys:
-            for i in range(self.num_attn_steps):
-                self._graph_state(i, key)
-
-    def _graph_state(self, step: int, key: tuple):
-        from attnplug.core import UnsupportedFeature
-        from attnplug.core.cuda_graph import GraphState
-        from attnplug.core.draft import token_config
-
-        gs = self._graphs[step].get(key)
-        if gs is None:
-            c, b0 = self._graph_cfg, self.attn_backends[0]
-            try:
-                gs = GraphState(token_config(b0._attention(key).config), self.provider_name, max_batch=c["rows"],
-                                max_tokens=c["rows"], max_pages=c["rows"] * c["ctx"], device=self.device,
-                                mode="decode", pad_page=0, max_seq_len=c["ctx"])
-            except UnsupportedFeature as e:
-                raise b0._unsupported(f"CUDA graphs for the draft ({e}); start SGLang with --disable-cuda-graph") from e
-            self._graphs[step][key] = gs
-        return gs
+        b0.check_graph_support()
+        rows, ctx = int(max_bs) * self.topk, int(self.req_to_token_pool.req_to_token.shape[1]) + self.speculative_num_steps
+        configs = list(b0.model_layer_configs()) or [b0.probe_config]
+        self._graphs = [
+            GraphFamily(self.provider, state_config=token_config, refuse=b0.refuse_graphs, max_batch=rows,
+                        max_tokens=rows, max_pages=rows * ctx, device=self.device, mode="decode", pad_page=0,
+                        max_seq_len=ctx).add(configs)
+            for _ in range(self.num_attn_steps)
+        ]
 
     def _graph_step_batches(self, fb, B: int, host: bool):
         """Per attention step, the ``BatchMetadata`` (DECODE, token slots) of the ``B*topk`` real rows:
         sizes from ``seq_lens_cpu``, slots gathered on the device (nothing read back; ``host``: every
         tensor on the host, at capture). A provider that re-plans on the host keeps its CSR there."""
-        from attnplug.core.draft import step_batches_from_token_table
-        from attnplug.core.providers import get_provider_cls
-
         seq = self._seq_cpu(fb, B)
         ids, rows = self._read_table(fb, B)
         cols = compat.draft_token_columns(seq, self.topk, self.speculative_num_steps, self.page_size,
                                           self.num_attn_steps)
         batches = step_batches_from_token_table(ids, rows, seq, cols, self.num_attn_steps)
-        host_plan = not get_provider_cls(self.provider_name).graph_support.device_refresh
+        host_plan = not self.provider.graph_support.device_refresh
         for b in batches:
             if host:
                 b.kv_indices = b.kv_indices.cpu()
@@ -243,7 +220,7 @@ class AttnplugMultiStepDraftBackend:
         in-place ``GraphState.update`` of every step. Without graph state: the eager metadata."""
         if self._graphs is None:
             if in_capture:
-                raise self.attn_backends[0]._unsupported("CUDA-graph capture without init_cuda_graph_state")
+                raise self.attn_backends[0].unsupported("CUDA-graph capture without init_cuda_graph_state")
             self.init_forward_metadata(forward_batch)
             return
         fb = forward_batch
@@ -251,13 +228,9 @@ class AttnplugMultiStepDraftBackend:
         B = bs - int(getattr(fb, "num_padding", 0) or 0)
         batches = self._graph_step_batches(fb, B, host=in_capture)
         rows = bs * self.topk
-        for i, batch in enumerate(batches):
-            for gs in self._graphs[i].values():
-                if in_capture or rows not in gs.plans:
-                    gs.prepare_capture(rows, batch)
-                else:
-                    gs.update(batch, rows)
-        self._graph_fwd = (rows, batches)
+        for family, batch in zip(self._graphs, batches):
+            family.set_batch(rows, batch, capture=in_capture)
+        self._graph_fwd = rows
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
         """Nothing to record: planning is host-side, in ``init_forward_metadata_out_graph``."""

@@ -32,7 +32,7 @@ class AttnplugMLAAttnBackend(AttnplugAttnBackend):
     def __init__(self, model_runner, backend_name: str = "attnplug_triton", provider: str | None = None):
         super().__init__(model_runner, backend_name, provider)
         if not compat.register_absorbed_mla_dispatch(backend_name):
-            raise self._unsupported("this SGLang's DeepSeek attention dispatch (no AttentionBackendRegistry to "
+            raise self.unsupported("this SGLang's DeepSeek attention dispatch (no AttentionBackendRegistry to "
                                     "route MLA models to absorbed attention)")
 
     def _pool_dims(self) -> tuple[int, int]:
@@ -41,18 +41,14 @@ class AttnplugMLAAttnBackend(AttnplugAttnBackend):
         return 1, int(pool.kv_lora_rank) + int(pool.qk_rope_head_dim)
 
     def _check_arch_and_pool(self, runner) -> None:
-        from attnplug import engine_glue
-        from attnplug.core.providers import get_provider_cls
-
         if getattr(runner, "is_draft_worker", False):
-            raise self._unsupported("EAGLE / MTP draft models with MLA")
+            raise self.unsupported("EAGLE / MTP draft models with MLA")
         pool, pool_cls = self.token_to_kv_pool, compat.mla_pool_cls()
         if type(pool) is not pool_cls or getattr(pool, "use_dsa", False):
-            raise self._unsupported(f"the MLA KV pool {type(pool).__name__}{' (DSA)' if getattr(pool, 'use_dsa', 0) else ''} "
+            raise self.unsupported(f"the MLA KV pool {type(pool).__name__}{' (DSA)' if getattr(pool, 'use_dsa', 0) else ''} "
                                     f"(only {pool_cls.__name__}: no sparse / DSA, fp4 or host-offloaded latent pools)")
-        provider = self.provider_name or engine_glue.provider_for("triton")
-        if not get_provider_cls(provider).supports_mla():
-            raise self._unsupported(f"MLA (multi-head latent attention) with provider '{provider}'")
+        if not self.provider.supports_mla():
+            raise self.unsupported(f"MLA (multi-head latent attention) with provider '{self.provider_name}'")
 
     def _core_config(self, key: tuple):
         from attnplug.core import AttentionConfig
@@ -61,16 +57,16 @@ class AttnplugMLAAttnBackend(AttnplugAttnBackend):
         return AttentionConfig(hq, hkv, d, self.page_size, self.dtype, "NHD", scale, cap, window, self.kv_dtype,
                                sinks=sinks, head_dim_v=self.kv_lora_rank)
 
-    def _model_layer_keys(self):
-        """The absorbed layers' keys only (each DeepSeek layer also holds an MHA ``RadixAttention``)."""
-        return [k for k in super()._model_layer_keys() if k[1] == 1 and k[2] == self.head_dim]
+    def _serves_layer(self, layer) -> bool:
+        """The absorbed layers only (each DeepSeek layer also holds an MHA ``RadixAttention``)."""
+        return layer.tp_k_head_num == 1 and layer.qk_head_dim == self.head_dim
 
     def _head_dim_v(self) -> int:
         return self.kv_lora_rank
 
     def _check_layer(self, layer, kwargs):
         if layer.tp_k_head_num != 1 or layer.qk_head_dim != self.head_dim:
-            raise self._unsupported(
+            raise self.unsupported(
                 f"layer {layer.layer_id}'s attention of {layer.tp_k_head_num} KV heads, head dims "
                 f"{layer.qk_head_dim}/{layer.v_head_dim} on an MLA model (only absorbed MLA over the latent "
                 f"cache: 1 head, {self.head_dim}/{self.kv_lora_rank}; e.g. SGLang's MHA prefill path)")
@@ -88,8 +84,7 @@ class AttnplugMLAAttnBackend(AttnplugAttnBackend):
             raise RuntimeError(f"attnplug: backend '{self.backend_name}': forward before init_forward_metadata")
         from attnplug.core.mla import latent_cache_views
 
-        key = self._layer_key(layer, sinks is not None)
-        cfg = self._attention(key).config
+        key = cfg = self.layer_config(layer, sinks is not None)
         cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).view(self.num_pages, self.page_size, self.head_dim)
         k_cache, v_cache = latent_cache_views(cache, cfg)
         scales = self._scales(layer)
@@ -115,6 +110,6 @@ class AttnplugMLAAttnBackend(AttnplugAttnBackend):
             R = self.kv_lora_rank
             write_latent(rows[:, :R], rows[:, R:], cache, fb.out_cache_loc, scales.get("k_scale"))
         elif scales:
-            raise self._unsupported("an fp8 latent pool without Triton (the quantizing write is a Triton kernel)")
+            raise self.unsupported("an fp8 latent pool without Triton (the quantizing write is a Triton kernel)")
         else:
             self.token_to_kv_pool.set_kv_buffer(layer, compat.write_loc(fb), k, v)

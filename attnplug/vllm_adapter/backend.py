@@ -4,11 +4,11 @@
 * ``MetadataBuilder.build``: ``CommonAttentionMetadata`` -> core ``BatchMetadata`` -> one
   ``PagedAttention.plan`` per forward for each distinct layer config (shared by its layers).
 * CUDA graphs / EAGLE drafting (uniform batches: decode, draft steps, spec verify): the builder
-  owns core ``GraphState`` s per layer config and query length (:class:`_UniformGraphs`);
+  owns a core ``GraphFamily`` per query length (:class:`_UniformGraphs`; a ``GraphState`` per layer config);
   capture, replay-time builds, draft builds and ``update_draft_decode_metadata`` translate
   vLLM's block table + ``seq_lens`` into their static buffers on the device, in place
   (:class:`AttnplugGraphMetadata`). Levels per provider: :func:`graph_level` (from its ``graph_support``).
-* ``Impl``: per layer, ``do_kv_cache_update`` scatters the new K/V (:func:`write_kv_capturable`, no
+* ``Impl``: per layer, ``do_kv_cache_update`` scatters the new K/V (the core's ``write_kv_capturable``, no
   host sync: FULL CUDA graphs capture it) and ``forward`` runs the core on NHD views of vLLM's
   KV cache. No attention math here.
 
@@ -38,23 +38,25 @@ from typing import ClassVar
 
 import torch
 
+from attnplug import engine_glue
 from attnplug.core import (
+    KV_DTYPE_NAMES,
     AttentionConfig,
     BatchMetadata,
     ForwardMode,
+    GraphFamily,
     PagedAttention,
+    Plan,
     ProviderUnavailable,
     UnsupportedFeature,
+    cascade_mode,
+    graph_cascade_mode,
+    is_fp8,
+    kv_dtype_from_name,
+    num_pages,
+    resolve_provider,
+    write_kv_capturable,
 )
-from attnplug import engine_glue
-from attnplug.core.config import KV_DTYPE_NAMES, is_fp8, kv_dtype_from_name
-from attnplug.core.cascade import cascade_mode, graph_cascade_mode
-from attnplug.core.cuda_graph import GraphState
-from attnplug.core.kv_layout import write_kv_fixed_shape
-from attnplug.core.pages import num_pages
-from attnplug.core.plan import Plan
-from attnplug.core.providers import get_provider_cls
-from attnplug.core.providers.triton import triton_runs_on
 
 from . import BACKENDS, compat
 from .compat import (
@@ -75,7 +77,7 @@ FP8_CACHE_DTYPES = ["fp8", "fp8_e4m3", "fp8_e5m2"]  # vLLM's names; a provider's
 def kv_cache_dtypes(provider: str) -> list[str]:
     """vLLM ``kv_cache_dtype`` names a core provider can run: the unquantized ones, plus the fp8
     names whose dtype is in the provider's ``KV_DTYPES``."""
-    reads = get_provider_cls(provider).KV_DTYPES
+    reads = resolve_provider(provider)[1].KV_DTYPES
     return KV_CACHE_DTYPES + [n for n in FP8_CACHE_DTYPES if KV_DTYPE_NAMES[n] in reads]
 
 
@@ -145,7 +147,7 @@ class AttnplugBackend(AttentionBackend):
             kvd = compat.configured_kv_cache_dtype()
             if kvd is None and len(cls.layer_kv_cache_dtypes) == 1:
                 (kvd,) = cls.layer_kv_cache_dtypes
-            return None if kvd is None else get_provider_cls(cls.provider()).preferred_kv_layout(fp8_cache_dtype(kvd))
+            return None if kvd is None else cls.provider_cls().preferred_kv_layout(fp8_cache_dtype(kvd))
         except Exception:  # an unknown provider or dtype name: vLLM's own checks report it
             return None
 
@@ -165,13 +167,19 @@ class AttnplugBackend(AttentionBackend):
         return engine_glue.provider_for(cls.PROVIDER)
 
     @classmethod
+    def provider_cls(cls):
+        """The core provider class of this backend (:meth:`provider`), from the core's registry: the
+        selector's class-level questions ask it; a builder resolves it once and passes it down."""
+        return resolve_provider(cls.PROVIDER)[1]
+
+    @classmethod
     def supports_sliding_window(cls) -> bool:
         return True
 
     @classmethod
     def supports_sink(cls) -> bool:
         """Attention sinks (gpt-oss): what the core provider class declares (``Provider.supports_sinks``)."""
-        return get_provider_cls(cls.provider()).supports_sinks()
+        return cls.provider_cls().supports_sinks()
 
     @classmethod
     def supports_device_cpu_query_lens_mismatch(cls) -> bool:
@@ -201,7 +209,7 @@ class AttnplugBackend(AttentionBackend):
             r.append(f"block_size {bs} (supported: 1..256)")
         cap = cfg.get("device_capability")  # CUDA selection only (vLLM's DeviceCapability)
         if cap is not None and hasattr(cap, "major"):
-            why = get_provider_cls(cls.provider()).check_capability(cap.major, getattr(cap, "minor", 0))
+            why = cls.provider_cls().check_capability(cap.major, getattr(cap, "minor", 0))
             if why:
                 r.append(why)
         attn_type = cfg.get("attn_type", AttentionType.DECODER)
@@ -243,7 +251,7 @@ class AttnplugBackend(AttentionBackend):
         """Raise ``ProviderUnavailable`` (the provider's reason and install hint) if the provider
         cannot run on ``device``."""
         try:
-            get_provider_cls(cls.provider()).check_available(device)
+            cls.provider_cls().check_available(device)
         except ProviderUnavailable as e:
             why = str(e).removeprefix("attnplug: ")
             raise ProviderUnavailable(f"attnplug: backend {cls.NAME} cannot start on {device.type}: {why}") from e
@@ -264,7 +272,7 @@ def graph_level(provider: str, mla: bool = False) -> tuple[str, str]:
     model runners need for FULL graphs of spec-verify batches (mixed prefill/decode batches are never
     captured); decode only -> ``UNIFORM_SINGLE_TOKEN_DECODE``; no decode graphs -> ``NEVER``.
     ``mla``: of the provider's MLA class (``Provider.mla_class``)."""
-    cls = get_provider_cls(provider)
+    cls = resolve_provider(provider)[1]
     g = (cls.mla_class() if mla else cls).graph_support
     if not g.decode:
         return "NEVER", g.reason
@@ -287,22 +295,6 @@ def verify_scratch_bytes(vllm_config, page_size: int) -> int:
     return q * (tokens + max_batch * (1 + q))
 
 
-def write_kv_capturable(key, value, k_cache, v_cache, slot_mapping, scratch_block: int, k_scale=None,
-                        v_scale=None) -> None:
-    """``write_kv`` (NHD ``k_cache/v_cache [pages, P, Hkv, D]``) without host sync, so it can be
-    captured in a CUDA graph (the core's ``write_kv`` reads ``slot_mapping.max()`` and masks by
-    boolean index). Where Triton runs (CUDA, or the interpreter on CPU): the core's one-launch
-    kernel ``write_kv_paged``. Else (CPU without the interpreter, e.g. provider ``reference``): the
-    core's fixed-shape torch version, padding sent to vLLM's null block ``scratch_block``. fp8
-    caches: quantized with saturation by ``k_scale`` / ``v_scale`` (the layer's scale tensors)."""
-    if triton_runs_on(k_cache):
-        from attnplug.core.kernels.kv_write import write_kv_paged  # noqa: PLC0415 - triton is optional
-
-        write_kv_paged(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-        return
-    write_kv_fixed_shape(key, value, k_cache, v_cache, slot_mapping, scratch_block, k_scale, v_scale)
-
-
 @dataclass
 class AttnplugMetadata:
     """One forward's metadata: the core batch and, per distinct layer config, its planned core object."""
@@ -318,49 +310,25 @@ class AttnplugMetadata:
         return attn, plan
 
 
-class _UniformGraphs:
-    """Builder-owned static state of uniform batches of ``q`` query tokens per request (``q = 1``:
-    decode and draft steps; ``q = 1 + num_speculative_tokens``: spec-decode verify, the core's
-    verify mode with a causal-chain mask): one core ``GraphState`` per layer config.
+class _UniformGraphs(GraphFamily):
+    """The core's :class:`GraphFamily` of uniform batches of ``q`` query tokens per request over vLLM's
+    block table (``q = 1``: decode and draft steps; ``q = 1 + num_speculative_tokens``: spec-decode
+    verify, a causal-chain mask), one ``GraphState`` per layer config of ``attention``. A row with
+    ``seq_len <= 0`` is a vLLM padding row: the core's padded request on ``pad_page``, vLLM's null block."""
 
-    :meth:`refresh` hands ``seq_lens [bs]`` + ``block_table [bs, W]`` (vLLM's persistent device
-    buffers) to ``GraphState.update_from_block_table``: one Triton launch per layer config writes
-    the page CSR, FA3's block table and (``q > 1``) the chain mask in place (no allocation, no host
-    sync: capture-safe). A row with ``seq_len <= 0`` is a vLLM padding row: it gets the core's padded
-    request (``FILL_SEQ_LEN`` committed tokens on ``pad_page``, vLLM's null block; an all-True mask block).
-    """
-
-    def __init__(self, attention: dict, provider: str, page_size: int, max_batch: int, max_seq_len: int,
-                 device, pad_page: int, q: int = 1, cascade: str = "off"):  # fmt: skip
-        P = page_size
-        self.page_size, self.max_batch, self.pad_page, self.q = P, max_batch, pad_page, q
-        self.max_pages = max_batch * num_pages(max_seq_len, P)  # every real request is <= max_seq_len
-        mode = "decode" if q == 1 else "verify"
-        self.states = {cfg: GraphState(cfg, provider, max_batch, max_batch * q, self.max_pages, device, mode,
-                                       num_draft_tokens=q, pad_page=pad_page, max_seq_len=max_seq_len,
-                                       cascade=cascade, chain=q > 1)
-                       for cfg in attention}  # fmt: skip
-        # the provider re-plans on the host before a replay: it needs host sequence lengths
-        self.host_lengths = any(gs.needs_host_lengths for gs in self.states.values())
-
-    def plan_for(self, bs: int) -> None:
-        """Plans of batch size ``bs`` (host work, once per ``bs``; outside any graph)."""
-        for gs in self.states.values():
-            if bs not in gs.plans:
-                gs.prepare_capture(bs)
-
-    def planned(self, bs: int) -> bool:
-        return bs <= self.max_batch and all(bs in gs.plans for gs in self.states.values())
+    def __init__(self, attention, provider, page_size: int, max_batch: int, max_seq_len: int, device,
+                 pad_page: int, q: int = 1, cascade: str = "off", refuse=None):  # fmt: skip
+        super().__init__(provider, refuse=refuse, max_batch=max_batch, max_tokens=max_batch * q,
+                         max_pages=max_batch * num_pages(max_seq_len, page_size), device=device,
+                         mode="decode" if q == 1 else "verify", num_draft_tokens=q, pad_page=pad_page,
+                         max_seq_len=max_seq_len, cascade=cascade, chain=q > 1)
+        self.add(attention)
 
     def refresh(self, seq_lens: torch.Tensor, block_table: torch.Tensor, bs: int,
                 host_seq_lens: torch.Tensor | None = None) -> None:
-        """Write the batch into every ``GraphState``'s static buffers (capture-safe, in place; with
-        FlashInfer, whose plan needs ``host_seq_lens``, outside graphs only).
-
-        ``seq_lens [n]`` / ``block_table [n, W]`` with ``n <= bs``: rows ``n..bs-1`` are padding
-        too (a vLLM that pads the tokens of a uniform batch but not its requests)."""
-        for gs in self.states.values():
-            gs.update_from_block_table(seq_lens, block_table, bs, host_seq_lens=host_seq_lens)
+        """``seq_lens [n]`` / ``block_table [n, W]`` (``n <= bs``; rows ``n..bs-1`` padding) into every
+        state, in place (:meth:`GraphFamily.refresh_from_block_table`)."""
+        self.refresh_from_block_table(seq_lens, block_table, bs, host_seq_lens=host_seq_lens)
 
 
 @dataclass
@@ -379,13 +347,13 @@ class AttnplugGraphMetadata:
         return self.bs * self.graphs.q
 
     def plan_for(self, key: AttentionConfig) -> Plan:
-        return self.graphs.states[key].plans[self.bs]
+        return self.graphs.plan(key, self.bs)
 
     def run(self, key: AttentionConfig, query, k_cache, v_cache, output, **scales) -> None:
         """``output[:T] = attention(query[:T])``, ``T = bs * q``; launches kernels only (capturable).
         ``scales``: fp8 KV, the layer's scale tensors (``GraphState.run``)."""
         t = self.num_tokens
-        self.graphs.states[key].run(self.bs, query[:t], k_cache, v_cache, output[:t], **scales)
+        self.graphs.run(key, self.bs, query[:t], k_cache, v_cache, output[:t], **scales)
 
 
 class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
@@ -426,7 +394,12 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         self._graphs: dict[int, _UniformGraphs] | None = None  # per q, created on first graph / draft use
         self._level = self.get_cudagraph_support(vllm_config, kv_cache_spec).name
         # a provider that re-plans on the host cannot update drafts in place (in-graph): its drafts build eagerly
-        graphs = get_provider_cls(backend.provider()).graph_support
+        try:
+            self._provider = backend.provider_cls()  # resolved once: every core object gets the class
+        except ProviderUnavailable:
+            backend.check_available(torch.device(device))  # re-raise with the backend's hint
+            raise
+        graphs = self._provider.graph_support
         self.supports_draft_decode_metadata_update = self._level != "NEVER" and graphs.device_refresh
         spec = getattr(getattr(vllm_config, "speculative_config", None), "num_speculative_tokens", None)
         self._spec_tokens = int(spec or 0)
@@ -437,8 +410,7 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         head_v = getattr(kv_cache_spec, "head_size_v", kv_cache_spec.head_size)
         if head_v != kv_cache_spec.head_size:
             raise backend.refuse(f"different K and V head sizes ({kv_cache_spec.head_size} / {head_v})")
-        provider = backend.provider()
-        engine_glue.prepare_process(provider, torch.device(device).type)
+        self._provider.prepare_process(torch.device(device).type)
         self.attention: dict[AttentionConfig, PagedAttention] = {}
         model_dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", None)
         if not isinstance(model_dtype, torch.dtype):  # no model config (unit tests): the spec's, unquantized
@@ -447,7 +419,7 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
             try:
                 cfg = impl.core_key = impl.core_config(self.page_size, model_dtype)
                 if cfg not in self.attention:
-                    self.attention[cfg] = PagedAttention(cfg, provider, device)
+                    self.attention[cfg] = PagedAttention(cfg, self._provider, device)
             except ProviderUnavailable:
                 backend.check_available(torch.device(device))  # re-raise with the backend's hint
                 raise
@@ -513,8 +485,11 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         return max(n, cam.num_actual_tokens // q if cam.num_actual_tokens % q == 0 else n), q
 
     def _graph_family(self, q: int) -> _UniformGraphs | None:
-        """Static state of uniform batches of ``q`` tokens (created on first use); ``None`` if this
-        provider cannot capture them."""
+        """Static state of uniform batches of ``q`` query tokens per request, one core ``GraphState``
+        per layer config (created on first use; ``q = 1``: decode and draft steps; ``q = 1 +
+        num_speculative_tokens``: spec-decode verify with a causal-chain mask); ``None`` if this
+        provider cannot capture them. A row with ``seq_len <= 0`` is a vLLM padding row: it gets the
+        core's padded request on ``pad_page``, vLLM's null block."""
         level = self._level
         if level == "NEVER" or (q > 1 and level == "UNIFORM_SINGLE_TOKEN_DECODE"):
             return None
@@ -522,9 +497,9 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
             self._graphs = {}
         if q not in self._graphs:
             max_batch, max_seq_len = compat.graph_limits(self.vllm_config)
-            self._graphs[q] = _UniformGraphs(self.attention, self.BACKEND.provider(), self.page_size, max_batch,
-                                             max_seq_len, self.device, compat.null_block_id(), q,
-                                             self._graph_cascade_mode)  # fmt: skip
+            self._graphs[q] = _UniformGraphs(self.attention, self._provider, self.page_size, max_batch, max_seq_len,
+                                             self.device, compat.null_block_id(), q, self._graph_cascade_mode,
+                                             refuse=self.BACKEND.refuse)  # fmt: skip
         return self._graphs[q]
 
     def _build_graph(self, cam, g: _UniformGraphs, bs: int) -> AttnplugGraphMetadata:
@@ -535,9 +510,9 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         g.refresh(md.seq_lens, md.block_table, bs, host)
         STATS["builds"] += 1
         STATS["graph_builds"] += 1
-        counts = [gs.cascade_counts for gs in g.states.values() if gs.cascade_counts is not None]
-        if counts and engine_glue.markers_on():  # graph updates that cut a shared prefix (first layer config)
-            STATS["cascade_graph_updates"], STATS["cascade_graph_shared_tokens"] = _LATE.read(counts[0])
+        counts = g.cascade_counts
+        if counts is not None and engine_glue.markers_on():  # graph updates that cut a shared prefix (first layer config)
+            STATS["cascade_graph_updates"], STATS["cascade_graph_shared_tokens"] = _LATE.read(counts)
         _write_marker()
         return md
 
@@ -689,7 +664,7 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
         k_cache, v_cache = self.kv_views(kv_cache)
         n = slot_mapping.shape[0]
         sc = self.scales(layer)
-        write_kv_capturable(key[:n], value[:n], k_cache, v_cache, slot_mapping, compat.null_block_id(),
+        write_kv_capturable(key, value, k_cache, v_cache, slot_mapping, compat.null_block_id(),
                             sc.get("k_scale"), sc.get("v_scale"))  # fmt: skip
         STATS["kv_writes"] += 1
 

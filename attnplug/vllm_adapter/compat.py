@@ -165,7 +165,7 @@ def patch_cpu_platform(backends: dict[str, tuple[str, str]]) -> None:
         def check_and_update_config(klass, vllm_config, *args, **kwargs):
             orig(klass, vllm_config, *args, **kwargs)
             for name in selected_names(vllm_config) & set(backends):  # e.g. the Triton interpreter on CPU
-                engine_glue.prepare_process(engine_glue.provider_for(backends[name][0]), "cpu")
+                engine_glue.prepare_process(backends[name][0], "cpu")
 
         return check_and_update_config
 

@@ -40,7 +40,7 @@ from attnplug.core import BatchMetadata, ForwardMode, PagedAttention, ProviderUn
 from attnplug.core.cascade import graph_cascade_mode
 from attnplug.core.config import KV_DTYPE_NAMES, kv_dtype_from_name
 from attnplug.core.mla import check_mla_support, latent_cache_views, mla_config, write_latent
-from attnplug.core.providers import get_provider_cls
+from attnplug.core.registry import resolve_provider
 from attnplug.core.providers.triton import triton_runs_on
 
 from . import MLA_BACKENDS, compat
@@ -64,7 +64,7 @@ logger = logging.getLogger("vllm.attnplug")
 
 def mla_kv_cache_dtypes(provider: str) -> list[str]:
     """vLLM ``kv_cache_dtype`` names the provider's MLA class reads (unquantized, plus its fp8 ones)."""
-    cls = get_provider_cls(provider).mla_class()
+    cls = resolve_provider(provider, provider)[1].mla_class()
     reads = cls.KV_DTYPES if cls is not None else ()
     return KV_CACHE_DTYPES + [n for n in FP8_CACHE_DTYPES if KV_DTYPE_NAMES[n] in reads]
 
@@ -116,7 +116,7 @@ class AttnplugMLABackend(AttnplugBackend, MLACommonBackend):
         r = super().unsupported_features(**cfg)
         if not use_mla:
             r.append(f"non-MLA attention (select {cls.NAME.removesuffix('_MLA')} for GQA / MHA models)")
-        elif not get_provider_cls(cls.provider()).supports_mla():
+        elif not cls.provider_cls().supports_mla():
             r.append(f"MLA (multi-head latent attention) with provider '{cls.provider()}'")
         if window:
             r.append("sliding windows in MLA layers")
@@ -153,7 +153,7 @@ class AttnplugMLAMetadataBuilder(MLACommonMetadataBuilder):
         engine_glue.prepare_process(provider, torch.device(device).type)
         self.page_size = kv_cache_spec.block_size
         self._level = self._cudagraph_support.name
-        mla_cls = get_provider_cls(provider).mla_class()
+        mla_cls = backend.provider_cls().mla_class()
         g = mla_cls.graph_support if mla_cls is not None else None
         self.supports_draft_decode_metadata_update = self._level != "NEVER" and bool(g and g.device_refresh)
         spec = getattr(getattr(vllm_config, "speculative_config", None), "num_speculative_tokens", None)
@@ -366,7 +366,7 @@ def _make_mla_backend(name: str) -> type[AttnplugMLABackend]:
                                                      "layer_kv_cache_dtypes": set()})  # fmt: skip
     backend.IMPL = type(cls_name.replace("Backend", "Impl"), (AttnplugMLAImpl,), {**ns, "BACKEND": backend})
     try:
-        level = graph_level(provider, mla=True)[0] if get_provider_cls(provider).supports_mla() else "NEVER"
+        level = graph_level(provider, mla=True)[0] if backend.provider_cls().supports_mla() else "NEVER"
     except Exception:  # a provider whose module is missing here: refused at selection with its hint
         level = "NEVER"
     backend.BUILDER = type(cls_name.replace("Backend", "MetadataBuilder"), (AttnplugMLAMetadataBuilder,), {

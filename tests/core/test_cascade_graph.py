@@ -252,9 +252,9 @@ def test_device_update_matches_host_update(name, form, provider):
     assert dev.cascade_counts.tolist() == add(before[1], 2), "device updates count on the device"
     hv, dv = host.static_views(bs), dev.static_views(bs)
     for key in ("kv_indptr", "kv_last_page_len", "kv_lens"):
-        assert hv[key].tolist() == dv[key].tolist(), key
-    nnz = int(hv["kv_indptr"][-1])
-    assert hv["kv_indices"][:nnz].tolist() == dv["kv_indices"][:nnz].tolist()
+        assert getattr(hv, key).tolist() == getattr(dv, key).tolist(), key
+    nnz = int(hv.kv_indptr[-1])
+    assert hv.kv_indices[:nnz].tolist() == dv.kv_indices[:nnz].tolist()
     for key in ("kv_indptr", "kv_lens"):
         assert getattr(host.cascade, key).tolist() == getattr(dev.cascade, key).tolist(), key
     assert dev.cascade.kv_indices[:s].tolist() == batch.kv_indices[:s].tolist()
@@ -276,7 +276,7 @@ def test_graph_of_one_request_has_no_cascade_part(provider):
     seq, bt, *_ = tables(batch, n, seed=2)
     gs.update_from_block_table(seq.to(DEV), bt.to(DEV), 1)
     check_out(c, batch, q, k, v, n, gs, 1)
-    assert gs.static_views(1)["kv_lens"].tolist() == seq.tolist(), "the plain plan holds every key"
+    assert gs.static_views(1).kv_lens.tolist() == seq.tolist(), "the plain plan holds every key"
     assert int(gs.cascade.kv_lens) == -7 and gs.cascade_counts.tolist() == before
 
 
@@ -323,7 +323,7 @@ def test_cost_model_keeps_small_prefixes_whole(provider):
     seq, bt, *_ = tables(batch, n, seed=1)
     gs.update_from_block_table(seq.to(DEV), bt.to(DEV), bs)
     assert int(gs.cascade.shared) == 10 and int(gs.cascade.kv_lens) == 0  # found, not worth it
-    assert gs.static_views(bs)["kv_lens"].tolist() == seq.tolist()
+    assert gs.static_views(bs).kv_lens.tolist() == seq.tolist()
     check_out(c, batch, q, k, v, n, gs, bs)
     gs.update(batch, bs)
     assert int(gs.cascade.kv_lens) == 0

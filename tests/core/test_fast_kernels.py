@@ -413,23 +413,24 @@ def test_seed_table_keeps_the_2026_11_29_choices():
 
 
 def test_table_keys_and_lookup():
+    T = tiles.TileEntry
     assert tiles.key(128, 4, "prefill") == "d128/g4/prefill" and tiles.key(96, 3, "decode") == "d128/g4/decode"
     assert tiles.key(256, "*", "verify") == "d256/g*/verify" and tiles.key(40, 1, "short") == "d64/g1/short"
     t = {"d128/g*/prefill": {"block_n": 32}, "d128/g4/prefill": {"block_n": 64}}
-    assert tiles.lookup(128, 4, "prefill", t) == {"block_n": 64} and tiles.lookup(128, 8, "prefill", t) == {"block_n": 32}
-    assert tiles.lookup(64, 4, "prefill", t) == {}
+    assert tiles.lookup(128, 4, "prefill", t) == T(block_n=64) and tiles.lookup(128, 8, "prefill", t) == T(block_n=32)
+    assert tiles.lookup(64, 4, "prefill", t) == tiles.NO_ENTRY
     t8 = {**t, "d128/g*/prefill/fp8": {"block_n": 16}}
     assert tiles.key(128, 4, "decode", fp8=True) == "d128/g4/decode/fp8"
-    assert tiles.lookup(128, 4, "prefill", t8, fp8=True) == {"block_n": 16}  # fp8's own entry, any group
-    assert tiles.lookup(128, 4, "prefill", t8) == {"block_n": 64}  # 16-bit caches never read /fp8
+    assert tiles.lookup(128, 4, "prefill", t8, fp8=True) == T(block_n=16)  # fp8's own entry, any group
+    assert tiles.lookup(128, 4, "prefill", t8) == T(block_n=64)  # 16-bit caches never read /fp8
     assert tiles.lookup(128, 8, "verify", t8, fp8=True) == tiles.lookup(128, 8, "verify", t8)  # fallback
     wide = {"d128/g4/decode": {"block_n": 64}, "d128/g*/decode/fp8": {"block_n": 32}}
-    assert tiles.lookup(128, 4, "decode_wide", wide) == {"block_n": 64}  # falls back to decode
-    assert tiles.lookup(128, 4, "decode_wide", wide, fp8=True) == {"block_n": 32}  # decode/fp8 before 16-bit
+    assert tiles.lookup(128, 4, "decode_wide", wide) == T(block_n=64)  # falls back to decode
+    assert tiles.lookup(128, 4, "decode_wide", wide, fp8=True) == T(block_n=32)  # decode/fp8 before 16-bit
     wide["d128/g4/decode_wide"] = {"block_n": 16}
-    assert tiles.lookup(128, 4, "decode_wide", wide) == {"block_n": 16}
-    assert tiles.lookup(128, 4, "decode_wide", wide, fp8=True) == {"block_n": 32}  # fp8 entries first
-    assert tiles.lookup(128, 4, "decode", wide) == {"block_n": 64}  # decode never reads decode_wide
+    assert tiles.lookup(128, 4, "decode_wide", wide) == T(block_n=16)
+    assert tiles.lookup(128, 4, "decode_wide", wide, fp8=True) == T(block_n=32)  # fp8 entries first
+    assert tiles.lookup(128, 4, "decode", wide) == T(block_n=64)  # decode never reads decode_wide
     for k, e in tiles.TILES.items():  # every entry names a known bucket and kernel
         assert k.split("/")[2] in tiles.BUCKETS and e.get("kernel", "paged") in ("paged", "prefill", "decode"), k
 

@@ -130,7 +130,7 @@ def test_graph_capture_then_replay_matches_eager(mode, page_size, provider, monk
         eager = make_backend(runner, provider, f"attnplug_{provider}")
         eager.init_forward_metadata(fb)
         if step == 1:
-            gs = be._graphs[mode][be._layer_key(layer)]  # the state the layer's captured plan lives in
+            gs = be._graphs[mode][be.layer_config(layer)]  # the state the layer's captured plan lives in
             ptrs = {name: getattr(gs, name).data_ptr() for name in ("kv_indptr", "kv_indices", "kv_last_page_len",
                                                                      "kv_lens", "mask", "mask_indptr", "mask_free")
                     if getattr(gs, name) is not None}
@@ -144,7 +144,7 @@ def test_graph_capture_then_replay_matches_eager(mode, page_size, provider, monk
         dense = dense_reference(runner, reqs, layer, q[: B * n], [n] * B, masks=masks)
         torch.testing.assert_close(out[: B * n], dense, **TOL)
         # capture-time / replay metadata over the padded batch: eager's on the real rows, fill after
-        gs = be._graphs[mode][be._layer_key(layer)]
+        gs = be._graphs[mode][be.layer_config(layer)]
         plan, eb = gs.plans[bs], eager._batch
         nnz = int(eb.kv_indices.numel())
         assert torch.equal(plan.kv_indptr[: B + 1].cpu(), eb.kv_indptr.to(torch.int32))
@@ -187,7 +187,7 @@ def test_decode_graph_cascade_replay_matches_dense_and_is_counted(monkeypatch, t
         be.init_forward_metadata_out_graph(_padded(fb, bs, 1), in_capture=step == 0)
         out = be.forward(q, k, v, layer, _padded(fb, bs, 1))
         torch.testing.assert_close(out[:B], dense_reference(runner, reqs, layer, q[:B], [1] * B), **TOL)
-    gs = be._graphs["decode"][be._layer_key(layer)]
+    gs = be._graphs["decode"][be.layer_config(layer)]
     assert int(gs.cascade.kv_lens) == 4 * P, "the replay cut the 4 shared pages"
     st = be._stats
     assert (st.cascade_graph_updates, st.cascade_graph_shared_tokens) == (1, 4 * P)
@@ -356,7 +356,7 @@ def test_draft_kv_indices_equal_sglang_generate_draft_decode_kv_indices(page_siz
     generate_draft_decode_kv_indices[(steps, B, topk)](*args)
     be = make_draft(runner, topk, steps, provider="reference")
     be.init_forward_metadata(fb)
-    planner = be._plan(be.attn_backends[0]._probe_key)
+    planner = be._plan(be.attn_backends[0].probe_config)
     for i, plan in enumerate(planner.plans):
         ind = kv_indptr[i]
         assert torch.equal(plan.kv_indptr_cpu, ind), i
@@ -381,7 +381,7 @@ def test_multistep_draft_graph_capture_and_replay():
         if rnd:
             assert ptrs == [(gs.kv_indptr.data_ptr(), gs.kv_indices.data_ptr(), gs.kv_lens.data_ptr()) for gs in gss]
         outs = _run_draft_steps(be, pfb, draft_slots, layer, seed=5 + rnd, rows=bs * topk)
-        gss = [g[be.attn_backends[0]._layer_key(layer)] for g in be._graphs]
+        gss = [g[be.attn_backends[0].layer_config(layer)] for g in be._graphs]
         ptrs = [(gs.kv_indptr.data_ptr(), gs.kv_indices.data_ptr(), gs.kv_lens.data_ptr()) for gs in gss]
         for i, (q, out) in enumerate(outs):
             torch.testing.assert_close(out[: 2 * topk], _dense_step(runner, reqs, layer, draft_slots, i, q[: 2 * topk]), **TOL)
@@ -576,7 +576,7 @@ def test_decode_graph_runner_protocol(mode, page_size):
     be.init_forward_metadata_in_graph(cap)
     q, k, v = _qkv(bs * n, seed=0)
     be.forward(q, k, v, layer, cap)  # the captured forward
-    gs = be._graphs[mode][be._layer_key(layer)]
+    gs = be._graphs[mode][be.layer_config(layer)]
     ptrs = {name: getattr(gs, name).data_ptr() for name in ("kv_indptr", "kv_indices", "kv_lens")}
 
     for rnd, kv_lens in enumerate([[9 + n, 40 + n, 17 + n], [30 + n, 5 + n]]):  # replays: raw_bs 3, then 2
@@ -635,7 +635,7 @@ def test_draft_graph_runner_protocol(provider, monkeypatch):
         for i, (q, out) in enumerate(_run_draft_steps(be, rfb, draft_slots, layer, seed=3 + seed, rows=bs * topk)):
             torch.testing.assert_close(out[: B * topk], _dense_step(runner, reqs, layer, draft_slots, i,
                                                                     q[: B * topk]), **TOL)
-            assert list(be._graphs[i][be.attn_backends[0]._layer_key(layer)].plans) == [bs * topk]
+            assert list(be._graphs[i][be.attn_backends[0].layer_config(layer)].plans) == [bs * topk]
 
 
 def test_draft_factory_public_methods_build_ours(hooked_factory, monkeypatch):

@@ -62,7 +62,7 @@ def test_sinks_and_per_layer_windows_extend_then_decode(page_size):
     be.init_forward_metadata(fb)
     _check(be, runner, reqs, fb, layers, sinks, [1, 1, 1], seed=7)
     keys = sorted(be._attn, key=str)
-    assert {(k[5], k[6]) for k in be._attn} == {(WINDOW, True), (-1, True)}, keys
+    assert {(k.window_left, k.sinks) for k in be._attn} == {(WINDOW, True), (-1, True)}, keys
     sinks[0].copy_(torch.full((HQ,), 20.0))  # an in-place update (e.g. a weight reload): read at the next run
     _check(be, runner, reqs, fb, layers, sinks, [1, 1, 1], seed=7)
 
@@ -82,7 +82,7 @@ def test_sinks_in_cuda_graph_capture_and_replay():
     be = make_backend(runner)
     bs = 4
     be.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs)
-    assert set(be._graphs["decode"]) == {be._layer_key(layers[0], True), be._layer_key(layers[1], True)}
+    assert set(be._graphs["decode"]) == {be.layer_config(layers[0], True), be.layer_config(layers[1], True)}
     for step, kv_lens in enumerate([[22, 36], [10, 41, 18]]):  # capture, then replay
         reqs = Requests(runner, kv_lens=kv_lens, prefix=[k - 1 for k in kv_lens], seed=20 + step)
         fb = reqs.batch(ForwardMode.DECODE, q_lens=[1] * len(kv_lens))

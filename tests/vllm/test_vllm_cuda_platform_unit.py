@@ -157,7 +157,7 @@ def test_capturable_kv_write_matches_core_write_kv():
     """The adapter's KV write (captured in FULL CUDA graphs) == the core's ``write_kv``, and padding
     tokens leave vLLM's null block (scratch) bit-identical."""
     from attnplug.core.kv_layout import write_kv
-    from attnplug.vllm_adapter.backend import write_kv_capturable
+    from attnplug.core import write_kv_capturable
 
     g = torch.Generator().manual_seed(0)
     nb, P, H, D = 7, 4, 2, 8

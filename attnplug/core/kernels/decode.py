@@ -28,7 +28,7 @@ fp8 byte pairs (``PAIRS``, power-of-two head dims): K and V rows are read as 16-
 q_o . k_o`` and ``P @ V`` fills the output's even and odd dims in two accumulators (the same MMA
 count). Read as fp8 bytes, an operand of the fp16 tensor-core dots needs two bytes of *different*
 keys in one register (V, whose keys are rows) or of non-adjacent shared-memory bytes (K): a byte
-gather per pair, ~40% of the loop's instructions on sm90. As words, the hardware's (transposing)
+gather per pair, a large share of the loop's instructions on sm90 (``docs/measured-choices.md``). As words, the hardware's (transposing)
 matrix loads deliver them and one byte permute plus one ``cvt.rn.f16x2`` per pair converts them
 (``FP8_F16`` dots; the interpreter and bf16 dots take the same words through integer ops).
 """

@@ -1,10 +1,9 @@
 """Scatter new tokens' K/V into the paged cache: one Triton launch for both caches.
 
 The engines' own backends write the cache with one fused kernel per layer (vLLM's
-``reshape_and_cache_flash``); a chain of torch index ops costs ~14 launches per layer instead, which
-inside a decode CUDA graph of a 32-layer model measured 0.79-0.89 ms per step on the H200 against
-0.053-0.058 ms for this kernel (benchmarks/probes/kv_write_bench.py, benchmarks/NOTES.md). This kernel does no host sync and allocates nothing, so it can be captured;
-padding tokens (``slot < 0``) are skipped by a mask, not by a data-dependent shape.
+``reshape_and_cache_flash``); a chain of torch index ops costs ~14 launches per layer instead
+(``docs/measured-choices.md`` has the two measured). This kernel does no host sync and allocates
+nothing, so it can be captured; padding tokens (``slot < 0``) are skipped by a mask, not by a data-dependent shape.
 
 fp8 caches: ``x / scale`` in float32, clamped to the largest finite fp8 value (NaN stays NaN), then
 rounded to nearest even - vLLM's ``reshape_and_cache_flash`` with ``__NV_SATFINITE``, bit-equal to

@@ -2,9 +2,9 @@
 
 Read by :meth:`attnplug.core.providers.triton.TritonProvider.plan` (no autotuning in the serving
 path). ``benchmarks/sweep_triton.py`` measures candidates on the GPU and rewrites :data:`TILES`
-(the block between the markers below); the seeds are the 2026-11-29 H200 choices
-(``benchmarks/results/h200-sweep-triton-2026-11-29.jsonl``, ``benchmarks/NOTES.md`` v1/v2), so a
-table that nothing re-measured behaves as the provider did before the table existed.
+(the block between the markers below, with a line naming the sweeps that chose its entries); the
+seeds are the provider's first measured choices (``docs/measured-choices.md``), so a table that
+nothing re-measured behaves as the provider did before the table existed.
 
 Keys are ``"d{D}/g{G}/{bucket}"``: ``D`` = the head dim rounded up to 64 / 128 / 256, ``G`` = the
 GQA group rounded up to a power of two, or ``*`` for any group (an exact group wins); a ``/fp8``
@@ -36,10 +36,12 @@ partials stored in the output dtype instead of float32);
 ``fp8_f16`` (fp8 entries: fp16 dots, :mod:`.attention`); ``pairs`` (fp8 entries, ``decode`` kernel: K/V read
 as 16-bit byte pairs, :mod:`.decode`);
 ``small_tiles_from_splits`` (seed only: the tile fields apply from this many splits on, below it
-the ``decode_split`` tiles do: the 2026-11-29 rule).
+the ``decode_split`` tiles do: the seed's rule).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, fields
 
 # ---- BEGIN TILES (rewritten by benchmarks/sweep_triton.py) ----
 # d128/g4/noncausal from benchmarks/sweep_cascade_prefix.py (cascade decode 64x(8192+256), the prefix part as graph replays); sweeps of 2026-12-03 on NVIDIA H200, triton 3.6.0: sweep-fp8 --pairs-only (decode 64x4096 fp8, 1x32768 fp8, 4x32768 fp8): 3 entries chosen (byte pairs), d128/g4/decode/fp8 again by a second one (64x4096 fp8: 7 stages); d128/g4/decode from sweep-shared (64x4096, 128x2048, 64x(8192 shared+256), 64x(8192+256)); the rest from the sweeps of 2026-12-02 and before; d128/g4/decode_wide/fp8 from sweep-fp8 --pairs-only of 2026-12-04 (decode 64x4096 fp8, 128x2048 fp8: 6 stages, 128x2048 0.1996 -> 0.1421 ms) and benchmarks/probes/split_probe.py --knob num_stages (6 stages win from 768 programs on, 7 up to 512)
@@ -108,16 +110,63 @@ def lookup_keys(head_dim: int, group: int, bucket: str, fp8: bool = False) -> tu
     return tuple(key(head_dim, g, b, f) for f in ((True, False) if fp8 else (False,)) for b in buckets for g in (group, "*"))
 
 
-def lookup(head_dim: int, group: int, bucket: str, table: dict | None = None, fp8: bool = False) -> dict:
+def lookup(head_dim: int, group: int, bucket: str, table: dict | None = None, fp8: bool = False) -> TileEntry:
     """The entry for this shape: the first of :func:`lookup_keys` in ``table`` (default
-    :data:`TILES`), else ``{}``."""
+    :data:`TILES`), typed, else :data:`NO_ENTRY`."""
     return first_entry(TILES if table is None else table, lookup_keys(head_dim, group, bucket, fp8))
 
 
-def first_entry(table: dict, keys: tuple[str, ...]) -> dict:
-    """The entry of the first of ``keys`` that ``table`` holds, else ``{}``."""
+@dataclass(frozen=True)
+class TileEntry:
+    """One table entry, typed (the fields of the module docstring; ``None`` / ``False``: not set, the
+    reader's default applies). Falsy when the table held no entry for the shape."""
+
+    kernel: str | None = None
+    block_m: int | None = None
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    diag_n: int | None = None
+    tma: bool = False
+    ctas_per_sm: int | None = None
+    whole_waves: bool = False
+    max_splits: int | None = None
+    min_split_keys: int | None = None
+    fused_merge: bool = False
+    partials: str | None = None
+    fp8_f16: bool = False
+    pairs: bool = False
+    small_tiles_from_splits: int = 0
+
+    def __bool__(self) -> bool:
+        return self != NO_ENTRY
+
+    @classmethod
+    def of(cls, entry: dict) -> TileEntry:
+        """The typed form of a table entry (``ValueError`` naming an unknown field)."""
+        unknown = sorted(set(entry) - _FIELDS)
+        if unknown:
+            raise ValueError(f"attnplug: tile-table entry {entry} has unknown field(s) {unknown}")
+        return cls(**entry)
+
+
+NO_ENTRY = TileEntry()
+_FIELDS = {f.name for f in fields(TileEntry)}
+_TYPED: dict[int, tuple[dict, TileEntry]] = {}  # id(entry dict) -> (the dict, kept so its id stays its own; typed)
+
+
+def typed(entry: dict) -> TileEntry:
+    """:meth:`TileEntry.of`, converted once per entry dict (the table is read at every plan)."""
+    hit = _TYPED.get(id(entry))
+    if hit is None or hit[0] is not entry:
+        hit = _TYPED[id(entry)] = (entry, TileEntry.of(entry))
+    return hit[1]
+
+
+def first_entry(table: dict, keys: tuple[str, ...]) -> TileEntry:
+    """The entry of the first of ``keys`` that ``table`` holds (typed), else :data:`NO_ENTRY`."""
     for k in keys:
         e = table.get(k)
         if e is not None:
-            return e
-    return {}
+            return typed(e)
+    return NO_ENTRY

@@ -34,12 +34,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from ..config import SUPPORTED_DTYPES, AttentionConfig, UnsupportedFeature
-from ..plan import Plan, PlanOptions
+from ..graph_views import HostBatch
+from ..plan import Plan, PlanOptions, ProviderStatic
 
 if TYPE_CHECKING:
     from ..cuda_graph import GraphState
@@ -118,9 +119,9 @@ class ProviderGraph:
         with :meth:`Provider.static_buffers`)."""
         self.provider.plan(plan, static=self.static)
 
-    def refresh(self, plan: Plan, bs: int, host: dict | None, device_table: bool) -> None:
+    def refresh(self, plan: Plan, bs: int, host: HostBatch | None, device_table: bool) -> None:
         """After the static buffers of ``bs`` were rewritten. ``host``: host twins of the padded
-        batch (``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, ...) or ``None``;
+        batch (:class:`~attnplug.core.graph_views.HostBatch`) or ``None``;
         ``device_table``: the one-launch update from a device page table wrote them (and
         :attr:`block_table`). Default: nothing to do."""
 
@@ -278,7 +279,7 @@ class Provider(ABC):
 
     # -- one forward ------------------------------------------------------------------------------------
     @abstractmethod
-    def plan(self, plan: Plan, static: Any = None) -> None:
+    def plan(self, plan: Plan, static: ProviderStatic | None = None) -> None:
         """Build this forward's launch arguments into ``plan.state`` (host work allowed here).
 
         ``static``: from :meth:`static_buffers`; when given, ``plan.state`` must reference only that
@@ -369,11 +370,17 @@ class Provider(ABC):
 
     # -- static memory, graphs, drafts ----------------------------------------------------------------
     def static_buffers(self, max_rows: int, max_tokens: int, max_kv_len: int, q: int = 1,
-                       num_kv_splits: int | None = None) -> Any:
+                       num_kv_splits: int | None = None) -> ProviderStatic | None:
         """Storage for plans of up to ``max_rows`` requests / ``max_tokens`` query tokens, each with
         ``q`` tokens and at most ``max_kv_len`` keys, passed back to :meth:`plan` as ``static``.
         Default: ``None`` (the provider's plan holds no memory of its own)."""
         return None
+
+    def fixed_tile_options(self, plan: Plan) -> tuple[dict, int | None]:
+        """Plan options that fix the tile shape of ``plan`` (the largest batch of a graph part) for its
+        smaller batches too, so that their tile lists are prefixes of one list in static memory, and
+        the query rows of one such tile. Default ``({}, None)``: this provider has no tile knobs."""
+        return {}, None
 
     def graph(self, gs: "GraphState") -> ProviderGraph:
         """This provider's part of ``gs`` (raises :class:`UnsupportedFeature` when

@@ -59,8 +59,9 @@ import numpy as np
 import torch
 
 from ..config import AttentionConfig, UnsupportedFeature
+from ..graph_views import HostBatch
 from ..pages import num_pages
-from ..plan import Plan, PlanOptions
+from ..plan import Plan, PlanOptions, ProviderState
 from .base import GraphSupport, Provider, ProviderGraph
 
 logger = logging.getLogger("attnplug")
@@ -207,7 +208,7 @@ class FA3Tree:
 
 
 @dataclass
-class FA3State:
+class FA3State(ProviderState):
     """``plan.state``: the FA3 call, and the tree part of a tree-masked verify (else ``None``);
     fp8 KV: ``q8`` the ``[T, Hq, D]`` e4m3 buffer q is quantized into, ``num_seqs`` the descale rows."""
 
@@ -243,18 +244,18 @@ class FA3Graph(ProviderGraph):
         p, gs = self.provider, self.gs
         cfg, v = p.config, gs.static_views(bs)
         w = cfg.window_left
-        args = FA3Args(block_table=self.block_table[:bs], cu_seqlens_q=v["qo_indptr"], seqused_k=v["kv_lens"],
+        args = FA3Args(block_table=self.block_table[:bs], cu_seqlens_q=v.qo_indptr, seqused_k=v.kv_lens,
                        max_seqlen_q=gs.q, max_seqlen_k=gs.max_seq_len, causal=True,
                        window=(w, 0) if w >= 0 else (-1, -1), softcap=cfg.logits_soft_cap, scale=cfg.scale)  # fmt: skip
         tree = None
         if gs.mode == "verify":  # prefix = the mask-free columns (kv_len - q), the tree part after it
-            prefix = v["mask_free"]
+            prefix = v.mask_free
             args.seqused_k, args.causal, args.window = prefix, False, (-1, -1)
             tree = p.plan_tree_part(plan, prefix, static=self.tree_static,
                                     buffers={k: b[: bs * gs.q] for k, b in self.tree_bufs.items()})
         plan.state = FA3State(args, tree, None if self.q8 is None else self.q8[: bs * gs.q], bs)
 
-    def refresh(self, plan: Plan, bs: int, host: dict | None, device_table: bool) -> None:
+    def refresh(self, plan: Plan, bs: int, host: HostBatch | None, device_table: bool) -> None:
         """Block-table rows from the static CSR, on the device (the one-launch update wrote them already)."""
         if device_table:
             return

@@ -3,7 +3,7 @@
 Kernels (flashinfer-python >= 0.6; written against 0.6.14):
 
 * DECODE: ``BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)`` (the prefill template run
-  as decode; 4.1 TB/s on H200 vs 2.8 TB/s for the CUDA-core kernel).
+  as decode; faster than the CUDA-core kernel: ``docs/measured-choices.md``).
 * EXTEND / MIXED / DRAFT_EXTEND / chain TARGET_VERIFY: ``BatchPrefillWithPagedKVCacheWrapper``,
   causal bottom-right; backend ``"fa3"`` (Hopper template) where supported, else ``"fa2"``.
 * TARGET_VERIFY with a tree mask: the same wrapper with ``custom_mask`` (FlashInfer packs the bool
@@ -43,8 +43,9 @@ from dataclasses import dataclass
 import torch
 
 from ..config import FP8_KV_DTYPES, AttentionConfig
+from ..graph_views import HostBatch
 from ..metadata import ForwardMode
-from ..plan import Plan
+from ..plan import Plan, ProviderState
 from .base import GraphSupport, Provider, ProviderGraph
 
 logger = logging.getLogger("attnplug")
@@ -180,7 +181,7 @@ def _import_flashinfer():
 
 
 @dataclass
-class FlashInferState:
+class FlashInferState(ProviderState):
     """``plan.state``: the planned wrapper this forward runs and its kernel family."""
 
     wrapper: object
@@ -213,30 +214,30 @@ class FlashInferGraph(ProviderGraph):
         fi, layout = p._fi, p.config.kv_layout
         if gs.mode == "decode":
             wr = fi.BatchDecodeWithPagedKVCacheWrapper(
-                p._workspace, layout, use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=v["kv_indptr"],
-                paged_kv_indices_buffer=gs.kv_indices, paged_kv_last_page_len_buffer=v["kv_last_page_len"],
+                p._workspace, layout, use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=v.kv_indptr,
+                paged_kv_indices_buffer=gs.kv_indices, paged_kv_last_page_len_buffer=v.kv_last_page_len,
                 **p.decode_backend_kwargs())
             backend = "decode-tc"
         else:
             wr = fi.BatchPrefillWithPagedKVCacheWrapper(
-                p._workspace, layout, use_cuda_graph=True, qo_indptr_buf=v["qo_indptr"], paged_kv_indptr_buf=v["kv_indptr"],
-                paged_kv_indices_buf=gs.kv_indices, paged_kv_last_page_len_buf=v["kv_last_page_len"],
+                p._workspace, layout, use_cuda_graph=True, qo_indptr_buf=v.qo_indptr, paged_kv_indptr_buf=v.kv_indptr,
+                paged_kv_indices_buf=gs.kv_indices, paged_kv_last_page_len_buf=v.kv_last_page_len,
                 custom_mask_buf=self.mask_bits, mask_indptr_buf=self.mask_bits_indptr[: bs + 1], backend="fa2")
             backend = "fa2"
         self.wrappers[bs] = wr
         plan.state = FlashInferState(wr, backend, p.q_buffer(bs * gs.q))
 
-    def refresh(self, plan: Plan, bs: int, host: dict | None, device_table: bool) -> None:
+    def refresh(self, plan: Plan, bs: int, host: HostBatch | None, device_table: bool) -> None:
         if host is None:
             raise ValueError("attnplug: provider 'flashinfer' plans on the host: a graph replay needs host "
                              "kv_indptr / kv_last_page_len (host metadata, or host_seq_lens)")
         p, gs, wr = self.provider, self.gs, self.wrappers[bs]
         if gs.mode == "decode":
-            wr.plan(host["kv_indptr"], host["kv_indices"], host["kv_last_page_len"], *p.heads(), **p.plan_kwargs())
+            wr.plan(host.kv_indptr, host.kv_indices, host.kv_last_page_len, *p.heads(), **p.plan_kwargs())
         else:
             v = gs.static_views(bs)
-            mask = gs.mask[: int(host["mask_indptr"][-1])].view(torch.bool)
-            wr.plan(v["qo_indptr"], v["kv_indptr"], gs.kv_indices[: host["kv_indices"].numel()], v["kv_last_page_len"],
+            mask = gs.mask[: int(host.mask_indptr[-1])].view(torch.bool)
+            wr.plan(v.qo_indptr, v.kv_indptr, gs.kv_indices[: host.kv_indices.numel()], v.kv_last_page_len,
                     *p.heads(), custom_mask=mask, causal=False, **p.plan_kwargs())
 
     def check_device_table_update(self, host_seq_lens: torch.Tensor | None) -> None:
@@ -265,20 +266,20 @@ class FlashInferChainVerifyGraph(FlashInferGraph):
         v = gs.static_views(bs)
         backend = p.resolve_backend("fa3" if os.environ.get("ATTNPLUG_FLASHINFER_BACKEND") == "fa3" else "fa2")
         wr = p._fi.BatchPrefillWithPagedKVCacheWrapper(
-            p._workspace, p.config.kv_layout, use_cuda_graph=True, qo_indptr_buf=v["qo_indptr"],
-            paged_kv_indptr_buf=v["kv_indptr"], paged_kv_indices_buf=gs.kv_indices,
-            paged_kv_last_page_len_buf=v["kv_last_page_len"], backend=backend)  # fmt: skip
+            p._workspace, p.config.kv_layout, use_cuda_graph=True, qo_indptr_buf=v.qo_indptr,
+            paged_kv_indptr_buf=v.kv_indptr, paged_kv_indices_buf=gs.kv_indices,
+            paged_kv_last_page_len_buf=v.kv_last_page_len, backend=backend)  # fmt: skip
         self.wrappers[bs] = wr
         self.qo_indptr_host[bs] = torch.arange(bs + 1, dtype=torch.int32) * gs.q
         plan.state = FlashInferState(wr, backend, p.q_buffer(bs * gs.q))
 
-    def refresh(self, plan: Plan, bs: int, host: dict | None, device_table: bool) -> None:
+    def refresh(self, plan: Plan, bs: int, host: HostBatch | None, device_table: bool) -> None:
         if host is None:
             raise ValueError("attnplug: provider 'flashinfer' plans on the host: a verify replay needs host "
                              "kv_indptr / kv_last_page_len (host metadata, or host_seq_lens)")
         p = self.provider
-        self.wrappers[bs].plan(self.qo_indptr_host[bs], host["kv_indptr"], host["kv_indices"],
-                               host["kv_last_page_len"], *p.heads(), causal=True, **p.plan_kwargs())  # fmt: skip
+        self.wrappers[bs].plan(self.qo_indptr_host[bs], host.kv_indptr, host.kv_indices,
+                               host.kv_last_page_len, *p.heads(), causal=True, **p.plan_kwargs())  # fmt: skip
 
     def check_device_table_update(self, host_seq_lens: torch.Tensor | None) -> None:
         if host_seq_lens is None:

@@ -24,14 +24,14 @@ from .. import graph_if, staging
 from ..config import FP8_KV_DTYPES, SUPPORTED_DTYPES, AttentionConfig, env_flag
 from ..kernels import tiles as tile_table
 from ..pages import num_pages
-from ..plan import Plan
+from ..plan import Plan, ProviderState, ProviderStatic
 from .base import GraphSupport, Provider, ProviderGraph
 
 logger = logging.getLogger("attnplug")
 
 
 @dataclass
-class TritonState:
+class TritonState(ProviderState):
     """Per-forward launch arguments (``plan.state``, built in ``plan``)."""
 
     tile_req: torch.Tensor  # [num_tiles] int32, request of each tile
@@ -58,7 +58,7 @@ class TritonState:
 
 
 @dataclass
-class TritonStatic:
+class TritonStatic(ProviderStatic):
     """Static memory of triton plans (:meth:`TritonProvider.static_buffers`): the tile list is copied
     into ``tile_req`` / ``tile_qstart`` (the first ``identity_rows`` entries already hold the decode
     tile list ``arange / 0``, so single-token plans copy nothing); split partials are views of
@@ -138,8 +138,8 @@ def _tile_list(q_lens: np.ndarray, kv_lens: np.ndarray, counts: np.ndarray, ends
 
 
 # a full decode batch of more than this many programs an SM (``B * Hkv``) reads the ``decode_wide``
-# entry: beyond one wave of four programs an SM (H200 fp8: 7-stage one-warp programs win up to 512
-# programs, lose 2% at 768 and 40% at 1024: benchmarks/NOTES.md)
+# entry: beyond one wave of four programs an SM (deep one-warp pipelines stop paying off there:
+# docs/measured-choices.md)
 _WIDE_PROGRAMS_PER_SM = 4
 
 
@@ -227,7 +227,7 @@ class TritonProvider(Provider):
     def preferred_kv_layout(cls, kv_dtype: torch.dtype | None) -> str | None:
         """``"HND"`` for an fp8 cache: a decode program reads one KV head, whose ``P`` keys of a page
         are then one contiguous ``P * D``-byte run instead of ``P`` runs of ``D`` bytes ``Hkv * D`` apart
-        (H200, page 16, d128: fp8 decode 2-4% faster, bf16 within 1%: ``benchmarks/NOTES.md``)."""
+        (measured: ``docs/measured-choices.md``)."""
         return "HND" if kv_dtype in FP8_KV_DTYPES else None
 
     @classmethod
@@ -303,7 +303,7 @@ class TritonProvider(Provider):
             views = tiles[n] = (iota[0][:n], iota[1][:n])
         return views
 
-    def _entry(self, bucket: str) -> dict:
+    def _entry(self, bucket: str) -> tile_table.TileEntry:
         """This config's tile-table entry for ``bucket`` (:mod:`attnplug.core.kernels.tiles`)."""
         keys = self._entry_keys.get(bucket)
         if keys is None:  # the keys are fixed by the config; the table is read on every call
@@ -323,35 +323,35 @@ class TritonProvider(Provider):
 
     def _blocks(self, plan: Plan) -> tuple[int, int, int, int, int]:
         """(block_q, block_m, block_n, num_warps, num_stages) for this batch, from the tile table
-        (:mod:`attnplug.core.kernels.tiles`: H200 sweeps, ``benchmarks/sweep_triton.py``); decode
+        (:mod:`attnplug.core.kernels.tiles`, measured by ``benchmarks/sweep_triton.py``); decode
         batches that split refine theirs in :meth:`plan` once the split count is known."""
         cfg = self.config
         g = cfg.group_size
         if plan.max_q_len <= 1:  # decode: BLOCK_Q = 1, the GQA group fills the rows
             e = self._entry(self._full_bucket(plan.batch_size * cfg.num_kv_heads))
-            return 1, max(16, _next_pow2(g)), e.get("block_n", 128), e.get("num_warps", 4), e.get("num_stages", 3)
+            return 1, max(16, _next_pow2(g)), e.block_n or 128, e.num_warps or 4, e.num_stages or 3
         e = self._entry("prefill")
         if not plan.causal and plan.mask is None:  # cascade prefix parts: the paged kernel, split-KV
             e = self._entry("noncausal") or e
-        block_m = max(e.get("block_m", 128), _next_pow2(g))
+        block_m = max(e.block_m or 128, _next_pow2(g))
         bucket = "verify" if plan.mask is not None else "prefill"
         if plan.max_q_len * g < block_m:  # short queries (small verify trees / extends)
             block_m = max(16, _next_pow2(plan.max_q_len * g))
             bucket = "verify" if plan.mask is not None else "short"
         if bucket != "prefill":
             e = self._entry(bucket)
-            if bucket == "verify" and plan.max_q_len * g >= e.get("block_m", block_m):
-                block_m = max(e.get("block_m", block_m), _next_pow2(g))
+            if bucket == "verify" and plan.max_q_len * g >= (e.block_m or block_m):
+                block_m = max(e.block_m or block_m, _next_pow2(g))
         block_q = max(1, block_m // g)
-        return block_q, block_m, e.get("block_n", 32), e.get("num_warps", 4), e.get("num_stages", 3)
+        return block_q, block_m, e.block_n or 32, e.num_warps or 4, e.num_stages or 3
 
-    def _prefill_kernel_ok(self, plan: Plan, entry: dict, block_m: int, splits: int) -> bool:
+    def _prefill_kernel_ok(self, plan: Plan, entry: tile_table.TileEntry, block_m: int, splits: int) -> bool:
         """The prefill kernel computes this batch: ``entry`` (the batch's tile entry) names it and the
         tile is the entry's, no custom mask / window / soft cap / ``kv_start``, queries that fill the
         tiles; causal without split, or non-causal (a cascade prefix part, split or not) with a 16-bit KV
         cache (fp8 caches keep the paged kernel there, the one measured for them)."""
         cfg = self.config
-        return (entry.get("kernel") == "prefill" and block_m == max(entry.get("block_m", 128), _next_pow2(cfg.group_size))
+        return (entry.kernel == "prefill" and block_m == max(entry.block_m or 128, _next_pow2(cfg.group_size))
                 and plan.mask is None and cfg.window_left < 0 and cfg.logits_soft_cap <= 0
                 and plan.options.kv_start is None and plan.max_q_len > 1
                 and (splits == 1 if plan.causal else not cfg.kv_quantized))  # fmt: skip
@@ -385,7 +385,7 @@ class TritonProvider(Provider):
         program waits for a slot, or one more an SM where that would leave a fifth of them idle), at
         most ``max_splits`` (64) and one per ``min_split_keys``
         keys (default 128 for ``decode_tiny`` and 16-bit ``decode_split`` batches, 512 for fp8
-        ``decode_split``: the H200's eager 1-4 x 1024-4096 rows, ``benchmarks/NOTES.md``).
+        ``decode_split``: ``docs/measured-choices.md``).
         ``noncausal`` (the cascade's prefix parts: tiles of equal work, on the paged or the prefill
         kernel): ``ctas_per_sm`` and ``min_split_keys`` from the ``noncausal`` entry when it names them
         (else the bucket's ``ctas_per_sm`` and the default keys), and at most that many
@@ -395,23 +395,29 @@ class TritonProvider(Provider):
         programs = num_tiles * self.config.num_kv_heads
         bucket = self._decode_bucket(programs)
         e = self._entry(bucket)
-        if max_kv_len < 1024 or (programs >= self._sms and "ctas_per_sm" not in e):  # a full batch
+        if max_kv_len < 1024 or (programs >= self._sms and e.ctas_per_sm is None):  # a full batch
             return 1
         min_keys = 512 if bucket == "decode_split" and self.config.kv_quantized else 128
-        by_len = max_kv_len // e.get("min_split_keys", min_keys)
-        ctas = e.get("ctas_per_sm", 2 if programs >= 16 else 4)
+        by_len = max_kv_len // (e.min_split_keys or min_keys)
+        ctas = e.ctas_per_sm or (2 if programs >= 16 else 4)
         if noncausal:  # the noncausal entry's own keys a split (the decode entry's are for decode kernels)
             ne = self._entry("noncausal")
-            ctas, by_len = ne.get("ctas_per_sm", ctas), max_kv_len // ne.get("min_split_keys", min_keys)
-            return max(1, min(e.get("max_splits", 64), by_len, ctas * self._sms // max(programs, 1)))
+            ctas, by_len = ne.ctas_per_sm or ctas, max_kv_len // (ne.min_split_keys or min_keys)
+            return max(1, min(e.max_splits or 64, by_len, ctas * self._sms // max(programs, 1)))
         slots, programs = ctas * self._sms, max(programs, 1)
-        if e.get("whole_waves"):
+        if e.whole_waves:
             per = slots // programs
             if 5 * per * programs < 4 * slots:  # a fifth of the slots idle: whole waves of one program more an SM
                 per = (slots + self._sms) // programs
         else:
             per = num_pages(slots, programs)
-        return max(1, min(e.get("max_splits", 64), by_len, per))
+        return max(1, min(e.max_splits or 64, by_len, per))
+
+    def fixed_tile_options(self, plan: Plan) -> tuple[dict, int | None]:
+        """``block_m`` of ``plan``'s tiles (planned here), and their query rows ``block_q``."""
+        self.plan(plan)
+        st: TritonState = plan.state
+        return {"block_m": st.block_m}, st.block_q
 
     def static_buffers(self, max_rows: int, max_tokens: int, max_kv_len: int, q: int = 1,
                        num_kv_splits: int | None = None) -> TritonStatic:
@@ -459,10 +465,10 @@ class TritonProvider(Provider):
             programs = num_tiles * cfg.num_kv_heads
             entry = self._entry(self._full_bucket(programs) if splits == 1 else self._decode_bucket(programs))
             if splits > 1:  # the split bucket's tiles (seed rule: below small_tiles_from_splits, decode_split's)
-                e = entry if splits >= entry.get("small_tiles_from_splits", 0) else self._entry("decode_split")
-                block_n = o.block_n or e.get("block_n", block_n)
-                warps, stages = o.num_warps or e.get("num_warps", warps), o.num_stages or e.get("num_stages", stages)
-            if (entry.get("kernel") == "decode" and plan.mask is None and o.kv_start is None
+                e = entry if splits >= entry.small_tiles_from_splits else self._entry("decode_split")
+                block_n = o.block_n or e.block_n or block_n
+                warps, stages = o.num_warps or e.num_warps or warps, o.num_stages or e.num_stages or stages
+            if (entry.kernel == "decode" and plan.mask is None and o.kv_start is None
                     and block_n >= 16):  # fmt: skip
                 kernel = "decode"
         else:  # the prefill kernel where the batch's entry names it (cascade prefix parts: the noncausal one)
@@ -471,19 +477,19 @@ class TritonProvider(Provider):
                 kernel = "gluon"
             elif self._prefill_kernel_ok(plan, pe, block_m, splits):
                 kernel, entry = "prefill", pe
-        fused = kernel == "decode" and splits > 1 and bool(entry.get("fused_merge", False))
+        fused = kernel == "decode" and splits > 1 and entry.fused_merge
         # a split non-causal prefill plan in static memory (a cascade graph's prefix part): counters for
         # run_merge's in-kernel merge into the suffix state
         fused = fused or (kernel == "prefill" and noncausal and splits > 1 and static is not None)
-        diag_n = min(block_n, entry.get("diag_n", block_n)) if kernel == "prefill" else 0
-        tma = (kernel == "prefill" and bool(entry.get("tma", False)) and cfg.page_size % block_n == 0
+        diag_n = min(block_n, entry.diag_n or block_n) if kernel == "prefill" else 0
+        tma = (kernel == "prefill" and entry.tma and cfg.page_size % block_n == 0
                and cfg.head_dim == _next_pow2(cfg.head_dim) and diag_n == block_n)  # fmt: skip
         shape = (plan.num_tokens, cfg.num_qo_heads, splits, cfg.head_dim)
         partial = partial_lse = None
         tile_req, tile_q = self._place_tiles(plan, static, identity, num_tiles, counts, ends, block_q,
                                              kernel in ("prefill", "gluon"))
         # the prefill kernel's split partials in the output dtype where its entry says so (half the bytes)
-        pdt = cfg.dtype if kernel == "prefill" and entry.get("partials") == "out" else torch.float32
+        pdt = cfg.dtype if kernel == "prefill" and entry.partials == "out" else torch.float32
         if splits > 1 and static is not None:
             n = shape[0] * shape[1] * shape[2]
             if n > static.partial_lse.numel():
@@ -507,9 +513,9 @@ class TritonProvider(Provider):
             tile_req=tile_req, tile_qstart=tile_q, num_tiles=num_tiles, num_splits=splits, block_q=block_q,
             block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, partial=partial,
             partial_lse=partial_lse, kv_start=o.kv_start, kernel=kernel, diag_n=diag_n, tma=tma, counters=counters,
-            fp8_f16=cfg.kv_quantized and bool(entry.get("fp8_f16", False)),
+            fp8_f16=cfg.kv_quantized and entry.fp8_f16,
             qk_ahead=kernel == "gluon" and gluon[4],
-            pairs=(cfg.kv_quantized and kernel == "decode" and bool(entry.get("pairs", False))
+            pairs=(cfg.kv_quantized and kernel == "decode" and entry.pairs
                    and cfg.head_dim == _next_pow2(cfg.head_dim) and cfg.head_dim >= 32),
         )
 
