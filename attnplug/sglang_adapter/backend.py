@@ -664,4 +664,4 @@ class AttnplugAttnBackend(AttentionBackend):
             cascade_forwards=st.cascade_forwards, cascade_shared_tokens=st.cascade_shared_tokens,
             cascade_graph_updates=st.cascade_graph_updates, cascade_graph_shared_tokens=st.cascade_graph_shared_tokens,
             triton_interpret=os.environ.get("TRITON_INTERPRET"),
-            layer_configs=sorted(f"window {k[5]}, sinks {k[6]}" for k in self._attn if k != self._probe_key)))
+            layer_configs=sorted(f"window {c.window_left}, sinks {c.sinks}" for c in self._attn)))
