@@ -103,8 +103,8 @@ def test_device_chain_update_matches_the_host_update(name, provider):
     assert int(dev.cascade.shared) == s and int(host.cascade.kv_lens) == int(dev.cascade.kv_lens) == s * PAGE
     hv, dv = host.static_views(bs), dev.static_views(bs)
     for key in ("kv_indptr", "kv_last_page_len", "kv_lens", "mask_indptr", "mask_free"):
-        assert hv[key].tolist() == dv[key].tolist(), key
-    m = int(hv["mask_indptr"][-1])
-    assert hv["mask"][:m].tolist() == dv["mask"][:m].tolist()
+        assert getattr(hv, key).tolist() == getattr(dv, key).tolist(), key
+    m = int(hv.mask_indptr[-1])
+    assert hv.mask[:m].tolist() == dv.mask[:m].tolist()
     check(c, batch, q, k, v, n, dev, bs)
     check(c, batch, q, k, v, n, host, bs)

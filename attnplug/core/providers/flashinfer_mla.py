@@ -19,6 +19,7 @@ import torch
 from ..config import AttentionConfig
 from ..mla import library_refusal
 from ..pages import tokens_from_pages
+from ..graph_views import HostBatch
 from ..plan import Plan
 from .base import ProviderGraph
 from .flashinfer import FlashInferChainVerifyGraph, FlashInferProvider, FlashInferState
@@ -42,22 +43,22 @@ class FlashInferMLAGraph(FlashInferChainVerifyGraph):
         p, gs = self.provider, self.gs
         v = gs.static_views(bs)
         wr = p._fi.BatchMLAPagedAttentionWrapper(
-            p._workspace, use_cuda_graph=True, qo_indptr=v["qo_indptr"], kv_indptr=v["kv_indptr"],
-            kv_indices=gs.kv_indices, kv_len_arr=v["kv_lens"])  # fmt: skip
+            p._workspace, use_cuda_graph=True, qo_indptr=v.qo_indptr, kv_indptr=v.kv_indptr,
+            kv_indices=gs.kv_indices, kv_len_arr=v.kv_lens)  # fmt: skip
         self.wrappers[bs] = wr
         p.plan_wrapper(wr, plan.qo_indptr_cpu, plan.kv_indptr_cpu, plan.kv_indices, plan.kv_lens_cpu,
                        plan.causal)
         plan.state = FlashInferState(wr, "mla")
 
-    def refresh(self, plan: Plan, bs: int, host: dict | None, device_table: bool) -> None:
+    def refresh(self, plan: Plan, bs: int, host: HostBatch | None, device_table: bool) -> None:
         if host is None:
             raise ValueError("attnplug: provider 'flashinfer' plans on the host: an MLA graph replay needs "
                              "host kv_indptr / kv_last_page_len (host metadata, or host_seq_lens)")
         gs, P = self.gs, self.provider.config.page_size
-        indptr, last = host["kv_indptr"], host["kv_last_page_len"]
+        indptr, last = host.kv_indptr, host.kv_last_page_len
         kv_lens = tokens_from_pages(indptr[1:] - indptr[:-1], last, P).to(torch.int32)
         qo = torch.arange(bs + 1, dtype=torch.int32) * gs.q
-        self.provider.plan_wrapper(self.wrappers[bs], qo, indptr, gs.kv_indices[: host["kv_indices"].numel()],
+        self.provider.plan_wrapper(self.wrappers[bs], qo, indptr, gs.kv_indices[: host.kv_indices.numel()],
                                    kv_lens, gs.mode != "decode")  # fmt: skip
 
 
