@@ -409,7 +409,7 @@ _DRAFT = "attnplug.sglang_adapter.draft:AttnplugMultiStepDraftBackend."
 
 
 def _contract():
-    from attnplug.compat.contract import attr, call, callsite, const, override
+    from attnplug.compat.contract import attr, call, const, override
 
     opt = {"required": False}
     pool, fbi = "sglang.srt.mem_cache.memory_pool", "sglang.srt.model_executor.forward_batch_info"

@@ -20,7 +20,6 @@ draft models, and (should SGLang route one) the MHA prefill path.
 
 from __future__ import annotations
 
-import torch
 
 from . import compat
 from .backend import AttnplugAttnBackend

@@ -662,7 +662,6 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
         sync with the host or depend on data for shapes: :func:`write_kv_capturable`. The CPU
         tests with ``ATTNPLUG_TRITON`` run its GPU kernel through the Triton interpreter."""
         k_cache, v_cache = self.kv_views(kv_cache)
-        n = slot_mapping.shape[0]
         sc = self.scales(layer)
         write_kv_capturable(key, value, k_cache, v_cache, slot_mapping, compat.null_block_id(),
                             sc.get("k_scale"), sc.get("v_scale"))  # fmt: skip

@@ -8,12 +8,11 @@ from __future__ import annotations
 import collections
 
 import pytest
-import torch
 
 from attnplug.core.kernels import tiles
 
 import fa3_standin
-from test_cascade_graph import DEV, HEAD_DIM, check_out, make_case, state
+from test_cascade_graph import DEV, check_out, make_case, state
 
 KERNELS = (("attnplug.core.kernels.attention", "paged_attention_kernel"),
            ("attnplug.core.kernels.decode", "decode_kernel"),
