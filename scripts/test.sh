@@ -7,7 +7,7 @@
 #   mutation - scripts/mutation_check.py: named source mutations (kernels, planner, page tables, graph
 #            update, draft planner), each must make a targeted subset of tests/core fail; kill table
 #   sm90-aot - every core kernel launch compiled for sm90 with triton 3.6.0 (the H200's, the oldest
-#            supported on a GPU) and 3.8.0 (core and newest compile with 3.7.1 and the newest)
+#            supported on a GPU) and 3.8.0 (newest compiles with the newest triton)
 #   package - python -m build (sdist + wheel), the wheel in a clean venv: import, entry points, metadata;
 #            every `pip install` line of README.md resolves (scripts/check_readme_installs.py: pip
 #            --dry-run against PyPI, without this machine's pip configuration; ~1 min a line)
@@ -178,6 +178,8 @@ run_suite() {
     build_failed_row "$s"; return
   fi
   paths=("tests/$s"); [[ $s == core ]] && paths+=(tests/gpu)  # GPU tests skip with a reason without CUDA
+  # core: the sm90 compile of every launch runs in sm90-aot (triton 3.6.0, 3.8.0) and newest (the newest triton)
+  [[ $s == core ]] && paths+=(--deselect tests/core/test_kernels_compile_sm90.py::test_every_kernel_launch_compiles_for_sm90)
   pytest_row "$s" ".venvs/$s/bin/python" "${paths[@]}" || status=1
 }
 export PIP_NO_CACHE_DIR=1
