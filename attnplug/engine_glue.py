@@ -32,8 +32,13 @@ def engine_missing(module: str, engine: str, log: logging.Logger) -> bool:
     except (ImportError, ValueError):  # a broken or half-removed install: not importable either
         found = False
     if not found:
-        log.warning("attnplug: %s is not installed in this environment (no module %r): the attnplug %s "
-                    "backends are not registered", engine, module, engine)
+        log.warning(
+            "attnplug: %s is not installed in this environment (no module %r): the attnplug %s "
+            "backends are not registered",
+            engine,
+            module,
+            engine,
+        )
     return not found
 
 

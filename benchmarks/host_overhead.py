@@ -22,8 +22,14 @@ from attnplug.bench import workloads as W
 from attnplug.core import AttentionConfig
 
 ROWS = ["decode 1x32768", "decode 1x32768 fp8", "decode 64x4096 fp8"]
-IMPLS = ["attnplug.triton", "attnplug_kernel.triton_fp8", "attnplug.fa3", "fa3.paged", "attnplug.flashinfer",
-         "flashinfer.decode_tc"]  # fmt: skip
+IMPLS = [
+    "attnplug.triton",
+    "attnplug_kernel.triton_fp8",
+    "attnplug.fa3",
+    "fa3.paged",
+    "attnplug.flashinfer",
+    "flashinfer.decode_tc",
+]
 
 
 def kernels(fn) -> list[tuple[str, float]]:

@@ -55,10 +55,12 @@ def prompts() -> list[list[int]]:
 
     rng = random.Random(17)
     shared = [1] + [rng.randrange(3, 500) for _ in range(39)]
-    return [[1] + [rng.randrange(3, 500) for _ in range(6)],
-            shared + [rng.randrange(3, 500) for _ in range(6)],
-            shared + [rng.randrange(3, 500) for _ in range(11)],
-            [1] + [rng.randrange(3, 500) for _ in range(69)]]  # fmt: skip
+    return [
+        [1] + [rng.randrange(3, 500) for _ in range(6)],
+        shared + [rng.randrange(3, 500) for _ in range(6)],
+        shared + [rng.randrange(3, 500) for _ in range(11)],
+        [1] + [rng.randrange(3, 500) for _ in range(69)],
+    ]
 
 
 WAVES = [[0, 1, 3], [2]]
@@ -77,62 +79,135 @@ def model_rows(encoder_kw: dict, softcap_feature: str) -> list[dict]:
     """The rows that differ by model: head dims, GQA ratios, and one model per attention feature."""
     r = [cell("head_dim", hd, model=f"llama:head_dim={hd}", feature="head_dim|head size") for hd in (32, 80, 256)]
     for hq, hkv in ((4, 4), (4, 1), (8, 1)):
-        r.append(cell("GQA ratio", f"{hq // hkv} ({hq}/{hkv})", model=f"llama:num_attention_heads={hq},num_key_value_heads={hkv}"
-                      + (",head_dim=32" if hq == 8 else "")))  # fmt: skip
-    return r + [cell("sliding window", "24 (Mistral)", model="mistral_sw", feature="window"),
-                cell("logit soft cap + window", "20 / 16 (Gemma2)", model="gemma2", feature=softcap_feature),
-                cell("ALiBi", "BLOOM", model="bloom", feature="alibi"),
-                cell("attention sinks", "gpt-oss", model="gpt_oss", feature="sink"),
-                cell("MLA", "DeepSeek-V2-like", model="deepseek_v2", feature="mla|latent"),
-                cell("encoder-only", "BERT (embed)", model="bert", **encoder_kw),
-                cell("cross attention", "Whisper", model="whisper", feature="encoder|cross")]  # fmt: skip
+        r.append(
+            cell(
+                "GQA ratio",
+                f"{hq // hkv} ({hq}/{hkv})",
+                model=f"llama:num_attention_heads={hq},num_key_value_heads={hkv}" + (",head_dim=32" if hq == 8 else ""),
+            )
+        )
+    return r + [
+        cell("sliding window", "24 (Mistral)", model="mistral_sw", feature="window"),
+        cell("logit soft cap + window", "20 / 16 (Gemma2)", model="gemma2", feature=softcap_feature),
+        cell("ALiBi", "BLOOM", model="bloom", feature="alibi"),
+        cell("attention sinks", "gpt-oss", model="gpt_oss", feature="sink"),
+        cell("MLA", "DeepSeek-V2-like", model="deepseek_v2", feature="mla|latent"),
+        cell("encoder-only", "BERT (embed)", model="bert", **encoder_kw),
+        cell("cross attention", "Whisper", model="whisper", feature="encoder|cross"),
+    ]
 
 
 def vllm_rows() -> list[dict]:
     r = [cell("default", "-")]
     for d in ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"):
-        r.append(cell("kv_cache_dtype", d, feature="kv_cache_dtype|fp8", ref="default" if d == "auto" else "same",
-                      kv_cache_dtype=d))
+        r.append(
+            cell(
+                "kv_cache_dtype",
+                d,
+                feature="kv_cache_dtype|fp8",
+                ref="default" if d == "auto" else "same",
+                kv_cache_dtype=d,
+            )
+        )
     for b in (1, 16, 32, 128, 256, 512):
         r.append(cell("block_size", b, feature="block_size|block size", ref="default", block_size=b))
     r += model_rows(dict(feature="encoder", runner="pooling"), "soft|cap")
-    r += [cell("chunked prefill", "on, 32-token chunks", ref="default", enable_chunked_prefill=True, max_num_batched_tokens=32),
-          cell("chunked prefill", "off", ref="default", enable_chunked_prefill=False, max_num_batched_tokens=512),
-          cell("prefix caching", "on", ref="default", enable_prefix_caching=True),
-          cell("prefix caching", "off", ref="default", enable_prefix_caching=False),
-          cell("speculative", "ngram", feature="specul", ref="default", speculative_config=dict(
-              method="ngram", num_speculative_tokens=2, prompt_lookup_max=3, prompt_lookup_min=1)),
-          cell("speculative", "eagle", feature="specul|eagle|draft", ref="default",
-               speculative_config=dict(method="eagle", model="@eagle", num_speculative_tokens=2)),
-          cell("speculative", "draft_model", feature="specul|draft", ref="default",
-               speculative_config=dict(method="draft_model", model="@draft", num_speculative_tokens=2)),
-          cell("speculative", "suffix", feature="specul|suffix", ref="default",
-               speculative_config=dict(method="suffix", num_speculative_tokens=2)),
-          cell("max_num_seqs", 1, ref="default", max_num_seqs=1)]  # fmt: skip
+    r += [
+        cell(
+            "chunked prefill",
+            "on, 32-token chunks",
+            ref="default",
+            enable_chunked_prefill=True,
+            max_num_batched_tokens=32,
+        ),
+        cell("chunked prefill", "off", ref="default", enable_chunked_prefill=False, max_num_batched_tokens=512),
+        cell("prefix caching", "on", ref="default", enable_prefix_caching=True),
+        cell("prefix caching", "off", ref="default", enable_prefix_caching=False),
+        cell(
+            "speculative",
+            "ngram",
+            feature="specul",
+            ref="default",
+            speculative_config=dict(method="ngram", num_speculative_tokens=2, prompt_lookup_max=3, prompt_lookup_min=1),
+        ),
+        cell(
+            "speculative",
+            "eagle",
+            feature="specul|eagle|draft",
+            ref="default",
+            speculative_config=dict(method="eagle", model="@eagle", num_speculative_tokens=2),
+        ),
+        cell(
+            "speculative",
+            "draft_model",
+            feature="specul|draft",
+            ref="default",
+            speculative_config=dict(method="draft_model", model="@draft", num_speculative_tokens=2),
+        ),
+        cell(
+            "speculative",
+            "suffix",
+            feature="specul|suffix",
+            ref="default",
+            speculative_config=dict(method="suffix", num_speculative_tokens=2),
+        ),
+        cell("max_num_seqs", 1, ref="default", max_num_seqs=1),
+    ]
     return r
 
 
 def sglang_rows() -> list[dict]:
     r = [cell("default", "-")]
     for d in ("auto", "bf16", "fp8_e4m3", "fp8_e5m2"):
-        r.append(cell("kv_cache_dtype", d, feature="kv cache dtype|kv_cache_dtype|fp8", ref="default" if d == "auto" else "same",
-                      kv_cache_dtype=d))
+        r.append(
+            cell(
+                "kv_cache_dtype",
+                d,
+                feature="kv cache dtype|kv_cache_dtype|fp8",
+                ref="default" if d == "auto" else "same",
+                kv_cache_dtype=d,
+            )
+        )
     for b in (1, 16, 32, 128, 256, 512):
         r.append(cell("page_size", b, feature="page", ref="default", page_size=b))
     r += model_rows(dict(feature="encoder|non-causal", is_embedding=True), "soft|cap|logit")
-    r += [cell("chunked prefill", "on, 32-token chunks", ref="default", chunked_prefill_size=32),
-          cell("chunked prefill", "off", ref="default", chunked_prefill_size=-1),
-          cell("prefix caching", "on (radix cache)", ref="default", disable_radix_cache=False),
-          cell("prefix caching", "off", ref="default", disable_radix_cache=True),
-          cell("speculative", "NGRAM", feature="specul|ngram", ref="default", speculative_algorithm="NGRAM",
-               speculative_num_draft_tokens=3),
-          cell("speculative", "EAGLE", feature="specul|eagle|draft", ref="default", speculative_algorithm="EAGLE",
-               speculative_draft_model_path="@eagle", speculative_num_steps=2, speculative_eagle_topk=1,
-               speculative_num_draft_tokens=3),
-          cell("speculative", "STANDALONE (draft model)", feature="specul|draft", ref="default",
-               speculative_algorithm="STANDALONE", speculative_draft_model_path="@draft", speculative_num_steps=2,
-               speculative_eagle_topk=1, speculative_num_draft_tokens=3),
-          cell("max_running_requests", 1, ref="default", max_running_requests=1)]  # fmt: skip
+    r += [
+        cell("chunked prefill", "on, 32-token chunks", ref="default", chunked_prefill_size=32),
+        cell("chunked prefill", "off", ref="default", chunked_prefill_size=-1),
+        cell("prefix caching", "on (radix cache)", ref="default", disable_radix_cache=False),
+        cell("prefix caching", "off", ref="default", disable_radix_cache=True),
+        cell(
+            "speculative",
+            "NGRAM",
+            feature="specul|ngram",
+            ref="default",
+            speculative_algorithm="NGRAM",
+            speculative_num_draft_tokens=3,
+        ),
+        cell(
+            "speculative",
+            "EAGLE",
+            feature="specul|eagle|draft",
+            ref="default",
+            speculative_algorithm="EAGLE",
+            speculative_draft_model_path="@eagle",
+            speculative_num_steps=2,
+            speculative_eagle_topk=1,
+            speculative_num_draft_tokens=3,
+        ),
+        cell(
+            "speculative",
+            "STANDALONE (draft model)",
+            feature="specul|draft",
+            ref="default",
+            speculative_algorithm="STANDALONE",
+            speculative_draft_model_path="@draft",
+            speculative_num_steps=2,
+            speculative_eagle_topk=1,
+            speculative_num_draft_tokens=3,
+        ),
+        cell("max_running_requests", 1, ref="default", max_running_requests=1),
+    ]
     return r
 
 
@@ -143,8 +218,11 @@ GPU_BACKEND_ROWS = {"default=-", "kv_cache_dtype=fp8_e4m3", "MLA=DeepSeek-V2-lik
 # one equal cell that exercises two attention features (soft cap + sliding window, with its native
 # reference) and one GPU backend refusing on CPU - three engine starts per engine (~3 min); the rest
 # of the matrix is the committed full run.
-CI_CELLS = {("logit soft cap + window", "native"), ("logit soft cap + window", "attnplug_triton"),
-            ("default", "attnplug_flashinfer")}  # fmt: skip
+CI_CELLS = {
+    ("logit soft cap + window", "native"),
+    ("logit soft cap + window", "attnplug_triton"),
+    ("default", "attnplug_flashinfer"),
+}
 
 
 def plan_runs(engine: str, subset: str, only: list[str]) -> list[dict]:
@@ -172,8 +250,15 @@ def plan_runs(engine: str, subset: str, only: list[str]) -> list[dict]:
 def _vllm_run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
-    kw = dict(model=spec["model_path"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32", seed=0,
-              max_model_len=448 if spec["model"] == "whisper" else 512, max_num_seqs=8)  # fmt: skip
+    kw = dict(
+        model=spec["model_path"],
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        seed=0,
+        max_model_len=448 if spec["model"] == "whisper" else 512,
+        max_num_seqs=8,
+    )
     kw.update(spec["kwargs"])
     runner = kw.pop("runner", None)
     if runner:
@@ -193,8 +278,15 @@ def _vllm_run(spec: dict) -> dict:
     if spec["model"] == "whisper":
         import numpy as np
 
-        reqs = [{"encoder_prompt": {"prompt_token_ids": [1], "multi_modal_data": {"audio": (np.zeros(16000, dtype=np.float32), 16000)}},
-                 "decoder_prompt": {"prompt_token_ids": [50258]}}]  # fmt: skip
+        reqs = [
+            {
+                "encoder_prompt": {
+                    "prompt_token_ids": [1],
+                    "multi_modal_data": {"audio": (np.zeros(16000, dtype=np.float32), 16000)},
+                },
+                "decoder_prompt": {"prompt_token_ids": [50258]},
+            }
+        ]
         return {"tokens": [list(o.outputs[0].token_ids) for o in llm.generate(reqs, sp, use_tqdm=False)]}
     for wave in WAVES:
         outs = llm.generate([{"prompt_token_ids": ps[i]} for i in wave], sp, use_tqdm=False)
@@ -206,9 +298,18 @@ def _vllm_run(spec: dict) -> dict:
 def _sglang_run(spec: dict) -> dict:
     import sglang
 
-    kw = dict(model_path=spec["model_path"], skip_tokenizer_init=True, device="cpu", dtype="float32",
-              disable_overlap_schedule=True, mem_fraction_static=0.3, max_total_tokens=4096, random_seed=0,
-              log_level="warning", attention_backend="torch_native" if spec["backend"] == "native" else spec["backend"])
+    kw = dict(
+        model_path=spec["model_path"],
+        skip_tokenizer_init=True,
+        device="cpu",
+        dtype="float32",
+        disable_overlap_schedule=True,
+        mem_fraction_static=0.3,
+        max_total_tokens=4096,
+        random_seed=0,
+        log_level="warning",
+        attention_backend="torch_native" if spec["backend"] == "native" else spec["backend"],
+    )
     kw.update(spec["kwargs"])
     engine = sglang.Engine(**kw)
     try:
@@ -250,8 +351,13 @@ def engine_env(engine: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in drop}
     paths = [str(REPO)] + ([str(REPO / "tests/sglang/sgl_kernel_shim")] if engine == "sglang" else [])
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1", VLLM_CPU_KVCACHE_SPACE="1",
-               SGLANG_USE_CPU_ENGINE="1")  # fmt: skip
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        SGLANG_USE_CPU_ENGINE="1",
+    )
     return env
 
 
@@ -274,12 +380,17 @@ out["@eagle"] = str(make_tiny_eagle_draft(f"{root}/eagle", out.get("llama") or m
 out["@draft"] = str(make_tiny_llama(f"{root}/draft", seed=3, num_hidden_layers=1))
 print("MODELS=" + json.dumps(out))
 """
-    p = subprocess.run([python, "-c", code, str(root), json.dumps(sorted(models | {"llama"}))], env=engine_env(engine),
-                       capture_output=True, text=True, timeout=1200)  # fmt: skip
+    p = subprocess.run(
+        [python, "-c", code, str(root), json.dumps(sorted(models | {"llama"}))],
+        env=engine_env(engine),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     line = [x for x in p.stdout.splitlines() if x.startswith("MODELS=")]
     if p.returncode or not line:
         raise RuntimeError(f"building tiny models failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-    return json.loads(line[0][len("MODELS="):])
+    return json.loads(line[0][len("MODELS=") :])
 
 
 _REFUSAL = re.compile(r"attnplug: (?:backend|provider) .*")
@@ -301,8 +412,13 @@ _EXC = re.compile(r"\b([A-Za-z_.]*(?:Error|Exception|Unavailable|UnsupportedFeat
 def root_cause(log: str, fallback: str = "") -> str:
     """The first exception line of an engine log that is not a wrapper ("Engine core initialization
     failed", "EngineDeadError", ...): what actually went wrong in the engine's subprocess."""
-    wrappers = ("initialization failed", "EngineDeadError", "See root cause", "Worker failed with error",
-                "Tokenizer not available")  # the last: a warning vLLM logs on every start without a tokenizer
+    wrappers = (
+        "initialization failed",
+        "EngineDeadError",
+        "See root cause",
+        "Worker failed with error",
+        "Tokenizer not available",
+    )  # the last: a warning vLLM logs on every start without a tokenizer
     for m in _EXC.finditer(log):
         text = f"{m.group(1)}: {m.group(2)}".strip()
         if not any(w in text for w in wrappers):
@@ -348,12 +464,16 @@ def classify(run: dict, res: dict, refs: dict) -> tuple[str, str]:
             # no reference; report how many tokens still equal the unquantized native run
             same = sum(a == b for x, y in zip(res["tokens"], ref["tokens"]) for a, b in zip(x, y))
             total = sum(len(x) for x in ref["tokens"])
-            return "UNCOMPARED", (f"native fails with this option ({(native.get('cause') or native['error'])[:120]}); "
-                                  f"{same}/{total} tokens equal the native run with default options")
+            return "UNCOMPARED", (
+                f"native fails with this option ({(native.get('cause') or native['error'])[:120]}); "
+                f"{same}/{total} tokens equal the native run with default options"
+            )
         for k in ("tokens", "embeddings"):
             if k in res:
                 if k == "embeddings":
-                    same = all(abs(a - b) <= 1e-3 * max(1.0, abs(b)) for x, y in zip(res[k], ref[k]) for a, b in zip(x, y))
+                    same = all(
+                        abs(a - b) <= 1e-3 * max(1.0, abs(b)) for x, y in zip(res[k], ref[k]) for a, b in zip(x, y)
+                    )
                 else:
                     same = res[k] == ref[k]
                 return ("equal", which) if same else ("MISMATCH", f"{which}: {res[k]} vs {ref[k]}")
@@ -368,8 +488,11 @@ def classify(run: dict, res: dict, refs: dict) -> tuple[str, str]:
             return "refused", msg[:300]
         return "refused?", msg[:300]
     if native is not None and not native["ok"]:
-        return "engine", f"native fails too: {native.get('cause') or native['error'][:200]} | attnplug: " \
-                         f"{res.get('cause') or res['error'][:200]}"
+        return (
+            "engine",
+            f"native fails too: {native.get('cause') or native['error'][:200]} | attnplug: "
+            f"{res.get('cause') or res['error'][:200]}",
+        )
     return "ERROR", (res.get("cause") or res.get("error", ""))[:400]
 
 
@@ -387,15 +510,21 @@ def merged(engine: str, out_dir: Path, results: list[dict], subset: str) -> list
 
 def write_report(engine: str, out_dir: Path, results: list[dict], subset: str) -> None:
     suffix = "" if subset == "full" else f"-{subset}"
-    (out_dir / f"refusal-matrix-{engine}{suffix}.json").write_text(json.dumps(
-        {"engine": engine, "subset": subset, "max_tokens": MAX_TOKENS, "cells": results}, indent=1) + "\n")
+    (out_dir / f"refusal-matrix-{engine}{suffix}.json").write_text(
+        json.dumps({"engine": engine, "subset": subset, "max_tokens": MAX_TOKENS, "cells": results}, indent=1) + "\n"
+    )
     cols = [NATIVE[engine]] + list(BACKENDS)
-    lines = [f"# Refusal matrix: {engine} on CPU ({subset})", "",
-             "Cell: `equal` (tokens equal the native backend), `oracle` (the native backend cannot run the option "
-             "on this machine; tokens equal attnplug's float32 reference provider in the same engine), "
-             "`refused: <message>`, `engine` (the engine rejects the option itself, native too), `-` not run; "
-             "anything else is a bug.", "",
-             "| option | value | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]  # fmt: skip
+    lines = [
+        f"# Refusal matrix: {engine} on CPU ({subset})",
+        "",
+        "Cell: `equal` (tokens equal the native backend), `oracle` (the native backend cannot run the option "
+        "on this machine; tokens equal attnplug's float32 reference provider in the same engine), "
+        "`refused: <message>`, `engine` (the engine rejects the option itself, native too), `-` not run; "
+        "anything else is a bug.",
+        "",
+        "| option | value | " + " | ".join(cols) + " |",
+        "|---|---|" + "---|" * len(cols),
+    ]
     rows: dict = {}
     for r in results:
         rows.setdefault((r["option"], r["value"]), {})[r["backend"]] = r
@@ -408,7 +537,9 @@ def write_report(engine: str, out_dir: Path, results: list[dict], subset: str) -
             elif b == "native":
                 cells.append("ok" if r["ok"] else f"fails: {r['detail'][:80]}")
             else:
-                cells.append(r["status"] if r["status"] in ("equal", "oracle") else f"{r['status']}: {r['detail'][:110]}")
+                cells.append(
+                    r["status"] if r["status"] in ("equal", "oracle") else f"{r['status']}: {r['detail'][:110]}"
+                )
         lines.append(f"| {opt} | {val} | " + " | ".join(c.replace("|", "/").replace("\n", " ") for c in cells) + " |")
     counts: dict = {}
     for r in results:
@@ -418,8 +549,9 @@ def write_report(engine: str, out_dir: Path, results: list[dict], subset: str) -
     (out_dir / f"refusal-matrix-{engine}{suffix}.md").write_text("\n".join(lines) + "\n")
 
 
-def run_engine(engine: str, subset: str, only: list[str], out_dir: Path, timeout: int,
-               backends: list[str] | None = None) -> list[dict]:
+def run_engine(
+    engine: str, subset: str, only: list[str], out_dir: Path, timeout: int, backends: list[str] | None = None
+) -> list[dict]:
     python = str(REPO / f".venvs/{engine}/bin/python")
     runs = [r for r in plan_runs(engine, subset, only) if not backends or r["backend"] in backends]
     paths = build_models(engine, python, {r["model"] for r in runs}, REPO / ".models" / f"refusal-{engine}")
@@ -436,17 +568,28 @@ def run_engine(engine: str, subset: str, only: list[str], out_dir: Path, timeout
             if str(sc.get("model", "")).startswith("@"):
                 sc["model"] = paths[sc["model"]]
             kwargs["speculative_config"] = sc
-        spec = dict(engine=engine, backend=run["backend"], model=run["model"].split(":")[0],
-                    model_path=paths[run["model"]], kwargs=kwargs, prompts=prompts())  # fmt: skip
+        spec = dict(
+            engine=engine,
+            backend=run["backend"],
+            model=run["model"].split(":")[0],
+            model_path=paths[run["model"]],
+            kwargs=kwargs,
+            prompts=prompts(),
+        )
         counter[0] += 1
         d = work / f"cell{counter[0]}"
         d.mkdir(exist_ok=True)
         (d / "spec.json").write_text(json.dumps(spec))
         t0 = time.time()
         with open(d / "log.txt", "w") as log:
-            p = subprocess.Popen([python, __file__, "--cell", str(d / "spec.json"), str(d / "out.json")], cwd=d,
-                                 env={**engine_env(engine), **run.get("env", {})}, stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True)  # fmt: skip
+            p = subprocess.Popen(
+                [python, __file__, "--cell", str(d / "spec.json"), str(d / "out.json")],
+                cwd=d,
+                env={**engine_env(engine), **run.get("env", {})},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             try:
                 rc = p.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -457,8 +600,11 @@ def run_engine(engine: str, subset: str, only: list[str], out_dir: Path, timeout
                 except ProcessLookupError:
                     pass
                 p.wait()
-        res = json.loads((d / "out.json").read_text()) if (d / "out.json").exists() else \
-            {"ok": False, "error": f"cell process exited {rc} without a result"}  # fmt: skip
+        res = (
+            json.loads((d / "out.json").read_text())
+            if (d / "out.json").exists()
+            else {"ok": False, "error": f"cell process exited {rc} without a result"}
+        )
         log = (d / "log.txt").read_text(errors="replace")
         res["log_tail"] = log[-3000:]
         res["attnplug_lines"] = _attnplug_lines(log)
@@ -466,8 +612,10 @@ def run_engine(engine: str, subset: str, only: list[str], out_dir: Path, timeout
             res["cause"] = root_cause(log, res.get("error", ""))
         res["cell_dir"] = str(d)
         res["wall_seconds"] = round(time.time() - t0, 1)
-        print(f"[{engine}] {run['option']}={run['value']} {run['backend']}: ok={res['ok']} ({res['wall_seconds']} s)",
-              flush=True)  # fmt: skip
+        print(
+            f"[{engine}] {run['option']}={run['value']} {run['backend']}: ok={res['ok']} ({res['wall_seconds']} s)",
+            flush=True,
+        )
         return res
 
     def native_default(model: str) -> dict:
@@ -493,11 +641,19 @@ def run_engine(engine: str, subset: str, only: list[str], out_dir: Path, timeout
                 refs[key] = execute({**run, "backend": "native"})  # is it the engine's own failure? ask native
             status, detail = classify(run, res, refs)
             if status == "UNCOMPARED" and res["ok"] and refs.get(key) and not refs[key]["ok"]:
-                status, detail = oracle_check(run, res, execute({**run, "env": {"ATTNPLUG_PROVIDER_OVERRIDE": "reference"}}))
+                status, detail = oracle_check(
+                    run, res, execute({**run, "env": {"ATTNPLUG_PROVIDER_OVERRIDE": "reference"}})
+                )
         entry = {k: run[k] for k in ("option", "value", "model", "backend")}
-        entry.update(status=status, detail=detail, ok=res["ok"], seconds=res.get("wall_seconds"),
-                     tokens=res.get("tokens"), kwargs={k: str(v) for k, v in run["kwargs"].items()},
-                     cell_dir=res.get("cell_dir"))  # fmt: skip
+        entry.update(
+            status=status,
+            detail=detail,
+            ok=res["ok"],
+            seconds=res.get("wall_seconds"),
+            tokens=res.get("tokens"),
+            kwargs={k: str(v) for k, v in run["kwargs"].items()},
+            cell_dir=res.get("cell_dir"),
+        )
         results.append(entry)
         print(f"[{engine}]   -> {status}: {detail[:200]}", flush=True)
         write_report(engine, out_dir, merged(engine, out_dir, results, subset) if only or backends else results, subset)
@@ -507,17 +663,27 @@ def run_engine(engine: str, subset: str, only: list[str], out_dir: Path, timeout
 def ci_problems(engine: str, out_dir: Path) -> list[str]:
     """Run the CI subset of ``engine`` into ``out_dir``; what is wrong with it (empty: all cells as expected)."""
     py = REPO / f".venvs/{engine}/bin/python"
-    p = subprocess.run([str(py), __file__, "--engines", engine, "--subset", "ci", "--out-dir", str(out_dir),
-                        "--timeout", "600"], capture_output=True, text=True, timeout=1500)  # fmt: skip
+    p = subprocess.run(
+        [str(py), __file__, "--engines", engine, "--subset", "ci", "--out-dir", str(out_dir), "--timeout", "600"],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     path = out_dir / f"refusal-matrix-{engine}-ci.json"
     if not path.exists():
         return [f"no report (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"]
     print((out_dir / f"refusal-matrix-{engine}-ci.md").read_text())
-    want = {("logit soft cap + window", "native"): "ok", ("logit soft cap + window", "attnplug_triton"): "equal",
-            ("default", "attnplug_flashinfer"): "refused"}  # fmt: skip
+    want = {
+        ("logit soft cap + window", "native"): "ok",
+        ("logit soft cap + window", "attnplug_triton"): "equal",
+        ("default", "attnplug_flashinfer"): "refused",
+    }
     got = {(c["option"], c["backend"]): c for c in json.loads(path.read_text())["cells"]}
-    return [f"{k}: {got[k]['status'] if k in got else 'not run'} ({got.get(k, {}).get('detail', '')[:300]}), expected {v}"
-            for k, v in want.items() if k not in got or got[k]["status"] != v]  # fmt: skip
+    return [
+        f"{k}: {got[k]['status'] if k in got else 'not run'} ({got.get(k, {}).get('detail', '')[:300]}), expected {v}"
+        for k, v in want.items()
+        if k not in got or got[k]["status"] != v
+    ]
 
 
 def main() -> int:
@@ -536,8 +702,14 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     bad = 0
     for engine in args.engines.split(","):
-        res = run_engine(engine, args.subset, [o for o in args.only.split(",") if o], out, args.timeout,
-                         [b for b in args.backends.split(",") if b])
+        res = run_engine(
+            engine,
+            args.subset,
+            [o for o in args.only.split(",") if o],
+            out,
+            args.timeout,
+            [b for b in args.backends.split(",") if b],
+        )
         bad += sum(r["status"] not in ("ok", "fails", "equal", "oracle", "refused", "engine") for r in res)
     print("cells that are neither equal nor refused:", bad)
     return 1 if bad else 0

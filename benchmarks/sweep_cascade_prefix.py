@@ -4,7 +4,8 @@
     python benchmarks/sweep_cascade_prefix.py --out DIR [--write] [--block-m 256]   # GPU
     python benchmarks/sweep_cascade_prefix.py --smoke                  # CPU check of the flow (interpreter)
 
-Each candidate entry (kernel / block_m / block_n / warps / stages / ``ctas_per_sm`` / ``partials``) plans the row with cascade
+Each candidate entry (kernel / block_m / block_n / warps / stages / ``ctas_per_sm`` / ``partials``) plans the row
+with cascade
 on; its prefix part (the paged kernel over the shared pages for all 64 query rows, split-KV, and the
 merge of its splits) is captured in one CUDA graph and timed as replays (``triton.testing.do_bench``,
 median; eager launches would time the host). The whole forward (suffix + prefix + merges) is checked
@@ -34,7 +35,9 @@ def candidates() -> list[dict]:
     then the prefill kernel run non-causal (8 warps: one program an SM by registers; 16 warps for 256-row
     tiles), each with float32 partials and with partials in the output dtype (``partials: "out"``)."""
     out = [{"kernel": "paged", "block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 3, "ctas_per_sm": 2}]
-    pre = [(128, bn, 8, st, c) for bn, st, c in ((128, 2, 1), (128, 2, 2), (64, 3, 1), (64, 4, 1), (32, 3, 2), (32, 4, 2))]
+    pre = [
+        (128, bn, 8, st, c) for bn, st, c in ((128, 2, 1), (128, 2, 2), (64, 3, 1), (64, 4, 1), (32, 3, 2), (32, 4, 2))
+    ]
     # one 256-row tile for all 64 tokens x 4 heads (K/V read once): 16 warps, 128 registers, no spills in
     # the sm90 AOT stats at block_n 64 (block_n 128 spills)
     pre += [(256, bn, 16, st, 1) for bn, st in ((64, 2), (64, 3), (32, 3))]
@@ -87,10 +90,22 @@ def merge_probe(cp, dev, bench_ms) -> list[dict]:
         p = a.partial.to(dt)
         for bh in (1, 2, 4, 8):
             for nw in (1, 2, 4, 8):
-                ms = graph_ms(lambda: merge_splits(p, a.partial_lse, cp.out_part, cp.lse_part, block_h=bh,
-                                                   num_warps=nw), dev, bench_ms)  # fmt: skip
-                recs.append({"merge": {"block_h": bh, "num_warps": nw, "partials": str(dt).removeprefix("torch."),
-                                       "splits": a.num_splits}, "ms": ms})
+                ms = graph_ms(
+                    lambda: merge_splits(p, a.partial_lse, cp.out_part, cp.lse_part, block_h=bh, num_warps=nw),
+                    dev,
+                    bench_ms,
+                )
+                recs.append(
+                    {
+                        "merge": {
+                            "block_h": bh,
+                            "num_warps": nw,
+                            "partials": str(dt).removeprefix("torch."),
+                            "splits": a.num_splits,
+                        },
+                        "ms": ms,
+                    }
+                )
             print("sweep-prefix:", json.dumps(recs[-1]), flush=True)
     return recs
 
@@ -100,20 +115,24 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="sweep-out")
     ap.add_argument("--write", action="store_true", help="put the winner in attnplug/core/kernels/tiles.py")
     ap.add_argument("--smoke", action="store_true", help="CPU check of the flow (Triton interpreter, the quick row)")
-    ap.add_argument("--block-m", type=int, default=None, help="only the candidates of this block_m (and the table's entry)")
+    ap.add_argument(
+        "--block-m", type=int, default=None, help="only the candidates of this block_m (and the table's entry)"
+    )
     a = ap.parse_args(argv)
     if a.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
 
     import torch
+    from sweep_triton import bench_ms, table_meta, write_table
 
     from attnplug.bench import workloads
     from attnplug.core import AttentionConfig, PagedAttention
     from attnplug.core.kernels import tiles
-    from sweep_triton import bench_ms, table_meta, write_table
 
     dev = torch.device("cpu" if a.smoke else "cuda")
-    rows, config = ((workloads.QUICK_ROWS, workloads.QUICK_CONFIG) if a.smoke else (workloads.FULL_ROWS, workloads.FULL_CONFIG))
+    rows, config = (
+        (workloads.QUICK_ROWS, workloads.QUICK_CONFIG) if a.smoke else (workloads.FULL_ROWS, workloads.FULL_CONFIG)
+    )
     row = next(r for r in rows if r.name.startswith("cascade decode"))
     work = workloads.build(row, AttentionConfig(**config), dev)
     ref = workloads.reference(work, workloads.ref_requests(row))
@@ -131,8 +150,11 @@ def main(argv=None) -> int:
                     attn.provider._sms = 132
                 plan = attn.plan(work.batch, num_pages=work.num_pages)
                 cp = plan.cascade
-                rec = {"entry": cand, "kernel": cp.prefix.state.kernel if cp else None,
-                       "splits": cp.prefix.state.num_splits if cp else None}
+                rec = {
+                    "entry": cand,
+                    "kernel": cp.prefix.state.kernel if cp else None,
+                    "splits": cp.prefix.state.num_splits if cp else None,
+                }
                 out = torch.full_like(work.q, float("nan"))
                 attn.run(work.q, work.k_cache, work.v_cache, out=out)
                 err = workloads.rel_err(out[: ref.shape[0]], ref)
@@ -143,8 +165,14 @@ def main(argv=None) -> int:
                     prov = attn.provider
 
                     def part():
-                        prov.run(cp.prefix, work.q if cp.rows is None else cp.q_part, work.k_cache, work.v_cache,
-                                 cp.out_part, cp.lse_part)
+                        prov.run(
+                            cp.prefix,
+                            work.q if cp.rows is None else cp.q_part,
+                            work.k_cache,
+                            work.v_cache,
+                            cp.out_part,
+                            cp.lse_part,
+                        )
 
                     rec["prefix_ms"] = graph_ms(part, dev, bench_ms)
         except Exception as e:  # e.g. out of shared memory: the candidate is dropped
@@ -159,8 +187,10 @@ def main(argv=None) -> int:
         return 1
     best = min(timed, key=lambda r: r["prefix_ms"])
     seed = results[0].get("prefix_ms")
-    print(f"sweep-prefix: table entry {seed} ms; best {best['prefix_ms']} ms {best['entry']} "
-          f"({best['splits']} splits)", flush=True)
+    print(
+        f"sweep-prefix: table entry {seed} ms; best {best['prefix_ms']} ms {best['entry']} ({best['splits']} splits)",
+        flush=True,
+    )
     if a.write and best["entry"] is not None and not a.smoke:
         path = os.path.join(os.path.dirname(HERE), "attnplug", "core", "kernels", "tiles.py")
         tag = f"{key} from benchmarks/sweep_cascade_prefix.py ({ROW}, the prefix part as graph replays); "
@@ -171,8 +201,14 @@ def main(argv=None) -> int:
                 attn = PagedAttention(cfg, "triton", dev, cascade="always")
                 cp = attn.plan(work.batch, num_pages=work.num_pages).cascade
                 if cp is not None and cp.prefix.state.num_splits > 1:
-                    attn.provider.run(cp.prefix, work.q if cp.rows is None else cp.q_part, work.k_cache,
-                                      work.v_cache, cp.out_part, cp.lse_part)  # fmt: skip
+                    attn.provider.run(
+                        cp.prefix,
+                        work.q if cp.rows is None else cp.q_part,
+                        work.k_cache,
+                        work.v_cache,
+                        cp.out_part,
+                        cp.lse_part,
+                    )
                     probe = merge_probe(cp, dev, bench_ms)
                     with open(os.path.join(a.out, "sweep-cascade-prefix.jsonl"), "a") as f:
                         f.writelines(json.dumps(r) + "\n" for r in probe)

@@ -66,9 +66,13 @@ ROWS = [
 # a page-64 prefill: where tensor-descriptor (TMA) K/V loads apply; decides the table's "tma" flag
 TMA_ROW = ("prefill 4x4096 page64", "prefill", 4, 4096, 0, LLAMA)
 # --smoke (CPU, Triton interpreter): the whole flow on tiny shapes, two candidates a row, SM count 132
-SMOKE_ROWS = [("prefill smoke", "prefill", 2, 80, 16, (8, 2, 64)), ("decode smoke", "decode", 2, 1, 2100, (8, 2, 64)),
-              ("prefill smoke page64", "prefill", 1, 70, 0, (8, 2, 64)), ("decode smoke fp8", "decode", 2, 1, 2100, (8, 2, 64)),
-              ("decode smoke shared", "decode", 3, 1, 300, (8, 2, 64), 256)]
+SMOKE_ROWS = [
+    ("prefill smoke", "prefill", 2, 80, 16, (8, 2, 64)),
+    ("decode smoke", "decode", 2, 1, 2100, (8, 2, 64)),
+    ("prefill smoke page64", "prefill", 1, 70, 0, (8, 2, 64)),
+    ("decode smoke fp8", "decode", 2, 1, 2100, (8, 2, 64)),
+    ("decode smoke shared", "decode", 3, 1, 300, (8, 2, 64), 256),
+]
 SMOKE = {"on": False}
 FULL = ("decode", "decode_wide")  # the unsplit decode buckets (full batches)
 PAIRS_ONLY = {"on": False}  # --pairs-only: fp8 rows time only the byte-pair candidates (and the seed)
@@ -82,25 +86,50 @@ def prefill_candidates(d: int) -> list[dict]:
 
 
 def _prefill_tiles(d: int) -> list[dict]:
-    p = lambda bm, bn, w, s, **kw: {"kernel": "prefill", "block_m": bm, "block_n": bn, "num_warps": w, "num_stages": s, **kw}
+    p = lambda bm, bn, w, s, **kw: {
+        "kernel": "prefill",
+        "block_m": bm,
+        "block_n": bn,
+        "num_warps": w,
+        "num_stages": s,
+        **kw,
+    }
     if d <= 64:
-        return [p(128, bn, w, s) for bn, w, s in ((64, 4, 5), (64, 8, 5), (128, 8, 5), (128, 4, 3), (128, 8, 3), (64, 4, 7),
-                                                 (128, 4, 5))] + [p(128, 128, 8, 5, diag_n=64), p(128, 64, 4, 5, diag_n=0),
-                                                                  p(128, 128, 8, 5, diag_n=0)]
+        return [
+            p(128, bn, w, s)
+            for bn, w, s in ((64, 4, 5), (64, 8, 5), (128, 8, 5), (128, 4, 3), (128, 8, 3), (64, 4, 7), (128, 4, 5))
+        ] + [p(128, 128, 8, 5, diag_n=64), p(128, 64, 4, 5, diag_n=0), p(128, 128, 8, 5, diag_n=0)]
     if d <= 128:
         # 4 warps at 128 rows spill on sm90 (255 registers + stack, sm90_aot.py --stats): 8 warps only.
         # 64-row tiles on 4 warps (one warpgroup; 64 x 64: 198-208 registers, 82 KB shared; 64 x 32: 144, 49 KB)
         # run 2-3 programs an SM, whose softmax and wgmmas the SM's schedulers interleave (K/V read per 64 rows)
-        return [p(128, bn, w, s) for bn, w, s in ((64, 8, 5), (64, 8, 7), (128, 8, 5), (128, 8, 3), (64, 8, 3),
-                                                 (64, 8, 6))] + [
-            p(64, 64, 4, 3), p(64, 64, 4, 2), p(64, 64, 4, 3, diag_n=0), p(64, 32, 4, 4), p(64, 32, 4, 3, diag_n=0)] + [
-            p(128, 128, 8, 5, diag_n=64), p(128, 64, 8, 5, diag_n=32),
-            p(128, 64, 8, 5, diag_n=0), p(128, 128, 8, 5, diag_n=0), p(128, 64, 8, 7, diag_n=0),
-            {"kernel": "paged", "block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 5},
-            {"kernel": "paged", "block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 5}]
-    return [p(bm, bn, w, s) for bm, bn, w, s in ((64, 32, 4, 5), (64, 64, 4, 3), (128, 32, 8, 5), (128, 64, 8, 3),
-                                                 (64, 32, 4, 7), (128, 32, 8, 3))] + [p(64, 32, 4, 5, diag_n=0),
-                                                                                      p(128, 32, 8, 5, diag_n=0)]
+        return (
+            [
+                p(128, bn, w, s)
+                for bn, w, s in ((64, 8, 5), (64, 8, 7), (128, 8, 5), (128, 8, 3), (64, 8, 3), (64, 8, 6))
+            ]
+            + [p(64, 64, 4, 3), p(64, 64, 4, 2), p(64, 64, 4, 3, diag_n=0), p(64, 32, 4, 4), p(64, 32, 4, 3, diag_n=0)]
+            + [
+                p(128, 128, 8, 5, diag_n=64),
+                p(128, 64, 8, 5, diag_n=32),
+                p(128, 64, 8, 5, diag_n=0),
+                p(128, 128, 8, 5, diag_n=0),
+                p(128, 64, 8, 7, diag_n=0),
+                {"kernel": "paged", "block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 5},
+                {"kernel": "paged", "block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 5},
+            ]
+        )
+    return [
+        p(bm, bn, w, s)
+        for bm, bn, w, s in (
+            (64, 32, 4, 5),
+            (64, 64, 4, 3),
+            (128, 32, 8, 5),
+            (128, 64, 8, 3),
+            (64, 32, 4, 7),
+            (128, 32, 8, 3),
+        )
+    ] + [p(64, 32, 4, 5, diag_n=0), p(128, 32, 8, 5, diag_n=0)]
 
 
 def decode_candidates(d: int, split: bool) -> list[dict]:
@@ -118,18 +147,33 @@ def decode_candidates(d: int, split: bool) -> list[dict]:
             continue
         for ctas in (1, 2, 4, 8):
             for fused in (True, False):
-                out.append({"kernel": "decode", "block_n": bn, "num_warps": w, "num_stages": s, "ctas_per_sm": ctas,
-                            "fused_merge": fused})  # fmt: skip
+                out.append(
+                    {
+                        "kernel": "decode",
+                        "block_n": bn,
+                        "num_warps": w,
+                        "num_stages": s,
+                        "ctas_per_sm": ctas,
+                        "fused_merge": fused,
+                    }
+                )
     bn = 128 if d <= 128 else 64
-    out.append({"kernel": "paged", "block_n": bn, "num_warps": 4, "num_stages": 5, **({"ctas_per_sm": 2} if split else {})})
+    out.append(
+        {"kernel": "paged", "block_n": bn, "num_warps": 4, "num_stages": 5, **({"ctas_per_sm": 2} if split else {})}
+    )
     if not split and d <= 128:  # the paged kernel at fewer bytes per program (more programs per SM)
-        out += [{"kernel": "paged", "block_n": bn, "num_warps": w, "num_stages": s}
-                for bn, w, s in ((64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 8, 3), (128, 4, 2), (32, 4, 4), (64, 2, 3))]
+        out += [
+            {"kernel": "paged", "block_n": bn, "num_warps": w, "num_stages": s}
+            for bn, w, s in ((64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 8, 3), (128, 4, 2), (32, 4, 4), (64, 2, 3))
+        ]
     return out
 
 
 def verify_candidates(d: int) -> list[dict]:
-    return [{"kernel": "paged", "block_m": 128, "block_n": bn, "num_warps": 8, "num_stages": s} for bn, s in ((128, 5), (64, 5))]
+    return [
+        {"kernel": "paged", "block_m": 128, "block_n": bn, "num_warps": 8, "num_stages": s}
+        for bn, s in ((128, 5), (64, 5))
+    ]
 
 
 def row_config(row):
@@ -165,13 +209,30 @@ def deep_candidates(row, bucket: str) -> list[dict]:
     fp8 = is_fp8(row)
     extra = dict(fp8_f16=True, pairs=True) if fp8 else {}
     if bucket in FULL:
-        tiles = ((32, 1, 9), (32, 1, 11), (32, 1, 13), (16, 1, 13), (16, 1, 17), (64, 2, 9), (32, 2, 11)) if fp8 else \
-            ((64, 2, 5), (64, 2, 7), (32, 2, 9), (64, 4, 7), (32, 1, 9), (32, 1, 13))
+        tiles = (
+            ((32, 1, 9), (32, 1, 11), (32, 1, 13), (16, 1, 13), (16, 1, 17), (64, 2, 9), (32, 2, 11))
+            if fp8
+            else ((64, 2, 5), (64, 2, 7), (32, 2, 9), (64, 4, 7), (32, 1, 9), (32, 1, 13))
+        )
         return [{"kernel": "decode", "block_n": bn, "num_warps": w, "num_stages": st, **extra} for bn, w, st in tiles]
-    tiles = ((128, 4, 7, (1, 2)), (64, 4, 9, (1, 2)), (64, 4, 11, (1, 2)), (64, 2, 9, (2, 4))) if fp8 else \
-        ((64, 4, 9, (1,)), (64, 4, 11, (1,)), (32, 4, 13, (1, 2)), (32, 2, 13, (2, 4)), (128, 4, 7, (1,)))
-    return [{"kernel": "decode", "block_n": bn, "num_warps": w, "num_stages": st, "ctas_per_sm": c, "fused_merge": True,
-             **extra} for bn, w, st, ctas in tiles for c in ctas]
+    tiles = (
+        ((128, 4, 7, (1, 2)), (64, 4, 9, (1, 2)), (64, 4, 11, (1, 2)), (64, 2, 9, (2, 4)))
+        if fp8
+        else ((64, 4, 9, (1,)), (64, 4, 11, (1,)), (32, 4, 13, (1, 2)), (32, 2, 13, (2, 4)), (128, 4, 7, (1,)))
+    )
+    return [
+        {
+            "kernel": "decode",
+            "block_n": bn,
+            "num_warps": w,
+            "num_stages": st,
+            "ctas_per_sm": c,
+            "fused_merge": True,
+            **extra,
+        }
+        for bn, w, st, ctas in tiles
+        for c in ctas
+    ]
 
 
 def candidates(row, bucket: str) -> list[dict]:
@@ -188,25 +249,66 @@ def candidates(row, bucket: str) -> list[dict]:
         return out
     out = [dict(c, fp8_f16=f) for c in out for f in (False, True)]
     if bucket in FULL and d <= 128:  # half the bytes a key: fewer warps a program, or full batches split
-        tiles = ((64, 1, 5), (64, 1, 3), (32, 1, 5), (32, 2, 5), (64, 2, 3), (64, 2, 4), (64, 2, 7), (128, 2, 3),
-                 (128, 2, 5), (128, 2, 7), (32, 1, 7), (32, 1, 4), (32, 1, 6), (16, 1, 7), (64, 1, 7))
-        out += [{"kernel": "decode", "block_n": bn, "num_warps": w, "num_stages": st, "fp8_f16": True} for bn, w, st in tiles]
-        splits = ((64, 2, 5, (4, 8)), (64, 4, 5, (4, 8)), (128, 2, 5, (4, 8)), (128, 4, 5, (4, 8)), (32, 1, 5, (8, 16)),
-                  (32, 1, 7, (8, 16)))  # (block_n, warps, stages, programs an SM)
-        out += [{"kernel": "decode", "block_n": bn, "num_warps": w, "num_stages": st, "fp8_f16": True, "ctas_per_sm": c,
-                 "fused_merge": True} for bn, w, st, ctas in splits for c in ctas]
+        tiles = (
+            (64, 1, 5),
+            (64, 1, 3),
+            (32, 1, 5),
+            (32, 2, 5),
+            (64, 2, 3),
+            (64, 2, 4),
+            (64, 2, 7),
+            (128, 2, 3),
+            (128, 2, 5),
+            (128, 2, 7),
+            (32, 1, 7),
+            (32, 1, 4),
+            (32, 1, 6),
+            (16, 1, 7),
+            (64, 1, 7),
+        )
+        out += [
+            {"kernel": "decode", "block_n": bn, "num_warps": w, "num_stages": st, "fp8_f16": True}
+            for bn, w, st in tiles
+        ]
+        splits = (
+            (64, 2, 5, (4, 8)),
+            (64, 4, 5, (4, 8)),
+            (128, 2, 5, (4, 8)),
+            (128, 4, 5, (4, 8)),
+            (32, 1, 5, (8, 16)),
+            (32, 1, 7, (8, 16)),
+        )  # (block_n, warps, stages, programs an SM)
+        out += [
+            {
+                "kernel": "decode",
+                "block_n": bn,
+                "num_warps": w,
+                "num_stages": st,
+                "fp8_f16": True,
+                "ctas_per_sm": c,
+                "fused_merge": True,
+            }
+            for bn, w, st, ctas in splits
+            for c in ctas
+        ]
     if d in (64, 128, 256):  # the decode kernel reading K/V as byte pairs (power-of-two head dims)
-        pairs = [dict(c, pairs=True) for c in out if c["kernel"] == "decode" and c["fp8_f16"] and c.get("fused_merge", True)]
+        pairs = [
+            dict(c, pairs=True) for c in out if c["kernel"] == "decode" and c["fp8_f16"] and c.get("fused_merge", True)
+        ]
         out = pairs if PAIRS_ONLY["on"] else out + pairs
     return out
 
 
 def build(row, device):
-    from attnplug.bench.workloads import Row, build as wbuild
+    from attnplug.bench.workloads import Row
+    from attnplug.bench.workloads import build as wbuild
 
     name, kind, b, q, prefix = row[:5]
-    return wbuild(Row(name, kind, b, q, prefix, shared=row[6] if len(row) > 6 else 0, kv="fp8" if is_fp8(row) else ""),
-                  dataclasses.replace(row_config(row), kv_dtype=None), device)
+    return wbuild(
+        Row(name, kind, b, q, prefix, shared=row[6] if len(row) > 6 else 0, kv="fp8" if is_fp8(row) else ""),
+        dataclasses.replace(row_config(row), kv_dtype=None),
+        device,
+    )
 
 
 def plan_run(work, entry: dict | None, key: str):
@@ -248,9 +350,14 @@ def tasks(rows):
         key = tiles.key(cfg.head_dim, cfg.group_size, bucket, fp8=is_fp8(row))
         cands = candidates(row, bucket)
         if SMOKE["on"]:  # small tiles the interpreter runs quickly
-            cands = [dict(c, block_m=min(c.get("block_m", 32), 32), block_n=min(c.get("block_n", 32), 32), num_stages=3)
-                     for c in cands[:2]] + ([{"kernel": "decode", "block_n": 32, "ctas_per_sm": 1, "fused_merge": True}]
-                                             if bucket.startswith("decode") else [])  # fmt: skip
+            cands = [
+                dict(c, block_m=min(c.get("block_m", 32), 32), block_n=min(c.get("block_n", 32), 32), num_stages=3)
+                for c in cands[:2]
+            ] + (
+                [{"kernel": "decode", "block_n": 32, "ctas_per_sm": 1, "fused_merge": True}]
+                if bucket.startswith("decode")
+                else []
+            )
         group = key
         if "page64" in row[0]:
             cands = [dict(c, tma=t) for c in cands[:4] if c["kernel"] == "prefill" for t in (False, True)]
@@ -309,8 +416,12 @@ def write_table(path: str, chosen: dict, meta: str) -> None:
     table.update(chosen)
     src = open(path).read()
     lines = [f"    {k!r}: {table[k]!r}," for k in sorted(table)]
-    block = ("# ---- BEGIN TILES (rewritten by benchmarks/sweep_triton.py) ----\n"
-             f"# {meta}\nTILES: dict[str, dict] = {{  # fmt: skip\n" + "\n".join(lines) + "\n}\n# ---- END TILES ----")
+    block = (
+        "# ---- BEGIN TILES (rewritten by benchmarks/sweep_triton.py) ----\n"
+        f"# {meta}\n# fmt: off\nTILES: dict[str, dict] = {{\n"
+        + "\n".join(lines)
+        + "\n}\n# fmt: on\n# ---- END TILES ----"
+    )
     new = re.sub(r"# ---- BEGIN TILES.*?# ---- END TILES ----", lambda m: block, src, flags=re.S)
     assert new != src or block in src
     open(path, "w").write(new)
@@ -322,12 +433,21 @@ def main(argv=None) -> int:
     ap.add_argument("--write", action="store_true", help="rewrite attnplug/core/kernels/tiles.py with the winners")
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 4))
     ap.add_argument("--budget", type=float, default=170.0, help="seconds for the whole sweep (timing stops there)")
-    ap.add_argument("--rows", default="", help="comma-separated row-name substrings (default: all); one ending in '$' matches the name's end")
-    ap.add_argument("--table", default=os.path.join(os.path.dirname(HERE), "attnplug", "core", "kernels", "tiles.py"),
-                    help="the table file --write rewrites")
+    ap.add_argument(
+        "--rows",
+        default="",
+        help="comma-separated row-name substrings (default: all); one ending in '$' matches the name's end",
+    )
+    ap.add_argument(
+        "--table",
+        default=os.path.join(os.path.dirname(HERE), "attnplug", "core", "kernels", "tiles.py"),
+        help="the table file --write rewrites",
+    )
     ap.add_argument("--smoke", action="store_true", help="CPU check of the flow (Triton interpreter, tiny shapes)")
     ap.add_argument("--pairs-only", action="store_true", help="fp8 rows: only the byte-pair candidates (and the seed)")
-    ap.add_argument("--deep", action="store_true", help="d128 decode rows: only deeper-pipeline candidates (and the seed)")
+    ap.add_argument(
+        "--deep", action="store_true", help="d128 decode rows: only deeper-pipeline candidates (and the seed)"
+    )
     a = ap.parse_args(argv)
     PAIRS_ONLY["on"], DEEP["on"] = a.pairs_only, a.deep
     t0 = time.time()
@@ -357,7 +477,7 @@ def main(argv=None) -> int:
     try:  # a worker also runs each candidate once: one that faults on the GPU fails there, not here
         with ctx.Pool(a.jobs) as pool:
             for res in pool.imap_unordered(compile_worker, [(rows, g, a.smoke) for g in groups if g]):
-                for i, key, cand, err in res:
+                for i, _key, cand, err in res:
                     if err:
                         failed[(i, cand)] = err
     except Exception as e:  # a dead worker: what it did not compile compiles below, on first use
@@ -378,7 +498,7 @@ def main(argv=None) -> int:
         ref = ref_out.float().clone()
         seed_ms = bench_ms(seed_fn, dev)
         group0 = None
-        for j, key, cand, group in [t for t in todo if t[0] == i and t[2] is not None]:
+        for _j, key, cand, group in [t for t in todo if t[0] == i and t[2] is not None]:
             cj = json.dumps(cand, sort_keys=True)
             rec = dict(row=row[0], key=key, cand=cand, seed_ms=seed_ms)
             if (i, cj) in failed:
@@ -401,8 +521,12 @@ def main(argv=None) -> int:
             log.write(json.dumps(rec) + "\n")
             log.flush()
         best = max((r for r in speed.get(group0, {}).items()), key=lambda kv: kv[1][-1], default=None)
-        print(f"sweep: {row[0]:28s} seed {seed_ms:.4f} ms, best {seed_ms / best[1][-1]:.4f} ms {best[0]}"
-              if best else f"sweep: {row[0]} nothing timed", flush=True)  # fmt: skip
+        print(
+            f"sweep: {row[0]:28s} seed {seed_ms:.4f} ms, best {seed_ms / best[1][-1]:.4f} ms {best[0]}"
+            if best
+            else f"sweep: {row[0]} nothing timed",
+            flush=True,
+        )
         del work
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -425,22 +549,28 @@ def main(argv=None) -> int:
         pairs = {}
         for c, v in cands.items():
             cc = json.loads(c)
-            pairs.setdefault(json.dumps({k: x for k, x in cc.items() if k != "tma"}, sort_keys=True), {})[cc["tma"]] = v[-1]
+            pairs.setdefault(json.dumps({k: x for k, x in cc.items() if k != "tma"}, sort_keys=True), {})[cc["tma"]] = (
+                v[-1]
+            )
         wins = [v[True] / v[False] for v in pairs.values() if False in v and True in v]
         g = math.exp(sum(map(math.log, wins)) / len(wins)) if wins else 0.0
         report[group] = dict(tma_speedup_geomean=round(g, 4), pairs=len(wins), use=g >= 1.01)
         key = group[: -len("#tma")]
         if g >= 1.01 and chosen.get(key, {}).get("kernel") == "prefill":
             chosen[key] = dict(chosen[key], tma=True)
-    json.dump(dict(chosen=chosen, report=report, wall_s=time.time() - t0), open(os.path.join(a.out, "sweep-choice.json"), "w"),
-              indent=1)  # fmt: skip
+    json.dump(
+        dict(chosen=chosen, report=report, wall_s=time.time() - t0),
+        open(os.path.join(a.out, "sweep-choice.json"), "w"),
+        indent=1,
+    )
     for k, r in sorted(report.items()):
         print(f"sweep: {k:24s} {r}", flush=True)
     if a.write:
         import datetime
 
         name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke)"
-        meta = f"sweep of {datetime.date.today()} on {name}, triton {__import__('triton').__version__}: {len(chosen)} entries chosen"
+        version = __import__("triton").__version__
+        meta = f"sweep of {datetime.date.today()} on {name}, triton {version}: {len(chosen)} entries chosen"
         write_table(a.table, chosen, meta)
         import shutil
 

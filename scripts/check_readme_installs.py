@@ -26,8 +26,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 900  # one line: pip fetches only metadata (PEP 658), but the index can be slow
 #: PIP_* variables of this machine that a user's machine does not have (indexes, caps)
-MACHINE_PIP_ENV = ("PIP_CONFIG_FILE", "PIP_CONSTRAINT", "PIP_FIND_LINKS", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL",
-                   "PIP_NO_INDEX", "PIP_REQUIRE_VIRTUALENV")
+MACHINE_PIP_ENV = (
+    "PIP_CONFIG_FILE",
+    "PIP_CONSTRAINT",
+    "PIP_FIND_LINKS",
+    "PIP_INDEX_URL",
+    "PIP_EXTRA_INDEX_URL",
+    "PIP_NO_INDEX",
+    "PIP_REQUIRE_VIRTUALENV",
+)
 CLAIM = re.compile(r"\b(torch|triton) (>= ?)?(\d+(?:\.\d+)+)")
 
 
@@ -72,9 +79,26 @@ def resolve(cmd: str) -> tuple[dict[str, str] | None, str]:
     env["PIP_CONFIG_FILE"] = os.devnull  # no configuration file: pip's defaults (PyPI)
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
-        r = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-                            "--disable-pip-version-check", "--report", str(report), *args],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--dry-run",
+                "--ignore-installed",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--report",
+                str(report),
+                *args,
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
         if r.returncode != 0 or not report.exists():
             return None, (r.stderr or r.stdout).strip()[-1500:]
         items = json.loads(report.read_text())["install"]
@@ -82,8 +106,11 @@ def resolve(cmd: str) -> tuple[dict[str, str] | None, str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(prog="python scripts/check_readme_installs.py", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python scripts/check_readme_installs.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--readme", type=Path, default=ROOT / "README.md")
     ap.add_argument("--list", action="store_true", help="print the lines found, resolve nothing")
     args = ap.parse_args()
@@ -107,10 +134,16 @@ def main() -> int:
             continue
         bad = check_claims(resolved, comment)
         failed += bool(bad)
-        picks = ", ".join(f"{p} {resolved[p]}" for p in ("attnplug", "vllm", "sglang", "torch", "triton",
-                                                          "flashinfer-python") if p in resolved)
-        print(f"{'FAIL' if bad else 'ok  '}  {cmd}  ->  {picks}  ({time.time() - t0:.0f} s)"
-              + "".join(f"\n      {b}" for b in bad), flush=True)
+        picks = ", ".join(
+            f"{p} {resolved[p]}"
+            for p in ("attnplug", "vllm", "sglang", "torch", "triton", "flashinfer-python")
+            if p in resolved
+        )
+        print(
+            f"{'FAIL' if bad else 'ok  '}  {cmd}  ->  {picks}  ({time.time() - t0:.0f} s)"
+            + "".join(f"\n      {b}" for b in bad),
+            flush=True,
+        )
     if not args.list:
         print(f"readme installs: {len(lines) - failed}/{len(lines)} pip install lines of README.md resolve")
     return 1 if failed else 0

@@ -20,16 +20,29 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RES = ROOT / "benchmarks" / "results"
-E2E = {"vLLM 0.26 (vs FLASH_ATTN)": ("h200-vllm026-e2e-2026-11-30.json", "FLASH_ATTN"),
-       "SGLang 0.5.17 (vs flashinfer)": ("h200-sglang0517-e2e-2026-11-30.json", "flashinfer")}
-SHARED = {"vLLM 0.26": "h200-vllm026-e2e-shared-2026-12-01.json",
-          "SGLang 0.5.17": "h200-sglang0517-e2e-shared-2026-12-02.json"}
+E2E = {
+    "vLLM 0.26 (vs FLASH_ATTN)": ("h200-vllm026-e2e-2026-11-30.json", "FLASH_ATTN"),
+    "SGLang 0.5.17 (vs flashinfer)": ("h200-sglang0517-e2e-2026-11-30.json", "flashinfer"),
+}
+SHARED = {
+    "vLLM 0.26": "h200-vllm026-e2e-shared-2026-12-01.json",
+    "SGLang 0.5.17": "h200-sglang0517-e2e-shared-2026-12-02.json",
+}
 KERNEL_JSON = "h200-bench-2026-12-01.json"  # eager timings: tree verify, shared-prefix decode
 FP8_MD = "h200-bench-fp8-pairs-graphs-2026-12-03c.md"  # CUDA-graph replays (the run's JSON is in git history)
-LIB_NAMES = {"flashinfer.prefill_fa2": "FlashInfer", "flashinfer.prefill_fa3": "FlashInfer",
-             "flashinfer.decode_tc": "FlashInfer", "flashinfer.cascade": "FlashInfer's cascade", "fa3.paged": "FA3"}
-COLORS = {"attnplug_fa3": "#1f77b4", "attnplug_flashinfer": "#2ca02c", "attnplug_triton": "#d62728",
-          "native": "#7f7f7f"}
+LIB_NAMES = {
+    "flashinfer.prefill_fa2": "FlashInfer",
+    "flashinfer.prefill_fa3": "FlashInfer",
+    "flashinfer.decode_tc": "FlashInfer",
+    "flashinfer.cascade": "FlashInfer's cascade",
+    "fa3.paged": "FA3",
+}
+COLORS = {
+    "attnplug_fa3": "#1f77b4",
+    "attnplug_flashinfer": "#2ca02c",
+    "attnplug_triton": "#d62728",
+    "native": "#7f7f7f",
+}
 
 
 def _runs(name: str) -> dict[str, dict]:
@@ -51,7 +64,7 @@ def e2e_ratios() -> dict[str, dict[str, list[float]]]:
         base = next(r for r in runs.values() if r["backend"] == best and not r.get("env"))
         rows = list(base["rows"])
         panel_out = {"_rows": rows}
-        for key, run in runs.items():
+        for run in runs.values():
             label = _label(run)
             if label == "native":
                 continue
@@ -98,26 +111,52 @@ def kernel_ratios() -> list[tuple[str, str, float]]:
         lib = min(ms[x] for x in libs if x in ms)
         best = min(libs, key=lambda x: ms.get(x, float("inf")))
         for impl in impls:
-            out.append((f"{label}\nvs {LIB_NAMES.get(best, best)}", impl.replace("attnplug.", "attnplug_"), lib / ms[impl]))
+            out.append(
+                (f"{label}\nvs {LIB_NAMES.get(best, best)}", impl.replace("attnplug.", "attnplug_"), lib / ms[impl])
+            )
             print(f"kernel {row:30s} {impl:20s} {lib / ms[impl]:.2f}x {best}  ({source})")
 
     recs = json.loads((RES / KERNEL_JSON).read_text())["rows"]
-    libs = ("flashinfer.decode_tc", "flashinfer.prefill_fa2", "flashinfer.prefill_fa3", "flashinfer.cascade",
-            "fa3.paged")
-    add(recs, "verify 32x(4096+64 tree)", "tree verify 32x(4096+64)", libs, ("attnplug.fa3", "attnplug.triton"),
-        KERNEL_JSON)
-    add(recs, "cascade decode 64x(8192+256)", "shared prefix 64x(8192+256)", libs,
-        ("attnplug.fa3", "attnplug.triton"), KERNEL_JSON)
+    libs = (
+        "flashinfer.decode_tc",
+        "flashinfer.prefill_fa2",
+        "flashinfer.prefill_fa3",
+        "flashinfer.cascade",
+        "fa3.paged",
+    )
+    add(
+        recs,
+        "verify 32x(4096+64 tree)",
+        "tree verify 32x(4096+64)",
+        libs,
+        ("attnplug.fa3", "attnplug.triton"),
+        KERNEL_JSON,
+    )
+    add(
+        recs,
+        "cascade decode 64x(8192+256)",
+        "shared prefix 64x(8192+256)",
+        libs,
+        ("attnplug.fa3", "attnplug.triton"),
+        KERNEL_JSON,
+    )
     fp8 = _md_rows(FP8_MD)
     for row in ("decode 64x4096 fp8", "decode 1x32768 fp8"):
-        add(fp8, row, f"fp8 KV decode {row.split()[1]}", ("fa3.paged", "flashinfer.decode_tc"),
-            ("attnplug.triton",), FP8_MD)
+        add(
+            fp8,
+            row,
+            f"fp8 KV decode {row.split()[1]}",
+            ("fa3.paged", "flashinfer.decode_tc"),
+            ("attnplug.triton",),
+            FP8_MD,
+        )
     return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python scripts/make_charts.py", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python scripts/make_charts.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "img")
     args = ap.parse_args()
     import matplotlib
@@ -126,8 +165,9 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     args.out.mkdir(parents=True, exist_ok=True)
-    plt.rcParams.update({"font.size": 9, "svg.hashsalt": "attnplug", "axes.spines.top": False,
-                         "axes.spines.right": False})
+    plt.rcParams.update(
+        {"font.size": 9, "svg.hashsalt": "attnplug", "axes.spines.top": False, "axes.spines.right": False}
+    )
 
     ratios = e2e_ratios()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), sharey=True)

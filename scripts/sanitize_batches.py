@@ -50,7 +50,7 @@ def batch(mode: ForwardMode, q_lens, prefix, P: int, num_pages: int, g: torch.Ge
             blocks = []
             for q, k in zip(q_lens, kv.tolist()):
                 m = torch.ones(q, k, dtype=torch.bool)
-                m[:, k - q:] = torch.tril(torch.ones(q, q, dtype=torch.bool))
+                m[:, k - q :] = torch.tril(torch.ones(q, q, dtype=torch.bool))
                 blocks.append(m.flatten())
             mask = torch.cat(blocks)
     return BatchMetadata(mode, qo, pg.indptr_from_counts(npg), page_ids, pg.last_page_len(kv, P), custom_mask=mask)
@@ -69,14 +69,18 @@ def eager(provider: str, quick: bool) -> None:
     g = torch.Generator().manual_seed(0)
     cases = []
     for P in (1, 16):
-        cases += [(ForwardMode.DECODE, [1, 1, 1, 1, 1], [0, 7, 33, 100, 15], P),
-                  (ForwardMode.EXTEND, [5, 0, 17, 1, 64], [0, 9, 40, 0, 100], P),
-                  (ForwardMode.MIXED, [1, 30, 1, 0, 3], [50, 0, 7, 12, 31], P),
-                  (ForwardMode.TARGET_VERIFY, [4, 4, 4], [0, 37, 120], P),
-                  (ForwardMode.TARGET_VERIFY, [6, 2, 5], [10, 3, 64], P)]  # fmt: skip
-    cases += [(ForwardMode.DECODE, [1, 1], [16383, 16000], 16),
-              (ForwardMode.EXTEND, [512], [16384], 16),
-              (ForwardMode.TARGET_VERIFY, [8, 8], [16384, 16001], 16)]  # fmt: skip
+        cases += [
+            (ForwardMode.DECODE, [1, 1, 1, 1, 1], [0, 7, 33, 100, 15], P),
+            (ForwardMode.EXTEND, [5, 0, 17, 1, 64], [0, 9, 40, 0, 100], P),
+            (ForwardMode.MIXED, [1, 30, 1, 0, 3], [50, 0, 7, 12, 31], P),
+            (ForwardMode.TARGET_VERIFY, [4, 4, 4], [0, 37, 120], P),
+            (ForwardMode.TARGET_VERIFY, [6, 2, 5], [10, 3, 64], P),
+        ]
+    cases += [
+        (ForwardMode.DECODE, [1, 1], [16383, 16000], 16),
+        (ForwardMode.EXTEND, [512], [16384], 16),
+        (ForwardMode.TARGET_VERIFY, [8, 8], [16384, 16001], 16),
+    ]
     if quick:
         cases = cases[:3] + cases[-3:]
     for mode, q_lens, prefix, P in cases:
@@ -111,8 +115,18 @@ def graphs(provider: str, quick: bool) -> None:
     for mode in ("decode", "verify"):
         qn = 1 if mode == "decode" else nd
         try:
-            gs = GraphState(cfg, provider, max_batch=max_bs, max_tokens=max_bs * qn, max_pages=num_pages - 1,
-                            device=DEV, mode=mode, num_draft_tokens=nd, pad_page=0, max_seq_len=200)  # fmt: skip
+            gs = GraphState(
+                cfg,
+                provider,
+                max_batch=max_bs,
+                max_tokens=max_bs * qn,
+                max_pages=num_pages - 1,
+                device=DEV,
+                mode=mode,
+                num_draft_tokens=nd,
+                pad_page=0,
+                max_seq_len=200,
+            )
         except UnsupportedFeature as e:
             print(f"  {provider} graphs {mode}: refused ({e})", flush=True)
             continue
@@ -141,7 +155,7 @@ def graphs(provider: str, quick: bool) -> None:
                     seq = (b.kv_indptr[1:] - b.kv_indptr[:-1] - 1) * 16 + b.kv_last_page_len
                     table = torch.zeros(B, 16, dtype=torch.int32)
                     for i in range(B):
-                        pg = b.kv_indices[b.kv_indptr[i]: b.kv_indptr[i + 1]]
+                        pg = b.kv_indices[b.kv_indptr[i] : b.kv_indptr[i + 1]]
                         table[i, : pg.numel()] = pg
                     gs.update_from_block_table(seq.to(DEV), table.to(DEV), bs, host_seq_lens=seq)
                 else:

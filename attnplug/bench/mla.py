@@ -29,13 +29,17 @@ RANK, ROPE, NOPE, PAGE = 512, 64, 128, 64
 def mla_rows(quick: bool) -> list[Row]:
     """The MLA rows (``Row.mla = (heads, kv_lora_rank, rope dim)``)."""
     if quick:
-        return [Row("MLA decode 4x100 h4", "decode", 4, 1, 99, mla=(4, 64, 16)),
-                Row("MLA prefill 2x48 h4", "prefill", 2, 48, 0, mla=(4, 64, 16))]
+        return [
+            Row("MLA decode 4x100 h4", "decode", 4, 1, 99, mla=(4, 64, 16)),
+            Row("MLA prefill 2x48 h4", "prefill", 2, 48, 0, mla=(4, 64, 16)),
+        ]
     rows = []
     for h in (128, 16):
-        rows += [Row(f"MLA decode 64x4096 h{h}", "decode", 64, 1, 4095, mla=(h, RANK, ROPE)),
-                 Row(f"MLA decode 1x32768 h{h}", "decode", 1, 1, 32767, mla=(h, RANK, ROPE)),
-                 Row(f"MLA prefill 4x4096 h{h}", "prefill", 4, 4096, 0, mla=(h, RANK, ROPE))]
+        rows += [
+            Row(f"MLA decode 64x4096 h{h}", "decode", 64, 1, 4095, mla=(h, RANK, ROPE)),
+            Row(f"MLA decode 1x32768 h{h}", "decode", 1, 1, 32767, mla=(h, RANK, ROPE)),
+            Row(f"MLA prefill 4x4096 h{h}", "prefill", 4, 4096, 0, mla=(h, RANK, ROPE)),
+        ]
     return rows
 
 
@@ -51,9 +55,13 @@ def build_mla(row: Row, dtype: torch.dtype, device: torch.device, seed: int = 0)
     per = -(-kv_len // page)
     n = B * per
     idx = torch.randperm(n, generator=gen).to(torch.int32)
-    batch = BatchMetadata(row.mode, (torch.arange(B + 1) * row.q_len).to(torch.int32),
-                          (torch.arange(B + 1) * per).to(torch.int32), idx,
-                          torch.full((B,), (kv_len - 1) % page + 1, dtype=torch.int32))  # fmt: skip
+    batch = BatchMetadata(
+        row.mode,
+        (torch.arange(B + 1) * row.q_len).to(torch.int32),
+        (torch.arange(B + 1) * per).to(torch.int32),
+        idx,
+        torch.full((B,), (kv_len - 1) % page + 1, dtype=torch.int32),
+    )
     torch.manual_seed(seed)
     cache = torch.randn(n, page, cfg.head_dim, dtype=dtype, device=device)
     k, v = latent_cache_views(cache, cfg)
@@ -67,8 +75,20 @@ def build_mla(row: Row, dtype: torch.dtype, device: torch.device, seed: int = 0)
     nbytes = (q.numel() + B * row.q_len * h * rank + B * kv_len * cfg.head_dim) * esz  # q, out, latents once
     keys = row.q_len * kv_len - row.q_len * (row.q_len - 1) / 2
     flops = 2.0 * h * (cfg.head_dim + rank) * keys * B
-    work = Work(row, cfg, batch, q, k, v, n, idx.view(B, per).to(device),
-                torch.full((B,), kv_len, dtype=torch.int32, device=device), None, nbytes, flops)
+    work = Work(
+        row,
+        cfg,
+        batch,
+        q,
+        k,
+        v,
+        n,
+        idx.view(B, per).to(device),
+        torch.full((B,), kv_len, dtype=torch.int32, device=device),
+        None,
+        nbytes,
+        flops,
+    )
     work.extra.update(w_uk=w_uk.to(dtype), w_uv=w_uv, q_mha=torch.cat([q_nope, q_pe], -1))
     return work
 
@@ -91,8 +111,20 @@ def _fi_mla(work: Work):
     fi, c, b, dev = _flashinfer(), work.config, work.batch, work.q.device
     w = fi.BatchMLAPagedAttentionWrapper(_workspace(dev))
     kv_lens = torch.full((b.batch_size,), work.row.prefix + work.row.q_len, dtype=torch.int32)
-    w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices.to(dev), kv_lens, c.num_qo_heads, RANK, ROPE, c.page_size,
-           work.row.kind != "decode", c.scale, c.dtype, c.kv_dtype)  # fmt: skip
+    w.plan(
+        b.qo_indptr,
+        b.kv_indptr,
+        b.kv_indices.to(dev),
+        kv_lens,
+        c.num_qo_heads,
+        RANK,
+        ROPE,
+        c.page_size,
+        work.row.kind != "decode",
+        c.scale,
+        c.dtype,
+        c.kv_dtype,
+    )
     q, lat = work.q, work.k_cache.squeeze(2)
     out = q.new_empty(*q.shape[:2], RANK)
     fn = lambda: w.run(q[..., :RANK], q[..., RANK:], lat[..., :RANK], lat[..., RANK:], out=out)  # noqa: E731
@@ -106,10 +138,20 @@ def _fa3_mla(work: Work):
     q, lat = work.q, work.k_cache
     cu_q = work.batch.qo_indptr.to(q.device)
     out = q.new_empty(*q.shape[:2], RANK)
-    kw = dict(block_table=work.block_table, cu_seqlens_q=cu_q, seqused_k=work.seq_lens, max_seqlen_q=r.q_len,
-              max_seqlen_k=r.prefix + r.q_len, causal=True, window=(-1, -1), softcap=0.0, scale=c.scale)
-    return lambda: lib.paged(q[..., RANK:], lat[..., RANK:], lat[..., :RANK], out, return_lse=False,
-                             qv=q[..., :RANK], **kw) or out  # fmt: skip
+    kw = dict(
+        block_table=work.block_table,
+        cu_seqlens_q=cu_q,
+        seqused_k=work.seq_lens,
+        max_seqlen_q=r.q_len,
+        max_seqlen_k=r.prefix + r.q_len,
+        causal=True,
+        window=(-1, -1),
+        softcap=0.0,
+        scale=c.scale,
+    )
+    return lambda: (
+        lib.paged(q[..., RANK:], lat[..., RANK:], lat[..., :RANK], out, return_lse=False, qv=q[..., :RANK], **kw) or out
+    )
 
 
 def _flashmla(work: Work):
@@ -119,15 +161,17 @@ def _flashmla(work: Work):
     try:
         from flash_mla import flash_mla_with_kvcache, get_mla_metadata  # noqa: PLC0415
     except Exception as e:
-        raise Unavailable(f"FlashMLA is not installed here ({e!r}): the GPU bundles carry neither the "
-                          "flash_mla package nor vLLM's _flashmla_C; pip install flash-mla (from its "
-                          "repository) to measure it")
+        raise Unavailable(
+            f"FlashMLA is not installed here ({e!r}): the GPU bundles carry neither the "
+            "flash_mla package nor vLLM's _flashmla_C; pip install flash-mla (from its "
+            "repository) to measure it"
+        ) from e
     r, c = work.row, work.config
     q = work.q.view(r.batch, r.q_len, c.num_qo_heads, c.head_dim)
     md, splits = get_mla_metadata(work.seq_lens, r.q_len * c.num_qo_heads, 1)
-    return lambda: flash_mla_with_kvcache(q, work.k_cache, work.block_table, work.seq_lens, RANK, md, splits,
-                                          softmax_scale=c.scale,
-                                          causal=True)[0].view(-1, c.num_qo_heads, RANK)
+    return lambda: flash_mla_with_kvcache(
+        q, work.k_cache, work.block_table, work.seq_lens, RANK, md, splits, softmax_scale=c.scale, causal=True
+    )[0].view(-1, c.num_qo_heads, RANK)
 
 
 def _fa3_mla_prefill_mha(work: Work):
@@ -147,7 +191,6 @@ def _fa3_mla_prefill_mha(work: Work):
     k = torch.cat([k_nope, rows[:, None, RANK:].expand(-1, c.num_qo_heads, -1)], -1).contiguous()
     v = torch.einsum("tr,hrv->thv", rows[:, :RANK], w_uv).contiguous()
     q = work.extra["q_mha"]  # [T, H, 128 + 64]: the query whose absorbed form is work.q
-    cu = (torch.arange(B + 1, dtype=torch.int32, device=dev) * L)
+    cu = torch.arange(B + 1, dtype=torch.int32, device=dev) * L
     out = torch.empty(B * L, c.num_qo_heads, NOPE, dtype=c.dtype, device=dev)
-    return lambda: lib.fn(q, k, v, L, cu, L, cu_seqlens_k=cu, softmax_scale=c.scale, causal=True, out=out,
-                          fa_version=3)  # fmt: skip
+    return lambda: lib.fn(q, k, v, L, cu, L, cu_seqlens_k=cu, softmax_scale=c.scale, causal=True, out=out, fa_version=3)

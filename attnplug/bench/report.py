@@ -15,9 +15,24 @@ ANCHORS_H200 = {
     "decode 16x16384": {"flashinfer.decode_tc": 4076, "fa3.paged": 4082, "torch.gather_sdpa": 1297},
     "decode 128x2048": {"flashinfer.decode_tc": 4046, "fa3.paged": 3965, "torch.gather_sdpa": 1286},
     "decode 1x32768": {"flashinfer.decode_tc": 2530, "fa3.paged": 2418, "torch.gather_sdpa": 1060},
-    "prefill 4x4096": {"flashinfer.prefill_fa2": 330, "flashinfer.prefill_fa3": 478, "fa3.paged": 550, "torch.gather_sdpa": 165},
-    "prefill 1x8192": {"flashinfer.prefill_fa2": 320, "flashinfer.prefill_fa3": 509, "fa3.paged": 582, "torch.gather_sdpa": 154},
-    "extend 8x(512+4096)": {"flashinfer.prefill_fa2": 340, "flashinfer.prefill_fa3": 497, "fa3.paged": 533, "torch.gather_sdpa": 290},
+    "prefill 4x4096": {
+        "flashinfer.prefill_fa2": 330,
+        "flashinfer.prefill_fa3": 478,
+        "fa3.paged": 550,
+        "torch.gather_sdpa": 165,
+    },
+    "prefill 1x8192": {
+        "flashinfer.prefill_fa2": 320,
+        "flashinfer.prefill_fa3": 509,
+        "fa3.paged": 582,
+        "torch.gather_sdpa": 154,
+    },
+    "extend 8x(512+4096)": {
+        "flashinfer.prefill_fa2": 340,
+        "flashinfer.prefill_fa3": 497,
+        "fa3.paged": 533,
+        "torch.gather_sdpa": 290,
+    },
 }
 
 #: record statuses left out of the tables (one footnote lists them): nothing was measured, nothing went wrong
@@ -48,18 +63,23 @@ def _kind_table(kind: str, recs: list[dict], anchors: dict) -> list[str]:
     """One markdown table of a row kind: the records that ran (timed, wrong or failed); columns that are
     empty for every record of the kind are left out."""
     fig_key, fig_name, fig_nd = ("TFLOPs", "TFLOP/s", 1) if kind == "prefill" else ("GBps", "GB/s", 0)
-    cols = [("row", lambda r: r["row"]), ("implementation", lambda r: r["impl"]),
-            ("ms", lambda r: _fmt(r.get("ms"), 4)), (fig_name, lambda r: _fmt(r.get(fig_key), fig_nd)),
-            ("vs best lib", lambda r: _fmt(r.get("vs_best_lib"), 2)),
-            ("vs own lib", lambda r: _fmt(r.get("vs_own_lib"), 2)), ("err", lambda r: _err(r.get("err"))),
-            ("anchor", lambda r: _fmt(anchors.get(r["row"], {}).get(r["impl"]))),
-            ("plan ms", lambda r: _fmt(r.get("plan_ms"), 2)),
-            ("note", lambda r: "" if r.get("status") == "ok" else _note(r.get("status", "")))]
+    cols = [
+        ("row", lambda r: r["row"]),
+        ("implementation", lambda r: r["impl"]),
+        ("ms", lambda r: _fmt(r.get("ms"), 4)),
+        (fig_name, lambda r: _fmt(r.get(fig_key), fig_nd)),
+        ("vs best lib", lambda r: _fmt(r.get("vs_best_lib"), 2)),
+        ("vs own lib", lambda r: _fmt(r.get("vs_own_lib"), 2)),
+        ("err", lambda r: _err(r.get("err"))),
+        ("anchor", lambda r: _fmt(anchors.get(r["row"], {}).get(r["impl"]))),
+        ("plan ms", lambda r: _fmt(r.get("plan_ms"), 2)),
+        ("note", lambda r: "" if r.get("status") == "ok" else _note(r.get("status", ""))),
+    ]
     cells = [[f(r) for _, f in cols] for r in recs]
-    keep = [j for j, (name, _) in enumerate(cols)
-            if j < 3 or any(c[j] not in ("", "–") for c in cells)]  # row, implementation, ms always
-    lines = [f"## {kind}", "", "| " + " | ".join(cols[j][0] for j in keep) + " |",
-             "|" + "---|" * len(keep)]
+    keep = [
+        j for j, (name, _) in enumerate(cols) if j < 3 or any(c[j] not in ("", "–") for c in cells)
+    ]  # row, implementation, ms always
+    lines = [f"## {kind}", "", "| " + " | ".join(cols[j][0] for j in keep) + " |", "|" + "---|" * len(keep)]
     lines += ["| " + " | ".join(c[j] for j in keep) + " |" for c in cells]
     return lines + [""]
 
@@ -90,11 +110,19 @@ def markdown(res: dict) -> str:
         "",
         f"Ceilings: copy **{_fmt(ceil.get('copy_GBps'), 0)} GB/s** (read+write), "
         f"matmul **{_fmt(ceil.get('matmul_TFLOPs'), 0)} TFLOP/s** ({ceil.get('matmul_shape', '')})"
-        + (f"; H200 anchors: {anchors['ceilings']['copy_GBps']} GB/s, {anchors['ceilings']['matmul_TFLOPs']} TFLOP/s." if anchors else "."),
+        + (
+            f"; H200 anchors: {anchors['ceilings']['copy_GBps']} GB/s, {anchors['ceilings']['matmul_TFLOPs']} TFLOP/s."
+            if anchors
+            else "."
+        ),
         "",
         "ms: median of CUDA-event timings (`triton.testing.do_bench`, L2 flushed"
-        + ("; every implementation replayed from one CUDA graph: kernels without host launch gaps"
-           if env.get("timing") == "cuda-graph replay" else "") + "). GB/s counts Q+K+V+O bytes; "
+        + (
+            "; every implementation replayed from one CUDA graph: kernels without host launch gaps"
+            if env.get("timing") == "cuda-graph replay"
+            else ""
+        )
+        + "). GB/s counts Q+K+V+O bytes; "
         "TFLOP/s counts causal FLOPs 4·H·D·(q·kv − q(q−1)/2). *vs best lib* = best direct-library ms / this ms "
         "(> 1: faster than the best library kernel of the row); *vs own lib* = the same family's library kernel "
         "ms / this ms (fp8 rows: triton's own is attnplug's fp8 kernel called directly). err: relative L2 vs "
@@ -115,8 +143,10 @@ def summary(res: dict) -> str:
     """Compact plain-text table for logs (the markdown file has everything)."""
     c = res.get("ceilings", {})
     anchors = ANCHORS_H200 if "H200" in res["env"].get("device", "") else {}
-    lines = [f"ceilings: copy {_fmt(c.get('copy_GBps'), 0)} GB/s, matmul {_fmt(c.get('matmul_TFLOPs'), 0)} TFLOP/s"
-             + (" (H200 anchors 4248 GB/s, 708 TFLOP/s)" if anchors else "")]
+    lines = [
+        f"ceilings: copy {_fmt(c.get('copy_GBps'), 0)} GB/s, matmul {_fmt(c.get('matmul_TFLOPs'), 0)} TFLOP/s"
+        + (" (H200 anchors 4248 GB/s, 708 TFLOP/s)" if anchors else "")
+    ]
     skipped = [r for r in res["rows"] if not_run(r)]
     for r in res["rows"]:
         if not_run(r):
@@ -125,8 +155,10 @@ def summary(res: dict) -> str:
             fig = f"{r['TFLOPs']:7.1f} TFLOP/s" if r["kind"] == "prefill" else f"{r['GBps']:7.0f} GB/s   "
             vs = f"{r['vs_best_lib']:.2f}x" if r.get("vs_best_lib") else "  -  "
             own = f" own {r['vs_own_lib']:.2f}x" if r.get("vs_own_lib") else ""
-            lines.append(f"{r['row']:26s} {r['impl']:24s} {r['ms']:9.4f} ms {fig} {vs:>6s}{own} err {r['err']:.1e}"
-                         + (f"  anchor {anchors[r['row']][r['impl']]}" if r["impl"] in anchors.get(r["row"], {}) else ""))
+            lines.append(
+                f"{r['row']:26s} {r['impl']:24s} {r['ms']:9.4f} ms {fig} {vs:>6s}{own} err {r['err']:.1e}"
+                + (f"  anchor {anchors[r['row']][r['impl']]}" if r["impl"] in anchors.get(r["row"], {}) else "")
+            )
         else:
             lines.append(f"{r['row']:26s} {r['impl']:24s} {_note(r.get('status', ''), 70)}")
     if skipped:

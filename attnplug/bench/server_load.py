@@ -1,7 +1,8 @@
 """Real servers under load (issue 17 §5): concurrent clients and faults against a running ``vllm serve``
 or ``sglang.launch_server`` on 127.0.0.1. Stdlib only (runs in either engine's environment).
 
-    python -m attnplug.bench.server_load --engine vllm --backend attnplug_triton --out benchmarks/results/server-load-vllm.json
+    python -m attnplug.bench.server_load --engine vllm --backend attnplug_triton \
+        --out benchmarks/results/server-load-vllm.json
 
 Starts the server (tiny random Llama, ``--skip-tokenizer-init``), then, all bounded in count and time:
 
@@ -61,10 +62,20 @@ class Client:
 
     def body(self, ids, max_tokens: int = MAX_TOKENS, stream: bool = False) -> dict:
         if self.engine == "vllm":
-            return dict(model="tiny", prompt=ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                        return_token_ids=True, stream=stream)  # fmt: skip
-        return {"input_ids": ids, "stream": stream,
-                "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens, "ignore_eos": True}}
+            return dict(
+                model="tiny",
+                prompt=ids,
+                max_tokens=max_tokens,
+                temperature=0.0,
+                ignore_eos=True,
+                return_token_ids=True,
+                stream=stream,
+            )
+        return {
+            "input_ids": ids,
+            "stream": stream,
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens, "ignore_eos": True},
+        }
 
     @property
     def path(self) -> str:
@@ -125,10 +136,17 @@ def run_concurrently(jobs: list, n_threads: int | None = None) -> list:
 
 def check_round(client: Client, prompts, baseline, stream_mask) -> dict:
     t0 = time.time()
-    res = run_concurrently([lambda i=i: client.generate(prompts[i], stream=stream_mask[i]) for i in range(len(prompts))])
+    res = run_concurrently(
+        [lambda i=i: client.generate(prompts[i], stream=stream_mask[i]) for i in range(len(prompts))]
+    )
     bad = {i: (repr(r)[:300] if isinstance(r, Exception) else r) for i, r in enumerate(res) if r != baseline[i]}
-    return {"clients": len(prompts), "streaming": sum(stream_mask), "equal": len(prompts) - len(bad), "differ": bad,
-            "seconds": round(time.time() - t0, 1)}
+    return {
+        "clients": len(prompts),
+        "streaming": sum(stream_mask),
+        "equal": len(prompts) - len(bad),
+        "differ": bad,
+        "seconds": round(time.time() - t0, 1),
+    }
 
 
 def fault_round(client: Client, name: str, fault, prompts, baseline) -> dict:
@@ -139,8 +157,14 @@ def fault_round(client: Client, name: str, fault, prompts, baseline) -> dict:
     f = res[0] if not isinstance(res[0], Exception) else {"exception": repr(res[0])[:400]}
     lost = {i: repr(r)[:300] if isinstance(r, Exception) else r for i, r in zip(others, res[1:]) if r != baseline[i]}
     after = client.generate(prompts[-1])
-    return {"fault": name, **f, "others_equal": len(others) - len(lost), "others_differ": lost,
-            "serving_after": after == baseline[-1], "seconds": round(time.time() - t0, 1)}
+    return {
+        "fault": name,
+        **f,
+        "others_equal": len(others) - len(lost),
+        "others_differ": lost,
+        "serving_after": after == baseline[-1],
+        "seconds": round(time.time() - t0, 1),
+    }
 
 
 def load_test(client: Client, n_clients: int = 32) -> dict:
@@ -152,7 +176,9 @@ def load_test(client: Client, n_clients: int = 32) -> dict:
     out["concurrent"] = check_round(client, prompts, baseline, half)
 
     def disconnect():
-        status, got = client.raw(json.dumps(client.body(prompts[-2], max_tokens=64, stream=True)).encode(), stream_events=2)
+        status, got = client.raw(
+            json.dumps(client.body(prompts[-2], max_tokens=64, stream=True)).encode(), stream_events=2
+        )
         return {"status": status, "events_read": got.count(b"data:")}
 
     def overlong():
@@ -160,18 +186,29 @@ def load_test(client: Client, n_clients: int = 32) -> dict:
         return {"status": status, "expected": 400, "ok": status == 400, "body": data[:300].decode(errors="replace")}
 
     def malformed():
-        cases = {"not_json": b"{this is not json", "prompt_not_ids": json.dumps(client.body("not token ids")).encode(),
-                 "negative_max_tokens": json.dumps(client.body([1, 5, 6], max_tokens=-3)).encode()}  # fmt: skip
+        cases = {
+            "not_json": b"{this is not json",
+            "prompt_not_ids": json.dumps(client.body("not token ids")).encode(),
+            "negative_max_tokens": json.dumps(client.body([1, 5, 6], max_tokens=-3)).encode(),
+        }
         got = {k: client.raw(v) for k, v in cases.items()}
-        return {"statuses": {k: s for k, (s, _) in got.items()}, "ok": all(400 <= s < 500 for s, _ in got.values()),
-                "bodies": {k: b[:200].decode(errors="replace") for k, (_, b) in got.items()}}
+        return {
+            "statuses": {k: s for k, (s, _) in got.items()},
+            "ok": all(400 <= s < 500 for s, _ in got.values()),
+            "bodies": {k: b[:200].decode(errors="replace") for k, (_, b) in got.items()},
+        }
 
-    out["faults"] = [fault_round(client, n, f, prompts, baseline)
-                     for n, f in (("disconnect", disconnect), ("overlong", overlong), ("malformed", malformed))]
+    out["faults"] = [
+        fault_round(client, n, f, prompts, baseline)
+        for n, f in (("disconnect", disconnect), ("overlong", overlong), ("malformed", malformed))
+    ]
     out["concurrent_after"] = check_round(client, prompts, baseline, [not x for x in half])
-    out["pass"] = (out["concurrent"]["equal"] == n_clients and out["concurrent_after"]["equal"] == n_clients
-                   and all(f["serving_after"] and not f["others_differ"] for f in out["faults"])
-                   and all(f.get("ok", True) for f in out["faults"]))  # fmt: skip
+    out["pass"] = (
+        out["concurrent"]["equal"] == n_clients
+        and out["concurrent_after"]["equal"] == n_clients
+        and all(f["serving_after"] and not f["others_differ"] for f in out["faults"])
+        and all(f.get("ok", True) for f in out["faults"])
+    )
     return out
 
 
@@ -198,25 +235,77 @@ def start_server(engine: str, backend: str | None, model: str, log_path: Path, e
     port = free_port()
     exe = Path(sys.executable)
     if engine == "vllm":
-        cmd = [str(exe.with_name("vllm")), "serve", model, "--host", "127.0.0.1", "--port", str(port),
-               "--served-model-name", "tiny", "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
-               "--max-model-len", str(CONTEXT), "--max-num-seqs", "32", "--block-size", "16", "--seed", "0"]  # fmt: skip
+        cmd = [
+            str(exe.with_name("vllm")),
+            "serve",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--served-model-name",
+            "tiny",
+            "--skip-tokenizer-init",
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            str(CONTEXT),
+            "--max-num-seqs",
+            "32",
+            "--block-size",
+            "16",
+            "--seed",
+            "0",
+        ]
         if backend:
             cmd += ["--attention-backend", backend]
     else:
-        cmd = [str(exe), "-m", "sglang.launch_server", "--model-path", model, "--device", "cpu", "--dtype", "float32",
-               "--skip-tokenizer-init", "--disable-overlap-schedule", "--mem-fraction-static", "0.3",
-               "--max-total-tokens", "8192", "--context-length", str(CONTEXT), "--max-running-requests", "32",
-               "--host", "127.0.0.1", "--port", str(port), "--random-seed", "0",
-               "--attention-backend", backend or "torch_native"]  # fmt: skip
+        cmd = [
+            str(exe),
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            model,
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--skip-tokenizer-init",
+            "--disable-overlap-schedule",
+            "--mem-fraction-static",
+            "0.3",
+            "--max-total-tokens",
+            "8192",
+            "--context-length",
+            str(CONTEXT),
+            "--max-running-requests",
+            "32",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--random-seed",
+            "0",
+            "--attention-backend",
+            backend or "torch_native",
+        ]
     full = {**(os.environ if env is None else env), "HF_HUB_OFFLINE": "1"}  # env: the whole environment
     full.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=full, start_new_session=True)
     return proc, port
 
 
-def serve_and_load(engine: str, backend: str | None, model: str, workdir: Path, n_clients: int = 32,
-                   env: dict | None = None, start_timeout: float = 600, oov_probe: bool = False) -> dict:
+def serve_and_load(
+    engine: str,
+    backend: str | None,
+    model: str,
+    workdir: Path,
+    n_clients: int = 32,
+    env: dict | None = None,
+    start_timeout: float = 600,
+    oov_probe: bool = False,
+) -> dict:
     """Start the server, run :func:`load_test`, stop it; the result has the server's fate and log size."""
     log = workdir / f"server-{engine}-{backend or 'native'}.log"
     t0 = time.time()
@@ -247,7 +336,9 @@ def problems(res: dict) -> list[str]:
     for name in ("concurrent", "concurrent_after"):
         r = res.get(name) or {}
         if r.get("equal") != r.get("clients"):
-            out.append(f"{name}: {r.get('equal')}/{r.get('clients')} answers equal the one-by-one ones: {r.get('differ')}")
+            out.append(
+                f"{name}: {r.get('equal')}/{r.get('clients')} answers equal the one-by-one ones: {r.get('differ')}"
+            )
     for f in res.get("faults", []):
         if not (f.get("serving_after") and not f.get("others_differ") and f.get("ok", True)):
             out.append(f"fault {f.get('fault')}: {f}")
@@ -257,8 +348,11 @@ def problems(res: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m attnplug.bench.server_load", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="python -m attnplug.bench.server_load",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--engine", choices=("vllm", "sglang"), required=True)
     ap.add_argument("--backend", default="attnplug_triton", help="attention backend (native: the engine's default)")
     ap.add_argument("--clients", type=int, default=32)
@@ -276,8 +370,15 @@ def main(argv=None) -> int:
         env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
         if shim.is_dir():
             env["PYTHONPATH"] = os.pathsep.join([str(shim)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    res = serve_and_load(args.engine, None if args.backend == "native" else args.backend, model, work, args.clients,
-                         env=env, oov_probe=args.oov_probe)
+    res = serve_and_load(
+        args.engine,
+        None if args.backend == "native" else args.backend,
+        model,
+        work,
+        args.clients,
+        env=env,
+        oov_probe=args.oov_probe,
+    )
     text = json.dumps(res, indent=1)
     print(text)
     if args.out:

@@ -67,8 +67,12 @@ def shared_prefix_batch(
     B = len(rids)
     mask = None
     if mode == ForwardMode.TARGET_VERIFY:
-        parents = torch.stack([torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, q_len)])
-                               for _ in range(B)])  # fmt: skip
+        parents = torch.stack(
+            [
+                torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, q_len)])
+                for _ in range(B)
+            ]
+        )
         prefix = torch.tensor([kv.seq_len(r) - q_len for r in rids])
         mask = build_tree_verify_mask(parents, prefix)
     qo = torch.arange(B + 1, dtype=torch.int32) * q_len

@@ -1,7 +1,8 @@
 """Soak (issue 17 §4): many plan/run cycles with changing batch shapes and many graph replays;
 host memory (tracemalloc, RSS) and device memory (allocated / reserved) must not grow after warm-up.
 
-    python -m attnplug.bench.soak --out benchmarks/results/soak-cpu.json                    # CPU: reference plan/run, triton replays
+    # CPU: reference plan/run, triton replays
+    python -m attnplug.bench.soak --out benchmarks/results/soak-cpu.json
     python -m attnplug.bench.soak --provider triton --cycles 10000 --replays 10000 ...     # every cycle through triton
     python -m attnplug.bench.soak --device cuda --provider triton --out soak-h200.json     # GPU: real CUDA graphs
 
@@ -62,8 +63,11 @@ def traced_outside_triton() -> int:
     if not tracemalloc.is_tracing():
         return 0
     triton_dir = f"{os.sep}triton{os.sep}"
-    return sum(st.size for st in tracemalloc.take_snapshot().statistics("filename")
-               if triton_dir not in (st.traceback[0].filename if st.traceback else ""))  # fmt: skip
+    return sum(
+        st.size
+        for st in tracemalloc.take_snapshot().statistics("filename")
+        if triton_dir not in (st.traceback[0].filename if st.traceback else "")
+    )
 
 
 def compiled_kernels() -> int:
@@ -131,13 +135,25 @@ class Series:
             if s:
                 after = s[first:]
                 quiet = sum(after[i] - after[i - 1] for i in range(1, len(after)) if c[i] == c[i - 1])
-                out[name] = dict(at_warmup=after[0], end=after[-1], growth=after[-1] - after[0],
-                                 max_over_warmup=max(after) - after[0], growth_without_compiles=quiet)  # fmt: skip
+                out[name] = dict(
+                    at_warmup=after[0],
+                    end=after[-1],
+                    growth=after[-1] - after[0],
+                    max_over_warmup=max(after) - after[0],
+                    growth_without_compiles=quiet,
+                )
         return out
 
 
-def random_batch(gen: torch.Generator, config: AttentionConfig, max_batch: int, max_q: int, max_prefix: int,
-                 num_pages: int, mode: ForwardMode | None = None) -> BatchMetadata:
+def random_batch(
+    gen: torch.Generator,
+    config: AttentionConfig,
+    max_batch: int,
+    max_q: int,
+    max_prefix: int,
+    num_pages: int,
+    mode: ForwardMode | None = None,
+) -> BatchMetadata:
     """A random ragged batch (host int32 metadata) over a cache of ``num_pages`` pages."""
     P = config.page_size
     r = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=gen))  # noqa: E731
@@ -155,7 +171,7 @@ def random_batch(gen: torch.Generator, config: AttentionConfig, max_batch: int, 
         blocks = []
         for ql, kl in zip(q, kv.tolist()):
             m = torch.ones(ql, kl, dtype=torch.bool)
-            m[:, kl - ql:] = random_tree_mask(ql, gen)
+            m[:, kl - ql :] = random_tree_mask(ql, gen)
             blocks.append(m.flatten())
         mask = torch.cat(blocks)
     qo = pg.indptr_from_counts(torch.tensor(q, dtype=torch.int32))
@@ -165,13 +181,26 @@ def random_batch(gen: torch.Generator, config: AttentionConfig, max_batch: int, 
 def _caches(config: AttentionConfig, num_pages: int, gen: torch.Generator, device: torch.device):
     """Random K and V caches of ``num_pages`` pages, drawn on ``device`` (seeded from ``gen``)."""
     dgen = torch.Generator(device).manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
-    return tuple(torch.randn(config.kv_cache_shape(num_pages), generator=dgen, device=device, dtype=config.dtype)
-                 for _ in range(2))  # fmt: skip
+    return tuple(
+        torch.randn(config.kv_cache_shape(num_pages), generator=dgen, device=device, dtype=config.dtype)
+        for _ in range(2)
+    )
 
 
-def soak_plan_run(config: AttentionConfig, provider: str, device: torch.device, cycles: int, warmup: int,
-                  sample_every: int, layers: int = 2, max_batch: int = 8, max_q: int = 16, max_prefix: int = 200,
-                  seed: int = 0, deadline: float | None = None) -> Series:
+def soak_plan_run(
+    config: AttentionConfig,
+    provider: str,
+    device: torch.device,
+    cycles: int,
+    warmup: int,
+    sample_every: int,
+    layers: int = 2,
+    max_batch: int = 8,
+    max_q: int = 16,
+    max_prefix: int = 200,
+    seed: int = 0,
+    deadline: float | None = None,
+) -> Series:
     """``cycles`` plan + ``layers`` runs of fresh random batches through ``provider``."""
     gen = torch.Generator().manual_seed(seed)
     pages_per = pg.num_pages(max_q + max_prefix, config.page_size)
@@ -179,8 +208,9 @@ def soak_plan_run(config: AttentionConfig, provider: str, device: torch.device, 
     k, v = _caches(config, num_pages, gen, device)
     attn = PagedAttention(config, provider, device)
     qgen = torch.Generator(device).manual_seed(seed)  # queries drawn where they are used (up to 4096 x 32 x 128)
-    probe = random_batch(torch.Generator().manual_seed(seed + 1), config, max_batch, max_q, max_prefix, num_pages,
-                         ForwardMode.EXTEND)  # fmt: skip
+    probe = random_batch(
+        torch.Generator().manual_seed(seed + 1), config, max_batch, max_q, max_prefix, num_pages, ForwardMode.EXTEND
+    )
     s = Series(warmup, sample_every)
     for it in s.iterations(cycles, device, deadline):
         # the cycle before each sample runs one fixed batch: what is alive at a sample (its plan,
@@ -188,25 +218,44 @@ def soak_plan_run(config: AttentionConfig, provider: str, device: torch.device, 
         sampled_next = (it + 1) % sample_every == 0 or it + 1 == cycles
         batch = probe if sampled_next else random_batch(gen, config, max_batch, max_q, max_prefix, num_pages)
         plan = attn.plan(batch, num_pages=num_pages)
-        q = torch.randn(plan.num_tokens, config.num_qo_heads, config.head_dim, generator=qgen, device=device,
-                        dtype=config.dtype)  # fmt: skip
+        q = torch.randn(
+            plan.num_tokens, config.num_qo_heads, config.head_dim, generator=qgen, device=device, dtype=config.dtype
+        )
         out = torch.empty_like(q)
         for _ in range(layers):
             attn.run(q, k, v, out=out)
     return s
 
 
-def soak_graph_replay(config: AttentionConfig, provider: str, device: torch.device, replays: int, warmup: int,
-                      sample_every: int, max_batch: int = 4, max_prefix: int = 120, seed: int = 1,
-                      deadline: float | None = None) -> Series:
+def soak_graph_replay(
+    config: AttentionConfig,
+    provider: str,
+    device: torch.device,
+    replays: int,
+    warmup: int,
+    sample_every: int,
+    max_batch: int = 4,
+    max_prefix: int = 120,
+    seed: int = 1,
+    deadline: float | None = None,
+) -> Series:
     """``replays`` graph replays (decode): ``update`` / ``update_from_block_table`` + ``run`` (CUDA: replay)."""
     gen = torch.Generator().manual_seed(seed)
     P = config.page_size
     max_pages_per = pg.num_pages(max_prefix + 1, P)
     num_pages = max_batch * max_pages_per + 8
     k, v = _caches(config, num_pages, gen, device)
-    gs = GraphState(config, provider, max_batch=max_batch, max_tokens=max_batch, max_pages=max_batch * max_pages_per,
-                    device=device, mode="decode", pad_page=num_pages - 1, max_seq_len=max_pages_per * P)  # fmt: skip
+    gs = GraphState(
+        config,
+        provider,
+        max_batch=max_batch,
+        max_tokens=max_batch,
+        max_pages=max_batch * max_pages_per,
+        device=device,
+        mode="decode",
+        pad_page=num_pages - 1,
+        max_seq_len=max_pages_per * P,
+    )
     q = torch.randn(max_batch, config.num_qo_heads, config.head_dim, generator=gen).to(config.dtype).to(device)
     out = torch.empty_like(q)
     graphs = {}
@@ -229,7 +278,7 @@ def soak_graph_replay(config: AttentionConfig, provider: str, device: torch.devi
         if it % 2:
             seq = (batch.kv_indptr[1:] - batch.kv_indptr[:-1] - 1) * P + batch.kv_last_page_len
             for b in range(B):
-                pages = batch.kv_indices[batch.kv_indptr[b]: batch.kv_indptr[b + 1]]
+                pages = batch.kv_indices[batch.kv_indptr[b] : batch.kv_indptr[b + 1]]
                 table[b, : pages.numel()] = pages.to(device)
             gs.update_from_block_table(seq.to(device), table, bs, host_seq_lens=seq)
         else:
@@ -242,8 +291,9 @@ def soak_graph_replay(config: AttentionConfig, provider: str, device: torch.devi
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m attnplug.bench.soak", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="python -m attnplug.bench.soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--provider", default=None, help="plan/run provider (default: reference on CPU, triton on CUDA)")
     ap.add_argument("--graph-provider", default="triton", help="GraphState provider (must replay decode)")
@@ -259,31 +309,54 @@ def main(argv=None) -> None:
     if dev.type == "cpu":  # the Triton interpreter: tiny shapes
         os.environ.setdefault("TRITON_INTERPRET", "1")
         config = AttentionConfig(4, 2, 32, 16, torch.float32)
-        shapes = dict(plan_run=dict(layers=1, max_batch=4, max_q=8, max_prefix=64),
-                      graph_replay=dict(max_batch=4, max_prefix=64))  # fmt: skip
+        shapes = dict(
+            plan_run=dict(layers=1, max_batch=4, max_q=8, max_prefix=64), graph_replay=dict(max_batch=4, max_prefix=64)
+        )
     else:  # Llama-3-8B attention, batches of up to 64 requests
         config = AttentionConfig(32, 8, 128, 16, torch.bfloat16)
-        shapes = dict(plan_run=dict(layers=4, max_batch=64, max_q=16, max_prefix=4096),
-                      graph_replay=dict(max_batch=64, max_prefix=4096))  # fmt: skip
+        shapes = dict(
+            plan_run=dict(layers=4, max_batch=64, max_q=16, max_prefix=4096),
+            graph_replay=dict(max_batch=64, max_prefix=4096),
+        )
     provider = args.provider or ("reference" if dev.type == "cpu" else "triton")
     tracemalloc.start()
-    res = dict(what="memory after warm-up: growth = end - first sample after warm-up (bytes)", device=str(dev),
-               config=str(config), torch=torch.__version__, python=platform.python_version(),
-               started=time.strftime("%Y-%m-%d %H:%M:%S"), phases={})  # fmt: skip
+    res = dict(
+        what="memory after warm-up: growth = end - first sample after warm-up (bytes)",
+        device=str(dev),
+        config=str(config),
+        torch=torch.__version__,
+        python=platform.python_version(),
+        started=time.strftime("%Y-%m-%d %H:%M:%S"),
+        phases={},
+    )
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
     if not phases or set(phases) - {"plan_run", "graph_replay"}:
         ap.error(f"--phases takes plan_run and/or graph_replay, got {args.phases!r}")
-    for name, fn, prov, n in (("plan_run", soak_plan_run, provider, args.cycles),
-                              ("graph_replay", soak_graph_replay, args.graph_provider, args.replays)):  # fmt: skip
+    for name, fn, prov, n in (
+        ("plan_run", soak_plan_run, provider, args.cycles),
+        ("graph_replay", soak_graph_replay, args.graph_provider, args.replays),
+    ):
         if name not in phases:
             continue
         t0 = time.time()
         deadline = t0 + args.time_budget if args.time_budget else None
         s = fn(config, prov, dev, n, args.warmup, args.sample_every, deadline=deadline, **shapes[name])
-        summ = {"provider": prov, "requested": n, "seconds": round(time.time() - t0, 1), "shapes": shapes[name],
-                **s.summary(),
-                "series": {"iters": s.iters, "traced": s.traced, "traced_outside_triton": s.traced_outside_triton,
-                           "compiled": s.compiled, "rss": s.rss, "cuda_alloc": s.cuda_alloc, "cuda_reserved": s.cuda_reserved}}  # fmt: skip
+        summ = {
+            "provider": prov,
+            "requested": n,
+            "seconds": round(time.time() - t0, 1),
+            "shapes": shapes[name],
+            **s.summary(),
+            "series": {
+                "iters": s.iters,
+                "traced": s.traced,
+                "traced_outside_triton": s.traced_outside_triton,
+                "compiled": s.compiled,
+                "rss": s.rss,
+                "cuda_alloc": s.cuda_alloc,
+                "cuda_reserved": s.cuda_reserved,
+            },
+        }
         res["phases"][name] = summ
         print(name, {k: v for k, v in summ.items() if k != "series"}, flush=True)
         if args.out:

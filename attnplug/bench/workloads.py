@@ -35,7 +35,9 @@ class Row:
 
     @property
     def mode(self) -> ForwardMode:
-        return {"decode": ForwardMode.DECODE, "prefill": ForwardMode.EXTEND, "verify": ForwardMode.TARGET_VERIFY}[self.kind]
+        return {"decode": ForwardMode.DECODE, "prefill": ForwardMode.EXTEND, "verify": ForwardMode.TARGET_VERIFY}[
+            self.kind
+        ]
 
     @property
     def metric(self) -> str:
@@ -212,8 +214,15 @@ def sub_plan(work: Work, nb: int) -> tuple[Plan, int]:
     if b.custom_mask is not None:
         kv_len = work.row.prefix + work.row.q_len
         mask = b.custom_mask[: nb * work.row.q_len * kv_len]
-    sub = BatchMetadata(b.mode, b.qo_indptr[: nb + 1], b.kv_indptr[: nb + 1], b.kv_indices[:pages],
-                        b.kv_last_page_len[:nb], custom_mask=mask, causal=b.causal)
+    sub = BatchMetadata(
+        b.mode,
+        b.qo_indptr[: nb + 1],
+        b.kv_indptr[: nb + 1],
+        b.kv_indices[:pages],
+        b.kv_last_page_len[:nb],
+        custom_mask=mask,
+        causal=b.causal,
+    )
     return make_plan(work.config, sub, num_pages=work.num_pages, device=work.q.device), t
 
 

@@ -166,8 +166,12 @@ class SourceTree:
         for node in ast.walk(cls):
             if isinstance(node, (ast.Assign, ast.AnnAssign)):
                 for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                    if (isinstance(t, ast.Attribute) and t.attr == name and isinstance(t.value, ast.Name)
-                            and t.value.id == "self"):  # fmt: skip
+                    if (
+                        isinstance(t, ast.Attribute)
+                        and t.attr == name
+                        and isinstance(t.value, ast.Name)
+                        and t.value.id == "self"
+                    ):
                         return mod, node
         for bmod, base in self.bases(mod, cls):
             found = self.member(bmod, base, name, seen)
@@ -269,8 +273,12 @@ def override_problems(engine: inspect.Signature, ours: inspect.Signature) -> lis
                 out.append(f"'{e.name}' is optional in the engine but required by attnplug")
     engine_names = {p.name for p in engine.parameters.values()}
     for p in ps:
-        if (p.default is _P.empty and p.kind in (_P.POSITIONAL_OR_KEYWORD, _P.KEYWORD_ONLY, _P.POSITIONAL_ONLY)
-                and p.name not in used and p.name not in engine_names):  # fmt: skip
+        if (
+            p.default is _P.empty
+            and p.kind in (_P.POSITIONAL_OR_KEYWORD, _P.KEYWORD_ONLY, _P.POSITIONAL_ONLY)
+            and p.name not in used
+            and p.name not in engine_names
+        ):
             out.append(f"attnplug requires '{p.name}', which the engine never passes")
     return out
 
@@ -333,8 +341,11 @@ def _ours(ours: SourceTree, spec: str) -> inspect.Signature:
 def _check_one(it: Item, engine: SourceTree, ours: SourceTree) -> Result:
     if it.kind == "callsite":
         tree = engine.module(it.engine[0])
-        sites = [c for c in (_call_sites(tree, it.name) if tree is not None else ())
-                 if not it.recv or (isinstance(c.func, ast.Attribute) and ast.unparse(c.func.value).endswith(it.recv))]
+        sites = [
+            c
+            for c in (_call_sites(tree, it.name) if tree is not None else ())
+            if not it.recv or (isinstance(c.func, ast.Attribute) and ast.unparse(c.func.value).endswith(it.recv))
+        ]
         if not sites:
             what = f"{it.recv}.{it.name}" if it.recv else it.name
             return Result(it, "", [f"no call of {what}(...) in {it.engine[0]} any more"] if it.required else [])
@@ -348,8 +359,10 @@ def _check_one(it: Item, engine: SourceTree, ours: SourceTree) -> Result:
             try:
                 sig.bind(*range(len(c.args)), **{k.arg: 0 for k in c.keywords if k.arg is not None})
             except TypeError as e:
-                probs.append(f"line {c.lineno}: engine calls with {len(c.args)} positional, keywords "
-                             f"{[k.arg for k in c.keywords if k.arg]}; attnplug's {it.ours}{fmt(sig)}: {e}")  # fmt: skip
+                probs.append(
+                    f"line {c.lineno}: engine calls with {len(c.args)} positional, keywords "
+                    f"{[k.arg for k in c.keywords if k.arg]}; attnplug's {it.ours}{fmt(sig)}: {e}"
+                )
         return Result(it, it.engine[0], probs)
     found = None
     for alt in it.name.split("|"):
@@ -442,8 +455,9 @@ def attnplug_sources() -> SourceTree:
     return SourceTree(os.path.dirname(os.path.dirname(os.path.abspath(attnplug.__file__))))
 
 
-def refusal(engine: str, package: str, version: str, tested: tuple[str, str], items, log,
-            engine_root: str | None = None) -> str | None:  # fmt: skip
+def refusal(
+    engine: str, package: str, version: str, tested: tuple[str, str], items, log, engine_root: str | None = None
+) -> str | None:
     """``None`` when attnplug serves ``engine`` ``version``, else the user-facing reason.
 
     Inside ``tested`` (inclusive): ``None``, nothing checked. Outside: the installed sources (or
@@ -456,10 +470,19 @@ def refusal(engine: str, package: str, version: str, tested: tuple[str, str], it
         return None
     found = problems(check(items, SourceTree(engine_root or package_root(package)), attnplug_sources()))
     if not found:
-        log.warning("attnplug %s: %s %s is outside the tested range %s..%s; its interface matches what attnplug "
-                    "relies on, so the backends are offered", attnplug.__version__, engine, version, lo, hi)
+        log.warning(
+            "attnplug %s: %s %s is outside the tested range %s..%s; its interface matches what attnplug "
+            "relies on, so the backends are offered",
+            attnplug.__version__,
+            engine,
+            version,
+            lo,
+            hi,
+        )
         return None
     more = f" (and {len(found) - 6} more)" if len(found) > 6 else ""
-    return (f"attnplug {attnplug.__version__}: {engine} {version} is outside the tested range {lo}..{hi} and its "
-            f"attention-backend interface changed: {'; '.join(found[:6])}{more}. The attnplug backends are "
-            f"refused; use {engine} {lo}..{hi} or an attnplug release that supports {engine} {version}")
+    return (
+        f"attnplug {attnplug.__version__}: {engine} {version} is outside the tested range {lo}..{hi} and its "
+        f"attention-backend interface changed: {'; '.join(found[:6])}{more}. The attnplug backends are "
+        f"refused; use {engine} {lo}..{hi} or an attnplug release that supports {engine} {version}"
+    )

@@ -11,5 +11,4 @@ def contract_items() -> list[Item]:
     """One ``call`` item per :class:`~attnplug.core.providers.flashinfer.LibraryCall` of the provider."""
     from attnplug.core.providers.flashinfer import CALLS  # noqa: PLC0415 (loads no library)
 
-    return [call(c.module, c.name, npos=c.npos, kwargs=c.kwargs, required=c.required, why=c.why)
-            for c in CALLS]
+    return [call(c.module, c.name, npos=c.npos, kwargs=c.kwargs, required=c.required, why=c.why) for c in CALLS]

@@ -1,9 +1,9 @@
 """``PagedAttention``: the one entry point engines and tests use (FlashInfer-style plan/run).
 
-    attn = PagedAttention(config, provider="triton", device="cuda")
-    attn.plan(batch, num_pages=k_cache.shape[0])   # once per forward: validation + kernel args
-    for layer in layers:
-        attn.run(q, k_cache[layer], v_cache[layer], out=o)   # per layer: launches kernels only
+attn = PagedAttention(config, provider="triton", device="cuda")
+attn.plan(batch, num_pages=k_cache.shape[0])   # once per forward: validation + kernel args
+for layer in layers:
+    attn.run(q, k_cache[layer], v_cache[layer], out=o)   # per layer: launches kernels only
 """
 
 from __future__ import annotations
@@ -34,9 +34,13 @@ class PagedAttention:
         UnsupportedFeature: the provider cannot compute this configuration.
     """
 
-    def __init__(self, config: AttentionConfig, provider: str | type[Provider] | Provider = "triton",
-                 device: torch.device | str = "cuda",
-                 cascade: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        config: AttentionConfig,
+        provider: str | type[Provider] | Provider = "triton",
+        device: torch.device | str = "cuda",
+        cascade: str | None = None,
+    ):
         self.config = config
         self.device = torch.device(device)
         self.provider = provider_instance(provider, config, self.device).fork()  # own plans, shared resources

@@ -39,9 +39,9 @@ import numpy as np
 import torch
 
 from . import graph_if
+from .config import env_flag
 from .graph_if import captured_if
 from .metadata import ForwardMode
-from .config import env_flag
 from .pages import num_pages, tokens_from_pages
 from .plan import Plan
 from .staging import to_device
@@ -133,8 +133,9 @@ def _common_pages(same: np.ndarray) -> int:
     return col.size if col.all() else int(col.argmin())
 
 
-def _lcp_group(kv_indices: np.ndarray, starts: np.ndarray, shareable: np.ndarray, members: np.ndarray,
-               min_pages: int) -> Group | None:
+def _lcp_group(
+    kv_indices: np.ndarray, starts: np.ndarray, shareable: np.ndarray, members: np.ndarray, min_pages: int
+) -> Group | None:
     """One group of ``members`` (their first pages equal) with their common prefix, when their
     longest common prefixes with the first member are about one length (none longer than twice the
     shortest); ``None`` (nested prefixes: the radix tree decides) otherwise. Vectorized: a
@@ -150,8 +151,13 @@ def _lcp_group(kv_indices: np.ndarray, starts: np.ndarray, shareable: np.ndarray
     return Group(low, members)
 
 
-def find_groups(kv_indptr: np.ndarray, kv_indices: np.ndarray, shareable: np.ndarray, min_pages: int = 1,
-                first_repeats: bool = False) -> list[Group]:
+def find_groups(
+    kv_indptr: np.ndarray,
+    kv_indices: np.ndarray,
+    shareable: np.ndarray,
+    min_pages: int = 1,
+    first_repeats: bool = False,
+) -> list[Group]:
     """Groups of requests sharing at least ``min_pages`` leading page ids (host, once per forward).
 
     Args:
@@ -184,7 +190,10 @@ def find_groups(kv_indptr: np.ndarray, kv_indices: np.ndarray, shareable: np.nda
         from .radix_tree import shared_prefix_groups  # noqa: PLC0415
 
         for bucket in nested:
-            seqs = [kv_indices[s : s + n].tolist() for s, n in zip(starts[bucket].tolist(), shareable[cand[bucket]].tolist())]
+            seqs = [
+                kv_indices[s : s + n].tolist()
+                for s, n in zip(starts[bucket].tolist(), shareable[cand[bucket]].tolist())
+            ]
             groups += [Group(d, cand[bucket[np.asarray(idx)]]) for d, idx in shared_prefix_groups(seqs, 1, min_pages)]
     return groups
 
@@ -270,8 +279,11 @@ def build_cascade_plan(plan: Plan, groups: list[Group]) -> CascadePlan:
         mask_indptr_cpu = np.zeros(B + 1, dtype=np.int64)
         np.cumsum(sizes, out=mask_indptr_cpu[1:])
         old_kv = kv_lens + shared * P
-        pieces = [mi[b] + np.arange(int(q_lens[b]))[:, None] * old_kv[b] + shared[b] * P + np.arange(int(kv_lens[b]))
-                  for b in range(B) if sizes[b]]  # fmt: skip
+        pieces = [
+            mi[b] + np.arange(int(q_lens[b]))[:, None] * old_kv[b] + shared[b] * P + np.arange(int(kv_lens[b]))
+            for b in range(B)
+            if sizes[b]
+        ]
         idx = np.concatenate([p.ravel() for p in pieces]) if pieces else np.zeros(0, dtype=np.int64)
         mask_free_cpu = np.maximum(plan.mask_free_cpu.numpy() - shared * P, 0).astype(np.int32)
         mask_arrays = dict(m_idx=idx, m_indptr=mask_indptr_cpu, m_free=mask_free_cpu)
@@ -290,40 +302,87 @@ def build_cascade_plan(plan: Plan, groups: list[Group]) -> CascadePlan:
     p_last, p_kv = np.full(G, P, dtype=np.int64), g_pages * P
     Tp = int(p_qo[-1])
     identity = Tp == plan.num_tokens and bool((rows == np.arange(Tp)).all())
-    i32 = dict(s_indptr=s_indptr, s_indices=s_indices, s_last=s_last, s_kv=kv_lens, p_qo=p_qo, p_indptr=p_indptr,
-               p_indices=p_indices, p_last=p_last, p_kv=p_kv, g_rows=g_rows)
-    h, d = _packed(dev, {**{k: a.astype(np.int32) for k, a in i32.items()}, **mask_arrays,
-                         **({} if identity else dict(rows=rows.astype(np.int64)))})
+    i32 = dict(
+        s_indptr=s_indptr,
+        s_indices=s_indices,
+        s_last=s_last,
+        s_kv=kv_lens,
+        p_qo=p_qo,
+        p_indptr=p_indptr,
+        p_indices=p_indices,
+        p_last=p_last,
+        p_kv=p_kv,
+        g_rows=g_rows,
+    )
+    h, d = _packed(
+        dev,
+        {
+            **{k: a.astype(np.int32) for k, a in i32.items()},
+            **mask_arrays,
+            **({} if identity else dict(rows=rows.astype(np.int64))),
+        },
+    )
     mask = plan.mask[d["m_idx"]] if masked else None
     suffix = Plan(
-        config=cfg, mode=plan.mode, batch_size=B, num_tokens=plan.num_tokens, max_q_len=plan.max_q_len,
-        max_kv_len=int(kv_lens.max()) if B else 0, causal=plan.causal, device=dev,
-        qo_indptr=plan.qo_indptr, kv_indptr=d["s_indptr"], kv_indices=d["s_indices"],
-        kv_last_page_len=d["s_last"], kv_lens=d["s_kv"],
-        qo_indptr_cpu=plan.qo_indptr_cpu, kv_indptr_cpu=h["s_indptr"], kv_indices_cpu=h["s_indices"],
-        kv_last_page_len_cpu=h["s_last"], q_lens_cpu=plan.q_lens_cpu, kv_lens_cpu=h["s_kv"],
-        mask=mask, mask_indptr=d.get("m_indptr"), mask_indptr_cpu=h.get("m_indptr"),
-        mask_free=d.get("m_free"), mask_free_cpu=h.get("m_free"),
+        config=cfg,
+        mode=plan.mode,
+        batch_size=B,
+        num_tokens=plan.num_tokens,
+        max_q_len=plan.max_q_len,
+        max_kv_len=int(kv_lens.max()) if B else 0,
+        causal=plan.causal,
+        device=dev,
+        qo_indptr=plan.qo_indptr,
+        kv_indptr=d["s_indptr"],
+        kv_indices=d["s_indices"],
+        kv_last_page_len=d["s_last"],
+        kv_lens=d["s_kv"],
+        qo_indptr_cpu=plan.qo_indptr_cpu,
+        kv_indptr_cpu=h["s_indptr"],
+        kv_indices_cpu=h["s_indices"],
+        kv_last_page_len_cpu=h["s_last"],
+        q_lens_cpu=plan.q_lens_cpu,
+        kv_lens_cpu=h["s_kv"],
+        mask=mask,
+        mask_indptr=d.get("m_indptr"),
+        mask_indptr_cpu=h.get("m_indptr"),
+        mask_free=d.get("m_free"),
+        mask_free_cpu=h.get("m_free"),
         options=plan.options,
-    )  # fmt: skip
+    )
 
     prefix = Plan(
-        config=cfg, mode=ForwardMode.EXTEND, batch_size=G, num_tokens=Tp, max_q_len=int(g_rows.max()),
-        max_kv_len=int(p_kv.max()), causal=False, device=dev,
-        qo_indptr=d["p_qo"], kv_indptr=d["p_indptr"], kv_indices=d["p_indices"],
-        kv_last_page_len=d["p_last"], kv_lens=d["p_kv"],
-        qo_indptr_cpu=h["p_qo"], kv_indptr_cpu=h["p_indptr"], kv_indices_cpu=h["p_indices"],
-        kv_last_page_len_cpu=h["p_last"], q_lens_cpu=h["g_rows"], kv_lens_cpu=h["p_kv"],
-    )  # fmt: skip
+        config=cfg,
+        mode=ForwardMode.EXTEND,
+        batch_size=G,
+        num_tokens=Tp,
+        max_q_len=int(g_rows.max()),
+        max_kv_len=int(p_kv.max()),
+        causal=False,
+        device=dev,
+        qo_indptr=d["p_qo"],
+        kv_indptr=d["p_indptr"],
+        kv_indices=d["p_indices"],
+        kv_last_page_len=d["p_last"],
+        kv_lens=d["p_kv"],
+        qo_indptr_cpu=h["p_qo"],
+        kv_indptr_cpu=h["p_indptr"],
+        kv_indices_cpu=h["p_indices"],
+        kv_last_page_len_cpu=h["p_last"],
+        q_lens_cpu=h["g_rows"],
+        kv_lens_cpu=h["p_kv"],
+    )
     hd = (cfg.num_qo_heads, cfg.head_dim)
     return CascadePlan(
-        groups=groups, suffix=suffix, prefix=prefix,
+        groups=groups,
+        suffix=suffix,
+        prefix=prefix,
         rows=d.get("rows"),
         q_part=None if identity else torch.empty((Tp, *hd), dtype=cfg.dtype, device=dev),
         out_part=torch.empty((Tp, hd[0], cfg.head_dim_v), dtype=cfg.dtype, device=dev),
         lse_part=torch.empty((Tp, hd[0]), dtype=torch.float32, device=dev),
         lse_suffix=torch.empty((plan.num_tokens, hd[0]), dtype=torch.float32, device=dev),
-    )  # fmt: skip
+    )
 
 
 def plan_cascade(plan: Plan, mode: str) -> CascadePlan | None:
@@ -339,8 +398,17 @@ def plan_cascade(plan: Plan, mode: str) -> CascadePlan | None:
     return build_cascade_plan(plan, groups)
 
 
-def _run_suffix(provider, plan: Plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                out: torch.Tensor, lse: torch.Tensor | None, scratch_lse: torch.Tensor, scales: dict) -> torch.Tensor:
+def _run_suffix(
+    provider,
+    plan: Plan,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    scratch_lse: torch.Tensor,
+    scales: dict,
+) -> torch.Tensor:
     """The suffix part into ``out``; returns the ``[T, Hq]`` LSE the prefix merge reads and updates: the caller's
     ``lse`` when given (written), else what :meth:`~attnplug.core.providers.base.Provider.run_lse` returns
     (``scratch_lse``, or the provider's own LSE where it has one)."""
@@ -350,8 +418,17 @@ def _run_suffix(provider, plan: Plan, q: torch.Tensor, k_cache: torch.Tensor, v_
     return provider.run_lse(plan, q, k_cache, v_cache, out, scratch_lse, **scales)
 
 
-def run_cascade(cp: CascadePlan, suffix_provider, prefix_provider, q: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None = None, **scales) -> None:
+def run_cascade(
+    cp: CascadePlan,
+    suffix_provider,
+    prefix_provider,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None = None,
+    **scales,
+) -> None:
     """``out [T, Hq, D]`` (+ natural-log ``lse [T, Hq]``) of the whole forward: the suffix part into
     ``out``, the prefix part into scratch, merged in place by LSE. Launches only (no host work).
     ``scales``: fp8 KV, the layer's scale tensors (``Provider.run``), for both parts; ``sinks`` (there): the
@@ -386,8 +463,9 @@ def min_saved_pages(config, mode: str) -> int:
     return -(-MIN_SAVED_BYTES // page_bytes)
 
 
-def common_prefix_pages(kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_lens: np.ndarray, page_size: int,
-                        q: int = 1) -> int:
+def common_prefix_pages(
+    kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_lens: np.ndarray, page_size: int, q: int = 1
+) -> int:
     """Leading page ids every request of a uniform batch of ``q`` query tokens a request (decode 1,
     verify the draft tokens) shares with request 0, within each one's ``(kv_len - q) // page_size``
     shareable pages (host twin of :func:`~attnplug.core.kernels.graph_update.batch_shared_pages`); 0
@@ -444,9 +522,13 @@ class CascadeGraph:
         block_q = block_q or gs.max_batch * gs.q
         # split partials for the largest tiles * block_q * splits(tiles) over the captured sizes
         rows = gs.max_batch * gs.q
-        self.static = self.provider.static_buffers(max_rows=num_pages(rows, block_q), max_tokens=rows,
-                                                   max_kv_len=gs.max_seq_len, q=block_q,
-                                                   num_kv_splits=gs.num_kv_splits)  # fmt: skip
+        self.static = self.provider.static_buffers(
+            max_rows=num_pages(rows, block_q),
+            max_tokens=rows,
+            max_kv_len=gs.max_seq_len,
+            q=block_q,
+            num_kv_splits=gs.num_kv_splits,
+        )
 
     def _plan(self, bs: int) -> Plan:
         gs, P = self.gs, self.gs.config.page_size
@@ -456,13 +538,26 @@ class CascadeGraph:
             qo = self.qo_indptr[bs] = torch.tensor([0, n], dtype=torch.int32, device=gs.device)
         i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
         return Plan(
-            config=gs.config, mode=ForwardMode.EXTEND, batch_size=1, num_tokens=n, max_q_len=n,
-            max_kv_len=self.max_pages * P, causal=False, device=gs.device,
-            qo_indptr=qo, kv_indptr=self.kv_indptr, kv_indices=self.kv_indices,
-            kv_last_page_len=self.kv_last_page_len, kv_lens=self.kv_lens,
-            qo_indptr_cpu=i32(0, n), kv_indptr_cpu=i32(0, self.max_pages), kv_indices_cpu=torch.zeros(self.max_pages, dtype=torch.int32),
-            kv_last_page_len_cpu=i32(P), q_lens_cpu=i32(n), kv_lens_cpu=i32(self.max_pages * P),
-        )  # fmt: skip
+            config=gs.config,
+            mode=ForwardMode.EXTEND,
+            batch_size=1,
+            num_tokens=n,
+            max_q_len=n,
+            max_kv_len=self.max_pages * P,
+            causal=False,
+            device=gs.device,
+            qo_indptr=qo,
+            kv_indptr=self.kv_indptr,
+            kv_indices=self.kv_indices,
+            kv_last_page_len=self.kv_last_page_len,
+            kv_lens=self.kv_lens,
+            qo_indptr_cpu=i32(0, n),
+            kv_indptr_cpu=i32(0, self.max_pages),
+            kv_indices_cpu=torch.zeros(self.max_pages, dtype=torch.int32),
+            kv_last_page_len_cpu=i32(P),
+            q_lens_cpu=i32(n),
+            kv_lens_cpu=i32(self.max_pages * P),
+        )
 
     def prepare_capture(self, bs: int) -> None:
         """The prefix plan of ``bs * q`` query rows (outside the graph)."""
@@ -477,7 +572,7 @@ class CascadeGraph:
 
     def write_host(self, batch, shared: int) -> None:
         """Host path: ``shared`` pages of request 0 of ``batch`` (host CSR) as the prefix batch."""
-        first = batch.kv_indices[: shared].to(torch.int32)
+        first = batch.kv_indices[:shared].to(torch.int32)
         self.shared.fill_(shared)
         self.active.fill_(shared > 0)
         self.kv_indptr[1:].fill_(shared)
@@ -495,8 +590,18 @@ class CascadeGraph:
         s = common_prefix_pages(batch.kv_indptr.numpy(), batch.kv_indices.numpy(), kv.numpy(), P, self.gs.q)
         return s if (batch.batch_size - 1) * s >= self.min_saved_pages else 0
 
-    def run(self, bs: int, suffix: Plan, suffix_provider, q: torch.Tensor, k_cache: torch.Tensor,
-            v_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, **scales) -> None:
+    def run(
+        self,
+        bs: int,
+        suffix: Plan,
+        suffix_provider,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        **scales,
+    ) -> None:
         """``out [bs * q, Hq, D]``: the suffix plan, then the prefix plan merged into it by LSE
         (:meth:`~attnplug.core.providers.base.Provider.run_merge`; launches only). Captured with
         ``ATTNPLUG_GRAPH_IF=1``, the prefix part sits in an IF node on :attr:`active`
@@ -505,6 +610,7 @@ class CascadeGraph:
         n = bs * self.gs.q
         s_lse = _run_suffix(suffix_provider, suffix, q, k_cache, v_cache, out, lse, self.lse_suffix[:n], scales)
         with captured_if(self.active):
-            self.provider.run_merge(self.plans[bs], q, k_cache, v_cache, out, s_lse, self.out_part[:n],
-                                    self.lse_part[:n], **scales)  # fmt: skip
+            self.provider.run_merge(
+                self.plans[bs], q, k_cache, v_cache, out, s_lse, self.out_part[:n], self.lse_part[:n], **scales
+            )
         _join_sinks(out, s_lse, sinks)

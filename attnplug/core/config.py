@@ -15,10 +15,15 @@ FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: Engine names of KV-cache dtypes (vLLM ``--kv-cache-dtype``, SGLang ``--kv-cache-dtype``); ``"fp8"``
 #: is e4m3 (vLLM on CUDA and CPU). ``"auto"`` / ``None``: the model dtype.
 KV_DTYPE_NAMES = {
-    "float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-    "float": torch.float32, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
-}  # fmt: skip
+}
 
 
 def env_flag(name: str, default: bool) -> bool:
@@ -45,6 +50,8 @@ def kv_dtype_from_name(name: str | torch.dtype | None, model_dtype: torch.dtype)
 def is_fp8(dtype: torch.dtype) -> bool:
     """``dtype`` is a quantized (fp8) KV dtype."""
     return dtype in FP8_KV_DTYPES
+
+
 SUPPORTED_LAYOUTS = ("NHD", "HND")
 MAX_PAGE_SIZE = 256
 
@@ -124,8 +131,9 @@ class AttentionConfig:
         if self.kv_dtype is None:
             object.__setattr__(self, "kv_dtype", self.dtype)  # normalized: equal configs compare equal
         elif self.kv_dtype != self.dtype and not is_fp8(self.kv_dtype):
-            raise ValueError(f"kv_dtype must be None, the model dtype {self.dtype} or one of {FP8_KV_DTYPES}, "
-                             f"got {self.kv_dtype}")  # fmt: skip
+            raise ValueError(
+                f"kv_dtype must be None, the model dtype {self.dtype} or one of {FP8_KV_DTYPES}, got {self.kv_dtype}"
+            )
         if not isinstance(self.sinks, bool):
             raise ValueError(f"sinks must be a bool, got {self.sinks!r}")
         self._check_head_dim_v()
@@ -140,17 +148,23 @@ class AttentionConfig:
         if self.head_dim_v == self.head_dim:
             return
         if not 0 < self.head_dim_v < self.head_dim:
-            raise ValueError(f"head_dim_v must be in 1..head_dim={self.head_dim} (MLA: kv_lora_rank < "
-                             f"kv_lora_rank + rope dim), got {self.head_dim_v}")
+            raise ValueError(
+                f"head_dim_v must be in 1..head_dim={self.head_dim} (MLA: kv_lora_rank < "
+                f"kv_lora_rank + rope dim), got {self.head_dim_v}"
+            )
         if self.num_kv_heads != 1 or self.kv_layout != "NHD":
-            raise ValueError(f"attnplug: MLA (head_dim_v != head_dim) needs num_kv_heads=1 and "
-                             f"kv_layout='NHD' (one latent KV head), got {self.num_kv_heads}, "
-                             f"{self.kv_layout!r}")
-        for feature, on in (("a logits soft cap", self.logits_soft_cap > 0),
-                            ("a sliding window", self.window_left >= 0), ("attention sinks", self.sinks)):
+            raise ValueError(
+                f"attnplug: MLA (head_dim_v != head_dim) needs num_kv_heads=1 and "
+                f"kv_layout='NHD' (one latent KV head), got {self.num_kv_heads}, "
+                f"{self.kv_layout!r}"
+            )
+        for feature, on in (
+            ("a logits soft cap", self.logits_soft_cap > 0),
+            ("a sliding window", self.window_left >= 0),
+            ("attention sinks", self.sinks),
+        ):
             if on:
-                raise UnsupportedFeature(f"attnplug: MLA (multi-head latent attention) does not support "
-                                         f"{feature}")
+                raise UnsupportedFeature(f"attnplug: MLA (multi-head latent attention) does not support {feature}")
 
     @property
     def is_mla(self) -> bool:
@@ -182,9 +196,14 @@ class AttentionConfig:
         """Softmax scale actually used."""
         return self.sm_scale if self.sm_scale is not None else 1.0 / math.sqrt(self.head_dim)
 
-    def scale_kwargs(self, unit: torch.Tensor | None, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None, q_scale: torch.Tensor | None = None,
-                     host_scales: tuple[float, float] | None = None) -> dict:
+    def scale_kwargs(
+        self,
+        unit: torch.Tensor | None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        q_scale: torch.Tensor | None = None,
+        host_scales: tuple[float, float] | None = None,
+    ) -> dict:
         """The scale keyword arguments of ``Provider.run``: ``{}`` for an unquantized cache (the
         scales mean nothing there), else ``k_scale`` / ``v_scale`` / ``q_scale`` with ``unit`` (a
         one-element float32 ones tensor on the device) for each one not given, and ``host_scales``
@@ -204,15 +223,19 @@ class AttentionConfig:
         misshaped tensor (shape and dtype only: no device read)."""
         if not self.sinks:
             if sinks is not None:
-                raise ValueError("attnplug: sinks given for a layer configured without attention sinks "
-                                 "(AttentionConfig.sinks=False)")
+                raise ValueError(
+                    "attnplug: sinks given for a layer configured without attention sinks (AttentionConfig.sinks=False)"
+                )
             return {}
         if sinks is None:
-            raise ValueError("attnplug: this layer has attention sinks (AttentionConfig.sinks=True): "
-                             "run() needs sinks=[Hq] tensor")
+            raise ValueError(
+                "attnplug: this layer has attention sinks (AttentionConfig.sinks=True): run() needs sinks=[Hq] tensor"
+            )
         if tuple(sinks.shape) != (self.num_qo_heads,) or sinks.dtype not in (torch.float32, self.dtype):
-            raise ValueError(f"attnplug: sinks must be a [{self.num_qo_heads}] float32 or {self.dtype} "
-                             f"tensor, got shape {tuple(sinks.shape)} dtype {sinks.dtype}")
+            raise ValueError(
+                f"attnplug: sinks must be a [{self.num_qo_heads}] float32 or {self.dtype} "
+                f"tensor, got shape {tuple(sinks.shape)} dtype {sinks.dtype}"
+            )
         return {"sinks": sinks}
 
     def kv_cache_shape(self, num_pages: int) -> tuple[int, int, int, int]:

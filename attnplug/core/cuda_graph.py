@@ -52,8 +52,9 @@ def _mask_columns_from(kv_lens: torch.Tensor, q: int, cut: int) -> torch.Tensor:
     starts = torch.cumsum(kv * q, 0) - kv * q
     rows = torch.repeat_interleave(starts, q) + torch.arange(q).repeat(kv.numel()) * torch.repeat_interleave(kv, q)
     keep = torch.repeat_interleave(kv, q) - cut
-    return torch.repeat_interleave(rows + cut, keep) + (torch.arange(int(keep.sum())) - torch.repeat_interleave(
-        torch.cumsum(keep, 0) - keep, keep))
+    return torch.repeat_interleave(rows + cut, keep) + (
+        torch.arange(int(keep.sum())) - torch.repeat_interleave(torch.cumsum(keep, 0) - keep, keep)
+    )
 
 
 def chain_mask(q: int, kv_len: int) -> torch.Tensor:
@@ -144,8 +145,10 @@ class GraphState:
         self.cascade = None
         if cascade_mode(cascade) != "off":
             if not self.provider.graph_support.cascade:
-                raise UnsupportedFeature(f"attnplug: provider '{self.provider.name}' does not support shared-prefix "
-                                         f"(cascade) attention in CUDA graphs of {mode} batches")  # fmt: skip
+                raise UnsupportedFeature(
+                    f"attnplug: provider '{self.provider.name}' does not support shared-prefix "
+                    f"(cascade) attention in CUDA graphs of {mode} batches"
+                )
             self.cascade = CascadeGraph(self, cascade_mode(cascade))
 
     @property
@@ -156,8 +159,13 @@ class GraphState:
     # -- helpers -----------------------------------------------------------------------------------
     def static_views(self, bs: int) -> StaticViews:
         """The static buffers as the ``bs`` batch's plan sees them (verify: with the mask's)."""
-        v = StaticViews(qo_indptr=self.qo_indptr[: bs + 1], kv_indptr=self.kv_indptr[: bs + 1],
-                        kv_indices=self.kv_indices, kv_last_page_len=self.kv_last_page_len[:bs], kv_lens=self.kv_lens[:bs])
+        v = StaticViews(
+            qo_indptr=self.qo_indptr[: bs + 1],
+            kv_indptr=self.kv_indptr[: bs + 1],
+            kv_indices=self.kv_indices,
+            kv_last_page_len=self.kv_last_page_len[:bs],
+            kv_lens=self.kv_lens[:bs],
+        )
         if self.mode == "verify":
             v.mask, v.mask_indptr, v.mask_free = self.mask, self.mask_indptr[: bs + 1], self.mask_free[:bs]
         return v
@@ -169,11 +177,19 @@ class GraphState:
         pad, P = bs - batch.batch_size, self.config.page_size
         n = int(batch.kv_indices.numel())
         ind = torch.cat([batch.kv_indptr.to(_I32), n + torch.arange(1, pad + 1, dtype=_I32) * self.pad_pages])
-        idx = torch.cat([batch.kv_indices.cpu().to(_I32), torch.full((pad * self.pad_pages,), self.pad_page, dtype=_I32)])
+        idx = torch.cat(
+            [batch.kv_indices.cpu().to(_I32), torch.full((pad * self.pad_pages,), self.pad_page, dtype=_I32)]
+        )
         last = torch.cat([batch.kv_last_page_len.to(_I32), torch.full((pad,), self.pad_last, dtype=_I32)])
         kv_lens = tokens_from_pages(ind[1:] - ind[:-1], last, P).to(_I32)
-        h = HostBatch(qo_indptr=torch.arange(bs + 1, dtype=_I32) * self.q, kv_indptr=ind, kv_indices=idx,
-                      kv_last_page_len=last, kv_lens=kv_lens, q_lens=torch.full((bs,), self.q, dtype=_I32))
+        h = HostBatch(
+            qo_indptr=torch.arange(bs + 1, dtype=_I32) * self.q,
+            kv_indptr=ind,
+            kv_indices=idx,
+            kv_last_page_len=last,
+            kv_lens=kv_lens,
+            q_lens=torch.full((bs,), self.q, dtype=_I32),
+        )
         if self.mode == "verify":
             h.mask_indptr, h.mask_free = indptr_from_counts(kv_lens.long() * self.q, torch.int64), kv_lens - self.q
             if batch.custom_mask is not None and batch.custom_mask.device.type == "cpu":
@@ -194,7 +210,9 @@ class GraphState:
             b = int(hidden[0])
             raise UnsupportedFeature(
                 f"attnplug: provider '{self.provider.name}' CUDA-graph verify needs every draft token to see the "
-                f"whole committed prefix; request {b}'s mask hides prefix column {int(free[b])} of {int(h.mask_free[b])}")
+                f"whole committed prefix; request {b}'s mask hides prefix column {int(free[b])} "
+                f"of {int(h.mask_free[b])}"
+            )
 
     def _check_chain(self, h: HostBatch, n: int) -> None:
         """A chain family's contract, checked where the mask is on the host: the ``n`` real requests'
@@ -205,7 +223,8 @@ class GraphState:
             if not torch.equal(m, chain_mask(self.q, kv)):
                 raise UnsupportedFeature(
                     f"attnplug: provider '{self.provider.name}' CUDA-graph verify family of causal chains "
-                    f"(chain=True) got a tree mask for request {b}: use a family with chain=False")
+                    f"(chain=True) got a tree mask for request {b}: use a family with chain=False"
+                )
 
     def _host_csr(self, seq_lens: torch.Tensor, bs: int) -> HostBatch:
         """Host ``kv_indptr [bs+1]`` / ``kv_last_page_len [bs]`` of the padded batch of ``seq_lens [n]``
@@ -216,7 +235,9 @@ class GraphState:
         host = seq_lens.cpu()
         s[:n] = torch.where(host > 0, host, self.pad_kv_len).to(_I32)
         ind = indptr_from_counts(num_pages(s, P))
-        return HostBatch(kv_indptr=ind, kv_indices=self.kv_indices[: int(ind[-1])], kv_last_page_len=last_page_len(s, P))
+        return HostBatch(
+            kv_indptr=ind, kv_indices=self.kv_indices[: int(ind[-1])], kv_last_page_len=last_page_len(s, P)
+        )
 
     # -- capture / replay --------------------------------------------------------------------------
     def prepare_capture(self, bs: int, batch: BatchMetadata | None = None) -> Plan:
@@ -236,12 +257,23 @@ class GraphState:
         if h is None:
             raise ValueError("prepare_capture needs host metadata (it runs outside the graph)")
         plan = Plan(
-            config=self.config, mode=ForwardMode.DECODE if self.mode == "decode" else ForwardMode.TARGET_VERIFY,
-            batch_size=bs, num_tokens=bs * self.q, max_q_len=self.q, max_kv_len=self.max_seq_len,
-            causal=self.mode == "decode", device=self.device,
-            qo_indptr_cpu=h.qo_indptr, kv_indptr_cpu=h.kv_indptr, kv_indices_cpu=h.kv_indices,
-            kv_last_page_len_cpu=h.kv_last_page_len, q_lens_cpu=h.q_lens, kv_lens_cpu=h.kv_lens,
-            mask_indptr_cpu=h.mask_indptr, mask_free_cpu=h.mask_free, **self.static_views(bs).plan_fields(),
+            config=self.config,
+            mode=ForwardMode.DECODE if self.mode == "decode" else ForwardMode.TARGET_VERIFY,
+            batch_size=bs,
+            num_tokens=bs * self.q,
+            max_q_len=self.q,
+            max_kv_len=self.max_seq_len,
+            causal=self.mode == "decode",
+            device=self.device,
+            qo_indptr_cpu=h.qo_indptr,
+            kv_indptr_cpu=h.kv_indptr,
+            kv_indices_cpu=h.kv_indices,
+            kv_last_page_len_cpu=h.kv_last_page_len,
+            q_lens_cpu=h.q_lens,
+            kv_lens_cpu=h.kv_lens,
+            mask_indptr_cpu=h.mask_indptr,
+            mask_free_cpu=h.mask_free,
+            **self.static_views(bs).plan_fields(),
         )
         self.plans[bs] = plan
         self.graph.plan(plan, bs)
@@ -320,8 +352,11 @@ class GraphState:
         """Cascade, host path: write the prefix batch and return ``batch`` without its shared pages
         (verify: and its mask without their columns; a device batch: nothing shared, it is not read
         back)."""
-        host = batch.kv_indptr.device.type == "cpu" and batch.kv_indices.device.type == "cpu" \
+        host = (
+            batch.kv_indptr.device.type == "cpu"
+            and batch.kv_indices.device.type == "cpu"
             and batch.kv_last_page_len.device.type == "cpu"
+        )
         shared = self.cascade.host_shared(batch) if host else 0
         self.cascade.write_host(batch, shared)
         if not shared:
@@ -335,12 +370,24 @@ class GraphState:
             P = self.config.page_size
             kv = tokens_from_pages(counts, batch.kv_last_page_len.to(torch.int64), P)
             mask = mask[_mask_columns_from(kv, self.q, shared * P).to(mask.device)]
-        return BatchMetadata(batch.mode, batch.qo_indptr, (ind - torch.arange(ind.numel()) * shared).to(_I32),
-                             batch.kv_indices[keep], batch.kv_last_page_len, custom_mask=mask)  # fmt: skip
+        return BatchMetadata(
+            batch.mode,
+            batch.qo_indptr,
+            (ind - torch.arange(ind.numel()) * shared).to(_I32),
+            batch.kv_indices[keep],
+            batch.kv_last_page_len,
+            custom_mask=mask,
+        )
 
-    def update_from_block_table(self, seq_lens: torch.Tensor, block_table: torch.Tensor, bs: int,
-                                row_ids: torch.Tensor | None = None, entry_tokens: int = 1,
-                                host_seq_lens: torch.Tensor | None = None) -> Plan:
+    def update_from_block_table(
+        self,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        bs: int,
+        row_ids: torch.Tensor | None = None,
+        entry_tokens: int = 1,
+        host_seq_lens: torch.Tensor | None = None,
+    ) -> Plan:
         """Replay-time update from the block-table form (vLLM's), in one Triton launch on the device.
 
         Args:
@@ -374,25 +421,57 @@ class GraphState:
         verify = self.mode == "verify"
         c = self._cascade(bs)
         if c is not None:
-            batch_shared_pages(seq_lens, block_table, self.config.page_size, c.shared, row_ids=row_ids,
-                               entry_tokens=entry_tokens, q=self.q)  # fmt: skip
+            batch_shared_pages(
+                seq_lens,
+                block_table,
+                self.config.page_size,
+                c.shared,
+                row_ids=row_ids,
+                entry_tokens=entry_tokens,
+                q=self.q,
+            )
         graph_batch_from_block_table(
-            seq_lens, block_table, bs, self.config.page_size, self.pad_page, self.pad_kv_len,
-            v.kv_indptr, self.kv_indices, v.kv_last_page_len, v.kv_lens,
-            block_table_out=self.graph.block_table, q=self.q,
-            mask=self.mask if verify else None, mask_indptr=v.mask_indptr, mask_free=v.mask_free,
-            max_batch=self.max_batch, row_ids=row_ids, entry_tokens=entry_tokens,
-            shared=None if c is None else c.shared, prefix=None if c is None else (c.kv_indptr, c.kv_indices, c.kv_lens),
-            counts=None if c is None else c.counts, active=None if c is None else c.active,
+            seq_lens,
+            block_table,
+            bs,
+            self.config.page_size,
+            self.pad_page,
+            self.pad_kv_len,
+            v.kv_indptr,
+            self.kv_indices,
+            v.kv_last_page_len,
+            v.kv_lens,
+            block_table_out=self.graph.block_table,
+            q=self.q,
+            mask=self.mask if verify else None,
+            mask_indptr=v.mask_indptr,
+            mask_free=v.mask_free,
+            max_batch=self.max_batch,
+            row_ids=row_ids,
+            entry_tokens=entry_tokens,
+            shared=None if c is None else c.shared,
+            prefix=None if c is None else (c.kv_indptr, c.kv_indices, c.kv_lens),
+            counts=None if c is None else c.counts,
+            active=None if c is None else c.active,
             min_saved_pages=1 if c is None else c.min_saved_pages,
-        )  # fmt: skip
+        )
         self.graph.refresh(self.plans[bs], bs, host, device_table=True)
         return self.plans[bs]
 
-    def run(self, bs: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-            lse: torch.Tensor | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-            q_scale: torch.Tensor | None = None, host_scales: tuple[float, float] | None = None,
-            sinks: torch.Tensor | None = None) -> torch.Tensor:
+    def run(
+        self,
+        bs: int,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        q_scale: torch.Tensor | None = None,
+        host_scales: tuple[float, float] | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Launch the ``bs`` plan: ``q [bs*q, Hq, D]`` -> ``out [bs*q, Hq, D]``; no host work (capturable).
         fp8 KV: the layer's scales as in ``PagedAttention.run`` (device tensors: captured, updated in place;
         ``host_scales``: captured as values). ``sinks [Hq]``: as in ``PagedAttention.run`` (captured)."""

@@ -151,8 +151,11 @@ def step_batches_from_token_table(
         indptr, b_idx = draft_step_metadata(seq, tok_indptr, req_of, reqs, i)  # request of each entry
         _, c_idx = draft_step_metadata(seq, tok_indptr, col_of, draft_columns, i)  # its table column
         kv_indices = req_to_token[rows[b_idx.to(dev, **nb).long()], c_idx.to(dev, **nb).long()].to(_I32)
-        out.append(BatchMetadata(ForwardMode.DECODE, torch.arange(R + 1, dtype=_I32), indptr, kv_indices,
-                                 torch.ones(R, dtype=_I32)))  # fmt: skip
+        out.append(
+            BatchMetadata(
+                ForwardMode.DECODE, torch.arange(R + 1, dtype=_I32), indptr, kv_indices, torch.ones(R, dtype=_I32)
+            )
+        )
     return out
 
 
@@ -200,8 +203,9 @@ class MultiStepDraftPlanner:
         self._buf = torch.zeros(self._head_cap + self._idx_cap, dtype=_I32, device=self.device)
         self._pin = self.device.type == "cuda"
         # the providers' own static memory (e.g. triton's tiles and split partials), shared by the steps
-        self._static = p0.static_buffers(max_rows=R, max_tokens=R, max_kv_len=max_prefix_tokens + S, q=1,
-                                         num_kv_splits=num_kv_splits)  # fmt: skip
+        self._static = p0.static_buffers(
+            max_rows=R, max_tokens=R, max_kv_len=max_prefix_tokens + S, q=1, num_kv_splits=num_kv_splits
+        )
         self.plans: list[Plan] = []
 
     @property
@@ -209,15 +213,25 @@ class MultiStepDraftPlanner:
         return self.providers[0].name
 
     def step_batches(
-        self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, draft_slots: torch.Tensor
+        self,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        kv_last_page_len: torch.Tensor,
+        draft_slots: torch.Tensor,
     ) -> list[BatchMetadata]:
         """Host :class:`BatchMetadata` (DECODE, ``page_size = 1``) of every step; see :meth:`plan`."""
-        seq, tok_indptr, slots = prefix_token_slots(kv_indptr.cpu(), kv_indices.cpu(), kv_last_page_len.cpu(), self.config.page_size)
+        seq, tok_indptr, slots = prefix_token_slots(
+            kv_indptr.cpu(), kv_indices.cpu(), kv_last_page_len.cpu(), self.config.page_size
+        )
         R = seq.numel() * self.topk
         out = []
         for i in range(self.num_steps):
             indptr, idx = draft_step_metadata(seq, tok_indptr, slots, draft_slots.cpu(), i)
-            out.append(BatchMetadata(ForwardMode.DECODE, torch.arange(R + 1, dtype=_I32), indptr, idx, torch.ones(R, dtype=_I32)))
+            out.append(
+                BatchMetadata(
+                    ForwardMode.DECODE, torch.arange(R + 1, dtype=_I32), indptr, idx, torch.ones(R, dtype=_I32)
+                )
+            )
         return out
 
     def plan(
@@ -249,11 +263,24 @@ class MultiStepDraftPlanner:
         if not isinstance(draft_slots, torch.Tensor) or tuple(draft_slots.shape) != (B, K, S):
             raise ValueError(f"draft_slots must have shape [B, topk, num_steps]={[B, K, S]}")
         # validate the prefix CSR as a batch with no queries (host)
-        pre = make_plan(cfg, BatchMetadata(ForwardMode.EXTEND, torch.zeros(B + 1, dtype=_I32), kv_indptr.cpu(),
-                                           kv_indices.cpu(), kv_last_page_len.cpu()), num_pages, device="cpu")
+        pre = make_plan(
+            cfg,
+            BatchMetadata(
+                ForwardMode.EXTEND,
+                torch.zeros(B + 1, dtype=_I32),
+                kv_indptr.cpu(),
+                kv_indices.cpu(),
+                kv_last_page_len.cpu(),
+            ),
+            num_pages,
+            device="cpu",
+        )
         ds = draft_slots.cpu().long()
         if ds.numel() and (int(ds.min()) < 0 or (num_pages is not None and int(ds.max()) >= num_pages * P)):
-            raise ValueError(f"draft_slots must be token slots in [0, num_pages*page_size={None if num_pages is None else num_pages * P})")
+            raise ValueError(
+                "draft_slots must be token slots in "
+                f"[0, num_pages*page_size={None if num_pages is None else num_pages * P})"
+            )
         seq, tok_indptr, slots = prefix_token_slots(pre.kv_indptr_cpu, pre.kv_indices_cpu, pre.kv_last_page_len_cpu, P)
         R = B * K
         steps = [draft_step_metadata(seq, tok_indptr, slots, ds, i) for i in range(S)]
@@ -287,11 +314,25 @@ class MultiStepDraftPlanner:
             (ind_d, ind_h), (len_d, len_h) = heads[i]
             idx_d, idx_h = take(steps[i][1].numel())
             plan = Plan(
-                config=self.tok_config, mode=ForwardMode.DECODE, batch_size=R, num_tokens=R, max_q_len=1 if R else 0,
-                max_kv_len=max_seq + i + 1 if R else 0, causal=True, device=self.device,
-                qo_indptr=qo, kv_indptr=ind_d, kv_indices=idx_d, kv_last_page_len=last, kv_lens=len_d,
-                qo_indptr_cpu=qo_h, kv_indptr_cpu=ind_h, kv_indices_cpu=idx_h, kv_last_page_len_cpu=last_h,
-                q_lens_cpu=torch.ones(R, dtype=_I32), kv_lens_cpu=len_h,
+                config=self.tok_config,
+                mode=ForwardMode.DECODE,
+                batch_size=R,
+                num_tokens=R,
+                max_q_len=1 if R else 0,
+                max_kv_len=max_seq + i + 1 if R else 0,
+                causal=True,
+                device=self.device,
+                qo_indptr=qo,
+                kv_indptr=ind_d,
+                kv_indices=idx_d,
+                kv_last_page_len=last,
+                kv_lens=len_d,
+                qo_indptr_cpu=qo_h,
+                kv_indptr_cpu=ind_h,
+                kv_indices_cpu=idx_h,
+                kv_last_page_len_cpu=last_h,
+                q_lens_cpu=torch.ones(R, dtype=_I32),
+                kv_lens_cpu=len_h,
             )
             if self.num_kv_splits is not None:
                 plan.options = PlanOptions(num_kv_splits=self.num_kv_splits)

@@ -47,8 +47,14 @@ class GraphFamily(Mapping):
         UnsupportedFeature (through ``refuse``): a state the provider cannot build (its graph support).
     """
 
-    def __init__(self, provider: str | type[Provider], *, state_config: Callable | None = None,
-                 refuse: Callable[[str], Exception] | None = None, **state_args: Any):
+    def __init__(
+        self,
+        provider: str | type[Provider],
+        *,
+        state_config: Callable | None = None,
+        refuse: Callable[[str], Exception] | None = None,
+        **state_args: Any,
+    ):
         self.provider = provider
         self.state_config = state_config or (lambda cfg: cfg)
         self.refuse = refuse or (lambda what: UnsupportedFeature(f"attnplug: {what}"))
@@ -123,8 +129,7 @@ class GraphFamily(Mapping):
                 gs.update(batch, bs)
         self._last = ("batch", bs, batch)
 
-    def refresh_from_block_table(self, seq_lens: torch.Tensor, block_table: torch.Tensor, bs: int,
-                                 **kw: Any) -> None:
+    def refresh_from_block_table(self, seq_lens: torch.Tensor, block_table: torch.Tensor, bs: int, **kw: Any) -> None:
         """``GraphState.update_from_block_table`` of every state, whose ``bs`` plan is made first where
         missing (host work: then outside any graph). ``kw``: ``row_ids``, ``entry_tokens``,
         ``host_seq_lens`` as there."""
@@ -135,8 +140,16 @@ class GraphFamily(Mapping):
         self._last = ("table", bs, (seq_lens, block_table), kw)
 
     # -- per layer -----------------------------------------------------------------------------------
-    def run(self, config: AttentionConfig, bs: int, q: torch.Tensor, k_cache: torch.Tensor,
-            v_cache: torch.Tensor, out: torch.Tensor, **scales: Any) -> torch.Tensor:
+    def run(
+        self,
+        config: AttentionConfig,
+        bs: int,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        **scales: Any,
+    ) -> torch.Tensor:
         """``GraphState.run`` of ``config``'s state (launches only: capturable). A config first seen now
         (a warm-up forward) is planned from the family's current batch; inside capture, or where that
         batch lives on the device only, it is refused."""

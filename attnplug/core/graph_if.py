@@ -46,8 +46,10 @@ def check_requested(who: str | None = None) -> None:
     and the torch build."""
     if requested() and (why := missing()) is not None:
         subject = f"attnplug: backend {who}" if who else "attnplug"
-        raise ValueError(f"{subject} cannot honour {GRAPH_IF_ENV}=1 (the cascade prefix part of CUDA "
-                         f"graphs in a CUDA IF node): {why}. Unset {GRAPH_IF_ENV} or set it to 0.")
+        raise ValueError(
+            f"{subject} cannot honour {GRAPH_IF_ENV}=1 (the cascade prefix part of CUDA "
+            f"graphs in a CUDA IF node): {why}. Unset {GRAPH_IF_ENV} or set it to 0."
+        )
 
 
 def capturing_graph():
@@ -72,8 +74,10 @@ def captured_if(pred: torch.Tensor):
         try:
             g.begin_capture_to_if_node(pred)
         except RuntimeError as e:  # e.g. a CUDA runtime without conditional nodes
-            raise RuntimeError(f"attnplug: {GRAPH_IF_ENV}=1 could not open a CUDA IF node in this capture "
-                               f"({e}); unset {GRAPH_IF_ENV} or set it to 0") from e
+            raise RuntimeError(
+                f"attnplug: {GRAPH_IF_ENV}=1 could not open a CUDA IF node in this capture "
+                f"({e}); unset {GRAPH_IF_ENV} or set it to 0"
+            ) from e
     try:
         yield
     finally:

@@ -16,8 +16,17 @@ from enum import Enum
 
 import torch
 
-__all__ = ["KVLayout", "MAX_PAGE_SIZE", "kv_cache_shape", "to_nhd", "from_nhd", "allocate_kv_cache", "write_kv",
-           "quantize_fp8", "dequantize"]
+__all__ = [
+    "KVLayout",
+    "MAX_PAGE_SIZE",
+    "kv_cache_shape",
+    "to_nhd",
+    "from_nhd",
+    "allocate_kv_cache",
+    "write_kv",
+    "quantize_fp8",
+    "dequantize",
+]
 
 MAX_PAGE_SIZE = 256
 
@@ -132,7 +141,9 @@ def write_kv(
     if vn.shape != kn.shape:
         raise ValueError(f"v_cache must have the shape of k_cache {list(k_cache.shape)}, got {list(v_cache.shape)}")
     if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_mapping must be an int32 or int64 tensor, got {getattr(slot_mapping, 'dtype', type(slot_mapping))}")
+        raise ValueError(
+            f"slot_mapping must be an int32 or int64 tensor, got {getattr(slot_mapping, 'dtype', type(slot_mapping))}"
+        )
     if slot_mapping.dim() != 1:
         raise ValueError(f"slot_mapping must be 1-D [T], got shape {list(slot_mapping.shape)}")
     expect = [slot_mapping.shape[0], heads, dim]
@@ -140,7 +151,9 @@ def write_kv(
         if list(t.shape) != expect:
             raise ValueError(f"{name} must have shape [T, H_kv, D] = {expect}, got {list(t.shape)}")
     if slot_mapping.numel() and int(slot_mapping.max()) >= num_pages * page_size:
-        raise ValueError(f"slot_mapping must be < num_pages * page_size = {num_pages * page_size}, got {int(slot_mapping.max())}")
+        raise ValueError(
+            f"slot_mapping must be < num_pages * page_size = {num_pages * page_size}, got {int(slot_mapping.max())}"
+        )
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     page, off = slots // page_size, slots % page_size
@@ -149,8 +162,14 @@ def write_kv(
 
 
 def write_kv_fixed_shape(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    scratch_page: int, k_scale: torch.Tensor | float | None = None, v_scale: torch.Tensor | float | None = None,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scratch_page: int,
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
 ) -> None:
     """:func:`write_kv` (NHD ``[pages, P, H_kv, D]``) in fixed-shape torch ops: no host sync, no
     data-dependent shape. Padding tokens (slot < 0) go to the first slot of ``scratch_page`` (a page
@@ -169,8 +188,14 @@ def write_kv_fixed_shape(
 
 
 def write_kv_capturable(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    scratch_page: int = 0, k_scale: torch.Tensor | float | None = None, v_scale: torch.Tensor | float | None = None,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scratch_page: int = 0,
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
 ) -> None:
     """:func:`write_kv` of ``k, v [>= T, H_kv, D]`` to ``slot_mapping [T]`` (negative = padding) in NHD
     ``k_cache / v_cache [pages, P, H_kv, D]``, with no host sync, so a CUDA graph can capture it: where

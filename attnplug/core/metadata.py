@@ -66,12 +66,19 @@ class BatchMetadata:
         if not isinstance(mode, ForwardMode):
             raise ValueError(f"mode must be a ForwardMode, got {mode!r}")
         if not isinstance(qo_indptr, torch.Tensor) or qo_indptr.dtype != torch.int32 or qo_indptr.dim() != 1:
-            got = f"{qo_indptr.dtype} shape {list(qo_indptr.shape)}" if isinstance(qo_indptr, torch.Tensor) else type(qo_indptr).__name__
+            got = (
+                f"{qo_indptr.dtype} shape {list(qo_indptr.shape)}"
+                if isinstance(qo_indptr, torch.Tensor)
+                else type(qo_indptr).__name__
+            )
             raise ValueError(f"qo_indptr must be a 1-D torch.int32 tensor, got {got}")
         if qo_indptr.shape[0] != batch_size + 1:
             raise ValueError(f"qo_indptr must have B+1 = {batch_size + 1} elements, got {qo_indptr.shape[0]}")
-        if custom_mask is not None and (not isinstance(custom_mask, torch.Tensor) or custom_mask.dim() != 1
-                                        or custom_mask.dtype not in (torch.bool, torch.uint8)):  # fmt: skip
+        if custom_mask is not None and (
+            not isinstance(custom_mask, torch.Tensor)
+            or custom_mask.dim() != 1
+            or custom_mask.dtype not in (torch.bool, torch.uint8)
+        ):
             raise ValueError("custom_mask must be None or a 1-D torch.bool (or uint8) tensor")
         if not isinstance(causal, bool):
             raise ValueError(f"causal must be a bool, got {causal!r}")
@@ -86,7 +93,7 @@ class BatchMetadata:
         page_size: int,
         custom_mask: torch.Tensor | None = None,
         causal: bool = True,
-    ) -> "BatchMetadata":
+    ) -> BatchMetadata:
         """Build from the block-table dialect (vLLM / FA3): ``block_table [B, max_pages]``, ``seq_lens [B]``.
 
         Raises:
@@ -110,7 +117,7 @@ class BatchMetadata:
         page_size: int,
         custom_mask: torch.Tensor | None = None,
         causal: bool = True,
-    ) -> "BatchMetadata":
+    ) -> BatchMetadata:
         """Build from SGLang's token-level ``req_to_token [slots, max_ctx]`` dialect.
 
         Raises:

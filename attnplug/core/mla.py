@@ -24,16 +24,30 @@ from .config import AttentionConfig, UnsupportedFeature
 from .plan import Plan
 
 
-def mla_config(num_heads: int, kv_lora_rank: int = 512, qk_rope_head_dim: int = 64, page_size: int = 64,
-               sm_scale: float | None = None, dtype: torch.dtype = torch.bfloat16,
-               kv_dtype: torch.dtype | None = None) -> AttentionConfig:
+def mla_config(
+    num_heads: int,
+    kv_lora_rank: int = 512,
+    qk_rope_head_dim: int = 64,
+    page_size: int = 64,
+    sm_scale: float | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    kv_dtype: torch.dtype | None = None,
+) -> AttentionConfig:
     """The core config of one MLA layer family: ``num_heads`` query heads (per GPU) over one latent head.
     ``sm_scale``: the model's softmax scale (DeepSeek: ``mscale**2 / sqrt(qk_nope + qk_rope)``; ``None``:
     ``1/sqrt(R + Dr)``). ``kv_dtype``: an fp8 latent cache (one scale, ``k_scale``) where the provider
     reads it."""
-    return AttentionConfig(num_qo_heads=num_heads, num_kv_heads=1, head_dim=kv_lora_rank + qk_rope_head_dim,
-                           page_size=page_size, dtype=dtype, kv_layout="NHD", sm_scale=sm_scale,
-                           kv_dtype=kv_dtype, head_dim_v=kv_lora_rank)  # fmt: skip
+    return AttentionConfig(
+        num_qo_heads=num_heads,
+        num_kv_heads=1,
+        head_dim=kv_lora_rank + qk_rope_head_dim,
+        page_size=page_size,
+        dtype=dtype,
+        kv_layout="NHD",
+        sm_scale=sm_scale,
+        kv_dtype=kv_dtype,
+        head_dim_v=kv_lora_rank,
+    )
 
 
 def _require_mla(config: AttentionConfig) -> None:
@@ -48,8 +62,10 @@ def latent_cache_views(cache: torch.Tensor, config: AttentionConfig) -> tuple[to
     if cache.dim() == 3:
         cache = cache.unsqueeze(2)
     if cache.dim() != 4 or tuple(cache.shape[1:]) != (config.page_size, 1, config.head_dim):
-        raise ValueError(f"attnplug: the MLA latent cache must be [num_pages, {config.page_size}, "
-                         f"{config.head_dim}] (or with a head dim of 1), got {list(cache.shape)}")
+        raise ValueError(
+            f"attnplug: the MLA latent cache must be [num_pages, {config.page_size}, "
+            f"{config.head_dim}] (or with a head dim of 1), got {list(cache.shape)}"
+        )
     return cache, cache[..., : config.head_dim_v]
 
 
@@ -57,16 +73,27 @@ def check_latent_views(config: AttentionConfig, k_cache: torch.Tensor, v_cache: 
     """``ValueError`` unless ``v_cache`` is the first ``head_dim_v`` columns of ``k_cache``
     (:func:`latent_cache_views`): the kernels read V from the latent rows they read K from."""
     want = (k_cache.shape[0], config.page_size, 1, config.head_dim_v)
-    if (tuple(v_cache.shape) != want or v_cache.data_ptr() != k_cache.data_ptr()
-            or v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1):  # fmt: skip
-        raise ValueError(f"attnplug: MLA v_cache must be k_cache[..., :{config.head_dim_v}] "
-                         "(latent_cache_views), "
-                         f"got shape {list(v_cache.shape)} strides {v_cache.stride()} vs k_cache strides "
-                         f"{k_cache.stride()}")
+    if (
+        tuple(v_cache.shape) != want
+        or v_cache.data_ptr() != k_cache.data_ptr()
+        or v_cache.stride() != k_cache.stride()
+        or k_cache.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"attnplug: MLA v_cache must be k_cache[..., :{config.head_dim_v}] "
+            "(latent_cache_views), "
+            f"got shape {list(v_cache.shape)} strides {v_cache.stride()} vs k_cache strides "
+            f"{k_cache.stride()}"
+        )
 
 
-def write_latent(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
-                 k_scale: torch.Tensor | None = None) -> None:
+def write_latent(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+) -> None:
     """``cache[slot // P, slot % P] = cat(kv_c[t], k_pe[t])`` for every ``t`` with ``slot_mapping[t] >= 0``.
 
     ``kv_c [>= T, R]``, ``k_pe [>= T, Dr]`` (any row stride, last dim contiguous; e.g. ``k_pe [T, 1, Dr]``
@@ -86,14 +113,15 @@ def check_mla_support(provider: str, config: AttentionConfig) -> None:
     _require_mla(config)
     cls = get_provider_cls(provider).mla_class()
     if cls is None:
-        raise UnsupportedFeature(f"attnplug: provider '{provider}' does not support MLA (multi-head latent "
-                                 "attention)")
+        raise UnsupportedFeature(f"attnplug: provider '{provider}' does not support MLA (multi-head latent attention)")
     refusal = cls.mla_refusal(config)
     if refusal:
         raise UnsupportedFeature(f"attnplug: provider '{provider}' does not support {refusal}")
     if config.kv_dtype not in cls.KV_DTYPES:
-        raise UnsupportedFeature(f"attnplug: provider '{provider}' does not support an MLA latent cache of "
-                                 f"{str(config.kv_dtype).removeprefix('torch.')}")
+        raise UnsupportedFeature(
+            f"attnplug: provider '{provider}' does not support an MLA latent cache of "
+            f"{str(config.kv_dtype).removeprefix('torch.')}"
+        )
 
 
 def library_refusal(config: AttentionConfig, library: str) -> str | None:
@@ -103,13 +131,22 @@ def library_refusal(config: AttentionConfig, library: str) -> str | None:
     if config.dtype not in (torch.float16, torch.bfloat16):
         return f"MLA in {config.dtype} ({library} runs float16/bfloat16)"
     if (config.kv_lora_rank, config.rope_dim) != (512, 64):
-        return (f"MLA with kv_lora_rank {config.kv_lora_rank} + rope dim {config.rope_dim} ({library}'s MLA "
-                "kernels: 512 + 64)")
+        return (
+            f"MLA with kv_lora_rank {config.kv_lora_rank} + rope dim {config.rope_dim} ({library}'s MLA "
+            "kernels: 512 + 64)"
+        )
     return None
 
 
-def mla_reference(plan: Plan, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
-                  w_uk: torch.Tensor, w_uv: torch.Tensor, k_scale: float = 1.0) -> torch.Tensor:
+def mla_reference(
+    plan: Plan,
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    k_scale: float = 1.0,
+) -> torch.Tensor:
     """Float32 MLA WITHOUT absorption (the oracle of the absorbed kernels): per head, keys
     ``cat(c @ w_uk[h], k_pe)``, values ``c @ w_uv[h]`` from the latent ``c`` and rope part ``k_pe`` of
     ``cache [pages, P, R + Dr]`` (times ``k_scale``), masks as :func:`~attnplug.core.reference.request_mask`.
@@ -134,8 +171,10 @@ def mla_reference(plan: Plan, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: t
         c, pe = rows[:, :R], rows[:, R:]
         k_nope = torch.einsum("kr,hrn->hkn", c, w_uk.float())  # [H, kv, Dn]
         v = torch.einsum("kr,hrv->hkv", c, w_uv.float())  # [H, kv, Dv]
-        s = (torch.einsum("qhn,hkn->hqk", q_nope[q0:q1].float(), k_nope)
-             + torch.einsum("qhd,kd->hqk", q_pe[q0:q1].float(), pe)) * cfg.scale  # fmt: skip
+        s = (
+            torch.einsum("qhn,hkn->hqk", q_nope[q0:q1].float(), k_nope)
+            + torch.einsum("qhd,kd->hqk", q_pe[q0:q1].float(), pe)
+        ) * cfg.scale
         m = request_mask(plan, b, q1 - q0, kv_len, q_nope.device)
         s = s.masked_fill(~m[None], -math.inf)
         p = torch.softmax(s, dim=-1).nan_to_num(0.0)
@@ -143,13 +182,20 @@ def mla_reference(plan: Plan, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: t
     return out
 
 
-def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
-                 dtype: torch.dtype) -> torch.Tensor:
+def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The absorbed query ``[T, H, R + Dr]`` in ``dtype``: ``cat(q_nope[h] @ w_uk[h]^T, q_pe)``
     (``w_uk [H, R, Dn]``)."""
     q_lat = torch.einsum("thn,hrn->thr", q_nope.float(), w_uk.float())
     return torch.cat([q_lat, q_pe.float()], dim=-1).to(dtype).contiguous()
 
 
-__all__ = ["absorb_query", "check_latent_views", "check_mla_support", "latent_cache_views", "library_refusal",
-           "mla_config", "mla_reference", "write_latent"]
+__all__ = [
+    "absorb_query",
+    "check_latent_views",
+    "check_mla_support",
+    "latent_cache_views",
+    "library_refusal",
+    "mla_config",
+    "mla_reference",
+    "write_latent",
+]

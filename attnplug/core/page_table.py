@@ -39,7 +39,11 @@ MAX_PAGE_SIZE = 1 << 20  # far above any engine's; keeps every token count of an
 
 
 def _check_page_size(page_size: int) -> None:
-    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or not 1 <= page_size <= MAX_PAGE_SIZE:
+    if (
+        isinstance(page_size, bool)
+        or not isinstance(page_size, (int, np.integer))
+        or not 1 <= page_size <= MAX_PAGE_SIZE
+    ):
         raise ValueError(f"page_size must be an int in 1..{MAX_PAGE_SIZE}, got {page_size!r}")
 
 
@@ -117,13 +121,16 @@ def _check_csr(
     num_pages = kv_indptr[1:].long() - kv_indptr[:-1].long()  # int64: int32 differences can wrap
     _check_nonneg("kv_indptr differences (pages per request)", num_pages)
     if num_pages.numel() and int(num_pages.max()) * page_size > _I32_MAX:
-        raise ValueError(f"kv_indptr: a request of {int(num_pages.max())} pages of {page_size} tokens exceeds int32 "
-                         "token counts")
+        raise ValueError(
+            f"kv_indptr: a request of {int(num_pages.max())} pages of {page_size} tokens exceeds int32 token counts"
+        )
     if kv_indices is not None:
         _check_tensor("kv_indices", kv_indices, 1)
         _check_same_device("kv_indices", kv_indices, "kv_indptr", kv_indptr)
         if int(kv_indptr[-1]) != kv_indices.shape[0]:
-            raise ValueError(f"kv_indptr[-1] must equal len(kv_indices) = {kv_indices.shape[0]}, got {int(kv_indptr[-1])}")
+            raise ValueError(
+                f"kv_indptr[-1] must equal len(kv_indices) = {kv_indices.shape[0]}, got {int(kv_indptr[-1])}"
+            )
         _check_nonneg("kv_indices", kv_indices)
     has = num_pages > 0
     ok = torch.where(has, (kv_last_page_len >= 1) & (kv_last_page_len <= page_size), kv_last_page_len == 0)
@@ -195,7 +202,9 @@ def block_table_from_csr(
     """
     if check:
         _check_tensor("kv_indices", kv_indices, 1)
-    num_pages = _check_csr(kv_indptr, kv_indices, kv_last_page_len, page_size) if check else kv_indptr[1:] - kv_indptr[:-1]
+    num_pages = (
+        _check_csr(kv_indptr, kv_indices, kv_last_page_len, page_size) if check else kv_indptr[1:] - kv_indptr[:-1]
+    )
     need = int(num_pages.max()) if num_pages.numel() else 0
     if max_pages is None:
         max_pages = need
@@ -348,7 +357,8 @@ def slot_mapping(
             raise ValueError(f"req_ids must be < B = {block_table.shape[0]}, got {int(req_ids.max())}")
         if positions.numel() and int(positions.max()) // page_size >= block_table.shape[1]:
             raise ValueError(
-                f"positions must be < max_pages * page_size = {block_table.shape[1] * page_size}, got {int(positions.max())}"
+                f"positions must be < max_pages * page_size = {block_table.shape[1] * page_size}, "
+                f"got {int(positions.max())}"
             )
     pos = positions.long()
     pages = block_table[req_ids.long(), pos // page_size].long()
@@ -391,7 +401,9 @@ def slot_mapping_from_csr(
             raise ValueError(f"kv_indptr must start with 0 (length B+1 >= 1), got {kv_indptr[:1].tolist()}")
         _check_nonneg("kv_indptr differences (pages per request)", kv_indptr[1:].long() - kv_indptr[:-1].long())
         if int(kv_indptr[-1]) != kv_indices.shape[0]:
-            raise ValueError(f"kv_indptr[-1] must equal len(kv_indices) = {kv_indices.shape[0]}, got {int(kv_indptr[-1])}")
+            raise ValueError(
+                f"kv_indptr[-1] must equal len(kv_indices) = {kv_indices.shape[0]}, got {int(kv_indptr[-1])}"
+            )
         if req_ids.numel() and int(req_ids.max()) >= kv_indptr.shape[0] - 1:
             raise ValueError(f"req_ids must be < B = {kv_indptr.shape[0] - 1}, got {int(req_ids.max())}")
     rid = req_ids.long()

@@ -275,7 +275,9 @@ class PagedKVManager:
         indptr = torch.zeros(len(reqs) + 1, dtype=torch.int32)
         indptr[1:] = torch.cumsum(counts, 0)
         indices = torch.tensor([p for r in reqs for p in r.pages], dtype=torch.int32)
-        last = torch.tensor([(r.num_tokens - 1) % self.page_size + 1 if r.num_tokens else 0 for r in reqs], dtype=torch.int32)
+        last = torch.tensor(
+            [(r.num_tokens - 1) % self.page_size + 1 if r.num_tokens else 0 for r in reqs], dtype=torch.int32
+        )
         return indptr.to(device), indices.to(device), last.to(device)
 
     def block_table(
@@ -307,7 +309,9 @@ class PagedKVManager:
         req_ids = torch.tensor([row[r] for r in rids], dtype=torch.int64)
         if pos.numel() and bool(((pos < 0) | (pos >= lens[req_ids])).any()):
             i = int(((pos < 0) | (pos >= lens[req_ids])).nonzero()[0, 0])
-            raise ValueError(f"positions[{i}] = {int(pos[i])} must be in 0..seq_len({rids[i]!r}) - 1 = {int(lens[req_ids[i]]) - 1}")
+            raise ValueError(
+                f"positions[{i}] = {int(pos[i])} must be in 0..seq_len({rids[i]!r}) - 1 = {int(lens[req_ids[i]]) - 1}"
+            )
         bt, _ = self.block_table(order)
         return _slot_mapping(bt, pos, req_ids, self.page_size, check=False).to(device)
 
@@ -317,7 +321,9 @@ class PagedKVManager:
         a, tree, p = self.allocator, self.radix_cache, self.page_size
         owners: Counter[int] = Counter()
         for rid, r in self._reqs.items():
-            assert len(r.pages) == self._pages_for(r.num_tokens), f"{rid!r}: {len(r.pages)} pages for {r.num_tokens} tokens"
+            assert len(r.pages) == self._pages_for(r.num_tokens), (
+                f"{rid!r}: {len(r.pages)} pages for {r.num_tokens} tokens"
+            )
             assert len(set(r.pages)) == len(r.pages), f"{rid!r}: duplicate page in {r.pages}"
             owners.update(r.pages)
             if r.num_tokens % p:
@@ -326,7 +332,9 @@ class PagedKVManager:
             tree.check_invariants()
             owners.update(tree.all_pages())
         for page in range(a.num_pages):
-            assert a.refcount[page] == owners[page], f"page {page}: refcount {a.refcount[page]} != owners {owners[page]}"
+            assert a.refcount[page] == owners[page], (
+                f"page {page}: refcount {a.refcount[page]} != owners {owners[page]}"
+            )
         assert set(owners) <= set(range(a.num_pages)), "owner of an out-of-range page"
         free = a.free_pages()
         assert len(set(free)) == len(free), "duplicate page in the free list"

@@ -58,7 +58,7 @@ class PlanOptions:
         return {n for n in _OPTION_NAMES if getattr(self, n) is not None}
 
     @classmethod
-    def parse(cls, knobs: dict) -> "PlanOptions":
+    def parse(cls, knobs: dict) -> PlanOptions:
         """Options from keyword arguments; ``ValueError`` naming an unknown knob."""
         if not knobs and cls is PlanOptions:
             return _NO_OPTIONS  # frozen: one shared instance (the common case costs nothing)
@@ -124,7 +124,7 @@ class Plan:
     cascade: CascadePlan | None = None
     max_page_id: int = -1
 
-    def replace(self, **changes: Any) -> "Plan":
+    def replace(self, **changes: Any) -> Plan:
         """A shallow copy with ``changes`` applied (``dataclasses.replace`` without re-running
         ``__init__``: a fifth of its host time). Raises ``TypeError`` for a name that is no field."""
         if not changes.keys() <= _PLAN_FIELDS:
@@ -153,8 +153,9 @@ def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{name} must be on the host (cpu) or on the plan's device {device}, got {dt}")
 
 
-def _host_index(name: str, t: Any, device: torch.device, numel: int | None = None,
-                max_numel: int | None = None) -> tuple[torch.Tensor, np.ndarray]:
+def _host_index(
+    name: str, t: Any, device: torch.device, numel: int | None = None, max_numel: int | None = None
+) -> tuple[torch.Tensor, np.ndarray]:
     """Check one int32 index tensor; returns its contiguous host copy (the input itself when it is a
     contiguous host tensor) and a numpy view of that copy. ``max_numel`` is checked before any copy."""
     if not isinstance(t, torch.Tensor):
@@ -166,7 +167,9 @@ def _host_index(name: str, t: Any, device: torch.device, numel: int | None = Non
     if numel is not None and t.shape[0] != numel:
         raise ValueError(f"{name} must have {numel} elements, got {t.shape[0]}")
     if max_numel is not None and t.shape[0] > max_numel:
-        raise ValueError(f"{name}: {t.shape[0]} pages exceed int32 token counts (at most {max_numel} pages of this size)")
+        raise ValueError(
+            f"{name}: {t.shape[0]} pages exceed int32 token counts (at most {max_numel} pages of this size)"
+        )
     if not t.is_cpu:
         _check_device(name, t, device)
         t = t.cpu()
@@ -271,7 +274,9 @@ def make_plan(
     num_pages = _check_num_pages(num_pages)
     if device is None:  # the device of kv_indices
         if not isinstance(batch.kv_indices, torch.Tensor):
-            raise ValueError(f"kv_indices must be a torch.Tensor of dtype torch.int32, got {type(batch.kv_indices).__name__}")
+            raise ValueError(
+                f"kv_indices must be a torch.Tensor of dtype torch.int32, got {type(batch.kv_indices).__name__}"
+            )
         device = batch.kv_indices.device
         if device.type == "meta":
             raise ValueError("kv_indices must be on a real device (it sets the plan's device), got meta")
@@ -301,8 +306,10 @@ def make_plan(
         bad = (npages > 0) & ((last < 1) | (last > page))
         if bad.any():
             b = int(np.argmax(bad))
-            raise ValueError(f"kv_last_page_len must be in 1..page_size={page} for requests with pages, "
-                             f"got {int(last[b])} for request {b}")
+            raise ValueError(
+                f"kv_last_page_len must be in 1..page_size={page} for requests with pages, "
+                f"got {int(last[b])} for request {b}"
+            )
         b = int(np.argmax((npages == 0) & (last != 0)))
         raise ValueError(f"kv_last_page_len must be 0 for requests without pages, got {int(last[b])} for request {b}")
     max_page_id = -1
@@ -417,8 +424,9 @@ def _plan_device(device: Any) -> torch.device:
     return d
 
 
-def check_run_bounds(plan: Plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     out: torch.Tensor | None) -> None:
+def check_run_bounds(
+    plan: Plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None
+) -> None:
     """The per-layer guard of ``PagedAttention.run`` (a few integer compares, no device work): the
     kernels index ``q`` / ``out`` up to ``plan.num_tokens`` rows and the caches up to page
     ``plan.max_page_id``, so smaller tensors would be read (written) out of bounds.
@@ -459,8 +467,6 @@ def check_run_inputs(
         if config.is_mla and name == "v_cache":
             continue
         if tuple(t.shape) != exp_c:
-            raise ValueError(
-                f"{name} must have shape {list(exp_c)} ({config.kv_layout} layout), got {list(t.shape)}"
-            )
+            raise ValueError(f"{name} must have shape {list(exp_c)} ({config.kv_layout} layout), got {list(t.shape)}")
     if plan.kv_indices_cpu.numel() and int(plan.kv_indices_cpu.max()) >= k_cache.shape[0]:
         raise ValueError(f"kv_indices must be < num_pages={k_cache.shape[0]}")

@@ -48,8 +48,12 @@ def request_mask(plan: Plan, b: int, q_len: int, kv_len: int, device: torch.devi
 
 
 def reference_attention(
-    plan: Plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    k_scale: torch.Tensor | float | None = None, v_scale: torch.Tensor | float | None = None,
+    plan: Plan,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact float32 paged attention.

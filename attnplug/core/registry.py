@@ -118,6 +118,7 @@ def get_provider_cls(name: str) -> type[Provider]:
     except ModuleNotFoundError as e:  # the provider module itself is missing from this build
         from .providers.base import ProviderUnavailable  # noqa: PLC0415 - torch only when a provider is asked for
 
-        raise ProviderUnavailable(f"attnplug: provider {name!r} is not available: {e}. "
-                                  f"To install: {entry.install_hint}") from e  # fmt: skip
+        raise ProviderUnavailable(
+            f"attnplug: provider {name!r} is not available: {e}. To install: {entry.install_hint}"
+        ) from e
     return getattr(module, cls)

@@ -7,9 +7,10 @@ kernel queued before it). The buffer is pageable on purpose: the driver copies a
 of up to 64 KB into its own staging memory and returns, faster than staging through page-locked
 memory (``docs/measured-choices.md``).
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

@@ -8,7 +8,8 @@ and to the ``--attention-backend`` choices, and (SGLang 0.5.17..0.5.23 only) an 
 SGLang's ``DraftBackendFactory._create_backend`` plus the names in the draft-backend choices
 (0.5.23; 0.5.17 has no such list), so
 that ``--speculative-algorithm EAGLE`` builds attnplug's multi-step draft backend, and the per-model check
-hook of :mod:`.model_gates` (gpt-oss: acts only when an attnplug backend is selected); nothing runs, and nothing heavy (torch kernels, triton,
+hook of :mod:`.model_gates` (gpt-oss: acts only when an attnplug backend is selected); nothing runs, and nothing
+heavy (torch kernels, triton,
 the attnplug core) is imported until SGLang calls a factory, i.e. until a backend is selected.
 """
 
@@ -95,7 +96,8 @@ def _around_create_backend(orig, factory, backend_name, backend_map, error_templ
     for name in BACKENDS:
         if name not in ours:
             ours[name] = compat.draft_map_entry(
-                orig, name, functools.partial(_make_draft_backend, factory, name, multi_step), multi_step)
+                orig, name, functools.partial(_make_draft_backend, factory, name, multi_step), multi_step
+            )
     return orig(factory, backend_name, ours, error_template, *args, **kwargs)
 
 
@@ -107,8 +109,10 @@ def _prepare_selected_providers(result, server_args, *args, **kwargs):
     from attnplug import engine_glue
 
     try:
-        names = {getattr(server_args, f, None) for f in
-                 ("attention_backend", "prefill_attention_backend", "decode_attention_backend")}
+        names = {
+            getattr(server_args, f, None)
+            for f in ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
+        }
         device = str(getattr(server_args, "device", "") or "cuda")
         for name in names & set(BACKENDS):
             engine_glue.prepare_process(BACKENDS[name], device)  # the override applies
@@ -138,8 +142,9 @@ def register() -> None:
         else:
             logger.info("%s", compat.draft_hook_refusal())
     except Exception as e:  # noqa: BLE001 - a plugin must never break SGLang
-        logger.warning("attnplug: SGLang plugin registration failed (%s: %s); attnplug backends unavailable",
-                       type(e).__name__, e)
+        logger.warning(
+            "attnplug: SGLang plugin registration failed (%s: %s); attnplug backends unavailable", type(e).__name__, e
+        )
 
 
 __all__ = ["BACKENDS", "register"]

@@ -42,7 +42,6 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from attnplug import engine_glue
@@ -52,7 +51,6 @@ from attnplug.core import (
     MAX_PAGE_SIZE,
     AttentionConfig,
     BatchMetadata,
-    ForwardMode as CoreMode,
     GraphFamily,
     PagedAttention,
     ProviderUnavailable,
@@ -62,6 +60,9 @@ from attnplug.core import (
     num_pages,
     resolve_provider,
     write_kv_capturable,
+)
+from attnplug.core import (
+    ForwardMode as CoreMode,
 )
 
 from . import compat
@@ -122,7 +123,9 @@ class AttnplugAttnBackend(AttentionBackend):
         self.num_qo_heads = int(mc.get_num_attention_heads(compat.attn_tp_size()))
         slots = int(pool.get_key_buffer(getattr(pool, "start_layer", 0)).shape[0])
         if slots % self.page_size:
-            raise self.unsupported(f"a KV pool of {slots} slots that is not a whole number of pages of {self.page_size}")
+            raise self.unsupported(
+                f"a KV pool of {slots} slots that is not a whole number of pages of {self.page_size}"
+            )
         self.num_pages = slots // self.page_size
         # SGLang's EAGLE worker sizes a verify tree mask with ``bs * attn_backend.max_context_len``
         # when a batch carries no seq_lens_sum (0.5.17 and 0.5.23 read it off any target backend).
@@ -151,8 +154,14 @@ class AttnplugAttnBackend(AttentionBackend):
         logger.info(
             "attnplug: %s active (provider %s, page %d, layout NHD, dtype %s, heads %d/%d, head_dim %d, cascade %s, "
             "in CUDA graphs %s, %s%s)",
-            self.backend_name, probe.provider_name, self.page_size, str(self.dtype).replace("torch.", ""),
-            self.num_qo_heads, self.num_kv_heads, self.head_dim, probe.cascade,
+            self.backend_name,
+            probe.provider_name,
+            self.page_size,
+            str(self.dtype).replace("torch.", ""),
+            self.num_qo_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            probe.cascade,
             "on (decode)" if graph_cascade_mode(self.provider.graph_support, self.backend_name) != "off" else "off",
             compat.versions_info(),
             f", kv_dtype {str(self.kv_dtype).replace('torch.', '')}" if self.kv_dtype != self.dtype else "",
@@ -163,7 +172,6 @@ class AttnplugAttnBackend(AttentionBackend):
     def unsupported(self, feature: str) -> UnsupportedFeature:
         """The refusal of ``feature``, naming attnplug and this backend (raise it)."""
         return UnsupportedFeature(f"attnplug: backend '{self.backend_name}' does not support {feature}")
-
 
     def _cannot_start(self, e: ProviderUnavailable) -> ProviderUnavailable:
         why = str(e).removeprefix("attnplug: ")
@@ -201,25 +209,37 @@ class AttnplugAttnBackend(AttentionBackend):
         pool_cls = compat.plain_mha_pool_cls()
         if type(self.token_to_kv_pool) is not pool_cls:
             name = type(self.token_to_kv_pool).__name__
-            hint = ("; start SGLang with --disable-hybrid-swa-memory: one pool for every layer, each layer's window "
-                    "applied in attention") if "SWA" in name else ""
-            raise self.unsupported(f"the KV pool {name} (only {pool_cls.__name__}: no hybrid sliding-window/mamba, "
-                                   f"MLA, quantized or page-major pools){hint}")
+            hint = (
+                (
+                    "; start SGLang with --disable-hybrid-swa-memory: one pool for every layer, each layer's window "
+                    "applied in attention"
+                )
+                if "SWA" in name
+                else ""
+            )
+            raise self.unsupported(
+                f"the KV pool {name} (only {pool_cls.__name__}: no hybrid sliding-window/mamba, "
+                f"MLA, quantized or page-major pools){hint}"
+            )
 
     def _check_pool(self, runner) -> None:
         """The pool's quantization, layout and dtypes, the index translation, context parallelism."""
         if getattr(self.token_to_kv_pool, "is_quantized_kv_cache", False):  # a KV quant method owns the bytes
             qm = getattr(getattr(self.token_to_kv_pool, "quant_method", None), "name", "?")
-            raise self.unsupported(f"a quantized KV pool (quant method {qm!r}: the pool quantizes and scales "
-                                    "itself; attnplug reads plain fp8 pools with per-layer scales)")
+            raise self.unsupported(
+                f"a quantized KV pool (quant method {qm!r}: the pool quantizes and scales "
+                "itself; attnplug reads plain fp8 pools with per-layer scales)"
+            )
         layout = getattr(self.token_to_kv_pool, "kv_cache_layout", "nhd")
         if layout != "nhd":
             raise self.unsupported(f"KV cache layout {layout!r} (only 'nhd')")
         kv_dtype = getattr(runner, "kv_cache_dtype", self.token_to_kv_pool.dtype)
         plain = kv_dtype == runner.dtype and kv_dtype in (torch.float16, torch.bfloat16, torch.float32)
         if not plain and kv_dtype not in FP8_KV_DTYPES:
-            raise self.unsupported(f"KV cache dtype {kv_dtype} with model dtype {runner.dtype} "
-                                    "(the model's dtype, fp8_e4m3 or fp8_e5m2 only)")
+            raise self.unsupported(
+                f"KV cache dtype {kv_dtype} with model dtype {runner.dtype} "
+                "(the model's dtype, fp8_e4m3 or fp8_e5m2 only)"
+            )
         if self.token_to_kv_pool.dtype != kv_dtype:
             raise self.unsupported(f"a KV pool of dtype {self.token_to_kv_pool.dtype} for kv_cache_dtype {kv_dtype}")
         tr = self.kv_index_translator
@@ -240,8 +260,9 @@ class AttnplugAttnBackend(AttentionBackend):
         if layer.layer_id in self._checked_layers:
             return sinks
         if sinks is not None and tuple(sinks.shape) != (layer.tp_q_head_num,):
-            raise self.unsupported(f"attention sinks of shape {tuple(sinks.shape)} (one per query head: "
-                                    f"[{layer.tp_q_head_num}])")
+            raise self.unsupported(
+                f"attention sinks of shape {tuple(sinks.shape)} (one per query head: [{layer.tp_q_head_num}])"
+            )
         from sglang.srt.layers.radix_attention import AttentionType
 
         if layer.is_cross_attention:
@@ -276,8 +297,9 @@ class AttnplugAttnBackend(AttentionBackend):
     def _core_config(self, key: tuple) -> AttentionConfig:
         """A new core config of ``key = (Hq, Hkv, D, sm_scale, soft_cap, window_left, sinks)``."""
         hq, hkv, d, scale, cap, window, sinks = key
-        return AttentionConfig(hq, hkv, d, self.page_size, self.dtype, "NHD", scale, cap, window, self.kv_dtype,
-                               sinks=sinks)
+        return AttentionConfig(
+            hq, hkv, d, self.page_size, self.dtype, "NHD", scale, cap, window, self.kv_dtype, sinks=sinks
+        )
 
     def attention(self, config: AttentionConfig) -> PagedAttention:
         """The ``PagedAttention`` of ``config`` (one per distinct layer config, usually one), built on
@@ -300,8 +322,17 @@ class AttnplugAttnBackend(AttentionBackend):
         ``window_left``; gpt-oss alternates 127 and -1) and whether it passes ``sinks``."""
         cap = float(layer.logit_cap) if layer.logit_cap and layer.logit_cap > 0 else 0.0
         window = int(layer.sliding_window_size) if layer.sliding_window_size is not None else -1
-        return self._config((layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, float(layer.scaling),
-                             cap, max(window, -1), sinks))
+        return self._config(
+            (
+                layer.tp_q_head_num,
+                layer.tp_k_head_num,
+                layer.qk_head_dim,
+                float(layer.scaling),
+                cap,
+                max(window, -1),
+                sinks,
+            )
+        )
 
     # -- metadata: once per forward -------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch) -> None:
@@ -327,9 +358,11 @@ class AttnplugAttnBackend(AttentionBackend):
         if self._graphs is None or mode not in self._graphs:
             if in_capture:
                 what = "this forward mode" if self._graphs is not None else "capture without init_cuda_graph_state"
-                raise self.unsupported(f"CUDA-graph {what} ({forward_batch.forward_mode.name}); "
-                                        "attnplug captures DECODE, TARGET_VERIFY and, on the EAGLE draft-extend "
-                                        "backend, DRAFT_EXTEND")
+                raise self.unsupported(
+                    f"CUDA-graph {what} ({forward_batch.forward_mode.name}); "
+                    "attnplug captures DECODE, TARGET_VERIFY and, on the EAGLE draft-extend "
+                    "backend, DRAFT_EXTEND"
+                )
             self._plan_forward(forward_batch)
             return
         bs = int(forward_batch.batch_size)
@@ -349,8 +382,14 @@ class AttnplugAttnBackend(AttentionBackend):
         fast = mode == "decode" and (not host_plan or host_seq is not None)
         if fast and not in_capture and family.planned(bs):
             ids, rows = self._read_table(forward_batch, real)
-            family.refresh_from_block_table(forward_batch.seq_lens[:real], ids, bs, row_ids=rows,
-                                            entry_tokens=self.page_size, host_seq_lens=host_seq)  # fmt: skip
+            family.refresh_from_block_table(
+                forward_batch.seq_lens[:real],
+                ids,
+                bs,
+                row_ids=rows,
+                entry_tokens=self.page_size,
+                host_seq_lens=host_seq,
+            )
         else:
             batch = self._graph_batch(forward_batch, mode, real, host=in_capture, host_plan=host_plan)
             family.set_batch(bs, batch, capture=in_capture)
@@ -396,8 +435,9 @@ class AttnplugAttnBackend(AttentionBackend):
         """Refuse CUDA graphs at once when the provider cannot replay decode batches (it says why)."""
         g = self.provider.graph_support
         if not g.decode:
-            raise self.unsupported(f"CUDA graphs with provider '{self.provider_name}' ({g.reason}); "
-                                   "start SGLang with --disable-cuda-graph")
+            raise self.unsupported(
+                f"CUDA graphs with provider '{self.provider_name}' ({g.reason}); start SGLang with --disable-cuda-graph"
+            )
 
     def refuse_graphs(self, what: str) -> UnsupportedFeature:
         """The refusal of ``what`` in CUDA graphs (a :class:`GraphFamily`'s ``refuse``)."""
@@ -409,10 +449,20 @@ class AttnplugAttnBackend(AttentionBackend):
         c = self._graph_cfg
         q = 1 if mode == "decode" else c["q"]
         cascade = graph_cascade_mode(self.provider.graph_support, self.backend_name) if mode == "decode" else "off"
-        return GraphFamily(self.provider, refuse=self.refuse_graphs, max_batch=c["max_bs"],
-                           max_tokens=c["max_bs"] * q, max_pages=c["max_bs"] * num_pages(c["ctx"] + q, self.page_size),
-                           device=self.device, mode="decode" if mode == "decode" else "verify", num_draft_tokens=q,
-                           pad_page=0, max_seq_len=c["ctx"] + q, cascade=cascade, chain=mode == "draft_extend")
+        return GraphFamily(
+            self.provider,
+            refuse=self.refuse_graphs,
+            max_batch=c["max_bs"],
+            max_tokens=c["max_bs"] * q,
+            max_pages=c["max_bs"] * num_pages(c["ctx"] + q, self.page_size),
+            device=self.device,
+            mode="decode" if mode == "decode" else "verify",
+            num_draft_tokens=q,
+            pad_page=0,
+            max_seq_len=c["ctx"] + q,
+            cascade=cascade,
+            chain=mode == "draft_extend",
+        )
 
     def model_layer_configs(self) -> dict[AttentionConfig, None]:
         """The core configs of the model's ``RadixAttention`` layers, in order (empty without a model)."""
@@ -423,10 +473,18 @@ class AttnplugAttnBackend(AttentionBackend):
 
         # a layer with sinks: its RadixAttention is a child of a module holding the ``sinks`` tensor it
         # passes at forward (gpt-oss: ``self.attn(..., sinks=self.sinks)``)
-        with_sinks = {id(c) for m in model.modules() if isinstance(getattr(m, "sinks", None), torch.Tensor)
-                      for c in m.children() if isinstance(c, RadixAttention)}  # fmt: skip
-        return dict.fromkeys(self.layer_config(m, id(m) in with_sinks) for m in model.modules()
-                             if isinstance(m, RadixAttention) and self._serves_layer(m))
+        with_sinks = {
+            id(c)
+            for m in model.modules()
+            if isinstance(getattr(m, "sinks", None), torch.Tensor)
+            for c in m.children()
+            if isinstance(c, RadixAttention)
+        }
+        return dict.fromkeys(
+            self.layer_config(m, id(m) in with_sinks)
+            for m in model.modules()
+            if isinstance(m, RadixAttention) and self._serves_layer(m)
+        )
 
     def _graph_mode_of(self, fb):
         m = fb.forward_mode
@@ -479,8 +537,10 @@ class AttnplugAttnBackend(AttentionBackend):
             spec = fb.spec_info
             q = spec.num_tokens_per_req if getattr(spec, "num_tokens_per_req", -1) > 0 else spec.draft_token_num
         if mode == "verify" and q != self._graph_cfg["q"]:
-            raise self.unsupported(f"a TARGET_VERIFY graph batch of {q} draft tokens per request (graph state "
-                                    f"sized for {self._graph_cfg['q']} = max_num_tokens // max_bs)")
+            raise self.unsupported(
+                f"a TARGET_VERIFY graph batch of {q} draft tokens per request (graph state "
+                f"sized for {self._graph_cfg['q']} = max_num_tokens // max_bs)"
+            )
         kv = seq + (q if mode == "verify" else 0)
         ids, rows = self._read_table(fb, B)
         indptr, kv_indices, last = csr_from_req_to_token(ids, rows, kv, self.page_size, check=False)
@@ -498,8 +558,9 @@ class AttnplugAttnBackend(AttentionBackend):
 
     def _read_table(self, fb, B: int):
         """``(ids [rows, max_ctx], row_ids [B])``: the token-slot table the ``B`` real requests read."""
-        table = compat.kv_read_table(self.kv_index_translator, fb, self.req_to_token_pool.req_to_token,
-                                     fb.req_pool_indices[:B])
+        table = compat.kv_read_table(
+            self.kv_index_translator, fb, self.req_to_token_pool.req_to_token, fb.req_pool_indices[:B]
+        )
         if table is None:
             raise self.unsupported("translated (unified / virtual->physical) KV reads")
         return table
@@ -519,8 +580,10 @@ class AttnplugAttnBackend(AttentionBackend):
         if mode.is_decode():
             spec = getattr(fb, "spec_info", None)
             if spec is not None and getattr(spec, "kv_indptr", None) is not None:
-                raise self.unsupported("EAGLE multi-step draft decode in a single-step backend (SGLang builds "
-                                        "AttnplugMultiStepDraftBackend through its DraftBackendFactory for it)")
+                raise self.unsupported(
+                    "EAGLE multi-step draft decode in a single-step backend (SGLang builds "
+                    "AttnplugMultiStepDraftBackend through its DraftBackendFactory for it)"
+                )
             core_mode, q_lens, kv_lens = CoreMode.DECODE, torch.ones_like(seq_lens), seq_lens
         elif mode.is_target_verify():
             spec = fb.spec_info
@@ -537,13 +600,15 @@ class AttnplugAttnBackend(AttentionBackend):
             raise self.unsupported(f"forward mode {mode.name}")
         qo_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=dev)
         torch.cumsum(q_lens, 0, out=qo_indptr[1:])
-        table = compat.kv_read_table(self.kv_index_translator, fb, self.req_to_token_pool.req_to_token,
-                                     fb.req_pool_indices[:bs])
+        table = compat.kv_read_table(
+            self.kv_index_translator, fb, self.req_to_token_pool.req_to_token, fb.req_pool_indices[:bs]
+        )
         if table is None:
             raise self.unsupported("translated (unified / virtual->physical) KV reads")
         ids, rows = table
-        batch = BatchMetadata.from_req_to_token(core_mode, qo_indptr, ids, rows, kv_lens, self.page_size,
-                                                custom_mask=custom_mask)
+        batch = BatchMetadata.from_req_to_token(
+            core_mode, qo_indptr, ids, rows, kv_lens, self.page_size, custom_mask=custom_mask
+        )
         return batch, q_lens, kv_lens
 
     def _plan_forward(self, fb) -> None:
@@ -609,8 +674,15 @@ class AttnplugAttnBackend(AttentionBackend):
             self.token_to_kv_pool.set_kv_buffer(layer, compat.write_loc(fb), k, v)
             return
         hkv, d = k_cache.shape[2], k_cache.shape[3]
-        write_kv_capturable(k.view(-1, hkv, d), v.view(-1, hkv, d), k_cache, v_cache, fb.out_cache_loc,
-                            k_scale=scales["k_scale"], v_scale=scales["v_scale"])
+        write_kv_capturable(
+            k.view(-1, hkv, d),
+            v.view(-1, hkv, d),
+            k_cache,
+            v_cache,
+            fb.out_cache_loc,
+            k_scale=scales["k_scale"],
+            v_scale=scales["v_scale"],
+        )
 
     def _scales(self, layer) -> dict:
         """fp8 KV pool: the layer's scale tensors (``layer.k_scale`` / ``v_scale``, SGLang's KV quant
@@ -657,11 +729,24 @@ class AttnplugAttnBackend(AttentionBackend):
     # -- proof of life ---------------------------------------------------------------------------------
     def _write_marker(self) -> None:
         st = self._stats
-        engine_glue.write_marker("sglang", dict(
-            backend=self.backend_name, provider=self.provider_name, page_size=self.page_size, layout="NHD",
-            dtype=str(self.dtype), kv_dtype=str(self.kv_dtype), forwards=st.forwards, layer_runs=st.layer_runs,
-            max_cached_prefix=st.max_cached_prefix, max_kv_len=st.max_kv_len,
-            cascade_forwards=st.cascade_forwards, cascade_shared_tokens=st.cascade_shared_tokens,
-            cascade_graph_updates=st.cascade_graph_updates, cascade_graph_shared_tokens=st.cascade_graph_shared_tokens,
-            triton_interpret=os.environ.get("TRITON_INTERPRET"),
-            layer_configs=sorted(f"window {c.window_left}, sinks {c.sinks}" for c in self._attn)))
+        engine_glue.write_marker(
+            "sglang",
+            dict(
+                backend=self.backend_name,
+                provider=self.provider_name,
+                page_size=self.page_size,
+                layout="NHD",
+                dtype=str(self.dtype),
+                kv_dtype=str(self.kv_dtype),
+                forwards=st.forwards,
+                layer_runs=st.layer_runs,
+                max_cached_prefix=st.max_cached_prefix,
+                max_kv_len=st.max_kv_len,
+                cascade_forwards=st.cascade_forwards,
+                cascade_shared_tokens=st.cascade_shared_tokens,
+                cascade_graph_updates=st.cascade_graph_updates,
+                cascade_graph_shared_tokens=st.cascade_graph_shared_tokens,
+                triton_interpret=os.environ.get("TRITON_INTERPRET"),
+                layer_configs=sorted(f"window {c.window_left}, sinks {c.sinks}" for c in self._attn),
+            ),
+        )

@@ -277,10 +277,12 @@ def draft_hook_refusal(version: str | None = None) -> str | None:
     lo, hi = DRAFT_HOOK_VERSIONS
     if in_range(v, lo, hi):
         return None
-    return (f"attnplug: EAGLE speculative decoding with an attnplug_* attention backend needs SGLang "
-            f"{lo}..{hi} (attnplug hooks SGLang's private DraftBackendFactory, whose API it checked only "
-            f"in that range); installed SGLang is {v}. Use a supported SGLang, or pick a built-in draft "
-            f"backend: --speculative-draft-attention-backend triton")
+    return (
+        f"attnplug: EAGLE speculative decoding with an attnplug_* attention backend needs SGLang "
+        f"{lo}..{hi} (attnplug hooks SGLang's private DraftBackendFactory, whose API it checked only "
+        f"in that range); installed SGLang is {v}. Use a supported SGLang, or pick a built-in draft "
+        f"backend: --speculative-draft-attention-backend triton"
+    )
 
 
 def install_draft_backend_hook(around) -> bool:
@@ -426,12 +428,23 @@ def _contract():
         attr("sglang.srt.server_args", "ServerArgs.resolve_once|__post_init__"),
         # the AttentionBackend contract (CUDA-graph API included)
         call(_BASE, "AttentionBackend", npos=0, why="super().__init__()"),
-        *(override(_BASE, f"AttentionBackend.{m}", _OURS + m) for m in
-          ("init_forward_metadata", "init_forward_metadata_out_graph", "init_forward_metadata_in_graph",
-           "init_cuda_graph_state", "get_cuda_graph_seq_len_fill_value", "forward_extend", "forward_decode")),
+        *(
+            override(_BASE, f"AttentionBackend.{m}", _OURS + m)
+            for m in (
+                "init_forward_metadata",
+                "init_forward_metadata_out_graph",
+                "init_forward_metadata_in_graph",
+                "init_cuda_graph_state",
+                "get_cuda_graph_seq_len_fill_value",
+                "forward_extend",
+                "forward_decode",
+            )
+        ),
         # what the backend reads from the model runner, the pools, the batch and the layer
-        *(attr("sglang.srt.model_executor.model_runner", f"ModelRunner.{a}") for a in
-          ("device", "dtype", "req_to_token_pool", "token_to_kv_pool", "model_config")),
+        *(
+            attr("sglang.srt.model_executor.model_runner", f"ModelRunner.{a}")
+            for a in ("device", "dtype", "req_to_token_pool", "token_to_kv_pool", "model_config")
+        ),
         attr("sglang.srt.model_executor.model_runner", "ModelRunner.page_size", **opt),
         attr("sglang.srt.model_executor.model_runner", "ModelRunner.kv_index_translator", **opt),
         call(pool, "MHATokenToKVPool.set_kv_buffer", npos=4),
@@ -442,18 +455,50 @@ def _contract():
         call(pool, "MLATokenToKVPool.set_kv_buffer", npos=4),
         call(pool, "MLATokenToKVPool.get_key_buffer", npos=1),
         *(attr(pool, f"MLATokenToKVPool.{a}") for a in ("kv_lora_rank", "qk_rope_head_dim", "dtype")),
-        call("sglang.srt.models.deepseek_common.attention_backend_handler", "AttentionBackendRegistry.register",
-             npos=2, lead=("backend_name", "handler_func"), why="MLA models only (refused without it)", **opt),
-        attr("sglang.srt.models.deepseek_common.attention_backend_handler", "_dispatch_mla_subtype",
-             why="MLA models only (refused without it)", **opt),
+        call(
+            "sglang.srt.models.deepseek_common.attention_backend_handler",
+            "AttentionBackendRegistry.register",
+            npos=2,
+            lead=("backend_name", "handler_func"),
+            why="MLA models only (refused without it)",
+            **opt,
+        ),
+        attr(
+            "sglang.srt.models.deepseek_common.attention_backend_handler",
+            "_dispatch_mla_subtype",
+            why="MLA models only (refused without it)",
+            **opt,
+        ),
         call(pool, "KVWriteLoc.for_batch", npos=1, **opt),
         *(attr(fbi, f"ForwardMode.{m}") for m in ("EXTEND", "DECODE", "MIXED", "TARGET_VERIFY", "IDLE")),
-        *(attr(fbi, f"ForwardBatch.{f}") for f in
-          ("forward_mode", "batch_size", "seq_lens", "seq_lens_cpu", "req_pool_indices", "out_cache_loc",
-           "extend_seq_lens", "spec_info")),
-        *(attr("sglang.srt.layers.radix_attention", f"RadixAttention.{a}") for a in
-          ("layer_id", "tp_q_head_num", "tp_k_head_num", "qk_head_dim", "v_head_dim", "scaling", "logit_cap",
-           "sliding_window_size", "is_cross_attention", "attn_type")),
+        *(
+            attr(fbi, f"ForwardBatch.{f}")
+            for f in (
+                "forward_mode",
+                "batch_size",
+                "seq_lens",
+                "seq_lens_cpu",
+                "req_pool_indices",
+                "out_cache_loc",
+                "extend_seq_lens",
+                "spec_info",
+            )
+        ),
+        *(
+            attr("sglang.srt.layers.radix_attention", f"RadixAttention.{a}")
+            for a in (
+                "layer_id",
+                "tp_q_head_num",
+                "tp_k_head_num",
+                "qk_head_dim",
+                "v_head_dim",
+                "scaling",
+                "logit_cap",
+                "sliding_window_size",
+                "is_cross_attention",
+                "attn_type",
+            )
+        ),
         call("sglang.srt.runtime_context", "get_parallel", npos=0, **opt),
     )
 
@@ -464,19 +509,37 @@ def _draft_contract():
 
     runner = "sglang.srt.speculative.eagle_draft_cuda_graph_runner"
     return (
-        call("sglang.srt.speculative.draft_utils", "DraftBackendFactory._create_backend", npos=3,
-             lead=("backend_name", "backend_map", "error_template")),
-        *(attr("sglang.srt.speculative.draft_utils", f"DraftBackendFactory.{a}")
-          for a in ("draft_model_runner", "topk", "speculative_num_steps")),
-        *(callsite(runner, m, _DRAFT + m, recv="draft_attn_backend") for m in
-          ("init_cuda_graph_state", "init_forward_metadata_in_graph", "init_forward_metadata_out_graph")),
-        callsite("sglang.srt.speculative.eagle_worker_v2", "init_forward_metadata", _DRAFT + "init_forward_metadata",
-                 recv="draft_attn_backend"),
+        call(
+            "sglang.srt.speculative.draft_utils",
+            "DraftBackendFactory._create_backend",
+            npos=3,
+            lead=("backend_name", "backend_map", "error_template"),
+        ),
+        *(
+            attr("sglang.srt.speculative.draft_utils", f"DraftBackendFactory.{a}")
+            for a in ("draft_model_runner", "topk", "speculative_num_steps")
+        ),
+        *(
+            callsite(runner, m, _DRAFT + m, recv="draft_attn_backend")
+            for m in ("init_cuda_graph_state", "init_forward_metadata_in_graph", "init_forward_metadata_out_graph")
+        ),
+        callsite(
+            "sglang.srt.speculative.eagle_worker_v2",
+            "init_forward_metadata",
+            _DRAFT + "init_forward_metadata",
+            recv="draft_attn_backend",
+        ),
         # draft extend in CUDA graphs: SGLang's capture check admits FlashInferAttnBackend (declare_draft_extend_graphs)
         attr("sglang.srt.layers.attention.flashinfer_backend", "FlashInferAttnBackend"),
-        *(callsite("sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner", m, _OURS + m,
-                   recv="draft_extend_attn_backend")
-          for m in ("init_cuda_graph_state", "init_forward_metadata_out_graph", "init_forward_metadata_in_graph")),
+        *(
+            callsite(
+                "sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner",
+                m,
+                _OURS + m,
+                recv="draft_extend_attn_backend",
+            )
+            for m in ("init_cuda_graph_state", "init_forward_metadata_out_graph", "init_forward_metadata_in_graph")
+        ),
     )
 
 
@@ -494,8 +557,9 @@ def engine_refusal(version: str | None = None, engine_root: str | None = None) -
     v = sglang_version() if version is None else version
     key = f"{v}@{engine_root}"
     if key not in _REFUSAL:
-        _REFUSAL[key] = _contract.refusal("SGLang", "sglang", v, TESTED_SGLANG, CONTRACT,
-                                          logging.getLogger(__name__), engine_root)
+        _REFUSAL[key] = _contract.refusal(
+            "SGLang", "sglang", v, TESTED_SGLANG, CONTRACT, logging.getLogger(__name__), engine_root
+        )
     return _REFUSAL[key]
 
 

@@ -86,22 +86,33 @@ class AttnplugMultiStepDraftBackend:
 
     needs_cpu_seq_lens = True
 
-    def __init__(self, model_runner, topk: int, speculative_num_steps: int, backend_name: str = "attnplug_triton",
-                 provider: str | None = None):
+    def __init__(
+        self,
+        model_runner,
+        topk: int,
+        speculative_num_steps: int,
+        backend_name: str = "attnplug_triton",
+        provider: str | None = None,
+    ):
         refusal = compat.draft_hook_refusal()
         if refusal is not None:
             raise UnsupportedFeature(refusal)
         if speculative_num_steps < 2 or topk < 1:
-            raise ValueError(f"attnplug: multi-step draft needs speculative_num_steps >= 2 and topk >= 1, "
-                             f"got {speculative_num_steps}, {topk}")
+            raise ValueError(
+                f"attnplug: multi-step draft needs speculative_num_steps >= 2 and topk >= 1, "
+                f"got {speculative_num_steps}, {topk}"
+            )
         window = compat.draft_decode_window(model_runner)
         if window != (0, 0):
-            raise UnsupportedFeature(f"attnplug: backend '{backend_name}' does not support a draft decode window "
-                                     f"{window} (--speculative-draft-window-size)")
+            raise UnsupportedFeature(
+                f"attnplug: backend '{backend_name}' does not support a draft decode window "
+                f"{window} (--speculative-draft-window-size)"
+            )
         self.topk, self.speculative_num_steps = int(topk), int(speculative_num_steps)
         self.num_attn_steps = self.speculative_num_steps - 1
-        self.attn_backends = [AttnplugDraftStepBackend(model_runner, self, i, backend_name, provider)
-                              for i in range(self.num_attn_steps)]
+        self.attn_backends = [
+            AttnplugDraftStepBackend(model_runner, self, i, backend_name, provider) for i in range(self.num_attn_steps)
+        ]
         b0 = self.attn_backends[0]
         self.backend_name, self.provider_name, self.device = backend_name, b0.provider_name, b0.device
         self.provider = b0.provider  # the class every step's backend resolved
@@ -117,8 +128,9 @@ class AttnplugMultiStepDraftBackend:
 
     # -- eager ----------------------------------------------------------------------------------------
     def _read_table(self, fb, B: int):
-        table = compat.kv_read_table(self.kv_index_translator, fb, self.req_to_token_pool.req_to_token,
-                                     fb.req_pool_indices[:B])
+        table = compat.kv_read_table(
+            self.kv_index_translator, fb, self.req_to_token_pool.req_to_token, fb.req_pool_indices[:B]
+        )
         if table is None:
             raise self.attn_backends[0].unsupported("translated (unified / virtual->physical) KV reads")
         return table
@@ -133,8 +145,9 @@ class AttnplugMultiStepDraftBackend:
         B = int(fb.batch_size)
         seq = self._seq_cpu(fb, B)
         ids, rows = self._read_table(fb, B)
-        cols = compat.draft_token_columns(seq, self.topk, self.speculative_num_steps, self.page_size,
-                                          self.num_attn_steps)
+        cols = compat.draft_token_columns(
+            seq, self.topk, self.speculative_num_steps, self.page_size, self.num_attn_steps
+        )
         width = max(int(seq.max()) if B else 0, int(cols.max()) + 1 if cols.numel() else 0)
         table = ids[rows.long()][:, :width].cpu()  # only this batch's rows and columns come to the host
         local = torch.arange(B)
@@ -156,9 +169,19 @@ class AttnplugMultiStepDraftBackend:
             mb = max(B, 2 * ent[1] if ent else min(64, self.req_to_token_pool.size))
             mt = max(ntok, 2 * ent[2] if ent else self.num_pages * self.page_size)
             self.attn_backends[0].attention(key)  # the layer config is refused here, naming the backend
-            ent = self._planners[key] = (MultiStepDraftPlanner(key, self.topk, self.num_attn_steps, mb,
-                                                               provider=self.provider, device=self.device,
-                                                               max_prefix_tokens=mt), mb, mt)
+            ent = self._planners[key] = (
+                MultiStepDraftPlanner(
+                    key,
+                    self.topk,
+                    self.num_attn_steps,
+                    mb,
+                    provider=self.provider,
+                    device=self.device,
+                    max_prefix_tokens=mt,
+                ),
+                mb,
+                mt,
+            )
             self._planned.pop(key, None)
         return ent[0]
 
@@ -188,12 +211,24 @@ class AttnplugMultiStepDraftBackend:
         sized for ``max_bs`` requests = ``max_bs * topk`` rows."""
         b0 = self.attn_backends[0]
         b0.check_graph_support()
-        rows, ctx = int(max_bs) * self.topk, int(self.req_to_token_pool.req_to_token.shape[1]) + self.speculative_num_steps
+        rows, ctx = (
+            int(max_bs) * self.topk,
+            int(self.req_to_token_pool.req_to_token.shape[1]) + self.speculative_num_steps,
+        )
         configs = list(b0.model_layer_configs()) or [b0.probe_config]
         self._graphs = [
-            GraphFamily(self.provider, state_config=token_config, refuse=b0.refuse_graphs, max_batch=rows,
-                        max_tokens=rows, max_pages=rows * ctx, device=self.device, mode="decode", pad_page=0,
-                        max_seq_len=ctx).add(configs)
+            GraphFamily(
+                self.provider,
+                state_config=token_config,
+                refuse=b0.refuse_graphs,
+                max_batch=rows,
+                max_tokens=rows,
+                max_pages=rows * ctx,
+                device=self.device,
+                mode="decode",
+                pad_page=0,
+                max_seq_len=ctx,
+            ).add(configs)
             for _ in range(self.num_attn_steps)
         ]
 
@@ -203,8 +238,9 @@ class AttnplugMultiStepDraftBackend:
         tensor on the host, at capture). A provider that re-plans on the host keeps its CSR there."""
         seq = self._seq_cpu(fb, B)
         ids, rows = self._read_table(fb, B)
-        cols = compat.draft_token_columns(seq, self.topk, self.speculative_num_steps, self.page_size,
-                                          self.num_attn_steps)
+        cols = compat.draft_token_columns(
+            seq, self.topk, self.speculative_num_steps, self.page_size, self.num_attn_steps
+        )
         batches = step_batches_from_token_table(ids, rows, seq, cols, self.num_attn_steps)
         host_plan = not self.provider.graph_support.device_refresh
         for b in batches:
@@ -212,7 +248,8 @@ class AttnplugMultiStepDraftBackend:
                 b.kv_indices = b.kv_indices.cpu()
             elif not host_plan:  # device CSR: GraphState.update never reads it back
                 b.qo_indptr, b.kv_indptr, b.kv_last_page_len = (
-                    t.to(self.device, non_blocking=True) for t in (b.qo_indptr, b.kv_indptr, b.kv_last_page_len))
+                    t.to(self.device, non_blocking=True) for t in (b.qo_indptr, b.kv_indptr, b.kv_last_page_len)
+                )
         return batches
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:

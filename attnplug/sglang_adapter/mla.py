@@ -20,7 +20,6 @@ draft models, and (should SGLang route one) the MHA prefill path.
 
 from __future__ import annotations
 
-
 from . import compat
 from .backend import AttnplugAttnBackend
 
@@ -31,8 +30,10 @@ class AttnplugMLAAttnBackend(AttnplugAttnBackend):
     def __init__(self, model_runner, backend_name: str = "attnplug_triton", provider: str | None = None):
         super().__init__(model_runner, backend_name, provider)
         if not compat.register_absorbed_mla_dispatch(backend_name):
-            raise self.unsupported("this SGLang's DeepSeek attention dispatch (no AttentionBackendRegistry to "
-                                    "route MLA models to absorbed attention)")
+            raise self.unsupported(
+                "this SGLang's DeepSeek attention dispatch (no AttentionBackendRegistry to "
+                "route MLA models to absorbed attention)"
+            )
 
     def _pool_dims(self) -> tuple[int, int]:
         pool = self.token_to_kv_pool
@@ -44,8 +45,10 @@ class AttnplugMLAAttnBackend(AttnplugAttnBackend):
             raise self.unsupported("EAGLE / MTP draft models with MLA")
         pool, pool_cls = self.token_to_kv_pool, compat.mla_pool_cls()
         if type(pool) is not pool_cls or getattr(pool, "use_dsa", False):
-            raise self.unsupported(f"the MLA KV pool {type(pool).__name__}{' (DSA)' if getattr(pool, 'use_dsa', 0) else ''} "
-                                    f"(only {pool_cls.__name__}: no sparse / DSA, fp4 or host-offloaded latent pools)")
+            raise self.unsupported(
+                f"the MLA KV pool {type(pool).__name__}{' (DSA)' if getattr(pool, 'use_dsa', 0) else ''} "
+                f"(only {pool_cls.__name__}: no sparse / DSA, fp4 or host-offloaded latent pools)"
+            )
         if not self.provider.supports_mla():
             raise self.unsupported(f"MLA (multi-head latent attention) with provider '{self.provider_name}'")
 
@@ -53,8 +56,20 @@ class AttnplugMLAAttnBackend(AttnplugAttnBackend):
         from attnplug.core import AttentionConfig
 
         hq, hkv, d, scale, cap, window, sinks = key
-        return AttentionConfig(hq, hkv, d, self.page_size, self.dtype, "NHD", scale, cap, window, self.kv_dtype,
-                               sinks=sinks, head_dim_v=self.kv_lora_rank)
+        return AttentionConfig(
+            hq,
+            hkv,
+            d,
+            self.page_size,
+            self.dtype,
+            "NHD",
+            scale,
+            cap,
+            window,
+            self.kv_dtype,
+            sinks=sinks,
+            head_dim_v=self.kv_lora_rank,
+        )
 
     def _serves_layer(self, layer) -> bool:
         """The absorbed layers only (each DeepSeek layer also holds an MHA ``RadixAttention``)."""
@@ -68,7 +83,8 @@ class AttnplugMLAAttnBackend(AttnplugAttnBackend):
             raise self.unsupported(
                 f"layer {layer.layer_id}'s attention of {layer.tp_k_head_num} KV heads, head dims "
                 f"{layer.qk_head_dim}/{layer.v_head_dim} on an MLA model (only absorbed MLA over the latent "
-                f"cache: 1 head, {self.head_dim}/{self.kv_lora_rank}; e.g. SGLang's MHA prefill path)")
+                f"cache: 1 head, {self.head_dim}/{self.kv_lora_rank}; e.g. SGLang's MHA prefill path)"
+            )
         return super()._check_layer(layer, kwargs)
 
     def _scales(self, layer) -> dict:

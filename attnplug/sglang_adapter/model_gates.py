@@ -77,16 +77,24 @@ def around_model_step(step, server_args, *args, **kwargs):
     owner, attr = resolver_site(server_args)
     raw = owner.__dict__.get(attr)
     if raw is None:  # the resolver moved: SGLang's own check decides (and refuses with its message)
-        logger.warning("attnplug: SGLang's backend resolver %s.%s is gone; %s keeps SGLang's own backend list",
-                       getattr(owner, "__name__", owner), attr, arch)
+        logger.warning(
+            "attnplug: SGLang's backend resolver %s.%s is gone; %s keeps SGLang's own backend list",
+            getattr(owner, "__name__", owner),
+            attr,
+            arch,
+        )
         return step(server_args, *args, **kwargs)
 
     def resolved(*a, **k):
         return tuple(reference if n in names else n for n in raw(*a, **k))
 
-    logger.info("attnplug: %s's attention-backend check admits %s (attention sinks and per-layer sliding "
-                "windows computed by attnplug's core, checked as SGLang's %r)",
-                arch, ", ".join(sorted(names)), reference)
+    logger.info(
+        "attnplug: %s's attention-backend check admits %s (attention sinks and per-layer sliding "
+        "windows computed by attnplug's core, checked as SGLang's %r)",
+        arch,
+        ", ".join(sorted(names)),
+        reference,
+    )
     setattr(owner, attr, resolved)
     try:
         return step(server_args, *args, **kwargs)
@@ -100,8 +108,12 @@ def plain_kv_pool_override(server_args, hf_config) -> dict:
     names = selected_attnplug_backends(server_args)  # only the user names attnplug: the raw fields
     if not names or getattr(server_args, "disable_hybrid_swa_memory", False):
         return {}
-    logger.info("attnplug: %s keeps its KV in one plain pool with %s (hybrid SWA memory disabled; each "
-                "layer's window is applied in attention)", hf_config.architectures[0], ", ".join(sorted(names)))
+    logger.info(
+        "attnplug: %s keeps its KV in one plain pool with %s (hybrid SWA memory disabled; each "
+        "layer's window is applied in attention)",
+        hf_config.architectures[0],
+        ", ".join(sorted(names)),
+    )
     return {"disable_hybrid_swa_memory": True}
 
 
@@ -115,13 +127,17 @@ def install() -> bool:
 
         try:
             from sglang.srt.arg_groups.model_hook import handle_model_specific_adjustments  # noqa: F401
+
             target = _STEP_023
         except ImportError:
             from sglang.srt.server_args import ServerArgs
 
             if not hasattr(ServerArgs, "_handle_model_specific_adjustments"):
-                logger.info("attnplug: this SGLang has no model-specific step to hook; gated models (%s) keep "
-                            "SGLang's own backend lists", ", ".join(GATED_MODELS))
+                logger.info(
+                    "attnplug: this SGLang has no model-specific step to hook; gated models (%s) keep "
+                    "SGLang's own backend lists",
+                    ", ".join(GATED_MODELS),
+                )
                 return False
             target = _STEP_017
         if target not in _INSTALLED:
@@ -131,6 +147,10 @@ def install() -> bool:
             _INSTALLED.add(target)
         return True
     except Exception as e:  # noqa: BLE001 - a plugin must never break SGLang
-        logger.warning("attnplug: could not hook SGLang's per-model backend checks (%s: %s); %s keep SGLang's "
-                       "own backend lists", type(e).__name__, e, ", ".join(GATED_MODELS))
+        logger.warning(
+            "attnplug: could not hook SGLang's per-model backend checks (%s: %s); %s keep SGLang's own backend lists",
+            type(e).__name__,
+            e,
+            ", ".join(GATED_MODELS),
+        )
         return False

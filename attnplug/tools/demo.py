@@ -14,7 +14,8 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m attnplug.tools.demo", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m attnplug.tools.demo",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Engine-free demo: plan one ragged paged batch per mode (extend, decode, tree verify, and a\n"
         "decode whose requests share a prefix, read once by cascade attention) and\n"
         "run it through every attnplug provider available here (triton, flashinfer, fa3, reference),\n"
@@ -22,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         "On a machine without CUDA the triton provider runs under the Triton interpreter on CPU\n"
         "tensors (needs triton >= 3.7); flashinfer and fa3 print why they are unavailable.",
         epilog="exit status: 0 if every provider that ran is within bf16 tolerance (1e-2), else 1",
-    )  # fmt: skip
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed of the batch and its data (default: 0)")
     args = p.parse_args(argv)
 
@@ -49,10 +50,14 @@ def main(argv: list[str] | None = None) -> int:
         pages = [-(-x // cfg.page_size) for x in lens]
         mask = None
         if mode == ForwardMode.TARGET_VERIFY:  # chain-shaped tree over the draft tokens
-            mask = torch.cat([
-                torch.cat([torch.ones(q, L - q, dtype=torch.bool), torch.ones(q, q, dtype=torch.bool).tril()], 1).flatten()
-                for q, L in zip(q_lens, lens)
-            ])
+            mask = torch.cat(
+                [
+                    torch.cat(
+                        [torch.ones(q, L - q, dtype=torch.bool), torch.ones(q, q, dtype=torch.bool).tril()], 1
+                    ).flatten()
+                    for q, L in zip(q_lens, lens)
+                ]
+            )
         return BatchMetadata(
             mode,
             qo_indptr=torch.tensor([0] + q_lens).cumsum(0).to(torch.int32),
@@ -91,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     # prefix-caching KV manager (same page ids), decoded with cascade attention (the prefix read once)
     from ..bench.shared_prefix import prompts, shared_prefix_batch
 
-    sb, sq, sk, sv, sn = shared_prefix_batch(cfg, ForwardMode.DECODE, prompts([(4, 64)], 10, seed=args.seed),
-                                             seed=args.seed, device=device)  # fmt: skip
+    sb, sq, sk, sv, sn = shared_prefix_batch(
+        cfg, ForwardMode.DECODE, prompts([(4, 64)], 10, seed=args.seed), seed=args.seed, device=device
+    )
     for name in PROVIDER_NAMES:
         try:
             attn = PagedAttention(cfg, name, device, cascade="always")

@@ -25,8 +25,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from attnplug.tools.local_server import (active_line, error_line, free_port, post_json, stop_process_group, verdict,
-                                         wait_healthy)
+from attnplug.tools.local_server import (
+    active_line,
+    error_line,
+    free_port,
+    post_json,
+    stop_process_group,
+    verdict,
+    wait_healthy,
+)
 
 ACTIVE_LINE = "attnplug: attnplug_triton active"
 
@@ -41,9 +48,11 @@ def _server_env(cpu: bool, shim: str | None) -> dict[str, str]:
             checkout = Path(__file__).resolve().parents[2] / "tests" / "sglang" / "sgl_kernel_shim"
             shim = Path(shim) if shim else checkout if checkout.is_dir() else None
             if shim is None or not (shim / "sgl_kernel").is_dir():
-                sys.exit("FAIL sglang: SGLang's CPU engine imports sgl_kernel, whose wheel is CUDA-only, and none is "
-                         "installed here: pass --sgl-kernel-shim DIR (a folder holding a sgl_kernel package, e.g. "
-                         "tests/sglang/sgl_kernel_shim of attnplug's source tree)")
+                sys.exit(
+                    "FAIL sglang: SGLang's CPU engine imports sgl_kernel, whose wheel is CUDA-only, and none is "
+                    "installed here: pass --sgl-kernel-shim DIR (a folder holding a sgl_kernel package, e.g. "
+                    "tests/sglang/sgl_kernel_shim of attnplug's source tree)"
+                )
             print(f"demo_sglang: using the CPU sgl_kernel stand-in {shim}")
             env["PYTHONPATH"] = os.pathsep.join([str(shim)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
@@ -66,10 +75,31 @@ def serve_and_generate(model: Path, backend: str, prompts: list[list[int]], args
         ServerFailed: the server did not start or did not answer.
     """
     port = free_port()
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--skip-tokenizer-init",
-           "--attention-backend", backend, "--host", "127.0.0.1", "--port", str(port), "--page-size",
-           str(args.page_size), "--disable-overlap-schedule", "--mem-fraction-static", "0.3",
-           "--max-total-tokens", "4096", "--random-seed", "0", "--dtype", "float32"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model),
+        "--skip-tokenizer-init",
+        "--attention-backend",
+        backend,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--page-size",
+        str(args.page_size),
+        "--disable-overlap-schedule",
+        "--mem-fraction-static",
+        "0.3",
+        "--max-total-tokens",
+        "4096",
+        "--random-seed",
+        "0",
+        "--dtype",
+        "float32",
+    ]
     if cpu:
         cmd += ["--device", "cpu"]
     else:
@@ -81,8 +111,10 @@ def serve_and_generate(model: Path, backend: str, prompts: list[list[int]], args
         try:
             wait_healthy(proc, f"http://127.0.0.1:{port}", log.name, args.timeout)
         except RuntimeError:
-            raise ServerFailed(f"the {backend} server did not start: "
-                               f"{error_line(Path(log.name).read_text(errors='replace'))}", log.name) from None
+            raise ServerFailed(
+                f"the {backend} server did not start: {error_line(Path(log.name).read_text(errors='replace'))}",
+                log.name,
+            ) from None
         sp = {"temperature": 0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}
         got = {}
         try:
@@ -90,8 +122,10 @@ def serve_and_generate(model: Path, backend: str, prompts: list[list[int]], args
                 payload = {"input_ids": [prompts[i] for i in wave], "sampling_params": sp}
                 got.update(zip(wave, post_json(f"http://127.0.0.1:{port}/generate", payload, timeout=600)))
         except OSError as e:
-            raise ServerFailed(f"the {backend} server did not answer ({e}): "
-                               f"{error_line(Path(log.name).read_text(errors='replace'))}", log.name) from None
+            raise ServerFailed(
+                f"the {backend} server did not answer ({e}): {error_line(Path(log.name).read_text(errors='replace'))}",
+                log.name,
+            ) from None
     finally:
         stop_process_group(proc)  # the server's own process group
     ids = [got[i]["output_ids"] for i in range(len(prompts))]
@@ -100,15 +134,22 @@ def serve_and_generate(model: Path, backend: str, prompts: list[list[int]], args
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m attnplug.tools.demo_sglang", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m attnplug.tools.demo_sglang",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--page-size", type=int, default=1, help="SGLang --page-size (default: 1)")
     ap.add_argument("--max-new-tokens", type=int, default=16, help="greedy tokens per prompt (default: 16)")
-    ap.add_argument("--model-dir", type=Path, default=None,
-                    help="where the tiny model is written (default: a new temporary folder)")
+    ap.add_argument(
+        "--model-dir", type=Path, default=None, help="where the tiny model is written (default: a new temporary folder)"
+    )
     ap.add_argument("--timeout", type=float, default=300, help="seconds to wait for each server (default: 300)")
-    ap.add_argument("--sgl-kernel-shim", default=os.environ.get("ATTNPLUG_SGL_KERNEL_SHIM"),
-                    help="CPU only, when no sgl_kernel is installed: a folder holding a stand-in sgl_kernel package")
+    ap.add_argument(
+        "--sgl-kernel-shim",
+        default=os.environ.get("ATTNPLUG_SGL_KERNEL_SHIM"),
+        help="CPU only, when no sgl_kernel is installed: a folder holding a stand-in sgl_kernel package",
+    )
     args = ap.parse_args(argv)
     if args.model_dir is None:
         args.model_dir = Path(tempfile.mkdtemp(prefix="attnplug-demo-sglang-"))
@@ -120,9 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     cpu = not torch.cuda.is_available()
     model = make_tiny_llama(args.model_dir)
     prompts = test_prompts()
-    print(f"demo_sglang: model {model}, device {'cpu' if cpu else 'cuda'}, page size {args.page_size}, "
-          f"{len(prompts)} prompts (lengths {[len(p) for p in prompts]}), {args.max_new_tokens} new tokens each",
-          flush=True)
+    print(
+        f"demo_sglang: model {model}, device {'cpu' if cpu else 'cuda'}, page size {args.page_size}, "
+        f"{len(prompts)} prompts (lengths {[len(p) for p in prompts]}), {args.max_new_tokens} new tokens each",
+        flush=True,
+    )
     try:
         print("demo_sglang: sglang.launch_server --attention-backend attnplug_triton ...", flush=True)
         ours, cached, log = serve_and_generate(model, "attnplug_triton", prompts, args, cpu)
@@ -136,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     same = [a == b for a, b in zip(ours, ref)]
     for i, (o, s) in enumerate(zip(ref, same)):
         print(f"  torch_native    prompt {i}: {o}  {'==' if s else '!= MISMATCH'}")
-    detail = (f"attnplug_triton {'matches' if all(same) else 'DOES NOT match'} torch_native "
-              f"({sum(same)}/{len(same)} prompts identical)")
+    detail = (
+        f"attnplug_triton {'matches' if all(same) else 'DOES NOT match'} torch_native "
+        f"({sum(same)}/{len(same)} prompts identical)"
+    )
     return verdict("sglang", all(same), detail, active_line(log, ACTIVE_LINE))
 
 

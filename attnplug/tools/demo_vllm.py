@@ -21,8 +21,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from attnplug.tools.local_server import (active_line, error_line, free_port, post_json, stop_process_group, verdict,
-                                         wait_healthy)
+from attnplug.tools.local_server import (
+    active_line,
+    error_line,
+    free_port,
+    post_json,
+    stop_process_group,
+    verdict,
+    wait_healthy,
+)
 
 ACTIVE_LINE = "attnplug: ATTNPLUG_TRITON active"
 
@@ -42,10 +49,31 @@ class VllmServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path or Path(tempfile.mkdtemp(prefix="attnplug-vllm-serve-")) / "serve.log")
-        cmd = [str(Path(sys.executable).with_name("vllm")), "serve", str(model), "--host", "127.0.0.1",
-               "--port", str(self.port), "--served-model-name", "tiny", "--skip-tokenizer-init",
-               "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "8",
-               "--block-size", str(block_size), "--enable-prefix-caching", "--seed", "0", *extra_args]  # fmt: skip
+        cmd = [
+            str(Path(sys.executable).with_name("vllm")),
+            "serve",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            "tiny",
+            "--skip-tokenizer-init",
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            "512",
+            "--max-num-seqs",
+            "8",
+            "--block-size",
+            str(block_size),
+            "--enable-prefix-caching",
+            "--seed",
+            "0",
+            *extra_args,
+        ]
         if backend:
             cmd += ["--attention-backend", backend]
         full_env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -60,7 +88,7 @@ class VllmServer:
             cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
         )
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmServer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -74,8 +102,14 @@ class VllmServer:
 
     def complete(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
         """Greedy completion (eos ignored) of ``prompt_ids``; returns the generated token ids."""
-        body = dict(model="tiny", prompt=prompt_ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                    return_token_ids=True)  # fmt: skip
+        body = dict(
+            model="tiny",
+            prompt=prompt_ids,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            return_token_ids=True,
+        )
         return post_json(self.url + "/v1/completions", body, timeout=600)["choices"][0]["token_ids"]
 
     def stop(self) -> None:
@@ -86,8 +120,11 @@ class VllmServer:
 def main(argv: list[str] | None = None) -> int:
     from attnplug.tools.tiny_model import make_tiny_llama, test_prompts
 
-    ap = argparse.ArgumentParser(prog="python -m attnplug.tools.demo_vllm", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m attnplug.tools.demo_vllm",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--max-tokens", type=int, default=16, help="greedy tokens to generate (default: 16)")
     ap.add_argument("--workdir", default=None, help="model and server logs (default: a new temporary folder)")
     args = ap.parse_args(argv)
@@ -111,8 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"demo_vllm: {name:16s} completion token ids: {got[name]}", flush=True)
     active = active_line((work / "serve-attnplug_triton.log").read_text(errors="replace"), ACTIVE_LINE)
     same = got["native"] == got["attnplug_triton"]
-    detail = (f"attnplug_triton {'gave the same' if same else 'DID NOT give the same'} {len(got['native'])} "
-              f"greedy tokens as vLLM's native backend")
+    detail = (
+        f"attnplug_triton {'gave the same' if same else 'DID NOT give the same'} {len(got['native'])} "
+        f"greedy tokens as vLLM's native backend"
+    )
     return verdict("vllm", same, detail, active)
 
 

@@ -79,8 +79,10 @@ def active_line(log_text: str, marker: str) -> str | None:
 def error_line(log_text: str, n: int = 400) -> str:
     """The last line of a failed server's log that names an error (attnplug's own first), for one line."""
     lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
-    for pick in (lambda ln: "attnplug:" in ln and ("Error" in ln or "must" in ln or "not" in ln),
-                 lambda ln: "Error" in ln or "error" in ln):
+    for pick in (
+        lambda ln: "attnplug:" in ln and ("Error" in ln or "must" in ln or "not" in ln),
+        lambda ln: "Error" in ln or "error" in ln,
+    ):
         hits = [ln for ln in lines if pick(ln)]
         if hits:
             return hits[-1][-n:]
@@ -93,5 +95,5 @@ def verdict(engine: str, same: bool, detail: str, active: str | None) -> int:
     if active is None:
         print(f"FAIL {engine}: attnplug's active line is missing from the server log ({detail})", flush=True)
         return 1
-    print(f"{'PASS' if same else 'FAIL'} {engine}: {detail}; active line: \"{active}\"", flush=True)
+    print(f'{"PASS" if same else "FAIL"} {engine}: {detail}; active line: "{active}"', flush=True)
     return 0 if same else 1

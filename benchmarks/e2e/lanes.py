@@ -56,8 +56,9 @@ def daemon(root: str, gpu: str) -> None:
         else:
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, PYTHONUNBUFFERED="1", **job.get("env", {}))
             with open(os.path.join(root, "logs", name + ".log"), "w") as log:
-                p = subprocess.Popen(["bash", "-c", job["cmd"]], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                p = subprocess.Popen(
+                    ["bash", "-c", job["cmd"]], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
                 try:
                     rc, state = p.wait(timeout=job.get("timeout", 600)), "done"
                 except subprocess.TimeoutExpired:
@@ -67,8 +68,10 @@ def daemon(root: str, gpu: str) -> None:
                 except ProcessLookupError:
                     pass
             time.sleep(3)  # let the driver release the GPU memory of killed processes
-        json.dump({"name": name, "gpu": gpu, "state": state, "rc": rc, "secs": round(time.time() - t0, 1),
-                   "start": t0}, open(status_path, "w"))
+        json.dump(
+            {"name": name, "gpu": gpu, "state": state, "rc": rc, "secs": round(time.time() - t0, 1), "start": t0},
+            open(status_path, "w"),
+        )
         os.rename(path, os.path.join(qdir, "done", os.path.basename(path)))
 
 
@@ -86,8 +89,12 @@ def start(root: str, gpus: list[str]) -> None:
             except (ProcessLookupError, ValueError):
                 pass
         log = open(os.path.join(root, f"daemon{g}.log"), "a")
-        subprocess.Popen([sys.executable, os.path.abspath(__file__), "_daemon", root, g], stdout=log,
-                         stderr=subprocess.STDOUT, start_new_session=True)
+        subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "_daemon", root, g],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     print(f"lanes: daemons for GPUs {gpus} under {root}", flush=True)
 
 
@@ -143,15 +150,24 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("start"); s.add_argument("root"); s.add_argument("--gpus", default="0")
-    s = sub.add_parser("add"); s.add_argument("root"); s.add_argument("--gpu", required=True)
-    s.add_argument("--name", required=True); s.add_argument("--needs", action="append", default=[])
-    s.add_argument("--timeout", type=int, default=600); s.add_argument("--env", action="append", default=[])
-    s = sub.add_parser("wait"); s.add_argument("root"); s.add_argument("--max", type=float, default=500)
-    s.add_argument("--out", default=None); s.add_argument("--results", default=None)
+    s = sub.add_parser("start")
+    s.add_argument("root")
+    s.add_argument("--gpus", default="0")
+    s = sub.add_parser("add")
+    s.add_argument("root")
+    s.add_argument("--gpu", required=True)
+    s.add_argument("--name", required=True)
+    s.add_argument("--needs", action="append", default=[])
+    s.add_argument("--timeout", type=int, default=600)
+    s.add_argument("--env", action="append", default=[])
+    s = sub.add_parser("wait")
+    s.add_argument("root")
+    s.add_argument("--max", type=float, default=500)
+    s.add_argument("--out", default=None)
+    s.add_argument("--results", default=None)
     argv = sys.argv[1:]
-    job = argv[argv.index("--") + 1:] if "--" in argv else []
-    a = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    job = argv[argv.index("--") + 1 :] if "--" in argv else []
+    a = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if a.cmd == "start":
         start(a.root, a.gpus.split(","))
     elif a.cmd == "add":

@@ -31,24 +31,63 @@ import time
 import torch
 
 LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-    "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-    "num_hidden_layers": 32, "vocab_size": 128256, "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
-    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.02,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "num_hidden_layers": 32,
+    "vocab_size": 128256,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "initializer_range": 0.02,
 }
 
 
 DEEPSEEK_V2 = {
-    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 5120,
-    "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_attention_heads": 128, "num_key_value_heads": 128,
-    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "num_hidden_layers": 8, "first_k_dense_replace": 8, "n_routed_experts": 160, "n_shared_experts": 2,
-    "num_experts_per_tok": 6, "moe_layer_freq": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
-    "norm_topk_prob": False, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "hidden_act": "silu",
-    "vocab_size": 102400, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-    "rope_scaling": None, "attention_bias": False, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
-    "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.02,
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "hidden_size": 5120,
+    "intermediate_size": 12288,
+    "moe_intermediate_size": 1536,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "num_hidden_layers": 8,
+    "first_k_dense_replace": 8,
+    "n_routed_experts": 160,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 6,
+    "moe_layer_freq": 1,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0,
+    "scoring_func": "softmax",
+    "hidden_act": "silu",
+    "vocab_size": 102400,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "attention_bias": False,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "initializer_range": 0.02,
 }
 #: per-matrix std where the initializer range would leave MLA's attention near uniform
 STD = {"q_b_proj": 0.03, "kv_b_proj": 0.05}
@@ -74,22 +113,34 @@ def tensors(cfg: dict):
 def gqa_tensors(cfg: dict):
     """A Llama layer's attention weights: (name under ``self_attn.``, shape)."""
     h, d, hq, hk = cfg["hidden_size"], cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    return [("q_proj.weight", (hq * d, h)), ("k_proj.weight", (hk * d, h)), ("v_proj.weight", (hk * d, h)),
-            ("o_proj.weight", (h, hq * d))]  # fmt: skip
+    return [
+        ("q_proj.weight", (hq * d, h)),
+        ("k_proj.weight", (hk * d, h)),
+        ("v_proj.weight", (hk * d, h)),
+        ("o_proj.weight", (h, hq * d)),
+    ]
 
 
 def mla_tensors(cfg: dict):
     """A DeepSeek-V2 layer's MLA weights: (name under ``self_attn.``, shape)."""
     h, hq = cfg["hidden_size"], cfg["num_attention_heads"]
-    ql, kl, dn, dr, dv = (cfg[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                                           "v_head_dim"))  # fmt: skip
-    return [("q_a_proj.weight", (ql, h)), ("q_a_layernorm.weight", (ql,)), ("q_b_proj.weight", (hq * (dn + dr), ql)),
-            ("kv_a_proj_with_mqa.weight", (kl + dr, h)), ("kv_a_layernorm.weight", (kl,)),
-            ("kv_b_proj.weight", (hq * (dn + dv), kl)), ("o_proj.weight", (h, hq * dv))]  # fmt: skip
+    ql, kl, dn, dr, dv = (
+        cfg[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    )
+    return [
+        ("q_a_proj.weight", (ql, h)),
+        ("q_a_layernorm.weight", (ql,)),
+        ("q_b_proj.weight", (hq * (dn + dr), ql)),
+        ("kv_a_proj_with_mqa.weight", (kl + dr, h)),
+        ("kv_a_layernorm.weight", (kl,)),
+        ("kv_b_proj.weight", (hq * (dn + dv), kl)),
+        ("o_proj.weight", (h, hq * dv)),
+    ]
 
 
 def write(path: str, cfg: dict, seed: int = 0, shard_bytes: int = 4 << 30) -> None:
     from safetensors.torch import save_file  # noqa: PLC0415 - the GPU machine's engines bring it
+
     os.makedirs(path, exist_ok=True)
     stamp = os.path.join(path, "attnplug_random.json")
     if os.path.exists(stamp) and json.load(open(stamp)) == {"seed": seed, **cfg}:
@@ -120,7 +171,11 @@ def write(path: str, cfg: dict, seed: int = 0, shard_bytes: int = 4 << 30) -> No
             index["weight_map"][name] = fname
             index["metadata"]["total_size"] += t.numel() * 2
     json.dump(index, open(os.path.join(path, "model.safetensors.index.json"), "w"), indent=1)
-    json.dump({k: v for k, v in cfg.items() if k != "initializer_range"}, open(os.path.join(path, "config.json"), "w"), indent=1)
+    json.dump(
+        {k: v for k, v in cfg.items() if k != "initializer_range"},
+        open(os.path.join(path, "config.json"), "w"),
+        indent=1,
+    )
     json.dump({"seed": seed, **cfg}, open(stamp, "w"))
 
 
@@ -141,8 +196,15 @@ def eagle_repeat_weights(target: dict, engine: str) -> dict[str, torch.Tensor]:
     fc = torch.zeros(h, 2 * h, dtype=bf)
     fc[:, h:] = torch.eye(h, dtype=bf)
     w = {"fc.weight": fc}
-    shapes = {"self_attn.q_proj": (hq * d, h), "self_attn.k_proj": (hk * d, h), "self_attn.v_proj": (hk * d, h),
-              "self_attn.o_proj": (h, hq * d), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    shapes = {
+        "self_attn.q_proj": (hq * d, h),
+        "self_attn.k_proj": (hk * d, h),
+        "self_attn.v_proj": (hk * d, h),
+        "self_attn.o_proj": (h, hq * d),
+        "mlp.gate_proj": (i, h),
+        "mlp.up_proj": (i, h),
+        "mlp.down_proj": (h, i),
+    }
     w.update({f"layers.0.{k}.weight": torch.zeros(shape, dtype=bf) for k, shape in shapes.items()})
     w["layers.0.post_attention_layernorm.weight"] = torch.ones(h, dtype=bf)
     if engine == "sglang":
@@ -163,8 +225,11 @@ def write_eagle_draft(path: str, target: dict, weights: bool = True) -> None:
         cfg.update(architectures=[arch], num_hidden_layers=1)
         json.dump(cfg, open(os.path.join(path, engine, "config.json"), "w"), indent=1)
         if weights:
-            save_file(eagle_repeat_weights(cfg, engine), os.path.join(path, engine, "model.safetensors"),
-                      metadata={"format": "pt"})
+            save_file(
+                eagle_repeat_weights(cfg, engine),
+                os.path.join(path, engine, "model.safetensors"),
+                metadata={"format": "pt"},
+            )
 
 
 def main() -> None:

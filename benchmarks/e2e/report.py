@@ -39,10 +39,14 @@ def variant(r: dict) -> str:
     """The run's setting besides backend / env / eager / EAGLE: ``""`` (default), e.g. ``-tp2``,
     ``-ngram-repeat``, ``-repeat``, ``-kvfp8``, ``-shared``, ``-shared-n8`` (8 samples a prompt)."""
     kv = r.get("kv_cache_dtype") or "auto"
-    return ((f"-tp{r['tp']}" if r.get("tp", 1) > 1 else "") + ("-ngram" if r.get("spec") == "ngram" else "")
-            + ("-repeat" if r.get("prompts") == "repeat" else "") + (f"-kv{kv}" if kv != "auto" else "")
-            + ("-shared" if r.get("prompts") == "shared" else "")
-            + (f"-n{r['samples']}" if r.get("samples", 1) > 1 else ""))  # fmt: skip
+    return (
+        (f"-tp{r['tp']}" if r.get("tp", 1) > 1 else "")
+        + ("-ngram" if r.get("spec") == "ngram" else "")
+        + ("-repeat" if r.get("prompts") == "repeat" else "")
+        + (f"-kv{kv}" if kv != "auto" else "")
+        + ("-shared" if r.get("prompts") == "shared" else "")
+        + (f"-n{r['samples']}" if r.get("samples", 1) > 1 else "")
+    )
 
 
 def label(r: dict) -> str:
@@ -54,8 +58,14 @@ def key(r: dict) -> str:
     return label(r) + variant(r) + ("-eager" if r.get("eager") else "") + ("-eagle" if r.get("eagle") else "")
 
 
-TP_ENV_KEYS = {"NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "VLLM_ALLREDUCE_USE_SYMM_MEM",
-               "VLLM_ALLREDUCE_USE_FLASHINFER", "VLLM_FLASHINFER_ALLREDUCE_BACKEND"}  # engine_run.TP_ENV, part of -tpN
+TP_ENV_KEYS = {
+    "NCCL_NVLS_ENABLE",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+    "NVSHMEM_DISABLE_NVLS",
+    "VLLM_ALLREDUCE_USE_SYMM_MEM",
+    "VLLM_ALLREDUCE_USE_FLASHINFER",
+    "VLLM_FLASHINFER_ALLREDUCE_BACKEND",
+}  # engine_run.TP_ENV, part of -tpN
 
 
 def best_native(by_backend: dict, natives: list[str], row: str) -> tuple[str, float] | None:
@@ -84,27 +94,34 @@ def main() -> None:
     natives = [k for k in NATIVE[eng] if k in graph]
     rows = [row for r in graph.values() for row in r["rows"]]
     rows = list(dict.fromkeys(rows))
-    md = [f"# {eng} end to end on the H200: attnplug backends vs the engine's own", "",
-          f"Command: `{a.command}`", ""]
+    md = [f"# {eng} end to end on the H200: attnplug backends vs the engine's own", "", f"Command: `{a.command}`", ""]
     ver = {r["engine_version"] for r in runs.values()}
-    md += [f"Engine {eng} {', '.join(sorted(ver))}; Llama-3-8B shape (32 layers, hidden 4096, 32/8 heads, d 128, "
-           "vocab 128256) with random N(0, 0.02) weights (benchmarks/e2e/make_model.py), bf16, greedy, "
-           "ignore_eos, offline generate; engine defaults (CUDA graphs on" + (", torch.compile on" if eng == "vllm" else "")
-           + "); max batch 64. tok/s = output tokens / wall time of one generate call on fresh random prompts, "
-           "best of the repeats in the JSON; one warm-up of each shape first.", ""]
+    md += [
+        f"Engine {eng} {', '.join(sorted(ver))}; Llama-3-8B shape (32 layers, hidden 4096, 32/8 heads, d 128, "
+        "vocab 128256) with random N(0, 0.02) weights (benchmarks/e2e/make_model.py), bf16, greedy, "
+        "ignore_eos, offline generate; engine defaults (CUDA graphs on"
+        + (", torch.compile on" if eng == "vllm" else "")
+        + "); max batch 64. tok/s = output tokens / wall time of one generate call on fresh random prompts, "
+        "best of the repeats in the JSON; one warm-up of each shape first.",
+        "",
+    ]
     # speed
     summary = {"speed": {}, "correctness": {}, "targets": {}}
     if rows:
-        md += ["## Speed (output tokens/s)", "", "| backend | " + " | ".join(rows) + " |",
-               "|---|" + "---|" * len(rows)]
+        md += ["## Speed (output tokens/s)", "", "| backend | " + " | ".join(rows) + " |", "|---|" + "---|" * len(rows)]
         for k in natives + ours:
             cells = []
             for row in rows:
                 v = graph[k]["rows"].get(row, {}).get("tok_s")
                 cells.append("-" if v is None else f"{v:.0f}")
             md.append(f"| {k} | " + " | ".join(cells) + " |")
-        md += ["", "Ratios (attnplug / best native of the row; / native triton); target >= 0.98 and triton >= 1.05:", "",
-               "| backend | " + " | ".join(rows) + " |", "|---|" + "---|" * len(rows)]
+        md += [
+            "",
+            "Ratios (attnplug / best native of the row; / native triton); target >= 0.98 and triton >= 1.05:",
+            "",
+            "| backend | " + " | ".join(rows) + " |",
+            "|---|" + "---|" * len(rows),
+        ]
         for k in ours:
             cells = []
             for row in rows:
@@ -122,8 +139,11 @@ def main() -> None:
                     r_t = v / graph[nt]["rows"][row]["tok_s"]
                     ok = ok and r_t >= 1.05
                     cell += f"; {r_t:.3f} vs {nt}"
-                    summary["speed"].setdefault(k, {})[row] = {"vs_best": round(r_best, 4), "best": best_n,
-                                                              "vs_triton": round(r_t, 4)}
+                    summary["speed"].setdefault(k, {})[row] = {
+                        "vs_best": round(r_best, 4),
+                        "best": best_n,
+                        "vs_triton": round(r_t, 4),
+                    }
                 else:
                     summary["speed"].setdefault(k, {})[row] = {"vs_best": round(r_best, 4), "best": best_n}
                 summary["targets"].setdefault(k, {})[row] = ok
@@ -131,14 +151,22 @@ def main() -> None:
             md.append(f"| {k} | " + " | ".join(cells) + " |")
         md.append("")
     # correctness
-    md += ["## Correctness (8 ragged prompts of 37..3000 random tokens, 32 greedy tokens)", "",
-           "First generated position where the tokens differ from the reference (`=`: all 32 equal), and the "
-           "reference's logprob gap between its token and ours there.", ""]
+    md += [
+        "## Correctness (8 ragged prompts of 37..3000 random tokens, 32 greedy tokens)",
+        "",
+        "First generated position where the tokens differ from the reference (`=`: all 32 equal), and the "
+        "reference's logprob gap between its token and ours there.",
+        "",
+    ]
     for ref in REFS[eng]:
         if ref not in runs:
             continue
-        md += [f"Reference: {ref}", "", "| backend | " + " | ".join(f"p{i}" for i in range(8)) + " | equal |",
-               "|---|" + "---|" * 9]
+        md += [
+            f"Reference: {ref}",
+            "",
+            "| backend | " + " | ".join(f"p{i}" for i in range(8)) + " | equal |",
+            "|---|" + "---|" * 9,
+        ]
         for k in [x for x in runs if x != ref]:
             rk = ref + variant(runs[k]) if ref + variant(runs[k]) in runs else ref  # fp8 / TP runs: the native's own
             if "correctness" not in runs[k] or rk == k or (rk != ref and variant(runs[k]) == ""):
@@ -161,17 +189,37 @@ def main() -> None:
         vref = next((b for b in REFS[eng] if b in vr), None)  # tokens of this variant's runs vs its native
         nat = [b for b in NATIVE[eng] if b in vr]
         vrows = list(dict.fromkeys(row for r in vr.values() for row in r["rows"]))
-        md += [f"## Variant `{v}` (" + ", ".join(filter(None, [
-            f"tensor parallel {v.split('-tp')[1].split('-')[0]} GPUs" if "-tp" in v else "",
-            "n-gram speculation (accepted = tokens per verify step, bonus included)" if "-ngram" in v else "",
-            "prompts repeating a 32-token phrase" if "-repeat" in v else "",
-            f"KV cache {v.split('-kv')[1].split('-')[0]} (KV = capacity in tokens vs the same backend's default run)"
-            if "-kv" in v else "",
-            "64 requests sharing an 8192-token system prompt, prefix cache warm (cascade = attnplug forwards that "
-            "read the shared prefix once)" if "-shared" in v and not re.search(r"-n\d", v) else "",
-            f"{v.split('-n')[-1]} samples of each prompt (parallel sampling, top-k 1), prefix cache warm"
-            if re.search(r"-n\d", v) else ""])) + ")", "",
-            "| backend | " + " | ".join(vrows) + " |", "|---|" + "---|" * len(vrows)]
+        md += [
+            f"## Variant `{v}` ("
+            + ", ".join(
+                filter(
+                    None,
+                    [
+                        f"tensor parallel {v.split('-tp')[1].split('-')[0]} GPUs" if "-tp" in v else "",
+                        "n-gram speculation (accepted = tokens per verify step, bonus included)"
+                        if "-ngram" in v
+                        else "",
+                        "prompts repeating a 32-token phrase" if "-repeat" in v else "",
+                        f"KV cache {v.split('-kv')[1].split('-')[0]} "
+                        "(KV = capacity in tokens vs the same backend's default run)"
+                        if "-kv" in v
+                        else "",
+                        "64 requests sharing an 8192-token system prompt, prefix cache warm "
+                        "(cascade = attnplug forwards that "
+                        "read the shared prefix once)"
+                        if "-shared" in v and not re.search(r"-n\d", v)
+                        else "",
+                        f"{v.split('-n')[-1]} samples of each prompt (parallel sampling, top-k 1), prefix cache warm"
+                        if re.search(r"-n\d", v)
+                        else "",
+                    ],
+                )
+            )
+            + ")",
+            "",
+            "| backend | " + " | ".join(vrows) + " |",
+            "|---|" + "---|" * len(vrows),
+        ]
         for b in nat + [b for b in vr if b not in nat]:
             cells = []
             for row in vrows:
@@ -197,8 +245,9 @@ def main() -> None:
                 gcasc = sum(m.get("cascade_graph_updates", 0) for m in marks)
                 if b not in nat and marks:  # the proof markers: forwards / graph replays that read a prefix once
                     cell += f", cascade {casc} eager + {gcasc} graph forwards"
-                    off = "0" in (vr[b].get("env") or {}).get("ATTNPLUG_CASCADE", "1") + \
-                        (vr[b].get("env") or {}).get("ATTNPLUG_CASCADE_GRAPHS", "1")  # turned off on purpose
+                    off = "0" in (vr[b].get("env") or {}).get("ATTNPLUG_CASCADE", "1") + (vr[b].get("env") or {}).get(
+                        "ATTNPLUG_CASCADE_GRAPHS", "1"
+                    )  # turned off on purpose
                     if ("-shared" in v or re.search(r"-n\d", v)) and casc + gcasc == 0 and not off:  # a harness bug
                         cell += " (NO CASCADE RAN)"
                 # the variant's own prompts where the run has them (shared: 8 requests on the cached prefix)
@@ -215,7 +264,12 @@ def main() -> None:
     # eager vs graphs, EAGLE
     extra = [k for k in runs if runs[k].get("eager") or runs[k].get("eagle")]
     if extra:
-        md += ["## Eager (no CUDA graphs) and EAGLE runs", "", "| run | init s | rows (tok/s) | note |", "|---|---|---|---|"]
+        md += [
+            "## Eager (no CUDA graphs) and EAGLE runs",
+            "",
+            "| run | init s | rows (tok/s) | note |",
+            "|---|---|---|---|",
+        ]
         for k in extra:
             r = runs[k]
             note = ""
@@ -225,16 +279,22 @@ def main() -> None:
                 if acc:
                     note = f"accepted tokens/verify step {acc[0]}; "
                 elif all(v for v in vc):
-                    note = f"mean accepted tokens/verify step {sum(len(o['tokens']) for o in r['correctness']) / sum(vc):.2f}; "
+                    accepted = sum(len(o["tokens"]) for o in r["correctness"]) / sum(vc)
+                    note = f"mean accepted tokens/verify step {accepted:.2f}; "
                 base = graph.get(r["backend"])
                 if base:
                     same = sum(o["tokens"] == b["tokens"] for o, b in zip(r["correctness"], base["correctness"]))
                     note += f"{same}/8 prompts token-identical to {r['backend']} without EAGLE"
             elif r["backend"] in graph:
                 g = graph[r["backend"]]["rows"]
-                note = "graph/eager: " + ", ".join(f"{row} {g[row]['tok_s'] / v['tok_s']:.2f}x" for row, v in r["rows"].items() if row in g)
-            md.append(f"| {k} | {r['init_s']} | " + ", ".join(f"{row}: {v['tok_s']:.0f}" for row, v in r["rows"].items())
-                      + f" | {note} |")
+                note = "graph/eager: " + ", ".join(
+                    f"{row} {g[row]['tok_s'] / v['tok_s']:.2f}x" for row, v in r["rows"].items() if row in g
+                )
+            md.append(
+                f"| {k} | {r['init_s']} | "
+                + ", ".join(f"{row}: {v['tok_s']:.0f}" for row, v in r["rows"].items())
+                + f" | {note} |"
+            )
         md.append("")
     if a.logs:
         md += ["## Proof each attnplug run used attnplug (its own log: the backend's `active` line, graph capture)", ""]
@@ -244,14 +304,23 @@ def main() -> None:
             log = os.path.join(a.logs, r["job"] + ".log")
             lines = open(log, errors="replace").read().splitlines() if os.path.exists(log) else []
             active = [x.strip() for x in lines if "attnplug:" in x and " active (" in x]
-            graphs = [x.strip() for x in lines if "Graph capturing finished" in x or "cudagraph_mode=" in x
-                      or ("Capture " in x and "CUDA graph end" in x)]
+            graphs = [
+                x.strip()
+                for x in lines
+                if "Graph capturing finished" in x
+                or "cudagraph_mode=" in x
+                or ("Capture " in x and "CUDA graph end" in x)
+            ]
             md.append(f"- {k}: `{active[0][-170:]}`" if active else f"- {k}: NO 'active' line in {r['job']}.log")
             for g in graphs[:4]:
                 md.append(f"  - `{g[-170:]}`")
         md.append("")
     os.makedirs(a.out, exist_ok=True)
-    json.dump({"runs": runs, "summary": summary, "command": a.command}, open(os.path.join(a.out, a.name + ".json"), "w"), indent=1)
+    json.dump(
+        {"runs": runs, "summary": summary, "command": a.command},
+        open(os.path.join(a.out, a.name + ".json"), "w"),
+        indent=1,
+    )
     open(os.path.join(a.out, a.name + ".md"), "w").write("\n".join(md) + "\n")
     print("\n".join(md))
 

@@ -49,8 +49,11 @@ def cycle_prompts(generate, bs: int, plen: int, seed: int, vocab_hi: int) -> tup
         c = find_cycle(list(o["tokens"]))
         if c:
             periods.append(c[0])
-    stats = {"cycles": len(periods), "prompts": bs,
-             "mean_period": round(sum(periods) / len(periods), 2) if periods else None}  # fmt: skip
+    stats = {
+        "cycles": len(periods),
+        "prompts": bs,
+        "mean_period": round(sum(periods) / len(periods), 2) if periods else None,
+    }
     return prompts, stats
 
 

@@ -65,8 +65,11 @@ def parts(gs, B, q, k, v) -> dict:
 
     c, out = gs.cascade, torch.empty_like(q)
     st = gs.plans[B].state
-    plan_info = {k: getattr(st, a) for k, a in (("splits", "num_splits"), ("kernel", "kernel"), ("block_n", "block_n"))
-                 if hasattr(st, a)}  # fmt: skip
+    plan_info = {
+        k: getattr(st, a)
+        for k, a in (("splits", "num_splits"), ("kernel", "kernel"), ("block_n", "block_n"))
+        if hasattr(st, a)
+    }
     if c is None:
         return dict(suffix=graph_ms(lambda: gs.provider.run(gs.plans[B], q, k, v, out)), suffix_plan=plan_info)
     s_lse = c.lse_suffix[:B]
@@ -74,8 +77,9 @@ def parts(gs, B, q, k, v) -> dict:
         suffix=graph_ms(lambda: gs.provider.run(gs.plans[B], q, k, v, out, s_lse)),
         prefix=graph_ms(lambda: c.provider.run(c.plans[B], q, k, v, c.out_part[:B], c.lse_part[:B])),
         merge_state=graph_ms(lambda: merge_state(out, s_lse, c.out_part[:B], c.lse_part[:B], out, s_lse)),
-        prefix_run_merge=graph_ms(lambda: c.provider.run_merge(c.plans[B], q, k, v, out, s_lse, c.out_part[:B],
-                                                               c.lse_part[:B])),
+        prefix_run_merge=graph_ms(
+            lambda: c.provider.run_merge(c.plans[B], q, k, v, out, s_lse, c.out_part[:B], c.lse_part[:B])
+        ),
         suffix_plan=plan_info,
     )
 
@@ -90,8 +94,10 @@ def prefix_sweep(gs, B, q, k, v) -> list[dict]:
 
     c, rows = gs.cascade, []
     op, lp = torch.empty_like(c.out_part[:B]), torch.empty_like(c.lse_part[:B])
-    configs = [dict()] + [dict(block_m=m, block_n=n, num_kv_splits=s, num_warps=w, num_stages=st)
-                          for m, n, s, w, st in itertools.product((64, 128), (64, 128), (16, 32, 64), (4, 8), (2, 3))]
+    configs = [dict()] + [
+        dict(block_m=m, block_n=n, num_kv_splits=s, num_warps=w, num_stages=st)
+        for m, n, s, w, st in itertools.product((64, 128), (64, 128), (16, 32, 64), (4, 8), (2, 3))
+    ]
     for knobs in configs:
         plan = c._plan(B)
         plan.options = dataclasses.replace(PlanOptions(), **knobs)
@@ -99,8 +105,9 @@ def prefix_sweep(gs, B, q, k, v) -> list[dict]:
             c.provider.plan(plan)
             ms = graph_ms(lambda: c.provider.run(plan, q, k, v, op, lp))
             st = plan.state
-            rows.append(dict(knobs=knobs, ms=ms, splits=st.num_splits, block_m=st.block_m, block_n=st.block_n,
-                             kernel=st.kernel))
+            rows.append(
+                dict(knobs=knobs, ms=ms, splits=st.num_splits, block_m=st.block_m, block_n=st.block_n, kernel=st.kernel)
+            )
         except Exception as e:  # a knob set the kernel cannot compile (shared memory): recorded, not fatal
             rows.append(dict(knobs=knobs, error=repr(e)[:200]))
     return rows
@@ -126,8 +133,17 @@ def row(cfg, spec, unique, dev, provider="triton", sweep=False, eager=True) -> d
     res = {}
     max_seq = int(((batch.kv_indptr[1:] - batch.kv_indptr[:-1]).max()) * cfg.page_size)
     for mode in ("off", "auto"):
-        gs = GraphState(cfg, provider, max_batch=B, max_tokens=B, max_pages=num_pages, device=dev,
-                        pad_page=num_pages - 1, max_seq_len=max_seq, cascade=mode)  # fmt: skip
+        gs = GraphState(
+            cfg,
+            provider,
+            max_batch=B,
+            max_tokens=B,
+            max_pages=num_pages,
+            device=dev,
+            pad_page=num_pages - 1,
+            max_seq_len=max_seq,
+            cascade=mode,
+        )
         gs.prepare_capture(B)
         gs.update(batch, B)
         out = torch.empty_like(q)
@@ -135,17 +151,25 @@ def row(cfg, spec, unique, dev, provider="triton", sweep=False, eager=True) -> d
         out.zero_()
         g.replay()
         err = rel_err(out, ref)
-        res[f"graph_{mode}"] = dict(ms=timed_ms(g.replay), rel_err=err, finite=bool(torch.isfinite(out).all()),
-                                    shared_pages=int(gs.cascade.kv_lens) // cfg.page_size if gs.cascade else 0,
-                                    found_pages=int(gs.cascade.shared) if gs.cascade else 0)
-        seq = ((batch.kv_indptr[1:] - batch.kv_indptr[:-1] - 1) * cfg.page_size + batch.kv_last_page_len).to(torch.int32)
+        res[f"graph_{mode}"] = dict(
+            ms=timed_ms(g.replay),
+            rel_err=err,
+            finite=bool(torch.isfinite(out).all()),
+            shared_pages=int(gs.cascade.kv_lens) // cfg.page_size if gs.cascade else 0,
+            found_pages=int(gs.cascade.shared) if gs.cascade else 0,
+        )
+        seq = ((batch.kv_indptr[1:] - batch.kv_indptr[:-1] - 1) * cfg.page_size + batch.kv_last_page_len).to(
+            torch.int32
+        )
         W = int((batch.kv_indptr[1:] - batch.kv_indptr[:-1]).max())
         table = torch.zeros(B, W, dtype=torch.int32)
         for b in range(B):
-            pages = batch.kv_indices[batch.kv_indptr[b]: batch.kv_indptr[b + 1]]
+            pages = batch.kv_indices[batch.kv_indptr[b] : batch.kv_indptr[b + 1]]
             table[b, : pages.numel()] = pages
         seq_d, table_d = seq.to(dev), table.to(dev)
-        res[f"graph_{mode}"]["update_from_block_table_ms"] = timed_ms(lambda: gs.update_from_block_table(seq_d, table_d, B))
+        res[f"graph_{mode}"]["update_from_block_table_ms"] = timed_ms(
+            lambda: gs.update_from_block_table(seq_d, table_d, B)
+        )
         gs.update_from_block_table(seq_d, table_d, B)
         out.zero_()
         g.replay()
@@ -181,19 +205,29 @@ def main() -> None:
     providers = ["triton"] if a.smoke else [p for p in a.providers.split(",") if p]
     specs = []  # (name, groups, unique tokens, sweep)
     for p in providers:
-        specs += [(p, f"{p} {n}x({shared} shared + {own})", [(n, shared)], own, a.sweep),
-                  (p, f"{p} {n}x({shared} + {own}) nothing shared", [(1, shared)] * n, own, False)]
+        specs += [
+            (p, f"{p} {n}x({shared} shared + {own})", [(n, shared)], own, a.sweep),
+            (p, f"{p} {n}x({shared} + {own}) nothing shared", [(1, shared)] * n, own, False),
+        ]
         if not a.smoke:  # shorter contexts, where an empty prefix part weighs more
-            specs += [(p, f"{p} 64x(768 + 256) nothing shared", [(1, 768)] * 64, 256, False),
-                      (p, f"{p} 8x(8192 + 256) nothing shared", [(1, 8192)] * 8, 256, False),
-                      (p, f"{p} 16x(2048 shared + 256)", [(16, 2048)], 256, False)]
+            specs += [
+                (p, f"{p} 64x(768 + 256) nothing shared", [(1, 768)] * 64, 256, False),
+                (p, f"{p} 8x(8192 + 256) nothing shared", [(1, 8192)] * 8, 256, False),
+                (p, f"{p} 16x(2048 shared + 256)", [(16, 2048)], 256, False),
+            ]
             # small batches of short contexts, where the empty prefix part weighs most against the step
             specs += [(p, f"{p} {m}x(768 + 256) nothing shared", [(1, 768)] * m, 256, False) for m in (2, 4, 8, 16)]
     only = [x for x in a.only.split(",") if x]
-    rows = {name: row(cfg, groups, own_, dev, p, sweep=sw, eager=not a.graphs_only)
-            for p, name, groups, own_, sw in specs if not only or any(x in name for x in only)}
-    res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-           "rows": rows}
+    rows = {
+        name: row(cfg, groups, own_, dev, p, sweep=sw, eager=not a.graphs_only)
+        for p, name, groups, own_, sw in specs
+        if not only or any(x in name for x in only)
+    }
+    res = {
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "rows": rows,
+    }
     print(json.dumps(res, indent=1), flush=True)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "cascade-graph.json"), "w") as f:

@@ -60,8 +60,12 @@ def main() -> None:
             plan_cascade_us=median_us(lambda: plan_cascade(plan, "auto"), a.calls // 4),
             find_groups_us=median_us(group, a.calls),
         )
-        print(f"{name:34s} groups {res['rows'][name]['groups']}  find_groups {res['rows'][name]['find_groups_us']:7.1f} us"
-              f"  plan_cascade (decision + split) {res['rows'][name]['plan_cascade_us']:7.1f} us", flush=True)
+        print(
+            f"{name:34s} groups {res['rows'][name]['groups']}  "
+            f"find_groups {res['rows'][name]['find_groups_us']:7.1f} us"
+            f"  plan_cascade (decision + split) {res['rows'][name]['plan_cascade_us']:7.1f} us",
+            flush=True,
+        )
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "cascade-grouping.json")
     json.dump(res, open(path, "w"), indent=1)

@@ -27,13 +27,14 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from cascade_graph_bench import captured  # noqa: E402
+
 from attnplug.bench.shared_prefix import prompts, shared_prefix_batch  # noqa: E402
 from attnplug.core import AttentionConfig, ForwardMode, ProviderUnavailable  # noqa: E402
 from attnplug.core.cuda_graph import GraphState  # noqa: E402
 from attnplug.core.plan import make_plan  # noqa: E402
 from attnplug.core.providers import get_provider_cls  # noqa: E402
 from attnplug.core.reference import reference_attention  # noqa: E402
-from cascade_graph_bench import captured  # noqa: E402
 
 SIZES = (2, 4, 8, 16, 32, 64)
 CTXS = (1024, 2048, 4096, 8192)
@@ -45,7 +46,7 @@ def block_table(batch) -> torch.Tensor:
     counts = ind[1:] - ind[:-1]
     table = torch.zeros(batch.batch_size, int(counts.max()), dtype=torch.int32)
     for b in range(batch.batch_size):
-        table[b, : int(counts[b])] = batch.kv_indices[int(ind[b]): int(ind[b + 1])]
+        table[b, : int(counts[b])] = batch.kv_indices[int(ind[b]) : int(ind[b + 1])]
     return table
 
 
@@ -92,8 +93,17 @@ def row(cfg, work, provider, dev, reps, on="auto") -> dict:
     max_seq = int(table.shape[1]) * P
     gss = []
     for mode in ("off", on):
-        gs = GraphState(cfg, provider, max_batch=B, max_tokens=B, max_pages=num_pages, device=dev,
-                        pad_page=num_pages - 1, max_seq_len=max_seq, cascade=mode)  # fmt: skip
+        gs = GraphState(
+            cfg,
+            provider,
+            max_batch=B,
+            max_tokens=B,
+            max_pages=num_pages,
+            device=dev,
+            pad_page=num_pages - 1,
+            max_seq_len=max_seq,
+            cascade=mode,
+        )
         gs.prepare_capture(B)
         gs.update_from_block_table(seq, table, B, host_seq_lens=seq.cpu() if gs.needs_host_lengths else None)
         gss.append(gs)
@@ -118,8 +128,11 @@ def main() -> None:
     else:
         dev, cfg = torch.device("cuda"), AttentionConfig(32, 8, 128, 16, torch.bfloat16)
         shapes, shared_spec = [(m, c) for c in CTXS for m in SIZES], ([(64, 8192)], 256)
-    res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-           "rows": {}}
+    res = {
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "rows": {},
+    }
     print(f"{'provider':10} {'row':28} {'off us':>8} {'on us':>8} {'extra':>14}  verdict")
     providers = []
     for p in [x for x in a.providers.split(",") if x]:
@@ -140,8 +153,11 @@ def main() -> None:
             extra = r["on_us"] - r["off_us"]
             limit = max(0.01 * r["off_us"], 1.5)
             ok = "ok" if extra <= limit else f"OVER (limit {limit:.2f} us)"
-            print(f"{p:10} {f'{m}x{c} unshared':28} {r['off_us']:8.2f} {r['on_us']:8.2f} "
-                  f"{extra:+7.2f} us {100 * extra / r['off_us']:+5.1f}%  {ok}  err {r['rel_err']:.1e}", flush=True)
+            print(
+                f"{p:10} {f'{m}x{c} unshared':28} {r['off_us']:8.2f} {r['on_us']:8.2f} "
+                f"{extra:+7.2f} us {100 * extra / r['off_us']:+5.1f}%  {ok}  err {r['rel_err']:.1e}",
+                flush=True,
+            )
             res["rows"][f"{p} {m}x{c} unshared"] = r
         del work
     spec, own = shared_spec
@@ -150,9 +166,11 @@ def main() -> None:
         r = row(cfg, work, p, dev, a.reps, on)
         speed = r["off_us"] / r["on_us"]
         name = f"{spec[0][0]}x({spec[0][1]}+{own}) shared"
-        print(f"{p:10} {name:28} {r['off_us']:8.2f} {r['on_us']:8.2f} {speed:10.2f}x     "
-              f"{'ok' if speed >= 3.9 else 'UNDER 3.9x'}  err {r['rel_err']:.1e}  shared pages {r['shared_pages']}",
-              flush=True)
+        print(
+            f"{p:10} {name:28} {r['off_us']:8.2f} {r['on_us']:8.2f} {speed:10.2f}x     "
+            f"{'ok' if speed >= 3.9 else 'UNDER 3.9x'}  err {r['rel_err']:.1e}  shared pages {r['shared_pages']}",
+            flush=True,
+        )
         res["rows"][f"{p} {name}"] = r
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))

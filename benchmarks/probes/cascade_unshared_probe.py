@@ -15,6 +15,7 @@ triton on sm90 also ``full_no_trigger`` (the suffix's paged kernel without ``gdc
 ``full - off`` is what cascade costs (unshared) or saves (shared); ``prefix`` is the empty prefix
 part's share of it on the unshared row.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,11 +29,12 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from sweep_cascade_prefix import graph_ms  # noqa: E402
+from sweep_triton import bench_ms  # noqa: E402
+
 from attnplug.bench.workloads import FULL_ROWS, build  # noqa: E402
 from attnplug.core import AttentionConfig  # noqa: E402
 from attnplug.core.cuda_graph import GraphState  # noqa: E402
-from sweep_cascade_prefix import graph_ms  # noqa: E402
-from sweep_triton import bench_ms  # noqa: E402
 
 CFG = AttentionConfig(32, 8, 128, 16, torch.bfloat16)
 
@@ -55,8 +57,16 @@ def main() -> None:
         for p in a.providers.split(","):
             t = {}
             for mode in ("off", "auto"):
-                gs = GraphState(CFG, p, max_batch=B, max_tokens=B, max_pages=work.num_pages, device=dev,
-                                max_seq_len=work.block_table.shape[1] * CFG.page_size, cascade=mode)  # fmt: skip
+                gs = GraphState(
+                    CFG,
+                    p,
+                    max_batch=B,
+                    max_tokens=B,
+                    max_pages=work.num_pages,
+                    device=dev,
+                    max_seq_len=work.block_table.shape[1] * CFG.page_size,
+                    cascade=mode,
+                )
                 gs.prepare_capture(B)
                 gs.update_from_block_table(work.seq_lens, work.block_table, B)
                 out = torch.empty_like(q)
@@ -73,8 +83,9 @@ def main() -> None:
                         t["fa3_call"] = graphed(lambda: call(False))
                         t["fa3_call_lse"] = graphed(lambda: call(True))
                         t["fa3_call_lse_copy"] = graphed(lambda: s_lse.copy_(call(True).t()))
-                    t["prefix"] = graphed(lambda: c.provider.run_merge(c.plans[B], q, k, v, out, s_lse, c.out_part[:B],
-                                                                       c.lse_part[:B]))  # fmt: skip
+                    t["prefix"] = graphed(
+                        lambda: c.provider.run_merge(c.plans[B], q, k, v, out, s_lse, c.out_part[:B], c.lse_part[:B])
+                    )
                     if getattr(c.provider, "_pdl_ok", None):  # triton on sm90: without PDL (same run)
                         gs.provider._pdl_ok = False
                         t["full_no_trigger"] = graphed(lambda: gs.run(B, q, k, v, out))

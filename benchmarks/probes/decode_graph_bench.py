@@ -75,8 +75,15 @@ def attnplug_case(work: Work, kv: list, provider: str, capture_len: int, layers:
     provider, host = provider.removesuffix("+host"), provider.endswith("+host")
     sc = engine_scales(work) if host else work.extra.get("scales", {})
     try:
-        gs = GraphState(cfg, provider, max_batch=B, max_tokens=B, max_pages=B * num_pages(capture_len, cfg.page_size),
-                        device=q.device, max_seq_len=capture_len)  # fmt: skip
+        gs = GraphState(
+            cfg,
+            provider,
+            max_batch=B,
+            max_tokens=B,
+            max_pages=B * num_pages(capture_len, cfg.page_size),
+            device=q.device,
+            max_seq_len=capture_len,
+        )
     except ProviderUnavailable as e:
         return {"unavailable": str(e)}
     gs.prepare_capture(B)
@@ -84,9 +91,21 @@ def attnplug_case(work: Work, kv: list, provider: str, capture_len: int, layers:
     outs = [torch.empty_like(q) for _ in range(layers)]
     ms = replay_ms(lambda i: gs.run(B, q, kv[i][0], kv[i][1], outs[i], **sc), layers, q.device)
     st = plan.state
-    return dict(ms_per_layer=ms, rel_err=rel_err(outs[0], reference(work, B)),
-                **{k: getattr(st, a) for k, a in (("splits", "num_splits"), ("kernel", "kernel"), ("block_n", "block_n"),
-                                                 ("fp8_f16", "fp8_f16"), ("pairs", "pairs")) if hasattr(st, a)})  # fmt: skip
+    return dict(
+        ms_per_layer=ms,
+        rel_err=rel_err(outs[0], reference(work, B)),
+        **{
+            k: getattr(st, a)
+            for k, a in (
+                ("splits", "num_splits"),
+                ("kernel", "kernel"),
+                ("block_n", "block_n"),
+                ("fp8_f16", "fp8_f16"),
+                ("pairs", "pairs"),
+            )
+            if hasattr(st, a)
+        },
+    )
 
 
 def flashinfer_case(work: Work, kv: list, layers: int) -> dict:
@@ -102,12 +121,25 @@ def flashinfer_case(work: Work, kv: list, layers: int) -> dict:
         return {"unavailable": str(e)}
     cfg, b, q, dev = work.config, work.batch, work.q, work.q.device
     w = fi.BatchDecodeWithPagedKVCacheWrapper(
-        _workspace(dev), cfg.kv_layout, use_cuda_graph=True, use_tensor_cores=True,
-        paged_kv_indptr_buffer=b.kv_indptr.to(dev), paged_kv_indices_buffer=b.kv_indices.to(dev),
+        _workspace(dev),
+        cfg.kv_layout,
+        use_cuda_graph=True,
+        use_tensor_cores=True,
+        paged_kv_indptr_buffer=b.kv_indptr.to(dev),
+        paged_kv_indices_buffer=b.kv_indices.to(dev),
         paged_kv_last_page_len_buffer=b.kv_last_page_len.to(dev),
-        **(fa2_decode_kwargs(fi) if work.row.kv == "fp8" else {}))  # fmt: skip
-    w.plan(b.kv_indptr, b.kv_indices, b.kv_last_page_len, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
-           cfg.page_size, **_fi_common(work))  # fmt: skip
+        **(fa2_decode_kwargs(fi) if work.row.kv == "fp8" else {}),
+    )
+    w.plan(
+        b.kv_indptr,
+        b.kv_indices,
+        b.kv_last_page_len,
+        cfg.num_qo_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.page_size,
+        **_fi_common(work),
+    )
     outs, sc = [torch.empty_like(q) for _ in range(layers)], _fi_scales(work)
     ms = replay_ms(lambda i: w.run(q, kv[i], out=outs[i], **sc), layers, dev)
     return dict(ms_per_layer=ms, rel_err=rel_err(outs[0], reference(work, work.row.batch)))
@@ -121,7 +153,9 @@ def kv_write_case(work: Work, kv: list, layers: int) -> dict:
     slots = slot_mapping(work.block_table, work.seq_lens - 1, torch.arange(B, device=dev), cfg.page_size)
     sc = work.extra.get("scales", {})
     # the write overwrites the last key of every request: the attention cases above have already run
-    return dict(ms_per_layer=replay_ms(lambda i: write_kv_paged(k_new, k_new, kv[i][0], kv[i][1], slots, **sc), layers, dev))
+    return dict(
+        ms_per_layer=replay_ms(lambda i: write_kv_paged(k_new, k_new, kv[i][0], kv[i][1], slots, **sc), layers, dev)
+    )
 
 
 def guarded(fn, *args) -> dict:
@@ -140,14 +174,21 @@ def main() -> None:
     ap.add_argument("--providers", default="triton,fa3,flashinfer")
     ap.add_argument("--rows", default="1x1024,64x1024", help="comma list of BxKV (decode, one new token each)")
     ap.add_argument("--pages", default="1,16", help="page sizes (SGLang runs page 1)")
-    ap.add_argument("--capture-len", default="32768",
-                    help="max_seq_len the graphs are captured for; a comma list also captures each provider at the "
-                         "later lengths (cases 'PROVIDER@LEN': the split count chosen for that length)")
+    ap.add_argument(
+        "--capture-len",
+        default="32768",
+        help="max_seq_len the graphs are captured for; a comma list also captures each provider at the "
+        "later lengths (cases 'PROVIDER@LEN': the split count chosen for that length)",
+    )
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--min-split-keys", type=int, default=None,
-                    help="the triton provider's split rule with this min_split_keys in every split decode entry "
-                         "(decode_split / decode_tiny) of the tile table, instead of the provider's default "
-                         "(TritonProvider.split_count)")
+    ap.add_argument(
+        "--min-split-keys",
+        type=int,
+        default=None,
+        help="the triton provider's split rule with this min_split_keys in every split decode entry "
+        "(decode_split / decode_tiny) of the tile table, instead of the provider's default "
+        "(TritonProvider.split_count)",
+    )
     a = ap.parse_args()
     if a.min_split_keys is not None:
         from attnplug.core.kernels import tiles  # noqa: PLC0415
@@ -158,11 +199,22 @@ def main() -> None:
         dev, heads, rows, pages, caps, layers = torch.device("cpu"), (4, 2, 32), ["2x40"], [1, 16], [256, 64], 2
         providers = ["triton"]
     else:
-        dev, heads, caps, layers = torch.device("cuda"), (32, 8, 128), [int(c) for c in a.capture_len.split(",")], a.layers
+        dev, heads, caps, layers = (
+            torch.device("cuda"),
+            (32, 8, 128),
+            [int(c) for c in a.capture_len.split(",")],
+            a.layers,
+        )
         rows, pages, providers = a.rows.split(","), [int(p) for p in a.pages.split(",")], a.providers.split(",")
-    res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-           "min_split_keys": a.min_split_keys,
-           "capture_len": caps[0], "capture_lens": caps, "layers": layers, "cases": {}}  # fmt: skip
+    res = {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "min_split_keys": a.min_split_keys,
+        "capture_len": caps[0],
+        "capture_lens": caps,
+        "layers": layers,
+        "cases": {},
+    }
     for P in pages:
         cfg = AttentionConfig(*heads, P, torch.bfloat16)
         for r in rows:
@@ -171,8 +223,11 @@ def main() -> None:
                 name = f"decode {r} page {P}" + (" fp8" if kvt else "")
                 work = build(Row(name, "decode", B, 1, kv_len - 1, kv=kvt), cfg, dev)
                 kv = caches(work, layers)
-                case = {p if c == caps[0] else f"{p}@{c}": guarded(attnplug_case, work, kv, p, c, layers)
-                        for p in providers for c in caps}
+                case = {
+                    p if c == caps[0] else f"{p}@{c}": guarded(attnplug_case, work, kv, p, c, layers)
+                    for p in providers
+                    for c in caps
+                }
                 if any(p.startswith("flashinfer") for p in providers):
                     case["flashinfer.native"] = guarded(flashinfer_case, work, kv, layers)
                 case["attnplug.kv_write"] = guarded(kv_write_case, work, kv, layers)

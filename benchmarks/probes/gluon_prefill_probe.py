@@ -37,11 +37,12 @@ from attnplug.bench.timing import bench_ms  # noqa: E402
 from attnplug.core import AttentionConfig, ForwardMode, PagedAttention  # noqa: E402
 from attnplug.core.kernels import gluon_prefill  # noqa: E402
 from attnplug.core.plan import make_plan  # noqa: E402
+
 os.environ.setdefault("ATTNPLUG_GLUON", "1")  # the probe measures the opt-in kernel
+from batches import random_case, rel_err  # noqa: E402
+
 from attnplug.core.providers.triton import gluon_sm90  # noqa: E402
 from attnplug.core.reference import reference_attention  # noqa: E402
-
-from batches import random_case, rel_err  # noqa: E402
 
 CHECKS = {  # name -> ((Hq, Hkv, D), q lens, prefix lens)
     "d128 prefill": ((32, 8, 128), [300, 17, 129, 1000], [0, 0, 0, 0]),
@@ -61,8 +62,14 @@ ROWS = [  # (tag, Row)
 
 # head_dim -> other CONFIGS entries (block_m, block_n, stages, warps, qk_ahead) to time on the tag's first row
 SWEEP = {
-    128: [(128, 128, 3, 8, True), (128, 64, 3, 8, True), (64, 64, 3, 4, True), (64, 64, 4, 4, True),
-          (128, 128, 2, 8, False), (128, 64, 3, 8, False)],
+    128: [
+        (128, 128, 3, 8, True),
+        (128, 64, 3, 8, True),
+        (64, 64, 3, 4, True),
+        (64, 64, 4, 4, True),
+        (128, 128, 2, 8, False),
+        (128, 64, 3, 8, False),
+    ],
     64: [(128, 64, 4, 8, True), (128, 128, 3, 8, True), (64, 128, 3, 4, True)],
     256: [(128, 32, 3, 8, True), (128, 32, 4, 8, True), (64, 32, 3, 4, True)],
 }
@@ -87,9 +94,14 @@ def check(name, heads, q_lens, prefix) -> dict:
     first_s = time.perf_counter() - t0  # compile + run
     whole = make_plan(config, case.batch, case.num_pages, device="cuda")
     ref, ref_lse = reference_attention(whole, case.q.float(), case.k_cache, case.v_cache)
-    r = dict(check=name, kernel=plan.state.kernel, rel_err=rel_err(out, ref),
-             nan=bool((~torch.isfinite(out)).any()), lse_max_err=float((lse - ref_lse).abs().max()),
-             first_run_s=round(first_s, 2))
+    r = dict(
+        check=name,
+        kernel=plan.state.kernel,
+        rel_err=rel_err(out, ref),
+        nan=bool((~torch.isfinite(out)).any()),
+        lse_max_err=float((lse - ref_lse).abs().max()),
+        first_run_s=round(first_s, 2),
+    )
     r["ok"] = r["kernel"] == "gluon" and not r["nan"] and r["rel_err"] <= 1e-2 and r["lse_max_err"] < 2e-2
     return r
 
@@ -98,8 +110,7 @@ def bench_row(tag, row, sweep: bool) -> list[dict]:
     work = workloads.build(row, AttentionConfig(**workloads.FULL_CONFIG), torch.device("cuda"))
     d = work.config.head_dim
     results, outs = [], {}
-    runs = [("attnplug.triton.gluon", True, None), ("attnplug.triton.nogluon", False, None),
-            ("fa3.paged", None, None)]
+    runs = [("attnplug.triton.gluon", True, None), ("attnplug.triton.nogluon", False, None), ("fa3.paged", None, None)]
     runs += [(f"attnplug.triton.gluon.sweep{list(c)}", True, c) for c in (SWEEP.get(d, []) if sweep else [])]
     product = gluon_prefill.CONFIGS.get(d)
     for label, gluon, cfg in runs:
@@ -146,11 +157,18 @@ def main() -> None:
     import triton
 
     dev = torch.device("cuda")
-    print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()} "
-          f"sm{''.join(map(str, torch.cuda.get_device_capability()))} gluon_sm90={gluon_sm90(dev)}",
-          flush=True)
-    res = {"env": dict(torch=torch.__version__, triton=triton.__version__, gpu=torch.cuda.get_device_name(),
-                       gluon=gluon_sm90(dev)), "checks": [], "rows": []}  # fmt: skip
+    print(
+        f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()} "
+        f"sm{''.join(map(str, torch.cuda.get_device_capability()))} gluon_sm90={gluon_sm90(dev)}",
+        flush=True,
+    )
+    res = {
+        "env": dict(
+            torch=torch.__version__, triton=triton.__version__, gpu=torch.cuda.get_device_name(), gluon=gluon_sm90(dev)
+        ),
+        "checks": [],
+        "rows": [],
+    }
     if not args.no_check:
         for name, (heads, q_lens, prefix) in CHECKS.items():
             try:
@@ -174,13 +192,18 @@ def main() -> None:
             print(f"{r['row']} | {r['impl']} | ERROR {r['error'][:200]}")
         else:
             wrong = "  <-- WRONG (> 1e-2)" if r.get("rel_err_vs_fa3", 0.0) > 1e-2 else ""
-            print(f"{r['row']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
-                  f"{r.get('x_fa3', math.nan):.2f} | {r.get('rel_err_vs_fa3', math.nan):.2e}{wrong}")
+            print(
+                f"{r['row']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
+                f"{r.get('x_fa3', math.nan):.2f} | {r.get('rel_err_vs_fa3', math.nan):.2e}{wrong}"
+            )
     bad = [c["check"] for c in res["checks"] if not c.get("ok")]
-    bad += [f"{r['row']}: {r['impl']}" for r in res["rows"]  # the product configuration: Gluon, right
-            if r["impl"].startswith(("attnplug.triton.gluon[", "attnplug.triton.gluon"))
-            and ".sweep" not in r["impl"]
-            and ("error" in r or "[gluon]" not in r["impl"] or not r.get("rel_err_vs_fa3", 0.0) <= 1e-2)]
+    bad += [
+        f"{r['row']}: {r['impl']}"
+        for r in res["rows"]  # the product configuration: Gluon, right
+        if r["impl"].startswith(("attnplug.triton.gluon[", "attnplug.triton.gluon"))
+        and ".sweep" not in r["impl"]
+        and ("error" in r or "[gluon]" not in r["impl"] or not r.get("rel_err_vs_fa3", 0.0) <= 1e-2)
+    ]
     print("checks:", "all ok" if not bad else f"FAILED {bad}")
     if args.out:
         with open(args.out, "w") as f:

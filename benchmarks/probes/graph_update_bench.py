@@ -108,7 +108,12 @@ def per_call_us(fn, reps=200) -> float:
 
 def snapshot(gs: GraphState, bs: int) -> list[torch.Tensor]:
     n = int(gs.kv_indptr[bs])
-    out = [gs.kv_indptr[: bs + 1].clone(), gs.kv_indices[:n].clone(), gs.kv_last_page_len[:bs].clone(), gs.kv_lens[:bs].clone()]
+    out = [
+        gs.kv_indptr[: bs + 1].clone(),
+        gs.kv_indices[:n].clone(),
+        gs.kv_last_page_len[:bs].clone(),
+        gs.kv_lens[:bs].clone(),
+    ]
     if gs.mode == "verify":
         out += [gs.mask[: int(gs.mask_indptr[bs])].clone(), gs.mask_indptr[: bs + 1].clone(), gs.mask_free[:bs].clone()]
     return out
@@ -124,8 +129,18 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     rows = []
     for mode, q in (("decode", 1), ("verify", 4)):
-        gs = GraphState(cfg, "triton", MAX_BATCH, MAX_BATCH * q, MAX_BATCH * W, dev, mode, num_draft_tokens=q,
-                        pad_page=0, max_seq_len=MAX_SEQ)  # fmt: skip
+        gs = GraphState(
+            cfg,
+            "triton",
+            MAX_BATCH,
+            MAX_BATCH * q,
+            MAX_BATCH * W,
+            dev,
+            mode,
+            num_draft_tokens=q,
+            pad_page=0,
+            max_seq_len=MAX_SEQ,
+        )
         legacy = LegacyRefresh(gs)
         table = torch.randperm(MAX_BATCH * W + 1, generator=g)[1:].view(MAX_BATCH, W).to(torch.int32).to(dev)
         for bs in (1, 8, 64):
@@ -139,11 +154,25 @@ def main() -> None:
             assert all(torch.equal(x, y) for x, y in zip(want, got)), f"{mode} bs={bs}: paths disagree"
             t_old = per_call_us(lambda: legacy(seq, table[:bs], bs))
             t_new = per_call_us(lambda: gs.update_from_block_table(seq, table[:bs], bs))
-            rows.append({"mode": mode, "q": q, "batch": bs, "torch_ops_us": round(t_old, 1),
-                         "one_kernel_us": round(t_new, 1), "saved_us_per_step": round(t_old - t_new, 1)})  # fmt: skip
+            rows.append(
+                {
+                    "mode": mode,
+                    "q": q,
+                    "batch": bs,
+                    "torch_ops_us": round(t_old, 1),
+                    "one_kernel_us": round(t_new, 1),
+                    "saved_us_per_step": round(t_old - t_new, 1),
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "page_size": P, "max_batch": MAX_BATCH,
-           "max_seq_len": MAX_SEQ, "rows": rows}  # fmt: skip
+    res = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "page_size": P,
+        "max_batch": MAX_BATCH,
+        "max_seq_len": MAX_SEQ,
+        "rows": rows,
+    }
     if a.out:
         json.dump(res, open(a.out, "w"), indent=1)
 

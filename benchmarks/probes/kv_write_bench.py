@@ -69,8 +69,15 @@ def main() -> None:
             assert torch.equal(ref, got), fn.__name__
         t_torch = replay_ms(torch_path, caches, k, v, slots)
         t_triton = replay_ms(write_kv_paged, caches, k, v, slots)
-        rows.append({"batch": bs, "layers": LAYERS, "torch_ops_ms": round(t_torch, 4), "triton_ms": round(t_triton, 4),
-                     "saved_ms_per_step": round(t_torch - t_triton, 4)})
+        rows.append(
+            {
+                "batch": bs,
+                "layers": LAYERS,
+                "torch_ops_ms": round(t_torch, 4),
+                "triton_ms": round(t_triton, 4),
+                "saved_ms_per_step": round(t_torch - t_triton, 4),
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
     if a.out:

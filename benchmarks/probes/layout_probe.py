@@ -48,28 +48,44 @@ def main() -> None:
                 attn.plan(work.batch, num_pages=work.num_pages)
                 sc = work.extra.get("scales", {})
                 out = torch.empty_like(work.q)
-                fn = lambda: attn.run(work.q, work.k_cache, work.v_cache, out=out, **sc)  # noqa: E731
+                fn = lambda a=attn, w=work: a.run(w.q, w.k_cache, w.v_cache, out=out, **sc)  # noqa: E731
                 fn()
                 nb = min(ref_requests(row), row.batch)
                 t = int(work.batch.qo_indptr[nb])
                 err = rel_err(out[:t], reference(work, nb))
                 ms = bench_ms(graphed(fn, dev), dev) if err <= 2e-2 else float("nan")
-                res.append(dict(row=row.name, layout=layout, ms=round(ms, 5), err=err, GBps=round(work.nbytes / ms / 1e6)))
-                print(f"{row.name:22s} {layout}  {ms:.4f} ms  {work.nbytes / ms / 1e6:5.0f} GB/s  err {err:.1e}", flush=True)
+                res.append(
+                    dict(row=row.name, layout=layout, ms=round(ms, 5), err=err, GBps=round(work.nbytes / ms / 1e6))
+                )
+                print(
+                    f"{row.name:22s} {layout}  {ms:.4f} ms  {work.nbytes / ms / 1e6:5.0f} GB/s  err {err:.1e}",
+                    flush=True,
+                )
                 del work, attn
                 torch.cuda.empty_cache() if dev.type == "cuda" else None
     get = {(r["row"], r["layout"]): r["ms"] for r in res}
     summary = []
     for name in args.rows.split(","):
         for layout in ("NHD", "HND"):
-            summary.append(dict(row=name, layout=layout, fp8_over_bf16=round(get[(name + " fp8", layout)] / get[(name, layout)], 4)))
+            summary.append(
+                dict(
+                    row=name, layout=layout, fp8_over_bf16=round(get[(name + " fp8", layout)] / get[(name, layout)], 4)
+                )
+            )
         for kv in ("", " fp8"):
-            summary.append(dict(row=name + kv, hnd_over_nhd=round(get[(name + kv, "HND")] / get[(name + kv, "NHD")], 4)))
+            summary.append(
+                dict(row=name + kv, hnd_over_nhd=round(get[(name + kv, "HND")] / get[(name + kv, "NHD")], 4))
+            )
     for s in summary:
         print(s)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                                              rows=res, summary=summary), indent=1) + "\n")
+    Path(args.out).write_text(
+        json.dumps(
+            dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", rows=res, summary=summary),
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -38,8 +38,9 @@ def main(argv=None) -> int:
     from attnplug.core import AttentionConfig, PagedAttention
     from attnplug.core.kernels import tiles
 
-    rows, config = ((workloads.QUICK_ROWS, workloads.QUICK_CONFIG) if a.smoke
-                    else (workloads.FULL_ROWS, workloads.FULL_CONFIG))
+    rows, config = (
+        (workloads.QUICK_ROWS, workloads.QUICK_CONFIG) if a.smoke else (workloads.FULL_ROWS, workloads.FULL_CONFIG)
+    )
     row = next((r for r in rows if r.name == a.row), None)
     if row is None:
         ap.error(f"no row {a.row!r}; rows: {[r.name for r in rows]}")
@@ -67,9 +68,12 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
     state = plan.state
-    print(f"ncu_probe: {a.row} provider {a.provider} cascade {plan.cascade is not None} "
-          f"kernel {getattr(state, 'kernel', '?')} splits {getattr(state, 'num_splits', '?')} "
-          f"block_n {getattr(state, 'block_n', '?')} bytes {work.nbytes}", flush=True)
+    print(
+        f"ncu_probe: {a.row} provider {a.provider} cascade {plan.cascade is not None} "
+        f"kernel {getattr(state, 'kernel', '?')} splits {getattr(state, 'num_splits', '?')} "
+        f"block_n {getattr(state, 'block_n', '?')} bytes {work.nbytes}",
+        flush=True,
+    )
     if a.check:
         ref = workloads.reference(work, workloads.ref_requests(row))
         err = workloads.rel_err(out[: ref.shape[0]], ref)

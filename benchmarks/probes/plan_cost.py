@@ -3,7 +3,8 @@ shared by every provider) and ``PagedAttention.plan`` per provider, for 64 reque
 
     python benchmarks/probes/plan_cost.py --tag after            # -> benchmarks/results/plan-cost-<device>-<tag>.json
     python benchmarks/probes/plan_cost.py --device cuda --tag h200  # on a GPU: every provider that is available
-    python benchmarks/probes/plan_cost.py --fa3-standin --tag now   # CPU: fa3's plan() too, over the tests' FA3 stand-in
+    # CPU: fa3's plan() too, over the tests' FA3 stand-in
+    python benchmarks/probes/plan_cost.py --fa3-standin --tag now
 
 Rows: ``make_plan``; ``plan[p]`` = ``PagedAttention(config, p).plan(batch, num_pages=...)`` (options,
 ``make_plan``, the shared-prefix (cascade) planner, the provider's ``plan``); ``plan[p, cascade off]``
@@ -76,7 +77,7 @@ def workload(kind: str, seed: int = 0) -> tuple[BatchMetadata, int]:
         blocks = []
         for b in range(B):
             m = torch.ones(q_len, int(kv[b]), dtype=torch.bool)
-            m[:, int(prefix[b]):] = random_tree_mask(q_len, g)
+            m[:, int(prefix[b]) :] = random_tree_mask(q_len, g)
             blocks.append(m.flatten())
         mask = torch.cat(blocks)
     return BatchMetadata(mode, qo_indptr, kv_indptr, kv_indices, last, custom_mask=mask), num_pages
@@ -110,9 +111,15 @@ def time_calls(fns: dict, warmup: int, calls: int, rounds: int = 10) -> dict:
     for k in fns:
         us = sorted(t / 1e3 for t in wall[k])
         q = lambda f: us[min(len(us) - 1, int(f * len(us)))]  # noqa: E731
-        res[k] = dict(median_us=round(statistics.median(us), 2), best_round_median_us=round(best[k], 2),
-                      p10_us=round(q(0.1), 2), p90_us=round(q(0.9), 2), mean_us=round(statistics.fmean(us), 2),
-                      cpu_median_us=round(statistics.median(cpu[k]) / 1e3, 2), calls=len(us))
+        res[k] = dict(
+            median_us=round(statistics.median(us), 2),
+            best_round_median_us=round(best[k], 2),
+            p10_us=round(q(0.1), 2),
+            p90_us=round(q(0.9), 2),
+            mean_us=round(statistics.fmean(us), 2),
+            cpu_median_us=round(statistics.median(cpu[k]) / 1e3, 2),
+            calls=len(us),
+        )
     return res
 
 
@@ -128,9 +135,12 @@ def cpu_model() -> str:
 
 def git_rev() -> str:
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "attnplug/core"], cwd=REPO, capture_output=True,
-                               text=True).stdout.strip()
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "attnplug/core"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
         return rev + ("+dirty(attnplug/core)" if dirty else "")
     except OSError:
         return "?"
@@ -145,8 +155,11 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--tag", default="run")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/plan-cost-<device>-<tag>.json)")
-    ap.add_argument("--fa3-standin", action="store_true",
-                    help="CPU: the fa3 provider's host side over the tests' FA3 stand-in (tests/core/fa3_standin.py)")
+    ap.add_argument(
+        "--fa3-standin",
+        action="store_true",
+        help="CPU: the fa3 provider's host side over the tests' FA3 stand-in (tests/core/fa3_standin.py)",
+    )
     args = ap.parse_args()
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -162,15 +175,25 @@ def main() -> None:
         names = list(dict.fromkeys(names + ["fa3"]))
     res = dict(
         what="host time per plan call, 64 requests, page 16, 32/8 heads d128 bf16; median of --calls warm calls",
-        device=str(dev), tag=args.tag, git=git_rev(), torch=torch.__version__, python=platform.python_version(),
-        cpu=cpu_model(), cores=os.cpu_count(), load_avg_at_start=os.getloadavg(),
-        unavailable=[n for n in provider_names() if n not in names], rows={},
+        device=str(dev),
+        tag=args.tag,
+        git=git_rev(),
+        torch=torch.__version__,
+        python=platform.python_version(),
+        cpu=cpu_model(),
+        cores=os.cpu_count(),
+        load_avg_at_start=os.getloadavg(),
+        unavailable=[n for n in provider_names() if n not in names],
+        rows={},
         fa3="the tests' FA3 stand-in (host side only)" if args.fa3_standin else "as installed",
     )
     for kind in args.workloads.split(","):
         batch, num_pages = workload(kind)
-        row = {"mask_elements": int(batch.custom_mask.numel()) if batch.custom_mask is not None else 0,
-               "pages": int(batch.kv_indices.numel()), "tokens": int(batch.qo_indptr[-1])}
+        row = {
+            "mask_elements": int(batch.custom_mask.numel()) if batch.custom_mask is not None else 0,
+            "pages": int(batch.kv_indices.numel()),
+            "tokens": int(batch.qo_indptr[-1]),
+        }
         fns = {"make_plan": lambda: make_plan(CONFIG, batch, num_pages=num_pages, device=dev)}
         for name in names:
             try:
@@ -188,10 +211,17 @@ def main() -> None:
         if "provider.plan[triton]" in row:
             row["make_plan+provider.plan[triton]"] = {
                 k: round(row["make_plan"][k] + row["provider.plan[triton]"][k], 2)
-                for k in ("median_us", "best_round_median_us", "cpu_median_us")}
+                for k in ("median_us", "best_round_median_us", "cpu_median_us")
+            }
         res["rows"][kind] = row
-        print(kind, {k: (v["median_us"], v["best_round_median_us"]) if isinstance(v, dict) and "median_us" in v else v
-                     for k, v in row.items()}, flush=True)
+        print(
+            kind,
+            {
+                k: (v["median_us"], v["best_round_median_us"]) if isinstance(v, dict) and "median_us" in v else v
+                for k, v in row.items()
+            },
+            flush=True,
+        )
     out = Path(args.out or REPO / "benchmarks" / "results" / f"plan-cost-{dev.type}-{args.tag}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     res["load_avg_at_end"] = os.getloadavg()

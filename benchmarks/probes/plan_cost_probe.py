@@ -9,6 +9,7 @@ through a preallocated page-locked buffer (numpy copy into it, then ``copy_``, n
 and one ``view(dtype)`` of a device tensor; ``torch.empty`` on the device; ``np.concatenate`` of the
 five index arrays. ``make_plan`` on ``cpu`` (no staging) and on ``cuda`` bracket the staging's share.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,9 @@ def main() -> None:
         pinned = torch.empty(a.shape[0], dtype=torch.int32, pin_memory=dev.type == "cuda")
         pin_np = pinned.numpy()
         prim[f"to_nonblocking_{kb}KB"] = median_us(lambda: torch.from_numpy(a).to(dev, non_blocking=True), args.calls)
-        prim[f"copy_into_prealloc_{kb}KB"] = median_us(lambda: dst.copy_(torch.from_numpy(a), non_blocking=True),
-                                                       args.calls)
+        prim[f"copy_into_prealloc_{kb}KB"] = median_us(
+            lambda: dst.copy_(torch.from_numpy(a), non_blocking=True), args.calls
+        )
 
         def via_pinned():
             pin_np[:] = a
@@ -65,8 +67,13 @@ def main() -> None:
     prim["slice"] = median_us(lambda: t[100:200], args.calls)
     prim["view_dtype"] = median_us(lambda: t.view(torch.float32), args.calls)
     prim["empty_9000_int32"] = median_us(lambda: torch.empty(9000, dtype=torch.int32, device=dev), args.calls)
-    parts = [np.arange(65, dtype=np.int32), np.arange(65, dtype=np.int32), np.arange(64, dtype=np.int32),
-             np.arange(64, dtype=np.int32), np.arange(9000, dtype=np.int32)]
+    parts = [
+        np.arange(65, dtype=np.int32),
+        np.arange(65, dtype=np.int32),
+        np.arange(64, dtype=np.int32),
+        np.arange(64, dtype=np.int32),
+        np.arange(9000, dtype=np.int32),
+    ]
     prim["np_concatenate_5"] = median_us(lambda: np.concatenate(parts), args.calls)
     profiles = {}
     for kind in ("decode", "extend", "verify_tree"):

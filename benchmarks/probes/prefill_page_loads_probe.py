@@ -35,9 +35,25 @@ MODES = ("gather", "pieces", "pieces_qreg", "page64")
 
 
 @triton.jit
-def _loop_kernel(Q, O, K, V, K_desc, V_desc, kv_indices, n_keys, stride_kp, stride_kt, stride_kh, scale,
-                 BLOCK_M: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, MODE: tl.constexpr,
-                 NUM_STAGES: tl.constexpr):
+def _loop_kernel(
+    Q,
+    O,
+    K,
+    V,
+    K_desc,
+    V_desc,
+    kv_indices,
+    n_keys,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    scale,
+    BLOCK_M: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    MODE: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
     tile, kvh, n_tiles = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
     rows = tl.arange(0, BLOCK_M)
     d = tl.arange(0, D)
@@ -105,15 +121,32 @@ def case(mode: str, device, n_keys=4096, tiles=32, hkv=8, block_m=128, d=128, se
     box = [1, 64 if page == 64 else 16, 1, d]
     kd = TensorDescriptor(k, list(k.shape), list(k.stride()), box)
     vd = TensorDescriptor(v, list(v.shape), list(v.stride()), box)
-    return dict(q=q, k=k, v=v, idx=idx, kd=kd, vd=vd, page=page, n_keys=n_keys, tiles=tiles, hkv=hkv, block_m=block_m, d=d)
+    return dict(
+        q=q, k=k, v=v, idx=idx, kd=kd, vd=vd, page=page, n_keys=n_keys, tiles=tiles, hkv=hkv, block_m=block_m, d=d
+    )
 
 
 def launch(c, mode, out, stages, warps, launcher=None):
     kern = launcher or _loop_kernel
     kern[(c["tiles"], c["hkv"])](
-        c["q"], out, c["k"], c["v"], c["kd"], c["vd"], c["idx"], c["n_keys"], *c["k"].stride()[:3], c["d"] ** -0.5,
-        BLOCK_M=c["block_m"], D=c["d"], PAGE=c["page"], MODE=MODES.index(mode), NUM_STAGES=stages,
-        num_warps=warps, num_stages=stages)
+        c["q"],
+        out,
+        c["k"],
+        c["v"],
+        c["kd"],
+        c["vd"],
+        c["idx"],
+        c["n_keys"],
+        *c["k"].stride()[:3],
+        c["d"] ** -0.5,
+        BLOCK_M=c["block_m"],
+        D=c["d"],
+        PAGE=c["page"],
+        MODE=MODES.index(mode),
+        NUM_STAGES=stages,
+        num_warps=warps,
+        num_stages=stages,
+    )
 
 
 def reference(c):
@@ -142,8 +175,11 @@ def sass_stats(out_dir):
 
         launch(c, mode, torch.empty_like(c["q"]), 3, 8, Rec())
         sig, const, opts, attrs = aot.signature(_loop_kernel, rec["a"], rec["kw"])
-        k = triton.compile(ASTSource(fn=_loop_kernel, signature=sig, constexprs=const, attrs=attrs),
-                           target=GPUTarget("cuda", 90, 32), options=opts)
+        k = triton.compile(
+            ASTSource(fn=_loop_kernel, signature=sig, constexprs=const, attrs=attrs),
+            target=GPUTarget("cuda", 90, 32),
+            options=opts,
+        )
         sass = aot.cuobjdump(k.asm["cubin"], "-sass")
         open(os.path.join(out_dir, f"{mode}.sass"), "w").write(sass)
         ops = {}
@@ -151,7 +187,9 @@ def sass_stats(out_dir):
             op = m.group(1)
             key = op if op.startswith(("HGMMA", "UTMALDG", "BAR", "LDGSTS", "LDSM")) else op.split(".")[0]
             ops[key] = ops.get(key, 0) + 1
-        keep = {x: ops.get(x, 0) for x in ops if x.startswith(("HGMMA", "UTMALDG", "BAR", "LDGSTS", "LDSM", "MUFU", "IMAD"))}
+        keep = {
+            x: ops.get(x, 0) for x in ops if x.startswith(("HGMMA", "UTMALDG", "BAR", "LDGSTS", "LDSM", "MUFU", "IMAD"))
+        }
         print(f"{mode:12s} {aot.resource_usage(k.asm['cubin'])} smem {k.metadata.shared} {keep}", flush=True)
 
 

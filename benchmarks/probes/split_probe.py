@@ -9,7 +9,8 @@ the float32 reference first.
         --out $OUT/split-probe.json
     # the fp8 full-batch entry's pipeline depth against batch size (stages-probe-h200-2026-12-04.json)
     bash scripts/gpu_run.sh python3 benchmarks/probes/split_probe.py --fp8 --knob num_stages --values 5,6,7 \\
-        --rows 32x2048,64x2048,128x2048,256x1024,32x4096,64x4096,96x4096,128x4096,24x8192,48x8192 --out $OUT/stages.json"""
+        --rows 32x2048,64x2048,128x2048,256x1024,32x4096,64x4096,96x4096,128x4096,24x8192,48x8192 \\
+        --out $OUT/stages.json"""
 
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--rows", default="1x32768,4x32768")
     ap.add_argument("--fp8", action="store_true")
-    ap.add_argument("--knob", default="num_kv_splits", help="the PlanOptions knob forced (num_kv_splits, num_stages, ...)")
+    ap.add_argument(
+        "--knob", default="num_kv_splits", help="the PlanOptions knob forced (num_kv_splits, num_stages, ...)"
+    )
     ap.add_argument("--values", "--splits", default="0,8,16,17,24,32,33", help="its values (0: the table's choice)")
     ap.add_argument("--entry", action="append", default=[], help="JSON tile entry for the rows' bucket (repeatable)")
     ap.add_argument("--out", required=True)
@@ -44,7 +47,9 @@ def main() -> None:
     res = []
     for shape in args.rows.split(","):
         b, kv = (int(x) for x in shape.split("x"))
-        row = Row(f"decode {shape}" + (" fp8" if args.fp8 else ""), "decode", b, 1, kv - 1, kv="fp8" if args.fp8 else "")
+        row = Row(
+            f"decode {shape}" + (" fp8" if args.fp8 else ""), "decode", b, 1, kv - 1, kv="fp8" if args.fp8 else ""
+        )
         work = build(row, cfg, dev)
         sc = work.extra.get("scales", {})
         out = torch.empty_like(work.q)
@@ -61,7 +66,7 @@ def main() -> None:
                 label = "splits" if args.knob == "num_kv_splits" else args.knob
                 for s in (int(x) for x in args.values.split(",")):
                     plan = attn.plan(work.batch, num_pages=work.num_pages, **({args.knob: s} if s else {}))
-                    fn = lambda: attn.run(work.q, work.k_cache, work.v_cache, out=out, **sc)  # noqa: E731
+                    fn = lambda w=work: attn.run(w.q, w.k_cache, w.v_cache, out=out, **sc)  # noqa: E731
                     fn()
                     err = rel_err(out[:t], ref)
                     ms = bench_ms(graphed(fn, dev), dev) if err <= 2e-2 else float("nan")

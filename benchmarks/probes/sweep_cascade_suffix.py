@@ -13,6 +13,7 @@ float32 reference on the shared row (relative error <= 2e-2, no NaN) before it i
 (``triton.testing.do_bench``, median, L2 flushed). One JSON line a (candidate, row); nothing is written
 to the table: a winner goes in by hand, with the bench run that confirms it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,12 +27,13 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from sweep_cascade_prefix import graph_ms, table_entry  # noqa: E402
+from sweep_triton import bench_ms, decode_candidates  # noqa: E402
+
 from attnplug.bench import workloads  # noqa: E402
 from attnplug.core import AttentionConfig  # noqa: E402
 from attnplug.core.cuda_graph import GraphState  # noqa: E402
 from attnplug.core.kernels import tiles  # noqa: E402
-from sweep_cascade_prefix import graph_ms, table_entry  # noqa: E402
-from sweep_triton import bench_ms, decode_candidates  # noqa: E402
 
 CFG = AttentionConfig(32, 8, 128, 16, torch.bfloat16)
 ROWS = ("cascade decode 64x(8192+256)", "decode 64x4096", "decode 128x2048", "decode 64x(8192+256) unshared")
@@ -40,8 +42,11 @@ ROWS = ("cascade decode 64x(8192+256)", "decode 64x4096", "decode 128x2048", "de
 def candidates() -> list[dict | None]:
     """``None`` (the table's entry), the unsplit decode candidates of the sweep, the decode kernel split to
     4-8 programs an SM (fused merge: a graph replayed at short contexts runs fewer active splits)."""
-    split = [{"kernel": "decode", "block_n": bn, "num_warps": w, "num_stages": s, "ctas_per_sm": c, "fused_merge": True}
-             for bn, w, s in ((64, 4, 5), (128, 4, 5)) for c in (4, 8)]  # fmt: skip
+    split = [
+        {"kernel": "decode", "block_n": bn, "num_warps": w, "num_stages": s, "ctas_per_sm": c, "fused_merge": True}
+        for bn, w, s in ((64, 4, 5), (128, 4, 5))
+        for c in (4, 8)
+    ]
     return [None, *decode_candidates(CFG.head_dim, False), *split]
 
 
@@ -64,9 +69,16 @@ def main() -> None:
                     for name in ROWS:
                         w = works[name]
                         B = w.batch.batch_size
-                        gs = GraphState(CFG, "triton", max_batch=B, max_tokens=B, max_pages=w.num_pages, device=dev,
-                                        max_seq_len=w.block_table.shape[1] * CFG.page_size,
-                                        cascade="auto" if name == ROWS[0] else "off")  # fmt: skip
+                        gs = GraphState(
+                            CFG,
+                            "triton",
+                            max_batch=B,
+                            max_tokens=B,
+                            max_pages=w.num_pages,
+                            device=dev,
+                            max_seq_len=w.block_table.shape[1] * CFG.page_size,
+                            cascade="auto" if name == ROWS[0] else "off",
+                        )
                         gs.prepare_capture(B)
                         gs.update_from_block_table(w.seq_lens, w.block_table, B)
                         out = torch.full_like(w.q, float("nan"))
@@ -79,7 +91,9 @@ def main() -> None:
                                 rec["dropped"] = "error"
                                 break
                             s_lse = gs.cascade.lse_suffix[:B]
-                            rec["suffix_us"] = us(lambda: gs.provider.run(gs.plans[B], w.q, w.k_cache, w.v_cache, out, s_lse))
+                            rec["suffix_us"] = us(
+                                lambda: gs.provider.run(gs.plans[B], w.q, w.k_cache, w.v_cache, out, s_lse)
+                            )
                         rec[f"{name} us"] = us(lambda: gs.run(B, w.q, w.k_cache, w.v_cache, out))
             except Exception as e:  # e.g. out of shared memory: the candidate is dropped
                 rec["dropped"] = f"{type(e).__name__}: {str(e)[:200]}"

@@ -82,7 +82,11 @@ def dense_reference(case: PagedCase) -> tuple[torch.Tensor, torch.Tensor]:
     assert case.q_lens is not None and case.kv_lens is not None, "case built without its lengths"
     P, g = cfg.page_size, cfg.num_qo_heads // cfg.num_kv_heads
     ind, idx = b_.kv_indptr.tolist(), b_.kv_indices.tolist()
-    k_all, v_all, q_all = case.k_cache.detach().cpu().double(), case.v_cache.detach().cpu().double(), case.q.detach().cpu().double()
+    k_all, v_all, q_all = (
+        case.k_cache.detach().cpu().double(),
+        case.v_cache.detach().cpu().double(),
+        case.q.detach().cpu().double(),
+    )
     outs, lses, t0, m0 = [], [], 0, 0
     for b, (ql, kl) in enumerate(zip(case.q_lens, case.kv_lens)):
         pages = idx[ind[b] : ind[b + 1]]
@@ -92,7 +96,11 @@ def dense_reference(case: PagedCase) -> tuple[torch.Tensor, torch.Tensor]:
             k = torch.stack([k_all[p, o] for p, o in tok]) if kl else k_all.new_zeros(0, cfg.num_kv_heads, cfg.head_dim)
             v = torch.stack([v_all[p, o] for p, o in tok]) if kl else k.clone()
         else:
-            k = torch.stack([k_all[p, :, o] for p, o in tok]) if kl else k_all.new_zeros(0, cfg.num_kv_heads, cfg.head_dim)
+            k = (
+                torch.stack([k_all[p, :, o] for p, o in tok])
+                if kl
+                else k_all.new_zeros(0, cfg.num_kv_heads, cfg.head_dim)
+            )
             v = torch.stack([v_all[p, :, o] for p, o in tok]) if kl else k.clone()
         k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
         q = q_all[t0 : t0 + ql]
@@ -173,11 +181,20 @@ def triton_launch(plan) -> dict:
     """The triton provider's launch choices of ``plan`` (the ONE place tests read provider state):
     ``num_splits``, ``block_n``, ``block_m``, ``block_q``, ``partial_lse`` (``[T, Hq, S]`` base-2 split
     LSEs, a workspace the run writes: poison it before the run, read it after), ``partial``, ``kernel``
-    (``"paged"``, ``"prefill"``, ``"decode"`` or ``"gluon"``), ``fused_merge`` (the decode kernel's last split merges)."""
+    (``"paged"``, ``"prefill"``, ``"decode"`` or ``"gluon"``), ``fused_merge`` (the decode kernel's last split
+    merges)."""
     a = plan.state  # TritonState
-    return dict(num_splits=a.num_splits, block_n=a.block_n, block_m=a.block_m, block_q=a.block_q,
-                partial_lse=a.partial_lse, partial=a.partial, num_tiles=a.num_tiles, kernel=a.kernel,
-                fused_merge=a.counters is not None)
+    return dict(
+        num_splits=a.num_splits,
+        block_n=a.block_n,
+        block_m=a.block_m,
+        block_q=a.block_q,
+        partial_lse=a.partial_lse,
+        partial=a.partial,
+        num_tiles=a.num_tiles,
+        kernel=a.kernel,
+        fused_merge=a.counters is not None,
+    )
 
 
 # ---- multi-step draft: cases and an oracle that shares no code with core/draft.py ----------------------
@@ -231,8 +248,9 @@ def dense_rows(q, k_cache, v_cache, rows: list[list[int]], config) -> torch.Tens
     return out
 
 
-def chain_batch(config: AttentionConfig, B: int, q: int, width: int, num_pages: int, g: torch.Generator,
-                max_prefix: int = 150):  # fmt: skip
+def chain_batch(
+    config: AttentionConfig, B: int, q: int, width: int, num_pages: int, g: torch.Generator, max_prefix: int = 150
+):
     """A spec-decode verify batch as vLLM describes it: ``(seq_lens [B] int32, q tokens included;
     block_table [B, width] int32 of distinct pages 1..num_pages-1; the same batch as BatchMetadata
     with the causal-chain mask)``."""
@@ -257,5 +275,8 @@ def interpreter_smoke_skip():
     import triton  # noqa: PLC0415
 
     old = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7)
-    return pytest.mark.skipif(old, reason=f"--smoke runs the Triton interpreter, which triton "
-                                          f"{triton.__version__} cannot (>= 3.7); the probe runs compiled here")
+    return pytest.mark.skipif(
+        old,
+        reason=f"--smoke runs the Triton interpreter, which triton "
+        f"{triton.__version__} cannot (>= 3.7); the probe runs compiled here",
+    )

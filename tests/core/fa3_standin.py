@@ -12,9 +12,29 @@ import torch
 E4M3 = torch.float8_e4m3fn
 
 
-def fake_fa3_varlen(q, k_cache, v_cache, max_seqlen_q, cu_seqlens_q, max_seqlen_k, *, seqused_k, softmax_scale,
-                    causal, window_size, softcap, block_table, return_softmax_lse, out, fa_version, q_descale=None,
-                    k_descale=None, v_descale=None, s_aux=None, q_v=None):  # fmt: skip
+def fake_fa3_varlen(
+    q,
+    k_cache,
+    v_cache,
+    max_seqlen_q,
+    cu_seqlens_q,
+    max_seqlen_k,
+    *,
+    seqused_k,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    block_table,
+    return_softmax_lse,
+    out,
+    fa_version,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    s_aux=None,
+    q_v=None,
+):
     """Paged attention of request ``b``'s queries over the first ``seqused_k[b]`` keys of its
     ``block_table`` row (``causal``: bottom-right aligned); natural-log LSE ``[Hq, T]``, ``-inf``
     (and a zero output) for a request without keys, as FA3 returns them.

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from batches import random_case
 
 from attnplug.core import ForwardMode
 from attnplug.core.mla import absorb_query, latent_cache_views, mla_config, mla_reference
 from attnplug.core.plan import Plan, make_plan
-from batches import random_case
 
 
 @dataclass
@@ -30,14 +30,34 @@ class MLACase:
         return torch.einsum("thr,hrv->thv", out_latent.float(), self.w_uv.float())
 
 
-def mla_case(mode: ForwardMode, q_lens: list[int], prefix_lens: list[int], heads: int = 4, rank: int = 64,
-             rope: int = 16, nope: int = 32, page_size: int = 16, dtype=torch.bfloat16, kv_dtype=None,
-             seed: int = 0, mask_kind: str = "tree", device="cpu", k_scale: float = 1.0) -> MLACase:
+def mla_case(
+    mode: ForwardMode,
+    q_lens: list[int],
+    prefix_lens: list[int],
+    heads: int = 4,
+    rank: int = 64,
+    rope: int = 16,
+    nope: int = 32,
+    page_size: int = 16,
+    dtype=torch.bfloat16,
+    kv_dtype=None,
+    seed: int = 0,
+    mask_kind: str = "tree",
+    device="cpu",
+    k_scale: float = 1.0,
+) -> MLACase:
     """A random ragged MLA batch (random page table) and its unabsorbed float32 reference."""
-    cfg = mla_config(heads, rank, rope, page_size=page_size, sm_scale=(nope + rope) ** -0.5, dtype=dtype,
-                     kv_dtype=kv_dtype)
-    base = random_case(mode, q_lens, prefix_lens, mla_config(heads, rank, rope, page_size=page_size,
-                                                             dtype=dtype), seed=seed, mask_kind=mask_kind)
+    cfg = mla_config(
+        heads, rank, rope, page_size=page_size, sm_scale=(nope + rope) ** -0.5, dtype=dtype, kv_dtype=kv_dtype
+    )
+    base = random_case(
+        mode,
+        q_lens,
+        prefix_lens,
+        mla_config(heads, rank, rope, page_size=page_size, dtype=dtype),
+        seed=seed,
+        mask_kind=mask_kind,
+    )
     gen = torch.Generator().manual_seed(seed + 1)
     cache = base.k_cache.squeeze(2)
     if kv_dtype is not None and kv_dtype != dtype:
@@ -51,10 +71,8 @@ def mla_case(mode: ForwardMode, q_lens: list[int], prefix_lens: list[int], heads
     q = absorb_query(q_nope, q_pe, w_uk, dtype)
     # the reference (float32, on ``device``) reads the latent cache exactly as stored
     dev = torch.device(device)
-    ref = mla_reference(plan, q_nope.to(dev), q_pe.to(dev), cache.to(dev), w_uk.to(dev), w_uv.to(dev),
-                        k_scale=k_scale)
+    ref = mla_reference(plan, q_nope.to(dev), q_pe.to(dev), cache.to(dev), w_uk.to(dev), w_uv.to(dev), k_scale=k_scale)
     k_cache, v_cache = latent_cache_views(cache.to(dev), cfg)
     if dev.type != "cpu":
         plan = make_plan(cfg, base.batch, num_pages=base.num_pages, device=dev)
-    return MLACase(plan, q.to(dev), cache.to(dev), k_cache, v_cache, q_nope, q_pe, w_uk, w_uv.to(dev),
-                   ref.to(dev))
+    return MLACase(plan, q.to(dev), cache.to(dev), k_cache, v_cache, q_nope, q_pe, w_uk, w_uv.to(dev), ref.to(dev))

@@ -44,23 +44,32 @@ import attnplug.core.kernels.kv_write as kv_mod  # noqa: E402
 import attnplug.core.kernels.merge as merge_mod  # noqa: E402
 import attnplug.core.kernels.mla as mla_mod  # noqa: E402
 import attnplug.core.kernels.prefill as prefill_mod  # noqa: E402
-from attnplug.core.kernels import tiles  # noqa: E402
 from attnplug.core import AttentionConfig, ForwardMode, PagedAttention  # noqa: E402
 from attnplug.core.cuda_graph import GraphState  # noqa: E402
+from attnplug.core.kernels import tiles  # noqa: E402
 from attnplug.core.providers.triton import GLUON_TRITON  # noqa: E402
 
 GLUON = GLUON_TRITON[0] <= tuple(int(x) for x in triton.__version__.split(".")[:2]) <= GLUON_TRITON[1]
 if GLUON:
-    import attnplug.core.kernels.gluon_prefill as gluon_mod
     from triton.experimental.gluon._runtime import GluonASTSource
-from attnplug.core.providers.triton import TritonProvider  # noqa: E402
 
+    import attnplug.core.kernels.gluon_prefill as gluon_mod
 from batches import random_case  # noqa: E402
 
+from attnplug.core.providers.triton import TritonProvider  # noqa: E402
+
 H200_SMS = 132
-DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-          torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv",
-          torch.float8_e5m2: "fp8e5"}  # fmt: skip
+DTYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.uint8: "u8",
+    torch.bool: "i1",
+    torch.float8_e4m3fn: "fp8e4nv",
+    torch.float8_e5m2: "fp8e5",
+}
 LAUNCHES: dict[tuple, tuple] = {}
 
 
@@ -73,8 +82,16 @@ class Recorder:
     def __getitem__(self, grid):
         def launch(*args, **kw):
             sig, const, opts, attrs = signature(self.fn, args, kw)
-            LAUNCHES.setdefault((self.fn.__name__, tuple(sig.items()), tuple(const.items()), tuple(opts.items()),
-                                 tuple((k, str(v)) for k, v in attrs.items())), (self.fn, sig, const, opts, attrs))  # fmt: skip
+            LAUNCHES.setdefault(
+                (
+                    self.fn.__name__,
+                    tuple(sig.items()),
+                    tuple(const.items()),
+                    tuple(opts.items()),
+                    tuple((k, str(v)) for k, v in attrs.items()),
+                ),
+                (self.fn, sig, const, opts, attrs),
+            )
 
         return launch
 
@@ -120,13 +137,16 @@ def signature(fn, args, kw):
 
 
 def record_all() -> None:
-    for mod, names in ((attention_mod, ["paged_attention_kernel"]),
-                       (merge_mod, ["merge_splits_kernel", "merge_state_kernel", "apply_sinks_kernel"]),
-                       (prefill_mod, ["prefill_kernel"]), (decode_mod, ["decode_kernel"]),
-                       (kv_mod, ["write_kv_kernel", "quantize_rows_kernel"]),
-                       (graph_mod, ["graph_batch_from_block_table_kernel", "shared_pages_kernel"]),
-                       (mla_mod, ["mla_attention_kernel", "write_latent_kernel"]),
-                       *([(gluon_mod, ["gluon_prefill_kernel"])] if GLUON else [])):  # fmt: skip
+    for mod, names in (
+        (attention_mod, ["paged_attention_kernel"]),
+        (merge_mod, ["merge_splits_kernel", "merge_state_kernel", "apply_sinks_kernel"]),
+        (prefill_mod, ["prefill_kernel"]),
+        (decode_mod, ["decode_kernel"]),
+        (kv_mod, ["write_kv_kernel", "quantize_rows_kernel"]),
+        (graph_mod, ["graph_batch_from_block_table_kernel", "shared_pages_kernel"]),
+        (mla_mod, ["mla_attention_kernel", "write_latent_kernel"]),
+        *([(gluon_mod, ["gluon_prefill_kernel"])] if GLUON else []),
+    ):
         for n in names:
             setattr(mod, n, Recorder(getattr(mod, n)))
     TritonProvider.check_available = classmethod(lambda cls, device: None)  # CPU tensors, compiled triton
@@ -139,7 +159,13 @@ def record_all() -> None:
         (llama, ForwardMode.EXTEND, [37, 200], [0, 50], False),  # causal prefill
         (llama, ForwardMode.TARGET_VERIFY, [8, 8], [300, 40], False),  # tree mask
         (llama, ForwardMode.EXTEND, [5, 9], [7, 0], True),  # LSE output
-        (AttentionConfig(8, 8, 64, 1, torch.float16, "HND", None, 30.0, 63), ForwardMode.EXTEND, [12, 3], [100, 2], False),
+        (
+            AttentionConfig(8, 8, 64, 1, torch.float16, "HND", None, 30.0, 63),
+            ForwardMode.EXTEND,
+            [12, 3],
+            [100, 2],
+            False,
+        ),
         (AttentionConfig(8, 2, 256, 16, torch.float16), ForwardMode.EXTEND, [20], [40], False),  # head_dim 256
         (AttentionConfig(8, 2, 256, 16, torch.float16), ForwardMode.DECODE, [1, 1], [3000, 5], False),
         (AttentionConfig(4, 4, 64, 16, torch.float32), ForwardMode.DECODE, [1, 1], [10, 5], False),
@@ -154,11 +180,23 @@ def record_all() -> None:
         (llama8, ForwardMode.EXTEND, [37, 200], [0, 50], True),  # causal prefill, LSE
         (llama8, ForwardMode.TARGET_VERIFY, [8, 8], [300, 40], False),  # tree mask
         (llama8, ForwardMode.TARGET_VERIFY, [4, 4], [500, 9], False, True),  # fa3's tree part on fp8 KV
-        (AttentionConfig(32, 8, 128, 16, torch.float16, kv_dtype=e5m2), ForwardMode.DECODE, [1] * 4, [99, 1999, 32, 700], False),
+        (
+            AttentionConfig(32, 8, 128, 16, torch.float16, kv_dtype=e5m2),
+            ForwardMode.DECODE,
+            [1] * 4,
+            [99, 1999, 32, 700],
+            False,
+        ),
         (AttentionConfig(32, 8, 128, 16, torch.bfloat16, kv_dtype=e5m2), ForwardMode.EXTEND, [37, 200], [0, 50], False),
-        (AttentionConfig(8, 8, 64, 1, torch.float16, "HND", None, 30.0, 63, e5m2), ForwardMode.EXTEND, [12, 3], [100, 2], False),
+        (
+            AttentionConfig(8, 8, 64, 1, torch.float16, "HND", None, 30.0, 63, e5m2),
+            ForwardMode.EXTEND,
+            [12, 3],
+            [100, 2],
+            False,
+        ),
         (AttentionConfig(8, 2, 256, 16, torch.bfloat16, kv_dtype=e4m3), ForwardMode.EXTEND, [20], [40], False),
-    ]  # fmt: skip
+    ]
     for cfg, mode, q_lens, prefix, with_lse, *tree in cases:
         c = random_case(mode, q_lens, prefix, cfg, "cpu")
         scales = {}
@@ -189,8 +227,9 @@ def record_all() -> None:
     for cdt, dt in ((e4m3, torch.bfloat16), (e5m2, torch.float16), (e4m3, torch.float32)):  # quantizing writes
         cache = torch.zeros(2, 10, 16, 8, 128, dtype=cdt)
         kv = torch.zeros(3, 16, 128, dtype=dt)
-        kv_mod.write_kv_paged(kv[:, :8], kv[:, 8:], cache[0], cache[1], torch.zeros(3, dtype=torch.int64),
-                              torch.ones(()), torch.ones(1))  # fmt: skip
+        kv_mod.write_kv_paged(
+            kv[:, :8], kv[:, 8:], cache[0], cache[1], torch.zeros(3, dtype=torch.int64), torch.ones(()), torch.ones(1)
+        )
     q = torch.zeros(5, 32, 128, dtype=torch.bfloat16)  # fa3's query quantization
     kv_mod.quantize_fp8_rows(q, torch.ones(()), torch.empty(5, 32, 128, dtype=e4m3))
     kv_mod.quantize_fp8_rows(q, torch.ones(()), torch.empty(5, 32, 128, dtype=e4m3), torch.empty_like(q))  # + tree q
@@ -200,12 +239,29 @@ def record_all() -> None:
         gs.update_from_block_table(torch.zeros(4, dtype=torch.int32), torch.zeros(4, 100, dtype=torch.int32), 4)
     gs = GraphState(llama, "triton", 8, 8, 800, "cpu", "decode", max_seq_len=1600)
     gs.plans[4] = None  # SGLang: token-slot table + row ids
-    gs.update_from_block_table(torch.zeros(3, dtype=torch.int64), torch.zeros(5, 1600, dtype=torch.int32), 4,
-                               row_ids=torch.zeros(3, dtype=torch.int64), entry_tokens=16)  # fmt: skip
+    gs.update_from_block_table(
+        torch.zeros(3, dtype=torch.int64),
+        torch.zeros(5, 1600, dtype=torch.int32),
+        4,
+        row_ids=torch.zeros(3, dtype=torch.int64),
+        entry_tokens=16,
+    )
     record_cascade_graph(llama)
     i32 = torch.zeros(64, dtype=torch.int32)  # FA3's block table output
-    graph_mod.graph_batch_from_block_table(i32[:4], i32.view(4, 16), 4, 16, 0, 1, i32, i32, i32, i32,
-                                           block_table_out=torch.zeros(4, 16, dtype=torch.int32), max_batch=8)  # fmt: skip
+    graph_mod.graph_batch_from_block_table(
+        i32[:4],
+        i32.view(4, 16),
+        4,
+        16,
+        0,
+        1,
+        i32,
+        i32,
+        i32,
+        i32,
+        block_table_out=torch.zeros(4, 16, dtype=torch.int32),
+        max_batch=8,
+    )
 
 
 def record_cascade_graph(llama) -> None:
@@ -220,16 +276,24 @@ def record_cascade_graph(llama) -> None:
     saved = dict(tiles.TILES)
     try:
         # the table's prefix tiles, then the paged and the prefill kernel as the prefix part (split-KV)
-        for entry in (None, {"kernel": "prefill", "block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
-                      {"kernel": "paged", "block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 2}):
+        for entry in (
+            None,
+            {"kernel": "prefill", "block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
+            {"kernel": "paged", "block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 2},
+        ):
             if entry is not None:
                 tiles.TILES[key] = entry
             gs = GraphState(llama, "triton", 64, 64, 64 * 530, "cpu", "decode", max_seq_len=8464, cascade="always")
             gs.prepare_capture(64)
             assert gs.cascade.plans[64].state.kernel == (entry or tiles.TILES[key]).get("kernel", "paged")
             gs.update_from_block_table(torch.zeros(4, dtype=torch.int32), torch.zeros(4, 100, dtype=torch.int32), 64)
-            gs.update_from_block_table(torch.zeros(3, dtype=torch.int64), torch.zeros(5, 1600, dtype=torch.int32), 64,
-                                       row_ids=torch.zeros(3, dtype=torch.int64), entry_tokens=16)  # fmt: skip
+            gs.update_from_block_table(
+                torch.zeros(3, dtype=torch.int64),
+                torch.zeros(5, 1600, dtype=torch.int32),
+                64,
+                row_ids=torch.zeros(3, dtype=torch.int64),
+                entry_tokens=16,
+            )
             q = torch.zeros(64, 32, 128, dtype=torch.bfloat16)
             cache = torch.zeros(64 * 530 + 64, 16, 8, 128, dtype=torch.bfloat16)
             gs.run(64, q, cache, cache, torch.empty_like(q))
@@ -243,8 +307,14 @@ def record_fast_paths(llama) -> None:
     """The Hopper paths (kernels/prefill.py, kernels/decode.py) at the configurations the H200 sweep
     (benchmarks/sweep_triton.py) chooses among, forced through the tile table."""
     d = lambda c, b: tiles.key(c.head_dim, c.group_size, b)  # noqa: E731
-    pf = lambda bm, bn, w, st, **kw: {"kernel": "prefill", "block_m": bm, "block_n": bn, "num_warps": w,  # noqa: E731
-                                      "num_stages": st, **kw}
+    pf = lambda bm, bn, w, st, **kw: {
+        "kernel": "prefill",
+        "block_m": bm,
+        "block_n": bn,
+        "num_warps": w,  # noqa: E731
+        "num_stages": st,
+        **kw,
+    }
     dec = lambda bn, w, st, **kw: {"kernel": "decode", "block_n": bn, "num_warps": w, "num_stages": st, **kw}  # noqa: E731
     e4m3 = torch.float8_e4m3fn
     d64, d256 = AttentionConfig(32, 8, 64, 16, torch.bfloat16), AttentionConfig(16, 8, 256, 16, torch.bfloat16)
@@ -256,39 +326,154 @@ def record_fast_paths(llama) -> None:
         (llama, ForwardMode.EXTEND, [300, 200], [0, 250], False, {d(llama, "prefill"): pf(128, 64, 4, 3)}),
         (llama, ForwardMode.EXTEND, [300, 200], [0, 250], False, {d(llama, "prefill"): pf(128, 64, 8, 5, diag_n=0)}),
         (page64, ForwardMode.EXTEND, [300], [100], False, {d(page64, "prefill"): pf(128, 64, 8, 5, tma=True)}),
-        (AttentionConfig(32, 8, 128, 16, torch.bfloat16, kv_dtype=e4m3), ForwardMode.EXTEND, [300], [40], False,
-         {d(llama, "prefill"): pf(128, 64, 8, 5)}),
+        (
+            AttentionConfig(32, 8, 128, 16, torch.bfloat16, kv_dtype=e4m3),
+            ForwardMode.EXTEND,
+            [300],
+            [40],
+            False,
+            {d(llama, "prefill"): pf(128, 64, 8, 5)},
+        ),
         (d64, ForwardMode.EXTEND, [300], [0], False, {d(d64, "prefill"): pf(128, 64, 4, 5)}),
         (d256, ForwardMode.EXTEND, [300], [0], False, {d(d256, "prefill"): pf(64, 32, 4, 5)}),
-        (llama, ForwardMode.DECODE, [1], [32767], False, {d(llama, "decode_tiny"): dec(64, 4, 5, ctas_per_sm=2, fused_merge=True)}),
-        (llama, ForwardMode.DECODE, [1] * 4, [32767] * 4, True, {d(llama, "decode_split"): dec(128, 4, 5, ctas_per_sm=2)}),
-        (llama, ForwardMode.DECODE, [1] * 4, [32767] * 4, True, {d(llama, "decode_split"): dec(
-            128, 4, 5, ctas_per_sm=2, fused_merge=True, whole_waves=True, min_split_keys=512)}),
+        (
+            llama,
+            ForwardMode.DECODE,
+            [1],
+            [32767],
+            False,
+            {d(llama, "decode_tiny"): dec(64, 4, 5, ctas_per_sm=2, fused_merge=True)},
+        ),
+        (
+            llama,
+            ForwardMode.DECODE,
+            [1] * 4,
+            [32767] * 4,
+            True,
+            {d(llama, "decode_split"): dec(128, 4, 5, ctas_per_sm=2)},
+        ),
+        (
+            llama,
+            ForwardMode.DECODE,
+            [1] * 4,
+            [32767] * 4,
+            True,
+            {
+                d(llama, "decode_split"): dec(
+                    128, 4, 5, ctas_per_sm=2, fused_merge=True, whole_waves=True, min_split_keys=512
+                )
+            },
+        ),
         # the paged kernel split (the any-group decode_split seed: other GQA groups)
-        (llama, ForwardMode.DECODE, [1] * 4, [32767] * 4, False, {d(llama, "decode_split"): {
-            "kernel": "paged", "block_n": 128, "num_warps": 4, "num_stages": 3, "ctas_per_sm": 2}}),
+        (
+            llama,
+            ForwardMode.DECODE,
+            [1] * 4,
+            [32767] * 4,
+            False,
+            {
+                d(llama, "decode_split"): {
+                    "kernel": "paged",
+                    "block_n": 128,
+                    "num_warps": 4,
+                    "num_stages": 3,
+                    "ctas_per_sm": 2,
+                }
+            },
+        ),
         (llama, ForwardMode.DECODE, [1] * 64, [4095] * 64, False, {d(llama, "decode"): dec(64, 4, 7)}),
-        (AttentionConfig(32, 8, 128, 16, torch.float16, "NHD", None, 30.0, 1000, e4m3), ForwardMode.DECODE, [1],
-         [5000], False, {d(llama, "decode_tiny"): dec(64, 2, 5, ctas_per_sm=4, fused_merge=True)}),
-        (d256, ForwardMode.DECODE, [1], [32767], False, {d(d256, "decode_tiny"): dec(64, 4, 5, ctas_per_sm=2, fused_merge=True)}),
-        (fp8, ForwardMode.DECODE, [1] * 64, [4095] * 64, False, {d(llama, "decode") + "/fp8": dec(64, 4, 5, fp8_f16=True)}),
+        (
+            AttentionConfig(32, 8, 128, 16, torch.float16, "NHD", None, 30.0, 1000, e4m3),
+            ForwardMode.DECODE,
+            [1],
+            [5000],
+            False,
+            {d(llama, "decode_tiny"): dec(64, 2, 5, ctas_per_sm=4, fused_merge=True)},
+        ),
+        (
+            d256,
+            ForwardMode.DECODE,
+            [1],
+            [32767],
+            False,
+            {d(d256, "decode_tiny"): dec(64, 4, 5, ctas_per_sm=2, fused_merge=True)},
+        ),
+        (
+            fp8,
+            ForwardMode.DECODE,
+            [1] * 64,
+            [4095] * 64,
+            False,
+            {d(llama, "decode") + "/fp8": dec(64, 4, 5, fp8_f16=True)},
+        ),
         (fp8, ForwardMode.EXTEND, [300], [40], False, {d(llama, "prefill") + "/fp8": pf(128, 64, 8, 5, fp8_f16=True)}),
-        (fp8, ForwardMode.DECODE, [1] * 64, [4095] * 64, False, {d(llama, "decode") + "/fp8": {
-            "kernel": "paged", "block_n": 128, "num_warps": 4, "num_stages": 3, "fp8_f16": True}}),
-        (fp8, ForwardMode.DECODE, [1], [32767], True, {d(llama, "decode_tiny") + "/fp8": dec(
-            128, 4, 5, ctas_per_sm=1, fused_merge=True, fp8_f16=True)}),
+        (
+            fp8,
+            ForwardMode.DECODE,
+            [1] * 64,
+            [4095] * 64,
+            False,
+            {
+                d(llama, "decode") + "/fp8": {
+                    "kernel": "paged",
+                    "block_n": 128,
+                    "num_warps": 4,
+                    "num_stages": 3,
+                    "fp8_f16": True,
+                }
+            },
+        ),
+        (
+            fp8,
+            ForwardMode.DECODE,
+            [1],
+            [32767],
+            True,
+            {d(llama, "decode_tiny") + "/fp8": dec(128, 4, 5, ctas_per_sm=1, fused_merge=True, fp8_f16=True)},
+        ),
         # fp8 byte pairs: the inline-asm split (fp16 dots), the integer split (bf16 dots, e5m2), a full batch split
-        (fp8, ForwardMode.DECODE, [1] * 64, [4095] * 64, False, {d(llama, "decode") + "/fp8": dec(64, 2, 5, fp8_f16=True, pairs=True)}),
-        (AttentionConfig(32, 8, 128, 16, torch.bfloat16, kv_dtype=torch.float8_e5m2), ForwardMode.DECODE, [1] * 4,
-         [32767] * 4, True, {d(llama, "decode_split"): dec(128, 4, 5, ctas_per_sm=2, fused_merge=True, pairs=True)}),
-        (fp8, ForwardMode.DECODE, [1] * 64, [4095] * 64, False, {d(llama, "decode") + "/fp8": dec(
-            64, 2, 5, fp8_f16=True, pairs=True, ctas_per_sm=4, fused_merge=True)}),
+        (
+            fp8,
+            ForwardMode.DECODE,
+            [1] * 64,
+            [4095] * 64,
+            False,
+            {d(llama, "decode") + "/fp8": dec(64, 2, 5, fp8_f16=True, pairs=True)},
+        ),
+        (
+            AttentionConfig(32, 8, 128, 16, torch.bfloat16, kv_dtype=torch.float8_e5m2),
+            ForwardMode.DECODE,
+            [1] * 4,
+            [32767] * 4,
+            True,
+            {d(llama, "decode_split"): dec(128, 4, 5, ctas_per_sm=2, fused_merge=True, pairs=True)},
+        ),
+        (
+            fp8,
+            ForwardMode.DECODE,
+            [1] * 64,
+            [4095] * 64,
+            False,
+            {d(llama, "decode") + "/fp8": dec(64, 2, 5, fp8_f16=True, pairs=True, ctas_per_sm=4, fused_merge=True)},
+        ),
         # more programs than four an SM (67 x 8 KV heads > 4 x 132): the decode_wide entry's one-warp pairs
-        (fp8, ForwardMode.DECODE, [1] * 67, [300] * 67, False, {d(llama, "decode_wide") + "/fp8": dec(
-            32, 1, 6, fp8_f16=True, pairs=True)}),
-        (AttentionConfig(32, 8, 128, 16, torch.float16, kv_dtype=torch.float8_e5m2), ForwardMode.DECODE, [1], [32767],
-         False, {d(llama, "decode_tiny"): dec(128, 4, 5, ctas_per_sm=2, fused_merge=True, pairs=True)}),
-    ]  # fmt: skip
+        (
+            fp8,
+            ForwardMode.DECODE,
+            [1] * 67,
+            [300] * 67,
+            False,
+            {d(llama, "decode_wide") + "/fp8": dec(32, 1, 6, fp8_f16=True, pairs=True)},
+        ),
+        (
+            AttentionConfig(32, 8, 128, 16, torch.float16, kv_dtype=torch.float8_e5m2),
+            ForwardMode.DECODE,
+            [1],
+            [32767],
+            False,
+            {d(llama, "decode_tiny"): dec(128, 4, 5, ctas_per_sm=2, fused_merge=True, pairs=True)},
+        ),
+    ]
     record_runs(runs)
 
 
@@ -369,10 +554,15 @@ def record_sinks() -> None:
             (g, ForwardMode.TARGET_VERIFY, [8, 8], [300, 40], False, {}),
             (g8, ForwardMode.DECODE, [1] * 4, [99, 1999, 32, 700], False, {}),
             (g8, ForwardMode.EXTEND, [37, 200], [0, 50], False, {}),
-            (g, ForwardMode.DECODE, [1] * 4, [32767] * 4, True,
-             {d(g, "decode_split"): dec(ctas_per_sm=2, fused_merge=True)}),
-            (g, ForwardMode.DECODE, [1] * 4, [32767] * 4, False,
-             {d(g, "decode_split"): dec(ctas_per_sm=2)}),
+            (
+                g,
+                ForwardMode.DECODE,
+                [1] * 4,
+                [32767] * 4,
+                True,
+                {d(g, "decode_split"): dec(ctas_per_sm=2, fused_merge=True)},
+            ),
+            (g, ForwardMode.DECODE, [1] * 4, [32767] * 4, False, {d(g, "decode_split"): dec(ctas_per_sm=2)}),
             (g, ForwardMode.DECODE, [1] * 64, [4095] * 64, False, {d(g, "decode"): dec()}),
         ]
     full = AttentionConfig(64, 8, 64, 16, torch.bfloat16, sinks=True)
@@ -394,13 +584,24 @@ def record_mla() -> None:
     e4m3 = torch.float8_e4m3fn
     runs = []  # (heads, kv dtype, mode, q lens, prefix lens, with LSE, knobs)
     for h in (128, 16):
-        runs += [(h, None, ForwardMode.DECODE, [1] * 64, [4095] * 64, False, {}),
-                 (h, None, ForwardMode.DECODE, [1], [32767], True, {}),
-                 (h, None, ForwardMode.EXTEND, [300, 17], [0, 40], False, {}),
-                 (h, None, ForwardMode.TARGET_VERIFY, [4, 4], [300, 40], True, {})]
-    runs += [(16, e4m3, ForwardMode.DECODE, [1] * 4, [99, 1999, 32, 700], False, {}),
-             (16, None, ForwardMode.TARGET_VERIFY, [4, 4], [300, 40], True,
-              {"kv_start": torch.tensor([300, 40], dtype=torch.int32), "num_kv_splits": 1})]
+        runs += [
+            (h, None, ForwardMode.DECODE, [1] * 64, [4095] * 64, False, {}),
+            (h, None, ForwardMode.DECODE, [1], [32767], True, {}),
+            (h, None, ForwardMode.EXTEND, [300, 17], [0, 40], False, {}),
+            (h, None, ForwardMode.TARGET_VERIFY, [4, 4], [300, 40], True, {}),
+        ]
+    runs += [
+        (16, e4m3, ForwardMode.DECODE, [1] * 4, [99, 1999, 32, 700], False, {}),
+        (
+            16,
+            None,
+            ForwardMode.TARGET_VERIFY,
+            [4, 4],
+            [300, 40],
+            True,
+            {"kv_start": torch.tensor([300, 40], dtype=torch.int32), "num_kv_splits": 1},
+        ),
+    ]
     for h, kv_dtype, mode, q_lens, prefix, with_lse, knobs in runs:
         cfg = mla_config(h, page_size=64, kv_dtype=kv_dtype)
         c = random_case(mode, q_lens, prefix, mla_config(h, page_size=64), "cpu")
@@ -454,8 +655,12 @@ def wgmma_serialized(ptx: str) -> str:
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        r = subprocess.run([tool, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
-                           capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [tool, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     notes = (r.stdout + r.stderr).splitlines()
     return "\n".join(line for line in notes if re.search(r"C751[45]|serialized", line))
 
@@ -480,7 +685,9 @@ def main() -> None:
             assert not serialized, (fn.__name__, const, serialized)
         if stats:
             names = fn.arg_names
-            show = {names[i[0]]: v for i, v in const.items() if names[i[0]].isupper() and names[i[0]] not in ("UPCAST",)}
+            show = {
+                names[i[0]]: v for i, v in const.items() if names[i[0]].isupper() and names[i[0]] not in ("UPCAST",)
+            }
             print(f"{fn.__name__} {opts} {resource_usage(cubin)} smem {k.metadata.shared} {show}", flush=True)
     print(" ".join(f"{k}={n}" for k, n in sorted(kinds.items())))
     print(f"compiled {sum(kinds.values())} distinct launches for sm90")

@@ -14,18 +14,47 @@ def _res():
     rows = []
     for kind, row in (("decode", "decode 4x64"), ("decode", "decode 1x256"), ("prefill", "prefill 2x128")):
         rows += [
-            dict(row=row, kind=kind, impl="attnplug.triton", ms=0.5, GBps=100.0, TFLOPs=2.0, err=1e-3, status="ok",
-                 vs_best_lib=1.2, plan_ms=0.1),
-            dict(row=row, kind=kind, impl="flashinfer.decode_tc", ms=0.6, GBps=90.0, TFLOPs=1.5, err=1e-3,
-                 status="ok", library=True),
+            dict(
+                row=row,
+                kind=kind,
+                impl="attnplug.triton",
+                ms=0.5,
+                GBps=100.0,
+                TFLOPs=2.0,
+                err=1e-3,
+                status="ok",
+                vs_best_lib=1.2,
+                plan_ms=0.1,
+            ),
+            dict(
+                row=row,
+                kind=kind,
+                impl="flashinfer.decode_tc",
+                ms=0.6,
+                GBps=90.0,
+                TFLOPs=1.5,
+                err=1e-3,
+                status="ok",
+                library=True,
+            ),
             dict(row=row, kind=kind, impl="fa3.paged", status="unavailable: it needs a Hopper GPU"),
             dict(row=row, kind=kind, impl="torch.gather_sdpa", status="n/a: decode kernel"),
         ]
-    rows.append(dict(row="prefill 2x128", kind="prefill", impl="attnplug.flashinfer",
-                     status="error: RuntimeError: Ninja build failed.\nninja: | stop"))
+    rows.append(
+        dict(
+            row="prefill 2x128",
+            kind="prefill",
+            impl="attnplug.flashinfer",
+            status="error: RuntimeError: Ninja build failed.\nninja: | stop",
+        )
+    )
     rows.append(dict(row="verify 2x(64+8 tree)", kind="verify", impl="fa3.paged", status="n/a: no tree mask"))
-    return {"env": {"device": "cpu (x86_64)", "date": "2026-12-05", "torch": "2.13"}, "ceilings": {},
-            "shape": "8 q heads", "rows": rows}
+    return {
+        "env": {"device": "cpu (x86_64)", "date": "2026-12-05", "torch": "2.13"},
+        "ceilings": {},
+        "shape": "8 q heads",
+        "rows": rows,
+    }
 
 
 def _tables(md: str) -> dict[str, list[str]]:
@@ -54,7 +83,7 @@ def test_markdown_one_table_per_kind_without_not_run_rows():
     assert "GB/s" in tables["decode"][0] and "TFLOP/s" in tables["prefill"][0]
     assert "anchor" not in tables["decode"][0]  # a column empty for every record is left out
     assert "Ninja build failed. ninja: / stop" in tables["prefill"][-1]  # a failure stays in its table
-    foot = md[md.index("Not run (7 records"):]
+    foot = md[md.index("Not run (7 records") :]
     assert "- fa3.paged: unavailable: it needs a Hopper GPU (decode 4x64, decode 1x256, prefill 2x128)" in foot
     assert "- torch.gather_sdpa: n/a: decode kernel (decode 4x64, decode 1x256, prefill 2x128)" in foot
     assert "- fa3.paged: n/a: no tree mask (verify 2x(64+8 tree))" in foot

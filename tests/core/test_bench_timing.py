@@ -42,8 +42,12 @@ def test_a_wrong_replay_keeps_no_time(err, timed):
 
 
 def test_ratios_use_timed_library_records_only():
-    recs = [dict(impl="lib.a", family="a", library=True, ms=0.2), dict(impl="lib.b", family="b", library=True),
-            dict(impl="ours.a", family="a", library=False, ms=0.1), dict(impl="ours.b", family="b", library=False, ms=0.4)]
+    recs = [
+        dict(impl="lib.a", family="a", library=True, ms=0.2),
+        dict(impl="lib.b", family="b", library=True),
+        dict(impl="ours.a", family="a", library=False, ms=0.1),
+        dict(impl="ours.b", family="b", library=False, ms=0.4),
+    ]
     ratios(recs)
     assert recs[2]["vs_best_lib"] == pytest.approx(2.0) and recs[2]["vs_own_lib"] == pytest.approx(2.0)
     assert recs[3]["vs_best_lib"] == pytest.approx(0.5) and recs[3]["vs_own_lib"] is None  # b's library was not timed
@@ -54,7 +58,8 @@ def test_ratios_use_timed_library_records_only():
 def test_decode_graph_twin_computes_the_row(kv):
     """``--cuda-graphs``' twin of an eager-only provider (a decode ``GraphState``, updated on the host) gives
     the float32 reference on a decode row, bf16 and fp8 (scales as the adapters pass them)."""
-    from attnplug.bench import impls, workloads as W
+    from attnplug.bench import impls
+    from attnplug.bench import workloads as W
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     row = next(r for r in W.QUICK_ROWS if r.kind == "decode" and r.kv == kv and not r.shared)

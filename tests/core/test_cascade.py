@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from batches import rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,8 +16,6 @@ from attnplug.bench.shared_prefix import prompts, shared_prefix_batch
 from attnplug.core import AttentionConfig, ForwardMode, PagedAttention, make_plan
 from attnplug.core.cascade import cascade_mode, cascade_pays, find_groups, plan_cascade, shareable_pages
 from attnplug.core.reference import reference_attention
-
-from batches import rel_err
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -54,7 +53,7 @@ def test_groups_share_page_ids_and_every_sharing_pair_is_grouped(sizes, shared, 
     if len(toks) < 1:
         return
     c = cfg(page)
-    batch, *_ , num_pages = shared_prefix_batch(c, ForwardMode.DECODE, toks, seed=seed)
+    batch, *_, num_pages = shared_prefix_batch(c, ForwardMode.DECODE, toks, seed=seed)
     plan = make_plan(c, batch, num_pages)
     groups = find_groups(plan.kv_indptr_cpu.numpy(), plan.kv_indices_cpu.numpy(), shareable_pages(plan))
     brute_groups_ok(plan, groups)
@@ -93,10 +92,12 @@ def test_cost_model_and_modes(monkeypatch):
     plan = make_plan(big, batch, n, device="cpu")
     groups = find_groups(plan.kv_indptr_cpu.numpy(), plan.kv_indices_cpu.numpy(), shareable_pages(plan))
     assert cascade_pays(plan, groups)  # 63 x 32 pages of 64 KiB saved per layer
-    small = make_plan(big, shared_prefix_batch(big, ForwardMode.DECODE, prompts([(2, 32)], 16), device="meta")[0],
-                      None, device="cpu")  # fmt: skip
-    assert not cascade_pays(small, find_groups(small.kv_indptr_cpu.numpy(), small.kv_indices_cpu.numpy(),
-                                               shareable_pages(small)))  # fmt: skip
+    small = make_plan(
+        big, shared_prefix_batch(big, ForwardMode.DECODE, prompts([(2, 32)], 16), device="meta")[0], None, device="cpu"
+    )
+    assert not cascade_pays(
+        small, find_groups(small.kv_indptr_cpu.numpy(), small.kv_indices_cpu.numpy(), shareable_pages(small))
+    )
     assert plan_cascade(small, "auto") is None and plan_cascade(small, "always") is not None
     assert plan_cascade(plan, "off") is None
     monkeypatch.setenv("ATTNPLUG_CASCADE", "0")

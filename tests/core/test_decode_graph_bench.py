@@ -16,8 +16,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_decode_graph_bench_smoke(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the documented command, as typed
     env["PYTHONPATH"] = ROOT
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "probes", "decode_graph_bench.py"), "--smoke",
-                        "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "probes", "decode_graph_bench.py"),
+            "--smoke",
+            "--out",
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((tmp_path / "decode-graph.json").read_text())
     assert sorted(res["cases"]) == sorted(f"decode 2x40 page {p}{f}" for p in (1, 16) for f in ("", " fp8"))

@@ -12,7 +12,8 @@ layout NHD, page 16, cascade auto)
 
 def test_active_line_is_the_first_from_the_marker_on():
     assert active_line(LOG, "attnplug: ATTNPLUG_TRITON active") == (
-        "attnplug: ATTNPLUG_TRITON active (provider triton, layout NHD, page 16, cascade auto)")
+        "attnplug: ATTNPLUG_TRITON active (provider triton, layout NHD, page 16, cascade auto)"
+    )
     assert active_line(LOG, "attnplug: attnplug_triton active") is None
 
 
@@ -27,8 +28,10 @@ def test_verdict(capsys):
 
 
 def test_error_line_prefers_attnplugs_message():
-    log = ("Traceback (most recent call last):\n  File x\nValueError: attnplug: ATTNPLUG_CASCADE must be 0, 1 or "
-           "always, got 'bogus'\nRuntimeError: Engine core initialization failed. See root cause above.\n")
+    log = (
+        "Traceback (most recent call last):\n  File x\nValueError: attnplug: ATTNPLUG_CASCADE must be 0, 1 or "
+        "always, got 'bogus'\nRuntimeError: Engine core initialization failed. See root cause above.\n"
+    )
     assert error_line(log) == "ValueError: attnplug: ATTNPLUG_CASCADE must be 0, 1 or always, got 'bogus'"
     assert error_line("RuntimeError: no port\nshutting down\n") == "RuntimeError: no port"
     assert error_line("") == "(empty log)"

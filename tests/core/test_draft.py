@@ -6,14 +6,13 @@ import math
 
 import pytest
 import torch
+from batches import dense_rows, draft_case, draft_rows, rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnplug.core import AttentionConfig, BatchMetadata, ForwardMode, PagedAttention, UnsupportedFeature
 from attnplug.core.draft import MultiStepDraftPlanner, build_tree_verify_mask
 from attnplug.core.reference import reference_attention
-
-from batches import dense_rows, draft_case, draft_rows, rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -33,7 +32,9 @@ def test_step_metadata_equals_brute_force(data, page, topk, steps):
     seq_lens = data.draw(st.lists(st.integers(0, 45), min_size=1, max_size=4))
     seed = data.draw(st.integers(0, 2**31 - 1))
     ind, idx, last, draft, num_pages = draft_case(seq_lens, page, topk, steps, seed)
-    pl = MultiStepDraftPlanner(cfg(page), topk, steps, max_batch=4, provider="reference", device="cpu", max_prefix_tokens=200)
+    pl = MultiStepDraftPlanner(
+        cfg(page), topk, steps, max_batch=4, provider="reference", device="cpu", max_prefix_tokens=200
+    )
     plans = pl.plan(ind, idx, last, draft, num_pages=num_pages)
     assert len(plans) == steps
     lo, hi = pl._buf.data_ptr(), pl._buf.data_ptr() + pl._buf.numel() * 4
@@ -85,8 +86,9 @@ def test_draft_refusals():
 
 # ---- tree verify -------------------------------------------------------------------------------
 def random_parents(B, n, g):
-    return torch.stack([torch.tensor([-1] + [int(torch.randint(-1, i, (1,), generator=g)) for i in range(1, n)])
-                        for _ in range(B)])
+    return torch.stack(
+        [torch.tensor([-1] + [int(torch.randint(-1, i, (1,), generator=g)) for i in range(1, n)]) for _ in range(B)]
+    )
 
 
 def ancestors(par, i):
@@ -136,8 +138,14 @@ def test_tree_verify_attention(page, seed):
     perm = torch.randperm(num_pages, generator=g).to(torch.int32)
     ind = torch.tensor([0] + npg).cumsum(0).to(torch.int32)
     last = torch.tensor([(x - 1) % page + 1 for x in kv], dtype=torch.int32)
-    batch = BatchMetadata(ForwardMode.TARGET_VERIFY, (torch.arange(B + 1) * n).to(torch.int32), ind,
-                          perm[: sum(npg)].clone(), last, custom_mask=build_tree_verify_mask(par, prefix))
+    batch = BatchMetadata(
+        ForwardMode.TARGET_VERIFY,
+        (torch.arange(B + 1) * n).to(torch.int32),
+        ind,
+        perm[: sum(npg)].clone(),
+        last,
+        custom_mask=build_tree_verify_mask(par, prefix),
+    )
     k_cache = torch.randn(c.kv_cache_shape(num_pages), generator=g).to(c.dtype)
     v_cache = torch.randn(c.kv_cache_shape(num_pages), generator=g).to(c.dtype)
     q = torch.randn(B * n, c.num_qo_heads, c.head_dim, generator=g).to(c.dtype)
@@ -150,7 +158,7 @@ def test_tree_verify_attention(page, seed):
     rows = []
     for b in range(B):
         pages = batch.kv_indices[int(ind[b]) : int(ind[b + 1])].tolist()
-        slot = lambda t: pages[t // page] * page + t % page  # noqa: E731
+        slot = lambda t, pages=pages: pages[t // page] * page + t % page  # noqa: E731
         pl = int(prefix[b])
         for i in range(n):
             rows.append([slot(t) for t in range(pl)] + [slot(pl + a) for a in sorted(ancestors(par[b].tolist(), i))])

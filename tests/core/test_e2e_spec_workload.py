@@ -27,8 +27,11 @@ def test_find_cycle_shortest_period_and_tail():
 def _cycling_generate(calls):
     def generate(ps, n):
         calls.append((len(ps), n))
-        return [{"tokens": ([p[0] % 7 + 3, 11, 12] * n)[:n]} if i % 2 == 0 else
-                {"tokens": list(range(100, 100 + n))} for i, p in enumerate(ps)]  # fmt: skip
+        return [
+            {"tokens": ([p[0] % 7 + 3, 11, 12] * n)[:n]} if i % 2 == 0 else {"tokens": list(range(100, 100 + n))}
+            for i, p in enumerate(ps)
+        ]
+
     return generate
 
 
@@ -39,7 +42,7 @@ def test_cycle_prompts_end_in_the_models_continuation():
     assert [len(p) for p in ps] == [300] * 4
     assert stats == {"cycles": 2, "prompts": 4, "mean_period": 3.0}
     assert ps[0][-3:] in ([11, 12, ps[0][-1]], ps[0][-6:-3])  # ends repeating its cycle
-    assert ps[1][-sw.GEN_LEN:] == list(range(100, 100 + sw.GEN_LEN))
+    assert ps[1][-sw.GEN_LEN :] == list(range(100, 100 + sw.GEN_LEN))
     ps2, _ = sw.cycle_prompts(_cycling_generate([]), 4, 300, seed=2, vocab_hi=1000)
     assert ps2[0][:40] != ps[0][:40], "fresh random heads (no prefix-cache hits)"
     with pytest.raises(ValueError, match="plen"):
@@ -78,7 +81,9 @@ class _FakeEngine:
         self.n["steps"] += len(ps) * n // 3
         self.n["accepted"] += 2 * (len(ps) * n // 3)
         self.calls = getattr(self, "calls", []) + [(len(ps), n, samples)]
-        return [{"tokens": [7] * n, **({"top": [[[7, 0.0]]] * n} if logprobs else {})} for _ in ps for _ in range(samples)]
+        return [
+            {"tokens": [7] * n, **({"top": [[[7, 0.0]]] * n} if logprobs else {})} for _ in ps for _ in range(samples)
+        ]
 
     def close(self):
         pass
@@ -91,8 +96,25 @@ def test_engine_run_records_accepted_per_step_for_every_speculative_row(tmp_path
     monkeypatch.setattr(engine_run, "VLLM", _FakeEngine)
     monkeypatch.setattr(engine_run, "ROWS", [(2, 300, 9, 2), (3, 300, 6, 1)])
     out = tmp_path / "r.json"
-    monkeypatch.setattr(sys, "argv", ["engine_run.py", "vllm", "X", "--model", str(tmp_path / "m"), "--out", str(out),
-                                      "--spec", spec, "--prompts", "cycle", "--rows", "0,1"])  # fmt: skip
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "engine_run.py",
+            "vllm",
+            "X",
+            "--model",
+            str(tmp_path / "m"),
+            "--out",
+            str(out),
+            "--spec",
+            spec,
+            "--prompts",
+            "cycle",
+            "--rows",
+            "0,1",
+        ],
+    )
     monkeypatch.setenv("ATTNPLUG_MARKER_DIR", str(tmp_path / "markers"))
     engine_run.main()
     rows = json.loads(out.read_text())["rows"]
@@ -116,8 +138,25 @@ def test_engine_run_samples_row_times_every_sample_on_a_cached_prompt(tmp_path, 
     monkeypatch.setattr(engine_run, "ROWS", [(1, 300, 9, 1)])
     monkeypatch.setattr(engine_run, "SHARED_PREFIX", 40)
     out = tmp_path / "r.json"
-    monkeypatch.setattr(sys, "argv", ["engine_run.py", "vllm", "X", "--model", str(tmp_path / "m"), "--out", str(out),
-                                      "--prompts", "shared", "--samples", "8", "--rows", "0"])  # fmt: skip
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "engine_run.py",
+            "vllm",
+            "X",
+            "--model",
+            str(tmp_path / "m"),
+            "--out",
+            str(out),
+            "--prompts",
+            "shared",
+            "--samples",
+            "8",
+            "--rows",
+            "0",
+        ],
+    )
     monkeypatch.setenv("ATTNPLUG_MARKER_DIR", str(tmp_path / "markers"))
     engine_run.main()
     res = json.loads(out.read_text())
@@ -126,9 +165,17 @@ def test_engine_run_samples_row_times_every_sample_on_a_cached_prompt(tmp_path, 
     assert len(res["shared_correctness"]) == 8
 
 
-SMALL = {"hidden_size": 16, "intermediate_size": 24, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "head_dim": 4, "vocab_size": 50, "num_hidden_layers": 2, "architectures": ["LlamaForCausalLM"],
-         "initializer_range": 0.02}  # fmt: skip
+SMALL = {
+    "hidden_size": 16,
+    "intermediate_size": 24,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 4,
+    "vocab_size": 50,
+    "num_hidden_layers": 2,
+    "architectures": ["LlamaForCausalLM"],
+    "initializer_range": 0.02,
+}
 
 
 def _rms(x):
@@ -155,8 +202,9 @@ def test_eagle_repeat_head_proposes_the_last_token(tmp_path, engine):
     attn[:, : v.shape[1]] = v + q[:, : v.shape[1]] + k
     resid = x + attn @ w[p + "self_attn.o_proj.weight"].T
     n2 = _rms(resid) * w[p + "post_attention_layernorm.weight"]
-    mlp = (torch.nn.functional.silu(n2 @ w[p + "mlp.gate_proj.weight"].T) * (n2 @ w[p + "mlp.up_proj.weight"].T)) \
-        @ w[p + "mlp.down_proj.weight"].T  # fmt: skip
+    mlp = (torch.nn.functional.silu(n2 @ w[p + "mlp.gate_proj.weight"].T) * (n2 @ w[p + "mlp.up_proj.weight"].T)) @ w[
+        p + "mlp.down_proj.weight"
+    ].T
     out = resid + mlp
     assert torch.equal((out @ lm_head.T).argmax(-1), (hidden @ lm_head.T).argmax(-1))
     assert torch.allclose(out, hidden, atol=1e-2)
@@ -191,27 +239,47 @@ def test_report_counts_cascade_replays_and_flags_a_shared_run_that_cut_nothing(t
     import report
 
     def run(backend, tok_s, graph_updates, env=None):
-        return {"engine": "vllm", "engine_version": "x", "backend": backend, "eager": False, "eagle": False,
-                "spec": "none", "tp": 1, "prompts": "shared", "env": env or {}, "samples": 8,
-                "kv_cache_dtype": "auto", "init_s": 1, "rows": {"1x256->256 n=8": {"tok_s": tok_s, "runs": [tok_s]}},
-                "markers": [] if backend == "FLASH_ATTN" else
-                [{"cascade_forwards": 0, "cascade_graph_updates": graph_updates}]}  # fmt: skip
+        return {
+            "engine": "vllm",
+            "engine_version": "x",
+            "backend": backend,
+            "eager": False,
+            "eagle": False,
+            "spec": "none",
+            "tp": 1,
+            "prompts": "shared",
+            "env": env or {},
+            "samples": 8,
+            "kv_cache_dtype": "auto",
+            "init_s": 1,
+            "rows": {"1x256->256 n=8": {"tok_s": tok_s, "runs": [tok_s]}},
+            "markers": []
+            if backend == "FLASH_ATTN"
+            else [{"cascade_forwards": 0, "cascade_graph_updates": graph_updates}],
+        }
 
     res = tmp_path / "res"
     res.mkdir()
-    runs = {"vllm-FLASH_ATTN-shared-n8": run("FLASH_ATTN", 100.0, 0),
-            "vllm-ATTNPLUG_TRITON-shared-n8": run("ATTNPLUG_TRITON", 170.0, 255),
-            "vllm-ATTNPLUG_TRITON-env-shared-n8": run("ATTNPLUG_TRITON", 100.0, 0, {"ATTNPLUG_CASCADE_GRAPHS": "0"}),
-            "vllm-ATTNPLUG_FA3-shared-n8": run("ATTNPLUG_FA3", 160.0, 0)}  # fmt: skip
+    runs = {
+        "vllm-FLASH_ATTN-shared-n8": run("FLASH_ATTN", 100.0, 0),
+        "vllm-ATTNPLUG_TRITON-shared-n8": run("ATTNPLUG_TRITON", 170.0, 255),
+        "vllm-ATTNPLUG_TRITON-env-shared-n8": run("ATTNPLUG_TRITON", 100.0, 0, {"ATTNPLUG_CASCADE_GRAPHS": "0"}),
+        "vllm-ATTNPLUG_FA3-shared-n8": run("ATTNPLUG_FA3", 160.0, 0),
+    }
     for name, r in runs.items():
         (res / f"{name}.json").write_text(json.dumps(r))
-    monkeypatch.setattr(sys, "argv", ["report.py", str(res), "--engine", "vllm", "--name", "t", "--command", "c",
-                                      "--out", str(tmp_path / "out")])  # fmt: skip
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["report.py", str(res), "--engine", "vllm", "--name", "t", "--command", "c", "--out", str(tmp_path / "out")],
+    )
     report.main()
     md = (tmp_path / "out" / "t.md").read_text()
     row = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if line.startswith("| ATTNPLUG")}
     assert "8 samples of each prompt" in md
-    assert "cascade 0 eager + 255 graph forwards" in row["ATTNPLUG_TRITON"] and "NO CASCADE" not in row["ATTNPLUG_TRITON"]
+    assert (
+        "cascade 0 eager + 255 graph forwards" in row["ATTNPLUG_TRITON"] and "NO CASCADE" not in row["ATTNPLUG_TRITON"]
+    )
     assert "(1.700 vs FLASH_ATTN)" in row["ATTNPLUG_TRITON"]
     assert "NO CASCADE RAN" in row["ATTNPLUG_FA3"]
     off = row["ATTNPLUG_TRITON+ATTNPLUG_CASCADE_GRAPHS=0"]  # turned off on purpose: counted, not flagged

@@ -14,8 +14,16 @@ BUILDS = ["flash_attn_interface", "sgl_kernel.flash_attn", "vllm.vllm_flash_attn
 def _fake(monkeypatch, present: dict[str, types.ModuleType]) -> None:
     """Make exactly ``present`` importable; every other build's import fails."""
     monkeypatch.setattr(fa3, "_LIB", None)
-    for name in ["flash_attn_interface", "sgl_kernel", "sgl_kernel.flash_attn", "vllm", "vllm.vllm_flash_attn",
-                 "vllm.vllm_flash_attn.flash_attn_interface", "vllm_flash_attn", "vllm_flash_attn.flash_attn_interface"]:
+    for name in [
+        "flash_attn_interface",
+        "sgl_kernel",
+        "sgl_kernel.flash_attn",
+        "vllm",
+        "vllm.vllm_flash_attn",
+        "vllm.vllm_flash_attn.flash_attn_interface",
+        "vllm_flash_attn",
+        "vllm_flash_attn.flash_attn_interface",
+    ]:
         monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules -> ImportError
     for name, mod in present.items():
         monkeypatch.setitem(sys.modules, name, mod)
@@ -45,8 +53,10 @@ def test_hopper_build_wins_over_the_others(monkeypatch):
     iface = _vllm_style(True)
     pkg = types.ModuleType("vllm_flash_attn")
     pkg.flash_attn_interface = iface
-    _fake(monkeypatch, {"flash_attn_interface": hopper, "vllm_flash_attn": pkg,
-                        "vllm_flash_attn.flash_attn_interface": iface})
+    _fake(
+        monkeypatch,
+        {"flash_attn_interface": hopper, "vllm_flash_attn": pkg, "vllm_flash_attn.flash_attn_interface": iface},
+    )
     assert fa3.load_fa3().source == "flash_attn_interface"
 
 
@@ -57,5 +67,11 @@ def test_none_importable_lists_every_attempt(monkeypatch):
     _fake(monkeypatch, {"vllm_flash_attn": pkg, "vllm_flash_attn.flash_attn_interface": iface})
     with pytest.raises(ProviderUnavailable) as e:
         fa3.load_fa3()
-    for b in ["flash_attn_interface", "sgl_kernel.flash_attn", "vllm.vllm_flash_attn", "vllm_flash_attn", "no _vllm_fa3_C"]:
+    for b in [
+        "flash_attn_interface",
+        "sgl_kernel.flash_attn",
+        "vllm.vllm_flash_attn",
+        "vllm_flash_attn",
+        "no _vllm_fa3_C",
+    ]:
         assert b in str(e.value)

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import math
 
+import fa3_standin
 import pytest
 import torch
+from batches import random_case, rel_err
 
 from attnplug.core import AttentionConfig, ForwardMode, UnsupportedFeature, make_plan
 from attnplug.core.providers.fa3 import FA3Provider
 from attnplug.core.reference import reference_attention
-
-import fa3_standin
-from batches import random_case, rel_err
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # conftest: interpreter without CUDA
 
@@ -50,7 +49,9 @@ def test_tree_mask_hiding_prefix_is_refused():
     c = random_case(ForwardMode.TARGET_VERIFY, [4], [10], cfg, seed=1, mask_kind="random")
     c.batch.custom_mask[0] = False  # row 0 hides prefix key 0
     plan = make_plan(cfg, c.batch, num_pages=c.num_pages)
-    with pytest.raises(UnsupportedFeature, match="provider 'fa3' does not support a tree mask that hides part of the prefix"):
+    with pytest.raises(
+        UnsupportedFeature, match="provider 'fa3' does not support a tree mask that hides part of the prefix"
+    ):
         fa3_on_cpu(cfg).plan(plan)
 
 
@@ -64,8 +65,18 @@ def test_tree_verify_graph_state_replay_equals_reference(page):
     from attnplug.core.cuda_graph import GraphState
 
     cfg, q, max_bs, pad_page = AttentionConfig(8, 2, 64, page, torch.bfloat16), 4, 3, 0
-    gs = GraphState(cfg, fa3_on_cpu(cfg), max_batch=max_bs, max_tokens=max_bs * q, max_pages=400, device=DEV, mode="verify",
-                    num_draft_tokens=q, pad_page=pad_page, max_seq_len=200)  # fmt: skip
+    gs = GraphState(
+        cfg,
+        fa3_on_cpu(cfg),
+        max_batch=max_bs,
+        max_tokens=max_bs * q,
+        max_pages=400,
+        device=DEV,
+        mode="verify",
+        num_draft_tokens=q,
+        pad_page=pad_page,
+        max_seq_len=200,
+    )
     plans = {bs: gs.prepare_capture(bs) for bs in range(1, max_bs + 1)}
     for bs, B, seed in ((3, 2, 1), (3, 3, 2), (1, 1, 3), (2, 1, 4)):
         c = random_case(ForwardMode.TARGET_VERIFY, [q] * B, [40 + 9 * seed, 3, 77][:B], cfg, device=DEV, seed=seed)
@@ -83,9 +94,12 @@ def test_tree_verify_graph_state_replay_equals_reference(page):
     W = -(-60 // page)
     table = (torch.randperm(2 * W) + 1).view(2, W).to(torch.int32)
     gs.update_from_block_table(seq.to(DEV), table.to(DEV), bs)
-    mask = torch.cat([torch.tensor([[col <= s - q + i for col in range(s)] for i in range(q)]).flatten() for s in seq.tolist()])
-    batch = BatchMetadata.from_block_table(ForwardMode.TARGET_VERIFY, torch.arange(B + 1, dtype=torch.int32) * q, table,
-                                           seq, page, custom_mask=mask)  # fmt: skip
+    mask = torch.cat(
+        [torch.tensor([[col <= s - q + i for col in range(s)] for i in range(q)]).flatten() for s in seq.tolist()]
+    )
+    batch = BatchMetadata.from_block_table(
+        ForwardMode.TARGET_VERIFY, torch.arange(B + 1, dtype=torch.int32) * q, table, seq, page, custom_mask=mask
+    )
     g = torch.Generator().manual_seed(9)
     kv_shape = cfg.kv_cache_shape(2 * W + 1)
     k, v = (torch.randn(kv_shape, generator=g).to(cfg.dtype).to(DEV) for _ in range(2))
@@ -110,7 +124,9 @@ def test_gather_block_table_matches_the_csr(counts):
     last = torch.tensor([P if c else 0 for c in counts], dtype=torch.int32)
     W = max(counts + [1]) + 2
     want, _ = block_table_from_csr(kv_indptr, kv_indices, last, P, W)
-    got = gather_block_table(kv_indptr.to(DEV), kv_indices.to(DEV), torch.arange(W, dtype=torch.int32, device=DEV)).cpu()
+    got = gather_block_table(
+        kv_indptr.to(DEV), kv_indices.to(DEV), torch.arange(W, dtype=torch.int32, device=DEV)
+    ).cpu()
     assert got.shape == (len(counts), W) and got.dtype == torch.int32
     for b, c in enumerate(counts):
         assert got[b, :c].tolist() == want[b, :c].tolist(), b

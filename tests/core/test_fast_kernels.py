@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from batches import assert_close_per_request_head, random_case, rel_err, triton_launch
 
 from attnplug.core import AttentionConfig, BatchMetadata, ForwardMode, PagedAttention
 from attnplug.core.cuda_graph import GraphState
@@ -22,8 +23,6 @@ from attnplug.core.kernels import tiles
 from attnplug.core.kv_layout import quantize_fp8
 from attnplug.core.plan import make_plan
 from attnplug.core.reference import reference_attention
-
-from batches import assert_close_per_request_head, random_case, rel_err, triton_launch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H200_SMS = 132
@@ -83,15 +82,23 @@ BF16, FP32 = torch.bfloat16, torch.float32
 def test_prefill_ragged(page, dtype, group):
     """Ragged extends over cached prefixes (prefix 0 = plain prefill), random page tables, tiles
     ending mid-request, a one-token request (its tile is mostly padding rows)."""
-    c = random_case(ForwardMode.EXTEND, [37, 70, 1, 19], [0, 50, 33, 130], cfg(2 * group, 2, page=page, dtype=dtype),
-                    DEVICE, seed=page + group)  # fmt: skip
+    c = random_case(
+        ForwardMode.EXTEND,
+        [37, 70, 1, 19],
+        [0, 50, 33, 130],
+        cfg(2 * group, 2, page=page, dtype=dtype),
+        DEVICE,
+        seed=page + group,
+    )
     plan = run_case(c, prefill_entry(c.config, block_m=max(16, 4 * group)))
     launch = triton_launch(plan)
     assert launch["kernel"] == "prefill" and launch["num_splits"] == 1 and launch["num_tiles"] > 4
     # the tile list ascends in causal work (the kernel runs it backwards: longest first, whole batch)
     req, q0 = plan.state.tile_req.cpu(), plan.state.tile_qstart.cpu()
     work = torch.tensor([k - q for k, q in zip(c.kv_lens, c.q_lens)])[req.long()] + q0
-    assert bool((work[1:] >= work[:-1]).all()) and sorted(zip(req.tolist(), q0.tolist())) == sorted(set(zip(req.tolist(), q0.tolist())))
+    assert bool((work[1:] >= work[:-1]).all()) and sorted(zip(req.tolist(), q0.tolist())) == sorted(
+        set(zip(req.tolist(), q0.tolist()))
+    )
 
 
 @pytest.mark.parametrize("block_n,diag_n", [(32, 32), (32, 16), (64, 16), (32, 0), (64, 0)])
@@ -108,8 +115,9 @@ def test_prefill_blocks_and_diagonal(block_n, diag_n):
 @pytest.mark.parametrize("page,block_n", [(64, 32), (32, 32)])
 def test_prefill_tensor_descriptor_pages(layout, page, block_n):
     """Page size a multiple of block_n: K/V blocks through 4-D tensor descriptors (TMA on Hopper)."""
-    c = random_case(ForwardMode.EXTEND, [45, 80], [0, 100], cfg(8, 2, d=64, page=page, kv_layout=layout), DEVICE,
-                    seed=page)  # fmt: skip
+    c = random_case(
+        ForwardMode.EXTEND, [45, 80], [0, 100], cfg(8, 2, d=64, page=page, kv_layout=layout), DEVICE, seed=page
+    )
     plan = run_case(c, prefill_entry(c.config, block_m=64, block_n=block_n, tma=True))
     assert plan.state.tma and triton_launch(plan)["kernel"] == "prefill"
 
@@ -121,8 +129,9 @@ def test_prefill_head_dims(d):
     assert triton_launch(plan)["kernel"] == "prefill"
 
 
-@pytest.mark.parametrize("kv_dtype,f16", [(torch.float8_e4m3fn, False), (torch.float8_e5m2, False),
-                                         (torch.float8_e4m3fn, True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "kv_dtype,f16", [(torch.float8_e4m3fn, False), (torch.float8_e5m2, False), (torch.float8_e4m3fn, True)]
+)
 def test_prefill_fp8_kv(kv_dtype, f16):
     """fp8 KV: dequantized on load, k_scale in the softmax scale, v_scale on the output; ``f16``: the
     table's fp8 entry asks for fp16 dots on q * scale (a large-valued query)."""
@@ -153,8 +162,13 @@ def lengths_batch(mode, q_lens, kv_lens, page=16) -> BatchMetadata:
     """Metadata only (identity page table), for plan-level checks of large shapes."""
     n = [-(-k // page) for k in kv_lens]
     i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
-    return BatchMetadata(mode, i32([0] + q_lens).cumsum(0).to(torch.int32), i32([0] + n).cumsum(0).to(torch.int32),
-                         torch.arange(sum(n), dtype=torch.int32), i32([(k - 1) % page + 1 for k in kv_lens]))
+    return BatchMetadata(
+        mode,
+        i32([0] + q_lens).cumsum(0).to(torch.int32),
+        i32([0] + n).cumsum(0).to(torch.int32),
+        torch.arange(sum(n), dtype=torch.int32),
+        i32([(k - 1) % page + 1 for k in kv_lens]),
+    )
 
 
 def test_prefill_kernel_only_where_it_applies():
@@ -227,9 +241,14 @@ def test_fp8_f16_dots(kernel, kv_dtype):
     c.k_cache = quantize_fp8(c.k_cache.float() * 4, ks, kv_dtype)
     c.v_cache = quantize_fp8(c.v_cache.float() * 3, vs, kv_dtype)
     c.config = cfg(8, 2, d=64, kv_dtype=kv_dtype)
-    e = decode_entries(c.config, block_n=32) if kernel == "decode" else {
-        tiles.key(64, 4, b): {"kernel": "paged", "block_n": 32, "num_warps": 4, "num_stages": 2}
-        for b in ("decode", "decode_split", "decode_tiny")}  # fmt: skip
+    e = (
+        decode_entries(c.config, block_n=32)
+        if kernel == "decode"
+        else {
+            tiles.key(64, 4, b): {"kernel": "paged", "block_n": 32, "num_warps": 4, "num_stages": 2}
+            for b in ("decode", "decode_split", "decode_tiny")
+        }
+    )
     fp8_e = {k + "/fp8": dict(v, fp8_f16=True) for k, v in e.items()}
     for splits in (1, 4):
         plan = run_case(c, {**e, **fp8_e}, scales={"k_scale": ks, "v_scale": vs}, num_kv_splits=splits)
@@ -240,10 +259,17 @@ def test_fp8_f16_dots(kernel, kv_dtype):
     assert not run_case(c16, {**e, **fp8_e}).state.fp8_f16  # a 16-bit cache never reads the /fp8 entries
 
 
-@pytest.mark.parametrize("kv_dtype,f16,page,kw", [
-    (torch.float8_e4m3fn, True, 16, {}), (torch.float8_e5m2, True, 1, {}), (torch.float8_e4m3fn, False, 16, {}),
-    (torch.float8_e4m3fn, True, 16, {"window_left": 300}), (torch.float8_e5m2, True, 16, {"logits_soft_cap": 20.0}),
-    (torch.float8_e4m3fn, True, 16, {"kv_layout": "HND"})])  # fmt: skip
+@pytest.mark.parametrize(
+    "kv_dtype,f16,page,kw",
+    [
+        (torch.float8_e4m3fn, True, 16, {}),
+        (torch.float8_e5m2, True, 1, {}),
+        (torch.float8_e4m3fn, False, 16, {}),
+        (torch.float8_e4m3fn, True, 16, {"window_left": 300}),
+        (torch.float8_e5m2, True, 16, {"logits_soft_cap": 20.0}),
+        (torch.float8_e4m3fn, True, 16, {"kv_layout": "HND"}),
+    ],
+)
 def test_decode_fp8_pairs(kv_dtype, f16, page, kw):
     """fp8 K/V read as 16-bit byte pairs (the ``pairs`` entry field: even / odd dims, two accumulators)
     against the reference, split (fused merge) and not, with NaN bytes in the cache slots past each
@@ -281,8 +307,17 @@ def test_decode_under_graph_state():
     """GraphState with the fused decode: static counters, padded replays equal eager, counters stay 0."""
     c0 = cfg(4, 2, d=32, page=16)
     with table(decode_entries(c0)):
-        gs = GraphState(c0, "triton", max_batch=4, max_tokens=4, max_pages=300, device=DEVICE, mode="decode",
-                        pad_page=3, num_kv_splits=3)  # fmt: skip
+        gs = GraphState(
+            c0,
+            "triton",
+            max_batch=4,
+            max_tokens=4,
+            max_pages=300,
+            device=DEVICE,
+            mode="decode",
+            pad_page=3,
+            num_kv_splits=3,
+        )
         plan = gs.prepare_capture(3)
     assert triton_launch(plan)["kernel"] == "decode" and plan.state.counters is not None
     for B, seed in ((2, 1), (3, 2)):
@@ -305,8 +340,17 @@ def test_decode_short_replay_of_long_capture():
     hold NaN here, which would show), the last active split merges, counters are 0 after each run."""
     c0 = cfg(8, 2, d=32, page=16)
     with table(decode_entries(c0)):
-        gs = GraphState(c0, "triton", max_batch=4, max_tokens=4, max_pages=200, device=DEVICE, mode="decode",
-                        pad_page=3, num_kv_splits=8)  # fmt: skip
+        gs = GraphState(
+            c0,
+            "triton",
+            max_batch=4,
+            max_tokens=4,
+            max_pages=200,
+            device=DEVICE,
+            mode="decode",
+            pad_page=3,
+            num_kv_splits=8,
+        )
         plan = gs.prepare_capture(4)
     assert triton_launch(plan)["num_splits"] == 8 and plan.state.counters is not None
     for seed, lens in ((1, [40, 70, 300, 1]), (2, [1, 33, 64, 129])):
@@ -322,12 +366,27 @@ def test_decode_short_replay_of_long_capture():
         assert not plan.state.counters.any()
 
 
-@pytest.mark.parametrize("kv_dtype,rows,kv_len,want", [
-    (None, 1, 1024, 8), (None, 1, 2048, 16), (None, 4, 1024, 2), (None, 4, 2048, 4), (None, 1, 32768, 17),
-    (torch.float8_e4m3fn, 1, 1024, 8), (torch.float8_e4m3fn, 4, 1024, 2), (torch.float8_e4m3fn, 4, 2048, 4),
-    (None, 64, 4096, 1), (None, 1, 1000, 1),
-    (None, 4, 32768, 8), (None, 12, 8192, 4), (None, 13, 8192, 3), (None, 6, 16384, 5), (None, 16, 16384, 2),
-    (None, 2, 32768, 16)])  # fmt: skip
+@pytest.mark.parametrize(
+    "kv_dtype,rows,kv_len,want",
+    [
+        (None, 1, 1024, 8),
+        (None, 1, 2048, 16),
+        (None, 4, 1024, 2),
+        (None, 4, 2048, 4),
+        (None, 1, 32768, 17),
+        (torch.float8_e4m3fn, 1, 1024, 8),
+        (torch.float8_e4m3fn, 4, 1024, 2),
+        (torch.float8_e4m3fn, 4, 2048, 4),
+        (None, 64, 4096, 1),
+        (None, 1, 1000, 1),
+        (None, 4, 32768, 8),
+        (None, 12, 8192, 4),
+        (None, 13, 8192, 3),
+        (None, 6, 16384, 5),
+        (None, 16, 16384, 2),
+        (None, 2, 32768, 16),
+    ],
+)
 def test_split_rule_of_short_contexts(kv_dtype, rows, kv_len, want):
     """The split count on the H200's 132 SMs (Llama-3-8B attention, the committed table): one split per
     128 keys for decode_tiny batches, per 512 for decode_split (16-bit: the decode kernel's 128-key
@@ -343,7 +402,9 @@ def test_split_rule_of_short_contexts(kv_dtype, rows, kv_len, want):
 def test_full_batch_splits_when_its_entry_asks():
     """A batch that fills the SMs (``decode`` bucket) runs unsplit unless its entry names
     ``ctas_per_sm``; then it splits like the split buckets (programs per SM, one split per 128 keys)."""
-    prov = PagedAttention(AttentionConfig(32, 8, 128, 16, BF16, kv_dtype=torch.float8_e4m3fn), "triton", DEVICE).provider
+    prov = PagedAttention(
+        AttentionConfig(32, 8, 128, 16, BF16, kv_dtype=torch.float8_e4m3fn), "triton", DEVICE
+    ).provider
     prov._sms = H200_SMS
     key = tiles.key(128, 4, "decode", fp8=True)
     assert prov.split_count(64, 4096) == 1
@@ -353,8 +414,10 @@ def test_full_batch_splits_when_its_entry_asks():
         assert prov.split_count(512, 4096) == 1  # 4096 programs already
 
 
-@pytest.mark.parametrize("tiles_,ctas,per_sm,want", [
-    (2, None, 2, 16), (2, 1, 1, 8), (2, 3, 3, 24), (1, None, 1, 16), (4, None, 2, 8), (32, None, None, 1)])  # fmt: skip
+@pytest.mark.parametrize(
+    "tiles_,ctas,per_sm,want",
+    [(2, None, 2, 16), (2, 1, 1, 8), (2, 3, 3, 24), (1, None, 1, 16), (4, None, 2, 8), (32, None, None, 1)],
+)
 def test_cascade_prefix_splits_fill_whole_waves(tiles_, ctas, per_sm, want):
     """The cascade's prefix parts (non-causal, 128-row tiles of equal work) split into at most
     ``ctas_per_sm`` programs per SM, rounded down: 2 tiles x 8 KV heads on 132 SMs take 16 splits (256
@@ -376,8 +439,14 @@ def test_cascade_prefix_splits_fill_whole_waves(tiles_, ctas, per_sm, want):
 
 def test_full_batch_split_matches_the_reference():
     """The ``decode`` bucket's split path (a full batch on 132 SMs, fused merge) against the reference."""
-    c = random_case(ForwardMode.DECODE, [1] * 40, [1100 + 37 * i for i in range(40)], cfg(16, 4, page=16, dtype=BF16),
-                    DEVICE, seed=5)
+    c = random_case(
+        ForwardMode.DECODE,
+        [1] * 40,
+        [1100 + 37 * i for i in range(40)],
+        cfg(16, 4, page=16, dtype=BF16),
+        DEVICE,
+        seed=5,
+    )
     e = {"kernel": "decode", "block_n": 32, "num_warps": 4, "num_stages": 3, "fused_merge": True, "ctas_per_sm": 4}
     plan = run_case(c, {tiles.key(c.config.head_dim, c.config.group_size, "decode"): e})
     launch = triton_launch(plan)
@@ -440,8 +509,10 @@ def test_full_decode_batches_beyond_four_programs_an_sm_read_decode_wide(batch, 
     """An unsplit decode batch of more than 4 * SMs programs (``B * Hkv``, 8 KV heads, 132 SMs: more
     than 528) plans with the ``decode_wide`` entry, one of at most that many with ``decode``'s."""
     config = cfg(32, 8, d=128)
-    entries = {tiles.key(128, 4, "decode"): {"kernel": "decode", "block_n": 64, "num_warps": 2, "num_stages": 3},
-               tiles.key(128, 4, "decode_wide"): {"kernel": "decode", "block_n": 16, "num_warps": 1, "num_stages": 3}}
+    entries = {
+        tiles.key(128, 4, "decode"): {"kernel": "decode", "block_n": 64, "num_warps": 2, "num_stages": 3},
+        tiles.key(128, 4, "decode_wide"): {"kernel": "decode", "block_n": 16, "num_warps": 1, "num_stages": 3},
+    }
     launch = planned_kernel(config, lengths_batch(ForwardMode.DECODE, [1] * batch, [2048] * batch), entries)
     assert launch["num_splits"] == 1 and launch["kernel"] == "decode"
     assert launch["block_n"] == (16 if bucket == "decode_wide" else 64)

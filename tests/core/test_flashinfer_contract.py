@@ -124,11 +124,20 @@ def test_the_contract_covers_the_numerics_the_provider_passes():
         assert set(prov.plan_kwargs()) <= set(it.kwargs), it.name
 
 
-@pytest.mark.parametrize("mutation, needle", [
-    (("prefill.py", "custom_mask: Optional[torch.Tensor] = None,", "custom_mask_v2: Optional[torch.Tensor] = None,"),
-     "custom_mask"),
-    (("decode.py", "        return_lse: bool = False,\n", ""), "return_lse"),  # the method, not its overloads
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "mutation, needle",
+    [
+        (
+            (
+                "prefill.py",
+                "custom_mask: Optional[torch.Tensor] = None,",
+                "custom_mask_v2: Optional[torch.Tensor] = None,",
+            ),
+            "custom_mask",
+        ),
+        (("decode.py", "        return_lse: bool = False,\n", ""), "return_lse"),  # the method, not its overloads
+    ],
+)
 def test_a_changed_call_refuses_the_provider(mutation, needle):
     src = wheel_sources("flashinfer-python", "0.7.4")
     rel, old, new = mutation

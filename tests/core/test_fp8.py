@@ -13,17 +13,16 @@ from __future__ import annotations
 import math
 import sys
 
+import fa3_standin
 import pytest
 import torch
+from batches import TOLERANCES, assert_close_per_request_head, random_case, rel_err
 
 from attnplug.core import AttentionConfig, ForwardMode, PagedAttention, UnsupportedFeature, make_plan
 from attnplug.core.config import kv_dtype_from_name
 from attnplug.core.cuda_graph import GraphState
 from attnplug.core.kv_layout import dequantize, quantize_fp8, write_kv, write_kv_fixed_shape
 from attnplug.core.reference import reference_attention
-
-import fa3_standin
-from batches import TOLERANCES, assert_close_per_request_head, random_case, rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -59,7 +58,9 @@ def run_and_check(c, ks, vs, provider="triton", lse_too=True, **plan_kwargs):
     assert err <= REL, f"relative error {err:.3g} > {REL}"
     tol = TOLERANCES[c.config.dtype]  # per (request, head); V spans ~+-10 here: abs scaled to the values
     tol = dict(rel=tol["rel"], abs=tol["abs"] * max(1.0, float(ref.abs().max())))
-    assert_close_per_request_head(out, ref, plan.qo_indptr_cpu, c.config.dtype, f"{provider} fp8 {c.config.kv_dtype}", tol)
+    assert_close_per_request_head(
+        out, ref, plan.qo_indptr_cpu, c.config.dtype, f"{provider} fp8 {c.config.kv_dtype}", tol
+    )
     if lse_too:
         fin = torch.isfinite(ref_lse)
         assert torch.equal(torch.isfinite(lse), fin)
@@ -203,7 +204,9 @@ def test_fixed_shape_write_quantizes_like_write_kv():
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode(kv_dtype, page, splits):
-    c, ks, vs = fp8_case(ForwardMode.DECODE, [1] * 5, [0, 37, 16, 129, 300], kv_dtype=kv_dtype, page=page, seed=page + splits)
+    c, ks, vs = fp8_case(
+        ForwardMode.DECODE, [1] * 5, [0, 37, 16, 129, 300], kv_dtype=kv_dtype, page=page, seed=page + splits
+    )
     plan, _, _ = run_and_check(c, ks, vs, num_kv_splits=splits)
     assert plan.state.num_splits == splits
 
@@ -223,10 +226,14 @@ def test_tree_verify(kv_dtype, page):
     run_and_check(c, ks, vs)
 
 
-@pytest.mark.parametrize("dtype,hq,hkv,d,layout", [(torch.float16, 8, 8, 128, "HND"), (torch.float32, 4, 1, 64, "NHD"),
-                                                   (torch.bfloat16, 16, 2, 256, "NHD")])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype,hq,hkv,d,layout",
+    [(torch.float16, 8, 8, 128, "HND"), (torch.float32, 4, 1, 64, "NHD"), (torch.bfloat16, 16, 2, 256, "NHD")],
+)
 def test_dtypes_layouts_head_dims(dtype, hq, hkv, d, layout):
-    c, ks, vs = fp8_case(ForwardMode.EXTEND, [12, 1], [5, 40], dtype=dtype, hq=hq, hkv=hkv, d=d, kv_layout=layout, seed=d)
+    c, ks, vs = fp8_case(
+        ForwardMode.EXTEND, [12, 1], [5, 40], dtype=dtype, hq=hq, hkv=hkv, d=d, kv_layout=layout, seed=d
+    )
     run_and_check(c, ks, vs)
 
 
@@ -253,8 +260,9 @@ def test_graph_state_reads_scales_in_place():
     """CUDA-graph plans (static buffers): the scale tensors are read at run time, so an in-place
     update (e.g. scales computed from the first batch) applies to the next replay."""
     c, ks, vs = fp8_case(ForwardMode.DECODE, [1, 1, 1], [40, 3, 90], seed=6)
-    gs = GraphState(c.config, "triton", max_batch=4, max_tokens=4, max_pages=c.num_pages, device=DEVICE,
-                    max_seq_len=128)  # fmt: skip
+    gs = GraphState(
+        c.config, "triton", max_batch=4, max_tokens=4, max_pages=c.num_pages, device=DEVICE, max_seq_len=128
+    )
     plan = gs.prepare_capture(4, c.batch)
     q = torch.cat([c.q, torch.zeros(1, *c.q.shape[1:], dtype=c.q.dtype, device=DEVICE)])
     out = torch.full_like(q, math.nan)
@@ -265,8 +273,9 @@ def test_graph_state_reads_scales_in_place():
     ks_live.mul_(0.5)
     vs_live.mul_(2.0)
     gs.run(4, q, c.k_cache, c.v_cache, out, k_scale=ks_live, v_scale=vs_live)
-    ref2, _ = reference_attention(make_plan(c.config, c.batch, c.num_pages, DEVICE), c.q, c.k_cache, c.v_cache,
-                                  ks * 0.5, vs * 2.0)  # fmt: skip
+    ref2, _ = reference_attention(
+        make_plan(c.config, c.batch, c.num_pages, DEVICE), c.q, c.k_cache, c.v_cache, ks * 0.5, vs * 2.0
+    )
     assert rel_err(out[:3], ref2) <= REL and rel_err(out[:3], ref) > 0.1
     assert plan is gs.plans[4]
 
@@ -303,10 +312,14 @@ def test_provider_kv_dtypes_and_refusals():
     assert {E4M3, E5M2} <= get_provider_cls("flashinfer").KV_DTYPES
     assert E4M3 in get_provider_cls("fa3").KV_DTYPES and E5M2 not in get_provider_cls("fa3").KV_DTYPES
     fa3 = fa3_on_cpu(AttentionConfig(8, 2, 64, 16, torch.bfloat16, kv_dtype=E5M2))
-    with pytest.raises(UnsupportedFeature, match=r"attnplug: provider 'fa3' does not support KV-cache dtype float8_e5m2"):
+    with pytest.raises(
+        UnsupportedFeature, match=r"attnplug: provider 'fa3' does not support KV-cache dtype float8_e5m2"
+    ):
         fa3.check_kv_dtype(fa3.config)
     fp16 = AttentionConfig(8, 2, 64, 16, torch.float16, kv_dtype=E4M3)
-    with pytest.raises(UnsupportedFeature, match=r"provider 'fa3' does not support an fp8 KV cache with dtype torch.float16"):
+    with pytest.raises(
+        UnsupportedFeature, match=r"provider 'fa3' does not support an fp8 KV cache with dtype torch.float16"
+    ):
         fa3_on_cpu(fp16).check_config(fp16)
 
 
@@ -323,8 +336,11 @@ def test_flashinfer_prefill_template_on_fp8_is_fa2_on_hopper(monkeypatch, kv_dty
         prov.config, prov.device = AttentionConfig(8, 2, 64, 16, torch.bfloat16, kv_dtype=kv), torch.device("cuda")
         assert prov.resolve_backend("auto") == want
     prov.config = AttentionConfig(8, 2, 64, 16, torch.bfloat16, kv_dtype=kv_dtype)
-    with pytest.raises(UnsupportedFeature, match=r"attnplug: provider 'flashinfer' does not support prefill_backend='fa3' "
-                                                  r"with an fp8 KV cache"):
+    with pytest.raises(
+        UnsupportedFeature,
+        match=r"attnplug: provider 'flashinfer' does not support prefill_backend='fa3' "
+        r"with an fp8 KV cache",
+    ):
         prov.resolve_backend("fa3")
 
 
@@ -333,9 +349,14 @@ def fa3_on_cpu(cfg):
     return fa3_standin.fa3_on_cpu(cfg, DEVICE)
 
 
-@pytest.mark.parametrize("mode,q_lens,prefix", [(ForwardMode.DECODE, [1, 1, 1], [50, 0, 17]),
-                                                (ForwardMode.EXTEND, [9, 3], [20, 0]),
-                                                (ForwardMode.TARGET_VERIFY, [5, 4], [33, 12])])  # fmt: skip
+@pytest.mark.parametrize(
+    "mode,q_lens,prefix",
+    [
+        (ForwardMode.DECODE, [1, 1, 1], [50, 0, 17]),
+        (ForwardMode.EXTEND, [9, 3], [20, 0]),
+        (ForwardMode.TARGET_VERIFY, [5, 4], [33, 12]),
+    ],
+)
 def test_fa3_fp8_path_with_stand_in(mode, q_lens, prefix):
     """q quantized to e4m3 with q_scale (saturating, like the KV write), descales expanded from the
     layer's scales, FA3's bfloat16 output; the tree part of a verify dequantizes in the Triton kernel."""

@@ -46,8 +46,17 @@ def valid_batches(draw, max_b: int = 5, page_sizes=(1, 2, 4, 16)):
     repetition (shared prefixes), requests with no tokens or no queries included."""
     page = draw(st.sampled_from(page_sizes))
     b = draw(st.integers(0, max_b))
-    mode = draw(st.sampled_from([ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY,
-                                 ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND]))  # fmt: skip
+    mode = draw(
+        st.sampled_from(
+            [
+                ForwardMode.EXTEND,
+                ForwardMode.DECODE,
+                ForwardMode.TARGET_VERIFY,
+                ForwardMode.MIXED,
+                ForwardMode.DRAFT_EXTEND,
+            ]
+        )
+    )
     q_lens, kv_lens = [], []
     for _ in range(b):
         if mode == ForwardMode.DECODE:
@@ -64,8 +73,13 @@ def valid_batches(draw, max_b: int = 5, page_sizes=(1, 2, 4, 16)):
     causal = True
     if mode == ForwardMode.TARGET_VERIFY:
         if draw(st.booleans()):
-            bits = draw(st.lists(st.booleans(), min_size=sum(q * k for q, k in zip(q_lens, kv_lens)),
-                                 max_size=sum(q * k for q, k in zip(q_lens, kv_lens))))  # fmt: skip
+            bits = draw(
+                st.lists(
+                    st.booleans(),
+                    min_size=sum(q * k for q, k in zip(q_lens, kv_lens)),
+                    max_size=sum(q * k for q, k in zip(q_lens, kv_lens)),
+                )
+            )
             mask = torch.tensor(bits, dtype=torch.bool)
             if draw(st.booleans()):
                 mask = mask.to(torch.uint8) * draw(st.sampled_from([1, 3, 255]))
@@ -95,8 +109,9 @@ def oracle(batch: BatchMetadata, page: int, num_pages) -> tuple[set[str], dict]:
         bad.add("mode")
     if not isinstance(batch.causal, (bool, np.bool_)):
         bad.add("causal")
-    if num_pages is not None and (isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer))
-                                  or num_pages < 0):  # fmt: skip
+    if num_pages is not None and (
+        isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 0
+    ):
         bad.add("num_pages")
         num_pages = None
     vals = {}
@@ -139,12 +154,24 @@ def oracle(batch: BatchMetadata, page: int, num_pages) -> tuple[set[str], dict]:
         return {"qo_indptr"}, {}
     if batch.mode == ForwardMode.DECODE and any(q != 1 for q in q_lens):
         return {"qo_indptr"}, {}
-    fields = dict(batch_size=B, num_tokens=qo[-1], max_q_len=max(q_lens, default=0), max_kv_len=max(kv_lens, default=0),
-                  q_lens=q_lens, kv_lens=kv_lens, max_page_id=max(idx, default=-1), kv_indices=idx)  # fmt: skip
+    fields = dict(
+        batch_size=B,
+        num_tokens=qo[-1],
+        max_q_len=max(q_lens, default=0),
+        max_kv_len=max(kv_lens, default=0),
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        max_page_id=max(idx, default=-1),
+        kv_indices=idx,
+    )
     cm = batch.custom_mask
     if cm is not None:
-        if not isinstance(cm, torch.Tensor) or cm.dtype not in (torch.bool, torch.uint8) or cm.dim() != 1 \
-                or cm.device.type == "meta":  # fmt: skip
+        if (
+            not isinstance(cm, torch.Tensor)
+            or cm.dtype not in (torch.bool, torch.uint8)
+            or cm.dim() != 1
+            or cm.device.type == "meta"
+        ):
             return {"custom_mask"}, {}
         sizes = [q * k for q, k in zip(q_lens, kv_lens)]
         if cm.shape[0] != sum(sizes):
@@ -152,14 +179,15 @@ def oracle(batch: BatchMetadata, page: int, num_pages) -> tuple[set[str], dict]:
         bits = [bool(x) for x in cm.tolist()]
         free, off = [], 0
         for q, k in zip(q_lens, kv_lens):  # the old definition: cumprod of the all-rows-visible columns
-            rows = [bits[off + r * k: off + (r + 1) * k] for r in range(q)]
+            rows = [bits[off + r * k : off + (r + 1) * k] for r in range(q)]
             c = 0
             while q and c < k and all(row[c] for row in rows):
                 c += 1
             free.append(c if q else 0)
             off += q * k
-        fields.update(mask_indptr=np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).tolist(), mask_free=free,
-                      causal=False)  # fmt: skip
+        fields.update(
+            mask_indptr=np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).tolist(), mask_free=free, causal=False
+        )
     else:
         if batch.mode == ForwardMode.TARGET_VERIFY and not batch.causal:
             return {"causal", "custom_mask"}, {}
@@ -178,9 +206,17 @@ def check_against_oracle(cfg: AttentionConfig, batch: BatchMetadata, num_pages):
         assert any(name in str(e) for name in bad), f"message names none of {sorted(bad)}: {e}"
         return None
     assert not bad, f"make_plan accepted a batch with bad {sorted(bad)}"
-    got = dict(batch_size=plan.batch_size, num_tokens=plan.num_tokens, max_q_len=plan.max_q_len,
-               max_kv_len=plan.max_kv_len, q_lens=plan.q_lens_cpu.tolist(), kv_lens=plan.kv_lens_cpu.tolist(),
-               max_page_id=plan.max_page_id, kv_indices=plan.kv_indices_cpu.tolist(), causal=plan.causal)  # fmt: skip
+    got = dict(
+        batch_size=plan.batch_size,
+        num_tokens=plan.num_tokens,
+        max_q_len=plan.max_q_len,
+        max_kv_len=plan.max_kv_len,
+        q_lens=plan.q_lens_cpu.tolist(),
+        kv_lens=plan.kv_lens_cpu.tolist(),
+        max_page_id=plan.max_page_id,
+        kv_indices=plan.kv_indices_cpu.tolist(),
+        causal=plan.causal,
+    )
     if plan.mask is not None:
         got.update(mask_indptr=plan.mask_indptr_cpu.tolist(), mask_free=plan.mask_free_cpu.tolist())
         assert plan.mask.dtype == torch.uint8 and plan.mask.is_contiguous()
@@ -272,8 +308,9 @@ def test_malformed_batches_raise_value_error_naming_the_argument(case):
 @pytest.mark.parametrize("device", ["meta", "cpu:7x", "nope", 3.5])
 def test_bad_plan_device(device):
     batch, page, n = valid_batches().example() if False else (None, None, None)  # noqa: F841
-    b = BatchMetadata(ForwardMode.EXTEND, *(torch.zeros(1, dtype=I32),) * 2, torch.zeros(0, dtype=I32),
-                      torch.zeros(0, dtype=I32))  # fmt: skip
+    b = BatchMetadata(
+        ForwardMode.EXTEND, *(torch.zeros(1, dtype=I32),) * 2, torch.zeros(0, dtype=I32), torch.zeros(0, dtype=I32)
+    )
     with pytest.raises(ValueError, match="device"):
         make_plan(cfg_for(16), b, num_pages=4, device=device)
 
@@ -299,8 +336,9 @@ def test_wrapped_int32_indptr_is_refused():
     """Differences of int32 values can wrap to non-negative numbers: [0, 2**31-1, -2**31+5, -5, 10]
     has all-positive wrapped steps and ends at len(kv_indices)."""
     kvp = torch.tensor([0, 2**31 - 1, -(2**31) + 5, -5, 10], dtype=I32)
-    b = BatchMetadata(ForwardMode.EXTEND, torch.zeros(5, dtype=I32), kvp, torch.zeros(10, dtype=I32),
-                      torch.ones(4, dtype=I32))  # fmt: skip
+    b = BatchMetadata(
+        ForwardMode.EXTEND, torch.zeros(5, dtype=I32), kvp, torch.zeros(10, dtype=I32), torch.ones(4, dtype=I32)
+    )
     with pytest.raises(ValueError, match="kv_indptr must be non-decreasing"):
         make_plan(cfg_for(16), b, num_pages=1)
 
@@ -348,8 +386,13 @@ def test_accepted_batches_read_only_their_own_tokens(case, seed):
 @pytest.mark.parametrize("provider", ["reference", "triton"])
 def test_run_refuses_tensors_smaller_than_the_plan(provider):
     cfg = cfg_for(4)
-    b = BatchMetadata(ForwardMode.EXTEND, torch.tensor([0, 3], dtype=I32), torch.tensor([0, 2], dtype=I32),
-                      torch.tensor([1, 5], dtype=I32), torch.tensor([2], dtype=I32))  # fmt: skip
+    b = BatchMetadata(
+        ForwardMode.EXTEND,
+        torch.tensor([0, 3], dtype=I32),
+        torch.tensor([0, 2], dtype=I32),
+        torch.tensor([1, 5], dtype=I32),
+        torch.tensor([2], dtype=I32),
+    )
     attn = PagedAttention(cfg, provider, DEV)
     attn.plan(b)  # num_pages unknown here: run() checks the cache it gets
     q = torch.randn(3, 2, 16, device=DEV)
@@ -415,13 +458,25 @@ def test_from_block_table_and_converters(args, page, data):
         plan = check_against_oracle(AttentionConfig(2, 1, 16, page, torch.float32), b, n)
         if plan is not None:
             assert plan.kv_lens_cpu.tolist() == seq.tolist()
-            back = _call(pt.block_table_from_csr, names, b.kv_indptr, b.kv_indices, b.kv_last_page_len, page,
-                         data.draw(st.one_of(st.none(), st.sampled_from([-1, 0, 2, 100, 2.5, True]))))
+            back = _call(
+                pt.block_table_from_csr,
+                names,
+                b.kv_indptr,
+                b.kv_indices,
+                b.kv_last_page_len,
+                page,
+                data.draw(st.one_of(st.none(), st.sampled_from([-1, 0, 2, 100, 2.5, True]))),
+            )
             if back is not None:
                 assert back[1].tolist() == seq.tolist()
-    _call(pt.slot_mapping, ("block_table", "positions", "req_ids", "page_size"), bt,
-          data.draw(any_arg(_int_tensor(data.draw, 0, 5, -1, 80))), data.draw(any_arg(_int_tensor(data.draw, 0, 5, -1, 5))),
-          page)  # fmt: skip
+    _call(
+        pt.slot_mapping,
+        ("block_table", "positions", "req_ids", "page_size"),
+        bt,
+        data.draw(any_arg(_int_tensor(data.draw, 0, 5, -1, 80))),
+        data.draw(any_arg(_int_tensor(data.draw, 0, 5, -1, 5))),
+        page,
+    )
 
 
 @st.composite
@@ -454,9 +509,16 @@ def test_from_req_to_token_and_converters(args, data):
         plan = check_against_oracle(AttentionConfig(2, 1, 16, page, torch.float32), b, None)
         if plan is not None:
             assert plan.kv_lens_cpu.tolist() == seq.tolist()
-            back = _call(pt.req_to_token_from_csr, names + ("num_req_slots", "max_ctx"), b.kv_indptr, b.kv_indices,
-                         b.kv_last_page_len, page, data.draw(st.sampled_from([None, -1, 0, 8, 2**40])),
-                         data.draw(st.sampled_from([None, -1, 0, 64, 1.5])))  # fmt: skip
+            back = _call(
+                pt.req_to_token_from_csr,
+                names + ("num_req_slots", "max_ctx"),
+                b.kv_indptr,
+                b.kv_indices,
+                b.kv_last_page_len,
+                page,
+                data.draw(st.sampled_from([None, -1, 0, 8, 2**40])),
+                data.draw(st.sampled_from([None, -1, 0, 64, 1.5])),
+            )
             if back is not None:
                 assert back[2].tolist() == seq.tolist()
 
@@ -464,8 +526,10 @@ def test_from_req_to_token_and_converters(args, data):
 @st.composite
 def csr_args(draw):
     batch, page, _ = draw(valid_batches(max_b=4))
-    args = [data for data in (batch.kv_indptr.contiguous(), batch.kv_indices.contiguous(),
-                              batch.kv_last_page_len.contiguous())]  # fmt: skip
+    args = [
+        data
+        for data in (batch.kv_indptr.contiguous(), batch.kv_indices.contiguous(), batch.kv_last_page_len.contiguous())
+    ]
     return [draw(any_arg(a)) for a in args], page
 
 
@@ -488,8 +552,12 @@ def test_csr_converters(args, data):
 def test_converter_overflow_and_absurd_sizes():
     """int32 lengths next to 2**31 and absurd widths: ValueError naming the argument, no wrap."""
     # ceil(I32_MAX / 16) = 2**27 pages: with int32 math (I32_MAX + 15) wrapped negative and passed
-    with pytest.raises(ValueError, match=r"seq_lens need up to 134217728 pages but block_table has max_pages=134217727"):
-        pt.csr_from_block_table(torch.zeros(1, 1, dtype=I32).expand(1, 2**27 - 1), torch.tensor([I32_MAX], dtype=I32), 16)
+    with pytest.raises(
+        ValueError, match=r"seq_lens need up to 134217728 pages but block_table has max_pages=134217727"
+    ):
+        pt.csr_from_block_table(
+            torch.zeros(1, 1, dtype=I32).expand(1, 2**27 - 1), torch.tensor([I32_MAX], dtype=I32), 16
+        )
     big = torch.tensor([0, 2**27], dtype=I32)
     with pytest.raises(ValueError, match="kv_indptr"):
         pt.seq_lens_from_csr(big, torch.tensor([16], dtype=I32), 16)

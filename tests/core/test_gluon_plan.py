@@ -9,12 +9,11 @@ compiled form is checked by ``sm90_aot.py``; what it computes, on the GPU
 from __future__ import annotations
 
 import torch
+from batches import random_case, triton_launch
 
 from attnplug.core import AttentionConfig, ForwardMode, PagedAttention
 from attnplug.core.kernels.gluon_prefill import CONFIGS
 from attnplug.core.providers.triton import gluon_sm90
-
-from batches import random_case, triton_launch
 
 BF = torch.bfloat16
 E4M3 = torch.float8_e4m3fn

@@ -27,7 +27,9 @@ FAKE_PYTEST = textwrap.dedent("""
     junit = next((a.split("=", 1)[1] for a in args if a.startswith("--junitxml=")), None)
     if junit:
         fail = '<failure message="fake"/>' if rc else ""
-        open(junit, "w").write(f'<testsuite tests="1" failures="{int(rc != 0)}"><testcase name="fake">{fail}</testcase></testsuite>')
+        open(junit, "w").write(
+            f'<testsuite tests="1" failures="{int(rc != 0)}"><testcase name="fake">{fail}</testcase></testsuite>'
+        )
     print("fake pytest", " ".join(args), "->", rc)
     sys.exit(rc)
 """)
@@ -40,25 +42,39 @@ def run_gpu_run(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess
     out = tmp_path / "out"
     e = {k: v for k, v in os.environ.items() if not k.startswith(("ATTNPLUG_GPU", "FAKE_RC"))}
     e.update(ATTNPLUG_SITE=str(site), ATTNPLUG_GPU_DIR=str(tmp_path / "no-wheels"), ATTNPLUG_GPU_WARMUP="true", **env)
-    r = subprocess.run(["bash", str(REPO / "scripts/gpu_run.sh"), "--all", str(out)], cwd=REPO, env=e,
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    r = subprocess.run(
+        ["bash", str(REPO / "scripts/gpu_run.sh"), "--all", str(out)],
+        cwd=REPO,
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return r, out
 
 
 @pytest.mark.parametrize(
     "main, flashinfer, bench, failing",
-    [(0, 0, 0, []), (1, 0, 0, ["pytest_main"]), (0, 124, 0, ["pytest_flashinfer"]), (0, 0, 3, ["bench"]),
-     (2, 1, 0, ["pytest_main", "pytest_flashinfer"])],
+    [
+        (0, 0, 0, []),
+        (1, 0, 0, ["pytest_main"]),
+        (0, 124, 0, ["pytest_flashinfer"]),
+        (0, 0, 3, ["bench"]),
+        (2, 1, 0, ["pytest_main", "pytest_flashinfer"]),
+    ],
 )
 def test_exit_status_summary_and_junit(tmp_path, main, flashinfer, bench, failing):
     fake, fake_bench = tmp_path / "fake_pytest.py", tmp_path / "fake_bench.py"
     fake.write_text(FAKE_PYTEST)
     fake_bench.write_text("import os, sys\nsys.exit(int(os.environ['FAKE_RC_BENCH']))\n")
     r, out = run_gpu_run(
-        tmp_path, ATTNPLUG_GPU_PYTEST=f"{sys.executable} {fake}", FAKE_RC_MAIN=str(main),
-        FAKE_RC_FLASHINFER=str(flashinfer), ATTNPLUG_GPU_BENCH=f"{sys.executable} {fake_bench}",
+        tmp_path,
+        ATTNPLUG_GPU_PYTEST=f"{sys.executable} {fake}",
+        FAKE_RC_MAIN=str(main),
+        FAKE_RC_FLASHINFER=str(flashinfer),
+        ATTNPLUG_GPU_BENCH=f"{sys.executable} {fake_bench}",
         FAKE_RC_BENCH=str(bench),
-    )  # fmt: skip
+    )
     log = r.stdout + r.stderr
     assert (r.returncode != 0) == bool(failing), log[-3000:]
     summary = (out / "summary.txt").read_text()
@@ -76,10 +92,12 @@ def test_exit_status_summary_and_junit(tmp_path, main, flashinfer, bench, failin
 def test_deliberate_gpu_test_failure_makes_it_exit_nonzero(tmp_path, selftest_fail):
     """The real pytest on the opt-in failing GPU test (``ATTNPLUG_GPU_SELFTEST_FAIL=1``)."""
     r, out = run_gpu_run(
-        tmp_path, ATTNPLUG_GPU_PYTEST=f"{sys.executable} -m pytest -p no:cacheprovider",
-        ATTNPLUG_GPU_TEST_PATHS="tests/gpu/test_gpu_selftest.py", ATTNPLUG_GPU_BENCH="true",
+        tmp_path,
+        ATTNPLUG_GPU_PYTEST=f"{sys.executable} -m pytest -p no:cacheprovider",
+        ATTNPLUG_GPU_TEST_PATHS="tests/gpu/test_gpu_selftest.py",
+        ATTNPLUG_GPU_BENCH="true",
         ATTNPLUG_GPU_SELFTEST_FAIL=selftest_fail,
-    )  # fmt: skip
+    )
     log = r.stdout + r.stderr
     main_log = (out / "pytest_triton_fa3.log").read_text()
     if selftest_fail == "1":

@@ -20,16 +20,20 @@ import math
 
 import pytest
 import torch
+from batches import (
+    assert_close_per_request_head,
+    dense_reference,
+    dense_rows,
+    draft_case,
+    draft_rows,
+    random_case,
+)
 
 from attnplug.core import AttentionConfig, ForwardMode
 from attnplug.core.cuda_graph import GraphState
 from attnplug.core.draft import MultiStepDraftPlanner, token_config, token_view
 from attnplug.core.plan import make_plan
 from attnplug.core.reference import reference_attention
-
-from batches import (
-    assert_close_per_request_head, dense_reference, dense_rows, draft_case, draft_rows, random_case,
-)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MAX_BS, N_DRAFT, PAD_PAGE = 4, 3, 0
@@ -70,8 +74,18 @@ def prefixes(B, seed):
 def test_graph_replay_update_matches_reference(mode, page, dtype):
     """``update`` from host CSR (verify: random tree masks), every bs, real batches B <= bs."""
     q_per = 1 if mode == "decode" else N_DRAFT
-    gs = GraphState(cfg(page, dtype), "triton", MAX_BS, MAX_BS * q_per, MAX_BS * 160 // page + MAX_BS, DEVICE, mode,
-                    num_draft_tokens=N_DRAFT, pad_page=PAD_PAGE, num_kv_splits=2)  # fmt: skip
+    gs = GraphState(
+        cfg(page, dtype),
+        "triton",
+        MAX_BS,
+        MAX_BS * q_per,
+        MAX_BS * 160 // page + MAX_BS,
+        DEVICE,
+        mode,
+        num_draft_tokens=N_DRAFT,
+        pad_page=PAD_PAGE,
+        num_kv_splits=2,
+    )
     for bs in range(1, MAX_BS + 1):
         gs.prepare_capture(bs)
     fm = ForwardMode.DECODE if mode == "decode" else ForwardMode.TARGET_VERIFY
@@ -98,8 +112,19 @@ def test_graph_replay_from_block_table_matches_reference(mode, page):
     """vLLM's path: ``update_from_block_table`` (one launch) from a device block table; verify writes
     the causal-chain mask, so the oracle is a causal extend of ``N_DRAFT`` tokens per request."""
     q_per = 1 if mode == "decode" else N_DRAFT
-    gs = GraphState(cfg(page), "triton", MAX_BS, MAX_BS * q_per, MAX_BS * 160 // page + MAX_BS, DEVICE, mode, num_draft_tokens=N_DRAFT,
-                    pad_page=PAD_PAGE, max_seq_len=160, num_kv_splits=2)  # fmt: skip
+    gs = GraphState(
+        cfg(page),
+        "triton",
+        MAX_BS,
+        MAX_BS * q_per,
+        MAX_BS * 160 // page + MAX_BS,
+        DEVICE,
+        mode,
+        num_draft_tokens=N_DRAFT,
+        pad_page=PAD_PAGE,
+        max_seq_len=160,
+        num_kv_splits=2,
+    )
     for bs in range(1, MAX_BS + 1):
         gs.prepare_capture(bs)
     fm = ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND
@@ -118,7 +143,17 @@ def test_graph_replay_from_block_table_matches_reference(mode, page):
 @pytest.mark.parametrize("page", [1, 16])
 def test_graph_replay_from_token_table_matches_reference(page):
     """SGLang's path: token-slot table rows picked by ``req_pool_indices`` (``row_ids``), ``entry_tokens = P``."""
-    gs = GraphState(cfg(page), "triton", MAX_BS, MAX_BS, MAX_BS * 160 // page + MAX_BS, DEVICE, "decode", pad_page=PAD_PAGE, max_seq_len=160)
+    gs = GraphState(
+        cfg(page),
+        "triton",
+        MAX_BS,
+        MAX_BS,
+        MAX_BS * 160 // page + MAX_BS,
+        DEVICE,
+        "decode",
+        pad_page=PAD_PAGE,
+        max_seq_len=160,
+    )
     gs.prepare_capture(MAX_BS)
     for B, seed in ((3, 1), (4, 2)):
         c = random_case(ForwardMode.DECODE, [1] * B, prefixes(B, seed), cfg(page), DEVICE, seed=seed)
@@ -157,8 +192,17 @@ def test_every_draft_step_matches_dense(page, topk, steps, splits, dtype):
         want = dense_rows(q, k, v, draft_rows(ind, idx, seq_lens, draft, page, i), c)
         eager = planner.run(i, q, k, v, torch.full_like(q, math.nan))
         assert_close_per_request_head(eager, want, qo, dtype, f"draft step {i} (planner) vs dense")
-        gs = GraphState(tc, "triton", bs_rows, bs_rows, bs_rows * (max(seq_lens) + steps), DEVICE, pad_page=0,
-                        max_seq_len=max(seq_lens) + steps, num_kv_splits=splits)  # fmt: skip
+        gs = GraphState(
+            tc,
+            "triton",
+            bs_rows,
+            bs_rows,
+            bs_rows * (max(seq_lens) + steps),
+            DEVICE,
+            pad_page=0,
+            max_seq_len=max(seq_lens) + steps,
+            num_kv_splits=splits,
+        )
         gs.prepare_capture(bs_rows)
         gs.update(batches[i], bs_rows)
         qpad = torch.cat([q, torch.randn(bs_rows - R, *q.shape[1:], generator=g).to(q)])

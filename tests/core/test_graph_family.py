@@ -6,13 +6,12 @@ import math
 
 import pytest
 import torch
+from batches import random_case, rel_err
 
 from attnplug.core import AttentionConfig, ForwardMode, GraphFamily, UnsupportedFeature, write_kv_capturable
 from attnplug.core.kv_layout import write_kv
 from attnplug.core.plan import make_plan
 from attnplug.core.reference import reference_attention
-
-from batches import random_case, rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 P = 4
@@ -72,8 +71,14 @@ def test_refusals_go_through_refuse():
     fam = family(refuse=lambda what: UnsupportedFeature(f"attnplug: backend 'x' does not support {what}"))
     with pytest.raises(UnsupportedFeature, match="backend 'x'.*before its graph batch"):
         fam.run(A, 2, *([torch.zeros(2, 4, 32)] * 4))
-    bad = GraphFamily("reference", refuse=lambda what: UnsupportedFeature(f"attnplug: backend 'y': {what}"),
-                      max_batch=2, max_tokens=2, max_pages=8, device=DEVICE)
+    bad = GraphFamily(
+        "reference",
+        refuse=lambda what: UnsupportedFeature(f"attnplug: backend 'y': {what}"),
+        max_batch=2,
+        max_tokens=2,
+        max_pages=8,
+        device=DEVICE,
+    )
     with pytest.raises(UnsupportedFeature, match="backend 'y': CUDA graphs here"):
         bad.add([A])
 

@@ -71,8 +71,12 @@ def test_asked_for_without_the_bindings_is_refused_at_startup(env, monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", type("OldGraph", (), {}))
     with pytest.raises(ValueError) as e:
         graph_cascade_mode(GraphSupport(True, True, True, cascade=True), "ATTNPLUG_TRITON")
-    for part in ("attnplug: backend ATTNPLUG_TRITON", "ATTNPLUG_GRAPH_IF=1", torch.__version__,
-                 "begin_capture_to_if_node"):
+    for part in (
+        "attnplug: backend ATTNPLUG_TRITON",
+        "ATTNPLUG_GRAPH_IF=1",
+        torch.__version__,
+        "begin_capture_to_if_node",
+    ):
         assert part in str(e.value)
     # with the bindings the same configuration starts
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _Bindings)

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from batches import rel_err
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -17,8 +18,6 @@ from attnplug.core.cuda_graph import GraphState
 from attnplug.core.kernels.graph_update import graph_batch_from_block_table
 from attnplug.core.plan import make_plan
 from attnplug.core.reference import reference_attention
-
-from batches import rel_err
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # conftest: interpreter without CUDA
 MAX_BS, MAX_SEQ, PAD_PAGE, SENTINEL, Q_VERIFY = 6, 70, 2, -77, 3
@@ -47,9 +46,16 @@ def expected(seq, table, bs, P, pad_kv, q):
     for s, (b, _) in zip(lens, enumerate(pages)):
         padded = b >= len(seq) or int(seq[b]) <= 0
         mask += [1 if padded or c <= s - q + i else 0 for i in range(q) for c in range(s)]
-    return dict(kv_indptr=indptr, kv_indices=sum(pages, []), kv_last_page_len=last, kv_lens=lens, mask=mask,
-                mask_indptr=[0] + [q * x for x in torch.tensor(lens).cumsum(0).tolist()],
-                mask_free=[s - q for s in lens], pages=pages)  # fmt: skip
+    return dict(
+        kv_indptr=indptr,
+        kv_indices=sum(pages, []),
+        kv_last_page_len=last,
+        kv_lens=lens,
+        mask=mask,
+        mask_indptr=[0] + [q * x for x in torch.tensor(lens).cumsum(0).tolist()],
+        mask_free=[s - q for s in lens],
+        pages=pages,
+    )
 
 
 def random_table(draw_seed, n, P, W, idx_dtype, strided):
@@ -78,18 +84,36 @@ def test_matches_brute_force_and_writes_nothing_else(mode, page, bs, data, idx_d
     seq = [s if s <= 0 else max(s, q) for s in seq]
     W = -(-MAX_SEQ // page)
     table = random_table(sum(seq) + n, max(n, 1), page, W, idx_dtype, strided)[:n]
-    gs = GraphState(cfg(page), "triton", MAX_BS, MAX_BS * q, MAX_BS * W, DEV, mode, num_draft_tokens=q,
-                    pad_page=PAD_PAGE, max_seq_len=MAX_SEQ)  # fmt: skip
+    gs = GraphState(
+        cfg(page),
+        "triton",
+        MAX_BS,
+        MAX_BS * q,
+        MAX_BS * W,
+        DEV,
+        mode,
+        num_draft_tokens=q,
+        pad_page=PAD_PAGE,
+        max_seq_len=MAX_SEQ,
+    )
     gs.prepare_capture(bs)
     names = ["kv_indptr", "kv_indices", "kv_last_page_len", "kv_lens"] + (
-        ["mask", "mask_indptr", "mask_free"] if mode == "verify" else [])  # fmt: skip
+        ["mask", "mask_indptr", "mask_free"] if mode == "verify" else []
+    )
     for name in names:
         getattr(gs, name).fill_(SENTINEL)
     seq_t = torch.tensor(seq, dtype=idx_dtype).to(DEV)
     gs.update_from_block_table(seq_t, table.to(DEV) if not strided else table.to(DEV), bs)
     want = expected(seq, table, bs, page, gs.pad_kv_len, q)
-    sizes = dict(kv_indptr=bs + 1, kv_last_page_len=bs, kv_lens=bs, mask_indptr=bs + 1, mask_free=bs,
-                 kv_indices=len(want["kv_indices"]), mask=len(want["mask"]))  # fmt: skip
+    sizes = dict(
+        kv_indptr=bs + 1,
+        kv_last_page_len=bs,
+        kv_lens=bs,
+        mask_indptr=bs + 1,
+        mask_free=bs,
+        kv_indices=len(want["kv_indices"]),
+        mask=len(want["mask"]),
+    )
     for name in names:
         got = getattr(gs, name).cpu().long()
         k = sizes[name]
@@ -104,15 +128,29 @@ def test_same_buffers_as_update(mode):
     q, page, bs = (1 if mode == "decode" else Q_VERIFY), 4, 5
     seq = torch.tensor([9, 1 + q, 33, 17], dtype=torch.int32)
     table = random_table(3, 4, page, 20, torch.int32, False)
-    a, b = (GraphState(cfg(page), "triton", MAX_BS, MAX_BS * q, 200, DEV, mode, num_draft_tokens=q, pad_page=PAD_PAGE,
-                       max_seq_len=80) for _ in range(2))  # fmt: skip
+    a, b = (
+        GraphState(
+            cfg(page),
+            "triton",
+            MAX_BS,
+            MAX_BS * q,
+            200,
+            DEV,
+            mode,
+            num_draft_tokens=q,
+            pad_page=PAD_PAGE,
+            max_seq_len=80,
+        )
+        for _ in range(2)
+    )
     for gs in (a, b):
         gs.prepare_capture(bs)
     qo = torch.arange(5, dtype=torch.int32) * q
     mask = None
     if mode == "verify":
-        mask = torch.cat([torch.tensor([[c <= s - q + i for c in range(s)] for i in range(q)]).flatten()
-                          for s in seq.tolist()])  # fmt: skip
+        mask = torch.cat(
+            [torch.tensor([[c <= s - q + i for c in range(s)] for i in range(q)]).flatten() for s in seq.tolist()]
+        )
     fm = ForwardMode.DECODE if mode == "decode" else ForwardMode.TARGET_VERIFY
     a.update(BatchMetadata.from_block_table(fm, qo, table, seq, page, custom_mask=mask), bs)
     b.update_from_block_table(seq.to(DEV), table.to(DEV), bs)
@@ -141,7 +179,9 @@ def test_replay_after_block_table_update_equals_reference():
     q = torch.randn(bs, 4, D, generator=g).to(DEV)
     out = torch.full_like(q, math.nan)
     gs.run(bs, q, k, v, out)
-    real = BatchMetadata.from_block_table(ForwardMode.DECODE, torch.arange(3, dtype=torch.int32), table[:2], seq[:2], page)
+    real = BatchMetadata.from_block_table(
+        ForwardMode.DECODE, torch.arange(3, dtype=torch.int32), table[:2], seq[:2], page
+    )
     ref, _ = reference_attention(make_plan(cfg(page), real, 40, device=DEV), q[:2], k, v)
     assert rel_err(out[:2], ref) < 1e-4
     assert torch.allclose(out[2:].float().cpu(), torch.full((2, 4, D), 0.25)), "padding rows read the pad page"
@@ -180,8 +220,9 @@ def flashinfer_on_cpu(config):
 
     prov = object.__new__(FlashInferProvider)  # skip check_available (needs CUDA and flashinfer)
     prov.config, prov.device = config, torch.device(DEV)
-    prov._fi = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=_RecordingWrapper,
-                                     BatchPrefillWithPagedKVCacheWrapper=_RecordingWrapper)
+    prov._fi = types.SimpleNamespace(
+        BatchDecodeWithPagedKVCacheWrapper=_RecordingWrapper, BatchPrefillWithPagedKVCacheWrapper=_RecordingWrapper
+    )
     prov._workspace, prov._wrappers = torch.zeros(8, dtype=torch.uint8), {}
     return prov
 

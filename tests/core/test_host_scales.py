@@ -61,7 +61,7 @@ def test_flashinfer_hands_host_scales_to_flashinfer(k_f, v_f):
     dev_out = torch.full_like(q, float("nan"))
     prov.run(plan, q, None, None, dev_out, **cfg.scale_kwargs(None, ks, vs, None))  # the tensors alone
     assert w.calls == [dict(k_scale=None, v_scale=None)]
-    want = (q.float() * k_f * v_f)
+    want = q.float() * k_f * v_f
     for out in (host_out, dev_out):
         assert not out.isnan().any()
         torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=1e-2)
@@ -75,13 +75,27 @@ def test_host_scales_only_for_quantized_caches():
     assert "host_scales" not in AttentionConfig(4, 2, 32, 16, torch.bfloat16, kv_dtype=E4M3).scale_kwargs(unit)
 
 
-@pytest.mark.parametrize("layer, want", [
-    (SimpleNamespace(k_scale=None, v_scale=None, k_scale_float=None, v_scale_float=None), (1.0, 1.0)),  # no quant method
-    (SimpleNamespace(k_scale=torch.tensor(0.5), v_scale=torch.tensor(0.25), k_scale_float=0.5, v_scale_float=0.25),
-     (0.5, 0.25)),  # checkpoint scales, fixed at load
-    (SimpleNamespace(k_scale=torch.tensor(0.5), v_scale=torch.tensor(0.25), k_scale_float=None, v_scale_float=None),
-     None),  # tensors without floats: the tensors stay the only source
-    (SimpleNamespace(), (1.0, 1.0)),  # a layer class without the attributes
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "layer, want",
+    [
+        (
+            SimpleNamespace(k_scale=None, v_scale=None, k_scale_float=None, v_scale_float=None),
+            (1.0, 1.0),
+        ),  # no quant method
+        (
+            SimpleNamespace(
+                k_scale=torch.tensor(0.5), v_scale=torch.tensor(0.25), k_scale_float=0.5, v_scale_float=0.25
+            ),
+            (0.5, 0.25),
+        ),  # checkpoint scales, fixed at load
+        (
+            SimpleNamespace(
+                k_scale=torch.tensor(0.5), v_scale=torch.tensor(0.25), k_scale_float=None, v_scale_float=None
+            ),
+            None,
+        ),  # tensors without floats: the tensors stay the only source
+        (SimpleNamespace(), (1.0, 1.0)),  # a layer class without the attributes
+    ],
+)
 def test_sglang_host_scales_of_a_layer(layer, want):
     assert sgl_compat.host_kv_scales(layer) == want

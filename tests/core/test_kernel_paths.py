@@ -23,16 +23,18 @@ import math
 
 import pytest
 import torch
+from batches import (
+    assert_close_per_request_head,
+    dense_reference,
+    random_case,
+    triton_launch,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attnplug.core import AttentionConfig, ForwardMode, PagedAttention
 from attnplug.core.kernels.merge import merge_splits, merge_state
 from attnplug.core.reference import reference_attention
-
-from batches import (
-    assert_close_per_request_head, dense_reference, random_case, triton_launch,
-)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LSE_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-4, torch.float16: 2e-4}  # max abs, natural log
@@ -65,8 +67,9 @@ def run_checked(case, lse_too: bool = True, **knobs):
     qo = case.batch.qo_indptr
     # float32 vs float64: the summation order of torch's CPU matmuls varies between runs, and 300-key
     # rows have seen 1.04e-5 (abs); a wrong reference is off by orders of magnitude more
-    assert_close_per_request_head(ref, dense, qo, torch.float32, "reference vs dense float64 oracle",
-                                  tol=dict(rel=1e-4, abs=5e-5))
+    assert_close_per_request_head(
+        ref, dense, qo, torch.float32, "reference vs dense float64 oracle", tol=dict(rel=1e-4, abs=5e-5)
+    )
     dt = case.config.dtype
     assert_close_per_request_head(out, ref, qo, dt, f"triton {dt} vs reference ({knobs or 'default launch'})")
     if lse_too:
@@ -229,9 +232,15 @@ def test_random_batches_every_knob(data, mode, group, page, dtype, block_n, bloc
     bsz = data.draw(st.integers(1, 4))
     q_lens = [1] * bsz if mode == M else data.draw(st.lists(st.integers(1, 20), min_size=bsz, max_size=bsz))
     prefix = data.draw(st.lists(st.integers(0, 150), min_size=bsz, max_size=bsz))
-    c = random_case(mode, q_lens, prefix, cfg(hq=2 * group, hkv=2, page=page, dtype=dtype), DEVICE,
-                    seed=data.draw(st.integers(0, 2**31 - 1)),
-                    mask_kind=data.draw(st.sampled_from(["tree", "random"])))  # fmt: skip
+    c = random_case(
+        mode,
+        q_lens,
+        prefix,
+        cfg(hq=2 * group, hkv=2, page=page, dtype=dtype),
+        DEVICE,
+        seed=data.draw(st.integers(0, 2**31 - 1)),
+        mask_kind=data.draw(st.sampled_from(["tree", "random"])),
+    )
     knobs = {k: v for k, v in dict(block_n=block_n, block_m=block_m).items() if v is not None}
     run_checked(c, num_kv_splits=splits, **knobs)
 
@@ -287,4 +296,3 @@ def test_merge_state_against_torch(with_lse, block_h):
     if with_lse:
         fin = torch.isfinite(s)
         assert torch.equal(torch.isfinite(so), fin) and float((so[fin] - s[fin]).abs().max()) <= 1e-5
-

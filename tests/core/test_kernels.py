@@ -10,14 +10,13 @@ import math
 
 import pytest
 import torch
+from batches import assert_close_per_request_head, random_case, rel_err, triton_launch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnplug.core import AttentionConfig, ForwardMode, PagedAttention
 from attnplug.core.kernels.merge import merge_state
 from attnplug.core.reference import reference_attention
-
-from batches import assert_close_per_request_head, random_case, rel_err, triton_launch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -49,7 +48,9 @@ def cfg(hq=8, hkv=2, d=64, page=16, dtype=torch.bfloat16, **kw):
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode(group, page, splits):
-    c = random_case(ForwardMode.DECODE, [1] * 4, [0, 37, 16, 129], cfg(2 * group, 2, page=page), DEVICE, seed=group * page + splits)
+    c = random_case(
+        ForwardMode.DECODE, [1] * 4, [0, 37, 16, 129], cfg(2 * group, 2, page=page), DEVICE, seed=group * page + splits
+    )
     plan = check(c, num_kv_splits=splits)
     assert triton_launch(plan)["num_splits"] == splits
 
@@ -66,7 +67,9 @@ def test_decode_head_dims_dtypes(d, dtype):
 @pytest.mark.parametrize("page", [1, 16])
 def test_extend(group, page):
     # empty prefix, prefix ending mid-page, prefix on a page boundary, a single-token extend
-    c = random_case(ForwardMode.EXTEND, [23, 40, 9, 1], [0, 21, 32, 50], cfg(2 * group, 2, page=page), DEVICE, seed=7 + group)
+    c = random_case(
+        ForwardMode.EXTEND, [23, 40, 9, 1], [0, 21, 32, 50], cfg(2 * group, 2, page=page), DEVICE, seed=7 + group
+    )
     check(c)
 
 
@@ -88,7 +91,14 @@ def test_draft_extend_hnd_layout():
 
 
 def test_softcap_and_window_and_scale():
-    c = random_case(ForwardMode.EXTEND, [31, 6], [20, 45], cfg(8, 2, logits_soft_cap=5.0, window_left=13, sm_scale=0.3), DEVICE, seed=5)
+    c = random_case(
+        ForwardMode.EXTEND,
+        [31, 6],
+        [20, 45],
+        cfg(8, 2, logits_soft_cap=5.0, window_left=13, sm_scale=0.3),
+        DEVICE,
+        seed=5,
+    )
     check(c)
     d = random_case(ForwardMode.DECODE, [1, 1], [90, 7], cfg(8, 2, logits_soft_cap=2.0, window_left=40), DEVICE, seed=6)
     check(d, num_kv_splits=3)
@@ -104,7 +114,9 @@ def test_non_causal_extend():
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("page", [1, 16])
 def test_target_verify_tree(group, page):
-    c = random_case(ForwardMode.TARGET_VERIFY, [8, 5, 16], [30, 0, 47], cfg(2 * group, 2, page=page), DEVICE, seed=group + page)
+    c = random_case(
+        ForwardMode.TARGET_VERIFY, [8, 5, 16], [30, 0, 47], cfg(2 * group, 2, page=page), DEVICE, seed=group + page
+    )
     check(c)
 
 
@@ -188,5 +200,12 @@ def test_kv_start_restricts_keys(page):
         cut[off : off + ql * kl].view(ql, kl)[:, :s0] = False
         off += ql * kl
     c.batch.custom_mask = cut
-    ref, _ = reference_attention(PagedAttention(c.config, "reference", "cpu").plan(c.batch, num_pages=c.num_pages), c.q.cpu(), c.k_cache.cpu(), c.v_cache.cpu())
-    assert_close_per_request_head(out, ref, c.batch.qo_indptr, c.config.dtype, "kv_start vs reference with the cut mask")
+    ref, _ = reference_attention(
+        PagedAttention(c.config, "reference", "cpu").plan(c.batch, num_pages=c.num_pages),
+        c.q.cpu(),
+        c.k_cache.cpu(),
+        c.v_cache.cpu(),
+    )
+    assert_close_per_request_head(
+        out, ref, c.batch.qo_indptr, c.config.dtype, "kv_start vs reference with the cut mask"
+    )

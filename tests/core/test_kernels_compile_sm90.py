@@ -30,20 +30,32 @@ def test_every_kernel_launch_compiles_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # a real compile every run, not a cached cubin
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(HERE)) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, os.path.join(HERE, "sm90_aot.py")], env=env, capture_output=True, text=True,
-                       timeout=1200)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, os.path.join(HERE, "sm90_aot.py")], env=env, capture_output=True, text=True, timeout=1200
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     counts = dict(re.findall(r"(\w+_kernel)=(\d+)", r.stdout))
     from attnplug.core.providers.triton import GLUON_TRITON
 
     gluon = GLUON_TRITON[0] <= tuple(int(x) for x in triton.__version__.split(".")[:2]) <= GLUON_TRITON[1]
-    assert set(counts) == {"paged_attention_kernel", "merge_splits_kernel", "merge_state_kernel", "write_kv_kernel",
-                           "graph_batch_from_block_table_kernel", "quantize_rows_kernel", "prefill_kernel",
-                           "decode_kernel", "shared_pages_kernel",
-                           "apply_sinks_kernel", "mla_attention_kernel",
-                           "write_latent_kernel"} | ({"gluon_prefill_kernel"} if gluon else set()), r.stdout  # fmt: skip
+    assert set(counts) == {
+        "paged_attention_kernel",
+        "merge_splits_kernel",
+        "merge_state_kernel",
+        "write_kv_kernel",
+        "graph_batch_from_block_table_kernel",
+        "quantize_rows_kernel",
+        "prefill_kernel",
+        "decode_kernel",
+        "shared_pages_kernel",
+        "apply_sinks_kernel",
+        "mla_attention_kernel",
+        "write_latent_kernel",
+    } | ({"gluon_prefill_kernel"} if gluon else set()), r.stdout
     assert int(counts["mla_attention_kernel"]) >= 8 and int(counts["write_latent_kernel"]) == 2, r.stdout
     assert not gluon or int(counts["gluon_prefill_kernel"]) >= 8, r.stdout  # d64 / d128 / d256, groups, LSE
     assert int(counts["prefill_kernel"]) >= 6 and int(counts["decode_kernel"]) >= 4, r.stdout  # the Hopper paths
-    assert int(counts["paged_attention_kernel"]) >= 16 and int(counts["graph_batch_from_block_table_kernel"]) == 6, r.stdout
+    assert int(counts["paged_attention_kernel"]) >= 16 and int(counts["graph_batch_from_block_table_kernel"]) == 6, (
+        r.stdout
+    )
     assert int(counts["write_kv_kernel"]) >= 5, r.stdout  # bf16, fp16 and three fp8 (quantizing) writes

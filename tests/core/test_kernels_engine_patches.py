@@ -25,7 +25,9 @@ def _env() -> dict[str, str]:
     """This process's environment without ``TRITON_INTERPRET`` (real JIT functions), the repo first on
     ``PYTHONPATH``."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(CHECK.parents[1])] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(CHECK.parents[1])] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
     return env
 
 

@@ -39,8 +39,13 @@ def test_matches_write_kv_on_vllm_strided_cache(write, page, idx_dtype, dtypes):
 
 def test_empty_and_non_contiguous_head_dim():
     cache = torch.zeros(2, 4, 16, 2, 8, dtype=torch.float16, device=DEV)
-    write_kv_paged(torch.ones(0, 2, 8, device=DEV), torch.ones(0, 2, 8, device=DEV), cache[0], cache[1],
-                   torch.zeros(0, dtype=torch.int32, device=DEV))
+    write_kv_paged(
+        torch.ones(0, 2, 8, device=DEV),
+        torch.ones(0, 2, 8, device=DEV),
+        cache[0],
+        cache[1],
+        torch.zeros(0, dtype=torch.int32, device=DEV),
+    )
     assert not cache.any()
     k = torch.ones(3, 8, 2, device=DEV).transpose(1, 2)  # head dim stride 2
     with pytest.raises(ValueError, match="k must have a contiguous head dim"):

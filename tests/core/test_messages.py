@@ -34,8 +34,10 @@ class _Records(logging.Handler):
         self.records.append(record)
 
 
-@pytest.mark.parametrize("module, engine, adapter", [("vllm", "vLLM", "attnplug.vllm_adapter"),
-                                                     ("sglang", "SGLang", "attnplug.sglang_adapter")])
+@pytest.mark.parametrize(
+    "module, engine, adapter",
+    [("vllm", "vLLM", "attnplug.vllm_adapter"), ("sglang", "SGLang", "attnplug.sglang_adapter")],
+)
 def test_register_without_the_engine_logs_one_fact(monkeypatch, module, engine, adapter):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
@@ -69,4 +71,5 @@ def test_engine_missing_is_silent_when_the_module_is_there():
         log.removeHandler(handler)
     assert [r.getMessage() for r in handler.records] == [
         "attnplug: Nothing is not installed in this environment (no module 'attnplug_no_such_engine'): "
-        "the attnplug Nothing backends are not registered"]
+        "the attnplug Nothing backends are not registered"
+    ]

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from batches import rel_err
+from mla_cases import MLACase
+from mla_cases import mla_case as _mla_case
 
 from attnplug.core import BatchMetadata, ForwardMode, PagedAttention, UnsupportedFeature
 from attnplug.core.config import AttentionConfig
 from attnplug.core.mla import check_mla_support, latent_cache_views, mla_config, mla_reference, write_latent
 from attnplug.core.plan import make_plan
 from attnplug.core.providers import get_provider_cls
-from batches import rel_err
-from mla_cases import MLACase
-from mla_cases import mla_case as _mla_case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # a CUDA machine compiles the kernels instead
 
@@ -22,18 +22,25 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # a CUDA machine compil
 def mla_case(*args, **kw) -> MLACase:
     return _mla_case(*args, device=DEVICE, **kw)
 
+
 D, V, TV, E = ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.TARGET_VERIFY, ForwardMode.EXTEND
 
 
 def _batch(c: MLACase) -> BatchMetadata:
     p = c.plan
     mask = p.mask.bool() if p.mask is not None else None
-    return BatchMetadata(p.mode, p.qo_indptr_cpu, p.kv_indptr_cpu, p.kv_indices_cpu, p.kv_last_page_len_cpu,
-                         custom_mask=mask, causal=p.causal)
+    return BatchMetadata(
+        p.mode,
+        p.qo_indptr_cpu,
+        p.kv_indptr_cpu,
+        p.kv_indices_cpu,
+        p.kv_last_page_len_cpu,
+        custom_mask=mask,
+        causal=p.causal,
+    )
 
 
-def _run(c: MLACase, provider: str = "triton", cascade: str = "off", lse: bool = False, k_scale=None,
-         **knobs):
+def _run(c: MLACase, provider: str = "triton", cascade: str = "off", lse: bool = False, k_scale=None, **knobs):
     attn = PagedAttention(c.plan.config, provider=provider, device=c.q.device, cascade=cascade)
     attn.plan(_batch(c), num_pages=c.cache.shape[0], **knobs)
     T, H = c.q.shape[:2]
@@ -52,8 +59,7 @@ def _share_first_pages(c: MLACase, n: int) -> tuple[BatchMetadata, torch.Tensor]
     for b in range(1, p.batch_size):
         idx[ind[b] : ind[b] + n] = idx[ind[0] : ind[0] + n]
     mask = p.mask.bool() if p.mask is not None else None
-    batch = BatchMetadata(p.mode, p.qo_indptr_cpu, p.kv_indptr_cpu, idx, p.kv_last_page_len_cpu,
-                          custom_mask=mask)
+    batch = BatchMetadata(p.mode, p.qo_indptr_cpu, p.kv_indptr_cpu, idx, p.kv_last_page_len_cpu, custom_mask=mask)
     plan = make_plan(p.config, batch, num_pages=c.cache.shape[0], device="cpu")
     return batch, mla_reference(plan, c.q_nope, c.q_pe, c.cache.cpu(), c.w_uk, c.w_uv.cpu()).to(DEVICE)
 
@@ -114,8 +120,7 @@ def test_triton_mla_split_kv_and_lse(name):
 def test_triton_mla_deepseek_shape():
     """R=512, Dr=64 (the DeepSeek latent), 16 heads: decode and a short chain verify."""
     for mode, q_lens, prefix, kind in ((D, [1, 1], [70, 5], "tree"), (V, [2], [33], "chain")):
-        c = mla_case(mode, q_lens, prefix, heads=16, rank=512, rope=64, nope=128, page_size=64,
-                     mask_kind=kind)
+        c = mla_case(mode, q_lens, prefix, heads=16, rank=512, rope=64, nope=128, page_size=64, mask_kind=kind)
         _, out, _ = _run(c)
         _check(c, out)
 
@@ -166,8 +171,7 @@ def test_write_latent_and_views():
 def test_fp8_write_latent_roundtrip():
     cache = torch.zeros(2, 4, 80, dtype=torch.float8_e4m3fn, device=DEVICE)
     kv_c, k_pe = torch.randn(3, 64, device=DEVICE), torch.randn(3, 16, device=DEVICE)
-    write_latent(kv_c, k_pe, cache, torch.tensor([0, 5, 7], device=DEVICE),
-                 k_scale=torch.tensor([0.25], device=DEVICE))
+    write_latent(kv_c, k_pe, cache, torch.tensor([0, 5, 7], device=DEVICE), k_scale=torch.tensor([0.25], device=DEVICE))
     got = cache.view(-1, 80)[[0, 5, 7]].float() * 0.25
     want = (torch.cat([kv_c, k_pe], 1) / 0.25).to(torch.float8_e4m3fn).float() * 0.25
     assert torch.equal(got, want)
@@ -256,8 +260,9 @@ def test_mla_refusals_of_the_library_providers():
 
 
 @pytest.mark.parametrize("provider", ["triton", "fa3"])
-@pytest.mark.parametrize("mode, cascade", [("decode", "off"), ("decode", "always"), ("verify", "off"),
-                                           ("chain", "off")])
+@pytest.mark.parametrize(
+    "mode, cascade", [("decode", "off"), ("decode", "always"), ("verify", "off"), ("chain", "off")]
+)
 def test_mla_graph_state(provider, mode, cascade, monkeypatch):
     """GraphState (CUDA-graph static buffers, replayed here without capture) over MLA: padded batches of every
     captured size equal the unabsorbed reference on their real rows."""
@@ -272,9 +277,19 @@ def test_mla_graph_state(provider, mode, cascade, monkeypatch):
     fm = D if mode == "decode" else V
     kw = dict(rank=512, rope=64, nope=64) if big else {}
     cfg = mla_case(D, [1], [3], **kw).plan.config
-    gs = GraphState(cfg, provider, max_batch=3, max_tokens=3 * q, max_pages=40, device=DEVICE,
-                    mode="decode" if mode == "decode" else "verify", num_draft_tokens=q, cascade=cascade,
-                    chain=mode == "chain", max_seq_len=160)
+    gs = GraphState(
+        cfg,
+        provider,
+        max_batch=3,
+        max_tokens=3 * q,
+        max_pages=40,
+        device=DEVICE,
+        mode="decode" if mode == "decode" else "verify",
+        num_draft_tokens=q,
+        cascade=cascade,
+        chain=mode == "chain",
+        max_seq_len=160,
+    )
     for bs in (1, 2, 3):
         gs.prepare_capture(bs)
     for B, bs, seed in ((1, 1, 0), (2, 3, 1), (3, 3, 2)):
@@ -299,23 +314,24 @@ def test_bench_mla_rows_quick(tmp_path):
 
     from attnplug.bench.__main__ import main
 
-    assert main(["--quick", "--rows", "MLA", "--providers", "triton,fa3", "--no-ceilings", "--out",
-                 str(tmp_path)]) == 0
+    assert main(["--quick", "--rows", "MLA", "--providers", "triton,fa3", "--no-ceilings", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("*.json")
     recs = json.loads(path.read_text())["rows"]
     tri = [r for r in recs if r["impl"] == "attnplug.triton"]
     assert {r["row"] for r in tri} == {"MLA decode 4x100 h4", "MLA prefill 2x48 h4"}
     assert all(r["status"] == "ok" and r["err"] < 1e-2 for r in tri), tri
     libs = {r["impl"]: r["status"] for r in recs if r["row"] == "MLA decode 4x100 h4" and r["library"]}
-    assert libs.keys() >= {"fa3.mla_qv", "flashmla"} and all(s.startswith(("n/a", "unavailable"))
-                                                              for s in libs.values()), libs
+    assert libs.keys() >= {"fa3.mla_qv", "flashmla"} and all(
+        s.startswith(("n/a", "unavailable")) for s in libs.values()
+    ), libs
 
 
 def test_mla_multi_step_draft():
     """MultiStepDraftPlanner over an MLA config (token view of the latent cache): every step's triton run
     equals the float32 reference on the same step batch."""
-    from attnplug.core.draft import MultiStepDraftPlanner, token_config, token_view
     from test_graph_draft_oracles import draft_case
+
+    from attnplug.core.draft import MultiStepDraftPlanner, token_config, token_view
 
     seq_lens, topk, steps = [37, 0, 70], 2, 2
     ind, idx, last, draft, num_pages = draft_case(seq_lens, 16, topk, steps, seed=3)

@@ -27,8 +27,7 @@ def batches(draw):
     p = draw(st.sampled_from(PAGE_SIZES))
     n = draw(st.integers(0, 6))
     lens = [
-        draw(st.one_of(st.just(0), st.integers(1, 3).map(lambda k: k * p), st.integers(0, 3 * p + 5)))
-        for _ in range(n)
+        draw(st.one_of(st.just(0), st.integers(1, 3).map(lambda k: k * p), st.integers(0, 3 * p + 5))) for _ in range(n)
     ]
     counts = [-(-L // p) for L in lens]
     pool = draw(st.permutations(range(sum(counts) + draw(st.integers(0, 5)))))
@@ -135,7 +134,11 @@ def test_unaligned_req_to_token_rejected():
         with pytest.raises(ValueError, match="page aligned"):
             csr_from_req_to_token(torch.tensor([bad], dtype=I32), idx, seq, p)
     # P=1: any slots are fine (each token its own page)
-    assert csr_from_req_to_token(torch.tensor([[5, 3, 9]], dtype=I32), idx, torch.tensor([3]), 1)[1].tolist() == [5, 3, 9]
+    assert csr_from_req_to_token(torch.tensor([[5, 3, 9]], dtype=I32), idx, torch.tensor([3]), 1)[1].tolist() == [
+        5,
+        3,
+        9,
+    ]
 
 
 def _t(*x, dtype=I32):

@@ -52,15 +52,21 @@ class KVSim:
     def read(self, rid) -> list[float]:
         n = self.mgr.seq_len(rid)
         slots = self.mgr.slot_mapping([rid] * n, list(range(n))).long()
-        assert slots.tolist() == [self.mgr.page_table(rid)[i // self.mgr.page_size] * self.mgr.page_size
-                                  + i % self.mgr.page_size for i in range(n)]
+        assert slots.tolist() == [
+            self.mgr.page_table(rid)[i // self.mgr.page_size] * self.mgr.page_size + i % self.mgr.page_size
+            for i in range(n)
+        ]
         return to_nhd(self.k, self.layout).reshape(-1)[slots].tolist() if n else []
 
 
 class ManagerMachine(RuleBasedStateMachine):
     """Random add/extend/fork/cache/free sequences; every request must keep seeing its own tokens."""
 
-    @initialize(p=st.sampled_from([1, 4, 16]), layout=st.sampled_from(list(KVLayout)), prefix=st.sampled_from([True, True, False]))
+    @initialize(
+        p=st.sampled_from([1, 4, 16]),
+        layout=st.sampled_from(list(KVLayout)),
+        prefix=st.sampled_from([True, True, False]),
+    )
     def setup(self, p, layout, prefix):
         self.p = p
         self.mgr = PagedKVManager(14, p, enable_prefix_cache=prefix)
@@ -91,7 +97,9 @@ class ManagerMachine(RuleBasedStateMachine):
         assert matched % self.p == 0 and (matched == 0 or matched < len(toks))
         assert not by_ids or self.mgr.radix_cache is not None or matched == 0
         # reused prefix pages must already hold exactly this prefix's KV
-        assert self.kv.read_pages(self.mgr.page_table(rid), matched) == [kv_value(t, i) for i, t in enumerate(toks[:matched])]
+        assert self.kv.read_pages(self.mgr.page_table(rid), matched) == [
+            kv_value(t, i) for i, t in enumerate(toks[:matched])
+        ]
         self.kv.write(rid, toks[matched:], matched)
         self.tokens[rid] = toks
 

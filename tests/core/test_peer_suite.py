@@ -11,8 +11,10 @@ ps = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ps)
 
 REFUSED = "UnsupportedFeature: attnplug: backend ATTNPLUG_TRITON does not support non-causal attention (x)\ntb"
-UNAVAILABLE = ("ProviderUnavailable: attnplug: backend ATTNPLUG_FA3 cannot start on cpu: provider 'fa3' is "
-               "unavailable: it needs a Hopper CUDA GPU. To install: ...")  # fmt: skip
+UNAVAILABLE = (
+    "ProviderUnavailable: attnplug: backend ATTNPLUG_FA3 cannot start on cpu: provider 'fa3' is "
+    "unavailable: it needs a Hopper CUDA GPU. To install: ..."
+)
 
 
 def row(case, backend, outcome, message=""):
@@ -26,14 +28,19 @@ def verdict_of(rows, case, backend, engine="vllm"):
 
 
 def test_split_id_takes_the_backend_out_of_the_test_id():
-    assert ps.split_id("test_c[backend=ATTNPLUG_TRITON-auto-1-m-small_decode]") == ("test_c[auto-1-m-small_decode]",
-                                                                                    "ATTNPLUG_TRITON")  # fmt: skip
+    assert ps.split_id("test_c[backend=ATTNPLUG_TRITON-auto-1-m-small_decode]") == (
+        "test_c[auto-1-m-small_decode]",
+        "ATTNPLUG_TRITON",
+    )
     assert ps.split_id("test_d[case=mha_x-backend=attnplug_fa3]") == ("test_d[case=mha_x]", "attnplug_fa3")
 
 
 def test_refusals_name_the_feature():
-    rows = [row("c", "ATTNPLUG_TRITON", "failed", REFUSED), row("c", "ATTNPLUG_FA3", "failed", UNAVAILABLE),
-            row("c", "FLEX_ATTENTION", "passed")]  # fmt: skip
+    rows = [
+        row("c", "ATTNPLUG_TRITON", "failed", REFUSED),
+        row("c", "ATTNPLUG_FA3", "failed", UNAVAILABLE),
+        row("c", "FLEX_ATTENTION", "passed"),
+    ]
     assert verdict_of(rows, "c", "ATTNPLUG_TRITON") == ("refused", "non-causal attention (x)", False)
     v, detail, bad = verdict_of(rows, "c", "ATTNPLUG_FA3")
     assert (v, bad) == ("refused", False) and detail.startswith("cannot start on cpu: provider 'fa3'")
@@ -41,14 +48,20 @@ def test_refusals_name_the_feature():
 
 
 def test_a_failure_a_native_passes_is_unexpected():
-    rows = [row("c", "ATTNPLUG_TRITON", "failed", "AssertionError: output differs"),
-            row("c", "FLEX_ATTENTION", "passed"), row("c", "TRITON_ATTN", "failed", "AssertionError: differs")]
+    rows = [
+        row("c", "ATTNPLUG_TRITON", "failed", "AssertionError: output differs"),
+        row("c", "FLEX_ATTENTION", "passed"),
+        row("c", "TRITON_ATTN", "failed", "AssertionError: differs"),
+    ]
     assert verdict_of(rows, "c", "ATTNPLUG_TRITON")[::2] == ("failed", True)
 
 
 def test_fails_natively_too_needs_every_native_to_fail_the_same_way():
-    same = [row("c", "ATTNPLUG_TRITON", "failed", "AssertionError: output differs"),
-            row("c", "TRITON_ATTN", "failed", "AssertionError: differs too"), row("c", "CPU_ATTN", "skipped", "n/a")]
+    same = [
+        row("c", "ATTNPLUG_TRITON", "failed", "AssertionError: output differs"),
+        row("c", "TRITON_ATTN", "failed", "AssertionError: differs too"),
+        row("c", "CPU_ATTN", "skipped", "n/a"),
+    ]
     v, detail, bad = verdict_of(same, "c", "ATTNPLUG_TRITON")
     assert (v, bad) == ("fails natively too", False) and detail.startswith("TRITON_ATTN fail too")
     other = [same[0], row("c", "TRITON_ATTN", "failed", "AttributeError: no next_power_of_2")]
@@ -58,8 +71,11 @@ def test_fails_natively_too_needs_every_native_to_fail_the_same_way():
 
 
 def test_skips_and_fixes():
-    rows = [row("c", "ATTNPLUG_TRITON", "skipped", "Skipped: no"), row("c", "FLEX_ATTENTION", "skipped", "x"),
-            row("c", "attnplug_triton", "passed")]  # fmt: skip
+    rows = [
+        row("c", "ATTNPLUG_TRITON", "skipped", "Skipped: no"),
+        row("c", "FLEX_ATTENTION", "skipped", "x"),
+        row("c", "attnplug_triton", "passed"),
+    ]
     assert verdict_of(rows, "c", "ATTNPLUG_TRITON")[::2] == ("skipped", True)
     assert verdict_of(rows, "c", "FLEX_ATTENTION")[::2] == ("skipped", False)
     v, detail, _ = verdict_of(rows, "c", "attnplug_triton", engine="sglang")

@@ -39,7 +39,7 @@ def loop_mask_free(mask, mask_indptr, q_lens, kv_lens) -> list[int]:
     out = []
     for b in range(q_lens.shape[0]):
         q, kv = int(q_lens[b]), int(kv_lens[b])
-        rows = mask[int(mask_indptr[b]): int(mask_indptr[b]) + q * kv].reshape(q, kv)
+        rows = mask[int(mask_indptr[b]) : int(mask_indptr[b]) + q * kv].reshape(q, kv)
         free = kv if q else 0
         for r in rows:
             hid = np.flatnonzero(~r)
@@ -97,7 +97,7 @@ def masked_batches(draw):
             m = np.zeros((q, kv), dtype=bool)
         elif kind == "tree":  # prefix visible, lower-triangular-ish tree part
             m = np.ones((q, kv), dtype=bool)
-            m[:, kv - q:] = np.tril(rng.random((q, q)) < 0.6) | np.eye(q, dtype=bool)
+            m[:, kv - q :] = np.tril(rng.random((q, q)) < 0.6) | np.eye(q, dtype=bool)
         else:  # some rows all True, the others all False
             m = np.repeat(rng.random((q, 1)) < 0.5, kv, axis=1)
         blocks.append(m.reshape(-1))
@@ -141,8 +141,11 @@ def test_hidden_positions_are_the_false_entries(batch):
 
 
 @PROPS
-@given(st.lists(st.integers(-3, 70000), max_size=300), st.sampled_from([np.int32, np.int64]),
-       st.sampled_from([4, 300, 1 << 16, 1 << 20]))
+@given(
+    st.lists(st.integers(-3, 70000), max_size=300),
+    st.sampled_from([np.int32, np.int64]),
+    st.sampled_from([4, 300, 1 << 16, 1 << 20]),
+)
 def test_stable_order_is_a_stable_argsort(values, dtype, modulus):
     key = np.array([v % modulus if v >= 0 else v for v in values], dtype=dtype)
     got = _stable_order(key)
@@ -151,8 +154,12 @@ def test_stable_order_is_a_stable_argsort(values, dtype, modulus):
 
 
 @PROPS
-@given(st.lists(st.tuples(st.integers(0, 700), st.integers(0, 3000)), max_size=40),
-       st.sampled_from([1, 2, 8, 16, 32, 64]), st.booleans(), st.booleans())
+@given(
+    st.lists(st.tuples(st.integers(0, 700), st.integers(0, 3000)), max_size=40),
+    st.sampled_from([1, 2, 8, 16, 32, 64]),
+    st.booleans(),
+    st.booleans(),
+)
 def test_tile_list_matches_reference(reqs, block_q, prefill, wide_q):
     """Ragged q / kv lengths (zero-length requests, prefixes up to 3000 tokens, and beyond the
     16-bit keys when shifted), both orders; same counts, arrays, dtypes and order."""

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from batches import random_case
 
 from attnplug.core import AttentionConfig, ForwardMode, PagedAttention, ProviderUnavailable, UnsupportedFeature
 from attnplug.core.plan import make_plan
-
-from batches import random_case
 
 CFG = AttentionConfig(8, 2, 64, 16, torch.bfloat16)
 
@@ -99,8 +98,10 @@ def test_unknown_and_unavailable_providers():
         PagedAttention(AttentionConfig(8, 2, 512, 16), "triton", "cuda" if torch.cuda.is_available() else "cpu")
     if not torch.cuda.is_available():
         for name in ("flashinfer", "fa3"):
-            with pytest.raises(ProviderUnavailable, match=f"provider '{name}' is unavailable: it needs a (CUDA|Hopper CUDA) GPU"
-                               ".*To install: .*pip install"):
+            with pytest.raises(
+                ProviderUnavailable,
+                match=f"provider '{name}' is unavailable: it needs a (CUDA|Hopper CUDA) GPU.*To install: .*pip install",
+            ):
                 PagedAttention(CFG, name, "cpu")
 
 
@@ -143,7 +144,9 @@ def test_numpy_integers_become_ints_and_the_plan_stays_int32():
     kernel argument every provider reads as int32: the config stores Python ints."""
     np = pytest.importorskip("numpy")
     cfg = AttentionConfig(np.int32(8), np.int64(2), np.int64(64), np.int64(4), torch.float32, window_left=np.int64(-1))
-    assert all(type(getattr(cfg, f)) is int for f in ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "window_left"))
+    assert all(
+        type(getattr(cfg, f)) is int for f in ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "window_left")
+    )
     assert cfg == AttentionConfig(8, 2, 64, 4, torch.float32)
     c = random_case(ForwardMode.EXTEND, [3, 1], [5, 9], cfg, "cpu", seed=0)
     plan = make_plan(cfg, c.batch, num_pages=c.k_cache.shape[0])

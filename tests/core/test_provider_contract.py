@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from batches import random_case, rel_err
 
 from attnplug.core import AttentionConfig, BatchMetadata, ForwardMode, PagedAttention, UnsupportedFeature, make_plan
 from attnplug.core.cuda_graph import GraphState
 from attnplug.core.draft import MultiStepDraftPlanner
 from attnplug.core.providers import get_provider_cls, provider_names
 from attnplug.core.reference import reference_attention
-
-from batches import random_case, rel_err
 
 TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))
@@ -41,8 +40,11 @@ def test_no_provider_name_checks_outside_the_providers():
         rel = path.relative_to(REPO).as_posix()
         if rel.startswith(("attnplug/core/providers/", "attnplug/bench/")):
             continue
-        hits += [f"{rel}:{i}: {line.strip()}" for i, line in enumerate(path.read_text().splitlines(), 1)
-                 if NAME_CHECK.search(line)]  # fmt: skip
+        hits += [
+            f"{rel}:{i}: {line.strip()}"
+            for i, line in enumerate(path.read_text().splitlines(), 1)
+            if NAME_CHECK.search(line)
+        ]
     assert hits == []
     # the check itself sees a name comparison
     assert NAME_CHECK.search('if provider == "flashinfer":') and NAME_CHECK.search("x in ('triton', 'fa3')")
@@ -61,11 +63,14 @@ CFG = AttentionConfig(4, 2, 32, 16, torch.float32)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the one-launch replay update runs compiled on a GPU
 
 
-@pytest.mark.parametrize("mode, q_lens, prefix", [
-    (ForwardMode.EXTEND, [5, 1, 9], [0, 17, 40]),
-    (ForwardMode.DECODE, [1, 1, 1, 1], [3, 0, 31, 64]),
-    (ForwardMode.TARGET_VERIFY, [4, 4], [20, 7]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "mode, q_lens, prefix",
+    [
+        (ForwardMode.EXTEND, [5, 1, 9], [0, 17, 40]),
+        (ForwardMode.DECODE, [1, 1, 1, 1], [3, 0, 31, 64]),
+        (ForwardMode.TARGET_VERIFY, [4, 4], [20, 7]),
+    ],
+)
 def test_toy_plan_and_run(toy, mode, q_lens, prefix):
     c = random_case(mode, q_lens, prefix, CFG, seed=len(q_lens))
     attn = PagedAttention(CFG, toy, "cpu")
@@ -81,8 +86,18 @@ def test_toy_graph_state(toy, mode):
     """Capture-time plan, padded replays through ``update`` (host metadata) and, in decode mode,
     the one-launch ``update_from_block_table`` with host lengths, each equal to the reference."""
     q = 1 if mode == "decode" else 3
-    gs = GraphState(CFG, toy, max_batch=4, max_tokens=4 * q, max_pages=64, device=DEV, mode=mode,
-                    num_draft_tokens=q, pad_page=0, max_seq_len=96)  # fmt: skip
+    gs = GraphState(
+        CFG,
+        toy,
+        max_batch=4,
+        max_tokens=4 * q,
+        max_pages=64,
+        device=DEV,
+        mode=mode,
+        num_draft_tokens=q,
+        pad_page=0,
+        max_seq_len=96,
+    )
     assert gs.needs_host_lengths and isinstance(gs.graph, toy_provider.ToyGraph)
     gs.prepare_capture(4)
     fm = ForwardMode.DECODE if mode == "decode" else ForwardMode.TARGET_VERIFY
@@ -97,8 +112,12 @@ def test_toy_graph_state(toy, mode):
     assert [d for _, d in gs.graph.refreshes] == [False] * 3  # the capture's update, then two replays
     if mode == "verify":
         with pytest.raises(UnsupportedFeature, match="provider 'toy'"):
-            gs.update_from_block_table(torch.tensor([9], device=DEV), torch.zeros(1, 8, dtype=torch.int32, device=DEV), 4,
-                                       host_seq_lens=torch.tensor([9]))  # fmt: skip
+            gs.update_from_block_table(
+                torch.tensor([9], device=DEV),
+                torch.zeros(1, 8, dtype=torch.int32, device=DEV),
+                4,
+                host_seq_lens=torch.tensor([9]),
+            )
         return
     c = random_case(ForwardMode.DECODE, [1, 1, 1], [12, 40, 3], CFG, DEV, seed=7)
     from attnplug.core.page_table import block_table_from_csr
@@ -141,9 +160,17 @@ def test_toy_multi_step_draft(toy):
 
 
 def test_graph_refusal_comes_from_the_provider():
-    with pytest.raises(UnsupportedFeature, match="provider 'reference' does not support CUDA graphs of decode "
-                                                 "batches \\(the float32 reference loops over requests on the host\\)"):
+    with pytest.raises(
+        UnsupportedFeature,
+        match="provider 'reference' does not support CUDA graphs of decode "
+        "batches \\(the float32 reference loops over requests on the host\\)",
+    ):
         GraphState(CFG, "reference", 2, 2, 10, device="cpu")
-    batch = BatchMetadata(ForwardMode.DECODE, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
-                          torch.tensor([0], dtype=torch.int32), torch.tensor([3], dtype=torch.int32))  # fmt: skip
+    batch = BatchMetadata(
+        ForwardMode.DECODE,
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([0], dtype=torch.int32),
+        torch.tensor([3], dtype=torch.int32),
+    )
     assert make_plan(CFG, batch, 1).state is None  # plans carry no provider state until a provider plans them

@@ -17,7 +17,9 @@ def test_readme_install_lines_are_found():
     assert "pip install sglang==0.5.17 '.[triton,flashinfer]'" in lines
     assert "pip install '.[triton]'" in lines
     assert cri.claims(lines["pip install vllm==0.26.0 '.[triton,flashinfer]'"]) == [
-        ("torch", "==", "2.11.0"), ("triton", "==", "3.6.0")]
+        ("torch", "==", "2.11.0"),
+        ("triton", "==", "3.6.0"),
+    ]
 
 
 def test_only_bash_blocks_count():
@@ -29,5 +31,7 @@ def test_check_claims():
     comment = "vLLM 0.26: torch 2.11.0, triton >= 3.6"
     assert cri.check_claims({"torch": "2.11.0+cu130", "triton": "3.7.1"}, comment) == []
     assert cri.check_claims({"torch": "2.13.0", "triton": "3.5.0"}, comment) == [
-        "the comment says torch == 2.11.0, pip picks 2.13.0", "the comment says triton >= 3.6, pip picks 3.5.0"]
+        "the comment says torch == 2.11.0, pip picks 2.13.0",
+        "the comment says triton >= 3.6, pip picks 3.5.0",
+    ]
     assert cri.check_claims({}, "triton >= 3.7") == ["the comment says triton >= 3.7, pip picks None"]

@@ -10,8 +10,11 @@ from __future__ import annotations
 import inspect
 import math
 
+import fa3_standin
 import pytest
 import torch
+from batches import random_case
+from test_fp8 import fp8_case
 
 from attnplug.core import AttentionConfig, ForwardMode, PagedAttention, UnsupportedFeature
 from attnplug.core.cuda_graph import GraphState
@@ -19,10 +22,6 @@ from attnplug.core.kernels.merge import apply_sinks
 from attnplug.core.plan import make_plan
 from attnplug.core.providers import get_provider_cls
 from attnplug.core.reference import reference_attention
-
-import fa3_standin
-from batches import random_case
-from test_fp8 import fp8_case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 E4M3 = torch.float8_e4m3fn
@@ -94,8 +93,9 @@ def run_case(c, scales, provider="triton", cascade="off", lse_too=True, sink_dty
     lse = torch.full(c.q.shape[:2], math.nan, device=DEVICE) if lse_too else None
     attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=lse, sinks=sinks, **scales)
     whole = make_plan(c.config, c.batch, c.num_pages, device=DEVICE)
-    ref, ref_lse = reference_attention(whole, c.q, c.k_cache, c.v_cache, scales.get("k_scale"),
-                                       scales.get("v_scale"), sinks)
+    ref, ref_lse = reference_attention(
+        whole, c.q, c.k_cache, c.v_cache, scales.get("k_scale"), scales.get("v_scale"), sinks
+    )
     return plan, out, lse, ref, ref_lse, sinks
 
 
@@ -134,8 +134,9 @@ def run_forced(c, scales, entries, **knobs):
         plan = attn.plan(c.batch, num_pages=c.num_pages, **knobs)
     out, lse = torch.full_like(c.q, math.nan), torch.full(c.q.shape[:2], math.nan, device=DEVICE)
     attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=lse, sinks=sinks, **scales)
-    ref, ref_lse = reference_attention(plan, c.q, c.k_cache, c.v_cache, scales.get("k_scale"),
-                                       scales.get("v_scale"), sinks)
+    ref, ref_lse = reference_attention(
+        plan, c.q, c.k_cache, c.v_cache, scales.get("k_scale"), scales.get("v_scale"), sinks
+    )
     return plan, out, lse, ref, ref_lse
 
 
@@ -166,7 +167,7 @@ def test_triton_prefill_kernel(causal):
     c.batch.causal = causal
     entries = prefill_entry(c.config)
     entries.update({k.replace("/prefill", "/noncausal"): e for k, e in entries.items()})
-    for splits in ((1,) if causal else (1, 3)):
+    for splits in (1,) if causal else (1, 3):
         plan, out, lse, ref, ref_lse = run_forced(c, scales, entries, num_kv_splits=splits)
         assert plan.state.kernel == "prefill" and plan.state.num_splits == splits
         assert_matches(out, lse, ref, ref_lse, REL, f"prefill kernel causal={causal} splits {splits}")
@@ -184,8 +185,7 @@ def test_triton_fp8(mode, window):
 
 def test_triton_soft_cap_and_chain_verify():
     cfg = AttentionConfig(8, 2, 32, 16, torch.bfloat16, logits_soft_cap=5.0, window_left=127, sinks=True)
-    c = random_case(ForwardMode.TARGET_VERIFY, [5, 3, 4], [30, 0, 150], cfg, DEVICE, seed=3,
-                    mask_kind="chain")
+    c = random_case(ForwardMode.TARGET_VERIFY, [5, 3, 4], [30, 0, 150], cfg, DEVICE, seed=3, mask_kind="chain")
     _, out, lse, ref, ref_lse, _ = run_case(c, {})
     assert_matches(out, lse, ref, ref_lse, REL, "soft cap chain verify")
 
@@ -227,32 +227,48 @@ def test_graph_state(mode, kv):
     for B, seed in ((3, 1), (2, 2)):
         prefix = [40 + 70 * i for i in range(B)]
         if fp8:
-            c, ks, vs = fp8_case(fm, [q_per] * B, prefix, hq=8, hkv=2, d=32, seed=seed, sinks=True,
-                                 window_left=127)
+            c, ks, vs = fp8_case(fm, [q_per] * B, prefix, hq=8, hkv=2, d=32, seed=seed, sinks=True, window_left=127)
             scales = dict(k_scale=ks, v_scale=vs)
         else:
             cfg = AttentionConfig(8, 2, 32, 16, torch.bfloat16, sinks=True, window_left=127)
             c, scales = random_case(fm, [q_per] * B, prefix, cfg, DEVICE, seed=seed), {}
         if gs is None:
-            gs = GraphState(c.config, "triton", max_batch=4, max_tokens=16, max_pages=300, device=DEVICE,
-                            mode=mode, num_draft_tokens=4, pad_page=c.num_pages - 1, num_kv_splits=2)
+            gs = GraphState(
+                c.config,
+                "triton",
+                max_batch=4,
+                max_tokens=16,
+                max_pages=300,
+                device=DEVICE,
+                mode=mode,
+                num_draft_tokens=4,
+                pad_page=c.num_pages - 1,
+                num_kv_splits=2,
+            )
             gs.prepare_capture(bs)
         gs.update(c.batch, bs)
         T = B * q_per
         qpad = torch.cat([c.q, torch.randn(bs * q_per - T, *c.q.shape[1:]).to(c.q)])
         out = torch.full_like(qpad, math.nan)
         gs.run(bs, qpad, c.k_cache, c.v_cache, out, sinks=sinks, **scales)
-        ref, _ = reference_attention(make_plan(c.config, c.batch, c.num_pages, device=DEVICE), c.q, c.k_cache,
-                                     c.v_cache, scales.get("k_scale"), scales.get("v_scale"), sinks)
+        ref, _ = reference_attention(
+            make_plan(c.config, c.batch, c.num_pages, device=DEVICE),
+            c.q,
+            c.k_cache,
+            c.v_cache,
+            scales.get("k_scale"),
+            scales.get("v_scale"),
+            sinks,
+        )
         assert row_err(out[:T], ref) <= (REL_FP8 if fp8 else REL), f"graph {mode} {kv} B={B}"
 
 
 @pytest.mark.parametrize("splits", [1, 2])
 def test_multi_step_draft(splits):
     """Every draft step with sinks equals the reference provider over the same step plans."""
-    from attnplug.core.draft import MultiStepDraftPlanner
-
     from test_draft import draft_case
+
+    from attnplug.core.draft import MultiStepDraftPlanner
 
     seq_lens, topk, steps, page = [37, 0, 160], 2, 2, 16
     ind, idx, last, draft, num_pages = draft_case(seq_lens, page, topk, steps, seed=4)
@@ -260,10 +276,10 @@ def test_multi_step_draft(splits):
     g = torch.Generator().manual_seed(1)
     k_cache = torch.randn(c.kv_cache_shape(num_pages), generator=g).to(c.dtype).to(DEVICE)
     v_cache = torch.randn(c.kv_cache_shape(num_pages), generator=g).to(c.dtype).to(DEVICE)
-    pl = MultiStepDraftPlanner(c, topk, steps, max_batch=3, provider="triton", device=DEVICE,
-                               num_kv_splits=splits)
-    ref_pl = MultiStepDraftPlanner(c, topk, steps, max_batch=3, provider="reference", device=DEVICE,
-                                   max_prefix_tokens=400)
+    pl = MultiStepDraftPlanner(c, topk, steps, max_batch=3, provider="triton", device=DEVICE, num_kv_splits=splits)
+    ref_pl = MultiStepDraftPlanner(
+        c, topk, steps, max_batch=3, provider="reference", device=DEVICE, max_prefix_tokens=400
+    )
     pl.plan(ind, idx, last, draft, num_pages=num_pages)
     ref_pl.plan(ind, idx, last, draft, num_pages=num_pages)
     sinks = draw_sinks(8, seed=2)
@@ -301,14 +317,16 @@ def test_fa3_standin(monkeypatch, kv, sink_dtype):
         rel = REL_FP8 if kv == "fp8" else REL
         for lse_too in (True, False):
             calls.clear()
-            plan, out, lse, ref, ref_lse, sinks = run_case(c, scales, provider="fa3", lse_too=lse_too,
-                                                           sink_dtype=sink_dtype)
+            plan, out, lse, ref, ref_lse, sinks = run_case(
+                c, scales, provider="fa3", lse_too=lse_too, sink_dtype=sink_dtype
+            )
             own = not lse_too and mode != "verify" and sink_dtype == torch.bfloat16
             assert calls and all(calls) == own, (mode, lse_too, calls)
             if kv == "fp8":  # FA3 reads q quantized to e4m3: the oracle on the same (dequantized) query
                 q_deq = plan.state.q8.float() * scales["q_scale"]
-                ref, ref_lse = reference_attention(plan, q_deq, c.k_cache, c.v_cache, scales["k_scale"],
-                                                   scales["v_scale"], sinks)
+                ref, ref_lse = reference_attention(
+                    plan, q_deq, c.k_cache, c.v_cache, scales["k_scale"], scales["v_scale"], sinks
+                )
             lse_tol = 1e-2 if kv == "fp8" else 1e-4
             assert_matches(out, lse, ref, ref_lse, rel, f"fa3 {mode} lse={lse_too}", lse_tol)
 
@@ -373,8 +391,17 @@ def test_cascade_graph(provider, lse_too, monkeypatch):
     toks = prompts([(4, 40)], 6, seed=2)
     batch, q, k, v, n = shared_prefix_batch(c, ForwardMode.DECODE, toks, seed=2, device=DEVICE)
     k[0], v[0] = 0.5, 0.25  # the pad page: finite
-    gs = GraphState(c, provider, max_batch=6, max_tokens=6, max_pages=400, device=DEVICE, pad_page=0,
-                    max_seq_len=96, cascade="always")
+    gs = GraphState(
+        c,
+        provider,
+        max_batch=6,
+        max_tokens=6,
+        max_pages=400,
+        device=DEVICE,
+        pad_page=0,
+        max_seq_len=96,
+        cascade="always",
+    )
     bs = batch.batch_size + 1
     gs.prepare_capture(bs)
     gs.update(batch, bs)

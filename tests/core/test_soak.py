@@ -50,15 +50,24 @@ def _check(summary: dict, device: torch.device) -> None:
 
 
 def test_plan_run_cycles_do_not_grow_host_memory(traced):
-    s = soak_plan_run(CFG, "reference", torch.device("cpu"), cycles=1000, warmup=200, sample_every=100, layers=1,
-                      max_batch=4, max_q=8, max_prefix=48)  # fmt: skip
+    s = soak_plan_run(
+        CFG,
+        "reference",
+        torch.device("cpu"),
+        cycles=1000,
+        warmup=200,
+        sample_every=100,
+        layers=1,
+        max_batch=4,
+        max_q=8,
+        max_prefix=48,
+    )
     _check(s.summary(), torch.device("cpu"))
 
 
 def test_graph_replays_do_not_grow_host_memory(traced):
     """On a CUDA machine: real captured graphs, and device memory must not grow either."""
-    s = soak_graph_replay(CFG, "triton", DEV, replays=200, warmup=50, sample_every=50, max_batch=2,
-                          max_prefix=30)  # fmt: skip
+    s = soak_graph_replay(CFG, "triton", DEV, replays=200, warmup=50, sample_every=50, max_batch=2, max_prefix=30)
     summary = s.summary()
     _check(summary, torch.device(DEV))
     if DEV.type == "cuda":

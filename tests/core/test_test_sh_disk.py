@@ -7,6 +7,7 @@ tests write (``run_mib``: engine sources, models, caches).
 The script runs for real with two stand-ins: ``run_suite`` (each suite "builds" its environments as
 empty folders) and ``df`` (free space = a capacity minus the measured size of every environment that
 exists). What is checked is the order and the removals, which is the logic the CI depends on."""
+
 from __future__ import annotations
 
 import os
@@ -18,11 +19,31 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-ALL = ["core", "mutation", "sm90-aot", "package", "newest", "vllm", "vllm026", "peer-vllm", "sglang", "sglang0517",
-       "peer-sglang"]
+ALL = [
+    "core",
+    "mutation",
+    "sm90-aot",
+    "package",
+    "newest",
+    "vllm",
+    "vllm026",
+    "peer-vllm",
+    "sglang",
+    "sglang0517",
+    "peer-sglang",
+]
 # MiB of each environment as measured (scripts/test.sh's comment), for the fake df
-SIZE = {"core": 1779, "triton-3.6.0": 666, "triton-3.8.0": 666, "pkg": 50, "newest": 5795, "vllm": 3501,
-        "vllm026-unit": 436, "sglang": 7024, "sglang0517": 423}
+SIZE = {
+    "core": 1779,
+    "triton-3.6.0": 666,
+    "triton-3.8.0": 666,
+    "pkg": 50,
+    "newest": 5795,
+    "vllm": 3501,
+    "vllm026-unit": 436,
+    "sglang": 7024,
+    "sglang0517": 423,
+}
 
 FAKE_DF = """#!/usr/bin/env bash
 # df -Pk PATH: the capacity CAP_MIB minus the environments that exist; the shm folder: SHM_GIB
@@ -34,7 +55,7 @@ echo header; echo "disk 1 1 $(( (CAP_MIB - used) * 1024 )) 1 /"
 """
 
 # every suite "builds" what it reads; FAIL_BUILD names one whose build fails; LOG records each build
-STUB = r'''run_suite() {
+STUB = r"""run_suite() {
   local v; build_failed=0
   for v in ${uses[$1]:-}; do
     [[ -d .venvs/$v ]] || { mkdir -p ".venvs/$v"; echo "build $v" >> "$LOG"; }
@@ -43,11 +64,17 @@ STUB = r'''run_suite() {
   if [[ $1 == "${FAIL_BUILD:-}" ]]; then build_failed=1; status=1; matrix+=("$1 | environment build failed | FAIL")
   else matrix+=("$1 | stub | PASS"); fi
 }
-'''
+"""
 
 
-def run_test_sh(tmp_path: Path, cap_gib: float, shm_gib: int = 0, fail_build: str = "",
-                existing: tuple[str, ...] = (), suites: tuple[str, ...] = ()) -> tuple[int, str, list[str]]:
+def run_test_sh(
+    tmp_path: Path,
+    cap_gib: float,
+    shm_gib: int = 0,
+    fail_build: str = "",
+    existing: tuple[str, ...] = (),
+    suites: tuple[str, ...] = (),
+) -> tuple[int, str, list[str]]:
     script = (REPO / "scripts" / "test.sh").read_text()
     assert script.count('  run_suite "$s"\n') == 1 and "\nrun_suite() {" in script
     script = script.replace('cd "$(dirname "$0")/.."', f'cd "{tmp_path}"')
@@ -64,9 +91,18 @@ def run_test_sh(tmp_path: Path, cap_gib: float, shm_gib: int = 0, fail_build: st
     log.touch()
     shm = tmp_path / "shm"
     shm.mkdir()
-    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", CAP_MIB=str(int(cap_gib * 1024)),
-               SHM_GIB=str(shm_gib), FAIL_BUILD=fail_build, LOG=str(log), ATTNPLUG_BUILD_SHM=str(shm))
-    r = subprocess.run(["bash", str(tmp_path / "test.sh"), *suites], capture_output=True, text=True, env=env, timeout=120)
+    env = dict(
+        os.environ,
+        PATH=f"{bindir}:{os.environ['PATH']}",
+        CAP_MIB=str(int(cap_gib * 1024)),
+        SHM_GIB=str(shm_gib),
+        FAIL_BUILD=fail_build,
+        LOG=str(log),
+        ATTNPLUG_BUILD_SHM=str(shm),
+    )
+    r = subprocess.run(
+        ["bash", str(tmp_path / "test.sh"), *suites], capture_output=True, text=True, env=env, timeout=120
+    )
     return r.returncode, r.stdout + r.stderr, log.read_text().splitlines()
 
 
@@ -100,8 +136,13 @@ def test_a_small_disk_prunes_and_every_suite_runs(tmp_path, cap_gib, shm_gib):
     removed = re.findall(r"removed \.venvs/(\S+) \(built by this run", out)
     assert {"core", "newest", "vllm"} <= set(removed), out
     # when each suite ran, what it reads was there
-    uses = {"vllm026": {"vllm", "vllm026-unit"}, "sglang0517": {"sglang", "sglang0517"}, "sm90-aot": {"core"},
-            "peer-vllm": {"vllm"}, "peer-sglang": {"sglang"}}
+    uses = {
+        "vllm026": {"vllm", "vllm026-unit"},
+        "sglang0517": {"sglang", "sglang0517"},
+        "sm90-aot": {"core"},
+        "peer-vllm": {"vllm"},
+        "peer-sglang": {"sglang"},
+    }
     for line in log:
         if line.startswith("run "):
             suite, present = line.split()[1], set(line.split()[2:])
@@ -113,8 +154,11 @@ def test_too_small_fails_with_the_space_it_needs(tmp_path):
     assert rc == 1
     assert not {"sglang", "sglang0517", "peer-sglang"} & set(ran(log))
     # sglang's 7.2 GiB and the 1 GiB every suite keeps for its tests' files
-    assert re.search(r"suite sglang \(building \.venvs/\{sglang\}, and its tests' files\) needs about 8\.2 GiB free here; "
-                     r"only 8\.0 GiB are", out), out
+    assert re.search(
+        r"suite sglang \(building \.venvs/\{sglang\}, and its tests' files\) needs about 8\.2 GiB free here; "
+        r"only 8\.0 GiB are",
+        out,
+    ), out
     assert "sglang | not enough disk | - | - | - | FAIL" in out
     assert re.search(r"matrix: 8 passed, 3 failed", out), out
 
@@ -138,8 +182,7 @@ def test_a_failed_build_is_removed_and_built_again_by_the_next_suite(tmp_path):
 
 def test_existing_environments_are_never_removed(tmp_path):
     # a developer's newest and sglang exist; the disk is short for the rest
-    rc, out, log = run_test_sh(tmp_path, cap_gib=8.0 + (5795 + 7024) / 1024, shm_gib=24,
-                               existing=("newest", "sglang"))
+    rc, out, log = run_test_sh(tmp_path, cap_gib=8.0 + (5795 + 7024) / 1024, shm_gib=24, existing=("newest", "sglang"))
     assert rc == 0, out
     assert "newest" not in builds(log) and "sglang" not in builds(log)
     assert not re.search(r"removed \.venvs/(newest|sglang) ", out), out
@@ -150,7 +193,9 @@ def test_what_a_later_suite_reads_is_never_pruned(tmp_path):
     # 4.8 GiB: vllm (3.7 GiB + 1 GiB for its tests) fits once core and the overlays are removed; its
     # clone then does not fit, and the only thing that would make room is vllm itself, which the
     # clone's suite reads
-    rc, out, log = run_test_sh(tmp_path, cap_gib=(3900 + 1024) / 1024, shm_gib=24, suites=("core", "sm90-aot", "vllm", "vllm026"))
+    rc, out, log = run_test_sh(
+        tmp_path, cap_gib=(3900 + 1024) / 1024, shm_gib=24, suites=("core", "sm90-aot", "vllm", "vllm026")
+    )
     assert rc == 1
     assert ran(log) == ["core", "sm90-aot", "vllm"]
     assert builds(log).count("vllm") == 1 and (tmp_path / ".venvs" / "vllm").is_dir()

@@ -46,8 +46,11 @@ def test_stream_extract_writes_the_wanted_members_only(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     ws._stream_extract((tmp_path / "w.whl").as_uri(), sha, str(out))
-    got = {os.path.relpath(os.path.join(d, f), out): open(os.path.join(d, f), "rb").read()
-           for d, _, fs in os.walk(out) for f in fs}  # fmt: skip
+    got = {
+        os.path.relpath(os.path.join(d, f), out): open(os.path.join(d, f), "rb").read()
+        for d, _, fs in os.walk(out)
+        for f in fs
+    }
     assert got == {k: v for k, v in MEMBERS.items() if ws.wanted(k)}
     assert len(got) == 3
 

@@ -25,13 +25,19 @@ def optional_providers() -> set[str]:
 def provider_unavailable(provider: str, err: Exception):
     if provider in optional_providers():
         pytest.skip(f"provider {provider!r} unavailable (ATTNPLUG_GPU_OPTIONAL_PROVIDERS allows it): {err}")
-    pytest.fail(f"provider {provider!r} unavailable on this CUDA machine: {err} "
-                f"(set ATTNPLUG_GPU_OPTIONAL_PROVIDERS={provider} to let its tests skip)", pytrace=False)
+    pytest.fail(
+        f"provider {provider!r} unavailable on this CUDA machine: {err} "
+        f"(set ATTNPLUG_GPU_OPTIONAL_PROVIDERS={provider} to let its tests skip)",
+        pytrace=False,
+    )
 
 
 def unexpected_refusal(key, err: Exception):
-    pytest.fail(f"{key}: refused, and not in the list of expected refusals (a supported configuration "
-                f"that is now refused is a regression): {err}", pytrace=False)
+    pytest.fail(
+        f"{key}: refused, and not in the list of expected refusals (a supported configuration "
+        f"that is now refused is a regression): {err}",
+        pytrace=False,
+    )
 
 
 def expect_refusal(expected: dict, key):

@@ -85,7 +85,7 @@ def _block_table(batch) -> tuple[torch.Tensor, torch.Tensor]:
     seq = ((counts - 1) * P + last).to(torch.int32)
     table = torch.zeros(batch.batch_size, int(counts.max()), dtype=torch.int32)
     for b in range(batch.batch_size):
-        table[b, : int(counts[b])] = batch.kv_indices[int(ind[b]): int(ind[b + 1])]
+        table[b, : int(counts[b])] = batch.kv_indices[int(ind[b]) : int(ind[b + 1])]
     return seq, table
 
 
@@ -106,8 +106,9 @@ def test_default_cascade_graph_replays_shared_unshared_shared(provider, mode):
     fmode = ForwardMode.DECODE if mode == "decode" else ForwardMode.TARGET_VERIFY
     cases = []
     for groups in ([(B, 4096)], [(1, 4096)] * B):
-        batch, q, k, v, n = shared_prefix_batch(cfg, fmode, prompts(groups, 64, seed=5), q_len=q_len, seed=5,
-                                                device="cuda")  # fmt: skip
+        batch, q, k, v, n = shared_prefix_batch(
+            cfg, fmode, prompts(groups, 64, seed=5), q_len=q_len, seed=5, device="cuda"
+        )
         if mode == "verify":
             seq, _ = _block_table(batch)
             batch.custom_mask = torch.cat([chain_mask(q_len, int(s)).reshape(-1) for s in seq]).to(batch.custom_mask)
@@ -117,9 +118,20 @@ def test_default_cascade_graph_replays_shared_unshared_shared(provider, mode):
     v_all = torch.zeros_like(k_all)
     W = max(_block_table(c[0])[1].shape[1] for c in cases)
     try:
-        gs = GraphState(cfg, provider, max_batch=B, max_tokens=B * q_len, max_pages=pages, device=dev, mode=mode,
-                        num_draft_tokens=q_len, pad_page=pages - 1, max_seq_len=W * 16, cascade="auto",
-                        chain=mode == "verify")  # fmt: skip
+        gs = GraphState(
+            cfg,
+            provider,
+            max_batch=B,
+            max_tokens=B * q_len,
+            max_pages=pages,
+            device=dev,
+            mode=mode,
+            num_draft_tokens=q_len,
+            pad_page=pages - 1,
+            max_seq_len=W * 16,
+            cascade="auto",
+            chain=mode == "verify",
+        )
     except ProviderUnavailable as e:
         pytest.skip(f"provider {provider!r} unavailable: {e}")
     assert gs.cascade.provider.name == "triton"

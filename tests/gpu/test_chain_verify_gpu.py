@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from batches import assert_close_per_request_head, chain_batch
+from gpu_expectations import provider_unavailable, unexpected_refusal
 
 from attnplug.core import AttentionConfig, ProviderUnavailable, UnsupportedFeature
 from attnplug.core.cuda_graph import GraphState
 from attnplug.core.plan import make_plan
 from attnplug.core.reference import reference_attention
-
-from batches import assert_close_per_request_head, chain_batch
-from gpu_expectations import provider_unavailable, unexpected_refusal
 
 CUDA = torch.cuda.is_available()
 PROVIDERS = ["triton", "fa3", "flashinfer"]
@@ -38,8 +37,19 @@ def test_chain_verify_graphs_from_device_block_table(provider, monkeypatch):
         monkeypatch.setenv("ATTNPLUG_FLASHINFER_BACKEND", "fa3")
         provider = provider.removesuffix("@fa3")
     try:
-        gs = GraphState(CFG, provider, MAX_BS, MAX_BS * Q, NUM_PAGES, "cuda", "verify", num_draft_tokens=Q,
-                        pad_page=0, max_seq_len=W * CFG.page_size, chain=True)
+        gs = GraphState(
+            CFG,
+            provider,
+            MAX_BS,
+            MAX_BS * Q,
+            NUM_PAGES,
+            "cuda",
+            "verify",
+            num_draft_tokens=Q,
+            pad_page=0,
+            max_seq_len=W * CFG.page_size,
+            chain=True,
+        )
     except ProviderUnavailable as e:
         provider_unavailable(provider, e)
     except UnsupportedFeature as e:
@@ -71,8 +81,9 @@ def test_chain_verify_graphs_from_device_block_table(provider, monkeypatch):
             seq_buf.zero_()  # rows B..bs-1: vLLM's padding rows (seq_len 0)
             seq_buf[:B].copy_(seq)
             table_buf[:B].copy_(table)
-            gs.update_from_block_table(seq_buf[:bs], table_buf[:bs], bs, host_seq_lens=torch.cat(
-                [seq, torch.zeros(bs - B, dtype=torch.int32)]))  # fmt: skip
+            gs.update_from_block_table(
+                seq_buf[:bs], table_buf[:bs], bs, host_seq_lens=torch.cat([seq, torch.zeros(bs - B, dtype=torch.int32)])
+            )
             q = torch.randn(B * Q, CFG.num_qo_heads, CFG.head_dim, generator=g).to(CFG.dtype).cuda()
             q_static[: B * Q].copy_(q)
             out_static.fill_(float("nan"))

@@ -22,18 +22,24 @@ import math
 
 import pytest
 import torch
+from batches import assert_close_per_request_head, random_case, rel_err
+from gpu_expectations import expect_refusal, provider_unavailable, unexpected_refusal
 
 from attnplug.core import (
-    AttentionConfig, ForwardMode, PagedAttention, ProviderUnavailable, UnsupportedFeature, make_plan,
+    AttentionConfig,
+    ForwardMode,
+    PagedAttention,
+    ProviderUnavailable,
+    UnsupportedFeature,
+    make_plan,
 )
 from attnplug.core.cuda_graph import GraphState
 from attnplug.core.kv_layout import quantize_fp8, write_kv
 from attnplug.core.reference import reference_attention
 
-from batches import assert_close_per_request_head, random_case, rel_err
-from gpu_expectations import expect_refusal, provider_unavailable, unexpected_refusal
-
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA GPU needed (CPU twin: tests/core/test_fp8.py)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA GPU needed (CPU twin: tests/core/test_fp8.py)"
+)
 
 DEV = "cuda"
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -58,8 +64,14 @@ KV = {"e4m3": E4M3, "e5m2": E5M2}
 
 
 def fp8_case(mode, q_lens, prefix, cfg_fp8, seed):
-    base = AttentionConfig(cfg_fp8.num_qo_heads, cfg_fp8.num_kv_heads, cfg_fp8.head_dim, cfg_fp8.page_size,
-                           cfg_fp8.dtype, cfg_fp8.kv_layout)  # fmt: skip
+    base = AttentionConfig(
+        cfg_fp8.num_qo_heads,
+        cfg_fp8.num_kv_heads,
+        cfg_fp8.head_dim,
+        cfg_fp8.page_size,
+        cfg_fp8.dtype,
+        cfg_fp8.kv_layout,
+    )
     c = random_case(mode, q_lens, prefix, base, DEV, seed=seed)
     ks, vs = torch.tensor([KS], device=DEV), torch.tensor(VS, device=DEV)
     c.k_cache = quantize_fp8(c.k_cache.float() * 4, ks, cfg_fp8.kv_dtype)
@@ -112,8 +124,9 @@ def test_fp8_provider_against_reference(provider, kv, dtype, page, mode):
     ref, ref_lse = reference_attention(plan, q_ref, c.k_cache, c.v_cache, ks, vs)
     err = rel_err(out, ref)
     exact_err = rel_err(out, reference_attention(plan, c.q, c.k_cache, c.v_cache, ks, vs)[0])
-    print(f"fp8 {provider} {kv} {str(dtype)[6:]} page {page} {mode}: rel err {err:.2e} "
-          f"(vs unquantized q {exact_err:.2e})")
+    print(
+        f"fp8 {provider} {kv} {str(dtype)[6:]} page {page} {mode}: rel err {err:.2e} (vs unquantized q {exact_err:.2e})"
+    )
     assert not torch.isnan(out).any() and err <= REL, err
     blk = FA3_BLOCK_REL if provider == "fa3" else REL  # the whole output stays under REL (asserted above)
     tol = dict(rel=blk, abs=blk * float(ref.abs().max()))
@@ -136,8 +149,17 @@ def test_fp8_graph_replay_reads_scales_in_place(provider, mode):
     q_n = 1 if mode == "decode" else 4
     fm = ForwardMode.DECODE if mode == "decode" else ForwardMode.TARGET_VERIFY
     c, ks, vs = fp8_case(fm, [q_n] * 3, [300, 17, 1000], cfg, seed=5)
-    gs = GraphState(cfg, provider, max_batch=4, max_tokens=4 * q_n, max_pages=c.num_pages, device=DEV, mode=mode,
-                    num_draft_tokens=q_n, max_seq_len=1100)  # fmt: skip
+    gs = GraphState(
+        cfg,
+        provider,
+        max_batch=4,
+        max_tokens=4 * q_n,
+        max_pages=c.num_pages,
+        device=DEV,
+        mode=mode,
+        num_draft_tokens=q_n,
+        max_seq_len=1100,
+    )
     gs.prepare_capture(4, c.batch)
     q = torch.zeros(4 * q_n, 32, 128, dtype=torch.bfloat16, device=DEV)
     q[: 3 * q_n] = c.q
@@ -169,8 +191,9 @@ def test_fp8_graph_replay_reads_scales_in_place(provider, mode):
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.parametrize("mode, graph", [("decode", False), ("extend", False), ("verify", False), ("decode", True),
-                                         ("verify", True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "mode, graph", [("decode", False), ("extend", False), ("verify", False), ("decode", True), ("verify", True)]
+)
 def test_fp8_host_scales(provider, mode, graph):
     """``host_scales`` (the engines' fixed floats) give the reference at those values, eager and in a
     captured decode / verify graph. The flashinfer provider hands them to FlashInfer: its scale
@@ -193,8 +216,17 @@ def test_fp8_host_scales(provider, mode, graph):
         attn.run(c.q, c.k_cache, c.v_cache, out=out, **sc)
     else:
         n, q_n = len(q_lens), q_lens[0]
-        gs = GraphState(cfg, provider, max_batch=n, max_tokens=n * q_n, max_pages=c.num_pages, device=DEV, mode=mode,
-                        num_draft_tokens=q_n, max_seq_len=max(prefix) + q_n + 16)  # fmt: skip
+        gs = GraphState(
+            cfg,
+            provider,
+            max_batch=n,
+            max_tokens=n * q_n,
+            max_pages=c.num_pages,
+            device=DEV,
+            mode=mode,
+            num_draft_tokens=q_n,
+            max_seq_len=max(prefix) + q_n + 16,
+        )
         gs.prepare_capture(n, c.batch)
         out = torch.full_like(c.q, math.nan)
         stream = torch.cuda.Stream()
@@ -249,5 +281,7 @@ def test_flashinfer_fa3_template_refused_with_fp8():
     cfg = AttentionConfig(32, 8, 128, 16, torch.bfloat16, kv_dtype=E4M3)
     attn = build("flashinfer", cfg, ("flashinfer", "e4m3"))
     c, _, _ = fp8_case(ForwardMode.EXTEND, [9], [20], cfg, seed=1)
-    with pytest.raises(UnsupportedFeature, match=r"provider 'flashinfer' does not support prefill_backend='fa3' with an fp8"):
+    with pytest.raises(
+        UnsupportedFeature, match=r"provider 'flashinfer' does not support prefill_backend='fa3' with an fp8"
+    ):
         attn.plan(c.batch, num_pages=c.num_pages, prefill_backend="fa3")

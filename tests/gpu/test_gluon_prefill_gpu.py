@@ -13,14 +13,13 @@ import math
 
 import pytest
 import torch
+from batches import random_case, rel_err, triton_launch
+from test_gluon_plan import FALLBACKS
 
 from attnplug.core import AttentionConfig, ForwardMode, PagedAttention
 from attnplug.core.plan import make_plan
 from attnplug.core.providers.triton import GLUON_ENV, GLUON_TRITON, gluon_sm90
 from attnplug.core.reference import reference_attention
-
-from batches import random_case, rel_err, triton_launch
-from test_gluon_plan import FALLBACKS
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
@@ -34,9 +33,12 @@ CASES = {  # name -> (q lens, prefix lens): ragged, lengths off the tiles (128 r
     "long": ([2100], [0]),
 }
 SHAPES = {  # name -> (Hq, Hkv, D)
-    "d128_g4": (32, 8, 128), "d128_g1": (8, 8, 128), "d128_g8": (64, 8, 128),
-    "d64_g4": (32, 8, 64), "d256_g2": (16, 8, 256),
-}  # fmt: skip
+    "d128_g4": (32, 8, 128),
+    "d128_g1": (8, 8, 128),
+    "d128_g8": (64, 8, 128),
+    "d64_g4": (32, 8, 64),
+    "d256_g2": (16, 8, 256),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -117,8 +119,6 @@ def test_gluon_misaligned_query_falls_back():
     assert triton_launch(plan)["kernel"] == "gluon"  # planned; the run fell back
 
 
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(FALLBACKS))
 def test_uncovered_features_fall_back(name):
@@ -136,7 +136,8 @@ def test_uncovered_features_fall_back(name):
     out = torch.full_like(case.q, math.nan)
     attn.run(case.q, case.k_cache, case.v_cache, out=out, sinks=sinks, **scales)
     whole = make_plan(config, case.batch, case.num_pages, device="cuda")
-    ref, _ = reference_attention(whole, case.q.float(), case.k_cache, case.v_cache, scales.get("k_scale"),
-                                 scales.get("v_scale"), sinks)
+    ref, _ = reference_attention(
+        whole, case.q.float(), case.k_cache, case.v_cache, scales.get("k_scale"), scales.get("v_scale"), sinks
+    )
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) <= (4e-2 if config.kv_quantized else REL), name

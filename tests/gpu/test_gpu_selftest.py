@@ -7,7 +7,9 @@ import os
 import pytest
 
 
-@pytest.mark.skipif(os.environ.get("ATTNPLUG_GPU_SELFTEST_FAIL") != "1",
-                    reason="opt-in: ATTNPLUG_GPU_SELFTEST_FAIL=1 makes this test fail on purpose")
+@pytest.mark.skipif(
+    os.environ.get("ATTNPLUG_GPU_SELFTEST_FAIL") != "1",
+    reason="opt-in: ATTNPLUG_GPU_SELFTEST_FAIL=1 makes this test fail on purpose",
+)
 def test_deliberate_failure_when_asked():
     pytest.fail("deliberate failure (ATTNPLUG_GPU_SELFTEST_FAIL=1): gpu_run.sh must now exit non-zero")

@@ -14,18 +14,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from batches import assert_close_per_request_head, dense_rows, draft_rows, rel_err
+from gpu_expectations import expect_refusal, provider_unavailable, unexpected_refusal
 
 from attnplug.core import (
-    AttentionConfig, BatchMetadata, ForwardMode, PagedAttention, ProviderUnavailable, UnsupportedFeature,
+    AttentionConfig,
+    BatchMetadata,
+    ForwardMode,
+    PagedAttention,
+    ProviderUnavailable,
+    UnsupportedFeature,
 )
 from attnplug.core.cuda_graph import GraphState
 from attnplug.core.draft import MultiStepDraftPlanner, build_tree_verify_mask, token_config, token_view
-
 from attnplug.core.plan import make_plan
 from attnplug.core.reference import reference_attention
-
-from batches import assert_close_per_request_head, dense_rows, draft_rows, rel_err
-from gpu_expectations import expect_refusal, provider_unavailable, unexpected_refusal
 
 CUDA = torch.cuda.is_available()
 PROVIDERS = ["triton", "fa3", "flashinfer"]
@@ -68,9 +71,12 @@ def _batch(mode, B, g):
     qo = (torch.arange(B + 1) * q).to(torch.int32)
     if mode == "decode":
         return BatchMetadata(ForwardMode.DECODE, qo, ind, pages, last)
-    par = torch.stack([torch.tensor([-1] + [int(torch.randint(-1, i, (1,), generator=g)) for i in range(1, q)])
-                       for _ in range(B)])
-    return BatchMetadata(ForwardMode.TARGET_VERIFY, qo, ind, pages, last, custom_mask=build_tree_verify_mask(par, prefix))
+    par = torch.stack(
+        [torch.tensor([-1] + [int(torch.randint(-1, i, (1,), generator=g)) for i in range(1, q)]) for _ in range(B)]
+    )
+    return BatchMetadata(
+        ForwardMode.TARGET_VERIFY, qo, ind, pages, last, custom_mask=build_tree_verify_mask(par, prefix)
+    )
 
 
 def _caches(g):
@@ -98,8 +104,17 @@ def _capture_all(gs, run, q_static, out_static, tokens_per):
 def test_graph_replay_matches_reference(provider, mode):
     _skip_unless(provider)
     q_per = 1 if mode == "decode" else N_DRAFT
-    gs = _graph_state(provider, CFG, mode, max_batch=MAX_BS, max_tokens=MAX_BS * q_per, max_pages=NUM_PAGES,
-                      mode=mode, num_draft_tokens=N_DRAFT, max_seq_len=NUM_PAGES * CFG.page_size)
+    gs = _graph_state(
+        provider,
+        CFG,
+        mode,
+        max_batch=MAX_BS,
+        max_tokens=MAX_BS * q_per,
+        max_pages=NUM_PAGES,
+        mode=mode,
+        num_draft_tokens=N_DRAFT,
+        max_seq_len=NUM_PAGES * CFG.page_size,
+    )
     if gs is None:
         return
     g = torch.Generator().manual_seed(0)
@@ -123,7 +138,9 @@ def test_graph_replay_matches_reference(provider, mode):
             got = out_static[: B * q_per]
             assert not torch.isnan(got).any(), f"bs={bs} B={B}: NaN"
             assert rel_err(got, ref) <= TOL, f"bs={bs} B={B}: rel err {rel_err(got, ref):.2e} vs eager"
-            assert_close_per_request_head(got, oracle, batch.qo_indptr, CFG.dtype, f"{provider} {mode} bs={bs} B={B} vs reference")
+            assert_close_per_request_head(
+                got, oracle, batch.qo_indptr, CFG.dtype, f"{provider} {mode} bs={bs} B={B} vs reference"
+            )
 
 
 @pytest.mark.gpu
@@ -137,8 +154,10 @@ def test_draft_steps_graph_replay_match_dense(provider):
     g = torch.Generator().manual_seed(1)
     k, v = _caches(g)
     kt, vt = token_view(k, CFG), token_view(v, CFG)
-    states = [_graph_state(provider, tc, "draft", max_batch=R, max_tokens=R, max_pages=NUM_PAGES * P,
-                           max_seq_len=160 + STEPS) for _ in range(STEPS)]
+    states = [
+        _graph_state(provider, tc, "draft", max_batch=R, max_tokens=R, max_pages=NUM_PAGES * P, max_seq_len=160 + STEPS)
+        for _ in range(STEPS)
+    ]
     try:
         planner = MultiStepDraftPlanner(CFG, TOPK, STEPS, MAX_BS, provider, "cuda", max_prefix_tokens=MAX_BS * 160)
     except ProviderUnavailable as e:
@@ -167,8 +186,15 @@ def test_draft_steps_graph_replay_match_dense(provider):
             d = _batch("decode", B, g)  # prefix CSR: kv_len = prefix + 1 committed tokens
             used = set(d.kv_indices.tolist())
             free = torch.tensor([p for p in range(1, NUM_PAGES) if p not in used])
-            slots = (free[torch.randperm(free.numel(), generator=g)][: -(-B * TOPK * STEPS // P)][:, None] * P
-                     + torch.arange(P)).flatten()[: B * TOPK * STEPS].view(B, TOPK, STEPS).to(torch.int32)
+            slots = (
+                (
+                    free[torch.randperm(free.numel(), generator=g)][: -(-B * TOPK * STEPS // P)][:, None] * P
+                    + torch.arange(P)
+                )
+                .flatten()[: B * TOPK * STEPS]
+                .view(B, TOPK, STEPS)
+                .to(torch.int32)
+            )
             planner.plan(d.kv_indptr, d.kv_indices, d.kv_last_page_len, slots, num_pages=NUM_PAGES)
             steps = planner.step_batches(d.kv_indptr, d.kv_indices, d.kv_last_page_len, slots)
             npg = (d.kv_indptr[1:] - d.kv_indptr[:-1]).tolist()

@@ -15,14 +15,13 @@ import math
 
 import pytest
 import torch
+from batches import rel_err
+from gpu_expectations import expect_refusal, provider_unavailable, unexpected_refusal
+from mla_cases import MLACase, mla_case
 
 from attnplug.core import BatchMetadata, ForwardMode, PagedAttention, ProviderUnavailable, UnsupportedFeature
 from attnplug.core.cuda_graph import GraphState
 from attnplug.core.mla import latent_cache_views, mla_config, write_latent
-
-from batches import rel_err
-from gpu_expectations import expect_refusal, provider_unavailable, unexpected_refusal
-from mla_cases import MLACase, mla_case
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
@@ -38,25 +37,46 @@ MODES = {  # name -> (mode, q_lens, prefix_lens, mask kind)
     "verify_tree": (V, [6, 8, 4], [300, 45, 640], "tree"),
 }
 TREE = r"provider 'flashinfer' does not support tree-masked verify with MLA"
-EXPECTED = {("flashinfer", "verify_tree"): TREE,
-            ("flashinfer", "graph_tree"): "provider 'flashinfer' does not support CUDA graphs of tree-masked",
-            ("fa3", "fp8"): "provider 'fa3' does not support an MLA latent cache",
-            ("flashinfer", "fp8"): "provider 'flashinfer' does not support an MLA latent cache"}  # fmt: skip
+EXPECTED = {
+    ("flashinfer", "verify_tree"): TREE,
+    ("flashinfer", "graph_tree"): "provider 'flashinfer' does not support CUDA graphs of tree-masked",
+    ("fa3", "fp8"): "provider 'fa3' does not support an MLA latent cache",
+    ("flashinfer", "fp8"): "provider 'flashinfer' does not support an MLA latent cache",
+}
 REL = 1e-2
 
 
 @functools.lru_cache(maxsize=8)
 def _case(name: str, heads: int, seed: int = 0, **kw) -> MLACase:
     mode, q_lens, prefix, kind = MODES[name]
-    return mla_case(mode, q_lens, prefix, heads=heads, rank=512, rope=64, nope=128, page_size=64,
-                    mask_kind=kind, seed=seed, device="cuda", **kw)
+    return mla_case(
+        mode,
+        q_lens,
+        prefix,
+        heads=heads,
+        rank=512,
+        rope=64,
+        nope=128,
+        page_size=64,
+        mask_kind=kind,
+        seed=seed,
+        device="cuda",
+        **kw,
+    )
 
 
 def _batch(c: MLACase) -> BatchMetadata:
     p = c.plan
     mask = p.mask.bool().cpu() if p.mask is not None else None
-    return BatchMetadata(p.mode, p.qo_indptr_cpu, p.kv_indptr_cpu, p.kv_indices_cpu, p.kv_last_page_len_cpu,
-                         custom_mask=mask, causal=p.causal)
+    return BatchMetadata(
+        p.mode,
+        p.qo_indptr_cpu,
+        p.kv_indptr_cpu,
+        p.kv_indices_cpu,
+        p.kv_last_page_len_cpu,
+        custom_mask=mask,
+        causal=p.causal,
+    )
 
 
 def _attn(provider: str, cfg, cascade: str = "off"):
@@ -142,9 +162,18 @@ def test_mla_cuda_graphs(provider, mode):
     cfg = mla_config(heads, page_size=64, sm_scale=(128 + 64) ** -0.5)
     key = (provider, "graph_tree") if mode == "verify_tree" else None
     try:
-        gs = GraphState(cfg, provider, max_batch=4, max_tokens=4 * q, max_pages=400, device="cuda",
-                        mode="decode" if mode == "decode" else "verify", num_draft_tokens=q,
-                        chain=mode == "verify_chain", max_seq_len=4096)  # fmt: skip
+        gs = GraphState(
+            cfg,
+            provider,
+            max_batch=4,
+            max_tokens=4 * q,
+            max_pages=400,
+            device="cuda",
+            mode="decode" if mode == "decode" else "verify",
+            num_draft_tokens=q,
+            chain=mode == "verify_chain",
+            max_seq_len=4096,
+        )
     except ProviderUnavailable as e:
         provider_unavailable(provider, e)
     except UnsupportedFeature as e:
@@ -158,8 +187,9 @@ def test_mla_cuda_graphs(provider, mode):
     gs.prepare_capture(bs)
     fm = D if mode == "decode" else V
     kind = "chain" if mode == "verify_chain" else "tree"
-    c0 = mla_case(fm, [q] * bs, [100] * bs, heads=heads, rank=512, rope=64, nope=128, page_size=64,
-                  mask_kind=kind, device="cuda")
+    c0 = mla_case(
+        fm, [q] * bs, [100] * bs, heads=heads, rank=512, rope=64, nope=128, page_size=64, mask_kind=kind, device="cuda"
+    )
     qbuf = torch.zeros(bs * q, heads, 576, dtype=torch.bfloat16, device="cuda")
     out = torch.zeros(bs * q, heads, 512, dtype=torch.bfloat16, device="cuda")
     cache = torch.zeros(400, 64, 576, dtype=torch.bfloat16, device="cuda")
@@ -171,8 +201,19 @@ def test_mla_cuda_graphs(provider, mode):
     with torch.cuda.graph(g):
         gs.run(bs, qbuf, k, v, out)
     for B, seed in ((2, 1), (4, 2), (3, 3)):
-        c = mla_case(fm, [q] * B, [50 + 700 * b for b in range(B)], heads=heads, rank=512, rope=64, nope=128,
-                     page_size=64, mask_kind=kind, seed=seed, device="cuda")
+        c = mla_case(
+            fm,
+            [q] * B,
+            [50 + 700 * b for b in range(B)],
+            heads=heads,
+            rank=512,
+            rope=64,
+            nope=128,
+            page_size=64,
+            mask_kind=kind,
+            seed=seed,
+            device="cuda",
+        )
         n = c.cache.shape[0]
         cache[:n].copy_(c.cache)
         qbuf.zero_()

@@ -4,19 +4,19 @@ plan that would stall the host behind the kernels already queued fails here. Cov
 the triton and fa3 providers for every forward mode (host metadata, as the adapters pass it), and
 the shared-prefix (cascade) planner. FlashInfer is left out: its own ``plan()`` copies its work
 lists with a blocking copy by design. Without CUDA: skipped."""
+
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 import torch
+from batches import random_case
+from gpu_expectations import provider_unavailable
 
 from attnplug.bench.shared_prefix import prompts, shared_prefix_batch
 from attnplug.core import AttentionConfig, ForwardMode, PagedAttention, ProviderUnavailable
 from attnplug.core.plan import make_plan
-
-from batches import random_case
-from gpu_expectations import provider_unavailable
 
 CUDA = torch.cuda.is_available()
 MODES = {
@@ -71,8 +71,9 @@ def test_large_tree_mask_goes_with_the_packed_copy(dtype):
     visible) byte for byte."""
     if not CUDA:
         pytest.skip("needs CUDA (no GPU here)")
-    case = random_case(ForwardMode.TARGET_VERIFY, [8, 8, 8, 8], [3000, 2500, 4000, 1000], CFG, "cpu", seed=7,
-                       mask_kind="tree")
+    case = random_case(
+        ForwardMode.TARGET_VERIFY, [8, 8, 8, 8], [3000, 2500, 4000, 1000], CFG, "cpu", seed=7, mask_kind="tree"
+    )
     mask = case.batch.custom_mask
     assert mask.numel() >= 1 << 16 and int((~mask).sum()) > 0
     if dtype == torch.uint8:  # any nonzero byte is visible

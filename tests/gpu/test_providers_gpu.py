@@ -22,15 +22,19 @@ import zlib
 
 import pytest
 import torch
+from batches import assert_close_per_request_head, random_case, rel_err
+from gpu_expectations import expect_refusal, provider_unavailable, unexpected_refusal
 
 from attnplug.core import (
-    AttentionConfig, ForwardMode, PagedAttention, ProviderUnavailable, UnsupportedFeature, make_plan,
+    AttentionConfig,
+    ForwardMode,
+    PagedAttention,
+    ProviderUnavailable,
+    UnsupportedFeature,
+    make_plan,
 )
 from attnplug.core.providers import get_provider_cls
 from attnplug.core.reference import reference_attention
-
-from batches import assert_close_per_request_head, random_case, rel_err
-from gpu_expectations import expect_refusal, provider_unavailable, unexpected_refusal
 
 CUDA = torch.cuda.is_available()
 FULL = os.environ.get("ATTNPLUG_GPU_TESTS_FULL") == "1"
@@ -69,11 +73,13 @@ MODES = {
 # refusal fails; a listed one must still be refused (its test asserts it).
 FA3_HND = r"provider 'fa3' does not support kv_layout='HND'"
 EXPECTED_REFUSALS = {("fa3", "gqa4-d128-p16-bf16-hnd", m): FA3_HND for m in MODES}
-EXPECTED_REFUSALS[("fa3", "gqa4-d128-p16-bf16-window48", "verify_tree")] = \
+EXPECTED_REFUSALS[("fa3", "gqa4-d128-p16-bf16-window48", "verify_tree")] = (
     r"provider 'fa3' does not support a custom \(tree\) mask together with a sliding window"
+)
 for _name in CONFIGS:  # FA3 computes the prefix without a mask (the window refusal comes first there)
-    EXPECTED_REFUSALS.setdefault(("fa3", _name, "verify_random_mask"),
-                                 r"sliding window" if "window" in _name else r"hides part of the prefix")
+    EXPECTED_REFUSALS.setdefault(
+        ("fa3", _name, "verify_random_mask"), r"sliding window" if "window" in _name else r"hides part of the prefix"
+    )
 
 
 def _attn(provider: str, config: AttentionConfig, key=None) -> PagedAttention:
@@ -106,7 +112,9 @@ def _check(attn: PagedAttention, case, plan_kwargs: dict, key=None) -> None:
     assert not torch.isnan(out).any(), "NaN in output"
     err = rel_err(out, ref)
     assert err <= TOL, f"output relative L2 error {err:.2e} > {TOL}"
-    assert_close_per_request_head(out, ref, case.batch.qo_indptr, case.config.dtype, f"{attn.provider_name} vs reference")
+    assert_close_per_request_head(
+        out, ref, case.batch.qo_indptr, case.config.dtype, f"{attn.provider_name} vs reference"
+    )
     fin = torch.isfinite(ref_lse)
     assert not torch.isnan(lse[fin]).any(), "NaN in LSE"
     lerr = float((lse[fin] - ref_lse[fin]).abs().max()) if fin.any() else 0.0
@@ -131,8 +139,9 @@ def test_provider_matches_reference(provider, cfg_name, mode):
         except ProviderUnavailable as e:
             provider_unavailable(provider, e)
         with expect_refusal(EXPECTED_REFUSALS, key):
-            PagedAttention(config, provider, "cuda").plan(case.batch, num_pages=case.num_pages,
-                                                          **_plan_kwargs(provider, base))
+            PagedAttention(config, provider, "cuda").plan(
+                case.batch, num_pages=case.num_pages, **_plan_kwargs(provider, base)
+            )
         return
     attn = _attn(provider, config, key)
     _check(attn, case, _plan_kwargs(provider, base), key)
@@ -159,8 +168,11 @@ def test_large_host_tree_mask_matches_reference(provider):
     config = _cfg(hq=32, hkv=8)
     attn = _attn(provider, config)
     case = random_case(ForwardMode.TARGET_VERIFY, [8] * 4, [3000, 2500, 4000, 1000], config, "cuda", seed=13)
-    host = {f.name: getattr(case.batch, f.name).cpu() for f in dataclasses.fields(case.batch)
-            if isinstance(getattr(case.batch, f.name), torch.Tensor)}  # fmt: skip
+    host = {
+        f.name: getattr(case.batch, f.name).cpu()
+        for f in dataclasses.fields(case.batch)
+        if isinstance(getattr(case.batch, f.name), torch.Tensor)
+    }
     assert host["custom_mask"].numel() >= 1 << 16
     case.batch = dataclasses.replace(case.batch, **host)
     _check(attn, case, {})

@@ -12,17 +12,20 @@ import math
 
 import pytest
 import torch
-
-from attnplug.core import (
-    AttentionConfig, ForwardMode, PagedAttention, ProviderUnavailable, UnsupportedFeature,
-)
-from attnplug.core.plan import make_plan
-from attnplug.core.reference import reference_attention
-
 from batches import random_case
 from gpu_expectations import provider_unavailable, unexpected_refusal
 from test_fp8 import quantize_fp8
 from test_sinks import REL, REL_FP8, assert_matches, draw_sinks, row_err
+
+from attnplug.core import (
+    AttentionConfig,
+    ForwardMode,
+    PagedAttention,
+    ProviderUnavailable,
+    UnsupportedFeature,
+)
+from attnplug.core.plan import make_plan
+from attnplug.core.reference import reference_attention
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
@@ -65,8 +68,9 @@ def _run_and_check(attn, case, sinks, scales=None, lse_too=True, rel=REL, **knob
     q = case.q
     if getattr(plan.state, "q8", None) is not None:  # fa3 on fp8: the oracle on the e4m3 query it reads
         q = plan.state.q8[: q.shape[0]].float() * scales["q_scale"]
-    ref, ref_lse = reference_attention(whole, q, case.k_cache, case.v_cache, scales.get("k_scale"),
-                                       scales.get("v_scale"), sinks)
+    ref, ref_lse = reference_attention(
+        whole, q, case.k_cache, case.v_cache, scales.get("k_scale"), scales.get("v_scale"), sinks
+    )
     assert_matches(out, lse, ref, ref_lse, rel, attn.provider_name, lse_tol=2e-3 if rel == REL else 2e-2)
     return plan
 
@@ -125,12 +129,16 @@ def test_cascade(provider, mode):
     """Shared prefixes: the parts without the sink, joined once after their merge."""
     from attnplug.bench.shared_prefix import prompts, shared_prefix_batch
 
-    fm, q_len = {"decode": (ForwardMode.DECODE, 1), "verify_chain": (ForwardMode.TARGET_VERIFY, 4),
-                 "extend": (ForwardMode.EXTEND, 5)}[mode]
+    fm, q_len = {
+        "decode": (ForwardMode.DECODE, 1),
+        "verify_chain": (ForwardMode.TARGET_VERIFY, 4),
+        "extend": (ForwardMode.EXTEND, 5),
+    }[mode]
     c = gptoss(-1)
     attn = _attn(provider, c, cascade="always")
-    batch, q, k, v, n = shared_prefix_batch(c, fm, prompts([(3, 300), (2, 210), (1, 0)], 60, seed=q_len),
-                                            q_len=q_len, seed=1, device="cuda")
+    batch, q, k, v, n = shared_prefix_batch(
+        c, fm, prompts([(3, 300), (2, 210), (1, 0)], 60, seed=q_len), q_len=q_len, seed=1, device="cuda"
+    )
     sinks = draw_sinks(64, seed=q_len)
     plan = attn.plan(batch, num_pages=n)
     assert plan.cascade is not None
@@ -193,4 +201,3 @@ def test_graph_state_decode_with_sinks():
     whole = make_plan(config, case.batch, case.num_pages, device="cuda")
     ref, _ = reference_attention(whole, case.q, case.k_cache, case.v_cache, sinks=sinks)
     assert row_err(out, ref) <= REL
-

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_expectations import provider_unavailable
 
 from attnplug.core import AttentionConfig, PagedAttention, ProviderUnavailable
 from attnplug.core.cuda_graph import GraphState
 from attnplug.core.draft import MultiStepDraftPlanner
-
-from gpu_expectations import provider_unavailable
 
 
 def test_one_flashinfer_workspace_per_config():
@@ -26,8 +25,9 @@ def test_one_flashinfer_workspace_per_config():
         provider_unavailable("flashinfer", e)
     first = torch.cuda.memory_allocated() - before
     gd = GraphState(cfg, "flashinfer", max_batch=8, max_tokens=8, max_pages=1024, device="cuda")
-    gv = GraphState(cfg, "flashinfer", max_batch=8, max_tokens=32, max_pages=1024, device="cuda", mode="verify",
-                    num_draft_tokens=4)  # fmt: skip
+    gv = GraphState(
+        cfg, "flashinfer", max_batch=8, max_tokens=32, max_pages=1024, device="cuda", mode="verify", num_draft_tokens=4
+    )
     draft = MultiStepDraftPlanner(cfg, 2, 3, 8, "flashinfer", "cuda", max_prefix_tokens=1024)
     users = [attn.provider, gd.provider, gv.provider, *draft.providers]
     workspaces = {p._workspace.data_ptr() for p in users}

@@ -24,9 +24,17 @@ def main(spec_path: str, out_path: str) -> None:
     spec = json.load(open(spec_path))
     results = {}
     for run in spec["runs"]:
-        kwargs = dict(model_path=spec["model"], skip_tokenizer_init=True, device="cpu", dtype="float32",
-                      disable_overlap_schedule=True, mem_fraction_static=0.3, max_total_tokens=4096,
-                      log_level="info", random_seed=0)
+        kwargs = dict(
+            model_path=spec["model"],
+            skip_tokenizer_init=True,
+            device="cpu",
+            dtype="float32",
+            disable_overlap_schedule=True,
+            mem_fraction_static=0.3,
+            max_total_tokens=4096,
+            log_level="info",
+            random_seed=0,
+        )
         kwargs.update(run.get("engine", {}))
         os.environ.update(run.get("env", {}))
         try:
@@ -45,8 +53,10 @@ def main(spec_path: str, out_path: str) -> None:
             for wave in waves:
                 if isinstance(wave, dict):  # n > 1: the samples of each prompt, one after another
                     n = wave["sampling"].get("n", 1)
-                    res = engine.generate(input_ids=[spec["prompts"][i] for i in wave["prompts"]],
-                                          sampling_params={**sp, **wave["sampling"]})
+                    res = engine.generate(
+                        input_ids=[spec["prompts"][i] for i in wave["prompts"]],
+                        sampling_params={**sp, **wave["sampling"]},
+                    )
                     for k, i in enumerate(wave["prompts"]):
                         samples[str(i)] = [r["output_ids"] for r in res[k * n : (k + 1) * n]]
                     continue

@@ -37,20 +37,45 @@ def make_runner(page_size: int, *, num_slots: int = 1024, layers: int = 2, dtype
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
     r2t = ReqToTokenPool(size=8, max_context_len=512, device="cpu", enable_memory_saver=False)
-    kv = MHATokenToKVPool(size=num_slots, page_size=page_size, dtype=dtype, head_num=HKV, head_dim=D,
-                          layer_num=layers, device="cpu", enable_memory_saver=False)
+    kv = MHATokenToKVPool(
+        size=num_slots,
+        page_size=page_size,
+        dtype=dtype,
+        head_num=HKV,
+        head_dim=D,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+    )
     try:  # SGLang 0.5.23; 0.5.17 has no translator (ModelRunner has no kv_index_translator)
         from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
     except ImportError:
         tr = None
     else:
-        tr = KVIndexTranslator(req_to_token=r2t.req_to_token, token_to_kv_pool_allocator=None, token_to_kv_pool=kv,
-                               page_size=page_size, device="cpu")
-    mc = SimpleNamespace(is_encoder_decoder=False, attention_arch=AttentionArch.MHA, dtype=dtype,
-                         get_num_attention_heads=lambda tp: HQ // tp)
-    runner = SimpleNamespace(device="cpu", page_size=page_size, req_to_token_pool=r2t, token_to_kv_pool=kv,
-                             kv_index_translator=tr, model_config=mc, dtype=dtype, kv_cache_dtype=dtype,
-                             is_draft_worker=False)
+        tr = KVIndexTranslator(
+            req_to_token=r2t.req_to_token,
+            token_to_kv_pool_allocator=None,
+            token_to_kv_pool=kv,
+            page_size=page_size,
+            device="cpu",
+        )
+    mc = SimpleNamespace(
+        is_encoder_decoder=False,
+        attention_arch=AttentionArch.MHA,
+        dtype=dtype,
+        get_num_attention_heads=lambda tp: HQ // tp,
+    )
+    runner = SimpleNamespace(
+        device="cpu",
+        page_size=page_size,
+        req_to_token_pool=r2t,
+        token_to_kv_pool=kv,
+        kv_index_translator=tr,
+        model_config=mc,
+        dtype=dtype,
+        kv_cache_dtype=dtype,
+        is_draft_worker=False,
+    )
     for k, v in over.items():
         setattr(runner, k, v)
     return runner
@@ -82,7 +107,7 @@ class Requests:
         self.rows = torch.arange(1, len(kv_lens) + 1, dtype=torch.int64)
         self.slots = []
         for b, n in enumerate(kv_lens):
-            mine, pages = pages[: need[b]], pages[need[b]:]
+            mine, pages = pages[: need[b]], pages[need[b] :]
             t = torch.arange(n)
             slots = torch.tensor(mine)[t // P] * P + t % P
             runner.req_to_token_pool.req_to_token[self.rows[b], :n] = slots.to(torch.int32)
@@ -105,20 +130,38 @@ class Requests:
         lens = list(lens or self.kv_lens)
         verify = mode == ForwardMode.TARGET_VERIFY
         seq = [n - (q if verify else 0) for n, q in zip(lens, q_lens)]
-        new = torch.cat([self.slots[b][lens[b] - q: lens[b]] for b, q in enumerate(q_lens)])
+        new = torch.cat([self.slots[b][lens[b] - q : lens[b]] for b, q in enumerate(q_lens)])
         return SimpleNamespace(
-            forward_mode=mode, batch_size=len(q_lens), req_pool_indices=self.rows.clone(),
-            seq_lens=torch.tensor(seq, dtype=torch.int64), seq_lens_cpu=torch.tensor(seq, dtype=torch.int64),
-            seq_lens_sum=sum(seq), extend_seq_lens=torch.tensor(q_lens, dtype=torch.int32),
+            forward_mode=mode,
+            batch_size=len(q_lens),
+            req_pool_indices=self.rows.clone(),
+            seq_lens=torch.tensor(seq, dtype=torch.int64),
+            seq_lens_cpu=torch.tensor(seq, dtype=torch.int64),
+            seq_lens_sum=sum(seq),
+            extend_seq_lens=torch.tensor(q_lens, dtype=torch.int32),
             extend_prefix_lens=torch.tensor([s - q for s, q in zip(seq, q_lens)], dtype=torch.int32),
-            extend_seq_lens_cpu=list(q_lens), extend_prefix_lens_cpu=[s - q for s, q in zip(seq, q_lens)],
-            out_cache_loc=new.to(torch.int64), out_cache_loc_is_physical=False, spec_info=spec_info,
-            encoder_lens=None, kv_loc_plan=None,
+            extend_seq_lens_cpu=list(q_lens),
+            extend_prefix_lens_cpu=[s - q for s, q in zip(seq, q_lens)],
+            out_cache_loc=new.to(torch.int64),
+            out_cache_loc_is_physical=False,
+            spec_info=spec_info,
+            encoder_lens=None,
+            kv_loc_plan=None,
         )
 
 
-def dense_reference(runner, reqs: Requests, layer, q, q_lens, masks=None, cap: float = 0.0, scales=(1.0, 1.0),
-                    window_left: int = -1, sinks=None):
+def dense_reference(
+    runner,
+    reqs: Requests,
+    layer,
+    q,
+    q_lens,
+    masks=None,
+    cap: float = 0.0,
+    scales=(1.0, 1.0),
+    window_left: int = -1,
+    sinks=None,
+):
     """Plain-torch float64 attention over each request's whole KV (read through req_to_token).
 
     q: ``[T, Hq*D]``; masks: per request ``[q_len, kv_len]`` bool or None (causal, bottom-right);
@@ -134,7 +177,7 @@ def dense_reference(runner, reqs: Requests, layer, q, q_lens, masks=None, cap: f
         slots = runner.req_to_token_pool.req_to_token[reqs.rows[b], :n].long()
         k = (kb[slots].double() * float(scales[0])).repeat_interleave(HQ // HKV, 1)
         v = (vb[slots].double() * float(scales[1])).repeat_interleave(HQ // HKV, 1)
-        qb = q[t: t + ql].view(ql, HQ, D).double()
+        qb = q[t : t + ql].view(ql, HQ, D).double()
         s = torch.einsum("qhd,khd->hqk", qb, k) * layer.scaling
         if cap > 0:
             s = cap * torch.tanh(s / cap)

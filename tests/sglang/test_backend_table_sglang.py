@@ -40,8 +40,11 @@ def toy(monkeypatch):
 
 
 def test_builtin_backends_are_the_served_providers():
-    assert {n: v for n, v in adapter.BACKENDS.items() if n != "attnplug_toy"} == {"attnplug_triton": "triton", "attnplug_flashinfer": "flashinfer",
-                                      "attnplug_fa3": "fa3"}  # fmt: skip
+    assert {n: v for n, v in adapter.BACKENDS.items() if n != "attnplug_toy"} == {
+        "attnplug_triton": "triton",
+        "attnplug_flashinfer": "flashinfer",
+        "attnplug_fa3": "fa3",
+    }
 
 
 def test_a_registered_provider_is_an_sglang_backend(toy):

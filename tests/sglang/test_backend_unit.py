@@ -13,11 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from sglang_helpers import HQ, D, Requests, dense_reference, make_layer, make_runner
-
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.runtime_context import get_parallel
+from sglang_helpers import HQ, D, Requests, dense_reference, make_layer, make_runner
 
 from attnplug.core import ProviderUnavailable, UnsupportedFeature
 from attnplug.sglang_adapter.backend import AttnplugAttnBackend
@@ -101,7 +99,7 @@ def test_extend_with_q_padded_to_a_graph_bucket():
     got = ours.forward(torch.cat([q, pad]), None, None, layer, fb, save_kv_cache=False)
     assert got.shape == (q.shape[0] + 5, q.shape[1])
     torch.testing.assert_close(got[: q.shape[0]], want, atol=0, rtol=0)
-    assert torch.equal(got[q.shape[0]:], torch.zeros(5, q.shape[1]))
+    assert torch.equal(got[q.shape[0] :], torch.zeros(5, q.shape[1]))
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
@@ -179,7 +177,7 @@ def test_plan_once_per_forward_run_per_layer(monkeypatch):
     runner = make_runner(1, layers=3)
     reqs = Requests(runner, kv_lens=[10, 5], prefix=[4, 0])
     be = make_backend(runner, provider="reference")
-    for step in range(2):
+    for _step in range(2):
         fb = reqs.batch(ForwardMode.EXTEND, q_lens=[6, 5])
         be.init_forward_metadata(fb)
         for lid in range(3):
@@ -198,13 +196,16 @@ def _mla(r):
     r.model_config.attention_arch = AttentionArch.MLA
 
 
-@pytest.mark.parametrize("mutate, feature", [
-    (lambda r: setattr(r.model_config, "is_encoder_decoder", True), "encoder-decoder"),
-    (_mla, "MLA"),
-    (_fp8, "float8_e4m3fnuz"),
-    (lambda r: setattr(r, "kv_index_translator", SimpleNamespace(reads_are_translated=True)), "translated"),
-    (lambda r: setattr(r, "token_to_kv_pool", SimpleNamespace(**vars(r.token_to_kv_pool))), "KV pool"),
-])
+@pytest.mark.parametrize(
+    "mutate, feature",
+    [
+        (lambda r: setattr(r.model_config, "is_encoder_decoder", True), "encoder-decoder"),
+        (_mla, "MLA"),
+        (_fp8, "float8_e4m3fnuz"),
+        (lambda r: setattr(r, "kv_index_translator", SimpleNamespace(reads_are_translated=True)), "translated"),
+        (lambda r: setattr(r, "token_to_kv_pool", SimpleNamespace(**vars(r.token_to_kv_pool))), "KV pool"),
+    ],
+)
 def test_unsupported_model_refused_at_startup(mutate, feature):
     runner = make_runner(1)
     mutate(runner)
@@ -212,13 +213,16 @@ def test_unsupported_model_refused_at_startup(mutate, feature):
         make_backend(runner, provider="reference")
 
 
-@pytest.mark.parametrize("layer_over, kwargs, feature", [
-    (dict(is_cross_attention=True), {}, "cross attention"),
-    (dict(attn_type="encoder_only"), {}, "non-causal"),
-    (dict(logit_cap=5.0, logit_capping_method="soft"), {}, "logit capping method"),
-    ({}, dict(score_mod=lambda s: s), "score_mod"),
-    ({}, dict(sinks=torch.zeros(HQ + 1)), "sinks of shape"),
-])
+@pytest.mark.parametrize(
+    "layer_over, kwargs, feature",
+    [
+        (dict(is_cross_attention=True), {}, "cross attention"),
+        (dict(attn_type="encoder_only"), {}, "non-causal"),
+        (dict(logit_cap=5.0, logit_capping_method="soft"), {}, "logit capping method"),
+        ({}, dict(score_mod=lambda s: s), "score_mod"),
+        ({}, dict(sinks=torch.zeros(HQ + 1)), "sinks of shape"),
+    ],
+)
 def test_unsupported_layer_refused(layer_over, kwargs, feature):
     from sglang.srt.layers.radix_attention import AttentionType
 
@@ -242,7 +246,9 @@ def test_multistep_draft_decode_refused():
         be.init_forward_metadata(fb)
 
 
-@pytest.mark.parametrize("name, hint", [("attnplug_flashinfer", "flashinfer-python"), ("attnplug_fa3", "FlashAttention-3")])
+@pytest.mark.parametrize(
+    "name, hint", [("attnplug_flashinfer", "flashinfer-python"), ("attnplug_fa3", "FlashAttention-3")]
+)
 def test_gpu_backends_refused_on_cpu_with_install_hint(name, hint):
     with pytest.raises(ProviderUnavailable, match=rf"attnplug: backend '{name}' cannot start.*To install: .*{hint}"):
         make_backend(make_runner(1), name=name)
@@ -254,7 +260,9 @@ def test_cuda_graph_seams():
     runner = make_runner(1)
     be = make_backend(runner, provider="reference")
     assert be.get_cuda_graph_seq_len_fill_value() == 1
-    with pytest.raises(UnsupportedFeature, match="attnplug_triton.*CUDA graphs with provider 'reference'.*disable-cuda-graph"):
+    with pytest.raises(
+        UnsupportedFeature, match="attnplug_triton.*CUDA graphs with provider 'reference'.*disable-cuda-graph"
+    ):
         be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
     reqs = Requests(runner, kv_lens=[6], prefix=[5])
     fb = reqs.batch(ForwardMode.DECODE, q_lens=[1])
@@ -265,7 +273,9 @@ def test_cuda_graph_seams():
     q, k, v = qkv(fb)
     theirs = torch_native(runner)
     theirs.init_forward_metadata(fb)
-    torch.testing.assert_close(be.forward(q, k, v, make_layer(0), fb), theirs.forward(q, k, v, make_layer(0), fb), **TOL)
+    torch.testing.assert_close(
+        be.forward(q, k, v, make_layer(0), fb), theirs.forward(q, k, v, make_layer(0), fb), **TOL
+    )
 
 
 def test_log_line_and_marker(tmp_path, monkeypatch, caplog):
@@ -273,7 +283,10 @@ def test_log_line_and_marker(tmp_path, monkeypatch, caplog):
     runner = make_runner(16)
     with caplog.at_level(logging.INFO, logger="attnplug.sglang_adapter.backend"):
         be = make_backend(runner)
-    assert "attnplug: attnplug_triton active (provider triton, page 16, layout NHD, dtype float32, heads 4/2" in caplog.text
+    assert (
+        "attnplug: attnplug_triton active (provider triton, page 16, layout NHD, dtype float32, heads 4/2"
+        in caplog.text
+    )
     reqs = Requests(runner, kv_lens=[9], prefix=[3])
     fb = reqs.batch(ForwardMode.EXTEND, q_lens=[6])
     be.init_forward_metadata(fb)
@@ -292,5 +305,7 @@ def test_triton_on_cpu_without_interpreter_refused(monkeypatch):
     make_backend(make_runner(1))  # the provider prepares the process: the variable is set again ...
     assert os.environ["TRITON_INTERPRET"] == "1"
     monkeypatch.setattr(tp, "triton_interpreter_active", lambda: False)  # ... too late once triton is compiled
-    with pytest.raises(ProviderUnavailable, match="attnplug_triton.*provider 'triton'.*Triton interpreter.*TRITON_INTERPRET=1"):
+    with pytest.raises(
+        ProviderUnavailable, match="attnplug_triton.*provider 'triton'.*Triton interpreter.*TRITON_INTERPRET=1"
+    ):
         make_backend(make_runner(1))

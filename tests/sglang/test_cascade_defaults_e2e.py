@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-
 from sglang_helpers import HERE, subprocess_env
 
 from attnplug.tools.tiny_model import make_tiny_llama, shared_prefix_prompts
@@ -29,16 +28,25 @@ def test_defaults_give_native_ids_and_read_shared_prefixes_once(tmp_path):
     prompts = shared_prefix_prompts(n=5, shared=SHARED)
     markers = tmp_path / "markers"
     markers.mkdir()
-    runs = [{"name": "torch_native", "engine": {"attention_backend": "torch_native", "page_size": PAGE}},
-            {"name": "defaults", "engine": {"attention_backend": "attnplug_triton", "page_size": PAGE},
-             "env": {"ATTNPLUG_MARKER_DIR": str(markers)}}]  # fmt: skip
+    runs = [
+        {"name": "torch_native", "engine": {"attention_backend": "torch_native", "page_size": PAGE}},
+        {
+            "name": "defaults",
+            "engine": {"attention_backend": "attnplug_triton", "page_size": PAGE},
+            "env": {"ATTNPLUG_MARKER_DIR": str(markers)},
+        },
+    ]
     waves = [[0], [1, 2, 3, 4], {"prompts": [0], "sampling": {"n": N, "temperature": 1.0, "top_k": 1}}]
     spec = {"model": str(model), "prompts": prompts, "max_new_tokens": MAX_NEW, "waves": waves, "runs": runs}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     env = {k: v for k, v in subprocess_env().items() if not k.startswith("ATTNPLUG_")}  # defaults
-    proc = subprocess.run([sys.executable, str(HERE / "engine_script.py"), str(tmp_path / "spec.json"),
-                           str(tmp_path / "out.json")], env=env, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "engine_script.py"), str(tmp_path / "spec.json"), str(tmp_path / "out.json")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0 and (tmp_path / "out.json").exists(), (proc.stdout + proc.stderr)[-6000:]
     out = json.loads((tmp_path / "out.json").read_text())
     ours, native = out["defaults"], out["torch_native"]

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from sglang_helpers import HERE, subprocess_env
 
 from attnplug.tools.tiny_model import shared_prefix_prompts
@@ -25,15 +24,29 @@ def test_cascade_equals_torch_native_and_ran(tiny_model, tmp_path):
     prompts = shared_prefix_prompts()
     markers = tmp_path / "markers"
     markers.mkdir()
-    runs = [{"name": "torch_native", "engine": {"attention_backend": "torch_native", "page_size": PAGE}},
-            {"name": "cascade", "engine": {"attention_backend": "attnplug_triton", "page_size": PAGE},
-             "env": {"ATTNPLUG_MARKER_DIR": str(markers), "ATTNPLUG_CASCADE": "always"}}]  # fmt: skip
-    spec = {"model": str(tiny_model), "prompts": prompts, "max_new_tokens": MAX_NEW,
-            "waves": [[0], list(range(1, len(prompts)))], "runs": runs}  # fmt: skip
+    runs = [
+        {"name": "torch_native", "engine": {"attention_backend": "torch_native", "page_size": PAGE}},
+        {
+            "name": "cascade",
+            "engine": {"attention_backend": "attnplug_triton", "page_size": PAGE},
+            "env": {"ATTNPLUG_MARKER_DIR": str(markers), "ATTNPLUG_CASCADE": "always"},
+        },
+    ]
+    spec = {
+        "model": str(tiny_model),
+        "prompts": prompts,
+        "max_new_tokens": MAX_NEW,
+        "waves": [[0], list(range(1, len(prompts)))],
+        "runs": runs,
+    }
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, str(HERE / "engine_script.py"), str(tmp_path / "spec.json"),
-                           str(tmp_path / "out.json")], env=subprocess_env(), capture_output=True, text=True,
-                          timeout=540)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "engine_script.py"), str(tmp_path / "spec.json"), str(tmp_path / "out.json")],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert proc.returncode == 0 and (tmp_path / "out.json").exists(), (proc.stdout + proc.stderr)[-6000:]
     out = json.loads((tmp_path / "out.json").read_text())
     ours, native = out["cascade"], out["torch_native"]

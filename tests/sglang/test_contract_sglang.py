@@ -49,9 +49,13 @@ def test_contract_lists_every_override_of_the_adapter():
     from attnplug.sglang_adapter.backend import AttnplugAttnBackend
 
     listed = {it.name for it in compat.CONTRACT if it.kind == "override"}
-    missing = [f"AttentionBackend.{n}" for n in vars(AttnplugAttnBackend)
-               if not n.startswith("_") and callable(getattr(AttentionBackend, n, None))
-               and f"AttentionBackend.{n}" not in listed]  # fmt: skip
+    missing = [
+        f"AttentionBackend.{n}"
+        for n in vars(AttnplugAttnBackend)
+        if not n.startswith("_")
+        and callable(getattr(AttentionBackend, n, None))
+        and f"AttentionBackend.{n}" not in listed
+    ]
     assert not missing, f"attnplug overrides these SGLang methods; add them to compat.CONTRACT: {missing}"
 
 
@@ -74,17 +78,25 @@ def broken_sglang(tmp_path_factory) -> str:
         os.makedirs(os.path.dirname(os.path.join(dst, rel)), exist_ok=True)
         with open(os.path.join(dst, rel), "w") as f:
             f.write(ast.unparse(tree))
-    shutil.copytree(os.path.join(src, "sglang"), os.path.join(dst, "sglang"), dirs_exist_ok=True,
-                    ignore=lambda d, names: [n for n in names if os.path.join(d, n).endswith((BASE, POOL))
-                                             or n in ("models", "__pycache__")])  # fmt: skip
+    shutil.copytree(
+        os.path.join(src, "sglang"),
+        os.path.join(dst, "sglang"),
+        dirs_exist_ok=True,
+        ignore=lambda d, names: [
+            n for n in names if os.path.join(d, n).endswith((BASE, POOL)) or n in ("models", "__pycache__")
+        ],
+    )
     return dst
 
 
 def test_check_reports_each_break(broken_sglang):
     results, text = check(broken_sglang, "sglang (mutated)", compat.CONTRACT)
     bad = {r.item.name: r for r in results if not r.ok}
-    assert set(bad) == {"AttentionBackend.init_forward_metadata_out_graph", "AttentionBackend.forward_decode",
-                        "MHATokenToKVPool.set_kv_buffer"}, text  # fmt: skip
+    assert set(bad) == {
+        "AttentionBackend.init_forward_metadata_out_graph",
+        "AttentionBackend.forward_decode",
+        "MHATokenToKVPool.set_kv_buffer",
+    }, text
     assert not bad["AttentionBackend.init_forward_metadata_out_graph"].found, text
     assert "attn_meta" in " ".join(bad["AttentionBackend.forward_decode"].problems), text
     assert "does not bind" in " ".join(bad["MHATokenToKVPool.set_kv_buffer"].problems), text
@@ -92,8 +104,10 @@ def test_check_reports_each_break(broken_sglang):
 
 def test_refusal_outside_the_tested_range(broken_sglang, monkeypatch):
     msg = compat.engine_refusal(version="0.6.0", engine_root=broken_sglang)
-    assert msg and msg.startswith(f"attnplug {attnplug.__version__}: SGLang 0.6.0 is outside the tested range "
-                                  "0.5.17..0.5.23 and its attention-backend interface changed"), msg
+    assert msg and msg.startswith(
+        f"attnplug {attnplug.__version__}: SGLang 0.6.0 is outside the tested range "
+        "0.5.17..0.5.23 and its attention-backend interface changed"
+    ), msg
     assert "init_forward_metadata_out_graph not found" in msg and "attn_meta" in msg, msg
     assert compat.engine_refusal(version="0.5.23", engine_root=broken_sglang) is None  # in range: not checked
     assert compat.engine_refusal(version="0.6.0", engine_root=installed_root()) is None  # unchanged: served
@@ -102,7 +116,9 @@ def test_refusal_outside_the_tested_range(broken_sglang, monkeypatch):
     from attnplug import sglang_adapter
 
     monkeypatch.setattr(compat, "engine_refusal", lambda *a, **k: msg)
-    with pytest.raises(RuntimeError, match=r"SGLang 0\.6\.0 is outside the tested range.*\(selected: attnplug_triton\)"):
+    with pytest.raises(
+        RuntimeError, match=r"SGLang 0\.6\.0 is outside the tested range.*\(selected: attnplug_triton\)"
+    ):
         sglang_adapter._factory("attnplug_triton", object())
 
 

@@ -1,4 +1,5 @@
-"""End to end on CPU: SGLang 0.5.23 (and 0.5.17, ``scripts/setup_sglang0517_env.sh``) generating with ``--attention-backend attnplug_triton``.
+"""End to end on CPU: SGLang 0.5.23 (and 0.5.17, ``scripts/setup_sglang0517_env.sh``) generating with
+``--attention-backend attnplug_triton``.
 
 The tiny Llama (real random weights, float32) generates greedily (``ignore_eos``) for ragged prompts,
 two of which share a 96-token prefix so the radix cache hits. Token ids must equal HF transformers'
@@ -15,7 +16,6 @@ import sys
 import time
 
 import pytest
-
 from sglang_helpers import HERE, subprocess_env
 
 from attnplug.tools.local_server import free_port, post_json, stop_process_group, wait_healthy
@@ -31,6 +31,8 @@ def check_layer_runs(m: dict) -> None:
     """Exact: every counted forward ran all NUM_LAYERS layers through attnplug. The marker is written
     when a forward is planned, before its layers run: the last forward's layer runs are not in it."""
     assert m["layer_runs"] == NUM_LAYERS * (sum(m["forwards"].values()) - 1), m
+
+
 WAVES = [[0, 1, 3, 4], [2]]  # prompt 2 shares 96 tokens (+BOS) with prompt 1, which finishes first
 SHARED = 97
 
@@ -65,8 +67,13 @@ def engine_runs(tiny_model, prompts, tmp_path_factory):
     spec = {"model": str(tiny_model), "prompts": prompts, "max_new_tokens": MAX_NEW, "waves": WAVES, "runs": runs}
     (tmp / "spec.json").write_text(json.dumps(spec))
     t0 = time.time()
-    proc = subprocess.run([sys.executable, str(HERE / "engine_script.py"), str(tmp / "spec.json"), str(tmp / "out.json")],
-                          env=subprocess_env(), capture_output=True, text=True, timeout=540)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "engine_script.py"), str(tmp / "spec.json"), str(tmp / "out.json")],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0 and (tmp / "out.json").exists(), log[-6000:]
     out = json.loads((tmp / "out.json").read_text())
@@ -110,12 +117,39 @@ def test_engine_attnplug_triton_matches_torch_native_and_hf(engine_runs, hf_gree
 
 
 def _launch(tiny_model, backend, port, log_path, marker_dir, *extra):
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tiny_model), "--device", "cpu",
-           "--dtype", "float32", "--skip-tokenizer-init", "--disable-overlap-schedule", "--mem-fraction-static", "0.3",
-           "--max-total-tokens", "4096", "--attention-backend", backend, "--host", "127.0.0.1", "--port", str(port),
-           "--random-seed", "0", *extra]
-    return subprocess.Popen(cmd, env=subprocess_env(ATTNPLUG_MARKER_DIR=str(marker_dir)), stdout=open(log_path, "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(tiny_model),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--skip-tokenizer-init",
+        "--disable-overlap-schedule",
+        "--mem-fraction-static",
+        "0.3",
+        "--max-total-tokens",
+        "4096",
+        "--attention-backend",
+        backend,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--random-seed",
+        "0",
+        *extra,
+    ]
+    return subprocess.Popen(
+        cmd,
+        env=subprocess_env(ATTNPLUG_MARKER_DIR=str(marker_dir)),
+        stdout=open(log_path, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def test_launch_server_http_generate(tiny_model, prompts, hf_greedy, tmp_path):
@@ -143,7 +177,10 @@ def test_launch_server_http_generate(tiny_model, prompts, hf_greedy, tmp_path):
     # per mode, exact: each wave (one /generate request) is one prefill forward and MAX_NEW - 1 decodes
     modes = set(m["forwards"]) | set(before["forwards"])
     delta = {k: m["forwards"].get(k, 0) - before["forwards"].get(k, 0) for k in modes}
-    assert {k: n for k, n in delta.items() if n} == {"EXTEND": len(WAVES), "DECODE": len(WAVES) * (MAX_NEW - 1)}, (before, m)
+    assert {k: n for k, n in delta.items() if n} == {"EXTEND": len(WAVES), "DECODE": len(WAVES) * (MAX_NEW - 1)}, (
+        before,
+        m,
+    )
     check_layer_runs(m)
     assert m["max_cached_prefix"] >= SHARED
 
@@ -157,13 +194,16 @@ def test_attnplug_flashinfer_fails_at_startup_on_cpu(tiny_model, tmp_path):
         stop_process_group(proc)
     log = log_path.read_text()
     assert rc != 0, log[-4000:]
-    assert "attnplug: backend 'attnplug_flashinfer' cannot start on cpu: provider 'flashinfer' is unavailable" in log, log[-4000:]
+    assert "attnplug: backend 'attnplug_flashinfer' cannot start on cpu: provider 'flashinfer' is unavailable" in log, (
+        log[-4000:]
+    )
     assert "To install:" in log and "flashinfer-python" in log
     assert _markers(tmp_path) == []
 
 
 def test_demo_sglang(tmp_path):
-    """``python -m attnplug.tools.demo_sglang`` (the main-job demo) serves with attnplug_triton and matches torch_native."""
+    """``python -m attnplug.tools.demo_sglang`` (the main-job demo) serves with attnplug_triton and matches
+    torch_native."""
     env = subprocess_env()
     env["PYTHONPATH"] = env["PYTHONPATH"].split(os.pathsep, 1)[1]  # no shim on the path: the demo finds it itself
     from attnplug.sglang_adapter import compat
@@ -173,11 +213,28 @@ def test_demo_sglang(tmp_path):
         # native path), so the demo's torch_native reference run at page 16 needs the interpreter too;
         # attnplug_triton turns it on by itself (checked by the tests above)
         env["TRITON_INTERPRET"] = "1"
-    r = subprocess.run([sys.executable, "-m", "attnplug.tools.demo_sglang", "--page-size", "16", "--max-new-tokens", "8",
-                        "--model-dir", str(tmp_path / "tiny")], env=env, capture_output=True, text=True, timeout=500)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "attnplug.tools.demo_sglang",
+            "--page-size",
+            "16",
+            "--max-new-tokens",
+            "8",
+            "--model-dir",
+            str(tmp_path / "tiny"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "attnplug: attnplug_triton active (provider triton, page 16" in r.stdout
     last = r.stdout.strip().splitlines()[-1]
-    assert last.startswith("PASS sglang: attnplug_triton matches torch_native (5/5 prompts identical); active line: "
-                           '"attnplug: attnplug_triton active (provider triton, page 16'), last
+    assert last.startswith(
+        "PASS sglang: attnplug_triton matches torch_native (5/5 prompts identical); active line: "
+        '"attnplug: attnplug_triton active (provider triton, page 16'
+    ), last
     assert "(cached prompt tokens: 96)" in r.stdout

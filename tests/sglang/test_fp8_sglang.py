@@ -29,11 +29,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from sglang_helpers import HERE, HKV, HQ, D, Requests, dense_reference, make_layer, make_runner, subprocess_env
-
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.runtime_context import get_parallel
+from sglang_helpers import HERE, HKV, HQ, D, Requests, dense_reference, make_layer, make_runner, subprocess_env
 
 from attnplug.core import UnsupportedFeature
 from attnplug.core.kv_layout import quantize_fp8
@@ -57,8 +55,16 @@ def fp8_runner(page_size, kv_dtype, layers=2):
 
     runner = make_runner(page_size, layers=layers)
     runner.float_pool = runner.token_to_kv_pool  # Requests() fills prefixes in float32: see requests()
-    runner.token_to_kv_pool = MHATokenToKVPool(size=1024, page_size=page_size, dtype=kv_dtype, head_num=HKV,
-                                               head_dim=D, layer_num=layers, device="cpu", enable_memory_saver=False)
+    runner.token_to_kv_pool = MHATokenToKVPool(
+        size=1024,
+        page_size=page_size,
+        dtype=kv_dtype,
+        head_num=HKV,
+        head_dim=D,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+    )
     runner.kv_cache_dtype = kv_dtype
     if runner.kv_index_translator is not None:
         runner.kv_index_translator.token_to_kv_pool = runner.token_to_kv_pool
@@ -95,7 +101,11 @@ def dense_fp8(runner, reqs, layer, q, q_lens, ks, vs, masks=None):
 
 def qkv(T, seed):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(T, HQ * D, generator=g), torch.randn(T, HKV, D, generator=g) * 10, torch.randn(T, HKV, D, generator=g) * 10
+    return (
+        torch.randn(T, HQ * D, generator=g),
+        torch.randn(T, HKV, D, generator=g) * 10,
+        torch.randn(T, HKV, D, generator=g) * 10,
+    )
 
 
 def rel(a, b):
@@ -146,8 +156,9 @@ def test_fp8_pool_extend_decode_verify_against_dense_oracle(kv_dtype, page_size)
         tree = torch.tril(torch.rand(n, n, generator=g) < 0.6) | torch.eye(n, dtype=torch.bool)
         tree[:, 0] = True
         masks.append(torch.cat([torch.ones(n, kv - n, dtype=torch.bool), tree], 1))
-    spec = SimpleNamespace(custom_mask=torch.cat([m.reshape(-1) for m in masks]), draft_token_num=n,
-                           num_tokens_per_req=-1, kv_indptr=None)  # fmt: skip
+    spec = SimpleNamespace(
+        custom_mask=torch.cat([m.reshape(-1) for m in masks]), draft_token_num=n, num_tokens_per_req=-1, kv_indptr=None
+    )
     fb = reqs.batch(ForwardMode.TARGET_VERIFY, q_lens=[n, n], spec_info=spec)
     be = make_backend(runner)
     be.init_forward_metadata(fb)
@@ -257,16 +268,22 @@ def test_quantized_pool_refused_at_startup():
 
     runner = fp8_runner(1, E4M3)
     runner.token_to_kv_pool.quant_method = CPUFP8KVCacheMethod()
-    with pytest.raises(UnsupportedFeature, match=r"attnplug: backend 'attnplug_triton' does not support a quantized "
-                                                 r"KV pool \(quant method 'cpu_fp8_e4m3'"):  # fmt: skip
+    with pytest.raises(
+        UnsupportedFeature,
+        match=r"attnplug: backend 'attnplug_triton' does not support a quantized "
+        r"KV pool \(quant method 'cpu_fp8_e4m3'",
+    ):
         make_backend(runner)
 
 
 def test_unknown_kv_dtype_refused_at_startup():
     runner = make_runner(1)
     runner.kv_cache_dtype = torch.float8_e4m3fnuz  # ROCm's fp8: not read by attnplug
-    with pytest.raises(UnsupportedFeature, match=r"attnplug: backend 'attnplug_triton' does not support KV cache dtype "
-                                                 r"torch.float8_e4m3fnuz"):  # fmt: skip
+    with pytest.raises(
+        UnsupportedFeature,
+        match=r"attnplug: backend 'attnplug_triton' does not support KV cache dtype "
+        r"torch.float8_e4m3fnuz",
+    ):
         make_backend(runner, provider="reference")
 
 
@@ -281,13 +298,25 @@ def test_engine_refuses_fp8_kv_on_cpu_before_any_backend(tiny_model, tmp_path):
         run = {"name": kv, "engine": {"attention_backend": "attnplug_triton", "kv_cache_dtype": kv}}
         spec = {"model": str(tiny_model), "prompts": test_prompts()[:1], "max_new_tokens": 2, "runs": [run]}
         (tmp_path / f"{kv}.json").write_text(json.dumps(spec))
-        proc = subprocess.run([sys.executable, str(HERE / "engine_script.py"), str(tmp_path / f"{kv}.json"),
-                               str(tmp_path / f"{kv}-out.json")], env=subprocess_env(), capture_output=True, text=True,
-                              timeout=540)  # fmt: skip
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(HERE / "engine_script.py"),
+                str(tmp_path / f"{kv}.json"),
+                str(tmp_path / f"{kv}-out.json"),
+            ],
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=540,
+        )
         log[kv] = proc.stdout + proc.stderr
         assert "attnplug: attnplug_triton active" not in log[kv]  # refused before our backend was built
     assert "--kv-cache-dtype fp8_e5m2 is not supported on CPU." in log["fp8_e5m2"], log["fp8_e5m2"][-4000:]
     # SGLang's cpu_has_amx_support() needs AMX tiles *and* its intel_amx kernels (absent from the test's
     # sgl_kernel shim): without either it says the first, with both (and another backend) the second
-    refusals = ("CPU FP8 KV cache requires Intel AMX support.", "CPU FP8 KV cache requires the intel_amx attention backend.")
+    refusals = (
+        "CPU FP8 KV cache requires Intel AMX support.",
+        "CPU FP8 KV cache requires the intel_amx attention backend.",
+    )
     assert any(r in log["fp8_e4m3"] for r in refusals), log["fp8_e4m3"][-4000:]

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from sglang_helpers import HERE, subprocess_env
 
 pytestmark = pytest.mark.sglang
@@ -23,8 +22,13 @@ def resolved(tmp_path_factory):
     from attnplug.tools.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path_factory.mktemp("gptoss") / "tiny-gpt-oss", "gpt_oss")
-    r = subprocess.run([sys.executable, str(HERE / "gptoss_resolve_script.py"), str(model)], env=subprocess_env(),
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, str(HERE / "gptoss_resolve_script.py"), str(model)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-3000:]
     return json.loads(lines[-1].removeprefix("RESULT ")), r.stdout + r.stderr
@@ -62,8 +66,11 @@ def test_backend_refuses_a_hybrid_swa_pool_naming_the_flag():
 
     runner = make_runner(1)
     runner.token_to_kv_pool = type("SWAKVPool", (), dict(vars(runner.token_to_kv_pool)))()
-    with pytest.raises(UnsupportedFeature, match=r"attnplug: backend 'attnplug_triton' does not support the KV pool "
-                       r"SWAKVPool .*; start SGLang with --disable-hybrid-swa-memory"):
+    with pytest.raises(
+        UnsupportedFeature,
+        match=r"attnplug: backend 'attnplug_triton' does not support the KV pool "
+        r"SWAKVPool .*; start SGLang with --disable-hybrid-swa-memory",
+    ):
         make_backend(runner, provider="reference")
 
 

@@ -14,7 +14,6 @@ import subprocess
 import sys
 
 import pytest
-
 from sglang_helpers import HERE, subprocess_env
 
 pytestmark = pytest.mark.sglang
@@ -36,14 +35,32 @@ def runs(tmp_path_factory):
         d.mkdir()
     # attnplug first: it must switch the Triton interpreter on by itself; SGLang's triton backend needs
     # it set by hand on CPU (the env persists into the later run)
-    spec = {"model": str(model), "prompts": prompts, "max_new_tokens": MAX_NEW, "waves": WAVES, "runs": [
-        {"name": "attnplug", "engine": {"attention_backend": "attnplug_triton"},
-         "env": {"ATTNPLUG_MARKER_DIR": str(markers["attnplug"])}},
-        {"name": "triton", "engine": {"attention_backend": "triton"},
-         "env": {"ATTNPLUG_MARKER_DIR": str(markers["triton"]), "TRITON_INTERPRET": "1"}}]}
+    spec = {
+        "model": str(model),
+        "prompts": prompts,
+        "max_new_tokens": MAX_NEW,
+        "waves": WAVES,
+        "runs": [
+            {
+                "name": "attnplug",
+                "engine": {"attention_backend": "attnplug_triton"},
+                "env": {"ATTNPLUG_MARKER_DIR": str(markers["attnplug"])},
+            },
+            {
+                "name": "triton",
+                "engine": {"attention_backend": "triton"},
+                "env": {"ATTNPLUG_MARKER_DIR": str(markers["triton"]), "TRITON_INTERPRET": "1"},
+            },
+        ],
+    }
     (tmp / "spec.json").write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, str(HERE / "engine_script.py"), str(tmp / "spec.json"), str(tmp / "out.json")],
-                          env=subprocess_env(), capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "engine_script.py"), str(tmp / "spec.json"), str(tmp / "out.json")],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0 and (tmp / "out.json").exists(), log[-6000:]
     out = json.loads((tmp / "out.json").read_text())
@@ -68,8 +85,10 @@ def test_gptoss_tokens_equal_sglang_triton_and_hf_and_attnplug_ran(runs):
     # (tests/vllm/test_vllm_gptoss_e2e.py)
     short = [i for i, p in enumerate(prompts) if len(p) + MAX_NEW <= WINDOW]
     assert short == [0] and native["output_ids"][0] == ours["output_ids"][0]
-    print("SGLang triton vs HF, prompts past the window:",
-          [native["output_ids"][i] == hf[i] for i in range(1, len(prompts))])
+    print(
+        "SGLang triton vs HF, prompts past the window:",
+        [native["output_ids"][i] == hf[i] for i in range(1, len(prompts))],
+    )
     assert ours["cached_tokens"][2] == 97  # the shared prefix (+BOS) came from the radix cache
     # attnplug admitted by SGLang's gpt-oss check, KV in one plain pool; SGLang's own run kept its SWA pool
     assert "attnplug: GptOssForCausalLM's attention-backend check admits attnplug_triton" in log

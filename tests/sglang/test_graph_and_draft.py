@@ -13,11 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from sglang_helpers import HKV, HQ, D, Requests, dense_reference, make_layer, make_runner
-
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.runtime_context import get_parallel
+from sglang_helpers import HKV, HQ, D, Requests, dense_reference, make_layer, make_runner
 
 import attnplug.sglang_adapter as adapter
 from attnplug.core import UnsupportedFeature
@@ -64,11 +62,19 @@ def _padded(fb, bs, q):
     B = fb.batch_size
     pad = bs - B
     fill = torch.full((pad,), FILL_SEQ_LEN, dtype=torch.int64)
-    return SimpleNamespace(**{**vars(fb), **dict(
-        batch_size=bs, num_padding=pad,
-        req_pool_indices=torch.cat([fb.req_pool_indices, torch.zeros(pad, dtype=torch.int64)]),
-        seq_lens=torch.cat([fb.seq_lens, fill]), seq_lens_cpu=torch.cat([fb.seq_lens_cpu, fill]),
-        out_cache_loc=torch.cat([fb.out_cache_loc, torch.zeros(pad * q, dtype=torch.int64)]))})
+    return SimpleNamespace(
+        **{
+            **vars(fb),
+            **dict(
+                batch_size=bs,
+                num_padding=pad,
+                req_pool_indices=torch.cat([fb.req_pool_indices, torch.zeros(pad, dtype=torch.int64)]),
+                seq_lens=torch.cat([fb.seq_lens, fill]),
+                seq_lens_cpu=torch.cat([fb.seq_lens_cpu, fill]),
+                out_cache_loc=torch.cat([fb.out_cache_loc, torch.zeros(pad * q, dtype=torch.int64)]),
+            ),
+        }
+    )
 
 
 def _qkv(T, seed):
@@ -99,9 +105,16 @@ def _fa3_standin(monkeypatch):
     monkeypatch.setattr(FA3Provider, "check_config", lambda self, config: None)
 
 
-@pytest.mark.parametrize("mode, page_size, provider", [("decode", 16, "triton"), ("decode", 1, "triton"),
-                                                        ("verify", 4, "triton"), ("verify", 4, "fa3"),
-                                                        ("decode", 4, "fa3")])  # fmt: skip
+@pytest.mark.parametrize(
+    "mode, page_size, provider",
+    [
+        ("decode", 16, "triton"),
+        ("decode", 1, "triton"),
+        ("verify", 4, "triton"),
+        ("verify", 4, "fa3"),
+        ("decode", 4, "fa3"),
+    ],
+)
 def test_graph_capture_then_replay_matches_eager(mode, page_size, provider, monkeypatch):
     """Capture then replay through the backend's graph hooks; ``fa3`` (stand-in kernel): its tree verify
     (EAGLE topk > 1: FA3 on the prefix, the tree part by attnplug's kernel, LSE-merged) is captured too."""
@@ -112,7 +125,9 @@ def test_graph_capture_then_replay_matches_eager(mode, page_size, provider, monk
 
     launches = []  # the one-launch replay path (decode) vs GraphState.update (verify: SGLang's tree mask)
     one_launch = GraphState.update_from_block_table
-    monkeypatch.setattr(GraphState, "update_from_block_table", lambda gs, *a, **k: launches.append(1) or one_launch(gs, *a, **k))
+    monkeypatch.setattr(
+        GraphState, "update_from_block_table", lambda gs, *a, **k: launches.append(1) or one_launch(gs, *a, **k)
+    )
     n = 3 if mode == "verify" else 1
     bs, max_bs = 4, 4
     runner = make_runner(page_size)
@@ -131,9 +146,19 @@ def test_graph_capture_then_replay_matches_eager(mode, page_size, provider, monk
         eager.init_forward_metadata(fb)
         if step == 1:
             gs = be._graphs[mode][be.layer_config(layer)]  # the state the layer's captured plan lives in
-            ptrs = {name: getattr(gs, name).data_ptr() for name in ("kv_indptr", "kv_indices", "kv_last_page_len",
-                                                                     "kv_lens", "mask", "mask_indptr", "mask_free")
-                    if getattr(gs, name) is not None}
+            ptrs = {
+                name: getattr(gs, name).data_ptr()
+                for name in (
+                    "kv_indptr",
+                    "kv_indices",
+                    "kv_last_page_len",
+                    "kv_lens",
+                    "mask",
+                    "mask_indptr",
+                    "mask_free",
+                )
+                if getattr(gs, name) is not None
+            }
         be.init_forward_metadata_out_graph(_padded(fb, bs, n), in_capture=step == 0)
         if step == 1:  # replay: the captured plan's buffers, refreshed in place
             assert ptrs == {name: getattr(gs, name).data_ptr() for name in ptrs}
@@ -151,14 +176,17 @@ def test_graph_capture_then_replay_matches_eager(mode, page_size, provider, monk
         assert torch.equal(plan.kv_indices[:nnz].cpu(), eb.kv_indices.to(torch.int32))
         assert torch.equal(plan.kv_last_page_len[:B].cpu(), eb.kv_last_page_len.to(torch.int32))
         pad = bs - B
-        assert torch.equal(gs.kv_lens[B:bs], torch.full((pad,), FILL_SEQ_LEN + (n if mode == "verify" else 0),
-                                                        dtype=torch.int32))
+        assert torch.equal(
+            gs.kv_lens[B:bs], torch.full((pad,), FILL_SEQ_LEN + (n if mode == "verify" else 0), dtype=torch.int32)
+        )
         assert torch.equal(gs.kv_last_page_len[B:bs], torch.full((pad,), gs.pad_last, dtype=torch.int32))
-        assert torch.equal(gs.kv_indices[nnz: nnz + pad * gs.pad_pages], torch.zeros(pad * gs.pad_pages, dtype=torch.int32))
+        assert torch.equal(
+            gs.kv_indices[nnz : nnz + pad * gs.pad_pages], torch.zeros(pad * gs.pad_pages, dtype=torch.int32)
+        )
         if mode == "verify":
             m = int(sum(n * kv for kv in reqs.kv_lens))
             assert torch.equal(gs.mask[:m].bool(), fb.spec_info.custom_mask[:m])
-            assert bool(gs.mask[m: m + pad * n * gs.pad_kv_len].all())
+            assert bool(gs.mask[m : m + pad * n * gs.pad_kv_len].all())
     assert be._stats.forwards.get("GRAPH_" + fb.forward_mode.name) == 2
     assert len(launches) == (len(be._graphs["decode"]) if mode == "decode" else 0) and be._graphs[mode]
 
@@ -217,7 +245,9 @@ def test_host_planning_provider_decode_replay_passes_host_lengths(monkeypatch):
     toy = _toy_provider()
     calls = []
     one_launch = GraphState.update_from_block_table
-    monkeypatch.setattr(GraphState, "update_from_block_table", lambda gs, *a, **k: calls.append(k) or one_launch(gs, *a, **k))
+    monkeypatch.setattr(
+        GraphState, "update_from_block_table", lambda gs, *a, **k: calls.append(k) or one_launch(gs, *a, **k)
+    )
     runner, layer, bs = make_runner(16), make_layer(0), 4
     be = make_backend(runner, provider=toy.TOY)
     be.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs)
@@ -226,12 +256,14 @@ def test_host_planning_provider_decode_replay_passes_host_lengths(monkeypatch):
         be.init_forward_metadata_out_graph(_padded(fb, bs, 1), in_capture=step == 0)
         q, k, v = _qkv(bs, seed=step)
         out = be.forward(q, k, v, layer, _padded(fb, bs, 1))
-        torch.testing.assert_close(out[: fb.batch_size], dense_reference(runner, reqs, layer, q[: fb.batch_size],
-                                                                         [1] * fb.batch_size), **TOL)  # fmt: skip
+        torch.testing.assert_close(
+            out[: fb.batch_size], dense_reference(runner, reqs, layer, q[: fb.batch_size], [1] * fb.batch_size), **TOL
+        )
     states = list(be._graphs["decode"].values())  # one per layer config
     assert len(calls) == len(states) >= 1  # the replay (one launch per layer config), not the capture
-    assert all(torch.equal(c["host_seq_lens"], fb.seq_lens_cpu) and c["host_seq_lens"].device.type == "cpu"
-               for c in calls)  # fmt: skip
+    assert all(
+        torch.equal(c["host_seq_lens"], fb.seq_lens_cpu) and c["host_seq_lens"].device.type == "cpu" for c in calls
+    )
     assert all(gs.graph.refreshes[-1] == (bs, True) for gs in states)
     calls.clear()
     fb_no_host = _padded(fb, bs, 1)
@@ -247,7 +279,9 @@ def test_fill_value_is_the_core_constant():
 
 def test_graph_refusals():
     runner = make_runner(1)
-    with pytest.raises(UnsupportedFeature, match="attnplug_triton.*CUDA graphs with provider 'reference'.*--disable-cuda-graph"):
+    with pytest.raises(
+        UnsupportedFeature, match="attnplug_triton.*CUDA graphs with provider 'reference'.*--disable-cuda-graph"
+    ):
         make_backend(runner, provider="reference").init_cuda_graph_state(max_bs=4, max_num_tokens=4)
     reqs = Requests(runner, kv_lens=[6], prefix=[5])
     be = make_backend(runner)
@@ -259,7 +293,9 @@ def test_graph_refusals():
     be = make_backend(runner)
     be.init_cuda_graph_state(max_bs=2, max_num_tokens=2 * 3)  # verify graphs of 3 draft tokens
     _, _, fb = _batch(runner, "verify", 4, [12], seed=1)
-    with pytest.raises(UnsupportedFeature, match="attnplug_triton.*TARGET_VERIFY graph batch of 4 draft tokens.*sized for 3"):
+    with pytest.raises(
+        UnsupportedFeature, match="attnplug_triton.*TARGET_VERIFY graph batch of 4 draft tokens.*sized for 3"
+    ):
         be.init_forward_metadata_out_graph(fb, in_capture=True)
 
 
@@ -270,11 +306,21 @@ def _draft_batch(runner, topk, steps, seq, seed=0):
     kv_lens = [int(cols[b].max()) + 1 for b in range(len(seq))]
     reqs = Requests(runner, kv_lens=kv_lens, prefix=seq, seed=seed)
     B = len(seq)
-    fb = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=B, req_pool_indices=reqs.rows.clone(),
-                         seq_lens=torch.tensor(seq), seq_lens_cpu=torch.tensor(seq), seq_lens_sum=sum(seq),
-                         positions=torch.tensor(seq).repeat_interleave(topk), kv_loc_plan=None, kv_loc_cols=None,
-                         spec_info=SimpleNamespace(kv_indptr=None, kv_indices=None), out_cache_loc=None,
-                         encoder_lens=None, out_cache_loc_is_physical=False)
+    fb = SimpleNamespace(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=B,
+        req_pool_indices=reqs.rows.clone(),
+        seq_lens=torch.tensor(seq),
+        seq_lens_cpu=torch.tensor(seq),
+        seq_lens_sum=sum(seq),
+        positions=torch.tensor(seq).repeat_interleave(topk),
+        kv_loc_plan=None,
+        kv_loc_cols=None,
+        spec_info=SimpleNamespace(kv_indptr=None, kv_indices=None),
+        out_cache_loc=None,
+        encoder_lens=None,
+        out_cache_loc_is_physical=False,
+    )
     r2t = runner.req_to_token_pool.req_to_token
     draft_slots = torch.stack([r2t[reqs.rows[b]][cols[b]] for b in range(B)]).long()  # [B, topk, steps]
     return reqs, fb, draft_slots
@@ -349,8 +395,21 @@ def test_draft_kv_indices_equal_sglang_generate_draft_decode_kv_indices(page_siz
     kv_indices = torch.full((steps, width), -1, dtype=torch.int64)
     kv_indptr = torch.zeros((steps, R + 1), dtype=torch.int32)
     r2t = runner.req_to_token_pool.req_to_token
-    args = [fb.req_pool_indices, r2t, fb.seq_lens, kv_indices, kv_indptr, fb.positions, r2t.shape[1], width, R + 1,
-            next_power_of_2(B), next_power_of_2(steps), next_power_of_2(R), page_size]
+    args = [
+        fb.req_pool_indices,
+        r2t,
+        fb.seq_lens,
+        kv_indices,
+        kv_indptr,
+        fb.positions,
+        r2t.shape[1],
+        width,
+        R + 1,
+        next_power_of_2(B),
+        next_power_of_2(steps),
+        next_power_of_2(R),
+        page_size,
+    ]
     if "window_size" in generate_draft_decode_kv_indices.arg_names:  # 0.5.23 (draft window); not in 0.5.17
         args += [0, 0]
     generate_draft_decode_kv_indices[(steps, B, topk)](*args)
@@ -373,10 +432,18 @@ def test_multistep_draft_graph_capture_and_replay():
     for rnd, seq in enumerate([[7, 13], [10, 3]]):  # capture, then replay of another batch (in-place update)
         reqs, fb, draft_slots = _draft_batch(runner, topk, steps, seq, seed=rnd)
         fill = torch.full((bs - 2,), FILL_SEQ_LEN, dtype=torch.int64)
-        pfb = SimpleNamespace(**{**vars(fb), **dict(
-            batch_size=bs, num_padding=bs - 2, seq_lens=torch.cat([fb.seq_lens, fill]),
-            req_pool_indices=torch.cat([fb.req_pool_indices, torch.zeros(1, dtype=torch.int64)]),
-            seq_lens_cpu=torch.cat([fb.seq_lens_cpu, fill]))})
+        pfb = SimpleNamespace(
+            **{
+                **vars(fb),
+                **dict(
+                    batch_size=bs,
+                    num_padding=bs - 2,
+                    seq_lens=torch.cat([fb.seq_lens, fill]),
+                    req_pool_indices=torch.cat([fb.req_pool_indices, torch.zeros(1, dtype=torch.int64)]),
+                    seq_lens_cpu=torch.cat([fb.seq_lens_cpu, fill]),
+                ),
+            }
+        )
         be.init_forward_metadata_out_graph(pfb, in_capture=rnd == 0)
         if rnd:
             assert ptrs == [(gs.kv_indptr.data_ptr(), gs.kv_indices.data_ptr(), gs.kv_lens.data_ptr()) for gs in gss]
@@ -384,10 +451,12 @@ def test_multistep_draft_graph_capture_and_replay():
         gss = [g[be.attn_backends[0].layer_config(layer)] for g in be._graphs]
         ptrs = [(gs.kv_indptr.data_ptr(), gs.kv_indices.data_ptr(), gs.kv_lens.data_ptr()) for gs in gss]
         for i, (q, out) in enumerate(outs):
-            torch.testing.assert_close(out[: 2 * topk], _dense_step(runner, reqs, layer, draft_slots, i, q[: 2 * topk]), **TOL)
+            torch.testing.assert_close(
+                out[: 2 * topk], _dense_step(runner, reqs, layer, draft_slots, i, q[: 2 * topk]), **TOL
+            )
             gs = gss[i]
             assert list(gs.plans) == [bs * topk]
-            assert torch.equal(gs.kv_lens[2 * topk: bs * topk], torch.full((topk,), FILL_SEQ_LEN, dtype=torch.int32))
+            assert torch.equal(gs.kv_lens[2 * topk : bs * topk], torch.full((topk,), FILL_SEQ_LEN, dtype=torch.int32))
             assert torch.equal(gs.kv_lens[: 2 * topk], (torch.tensor(seq) + i + 1).repeat_interleave(topk).int())
 
 
@@ -400,8 +469,12 @@ def _factory(runner, name, topk=2, steps=3):
     f = DraftBackendFactory.__new__(DraftBackendFactory)
     f.draft_model_runner, f.topk, f.speculative_num_steps = runner, topk, steps
     f.seed_dsa_topk_from_draft_extend, f.qsa_profile, f.draft_attn_backend = False, None, name
-    f.server_args = SimpleNamespace(speculative_draft_attention_backend=name, attention_backend=None,
-                                    prefill_attention_backend=None, decode_attention_backend=None)
+    f.server_args = SimpleNamespace(
+        speculative_draft_attention_backend=name,
+        attention_backend=None,
+        prefill_attention_backend=None,
+        decode_attention_backend=None,
+    )
     return f
 
 
@@ -419,8 +492,11 @@ def hooked_factory(monkeypatch):
 
     monkeypatch.setattr(draft_utils, "attention_backends", lambda: (None, None), raising=False)  # 0.5.23 only
     orig = draft_utils.DraftBackendFactory._create_backend
-    monkeypatch.setattr(draft_utils.DraftBackendFactory, "_create_backend",
-                        _wrap_fn(orig, adapter._around_create_backend, HookType.AROUND))
+    monkeypatch.setattr(
+        draft_utils.DraftBackendFactory,
+        "_create_backend",
+        _wrap_fn(orig, adapter._around_create_backend, HookType.AROUND),
+    )
     return draft_utils
 
 
@@ -430,11 +506,14 @@ def test_factory_hook_builds_our_backends(hooked_factory):
     with get_parallel().override(attn_tp_size=1, attn_dcp_size=1):
         dec = _factory(_draft_runner(), "attnplug_triton").create_decode_backend()
         ext = _factory(_draft_runner(), "attnplug_triton")._create_backend(
-            "prefill_attention_backend", {}, "EAGLE is not supported in attention backend {backend_type}")
+            "prefill_attention_backend", {}, "EAGLE is not supported in attention backend {backend_type}"
+        )
     assert type(dec) is AttnplugMultiStepDraftBackend and len(dec.attn_backends) == 2
     assert dec.decode_attention_backend_str == "attnplug_triton"
-    assert all(c.prefill_attention_backend_str == c.decode_attention_backend_str == "attnplug_triton"
-               for c in dec.attn_backends)
+    assert all(
+        c.prefill_attention_backend_str == c.decode_attention_backend_str == "attnplug_triton"
+        for c in dec.attn_backends
+    )
     from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
     from attnplug.sglang_adapter.draft import AttnplugDraftExtendBackend
@@ -447,7 +526,8 @@ def test_factory_hook_builds_our_backends(hooked_factory):
     # stamps_children; it must get the single-step backend, not the multi-step container
     with get_parallel().override(attn_tp_size=1, attn_dcp_size=1):
         ext2 = _factory(_draft_runner(), "attnplug_triton")._create_backend(
-            "decode_attention_backend", {}, "EAGLE is not supported in attention backend {backend_type}")
+            "decode_attention_backend", {}, "EAGLE is not supported in attention backend {backend_type}"
+        )
     assert type(ext2) is AttnplugDraftExtendBackend
 
 
@@ -458,8 +538,9 @@ def test_factory_hook_leaves_builtins_untouched(hooked_factory):
     f = _factory(_draft_runner(), "triton")
     template = "EAGLE is not supported in decode attention backend {backend_type}"
     if compat.draft_factory_stamps(DraftBackendFactory._create_backend):  # 0.5.23: (stamp, backend), SGLang stamps
-        got = f._create_backend("decode_attention_backend", {"triton": lambda: ("triton", sentinel)}, template,
-                                stamps_children=True)
+        got = f._create_backend(
+            "decode_attention_backend", {"triton": lambda: ("triton", sentinel)}, template, stamps_children=True
+        )
         assert got is sentinel and sentinel.decode_attention_backend_str == "triton"
     else:  # 0.5.17: the entry's backend as it is, nothing stamped
         got = f._create_backend("decode_attention_backend", {"triton": lambda: sentinel}, template)
@@ -502,7 +583,10 @@ def test_version_guard_outside_range(fresh_registry, monkeypatch, version):
     adapter.register()
     assert compat.DRAFT_FACTORY_TARGET not in reg._hooks
     assert not any(n in lst for n in adapter.BACKENDS)
-    msg = rf"attnplug: EAGLE .* needs SGLang 0\.5\.17\.\.0\.5\.23 .*installed SGLang is {re_escape(version)}.*--speculative-draft-attention-backend triton"
+    msg = (
+        rf"attnplug: EAGLE .* needs SGLang 0\.5\.17\.\.0\.5\.23 .*installed SGLang is {re_escape(version)}"
+        r".*--speculative-draft-attention-backend triton"
+    )
     with pytest.raises(UnsupportedFeature, match=msg):
         make_draft(make_runner(1, is_draft_worker=True), 2, 3)
     with pytest.raises(UnsupportedFeature, match=msg + r" \(backend 'attnplug_triton' on the draft model\)"):
@@ -515,8 +599,17 @@ def re_escape(s):
     return re.escape(s)
 
 
-@pytest.mark.parametrize("version, ok", [("0.5.17", True), ("0.5.23", True), ("0.5.20.post1", True),
-                                         ("0.5.23+cu128", True), ("0.5.16", False), ("0.5.24", False)])
+@pytest.mark.parametrize(
+    "version, ok",
+    [
+        ("0.5.17", True),
+        ("0.5.23", True),
+        ("0.5.20.post1", True),
+        ("0.5.23+cu128", True),
+        ("0.5.16", False),
+        ("0.5.24", False),
+    ],
+)
 def test_version_range_bounds(version, ok):
     assert (compat.draft_hook_refusal(version) is None) == ok
 
@@ -538,8 +631,16 @@ def _sglang_replay_view(fb, buffers, bs, raw_bs, q, fill, mode):
 
     from sglang.srt.model_executor.runner.decode_cuda_graph_runner import build_replay_fb_view
 
-    kw = dict(forward_batch=fb, buffers=buffers, bs=bs, raw_bs=raw_bs, num_tokens=bs * q, seq_len_fill_value=fill,
-              capture_forward_mode=mode, is_encoder_decoder=False)
+    kw = dict(
+        forward_batch=fb,
+        buffers=buffers,
+        bs=bs,
+        raw_bs=raw_bs,
+        num_tokens=bs * q,
+        seq_len_fill_value=fill,
+        capture_forward_mode=mode,
+        is_encoder_decoder=False,
+    )
     if "global_num_tokens_cpu" in inspect.signature(build_replay_fb_view).parameters:
         kw["global_num_tokens_cpu"] = None
     return build_replay_fb_view(**kw)
@@ -563,15 +664,31 @@ def test_decode_graph_runner_protocol(mode, page_size):
     be.init_cuda_graph_state(max_bs, max_bs * n)
     fill = be.get_cuda_graph_seq_len_fill_value()
     buffers = SimpleNamespace(  # DecodeInputBuffers as capture leaves them
-        input_ids=torch.zeros(max_bs * n, dtype=torch.int64), positions=torch.zeros(max_bs * n, dtype=torch.int64),
-        req_pool_indices=torch.zeros(max_bs, dtype=torch.int64), seq_lens=torch.full((max_bs,), fill),
-        seq_lens_cpu=torch.full((max_bs,), fill), encoder_lens=None, mamba_track_indices=None,
-        custom_mask=torch.ones(max_bs * n * 600, dtype=torch.bool), out_cache_loc=torch.zeros(max_bs * n, dtype=torch.int64))
-    cap_spec = (SimpleNamespace(custom_mask=buffers.custom_mask, draft_token_num=n, num_tokens_per_req=n, kv_indptr=None)
-                if mode == "verify" else None)
-    cap = _FB(forward_mode=sg_mode, batch_size=bs, req_pool_indices=buffers.req_pool_indices[:bs],
-              seq_lens=buffers.seq_lens[:bs], seq_lens_cpu=buffers.seq_lens_cpu[:bs], seq_lens_sum=bs * fill,
-              out_cache_loc=buffers.out_cache_loc[: bs * n], spec_info=cap_spec)
+        input_ids=torch.zeros(max_bs * n, dtype=torch.int64),
+        positions=torch.zeros(max_bs * n, dtype=torch.int64),
+        req_pool_indices=torch.zeros(max_bs, dtype=torch.int64),
+        seq_lens=torch.full((max_bs,), fill),
+        seq_lens_cpu=torch.full((max_bs,), fill),
+        encoder_lens=None,
+        mamba_track_indices=None,
+        custom_mask=torch.ones(max_bs * n * 600, dtype=torch.bool),
+        out_cache_loc=torch.zeros(max_bs * n, dtype=torch.int64),
+    )
+    cap_spec = (
+        SimpleNamespace(custom_mask=buffers.custom_mask, draft_token_num=n, num_tokens_per_req=n, kv_indptr=None)
+        if mode == "verify"
+        else None
+    )
+    cap = _FB(
+        forward_mode=sg_mode,
+        batch_size=bs,
+        req_pool_indices=buffers.req_pool_indices[:bs],
+        seq_lens=buffers.seq_lens[:bs],
+        seq_lens_cpu=buffers.seq_lens_cpu[:bs],
+        seq_lens_sum=bs * fill,
+        out_cache_loc=buffers.out_cache_loc[: bs * n],
+        spec_info=cap_spec,
+    )
     be.init_forward_metadata_out_graph(cap, in_capture=True)
     be.init_forward_metadata_in_graph(cap)
     q, k, v = _qkv(bs * n, seed=0)
@@ -617,9 +734,15 @@ def test_draft_graph_runner_protocol(provider, monkeypatch):
     fill = be.attn_backends[0].get_cuda_graph_seq_len_fill_value()
     bs = 4
     pool_rows = torch.zeros(max_bs, dtype=torch.int64)
-    cap = _FB(forward_mode=ForwardMode.DECODE, batch_size=bs, req_pool_indices=pool_rows[:bs],
-              seq_lens=torch.full((bs,), fill), seq_lens_cpu=torch.full((bs,), fill), seq_lens_sum=bs * fill,
-              spec_info=SimpleNamespace(kv_indptr=None, kv_indices=None))
+    cap = _FB(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=bs,
+        req_pool_indices=pool_rows[:bs],
+        seq_lens=torch.full((bs,), fill),
+        seq_lens_cpu=torch.full((bs,), fill),
+        seq_lens_sum=bs * fill,
+        spec_info=SimpleNamespace(kv_indptr=None, kv_indices=None),
+    )
     be.init_forward_metadata_out_graph(cap, in_capture=True)
     be.init_forward_metadata_in_graph(cap)
     for seed, seq in enumerate([[7, 13, 9], [10, 3]]):
@@ -628,13 +751,22 @@ def test_draft_graph_runner_protocol(provider, monkeypatch):
         pool_rows[:B] = fb.req_pool_indices
         pool_rows[B:] = 5  # stale rows of earlier batches: SGLang does not reset them here
         pad = torch.full((bs - B,), fill)
-        rfb = _FB(**{**vars(fb), **dict(batch_size=bs, req_pool_indices=pool_rows[:bs],
-                                        seq_lens=torch.cat([fb.seq_lens, pad]),
-                                        seq_lens_cpu=torch.cat([fb.seq_lens_cpu, pad]))})
+        rfb = _FB(
+            **{
+                **vars(fb),
+                **dict(
+                    batch_size=bs,
+                    req_pool_indices=pool_rows[:bs],
+                    seq_lens=torch.cat([fb.seq_lens, pad]),
+                    seq_lens_cpu=torch.cat([fb.seq_lens_cpu, pad]),
+                ),
+            }
+        )
         be.init_forward_metadata_out_graph(rfb)
         for i, (q, out) in enumerate(_run_draft_steps(be, rfb, draft_slots, layer, seed=3 + seed, rows=bs * topk)):
-            torch.testing.assert_close(out[: B * topk], _dense_step(runner, reqs, layer, draft_slots, i,
-                                                                    q[: B * topk]), **TOL)
+            torch.testing.assert_close(
+                out[: B * topk], _dense_step(runner, reqs, layer, draft_slots, i, q[: B * topk]), **TOL
+            )
             assert list(be._graphs[i][be.attn_backends[0].layer_config(layer)].plans) == [bs * topk]
 
 
@@ -644,8 +776,9 @@ def test_draft_factory_public_methods_build_ours(hooked_factory, monkeypatch):
     from attnplug.sglang_adapter.draft import AttnplugMultiStepDraftBackend
 
     for attn_mode in ("prefill", "decode"):
-        monkeypatch.setattr(hooked_factory, "get_spec", lambda m=attn_mode: SimpleNamespace(
-            speculative_attention_mode=m), raising=False)
+        monkeypatch.setattr(
+            hooked_factory, "get_spec", lambda m=attn_mode: SimpleNamespace(speculative_attention_mode=m), raising=False
+        )
         with get_parallel().override(attn_tp_size=1, attn_dcp_size=1):
             dec = _factory(_draft_runner(), "attnplug_triton").create_decode_backend()
             ext = _factory(_draft_runner(), "attnplug_triton").create_draft_extend_backend()
@@ -710,13 +843,24 @@ def test_draft_extend_graph_capture_and_replay(provider, monkeypatch):
         be = AttnplugDraftExtendBackend(runner, backend_name=f"attnplug_{provider}", provider=provider)
     assert isinstance(be, FlashInferAttnBackend) and not isinstance(make_backend(runner), FlashInferAttnBackend)
     be.init_cuda_graph_state(max_bs, max_bs * W)
-    assert set(be._graphs) == {"draft_extend"} and all(gs.chain and gs.q == W for gs in be._graphs["draft_extend"].values())
+    assert set(be._graphs) == {"draft_extend"} and all(
+        gs.chain and gs.q == W for gs in be._graphs["draft_extend"].values()
+    )
     fill = be.get_cuda_graph_seq_len_fill_value()
-    cap = SimpleNamespace(forward_mode=de, batch_size=bs, req_pool_indices=torch.zeros(bs, dtype=torch.int64),
-                          seq_lens=torch.full((bs,), fill), seq_lens_cpu=torch.full((bs,), fill),
-                          extend_seq_lens=torch.full((bs,), W, dtype=torch.int32), extend_seq_lens_cpu=[W] * bs,
-                          out_cache_loc=torch.zeros(bs * W, dtype=torch.int64), out_cache_loc_is_physical=False,
-                          spec_info=SimpleNamespace(), encoder_lens=None, kv_loc_plan=None)  # fmt: skip
+    cap = SimpleNamespace(
+        forward_mode=de,
+        batch_size=bs,
+        req_pool_indices=torch.zeros(bs, dtype=torch.int64),
+        seq_lens=torch.full((bs,), fill),
+        seq_lens_cpu=torch.full((bs,), fill),
+        extend_seq_lens=torch.full((bs,), W, dtype=torch.int32),
+        extend_seq_lens_cpu=[W] * bs,
+        out_cache_loc=torch.zeros(bs * W, dtype=torch.int64),
+        out_cache_loc_is_physical=False,
+        spec_info=SimpleNamespace(),
+        encoder_lens=None,
+        kv_loc_plan=None,
+    )
     be.init_forward_metadata_out_graph(cap, in_capture=True)
     gs = next(iter(be._graphs["draft_extend"].values()))
     ptrs = [gs.kv_indices.data_ptr(), gs.kv_indptr.data_ptr(), gs.mask.data_ptr()]
@@ -729,11 +873,19 @@ def test_draft_extend_graph_capture_and_replay(provider, monkeypatch):
         # tokens after its prefix (seq_lens - extend_seq_lens), as SGLang's own backends read them
         ext = torch.tensor([W - (b + seed) % 3 for b in range(B)] + [W] * pad, dtype=torch.int32)
         seq = torch.cat([fb.seq_lens - (W - ext[:B]).long(), torch.full((pad,), fill)])
-        view = SimpleNamespace(**{**vars(fb), **dict(
-            batch_size=bs, req_pool_indices=torch.cat([fb.req_pool_indices, torch.zeros(pad, dtype=torch.int64)]),
-            seq_lens=seq, seq_lens_cpu=seq.clone(),
-            out_cache_loc=torch.cat([fb.out_cache_loc, torch.zeros(pad * W, dtype=torch.int64)]),
-            spec_info=SimpleNamespace(extend_seq_lens_tensor=ext, extend_seq_lens_cpu=ext.tolist()))})  # fmt: skip
+        view = SimpleNamespace(
+            **{
+                **vars(fb),
+                **dict(
+                    batch_size=bs,
+                    req_pool_indices=torch.cat([fb.req_pool_indices, torch.zeros(pad, dtype=torch.int64)]),
+                    seq_lens=seq,
+                    seq_lens_cpu=seq.clone(),
+                    out_cache_loc=torch.cat([fb.out_cache_loc, torch.zeros(pad * W, dtype=torch.int64)]),
+                    spec_info=SimpleNamespace(extend_seq_lens_tensor=ext, extend_seq_lens_cpu=ext.tolist()),
+                ),
+            }
+        )
         be.init_forward_metadata_out_graph(view)
         assert [gs.kv_indices.data_ptr(), gs.kv_indptr.data_ptr(), gs.mask.data_ptr()] == ptrs and set(gs.plans) == {bs}
         q, k, v = _qkv(bs * W, seed=30 + seed)

@@ -11,10 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.runtime_context import get_parallel
-
 from sglang_helpers import Requests
 
 from attnplug.core import UnsupportedFeature
@@ -31,13 +29,33 @@ def make_runner(page_size: int, num_slots: int = 512, layers: int = 2, **over):
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool
 
     r2t = ReqToTokenPool(size=8, max_context_len=256, device="cpu", enable_memory_saver=False)
-    kv = MLATokenToKVPool(size=num_slots, page_size=page_size, dtype=torch.float32, kv_lora_rank=R,
-                          qk_rope_head_dim=DR, layer_num=layers, device="cpu", enable_memory_saver=False)
-    mc = SimpleNamespace(is_encoder_decoder=False, attention_arch=AttentionArch.MLA, dtype=torch.float32,
-                         get_num_attention_heads=lambda tp: H // tp)
-    runner = SimpleNamespace(device="cpu", page_size=page_size, req_to_token_pool=r2t, token_to_kv_pool=kv,
-                             kv_index_translator=None, model_config=mc, dtype=mc.dtype, kv_cache_dtype=torch.float32,
-                             is_draft_worker=False)
+    kv = MLATokenToKVPool(
+        size=num_slots,
+        page_size=page_size,
+        dtype=torch.float32,
+        kv_lora_rank=R,
+        qk_rope_head_dim=DR,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    mc = SimpleNamespace(
+        is_encoder_decoder=False,
+        attention_arch=AttentionArch.MLA,
+        dtype=torch.float32,
+        get_num_attention_heads=lambda tp: H // tp,
+    )
+    runner = SimpleNamespace(
+        device="cpu",
+        page_size=page_size,
+        req_to_token_pool=r2t,
+        token_to_kv_pool=kv,
+        kv_index_translator=None,
+        model_config=mc,
+        dtype=mc.dtype,
+        kv_cache_dtype=torch.float32,
+        is_draft_worker=False,
+    )
     for k, v in over.items():
         setattr(runner, k, v)
     return runner
@@ -86,8 +104,10 @@ def unabsorbed_reference(runner, reqs, layer, m, q_lens, masks=None):
         c, pe = rows[:, :R], rows[:, R:]
         k_nope = torch.einsum("kr,hrn->hkn", c, m["w_uk"].double())
         v = torch.einsum("kr,hrv->hkv", c, m["w_uv"].double())
-        s = (torch.einsum("qhn,hkn->hqk", m["q_nope"][t: t + ql].double(), k_nope)
-             + torch.einsum("qhd,kd->hqk", m["q_pe"][t: t + ql].double(), pe)) * SCALE  # fmt: skip
+        s = (
+            torch.einsum("qhn,hkn->hqk", m["q_nope"][t : t + ql].double(), k_nope)
+            + torch.einsum("qhd,kd->hqk", m["q_pe"][t : t + ql].double(), pe)
+        ) * SCALE
         ok = masks[b] if masks is not None else torch.arange(n)[None] <= torch.arange(n - ql, n)[:, None]
         outs.append(torch.einsum("hqk,hkv->qhv", s.masked_fill(~ok[None], -math.inf).softmax(-1), v))
         t += ql
@@ -131,8 +151,9 @@ def test_mla_modes_match_unabsorbed_reference(page_size, mode):
     assert out.shape == (sum(q_lens), H * R) and not out.isnan().any()
     written = runner.token_to_kv_pool.get_key_buffer(0)[fb.out_cache_loc]
     torch.testing.assert_close(written, k, rtol=0, atol=0)  # the new latents, at out_cache_loc
-    torch.testing.assert_close(up(out, m), unabsorbed_reference(runner, reqs, layer, m, q_lens, masks),
-                               atol=2e-4, rtol=1e-3)  # fmt: skip
+    torch.testing.assert_close(
+        up(out, m), unabsorbed_reference(runner, reqs, layer, m, q_lens, masks), atol=2e-4, rtol=1e-3
+    )
     assert be._stats.layer_runs == 1
 
 
@@ -149,11 +170,14 @@ def test_factory_routes_mla_and_registers_absorbed_dispatch():
     assert AttentionBackendRegistry.get_handler("attnplug_triton") is _dispatch_mla_subtype  # absorbed, every mode
 
 
-@pytest.mark.parametrize("mutate, feature", [
-    (lambda r: setattr(r, "is_draft_worker", True), "EAGLE / MTP draft models with MLA"),
-    (lambda r: setattr(r.token_to_kv_pool, "use_dsa", True), "(DSA)"),
-    (lambda r: setattr(r, "token_to_kv_pool", SimpleNamespace(**vars(r.token_to_kv_pool))), "MLA KV pool"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "mutate, feature",
+    [
+        (lambda r: setattr(r, "is_draft_worker", True), "EAGLE / MTP draft models with MLA"),
+        (lambda r: setattr(r.token_to_kv_pool, "use_dsa", True), "(DSA)"),
+        (lambda r: setattr(r, "token_to_kv_pool", SimpleNamespace(**vars(r.token_to_kv_pool))), "MLA KV pool"),
+    ],
+)
 def test_refused_at_startup(mutate, feature):
     runner = make_runner(16)
     mutate(runner)
@@ -166,8 +190,9 @@ def test_provider_without_mla_refused(monkeypatch):
     from attnplug.core.providers import get_provider_cls
 
     monkeypatch.setattr(get_provider_cls("triton"), "supports_mla", classmethod(lambda cls: False))
-    with pytest.raises(UnsupportedFeature, match="attnplug: backend 'attnplug_triton' does not support MLA .*"
-                                                 "with provider 'triton'"):
+    with pytest.raises(
+        UnsupportedFeature, match="attnplug: backend 'attnplug_triton' does not support MLA .*with provider 'triton'"
+    ):
         make_backend(make_runner(16))
 
 
@@ -182,10 +207,19 @@ def test_mha_prefill_path_refused_by_name():
     be = make_backend(runner)
     be.init_forward_metadata(fb)
     mha = RadixAttention(H, DN + DR, SCALE, num_kv_heads=H, layer_id=0, v_head_dim=DN)
-    with pytest.raises(UnsupportedFeature, match="attnplug: backend 'attnplug_triton' does not support layer 0's "
-                                                 "attention of 4 KV heads, head dims 48/32 on an MLA model"):
-        be.forward_extend(torch.zeros(5, H * (DN + DR)), torch.zeros(5, H, DN + DR), torch.zeros(5, H, DN), mha, fb,
-                          save_kv_cache=False)
+    with pytest.raises(
+        UnsupportedFeature,
+        match="attnplug: backend 'attnplug_triton' does not support layer 0's "
+        "attention of 4 KV heads, head dims 48/32 on an MLA model",
+    ):
+        be.forward_extend(
+            torch.zeros(5, H * (DN + DR)),
+            torch.zeros(5, H, DN + DR),
+            torch.zeros(5, H, DN),
+            mha,
+            fb,
+            save_kv_cache=False,
+        )
 
 
 def test_decode_graph_capture_then_replay_matches_reference():
@@ -201,14 +235,24 @@ def test_decode_graph_capture_then_replay_matches_reference():
         fb = reqs.batch(ForwardMode.DECODE, [1, 1, 1])
         pad = bs - 3
         fill = torch.full((pad,), FILL_SEQ_LEN, dtype=torch.int64)
-        gfb = SimpleNamespace(**{**vars(fb), **dict(
-            batch_size=bs, num_padding=pad, req_pool_indices=torch.cat([fb.req_pool_indices, torch.zeros(pad, dtype=torch.int64)]),
-            seq_lens=torch.cat([fb.seq_lens, fill]), seq_lens_cpu=torch.cat([fb.seq_lens_cpu, fill]),
-            out_cache_loc=torch.cat([fb.out_cache_loc, torch.zeros(pad, dtype=torch.int64)]))})  # fmt: skip
+        gfb = SimpleNamespace(
+            **{
+                **vars(fb),
+                **dict(
+                    batch_size=bs,
+                    num_padding=pad,
+                    req_pool_indices=torch.cat([fb.req_pool_indices, torch.zeros(pad, dtype=torch.int64)]),
+                    seq_lens=torch.cat([fb.seq_lens, fill]),
+                    seq_lens_cpu=torch.cat([fb.seq_lens_cpu, fill]),
+                    out_cache_loc=torch.cat([fb.out_cache_loc, torch.zeros(pad, dtype=torch.int64)]),
+                ),
+            }
+        )
         be.init_forward_metadata_out_graph(gfb, in_capture=step == 0)
         q, k, v, m = absorbed_inputs(bs, seed=11 + step)
         out = be.forward_decode(q, k, v, layer, gfb)
-        want = unabsorbed_reference(runner, reqs, layer, {n: (t[:3] if n.startswith("q") else t) for n, t in m.items()},
-                                    [1, 1, 1])  # fmt: skip
+        want = unabsorbed_reference(
+            runner, reqs, layer, {n: (t[:3] if n.startswith("q") else t) for n, t in m.items()}, [1, 1, 1]
+        )
         torch.testing.assert_close(up(out[:3], m), want, atol=2e-4, rtol=1e-3)
     assert be._stats.forwards == {"GRAPH_DECODE": 2}

@@ -63,10 +63,12 @@ try:
     print("BEFORE: accepted")
 except SystemExit:
     print("BEFORE: rejected")
-heavy = [m for m in ("attnplug.core.providers", "attnplug.core.attention", "attnplug.sglang_adapter.backend", "attnplug.core.providers.triton") if m in sys.modules]
+HEAVY = ("attnplug.core.providers", "attnplug.core.attention", "attnplug.sglang_adapter.backend",
+         "attnplug.core.providers.triton")
+heavy = [m for m in HEAVY if m in sys.modules]
 from sglang.srt.plugins import load_plugins
 load_plugins()
-heavy += [m for m in ("attnplug.core.providers", "attnplug.core.attention", "attnplug.sglang_adapter.backend", "attnplug.core.providers.triton") if m in sys.modules]
+heavy += [m for m in HEAVY if m in sys.modules]
 print("HEAVY:", heavy)
 print("AFTER:", prepare_server_args(argv).attention_backend)
 """
@@ -75,8 +77,13 @@ print("AFTER:", prepare_server_args(argv).attention_backend)
 def test_cli_accepts_backend_only_through_the_plugin(tiny_model):
     """Without the plugin the CLI rejects the name; load_plugins() (what launch_server runs) adds it,
     importing neither the backend nor the core."""
-    r = subprocess.run([sys.executable, "-c", _CLI_CHECK, str(tiny_model)], env=subprocess_env(),
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", _CLI_CHECK, str(tiny_model)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert "BEFORE: rejected" in r.stdout, r.stdout + r.stderr[-3000:]
     assert "HEAVY: []" in r.stdout, r.stdout
     assert "AFTER: attnplug_triton" in r.stdout, r.stdout + r.stderr[-3000:]
@@ -113,8 +120,13 @@ def test_attnplug_kernels_hash_after_sglang_patches_triton():
     must still pass Triton's dependency hash (the step before each compile; on a GPU it failed inside
     SGLang's decode graph capture). Real JIT functions, no interpreter, no GPU."""
     check = os.path.join(os.path.dirname(__file__), os.pardir, "kernel_hash_check.py")
-    r = subprocess.run([sys.executable, check, "import:sglang.srt.utils.common"], capture_output=True, text=True,
-                       env=subprocess_env(), timeout=600)
+    r = subprocess.run(
+        [sys.executable, check, "import:sglang.srt.utils.common"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert "triton.next_power_of_2 from sglang" in r.stdout, r.stdout  # the patch under test is in place
     assert int(r.stdout.split("seen", 1)[1].split()[0]) >= 10, r.stdout

@@ -14,7 +14,6 @@ from __future__ import annotations
 import sys
 
 import pytest
-
 from sglang_helpers import REPO, subprocess_env
 
 pytestmark = pytest.mark.sglang

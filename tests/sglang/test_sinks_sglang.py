@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from sglang_helpers import HKV, HQ, D, Requests, dense_reference, make_layer, make_runner
-
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang_helpers import HKV, HQ, D, Requests, dense_reference, make_layer, make_runner
+from test_graph_and_draft import (
+    _dense_step,
+    _draft_setup,
+    _padded,
+    _run_draft_steps,
+    _toy_provider,
+    make_backend,
+    make_draft,
+)
 
 from attnplug.core import UnsupportedFeature
-from test_graph_and_draft import (_dense_step, _draft_setup, _padded, _run_draft_steps, _toy_provider,
-                                  make_backend, make_draft)
 
 pytestmark = pytest.mark.sglang
 
@@ -32,8 +37,11 @@ def _layers():
 
 def _qkv(t, seed):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(t, HQ * D, generator=g), torch.randn(t, HKV, D, generator=g),
-            torch.randn(t, HKV, D, generator=g))
+    return (
+        torch.randn(t, HQ * D, generator=g),
+        torch.randn(t, HKV, D, generator=g),
+        torch.randn(t, HKV, D, generator=g),
+    )
 
 
 def _check(be, runner, reqs, fb, layers, sinks, q_lens, seed):

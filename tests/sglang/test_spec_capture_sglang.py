@@ -15,9 +15,8 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-
 from sglang.srt.runtime_context import get_parallel
-from test_graph_and_draft import _draft_runner, _factory, _fa3_standin, hooked_factory  # noqa: F401
+from test_graph_and_draft import _draft_runner, _fa3_standin, _factory, hooked_factory  # noqa: F401
 
 pytestmark = pytest.mark.sglang
 
@@ -34,25 +33,41 @@ def _capture(monkeypatch, decode, extend):
         try:  # CUDA-only backends SGLang lists under _is_cuda (0.5.23); stand-ins where their kernels are absent
             __import__(f"sglang.srt.layers.attention.{mod}")
         except ImportError:
-            monkeypatch.setitem(sys.modules, f"sglang.srt.layers.attention.{mod}",
-                                SimpleNamespace(**{cls: type(cls, (), {})}))
-    for name, value in dict(_is_cpu=False, _is_cuda=True, _is_hip=False, _is_npu=False, _is_xpu=False,
-                            _is_musa=False).items():  # fmt: skip
+            monkeypatch.setitem(
+                sys.modules, f"sglang.srt.layers.attention.{mod}", SimpleNamespace(**{cls: type(cls, (), {})})
+            )
+    for name, value in dict(
+        _is_cpu=False, _is_cuda=True, _is_hip=False, _is_npu=False, _is_xpu=False, _is_musa=False
+    ).items():
         monkeypatch.setattr(ew, name, value, raising=False)
     monkeypatch.setattr(ew, "check_cuda_graph_backend", lambda *a, **k: False)
     monkeypatch.setattr(ew, "get_model", lambda: SimpleNamespace(model_impl="sglang"), raising=False)
-    cfg = SimpleNamespace(graph=SimpleNamespace(cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full"))))
+    cfg = SimpleNamespace(
+        graph=SimpleNamespace(cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full")))
+    )
     monkeypatch.setattr(ew, "get_exec", lambda: cfg, raising=False)
     monkeypatch.setattr(ew, "get_batch_sizes_to_capture", lambda *a, **k: ([1, 2, 4], [1, 2, 4]))
     monkeypatch.setattr(ew, "get_available_gpu_memory", lambda *a, **k: 0.0)
-    monkeypatch.setattr(ew, "EAGLEDraftCudaGraphRunner", lambda w: built.setdefault("draft_decode", w.draft_attn_backend))
-    monkeypatch.setattr(ew, "EAGLEDraftExtendCudaGraphRunner",
-                        lambda w: built.setdefault("draft_extend", w.draft_extend_attn_backend))
+    monkeypatch.setattr(
+        ew, "EAGLEDraftCudaGraphRunner", lambda w: built.setdefault("draft_decode", w.draft_attn_backend)
+    )
+    monkeypatch.setattr(
+        ew, "EAGLEDraftExtendCudaGraphRunner", lambda w: built.setdefault("draft_extend", w.draft_extend_attn_backend)
+    )
     worker = SimpleNamespace(
-        speculative_num_steps=STEPS, topk=TOPK, speculative_num_draft_tokens=DRAFT_TOKENS, device="cuda", gpu_id=0,
-        target_worker=SimpleNamespace(device="cuda"), draft_runner=decode.draft_runner if hasattr(decode, "draft_runner")
-        else None, draft_attn_backend=decode, draft_extend_attn_backend=extend, speculative_algorithm=SimpleNamespace(
-            name="EAGLE"), _specialized_graph_memory_usage={}, _specialized_graph_time_usage={})  # fmt: skip
+        speculative_num_steps=STEPS,
+        topk=TOPK,
+        speculative_num_draft_tokens=DRAFT_TOKENS,
+        device="cuda",
+        gpu_id=0,
+        target_worker=SimpleNamespace(device="cuda"),
+        draft_runner=decode.draft_runner if hasattr(decode, "draft_runner") else None,
+        draft_attn_backend=decode,
+        draft_extend_attn_backend=extend,
+        speculative_algorithm=SimpleNamespace(name="EAGLE"),
+        _specialized_graph_memory_usage={},
+        _specialized_graph_time_usage={},
+    )
     ew.EagleDraftWorker._capture_cuda_graphs(worker)
     return built
 
@@ -67,8 +82,9 @@ def test_sglang_captures_draft_decode_and_draft_extend(provider, monkeypatch, ho
         for cls in (AttnplugDraftExtendBackend, AttnplugMultiStepDraftBackend):
             monkeypatch.setattr(cls, "__init__", lambda self, *a, **k: setattr(self, "attn_backends", []))
     name = f"attnplug_{provider}"
-    monkeypatch.setattr(hooked_factory, "get_spec", lambda: SimpleNamespace(speculative_attention_mode="prefill"),
-                        raising=False)  # SGLang's default mode: draft extend on the prefill backend
+    monkeypatch.setattr(
+        hooked_factory, "get_spec", lambda: SimpleNamespace(speculative_attention_mode="prefill"), raising=False
+    )  # SGLang's default mode: draft extend on the prefill backend
     with get_parallel().override(attn_tp_size=1, attn_dcp_size=1):
         decode = _factory(_draft_runner(), name, TOPK, STEPS).create_decode_backend()
         extend = _factory(_draft_runner(), name, TOPK, STEPS).create_draft_extend_backend()
@@ -98,7 +114,6 @@ def test_ngram_target_verify_graph_state_on_sglangs_capture_width(provider, monk
     fall-back). Without speculation the same runner asks one token a request: decode states only."""
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
     from sglang_helpers import make_runner
     from test_graph_and_draft import make_backend
 
@@ -109,8 +124,13 @@ def test_ngram_target_verify_graph_state_on_sglangs_capture_width(provider, monk
     spec = SimpleNamespace(speculative_num_draft_tokens=DRAFT_TOKENS, speculative_eagle_topk=None)
     monkeypatch.setattr(spec_utils, "get_spec", lambda: spec, raising=False)  # 0.5.23 reads the published bag
     for algo, want in (("NGRAM", DRAFT_TOKENS), (None, 1)):
-        server_args = SimpleNamespace(speculative_num_draft_tokens=DRAFT_TOKENS, speculative_algorithm=algo,
-                                      speculative_eagle_topk=None, speculative_num_steps=None, dllm_algorithm=None)
+        server_args = SimpleNamespace(
+            speculative_num_draft_tokens=DRAFT_TOKENS,
+            speculative_algorithm=algo,
+            speculative_eagle_topk=None,
+            speculative_num_steps=None,
+            dllm_algorithm=None,
+        )
         runner = make_runner(4, spec_algorithm=SpeculativeAlgorithm.from_string(algo), server_args=server_args)
         width = ModelRunner.decode_num_tokens_per_req(runner, num_draft_tokens=DRAFT_TOKENS if algo else None)
         assert width == want, (algo, width)

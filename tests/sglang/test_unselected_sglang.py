@@ -19,7 +19,6 @@ import subprocess
 import sys
 
 import pytest
-
 from sglang_helpers import HERE, REPO, subprocess_env
 
 pytestmark = pytest.mark.sglang
@@ -32,14 +31,33 @@ MAX_NEW = 8
 def _engine(tmp, name, tiny_model, prompts, **env):
     d = tmp / name
     (d / "markers").mkdir(parents=True)
-    spec = {"model": str(tiny_model), "prompts": prompts, "max_new_tokens": MAX_NEW, "waves": [[0, 1, 3, 4], [2]],
-            "runs": [{"name": name, "engine": {"attention_backend": "torch_native"},
-                      "env": {"ATTNPLUG_MARKER_DIR": str(d / "markers")}}]}  # fmt: skip
+    spec = {
+        "model": str(tiny_model),
+        "prompts": prompts,
+        "max_new_tokens": MAX_NEW,
+        "waves": [[0, 1, 3, 4], [2]],
+        "runs": [
+            {
+                "name": name,
+                "engine": {"attention_backend": "torch_native"},
+                "env": {"ATTNPLUG_MARKER_DIR": str(d / "markers")},
+            }
+        ],
+    }
     (d / "spec.json").write_text(json.dumps(spec))
     e = subprocess_env(**env)
-    p = subprocess.run([sys.executable, str(HERE / "engine_script.py"), str(d / "spec.json"), str(d / "out.json")],
-                       env=e, capture_output=True, text=True, timeout=600)  # fmt: skip
-    out = json.loads((d / "out.json").read_text())[name] if (d / "out.json").exists() else {"ok": False, "error": p.stderr[-3000:]}
+    p = subprocess.run(
+        [sys.executable, str(HERE / "engine_script.py"), str(d / "spec.json"), str(d / "out.json")],
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = (
+        json.loads((d / "out.json").read_text())[name]
+        if (d / "out.json").exists()
+        else {"ok": False, "error": p.stderr[-3000:]}
+    )
     return out, p.stdout + p.stderr, list((d / "markers").glob("*.json"))
 
 
@@ -60,18 +78,21 @@ def runs(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("unselected")
     prompts = test_prompts()
     base = subprocess_env()["PYTHONPATH"]
-    out = {"plugin": _engine(tmp, "plugin", tiny_model, prompts),
-           "no_plugin": _engine(tmp, "no_plugin", tiny_model, prompts, SGLANG_PLUGINS=NO_PLUGIN)}
+    out = {
+        "plugin": _engine(tmp, "plugin", tiny_model, prompts),
+        "no_plugin": _engine(tmp, "no_plugin", tiny_model, prompts, SGLANG_PLUGINS=NO_PLUGIN),
+    }
     for tag, names in (("triton", ["triton"]), ("fi_fa3", ["flashinfer", "flash_attn_interface"])):
         path = os.pathsep.join([str(_standins(tmp, names)), base])
         out[f"plugin_{tag}"] = _engine(tmp, f"plugin_{tag}", tiny_model, prompts, PYTHONPATH=path)
-        out[f"no_plugin_{tag}"] = _engine(tmp, f"no_plugin_{tag}", tiny_model, prompts, SGLANG_PLUGINS=NO_PLUGIN,
-                                          PYTHONPATH=path)  # fmt: skip
+        out[f"no_plugin_{tag}"] = _engine(
+            tmp, f"no_plugin_{tag}", tiny_model, prompts, SGLANG_PLUGINS=NO_PLUGIN, PYTHONPATH=path
+        )
     return out
 
 
 def test_unselected_tokens_equal_an_environment_without_attnplug(runs):
-    (ours, log, markers), (bare, bare_log, _) = runs["plugin"], runs["no_plugin"]
+    (ours, _log, markers), (bare, bare_log, _) = runs["plugin"], runs["no_plugin"]
     assert ours["ok"], ours.get("error")
     assert bare["ok"], bare.get("error")
     assert ours["output_ids"] == bare["output_ids"]
@@ -83,7 +104,7 @@ def test_unselected_tokens_equal_an_environment_without_attnplug(runs):
 def test_broken_kernel_libraries_change_nothing_when_unselected(runs, tag):
     """Same outcome with and without attnplug when triton (or flashinfer and FA3) are broken: identical
     tokens where SGLang runs with them, the same failure where SGLang itself needs one of them."""
-    (ours, log, markers), (bare, bare_log, _) = runs[f"plugin_{tag}"], runs[f"no_plugin_{tag}"]
+    (ours, log, markers), (bare, _bare_log, _) = runs[f"plugin_{tag}"], runs[f"no_plugin_{tag}"]
     assert ours["ok"] == bare["ok"], (ours.get("error", "")[-2000:], bare.get("error", "")[-2000:])
     if ours["ok"]:
         assert ours["output_ids"] == bare["output_ids"] == runs["plugin"][0]["output_ids"]

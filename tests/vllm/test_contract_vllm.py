@@ -84,16 +84,25 @@ def test_vllm_034_v2_runner_matches_and_is_served(monkeypatch):
     print(text)
     assert all(r.ok for r in results), text
     found = {r.item.name for r in results if r.found}
-    assert {"GPUModelRunner", "build_attn_metadata", "build_for_cudagraph_capture", "build", "builder_cls",
-            "update_draft_decode_metadata", "get_cudagraph_support"} <= found, text  # fmt: skip
+    assert {
+        "GPUModelRunner",
+        "build_attn_metadata",
+        "build_for_cudagraph_capture",
+        "build",
+        "builder_cls",
+        "update_draft_decode_metadata",
+        "get_cudagraph_support",
+    } <= found, text
     assert "AttentionMetadataBuilder.build_for_drafting" not in found, text  # gone in 0.34: optional (V1 only)
     assert sum(1 for r in results if r.found) >= 60, text
     warned = []
     monkeypatch.setattr(compat, "_REFUSAL", {})
     monkeypatch.setattr(compat, "logger", type("L", (), {"warning": lambda self, m, *a: warned.append(m % a)})())
     assert compat.engine_refusal(version=V034, engine_root=src) is None
-    assert len(warned) == 1 and f"vLLM {V034} is outside the tested range 0.26.0..0.33.0; its interface matches" \
-        in warned[0], warned
+    assert (
+        len(warned) == 1
+        and f"vLLM {V034} is outside the tested range 0.26.0..0.33.0; its interface matches" in warned[0]
+    ), warned
 
 
 def test_v2_runner_items_are_found_on_the_tested_releases(vllm_newest):
@@ -112,8 +121,11 @@ def test_contract_lists_every_override_of_the_adapter():
 
     listed = {it.name for it in compat.CONTRACT if it.kind in ("override", "attr")}
     missing = []
-    for ours, base in ((b.AttnplugBackend, compat.AttentionBackend), (b.AttnplugMetadataBuilder, compat.AttentionMetadataBuilder),
-                       (b.AttnplugImpl, compat.AttentionImpl)):  # fmt: skip
+    for ours, base in (
+        (b.AttnplugBackend, compat.AttentionBackend),
+        (b.AttnplugMetadataBuilder, compat.AttentionMetadataBuilder),
+        (b.AttnplugImpl, compat.AttentionImpl),
+    ):
         for name in vars(ours):
             if name.startswith("__") and name != "__init__" or name == "_abc_impl" or not hasattr(base, name):
                 continue
@@ -171,8 +183,12 @@ def broken_vllm(vllm_newest, tmp_path_factory) -> str:
 def test_check_reports_each_break(broken_vllm):
     results, text = check(broken_vllm, "vllm (mutated)")
     bad = {r.item.name: r for r in results if not r.ok}
-    assert set(bad) == {"AttentionMetadataBuilder.build_for_cudagraph_capture", "AttentionMetadataBuilder.build",
-                        "AttentionImpl.forward", "do_kv_cache_update"}, text  # fmt: skip
+    assert set(bad) == {
+        "AttentionMetadataBuilder.build_for_cudagraph_capture",
+        "AttentionMetadataBuilder.build",
+        "AttentionImpl.forward",
+        "do_kv_cache_update",
+    }, text
     assert not bad["AttentionMetadataBuilder.build_for_cudagraph_capture"].found, text  # vanished
     assert "num_speculative_steps" in " ".join(bad["AttentionMetadataBuilder.build"].problems), text
     assert "'output' in the engine, 'out'" not in text and "'out' in the engine, 'output'" in text, text
@@ -181,8 +197,10 @@ def test_check_reports_each_break(broken_vllm):
 
 def test_refusal_outside_the_tested_range_names_what_changed(broken_vllm, vllm_newest):
     msg = compat.engine_refusal(version="0.99.0", engine_root=broken_vllm)
-    assert msg and msg.startswith(f"attnplug {attnplug.__version__}: vLLM 0.99.0 is outside the tested range "
-                                  "0.26.0..0.33.0 and its attention-backend interface changed"), msg
+    assert msg and msg.startswith(
+        f"attnplug {attnplug.__version__}: vLLM 0.99.0 is outside the tested range "
+        "0.26.0..0.33.0 and its attention-backend interface changed"
+    ), msg
     assert "build_for_cudagraph_capture not found" in msg and "num_speculative_steps" in msg, msg
     # inside the tested range nothing is checked; outside with an unchanged interface: served
     assert compat.engine_refusal(version="0.33.0", engine_root=broken_vllm) is None

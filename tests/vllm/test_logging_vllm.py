@@ -71,6 +71,7 @@ def test_active_line_names_attnplug_and_vllm_versions(handlers):
     B.AttnplugTritonBackend.get_builder_cls()(spec, ["l0"], cfg, torch.device("cpu"))
     lines = [r.getMessage() for r in handlers.vllm.records if "ATTNPLUG_TRITON active" in r.getMessage()]
     want = f"attnplug {attnplug.__version__}, vLLM {compat.vllm_version()})"
-    assert lines and all(line.startswith("attnplug: ATTNPLUG_TRITON active (provider ") and line.endswith(want)
-                         for line in lines), lines  # fmt: skip
+    assert lines and all(
+        line.startswith("attnplug: ATTNPLUG_TRITON active (provider ") and line.endswith(want) for line in lines
+    ), lines
     assert compat.vllm_version().startswith("0.32.0")

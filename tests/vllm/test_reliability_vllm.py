@@ -14,7 +14,6 @@ from __future__ import annotations
 import sys
 
 import pytest
-
 from vllm_test_helpers import REPO, subprocess_env
 
 pytestmark = pytest.mark.vllm
@@ -25,8 +24,9 @@ def test_vllm_serve_attnplug_triton_under_load(tmp_path):
     from attnplug.bench.server_load import problems, serve_and_load
     from attnplug.tools.tiny_model import make_tiny_llama
 
-    res = serve_and_load("vllm", "attnplug_triton", str(make_tiny_llama(tmp_path / "m")), tmp_path, 32,
-                         env=subprocess_env())  # fmt: skip
+    res = serve_and_load(
+        "vllm", "attnplug_triton", str(make_tiny_llama(tmp_path / "m")), tmp_path, 32, env=subprocess_env()
+    )
     assert not problems(res), problems(res)
 
 

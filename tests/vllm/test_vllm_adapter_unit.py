@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from vllm_test_helpers import VENV_PYTHON, subprocess_env
 
 pytestmark = pytest.mark.vllm
@@ -86,7 +85,7 @@ def test_build_and_forward_match_dense_oracle(vllm_env, physical, window, soft_c
         return block_table[b, pos // P].long() * P + pos % P
 
     # cached prefixes, written by hand in vLLM's convention: kv_cache[block, :, offset] = K ++ V
-    for b, (pre, new) in enumerate(reqs):
+    for b, (pre, _new) in enumerate(reqs):
         s = slots(b, 0, pre)
         kv_cache[s // P, :, s % P] = torch.cat([full_k[b][:pre], full_v[b][:pre]], -1)
     # this forward: new tokens of every request + 3 padding tokens
@@ -101,9 +100,15 @@ def test_build_and_forward_match_dense_oracle(vllm_env, physical, window, soft_c
     qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
     seq_lens = torch.tensor([pre + new for pre, new in reqs], dtype=torch.int32)
     cam = CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens, num_reqs=len(reqs),
-        num_actual_tokens=T + pad, max_query_len=max(q_lens), max_seq_len=int(seq_lens.max()),
-        block_table_tensor=block_table, slot_mapping=slot_mapping,
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.clone(),
+        seq_lens=seq_lens,
+        num_reqs=len(reqs),
+        num_actual_tokens=T + pad,
+        max_query_len=max(q_lens),
+        max_seq_len=int(seq_lens.max()),
+        block_table_tensor=block_table,
+        slot_mapping=slot_mapping,
     )
     impl.do_kv_cache_update(None, k, v, kv_cache, slot_mapping)
     s = slot_mapping[:T]
@@ -111,7 +116,7 @@ def test_build_and_forward_match_dense_oracle(vllm_env, physical, window, soft_c
     md = builder.build(0, cam)
     out = torch.full((T + pad, Hq, D), 7.0, dtype=dt)
     assert impl.forward(None, q, k, v, kv_cache, md, out) is out
-    for b, (pre, new) in enumerate(reqs):
+    for b, (_pre, new) in enumerate(reqs):
         lo = int(qsl[b])
         wl = window - 1 if window else -1  # vLLM's sliding_window counts the query itself
         want = dense_attention(q[lo : lo + new], full_k[b], full_v[b], new, 0.11, wl, soft_cap or 0.0)
@@ -136,14 +141,23 @@ def test_builder_takes_v2_runner_kwargs_and_refuses_unknown_values(vllm_env):
     spec = FullAttentionSpec(block_size=P, num_kv_heads=Hkv, head_size=D, dtype=torch.float32)
     cls = B.AttnplugTritonBackend.get_builder_cls()
     builder = cls(spec, ["l_kw"], vllm_env.config, torch.device("cpu"), **{})
-    with pytest.raises(UnsupportedFeature, match="attnplug: backend ATTNPLUG_TRITON does not support "
-                                                 r"metadata-builder options \['block_table_width'\]"):
+    with pytest.raises(
+        UnsupportedFeature,
+        match="attnplug: backend ATTNPLUG_TRITON does not support "
+        r"metadata-builder options \['block_table_width'\]",
+    ):
         cls(spec, ["l_kw"], vllm_env.config, torch.device("cpu"), block_table_width=128)
     qsl = torch.tensor([0, 1], dtype=torch.int32)
     seq = torch.tensor([5], dtype=torch.int32)
     cam = CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq, num_reqs=1, num_actual_tokens=1,
-        max_query_len=1, max_seq_len=5, block_table_tensor=torch.zeros(1, 2, dtype=torch.int32),
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.clone(),
+        seq_lens=seq,
+        num_reqs=1,
+        num_actual_tokens=1,
+        max_query_len=1,
+        max_seq_len=5,
+        block_table_tensor=torch.zeros(1, 2, dtype=torch.int32),
         slot_mapping=torch.tensor([4]),
     )
     assert builder.build(0, cam, **{}) is not None
@@ -254,11 +268,17 @@ def test_cpu_selection_refuses_unsupported_features(vllm_env, kw, feature):
     assert "attnplug" in str(e.value) and "ATTNPLUG_TRITON" in str(e.value) and feature in str(e.value)
 
 
-@pytest.mark.parametrize("kw,feature", [
-    (dict(attn_type="encoder_only"), "encoder_only"), (dict(attn_type="encoder_decoder"), "encoder_decoder"),
-    (dict(attn_type="encoder"), "'encoder'"), (dict(kv_cache_dtype="fp8_inc"), "fp8_inc"),
-    (dict(alibi_slopes=[0.5] * 4), "ALiBi"), (dict(sinks=torch.zeros(4, 4)), "sinks"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kw,feature",
+    [
+        (dict(attn_type="encoder_only"), "encoder_only"),
+        (dict(attn_type="encoder_decoder"), "encoder_decoder"),
+        (dict(attn_type="encoder"), "'encoder'"),
+        (dict(kv_cache_dtype="fp8_inc"), "fp8_inc"),
+        (dict(alibi_slopes=[0.5] * 4), "ALiBi"),
+        (dict(sinks=torch.zeros(4, 4)), "sinks"),
+    ],
+)
 def test_impl_refuses_unsupported_layers(vllm_env, kw, feature):
     from attnplug.core import UnsupportedFeature
     from attnplug.vllm_adapter.backend import AttnplugTritonBackend
@@ -269,8 +289,11 @@ def test_impl_refuses_unsupported_layers(vllm_env, kw, feature):
 
 
 @pytest.mark.parametrize(
-    "name,hint", [("ATTNPLUG_FLASHINFER", "pip install flashinfer-python (attnplug's [flashinfer] extra"),
-                  ("ATTNPLUG_FA3", "flash-attention")]
+    "name,hint",
+    [
+        ("ATTNPLUG_FLASHINFER", "pip install flashinfer-python (attnplug's [flashinfer] extra"),
+        ("ATTNPLUG_FA3", "flash-attention"),
+    ],
 )
 def test_gpu_only_backends_refuse_cpu_with_install_hint(vllm_env, monkeypatch, name, hint):
     from vllm.platforms import current_platform

@@ -2,14 +2,14 @@
 set and an ``n = 4`` sampling request over a cached prompt. The tiny Llama here has wide KV heads (16 x
 256, float32: 512 KiB a page of 16 tokens), so 3 requests re-reading a 448-token prefix clear the cost
 model's bound (:data:`attnplug.core.cascade.MIN_SAVED_BYTES` a layer) as a long system prompt does on a
-real model (4 requests on the shared prompt: 3 x 28 pages x 512 KiB = 42 MiB). Tokens equal vLLM's own CPU backend; the markers prove the shared pages were read once:
+real model (4 requests on the shared prompt: 3 x 28 pages x 512 KiB = 42 MiB). Tokens equal vLLM's own CPU backend;
+the markers prove the shared pages were read once:
 decode batches run on the CUDA-graph static buffers (on CPU the same launches, uncaptured), whose
 cascade part is on by default."""
 
 from __future__ import annotations
 
 import pytest
-
 from vllm_test_helpers import run_jobs, workdir
 
 pytestmark = pytest.mark.vllm
@@ -31,8 +31,9 @@ def default_runs():
     batches = [[0], [1, 2, 3, 4], {"prompts": [0], "sampling": dict(n=N, temperature=1.0, top_k=1, seed=0)}]
 
     def job(backend, block):
-        return dict(model=model, prompts=prompts, backend=backend, block_size=block, max_tokens=MAX_TOKENS,
-                    batches=batches)  # fmt: skip
+        return dict(
+            model=model, prompts=prompts, backend=backend, block_size=block, max_tokens=MAX_TOKENS, batches=batches
+        )
 
     defaults = {k: None for k in ("ATTNPLUG_CASCADE", "ATTNPLUG_CASCADE_GRAPHS", "ATTNPLUG_GRAPH_IF", "ATTNPLUG_PDL")}
     return prompts, run_jobs(wd, {"defaults": (job("attnplug_triton", 16), defaults), "native": (job(None, 32), {})})

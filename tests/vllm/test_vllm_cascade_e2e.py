@@ -6,7 +6,6 @@ markers prove the cascade forwards ran."""
 from __future__ import annotations
 
 import pytest
-
 from vllm_test_helpers import MAX_TOKENS, run_jobs, workdir
 
 pytestmark = pytest.mark.vllm
@@ -22,14 +21,22 @@ def cascade_runs():
     prompts = shared_prefix_prompts()
 
     def job(backend, block):  # prompt 0 first (it fills the prefix cache), then the others together
-        return dict(model=model, prompts=prompts, backend=backend, block_size=block, max_tokens=MAX_TOKENS,
-                    batches=[[0], list(range(1, len(prompts)))])  # fmt: skip
+        return dict(
+            model=model,
+            prompts=prompts,
+            backend=backend,
+            block_size=block,
+            max_tokens=MAX_TOKENS,
+            batches=[[0], list(range(1, len(prompts)))],
+        )
 
     # "cascade": eager cascade alone (graph cascade off: decode batches plan eagerly); "cascade_graphs": the
     # default graph cascade, forced to cut (ATTNPLUG_CASCADE=always) on this tiny model
-    specs = {"cascade": (job("attnplug_triton", 16), {"ATTNPLUG_CASCADE": "always", "ATTNPLUG_CASCADE_GRAPHS": "0"}),
-             "cascade_graphs": (job("attnplug_triton", 16), {"ATTNPLUG_CASCADE": "always"}),
-             "native": (job(None, 32), {})}  # fmt: skip
+    specs = {
+        "cascade": (job("attnplug_triton", 16), {"ATTNPLUG_CASCADE": "always", "ATTNPLUG_CASCADE_GRAPHS": "0"}),
+        "cascade_graphs": (job("attnplug_triton", 16), {"ATTNPLUG_CASCADE": "always"}),
+        "native": (job(None, 32), {}),
+    }
     return prompts, run_jobs(wd, specs)
 
 
@@ -61,4 +68,7 @@ def test_cascade_in_decode_graph_buffers_equals_native_and_is_counted(cascade_ru
     # the 4 grouped requests' decode steps cut their 12 common blocks (192 of the 200 shared tokens)
     assert m["cascade_graph_updates"] >= MAX_TOKENS - 2, m
     assert m["cascade_graph_shared_tokens"] >= 192 * (MAX_TOKENS - 2), m
-    assert m["cascade_graph_shared_tokens"] % 16 == 0 and m["cascade_graph_shared_tokens"] <= 192 * m["cascade_graph_updates"], m
+    assert (
+        m["cascade_graph_shared_tokens"] % 16 == 0
+        and m["cascade_graph_shared_tokens"] <= 192 * m["cascade_graph_updates"]
+    ), m

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from vllm_test_helpers import VENV_PYTHON, subprocess_env
 
 pytestmark = pytest.mark.vllm
@@ -50,7 +49,8 @@ for name in ("ATTNPLUG_TRITON", "ATTNPLUG_FLASHINFER", "ATTNPLUG_FA3"):
     out[name] = {"sm90": select(name, (9, 0)), "sm80": select(name, (8, 0)),
                  "fp32": select(name, (9, 0), dtype=torch.float32),
                  "window": select(name, (9, 0), has_sliding_window=True),
-                 "fp8": select(name, (9, 0), kv_cache_dtype="fp8"), "e5m2": select(name, (9, 0), kv_cache_dtype="fp8_e5m2"),
+                 "fp8": select(name, (9, 0), kv_cache_dtype="fp8"),
+                 "e5m2": select(name, (9, 0), kv_cache_dtype="fp8_e5m2"),
                  "mla": select(name, (9, 0), use_mla=True),
                  "sink": select(name, (9, 0), has_sink=True), "encoder": select(name, (9, 0), attn_type="encoder_only")}
 out["auto"] = select(None, (9, 0))
@@ -60,8 +60,9 @@ print("RESULT " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def cuda_selection():
-    r = subprocess.run([VENV_PYTHON, "-c", CUDA_PROBE], capture_output=True, text=True, env=subprocess_env(),
-                       timeout=300)  # fmt: skip
+    r = subprocess.run(
+        [VENV_PYTHON, "-c", CUDA_PROBE], capture_output=True, text=True, env=subprocess_env(), timeout=300
+    )
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT ") :])
@@ -94,8 +95,11 @@ def test_cuda_auto_selection_never_picks_attnplug(cuda_selection):
 
 def test_cuda_graph_levels_seen_by_cuda_selection(cuda_selection):
     levels = {n: cuda_selection[n]["sm90"]["cg"] for n in ("ATTNPLUG_TRITON", "ATTNPLUG_FLASHINFER", "ATTNPLUG_FA3")}
-    assert levels == {"ATTNPLUG_TRITON": "UNIFORM_BATCH", "ATTNPLUG_FLASHINFER": "UNIFORM_BATCH",
-                      "ATTNPLUG_FA3": "UNIFORM_BATCH"}  # fmt: skip
+    assert levels == {
+        "ATTNPLUG_TRITON": "UNIFORM_BATCH",
+        "ATTNPLUG_FLASHINFER": "UNIFORM_BATCH",
+        "ATTNPLUG_FA3": "UNIFORM_BATCH",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +160,8 @@ def test_runner_allocated_kv_cache_matches_what_the_impl_reads(vllm_config, monk
 def test_capturable_kv_write_matches_core_write_kv():
     """The adapter's KV write (captured in FULL CUDA graphs) == the core's ``write_kv``, and padding
     tokens leave vLLM's null block (scratch) bit-identical."""
-    from attnplug.core.kv_layout import write_kv
     from attnplug.core import write_kv_capturable
+    from attnplug.core.kv_layout import write_kv
 
     g = torch.Generator().manual_seed(0)
     nb, P, H, D = 7, 4, 2, 8
@@ -196,8 +200,11 @@ def test_default_cudagraph_mode_resolves_per_backend(monkeypatch, spec_tokens):
     from attnplug.vllm_adapter import backend as B
 
     monkeypatch.delenv("ATTNPLUG_PROVIDER_OVERRIDE", raising=False)
-    want = {"AttnplugTritonBackend": "FULL_AND_PIECEWISE", "AttnplugFA3Backend": "FULL_AND_PIECEWISE",
-            "AttnplugFlashInferBackend": "FULL_AND_PIECEWISE"}
+    want = {
+        "AttnplugTritonBackend": "FULL_AND_PIECEWISE",
+        "AttnplugFA3Backend": "FULL_AND_PIECEWISE",
+        "AttnplugFlashInferBackend": "FULL_AND_PIECEWISE",
+    }
     got = {}
     for name in want:
         cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
@@ -225,6 +232,7 @@ def test_kv_cache_layout_preference(vllm_config, monkeypatch, cache_dtype):
     fp8 = cache_dtype != "auto"
     try:
         from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: F401 - 0.32+
+
         new_api = True
     except ImportError:
         new_api = False

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-
 pytestmark = pytest.mark.vllm
 
 vllm = pytest.importorskip("vllm")
@@ -74,9 +73,16 @@ class Batch:
         n = num_reqs or self.bs
         qsl = torch.cat([torch.arange(self.B + 1), torch.full((n - self.B,), self.B)]).to(torch.int32)
         return CommonAttentionMetadata(
-            query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=self.seq_lens[:n], num_reqs=n,
-            num_actual_tokens=n, max_query_len=1, max_seq_len=int(self.seq_lens.max()),
-            block_table_tensor=self.block_table[:n], slot_mapping=self.slots()[:n])
+            query_start_loc=qsl,
+            query_start_loc_cpu=qsl.clone(),
+            seq_lens=self.seq_lens[:n],
+            num_reqs=n,
+            num_actual_tokens=n,
+            max_query_len=1,
+            max_seq_len=int(self.seq_lens.max()),
+            block_table_tensor=self.block_table[:n],
+            slot_mapping=self.slots()[:n],
+        )
 
 
 def forward(impl, kv_cache, md, q):
@@ -92,8 +98,11 @@ def reference(b: Batch, impl):
 
     B = b.B
     attn = PagedAttention(impl.core_config(P, DT), "reference", "cpu")
-    attn.plan(BatchMetadata.from_block_table(ForwardMode.DECODE, torch.arange(B + 1, dtype=torch.int32),
-                                             b.block_table[:B], b.seq_lens[:B], P))  # fmt: skip
+    attn.plan(
+        BatchMetadata.from_block_table(
+            ForwardMode.DECODE, torch.arange(B + 1, dtype=torch.int32), b.block_table[:B], b.seq_lens[:B], P
+        )
+    )
     k, v = split_kv_cache(b.kv_cache, D)
     return attn.run(b.q[:B].contiguous(), k, v)
 
@@ -121,8 +130,8 @@ def check_csr(builder, md, b: Batch):
     pad = slice(B, md.bs)
     assert bool((plan.kv_lens[pad] == FILL_SEQ_LEN).all()), plan.kv_lens
     assert bool((plan.kv_last_page_len[pad] == FILL_SEQ_LEN).all())
-    assert bool(((plan.kv_indptr[B + 1 : md.bs + 1] - plan.kv_indptr[B:md.bs]) == 1).all())
-    pad_pages = plan.kv_indices[plan.kv_indptr[B:md.bs].long()]
+    assert bool(((plan.kv_indptr[B + 1 : md.bs + 1] - plan.kv_indptr[B : md.bs]) == 1).all())
+    pad_pages = plan.kv_indices[plan.kv_indptr[B : md.bs].long()]
     assert bool((pad_pages == null_block_id()).all()), pad_pages
     return eager
 
@@ -152,8 +161,9 @@ def test_capture_padded_batch_matches_eager_then_replay_updates_in_place(env):
     assert plan2 is plan0 and ptrs2 == ptrs0, "replay must update the captured buffers in place"
     check_csr(builder, md2, b2)
     out2 = forward(impl, b2.kv_cache, md2, b2.q)
-    torch.testing.assert_close(out2[:2], forward(impl, b2.kv_cache, builder._build_eager(0, b2.cam(2)), b2.q)[:2],
-                               atol=1e-5, rtol=1e-5)  # fmt: skip
+    torch.testing.assert_close(
+        out2[:2], forward(impl, b2.kv_cache, builder._build_eager(0, b2.cam(2)), b2.q)[:2], atol=1e-5, rtol=1e-5
+    )
     torch.testing.assert_close(out2[:2], reference(b2, impl), atol=1e-5, rtol=1e-5)
     # a vLLM that pads the tokens of a uniform batch but not its requests (num_reqs = real rows)
     b3 = Batch([3, 17, 6], bs=3, seed=7)
@@ -181,9 +191,16 @@ def verify_cam(b, n, q):
     ql = [q] * b.B + [0] * (n - b.B)
     qsl = torch.tensor([0] + ql).cumsum(0).to(torch.int32)
     return CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=b.seq_lens[:n], num_reqs=n,
-        num_actual_tokens=n * q, max_query_len=q, max_seq_len=int(b.seq_lens.max()),
-        block_table_tensor=b.block_table[:n], slot_mapping=torch.full((n * q,), -1, dtype=torch.long))
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.clone(),
+        seq_lens=b.seq_lens[:n],
+        num_reqs=n,
+        num_actual_tokens=n * q,
+        max_query_len=q,
+        max_seq_len=int(b.seq_lens.max()),
+        block_table_tensor=b.block_table[:n],
+        slot_mapping=torch.full((n * q,), -1, dtype=torch.long),
+    )
 
 
 def verify_reference(b, impl, x, q):
@@ -193,8 +210,11 @@ def verify_reference(b, impl, x, q):
 
     B = b.B
     ref = PagedAttention(impl.core_config(P, DT), "reference", "cpu")
-    ref.plan(BatchMetadata.from_block_table(ForwardMode.MIXED, torch.arange(B + 1, dtype=torch.int32) * q,
-                                            b.block_table[:B], b.seq_lens[:B], P))  # fmt: skip
+    ref.plan(
+        BatchMetadata.from_block_table(
+            ForwardMode.MIXED, torch.arange(B + 1, dtype=torch.int32) * q, b.block_table[:B], b.seq_lens[:B], P
+        )
+    )
     k, v = split_kv_cache(b.kv_cache, D)
     return ref.run(x[: B * q].contiguous(), k, v)
 
@@ -289,15 +309,16 @@ def test_update_draft_decode_metadata_in_place(env, first):
     _draft_step(b, impl, cam)
     md = builder.build_for_drafting(cam, draft_index=1) if first == "build_for_drafting" else builder.build(0, cam)
     _, ptrs = graph_buffers(builder, md)
-    for step in range(2, 5):
+    for _step in range(2, 5):
         _draft_step(b, impl, cam)
         stale = forward(impl, b.kv_cache, md, b.q)
         builder.update_draft_decode_metadata(md)
         assert graph_buffers(builder, md)[1] == ptrs
         out = forward(impl, b.kv_cache, md, b.q)
         want = reference(b, impl)
-        torch.testing.assert_close(out, forward(impl, b.kv_cache, builder._build_eager(0, cam), b.q),
-                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+        torch.testing.assert_close(
+            out, forward(impl, b.kv_cache, builder._build_eager(0, cam), b.q), atol=1e-5, rtol=1e-5
+        )
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
         assert not torch.allclose(stale, want, atol=1e-4), "the update must matter"
 
@@ -331,7 +352,9 @@ def test_host_planning_provider_graph_builds_get_exact_host_lengths(env, monkeyp
 
     calls = []
     one_launch = GraphState.update_from_block_table
-    monkeypatch.setattr(GraphState, "update_from_block_table", lambda gs, *a, **k: calls.append(k) or one_launch(gs, *a, **k))
+    monkeypatch.setattr(
+        GraphState, "update_from_block_table", lambda gs, *a, **k: calls.append(k) or one_launch(gs, *a, **k)
+    )
     impl, builder = make(env, f"cg_toy_host_{spec}")
     assert builder.get_cudagraph_support(None, None) is CG.UNIFORM_SINGLE_TOKEN_DECODE
     assert not builder.supports_draft_decode_metadata_update
@@ -353,7 +376,9 @@ def test_host_planning_provider_graph_builds_get_exact_host_lengths(env, monkeyp
     assert isinstance(md2, AttnplugGraphMetadata) and len(calls) == 2
     torch.testing.assert_close(forward(impl, b2.kv_cache, md2, b2.q)[:2], reference(b2, impl), atol=1e-5, rtol=1e-5)
     assert isinstance(builder.build_for_drafting(cam, draft_index=1), AttnplugMetadata)
-    with pytest.raises(UnsupportedFeature, match="in-place .capturable. draft metadata updates.*'toy'.*re-plans on the host"):
+    with pytest.raises(
+        UnsupportedFeature, match="in-place .capturable. draft metadata updates.*'toy'.*re-plans on the host"
+    ):
         builder.update_draft_decode_metadata(md)
 
 
@@ -371,8 +396,9 @@ def test_host_planning_chain_provider_verify_graphs(env, monkeypatch, toy):
     monkeypatch.setenv("ATTNPLUG_PROVIDER_OVERRIDE", toy.TOY_CHAIN)
     calls = []
     one_launch = GraphState.update_from_block_table
-    monkeypatch.setattr(GraphState, "update_from_block_table",
-                        lambda gs, *a, **k: calls.append((gs, k)) or one_launch(gs, *a, **k))  # fmt: skip
+    monkeypatch.setattr(
+        GraphState, "update_from_block_table", lambda gs, *a, **k: calls.append((gs, k)) or one_launch(gs, *a, **k)
+    )
     q = 3
     impl, builder = make(env, "cg_toy_chain")
     builder._spec_tokens = q - 1
@@ -398,20 +424,28 @@ def test_support_levels_are_honest_per_provider(env, monkeypatch):
     from attnplug.vllm_adapter import backend as B
 
     monkeypatch.delenv("ATTNPLUG_PROVIDER_OVERRIDE", raising=False)
-    level = {n: getattr(B, n).get_builder_cls().get_cudagraph_support(None, None)
-             for n in ("AttnplugTritonBackend", "AttnplugFA3Backend", "AttnplugFlashInferBackend")}  # fmt: skip
+    level = {
+        n: getattr(B, n).get_builder_cls().get_cudagraph_support(None, None)
+        for n in ("AttnplugTritonBackend", "AttnplugFA3Backend", "AttnplugFlashInferBackend")
+    }
     # from each provider's graph_support: decode + causal-chain verify from the device block table (device
     # refresh, or FlashInfer's host re-plan from host lengths) -> UNIFORM_BATCH
-    assert level == {"AttnplugTritonBackend": CG.UNIFORM_BATCH, "AttnplugFA3Backend": CG.UNIFORM_BATCH,
-                     "AttnplugFlashInferBackend": CG.UNIFORM_BATCH}
+    assert level == {
+        "AttnplugTritonBackend": CG.UNIFORM_BATCH,
+        "AttnplugFA3Backend": CG.UNIFORM_BATCH,
+        "AttnplugFlashInferBackend": CG.UNIFORM_BATCH,
+    }
     assert {n: getattr(B, n).get_builder_cls()._cudagraph_support for n in level} == level
     # spec decode: verify graphs only where their static buffers fit the budget
     triton = B.AttnplugTritonBackend.get_builder_cls()
 
     def cfg(seqs, max_len):
-        return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=3), model_config=None,
-                               scheduler_config=SimpleNamespace(max_num_seqs=seqs, max_model_len=max_len),
-                               compilation_config=SimpleNamespace(max_cudagraph_capture_size=seqs))  # fmt: skip
+        return SimpleNamespace(
+            speculative_config=SimpleNamespace(num_speculative_tokens=3),
+            model_config=None,
+            scheduler_config=SimpleNamespace(max_num_seqs=seqs, max_model_len=max_len),
+            compilation_config=SimpleNamespace(max_cudagraph_capture_size=seqs),
+        )
 
     spec16 = SimpleNamespace(block_size=16)
     assert triton.get_cudagraph_support(cfg(8, 2048), spec16) is CG.UNIFORM_BATCH
@@ -474,9 +508,12 @@ BACKEND_NAMES = ("AttnplugTritonBackend", "AttnplugFA3Backend", "AttnplugFlashIn
 
 def _spec_config(num_spec: int, seqs: int = 64, max_len: int = 17408):
     """The e2e harness's vLLM limits (``benchmarks/e2e/engine_run.py``) with ``num_spec`` draft tokens."""
-    return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=num_spec), model_config=None,
-                           scheduler_config=SimpleNamespace(max_num_seqs=seqs, max_model_len=max_len),
-                           compilation_config=SimpleNamespace(max_cudagraph_capture_size=seqs))  # fmt: skip
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=num_spec),
+        model_config=None,
+        scheduler_config=SimpleNamespace(max_num_seqs=seqs, max_model_len=max_len),
+        compilation_config=SimpleNamespace(max_cudagraph_capture_size=seqs),
+    )
 
 
 @pytest.mark.parametrize("name", BACKEND_NAMES)
@@ -502,16 +539,26 @@ def test_spec_verify_batches_get_full_graphs_under_both_runners(env, monkeypatch
     spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
     level = cls.get_cudagraph_support(_spec_config(num_spec), spec)
     assert level is CG.UNIFORM_BATCH, (name, level)
-    cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
-                           cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64], max_cudagraph_capture_size=64)  # fmt: skip
-    mode = cc.resolve_cudagraph_mode_and_sizes(level, getattr(B, name).__name__, uniform_decode_query_len=1 + num_spec,
-                                               use_v2_model_runner=v2)  # fmt: skip
+    cc = CompilationConfig(
+        mode=CompilationMode.VLLM_COMPILE,
+        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+        cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64],
+        max_cudagraph_capture_size=64,
+    )
+    mode = cc.resolve_cudagraph_mode_and_sizes(
+        level, getattr(B, name).__name__, uniform_decode_query_len=1 + num_spec, use_v2_model_runner=v2
+    )
     assert mode.decode_mode() == CUDAGraphMode.FULL and mode == CUDAGraphMode.FULL_AND_PIECEWISE, mode
     # the same resolution with a single-token-decode level falls back (the check above can fail)
-    low = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
-                            cudagraph_capture_sizes=[1, 2, 4, 8], max_cudagraph_capture_size=8)  # fmt: skip
-    fallback = low.resolve_cudagraph_mode_and_sizes(CG.UNIFORM_SINGLE_TOKEN_DECODE, "X", uniform_decode_query_len=1 + num_spec,
-                                                    use_v2_model_runner=v2)  # fmt: skip
+    low = CompilationConfig(
+        mode=CompilationMode.VLLM_COMPILE,
+        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+        cudagraph_capture_sizes=[1, 2, 4, 8],
+        max_cudagraph_capture_size=8,
+    )
+    fallback = low.resolve_cudagraph_mode_and_sizes(
+        CG.UNIFORM_SINGLE_TOKEN_DECODE, "X", uniform_decode_query_len=1 + num_spec, use_v2_model_runner=v2
+    )
     assert fallback.decode_mode() != CUDAGraphMode.FULL
 
 
@@ -525,7 +572,8 @@ def test_both_runners_read_the_builders_cudagraph_support(env):
 
     v1_src = inspect.getsource(v1.GPUModelRunner._check_and_update_cudagraph_mode)
     assert "get_cudagraph_support(" in v1_src and "resolve_cudagraph_mode_and_sizes(" in v1_src
-    from vllm.v1.worker.gpu import attn_utils, model_runner as v2
+    from vllm.v1.worker.gpu import attn_utils
+    from vllm.v1.worker.gpu import model_runner as v2
 
     assert "get_cudagraph_support(" in inspect.getsource(attn_utils)
     assert "resolve_cudagraph_mode_and_sizes(" in inspect.getsource(v2)

@@ -11,8 +11,6 @@ import re
 import shutil
 
 import pytest
-
-from attnplug.tools.tiny_model import hf_greedy
 from vllm_test_helpers import (
     BROKEN_LIBS,
     CORE_PROVIDER,
@@ -24,6 +22,8 @@ from vllm_test_helpers import (
     subprocess_env,
     workdir,
 )
+
+from attnplug.tools.tiny_model import hf_greedy
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
@@ -70,22 +70,44 @@ def runs(setup):
         # with eager cascade on and graph cascade off they plan eagerly (test_vllm_cascade_e2e.py)
         "attnplug": (llm_job(model, prompts, "attnplug_triton", 16), {"ATTNPLUG_CASCADE": "0"}),
         # EAGLE: vLLM picks the drafter's backend separately (speculative_config.attention_backend)
-        "eagle": (llm_job(model, prompts, "attnplug_triton", 16,
-                          speculative_config={**eagle, "attention_backend": "ATTNPLUG_TRITON"}), {}),
+        "eagle": (
+            llm_job(
+                model,
+                prompts,
+                "attnplug_triton",
+                16,
+                speculative_config={**eagle, "attention_backend": "ATTNPLUG_TRITON"},
+            ),
+            {},
+        ),
         "native_eagle": (llm_job(model, prompts, None, 32, speculative_config=eagle), {}),
         # draft-model speculation whose drafter IS the target (same weights), target and drafter on attnplug:
         # every drafted token should be accepted; a drafter attention bug shows as rejections
-        "self_draft": (llm_job(model, prompts, "attnplug_triton", 16, disable_log_stats=False,
-                               speculative_config=dict(method="draft_model", model=model, num_speculative_tokens=3,
-                                                       attention_backend="ATTNPLUG_TRITON")), {}),
+        "self_draft": (
+            llm_job(
+                model,
+                prompts,
+                "attnplug_triton",
+                16,
+                disable_log_stats=False,
+                speculative_config=dict(
+                    method="draft_model", model=model, num_speculative_tokens=3, attention_backend="ATTNPLUG_TRITON"
+                ),
+            ),
+            {},
+        ),
         "native": (llm_job(model, prompts, None, 32), {"PYTHONPATH": f"{BROKEN_LIBS}{os.pathsep}{REPO}"}),
         "no_plugin": (llm_job(model, prompts, None, 32), {"VLLM_PLUGINS": ""}),
         "flashinfer": (llm_job(model, prompts, "attnplug_flashinfer", 16), {}),
         # tensor parallel: 2 CPU workers, each with half the heads (2 q / 1 KV), one core each
-        "tp2": (llm_job(model, prompts, "attnplug_triton", 16, tensor_parallel_size=2),
-                {"VLLM_CPU_OMP_THREADS_BIND": tp_bind(2)}),
-        "native_tp2": (llm_job(model, prompts, None, 32, tensor_parallel_size=2),
-                       {"VLLM_CPU_OMP_THREADS_BIND": tp_bind(2)}),
+        "tp2": (
+            llm_job(model, prompts, "attnplug_triton", 16, tensor_parallel_size=2),
+            {"VLLM_CPU_OMP_THREADS_BIND": tp_bind(2)},
+        ),
+        "native_tp2": (
+            llm_job(model, prompts, None, 32, tensor_parallel_size=2),
+            {"VLLM_CPU_OMP_THREADS_BIND": tp_bind(2)},
+        ),
     }
     return run_jobs(wd, specs)
 

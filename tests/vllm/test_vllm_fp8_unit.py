@@ -39,13 +39,21 @@ def test_supported_kv_cache_dtypes_per_provider(env):
     assert B.AttnplugFA3Backend.supported_kv_cache_dtypes == ["auto", "float16", "bfloat16", "fp8", "fp8_e4m3"]
 
 
-@pytest.mark.parametrize("backend,kvd,refused", [
-    ("AttnplugTritonBackend", "fp8", None), ("AttnplugTritonBackend", "fp8_e5m2", None),
-    ("AttnplugFA3Backend", "fp8_e4m3", None),
-    ("AttnplugFA3Backend", "fp8_e5m2", "kv_cache_dtype 'fp8_e5m2' with provider 'fa3'"),
-    ("AttnplugTritonBackend", "fp8_inc", "kv_cache_dtype 'fp8_inc' with provider 'triton'"),
-    ("AttnplugFlashInferBackend", "int8_per_token_head", "kv_cache_dtype 'int8_per_token_head' with provider 'flashinfer'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "backend,kvd,refused",
+    [
+        ("AttnplugTritonBackend", "fp8", None),
+        ("AttnplugTritonBackend", "fp8_e5m2", None),
+        ("AttnplugFA3Backend", "fp8_e4m3", None),
+        ("AttnplugFA3Backend", "fp8_e5m2", "kv_cache_dtype 'fp8_e5m2' with provider 'fa3'"),
+        ("AttnplugTritonBackend", "fp8_inc", "kv_cache_dtype 'fp8_inc' with provider 'triton'"),
+        (
+            "AttnplugFlashInferBackend",
+            "int8_per_token_head",
+            "kv_cache_dtype 'int8_per_token_head' with provider 'flashinfer'",
+        ),
+    ],
+)
 def test_selection_accepts_or_refuses_kv_dtype(env, backend, kvd, refused):
     from attnplug.core import UnsupportedFeature
     from attnplug.vllm_adapter import backend as B
@@ -79,8 +87,13 @@ def make(env, name, kvd="fp8"):
 
 def layer_with_scales(k=0.05, v=0.08):
     """What vLLM's Attention layer gives a backend: 0-d float32 scale buffers (and host floats)."""
-    return SimpleNamespace(_k_scale=torch.tensor(k), _v_scale=torch.tensor(v), _q_scale=torch.tensor(1.0),
-                           _k_scale_float=k, _v_scale_float=v)  # fmt: skip
+    return SimpleNamespace(
+        _k_scale=torch.tensor(k),
+        _v_scale=torch.tensor(v),
+        _q_scale=torch.tensor(1.0),
+        _k_scale_float=k,
+        _v_scale_float=v,
+    )
 
 
 def test_host_scales_are_the_layer_floats_unless_calculated(env, monkeypatch):
@@ -149,15 +162,25 @@ def test_fp8_impl_write_and_forward_against_reference(env):
 
     def reference(q, qsl, scales):
         ref = PagedAttention(cfg, "reference", "cpu")
-        ref.plan(BatchMetadata.from_block_table(ForwardMode.EXTEND, qsl, table, torch.tensor(seq_lens, dtype=torch.int32), P))
+        ref.plan(
+            BatchMetadata.from_block_table(ForwardMode.EXTEND, qsl, table, torch.tensor(seq_lens, dtype=torch.int32), P)
+        )
         return ref.run(q, kc, vc, k_scale=scales._k_scale, v_scale=scales._v_scale)
 
     # eager prefill of the whole sequences, then a decode step on the graph buffers (build())
     qsl = torch.tensor([0, 13, 19, 40], dtype=torch.int32)
     q = torch.randn(T, Hq, D, generator=g)
-    cam = CommonAttentionMetadata(query_start_loc=qsl, query_start_loc_cpu=qsl.clone(),
-                                  seq_lens=torch.tensor(seq_lens, dtype=torch.int32), num_reqs=3, num_actual_tokens=T,
-                                  max_query_len=21, max_seq_len=21, block_table_tensor=table, slot_mapping=sl)  # fmt: skip
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.clone(),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        num_reqs=3,
+        num_actual_tokens=T,
+        max_query_len=21,
+        max_seq_len=21,
+        block_table_tensor=table,
+        slot_mapping=sl,
+    )
     out = torch.full_like(q, float("nan"))
     impl.forward(layer, q, key, value, kv_cache, builder.build(0, cam), out)
     want = reference(q, qsl, layer)
@@ -177,16 +200,25 @@ def test_fp8_impl_write_and_forward_against_reference(env):
     assert (out2 - want2).abs().max() <= 1e-4 * max(1.0, float(want2.abs().max()))
 
     dq = torch.arange(4, dtype=torch.int32)  # a decode batch in the builder's static (CUDA-graph) buffers
-    dcam = CommonAttentionMetadata(query_start_loc=dq, query_start_loc_cpu=dq.clone(),
-                                   seq_lens=torch.tensor(seq_lens, dtype=torch.int32), num_reqs=3, num_actual_tokens=3,
-                                   max_query_len=1, max_seq_len=21, block_table_tensor=table,
-                                   slot_mapping=sl[torch.tensor([12, 18, 39])])  # fmt: skip
+    dcam = CommonAttentionMetadata(
+        query_start_loc=dq,
+        query_start_loc_cpu=dq.clone(),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        num_reqs=3,
+        num_actual_tokens=3,
+        max_query_len=1,
+        max_seq_len=21,
+        block_table_tensor=table,
+        slot_mapping=sl[torch.tensor([12, 18, 39])],
+    )
     md = builder.build_for_cudagraph_capture(dcam)
     assert isinstance(md, B.AttnplugGraphMetadata)
     qd = torch.randn(3, Hq, D, generator=g)
     outd = torch.full_like(qd, float("nan"))
     impl.forward(layer, qd, None, None, kv_cache, md, outd)
     ref = PagedAttention(cfg, "reference", "cpu")
-    ref.plan(BatchMetadata.from_block_table(ForwardMode.DECODE, dq, table, torch.tensor(seq_lens, dtype=torch.int32), P))
+    ref.plan(
+        BatchMetadata.from_block_table(ForwardMode.DECODE, dq, table, torch.tensor(seq_lens, dtype=torch.int32), P)
+    )
     wantd = ref.run(qd, kc, vc, k_scale=layer._k_scale, v_scale=layer._v_scale)
     assert (outd - wantd).abs().max() <= 1e-4 * max(1.0, float(wantd.abs().max()))

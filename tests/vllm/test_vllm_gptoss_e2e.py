@@ -10,7 +10,6 @@ import os
 import shutil
 
 import pytest
-
 from vllm_test_helpers import MAX_TOKENS, llm_job, run_jobs, workdir
 
 pytestmark = pytest.mark.vllm
@@ -26,8 +25,10 @@ def setup():
     wd = workdir()
     model = str(make_tiny_gptoss(wd / "tiny-gpt-oss"))
     prompts = test_prompts()  # prompts longer than the window, one hitting the prefix cache
-    specs = {"attnplug": (llm_job(model, prompts, "attnplug_triton", 16), {"ATTNPLUG_CASCADE": "0"}),
-             "native": (llm_job(model, prompts, None, 32), {})}  # fmt: skip
+    specs = {
+        "attnplug": (llm_job(model, prompts, "attnplug_triton", 16), {"ATTNPLUG_CASCADE": "0"}),
+        "native": (llm_job(model, prompts, None, 32), {}),
+    }
     jobs = run_jobs(wd, specs)
     yield model, prompts, jobs
     if not os.environ.get("ATTNPLUG_KEEP_TEST_DIR"):
@@ -53,5 +54,7 @@ def test_gptoss_tokens_equal_native_and_hf_and_attnplug_ran(setup):
     (m,) = ours.markers
     infos = m["backends"]["ATTNPLUG_TRITON"]
     assert all(any(f"window {w}, sinks True," in s for s in infos) for w in (WINDOW - 1, -1)), infos
-    assert m["layer_runs"] >= 2 * MAX_TOKENS and m["kv_writes"] == m["layer_runs"] and m["max_cached_prefix"] > WINDOW, m
+    assert (
+        m["layer_runs"] >= 2 * MAX_TOKENS and m["kv_writes"] == m["layer_runs"] and m["max_cached_prefix"] > WINDOW
+    ), m
     assert "ATTNPLUG_TRITON active" not in native.output and not native.markers  # vLLM's own CPU backend ran

@@ -19,7 +19,6 @@ import os
 import shutil
 
 import pytest
-
 from vllm_test_helpers import MAX_TOKENS, llm_job, run_jobs, workdir
 
 pytestmark = pytest.mark.vllm
@@ -39,9 +38,12 @@ def setup():
     def job(backend, **kw):
         return {**llm_job(model, prompts, backend, 16, **kw), "batches": [[i] for i in range(len(prompts))]}
 
-    specs = {"attnplug": (job("attnplug_triton_mla"), {"ATTNPLUG_CASCADE": "0"}), "native": (job(None), {}),
-             "attnplug_spec": (job("attnplug_triton_mla", speculative_config=NGRAM), {"ATTNPLUG_CASCADE": "0"}),
-             "native_spec": (job(None, speculative_config=NGRAM), {})}
+    specs = {
+        "attnplug": (job("attnplug_triton_mla"), {"ATTNPLUG_CASCADE": "0"}),
+        "native": (job(None), {}),
+        "attnplug_spec": (job("attnplug_triton_mla", speculative_config=NGRAM), {"ATTNPLUG_CASCADE": "0"}),
+        "native_spec": (job(None, speculative_config=NGRAM), {}),
+    }
     jobs = run_jobs(wd, specs)
     yield model, prompts, jobs
     if not os.environ.get("ATTNPLUG_KEEP_TEST_DIR"):
@@ -60,8 +62,10 @@ def test_mla_tokens_equal_native_and_attnplug_ran(setup):
     model, prompts, jobs = setup
     ours, native = jobs["attnplug"].check_ok(), jobs["native"].check_ok()
     _same_tokens(ours, native, prompts)
-    line = "attnplug: ATTNPLUG_TRITON_MLA active (provider triton, MLA, page 16, dtype float32, kv_dtype float32, " \
-           "heads 4/1, kv_lora_rank 512, rope_dim 64"
+    line = (
+        "attnplug: ATTNPLUG_TRITON_MLA active (provider triton, MLA, page 16, dtype float32, kv_dtype float32, "
+        "heads 4/1, kv_lora_rank 512, rope_dim 64"
+    )
     assert any(line in ln for ln in ours.output.splitlines()), ours.output[-4000:]
     (m,) = ours.markers
     assert list(m["backends"]) == ["ATTNPLUG_TRITON_MLA"], m

@@ -43,10 +43,25 @@ def _impl(cls=None, **kw):
     from attnplug.vllm_adapter.mla import AttnplugTritonMLABackend
 
     cls = cls or AttnplugTritonMLABackend
-    args = dict(num_heads=H, head_size=R + DR, scale=SCALE, num_kv_heads=1, alibi_slopes=None, sliding_window=None,
-                kv_cache_dtype="auto", logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None,
-                q_lora_rank=None, kv_lora_rank=R, qk_nope_head_dim=DN, qk_rope_head_dim=DR, qk_head_dim=DN + DR,
-                v_head_dim=DN, kv_b_proj=torch.nn.Identity())  # fmt: skip
+    args = dict(
+        num_heads=H,
+        head_size=R + DR,
+        scale=SCALE,
+        num_kv_heads=1,
+        alibi_slopes=None,
+        sliding_window=None,
+        kv_cache_dtype="auto",
+        logits_soft_cap=None,
+        attn_type="decoder",
+        kv_sharing_target_layer_name=None,
+        q_lora_rank=None,
+        kv_lora_rank=R,
+        qk_nope_head_dim=DN,
+        qk_rope_head_dim=DR,
+        qk_head_dim=DN + DR,
+        v_head_dim=DN,
+        kv_b_proj=torch.nn.Identity(),
+    )
     from vllm.config import VllmConfig, set_current_vllm_config
 
     with set_current_vllm_config(VllmConfig()):  # MLACommonImpl reads the parallel config
@@ -60,7 +75,10 @@ def test_mla_names_registered_and_parsed(vllm_env):
 
     E = vllm_env.enum
     assert sorted(n for n in MLA_BACKENDS if n != "ATTNPLUG_TOY_MLA") == [
-        "ATTNPLUG_FA3_MLA", "ATTNPLUG_FLASHINFER_MLA", "ATTNPLUG_TRITON_MLA"]  # fmt: skip
+        "ATTNPLUG_FA3_MLA",
+        "ATTNPLUG_FLASHINFER_MLA",
+        "ATTNPLUG_TRITON_MLA",
+    ]
     for name in ("ATTNPLUG_TRITON_MLA", "ATTNPLUG_FLASHINFER_MLA", "ATTNPLUG_FA3_MLA"):
         assert AttentionConfig(backend=name.lower()).backend is E[name]
         cls = E[name].get_class()
@@ -84,14 +102,17 @@ def test_cpu_selection_routes_mla_to_attnplug(vllm_env):
         assert native.endswith(("CPUMLABackend", "AMXMLABackend")), native
 
 
-@pytest.mark.parametrize("name,kw,feature", [
-    ("ATTNPLUG_TRITON_MLA", dict(use_mla=False), "non-MLA attention (select ATTNPLUG_TRITON for GQA"),
-    ("ATTNPLUG_TRITON", dict(), "MLA (multi-head latent attention; select ATTNPLUG_TRITON_MLA"),
-    ("ATTNPLUG_TRITON_MLA", dict(kv_cache_dtype="fp8_inc"), "MLA latent cache of kv_cache_dtype 'fp8_inc'"),
-    ("ATTNPLUG_TRITON_MLA", dict(use_sparse=True), "sparse attention"),
-    ("ATTNPLUG_TRITON_MLA", dict(has_sliding_window=True), "sliding windows in MLA layers"),
-    ("ATTNPLUG_TRITON_MLA", dict(block_size=512), "block_size 512"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,kw,feature",
+    [
+        ("ATTNPLUG_TRITON_MLA", dict(use_mla=False), "non-MLA attention (select ATTNPLUG_TRITON for GQA"),
+        ("ATTNPLUG_TRITON", dict(), "MLA (multi-head latent attention; select ATTNPLUG_TRITON_MLA"),
+        ("ATTNPLUG_TRITON_MLA", dict(kv_cache_dtype="fp8_inc"), "MLA latent cache of kv_cache_dtype 'fp8_inc'"),
+        ("ATTNPLUG_TRITON_MLA", dict(use_sparse=True), "sparse attention"),
+        ("ATTNPLUG_TRITON_MLA", dict(has_sliding_window=True), "sliding windows in MLA layers"),
+        ("ATTNPLUG_TRITON_MLA", dict(block_size=512), "block_size 512"),
+    ],
+)
 def test_cpu_selection_refuses(vllm_env, name, kw, feature):
     from vllm.platforms import current_platform
 
@@ -109,15 +130,22 @@ def test_validate_configuration_names_attnplug_and_feature(vllm_env):
 
     assert B.validate_configuration(**_selector()._asdict()) == []
     why = B.validate_configuration(**_selector(use_mla=False)._asdict())
-    assert why == ["attnplug ATTNPLUG_TRITON_MLA: unsupported non-MLA attention (select ATTNPLUG_TRITON for GQA / "
-                   "MHA models)"]
+    assert why == [
+        "attnplug ATTNPLUG_TRITON_MLA: unsupported non-MLA attention (select ATTNPLUG_TRITON for GQA / MHA models)"
+    ]
 
 
-@pytest.mark.parametrize("kw,feature", [
-    (dict(sliding_window=64), "sliding windows in MLA layers"), (dict(logits_soft_cap=30.0), "logit soft caps"),
-    (dict(indexer=object()), "sparse MLA"), (dict(kv_cache_dtype="fp8_inc"), "fp8_inc"),
-    (dict(attn_type="encoder_only"), "encoder_only"), (dict(some_new_option=3), "['some_new_option']"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kw,feature",
+    [
+        (dict(sliding_window=64), "sliding windows in MLA layers"),
+        (dict(logits_soft_cap=30.0), "logit soft caps"),
+        (dict(indexer=object()), "sparse MLA"),
+        (dict(kv_cache_dtype="fp8_inc"), "fp8_inc"),
+        (dict(attn_type="encoder_only"), "encoder_only"),
+        (dict(some_new_option=3), "['some_new_option']"),
+    ],
+)
 def test_impl_refuses(vllm_env, kw, feature):
     from attnplug.core import UnsupportedFeature
 
@@ -144,9 +172,16 @@ def _cam(reqs, block_table, device="cpu"):
     qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
     seq = torch.tensor([p + q for p, q in reqs], dtype=torch.int32)
     return CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq, num_reqs=len(reqs),
-        num_actual_tokens=sum(q_lens), max_query_len=max(q_lens), max_seq_len=int(seq.max()),
-        block_table_tensor=block_table, slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long))  # fmt: skip
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.clone(),
+        seq_lens=seq,
+        num_reqs=len(reqs),
+        num_actual_tokens=sum(q_lens),
+        max_query_len=max(q_lens),
+        max_seq_len=int(seq.max()),
+        block_table_tensor=block_table,
+        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long),
+    )
 
 
 @pytest.mark.parametrize("path", ["eager-decode", "eager-verify", "graph-decode"])
@@ -160,8 +195,11 @@ def test_kv_write_and_forward_mqa_match_unabsorbed_reference(vllm_env, path):
 
     torch.manual_seed(0)
     dt = torch.float32
-    reqs = {"eager-decode": [(30, 1), (5, 1), (0, 1)], "eager-verify": [(30, 3), (5, 1), (17, 4)],
-            "graph-decode": [(30, 1), (5, 1), (50, 1)]}[path]  # fmt: skip
+    reqs = {
+        "eager-decode": [(30, 1), (5, 1), (0, 1)],
+        "eager-verify": [(30, 3), (5, 1), (17, 4)],
+        "graph-decode": [(30, 1), (5, 1), (50, 1)],
+    }[path]
     impl = _impl()
     cfg = impl.core_config(P, dt)
     assert (cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim_v) == (H, 1, R + DR, R)
@@ -177,8 +215,10 @@ def test_kv_write_and_forward_mqa_match_unabsorbed_reference(vllm_env, path):
         used += n
     cache = torch.zeros(num_blocks, P, R + DR, dtype=dt)
     # every token of every request (prefix and new) through the impl's write; 2 padding slots (-1)
-    slots = torch.cat([block_table[b, torch.arange(p + q) // P].long() * P + torch.arange(p + q) % P
-                       for b, (p, q) in enumerate(reqs)] + [torch.full((2,), -1)])  # fmt: skip
+    slots = torch.cat(
+        [block_table[b, torch.arange(p + q) // P].long() * P + torch.arange(p + q) % P for b, (p, q) in enumerate(reqs)]
+        + [torch.full((2,), -1)]
+    )
     kv_c, k_pe = torch.randn(len(slots), R), torch.randn(len(slots), 1, DR)
     impl.do_kv_cache_update(kv_c, k_pe, cache, slots, "auto", torch.ones(1))
     ok = slots >= 0

@@ -8,8 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from test_vllm_cudagraph_unit import DT, Hkv, Hq, D, P, SCALE, Batch, forward
+from test_vllm_cudagraph_unit import DT, SCALE, Batch, D, Hkv, Hq, P, forward
 
 pytestmark = pytest.mark.vllm
 
@@ -51,8 +50,9 @@ SINK_CFG = dict(head_size=64, dtype=torch.float32, kv_cache_dtype="auto", block_
 def _selector(**kw):
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
-    return AttentionSelectorConfig(**{**dict(head_size=64, dtype=torch.float32, kv_cache_dtype="auto",
-                                             block_size=16), **kw})  # fmt: skip
+    return AttentionSelectorConfig(
+        **{**dict(head_size=64, dtype=torch.float32, kv_cache_dtype="auto", block_size=16), **kw}
+    )
 
 
 @pytest.mark.parametrize("name", ["AttnplugTritonBackend", "AttnplugFlashInferBackend", "AttnplugFA3Backend"])
@@ -105,8 +105,11 @@ def _reference(b: Batch, impl) -> torch.Tensor:
 
     n = b.B
     attn = PagedAttention(impl.core_config(P, DT), "reference", "cpu")
-    attn.plan(BatchMetadata.from_block_table(ForwardMode.DECODE, torch.arange(n + 1, dtype=torch.int32),
-                                             b.block_table[:n], b.seq_lens[:n], P))  # fmt: skip
+    attn.plan(
+        BatchMetadata.from_block_table(
+            ForwardMode.DECODE, torch.arange(n + 1, dtype=torch.int32), b.block_table[:n], b.seq_lens[:n], P
+        )
+    )
     k, v = split_kv_cache(b.kv_cache, D)
     return attn.run(b.q[:n].contiguous(), k, v, sinks=impl.sinks.detach().clone())
 

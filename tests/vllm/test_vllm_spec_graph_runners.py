@@ -51,15 +51,37 @@ def _config(method: str | None, num_spec: int):
     from vllm.config.compilation import CompilationMode, CUDAGraphMode
 
     cfg = VllmConfig()
-    model = _Unset(runner_type="generate", is_hybrid=False, is_attention_free=False, is_moe=False,
-                            use_mla=False, is_diffusion=False, architectures=["LlamaForCausalLM"], max_model_len=17408,
-                            enable_sleep_mode=False)  # fmt: skip
-    spec = None if method is None else _Unset(
-        method=method, num_speculative_tokens=num_spec, parallel_drafting=False, use_heterogeneous_vocab=False,
-        draft_model_config=None, use_eagle=lambda: method == "eagle", uses_draft_model=lambda: False,
-        uses_extract_hidden_states=lambda: False)  # fmt: skip
-    cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
-                           cudagraph_capture_sizes=list(SIZES), max_cudagraph_capture_size=SIZES[-1])  # fmt: skip
+    model = _Unset(
+        runner_type="generate",
+        is_hybrid=False,
+        is_attention_free=False,
+        is_moe=False,
+        use_mla=False,
+        is_diffusion=False,
+        architectures=["LlamaForCausalLM"],
+        max_model_len=17408,
+        enable_sleep_mode=False,
+    )
+    spec = (
+        None
+        if method is None
+        else _Unset(
+            method=method,
+            num_speculative_tokens=num_spec,
+            parallel_drafting=False,
+            use_heterogeneous_vocab=False,
+            draft_model_config=None,
+            use_eagle=lambda: method == "eagle",
+            uses_draft_model=lambda: False,
+            uses_extract_hidden_states=lambda: False,
+        )
+    )
+    cc = CompilationConfig(
+        mode=CompilationMode.VLLM_COMPILE,
+        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+        cudagraph_capture_sizes=list(SIZES),
+        max_cudagraph_capture_size=SIZES[-1],
+    )
     for k, v in dict(model_config=model, speculative_config=spec, compilation_config=cc).items():
         object.__setattr__(cfg, k, v)
     cfg.scheduler_config.max_num_seqs = SIZES[-1]
@@ -89,20 +111,33 @@ def _resolve(cfg, backend, num_spec: int):
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    group = SimpleNamespace(kv_cache_spec=FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128,
-                                                            dtype=torch.bfloat16))  # fmt: skip
+    group = SimpleNamespace(
+        kv_cache_spec=FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    )
     if cfg.use_v2_model_runner:  # V2's initialize_attn_backend: min support over the builders, then this
         level = backend.get_builder_cls().get_cudagraph_support(cfg, group.kv_cache_spec)
         resolve = cfg.compilation_config.resolve_cudagraph_mode_and_sizes
         tp = {"tensor_parallel_size": 1} if "tensor_parallel_size" in inspect.signature(resolve).parameters else {}
-        return resolve(level, backend.__name__, 1 + num_spec, use_v2_model_runner=True, kv_cache_config=None,
-                       max_num_reqs=SIZES[-1], **tp)  # 0.26 also takes the TP size
+        return resolve(
+            level,
+            backend.__name__,
+            1 + num_spec,
+            use_v2_model_runner=True,
+            kv_cache_config=None,
+            max_num_reqs=SIZES[-1],
+            **tp,
+        )  # 0.26 also takes the TP size
     got = {}  # the V1 runner's own method, on a stand-in runner
     runner = SimpleNamespace(
-        vllm_config=cfg, compilation_config=cfg.compilation_config, uniform_decode_query_len=1 + num_spec,
-        parallel_config=SimpleNamespace(tensor_parallel_size=1), kv_cache_config=None, max_num_reqs=SIZES[-1],
+        vllm_config=cfg,
+        compilation_config=cfg.compilation_config,
+        uniform_decode_query_len=1 + num_spec,
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        kv_cache_config=None,
+        max_num_reqs=SIZES[-1],
         speculative_config=None,  # the drafter's dispatcher (EAGLE only) is not under test
-        cudagraph_dispatcher=SimpleNamespace(initialize_cudagraph_keys=lambda m, q: got.update(mode=m, q=q)))
+        cudagraph_dispatcher=SimpleNamespace(initialize_cudagraph_keys=lambda m, q: got.update(mode=m, q=q)),
+    )
     GPUModelRunner._check_and_update_cudagraph_mode(runner, [{backend}], [group])
     assert got["q"] == 1 + num_spec
     return got["mode"]

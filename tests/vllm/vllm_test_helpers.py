@@ -32,8 +32,13 @@ def subprocess_env(**extra: str | None) -> dict[str, str]:
     env = dict(os.environ)
     for k in ("TRITON_INTERPRET", "ATTNPLUG_PROVIDER_OVERRIDE", "ATTNPLUG_MARKER_DIR", "VLLM_PLUGINS"):
         env.pop(k, None)
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))  # fmt: skip
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+    )
     for k, v in extra.items():
         if v is None:
             env.pop(k, None)
@@ -58,11 +63,13 @@ class EngineJob:
         self.t0 = time.time()
         self.proc = subprocess.Popen(
             [VENV_PYTHON, str(HERE / "engine_job.py"), str(self.dir / "job.json"), str(self.dir / "out.json")],
-            stdout=open(self.log, "w"), stderr=subprocess.STDOUT, cwd=self.dir,
+            stdout=open(self.log, "w"),
+            stderr=subprocess.STDOUT,
+            cwd=self.dir,
             env=subprocess_env(ATTNPLUG_MARKER_DIR=str(self.marker_dir), **env),
-        )  # fmt: skip
+        )
 
-    def wait(self) -> "EngineJob":
+    def wait(self) -> EngineJob:
         try:
             self.returncode = self.proc.wait(timeout=ENGINE_TIMEOUT)
         except subprocess.TimeoutExpired:
@@ -79,7 +86,7 @@ class EngineJob:
         self.markers = read_markers(self.marker_dir)
         return self
 
-    def check_ok(self) -> "EngineJob":
+    def check_ok(self) -> EngineJob:
         assert self.returncode == 0 and self.results, f"engine run failed ({self.returncode}):\n{self.output[-6000:]}"
         return self
 
@@ -103,8 +110,15 @@ def llm_job(model: str, prompts: list[list[int]], backend: str | None, block_siz
     """Job for engine_job.py: prompt 2 runs after the others, so it hits the 96-token prefix it
     shares with prompt 1 in the prefix cache."""
     others = [i for i in range(len(prompts)) if i != 2]
-    return dict(model=model, prompts=prompts, backend=backend, block_size=block_size, max_tokens=MAX_TOKENS,
-                batches=[others, [2]], engine_kwargs=engine_kwargs)  # fmt: skip
+    return dict(
+        model=model,
+        prompts=prompts,
+        backend=backend,
+        block_size=block_size,
+        max_tokens=MAX_TOKENS,
+        batches=[others, [2]],
+        engine_kwargs=engine_kwargs,
+    )
 
 
 def workdir() -> Path:

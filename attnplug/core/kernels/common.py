@@ -36,8 +36,19 @@ def tile_request(tile_req, tile_qstart, qo_indptr, kv_lens, kv_indptr, tile):
 
 
 @triton.jit
-def kv_offsets(kv_indices, page_base, n0, kvh, stride_p, stride_t, stride_h, hi,
-               BLOCK: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
+def kv_offsets(
+    kv_indices,
+    page_base,
+    n0,
+    kvh,
+    stride_p,
+    stride_t,
+    stride_h,
+    hi,
+    BLOCK: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     """Row offsets ``[BLOCK]`` (int64) of keys ``n0 .. n0+BLOCK`` of KV head ``kvh`` and their
     validity ``n < hi``. One page id per key: the ids of a block are one small contiguous load, which
     the pipeliner copies asynchronously ahead of the rows (one id per page, reshaped to rows, kept

@@ -28,7 +28,8 @@ fp8 byte pairs (``PAIRS``, power-of-two head dims): K and V rows are read as 16-
 q_o . k_o`` and ``P @ V`` fills the output's even and odd dims in two accumulators (the same MMA
 count). Read as fp8 bytes, an operand of the fp16 tensor-core dots needs two bytes of *different*
 keys in one register (V, whose keys are rows) or of non-adjacent shared-memory bytes (K): a byte
-gather per pair, a large share of the loop's instructions on sm90 (``docs/measured-choices.md``). As words, the hardware's (transposing)
+gather per pair, a large share of the loop's instructions on sm90 (``docs/measured-choices.md``). As words, the
+hardware's (transposing)
 matrix loads deliver them and one byte permute plus one ``cvt.rn.f16x2`` per pair converts them
 (``FP8_F16`` dots; the interpreter and bf16 dots take the same words through integer ops).
 """
@@ -53,22 +54,62 @@ def pow2_at_least(n: int) -> int:
 
 @triton.jit
 def decode_kernel(
-    Q, K, V, O, LSE, PO, PL, COUNTERS,
-    qo_indptr, kv_indptr, kv_indices, kv_lens, K_SCALE, V_SCALE,
-    sm_scale, soft_cap, window_left, num_splits,
-    stride_qt, stride_qh,
-    stride_kp, stride_kt, stride_kh,
-    stride_vp, stride_vt, stride_vh,
-    stride_ot, stride_oh,
-    stride_lt, stride_lh,
-    stride_pt, stride_ph, stride_ps,
-    stride_plt, stride_plh,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr,
-    SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_S: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-    NUM_STAGES: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    KV_FP8: tl.constexpr, FP8_F16: tl.constexpr = False, PAIRS: tl.constexpr = False,
-    SINKS=None, HAS_SINKS: tl.constexpr = False,
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    PO,
+    PL,
+    COUNTERS,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    kv_lens,
+    K_SCALE,
+    V_SCALE,
+    sm_scale,
+    soft_cap,
+    window_left,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    stride_vp,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    stride_lh,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_plt,
+    stride_plh,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
+    MERGE_S: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    FP8_F16: tl.constexpr = False,
+    PAIRS: tl.constexpr = False,
+    SINKS=None,
+    HAS_SINKS: tl.constexpr = False,
 ):
     """Grid ``(B, Hkv, num_splits)``. Q ``[T, Hq, D]`` (request ``b``'s token at ``qo_indptr[b]``, none
     when its ``q_len`` is 0); O ``[T, Hq, D]``; LSE ``[T, Hq]`` natural log (``STORE_LSE``).
@@ -91,8 +132,9 @@ def decode_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     t64 = t.to(tl.int64)
-    q = tl.load(Q + t64 * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
-                other=0.0)
+    q = tl.load(
+        Q + t64 * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
+    )
     if KV_FP8 and FP8_F16:  # fp16 dots on q * sm_scale (see :mod:`.attention`)
         q = (q.to(tl.float32) * sm_scale).to(tl.float16)
         sm_scale = 1.0
@@ -122,13 +164,70 @@ def decode_kernel(
     if FUSED_MERGE:
         limit = active
     if split < limit:
-        _decode_split(q, K, V, O, LSE, PO, PL, COUNTERS, kv_indices, K_SCALE, V_SCALE, page_base, lo, hi, b, kvh,
-                      split, active, t64, head, rows, row_ok, d, d_ok, has_q, qk_scale, soft_cap,
-                      stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_ot, stride_oh,
-                      stride_lt, stride_lh, stride_pt, stride_ph, stride_ps, stride_plt, stride_plh,
-                      GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, PAGE_SIZE, SOFT_CAP, SPLIT, FUSED_MERGE, MERGE_S,
-                      MERGE_CHUNK, NUM_STAGES, STORE_LSE, DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE, PAIRS,
-                      SINKS, HAS_SINKS)
+        _decode_split(
+            q,
+            K,
+            V,
+            O,
+            LSE,
+            PO,
+            PL,
+            COUNTERS,
+            kv_indices,
+            K_SCALE,
+            V_SCALE,
+            page_base,
+            lo,
+            hi,
+            b,
+            kvh,
+            split,
+            active,
+            t64,
+            head,
+            rows,
+            row_ok,
+            d,
+            d_ok,
+            has_q,
+            qk_scale,
+            soft_cap,
+            stride_kp,
+            stride_kt,
+            stride_kh,
+            stride_vp,
+            stride_vt,
+            stride_vh,
+            stride_ot,
+            stride_oh,
+            stride_lt,
+            stride_lh,
+            stride_pt,
+            stride_ph,
+            stride_ps,
+            stride_plt,
+            stride_plh,
+            GROUP,
+            BLOCK_M,
+            BLOCK_N,
+            HEAD_DIM,
+            BLOCK_D,
+            PAGE_SIZE,
+            SOFT_CAP,
+            SPLIT,
+            FUSED_MERGE,
+            MERGE_S,
+            MERGE_CHUNK,
+            NUM_STAGES,
+            STORE_LSE,
+            DOT_PRECISION,
+            UPCAST,
+            KV_FP8,
+            P_DTYPE,
+            PAIRS,
+            SINKS,
+            HAS_SINKS,
+        )
 
 
 @triton.jit
@@ -139,7 +238,12 @@ def _split_pairs_f16(w, E5M2: tl.constexpr):
     return tl.inline_asm_elementwise(
         "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $2, 0, 0x0020; mov.b32 {lo, hi}, t; " + CVT + " $0, lo; "
         "prmt.b32 t, $2, 0, 0x0031; mov.b32 {lo, hi}, t; " + CVT + " $1, lo; }",
-        "=r,=r,r", [w], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+        "=r,=r,r",
+        [w],
+        dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=2,
+    )
 
 
 @triton.jit
@@ -179,11 +283,37 @@ def _split_words(w, FP8: tl.constexpr, P_DTYPE: tl.constexpr, UPCAST: tl.constex
 
 
 @triton.jit
-def _attend_block_pairs(q_e, q_o, K, V, kv_indices, page_base, n0, kvh, hi, m_i, l_i, acc_e, acc_o, qk_scale, soft_cap,
-                        stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                        BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
-                        SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                        P_DTYPE: tl.constexpr):
+def _attend_block_pairs(
+    q_e,
+    q_o,
+    K,
+    V,
+    kv_indices,
+    page_base,
+    n0,
+    kvh,
+    hi,
+    m_i,
+    l_i,
+    acc_e,
+    acc_o,
+    qk_scale,
+    soft_cap,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    stride_vp,
+    stride_vt,
+    stride_vh,
+    BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+):
     """:func:`.prefill.attend_block` for fp8 K/V read as byte pairs (``PAIRS``): keys as 16-bit words
     (:func:`_load_pairs`) split into their even and odd dims; ``q . k = q_e . k_e + q_o . k_o`` and
     the even / odd output dims in ``acc_e`` / ``acc_o`` ``[BLOCK_M, D / 2]``. A word is 16-bit data to
@@ -206,16 +336,70 @@ def _attend_block_pairs(q_e, q_o, K, V, kv_indices, page_base, n0, kvh, hi, m_i,
 
 
 @triton.jit
-def _decode_split(q, K, V, O, LSE, PO, PL, COUNTERS, kv_indices, K_SCALE, V_SCALE, page_base, lo, hi, b, kvh,
-                  split, active, t64, head, rows, row_ok, d, d_ok, has_q, qk_scale, soft_cap,
-                  stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_ot, stride_oh,
-                  stride_lt, stride_lh, stride_pt, stride_ph, stride_ps, stride_plt, stride_plh,
-                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, SOFT_CAP: tl.constexpr, SPLIT: tl.constexpr,
-                  FUSED_MERGE: tl.constexpr, MERGE_S: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-                  NUM_STAGES: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  UPCAST: tl.constexpr, KV_FP8: tl.constexpr, P_DTYPE: tl.constexpr, PAIRS: tl.constexpr,
-                  SINKS, HAS_SINKS: tl.constexpr):
+def _decode_split(
+    q,
+    K,
+    V,
+    O,
+    LSE,
+    PO,
+    PL,
+    COUNTERS,
+    kv_indices,
+    K_SCALE,
+    V_SCALE,
+    page_base,
+    lo,
+    hi,
+    b,
+    kvh,
+    split,
+    active,
+    t64,
+    head,
+    rows,
+    row_ok,
+    d,
+    d_ok,
+    has_q,
+    qk_scale,
+    soft_cap,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    stride_vp,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    stride_lh,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_plt,
+    stride_plh,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    SPLIT: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
+    MERGE_S: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    PAIRS: tl.constexpr,
+    SINKS,
+    HAS_SINKS: tl.constexpr,
+):
     """Keys ``[lo, hi)`` of request ``b``'s token for the heads of ``kvh``: the output (unsplit), or
     split ``split``'s partial, then (``FUSED_MERGE``) the merge of the ``active`` splits by the last to
     arrive."""
@@ -231,27 +415,145 @@ def _decode_split(q, K, V, O, LSE, PO, PL, COUNTERS, kv_indices, K_SCALE, V_SCAL
         acc_o = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
         for n0 in tl.range(lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):
             m_i, l_i, acc_e, acc_o = _attend_block_pairs(
-                q_e, q_o, K, V, kv_indices, page_base, n0, kvh, hi, m_i, l_i, acc_e, acc_o, qk_scale, soft_cap,
-                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, BLOCK_N, HEAD_DIM, PAGE_SIZE, False,
-                SOFT_CAP, DOT_PRECISION, UPCAST, P_DTYPE)
+                q_e,
+                q_o,
+                K,
+                V,
+                kv_indices,
+                page_base,
+                n0,
+                kvh,
+                hi,
+                m_i,
+                l_i,
+                acc_e,
+                acc_o,
+                qk_scale,
+                soft_cap,
+                stride_kp,
+                stride_kt,
+                stride_kh,
+                stride_vp,
+                stride_vt,
+                stride_vh,
+                BLOCK_N,
+                HEAD_DIM,
+                PAGE_SIZE,
+                False,
+                SOFT_CAP,
+                DOT_PRECISION,
+                UPCAST,
+                P_DTYPE,
+            )
         if full_hi < hi:
             m_i, l_i, acc_e, acc_o = _attend_block_pairs(
-                q_e, q_o, K, V, kv_indices, page_base, full_hi, kvh, hi, m_i, l_i, acc_e, acc_o, qk_scale, soft_cap,
-                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, BLOCK_N, HEAD_DIM, PAGE_SIZE, True,
-                SOFT_CAP, DOT_PRECISION, UPCAST, P_DTYPE)
+                q_e,
+                q_o,
+                K,
+                V,
+                kv_indices,
+                page_base,
+                full_hi,
+                kvh,
+                hi,
+                m_i,
+                l_i,
+                acc_e,
+                acc_o,
+                qk_scale,
+                soft_cap,
+                stride_kp,
+                stride_kt,
+                stride_kh,
+                stride_vp,
+                stride_vt,
+                stride_vh,
+                BLOCK_N,
+                HEAD_DIM,
+                PAGE_SIZE,
+                True,
+                SOFT_CAP,
+                DOT_PRECISION,
+                UPCAST,
+                P_DTYPE,
+            )
         acc = tl.reshape(tl.join(acc_e, acc_o), [BLOCK_M, BLOCK_D])  # dim 2j + parity
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for n0 in tl.range(lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):
-            m_i, l_i, acc = attend_block(q, K, V, K, V, kv_indices, page_base, n0, kvh, hi, rows, d, m_i, l_i, acc,
-                                         qk_scale, soft_cap, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
-                                         stride_vh, BLOCK_N, HEAD_DIM, PAGE_SIZE, False, False, False, SOFT_CAP,
-                                         DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE)
+            m_i, l_i, acc = attend_block(
+                q,
+                K,
+                V,
+                K,
+                V,
+                kv_indices,
+                page_base,
+                n0,
+                kvh,
+                hi,
+                rows,
+                d,
+                m_i,
+                l_i,
+                acc,
+                qk_scale,
+                soft_cap,
+                stride_kp,
+                stride_kt,
+                stride_kh,
+                stride_vp,
+                stride_vt,
+                stride_vh,
+                BLOCK_N,
+                HEAD_DIM,
+                PAGE_SIZE,
+                False,
+                False,
+                False,
+                SOFT_CAP,
+                DOT_PRECISION,
+                UPCAST,
+                KV_FP8,
+                P_DTYPE,
+            )
         if full_hi < hi:  # the ragged last block
-            m_i, l_i, acc = attend_block(q, K, V, K, V, kv_indices, page_base, full_hi, kvh, hi, rows, d, m_i, l_i, acc,
-                                         qk_scale, soft_cap, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
-                                         stride_vh, BLOCK_N, HEAD_DIM, PAGE_SIZE, False, True, False, SOFT_CAP,
-                                         DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE)
+            m_i, l_i, acc = attend_block(
+                q,
+                K,
+                V,
+                K,
+                V,
+                kv_indices,
+                page_base,
+                full_hi,
+                kvh,
+                hi,
+                rows,
+                d,
+                m_i,
+                l_i,
+                acc,
+                qk_scale,
+                soft_cap,
+                stride_kp,
+                stride_kt,
+                stride_kh,
+                stride_vp,
+                stride_vt,
+                stride_vh,
+                BLOCK_N,
+                HEAD_DIM,
+                PAGE_SIZE,
+                False,
+                True,
+                False,
+                SOFT_CAP,
+                DOT_PRECISION,
+                UPCAST,
+                KV_FP8,
+                P_DTYPE,
+            )
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -259,29 +561,82 @@ def _decode_split(q, K, V, O, LSE, PO, PL, COUNTERS, kv_indices, K_SCALE, V_SCAL
         out = out * tl.load(V_SCALE)
     lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     if not SPLIT:
-        tl.store(O + t64 * stride_ot + head[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(
+            O + t64 * stride_ot + head[:, None] * stride_oh + d[None, :],
+            out.to(O.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
         if STORE_LSE:
             tl.store(LSE + t64 * stride_lt + head * stride_lh, lse2 * 0.6931471805599453, mask=row_ok)
     else:
-        tl.store(PO + t64 * stride_pt + head[:, None] * stride_ph + split * stride_ps + d[None, :], out,
-                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(
+            PO + t64 * stride_pt + head[:, None] * stride_ph + split * stride_ps + d[None, :],
+            out,
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
         tl.store(PL + t64 * stride_plt + head * stride_plh + split, lse2, mask=row_ok)
         if FUSED_MERGE:
             tl.debug_barrier()  # every thread's partial stores precede the (release) arrival
             arrived = tl.atomic_add(COUNTERS + b * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
             if arrived == active - 1:  # the last split of (b, kvh): merge, then re-arm the counter
                 tl.atomic_xchg(COUNTERS + b * tl.num_programs(1) + kvh, 0, sem="relaxed", scope="gpu")
-                _merge_group(O, LSE, PO, PL, t64, kvh, has_q, active, stride_ot, stride_oh, stride_lt, stride_lh,
-                             stride_pt, stride_ph, stride_ps, stride_plt, stride_plh,
-                             GROUP, HEAD_DIM, BLOCK_D, MERGE_S, MERGE_CHUNK, STORE_LSE, SINKS, HAS_SINKS)
+                _merge_group(
+                    O,
+                    LSE,
+                    PO,
+                    PL,
+                    t64,
+                    kvh,
+                    has_q,
+                    active,
+                    stride_ot,
+                    stride_oh,
+                    stride_lt,
+                    stride_lh,
+                    stride_pt,
+                    stride_ph,
+                    stride_ps,
+                    stride_plt,
+                    stride_plh,
+                    GROUP,
+                    HEAD_DIM,
+                    BLOCK_D,
+                    MERGE_S,
+                    MERGE_CHUNK,
+                    STORE_LSE,
+                    SINKS,
+                    HAS_SINKS,
+                )
 
 
 @triton.jit
-def _merge_group(O, LSE, PO, PL, t64, kvh, has_q, num_splits, stride_ot, stride_oh, stride_lt, stride_lh,
-                 stride_pt, stride_ph, stride_ps, stride_plt, stride_plh,
-                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MERGE_S: tl.constexpr,
-                 MERGE_CHUNK: tl.constexpr, STORE_LSE: tl.constexpr, SINKS, HAS_SINKS: tl.constexpr):
+def _merge_group(
+    O,
+    LSE,
+    PO,
+    PL,
+    t64,
+    kvh,
+    has_q,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    stride_lh,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_plt,
+    stride_plh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MERGE_S: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    SINKS,
+    HAS_SINKS: tl.constexpr,
+):
     """Merge the ``num_splits`` partials of the ``GROUP`` heads of ``kvh`` (token ``t64``) into O / LSE
     (``HAS_SINKS``: and each head's sink, one more term with no value row). Partials were written by
     other programs of this launch: loads bypass L1 (``.cg``)."""
@@ -290,8 +645,12 @@ def _merge_group(O, LSE, PO, PL, t64, kvh, has_q, num_splits, stride_ot, stride_
     g_ok = g < tl.where(has_q, GROUP, 0)
     head = kvh * GROUP + g
     sp = tl.arange(0, MERGE_S)
-    lse = tl.load(PL + t64 * stride_plt + head[:, None] * stride_plh + sp[None, :],
-                  mask=g_ok[:, None] & (sp[None, :] < num_splits), other=float("-inf"), cache_modifier=".cg")
+    lse = tl.load(
+        PL + t64 * stride_plt + head[:, None] * stride_plh + sp[None, :],
+        mask=g_ok[:, None] & (sp[None, :] < num_splits),
+        other=float("-inf"),
+        cache_modifier=".cg",
+    )
     m = tl.max(lse, 1)
     if HAS_SINKS:
         sink2 = tl.load(SINKS + head, mask=g_ok, other=float("-inf")).to(tl.float32) * 1.4426950408889634
@@ -307,16 +666,25 @@ def _merge_group(O, LSE, PO, PL, t64, kvh, has_q, num_splits, stride_ot, stride_
     for s0 in tl.range(0, num_splits, MERGE_CHUNK, num_stages=2):
         s = s0 + c
         s_ok = s < num_splits
-        lc = tl.load(PL + t64 * stride_plt + head[:, None] * stride_plh + s[None, :],
-                     mask=g_ok[:, None] & s_ok[None, :], other=float("-inf"), cache_modifier=".cg")  # [GP, C]
+        lc = tl.load(
+            PL + t64 * stride_plt + head[:, None] * stride_plh + s[None, :],
+            mask=g_ok[:, None] & s_ok[None, :],
+            other=float("-inf"),
+            cache_modifier=".cg",
+        )  # [GP, C]
         w = tl.exp2(lc - m_safe[:, None]) * inv[:, None]
-        p = tl.load(PO + t64 * stride_pt + head[:, None, None] * stride_ph + s[None, :, None] * stride_ps
-                    + d[None, None, :], mask=g_ok[:, None, None] & s_ok[None, :, None] & (d[None, None, :] < HEAD_DIM),
-                    other=0.0, cache_modifier=".cg")  # [GP, C, D]
+        p = tl.load(
+            PO + t64 * stride_pt + head[:, None, None] * stride_ph + s[None, :, None] * stride_ps + d[None, None, :],
+            mask=g_ok[:, None, None] & s_ok[None, :, None] & (d[None, None, :] < HEAD_DIM),
+            other=0.0,
+            cache_modifier=".cg",
+        )  # [GP, C, D]
         acc += tl.sum(p * w[:, :, None], 1)
-    tl.store(O + t64 * stride_ot + head[:, None] * stride_oh + d[None, :], acc.to(O.dtype.element_ty),
-             mask=g_ok[:, None] & (d[None, :] < HEAD_DIM))
+    tl.store(
+        O + t64 * stride_ot + head[:, None] * stride_oh + d[None, :],
+        acc.to(O.dtype.element_ty),
+        mask=g_ok[:, None] & (d[None, :] < HEAD_DIM),
+    )
     if STORE_LSE:
-        res = tl.where(tot > 0.0, (m_safe + tl.log2(tl.where(tot > 0.0, tot, 1.0))) * 0.6931471805599453,
-                       float("-inf"))
+        res = tl.where(tot > 0.0, (m_safe + tl.log2(tl.where(tot > 0.0, tot, 1.0))) * 0.6931471805599453, float("-inf"))
         tl.store(LSE + t64 * stride_lt + head * stride_lh, res, mask=g_ok)

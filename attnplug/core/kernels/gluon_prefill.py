@@ -50,10 +50,29 @@ def _load_layout(rows, head_dim, num_warps):
 
 
 @gluon.jit
-def _issue_block(K, V, k_ring, v_ring, j, num_blocks, kv_indices, page_base, hi, kvh,
-                 stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                 NUM_STAGES: gl.constexpr, LAYOUT: gl.constexpr):
+def _issue_block(
+    K,
+    V,
+    k_ring,
+    v_ring,
+    j,
+    num_blocks,
+    kv_indices,
+    page_base,
+    hi,
+    kvh,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    stride_vp,
+    stride_vt,
+    stride_vh,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    LAYOUT: gl.constexpr,
+):
     """Start the asynchronous gather of block ``j`` (keys ``j * BLOCK_N ..``, KV head ``kvh``) of K and V into
     ring slot ``j % NUM_STAGES`` (``[BLOCK_N, HEAD_DIM]`` each; rows at or past ``hi`` zero-filled) and
     commit it as one cp.async group (an empty group from ``num_blocks`` on: the group count stays fixed)."""
@@ -78,8 +97,20 @@ def _issue_block(K, V, k_ring, v_ring, j, num_blocks, kv_indices, page_base, hi,
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, n0, free_hi, pos, qk_scale, BLOCK_N: gl.constexpr, dtype: gl.constexpr,
-                  S_L: gl.constexpr, ROW_O: gl.constexpr, P_L: gl.constexpr):
+def _softmax_step(
+    s,
+    m_i,
+    l_i,
+    n0,
+    free_hi,
+    pos,
+    qk_scale,
+    BLOCK_N: gl.constexpr,
+    dtype: gl.constexpr,
+    S_L: gl.constexpr,
+    ROW_O: gl.constexpr,
+    P_L: gl.constexpr,
+):
     """Logits ``s [BLOCK_M, BLOCK_N]`` (``q . k`` of keys ``n0 ..``) into the online softmax (base 2):
     ``(p as the PV wgmma's A operand, alpha [BLOCK_M] in the accumulator's row layout, m_new, l_new)``.
     Blocks reaching ``free_hi`` are on the diagonal: keys past each row's position ``pos`` are hidden."""
@@ -95,16 +126,39 @@ def _softmax_step(s, m_i, l_i, n0, free_hi, pos, qk_scale, BLOCK_N: gl.constexpr
 
 @gluon.jit
 def gluon_prefill_kernel(
-    Q, K, V, O, LSE,
-    qo_indptr, kv_indptr, kv_indices, kv_lens, tile_req, tile_qstart,
-    num_tiles, sm_scale,
-    stride_qt, stride_qh,
-    stride_kp, stride_kt, stride_kh,
-    stride_vp, stride_vt, stride_vh,
-    stride_ot, stride_oh,
-    stride_lt, stride_lh,
-    GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, STORE_LSE: gl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    kv_lens,
+    tile_req,
+    tile_qstart,
+    num_tiles,
+    sm_scale,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    stride_vp,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    stride_lh,
+    GROUP: gl.constexpr,
+    BLOCK_Q: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    STORE_LSE: gl.constexpr,
     QK_AHEAD: gl.constexpr = True,
 ):
     """Grid ``(num_tiles, Hkv)``, causal (bottom-right aligned), launched with ``BLOCK_M // 16`` warps (a
@@ -116,10 +170,8 @@ def gluon_prefill_kernel(
     dtype: gl.constexpr = Q.dtype.element_ty
     LOAD: gl.constexpr = _load_layout(BLOCK_N, HEAD_DIM, NW)
     QLOAD: gl.constexpr = _load_layout(BLOCK_M, HEAD_DIM, NW)
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                  instr_shape=[16, BLOCK_N, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                  instr_shape=[16, HEAD_DIM, 16])
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
@@ -157,9 +209,29 @@ def gluon_prefill_kernel(
     # done; all but one otherwise, refilled while the block's Q K^T runs)
     PROLOGUE: gl.constexpr = NUM_STAGES if QK_AHEAD else NUM_STAGES - 1
     for j in gl.static_range(PROLOGUE):
-        _issue_block(K, V, k_ring, v_ring, j, num_blocks, kv_indices, page_base, hi, kvh,
-                     stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, BLOCK_N, HEAD_DIM,
-                     PAGE_SIZE, NUM_STAGES, LOAD)
+        _issue_block(
+            K,
+            V,
+            k_ring,
+            v_ring,
+            j,
+            num_blocks,
+            kv_indices,
+            page_base,
+            hi,
+            kvh,
+            stride_kp,
+            stride_kt,
+            stride_kh,
+            stride_vp,
+            stride_vt,
+            stride_vh,
+            BLOCK_N,
+            HEAD_DIM,
+            PAGE_SIZE,
+            NUM_STAGES,
+            LOAD,
+        )
 
     rs = gl.arange(0, BLOCK_M, layout=ROW_S)
     pos = kv_len - q_len + q0 + rs // GROUP  # absolute position of each row
@@ -177,24 +249,45 @@ def gluon_prefill_kernel(
         fence_async_shared()  # Q's store and the cp.async writes (generic proxy) before wgmma (async proxy)
         thread_barrier()  # ... of every thread
         s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False)
-        p_op, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, free_hi, pos, qk_scale, BLOCK_N, dtype,
-                                              S_L, ROW_O, P_L)
+        p_op, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, free_hi, pos, qk_scale, BLOCK_N, dtype, S_L, ROW_O, P_L)
         for i in range(1, num_blocks):
             async_copy.wait_group(NUM_STAGES - 2)  # block i has landed (0 .. i + NUM_STAGES - 2 issued)
             fence_async_shared()
             thread_barrier()
-            s_tok = warpgroup_mma(q_smem, k_ring.index(i % NUM_STAGES).permute((1, 0)), s_zero, use_acc=False,
-                                  is_async=True)
+            s_tok = warpgroup_mma(
+                q_smem, k_ring.index(i % NUM_STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True
+            )
             acc = acc * gl.expand_dims(alpha, 1)
             acc_tok = warpgroup_mma(p_op, v_ring.index((i - 1) % NUM_STAGES), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # S_i done; P_{i-1} V_{i-1} runs on
-            p_op, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, i * BLOCK_N, free_hi, pos, qk_scale,
-                                                  BLOCK_N, dtype, S_L, ROW_O, P_L)
+            p_op, alpha, m_i, l_i = _softmax_step(
+                s, m_i, l_i, i * BLOCK_N, free_hi, pos, qk_scale, BLOCK_N, dtype, S_L, ROW_O, P_L
+            )
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
             thread_barrier()  # both warpgroups are done with block i - 1's slot
-            _issue_block(K, V, k_ring, v_ring, i - 1 + NUM_STAGES, num_blocks, kv_indices, page_base, hi, kvh,
-                         stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, BLOCK_N, HEAD_DIM,
-                         PAGE_SIZE, NUM_STAGES, LOAD)
+            _issue_block(
+                K,
+                V,
+                k_ring,
+                v_ring,
+                i - 1 + NUM_STAGES,
+                num_blocks,
+                kv_indices,
+                page_base,
+                hi,
+                kvh,
+                stride_kp,
+                stride_kt,
+                stride_kh,
+                stride_vp,
+                stride_vt,
+                stride_vh,
+                BLOCK_N,
+                HEAD_DIM,
+                PAGE_SIZE,
+                NUM_STAGES,
+                LOAD,
+            )
         acc = acc * gl.expand_dims(alpha, 1)
         acc = warpgroup_mma(p_op, v_ring.index((num_blocks - 1) % NUM_STAGES), acc)
     else:
@@ -207,12 +300,33 @@ def gluon_prefill_kernel(
             v_slot = v_ring.index(slot)
             s = warpgroup_mma(q_smem, k_slot.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             # meanwhile: block i + NUM_STAGES - 1 into the slot block i - 1 used (its wgmmas have completed)
-            _issue_block(K, V, k_ring, v_ring, i + NUM_STAGES - 1, num_blocks, kv_indices, page_base, hi, kvh,
-                         stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, BLOCK_N, HEAD_DIM,
-                         PAGE_SIZE, NUM_STAGES, LOAD)
+            _issue_block(
+                K,
+                V,
+                k_ring,
+                v_ring,
+                i + NUM_STAGES - 1,
+                num_blocks,
+                kv_indices,
+                page_base,
+                hi,
+                kvh,
+                stride_kp,
+                stride_kt,
+                stride_kh,
+                stride_vp,
+                stride_vt,
+                stride_vh,
+                BLOCK_N,
+                HEAD_DIM,
+                PAGE_SIZE,
+                NUM_STAGES,
+                LOAD,
+            )
             s, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s, k_slot))
-            p_op, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, i * BLOCK_N, free_hi, pos, qk_scale,
-                                                  BLOCK_N, dtype, S_L, ROW_O, P_L)
+            p_op, alpha, m_i, l_i = _softmax_step(
+                s, m_i, l_i, i * BLOCK_N, free_hi, pos, qk_scale, BLOCK_N, dtype, S_L, ROW_O, P_L
+            )
             acc = acc * gl.expand_dims(alpha, 1)
             acc = warpgroup_mma(p_op, v_slot, acc, is_async=True)
             acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_slot))

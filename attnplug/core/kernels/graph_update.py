@@ -26,16 +26,42 @@ import triton.language as tl
 
 @triton.jit
 def graph_batch_from_block_table_kernel(
-    SEQ, BT, stride_bt_row, stride_bt_col, n, W, ROW_IDX,
-    KV_INDPTR, KV_INDICES, KV_LAST, KV_LENS,
-    BT_OUT, stride_bo_row,
-    MASK, MASK_INDPTR, MASK_FREE,
-    SHARED, P_INDPTR, P_INDICES, P_LENS, COUNTS, ACTIVE, min_saved_pages,
-    page_size, pad_page, pad_kv_len,
-    Q: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr,
-    HAS_BT_OUT: tl.constexpr, CHAIN_MASK: tl.constexpr, HAS_ROW_IDX: tl.constexpr, ENTRY_TOKENS: tl.constexpr,
+    SEQ,
+    BT,
+    stride_bt_row,
+    stride_bt_col,
+    n,
+    W,
+    ROW_IDX,
+    KV_INDPTR,
+    KV_INDICES,
+    KV_LAST,
+    KV_LENS,
+    BT_OUT,
+    stride_bo_row,
+    MASK,
+    MASK_INDPTR,
+    MASK_FREE,
+    SHARED,
+    P_INDPTR,
+    P_INDICES,
+    P_LENS,
+    COUNTS,
+    ACTIVE,
+    min_saved_pages,
+    page_size,
+    pad_page,
+    pad_kv_len,
+    Q: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    HAS_BT_OUT: tl.constexpr,
+    CHAIN_MASK: tl.constexpr,
+    HAS_ROW_IDX: tl.constexpr,
+    ENTRY_TOKENS: tl.constexpr,
     HAS_SHARED: tl.constexpr,
-):  # fmt: skip
+):
     """Grid ``(bs,)``: program ``b`` writes request ``b``'s pages (and mask block); program 0 also
     writes the per-request vectors. Every program recomputes the ``bs`` prefix sums (``bs <= BLOCK_B``).
     ``HAS_SHARED``: ``SHARED[0]`` leading pages are common to the real requests; when ``(n - 1) *
@@ -115,9 +141,20 @@ def graph_batch_from_block_table_kernel(
 
 @triton.jit
 def shared_pages_kernel(
-    SEQ, BT, stride_bt_row, stride_bt_col, n, W, ROW_IDX, SHARED, page_size, q,
-    BLOCK_J: tl.constexpr, HAS_ROW_IDX: tl.constexpr, ENTRY_TOKENS: tl.constexpr,
-):  # fmt: skip
+    SEQ,
+    BT,
+    stride_bt_row,
+    stride_bt_col,
+    n,
+    W,
+    ROW_IDX,
+    SHARED,
+    page_size,
+    q,
+    BLOCK_J: tl.constexpr,
+    HAS_ROW_IDX: tl.constexpr,
+    ENTRY_TOKENS: tl.constexpr,
+):
     """Grid ``(n,)``, ``SHARED[0]`` preset to a bound: program ``b`` lowers it to the number of leading
     page ids request ``b`` shares with request 0, within its shareable pages ``(seq_lens[b] - q) // P``
     (this step's ``q`` query tokens are never shared). A padding row (``seq_lens <= 0``) at 0
@@ -146,8 +183,15 @@ def shared_pages_kernel(
         tl.atomic_min(SHARED, first)
 
 
-def batch_shared_pages(seq_lens: torch.Tensor, block_table: torch.Tensor, page_size: int, shared: torch.Tensor,
-                       row_ids: torch.Tensor | None = None, entry_tokens: int = 1, q: int = 1) -> None:
+def batch_shared_pages(
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    page_size: int,
+    shared: torch.Tensor,
+    row_ids: torch.Tensor | None = None,
+    entry_tokens: int = 1,
+    q: int = 1,
+) -> None:
     """``shared [1]`` int32 <- the leading page ids every real request of the engine's table shares
     with request 0 (within each one's ``(seq_lens - q) // page_size`` shareable pages: ``q`` query
     tokens a request); 0 with fewer than two requests. Device work only (a fill and one launch, grid
@@ -158,10 +202,20 @@ def batch_shared_pages(seq_lens: torch.Tensor, block_table: torch.Tensor, page_s
         return
     W = block_table.shape[1] if block_table.dim() == 2 else 0
     shared_pages_kernel[(n,)](
-        seq_lens, block_table, block_table.stride(0), block_table.stride(1) if W else 1, n, W,
-        seq_lens if row_ids is None else row_ids, shared, page_size, q,
-        BLOCK_J=128, HAS_ROW_IDX=row_ids is not None, ENTRY_TOKENS=entry_tokens,
-    )  # fmt: skip
+        seq_lens,
+        block_table,
+        block_table.stride(0),
+        block_table.stride(1) if W else 1,
+        n,
+        W,
+        seq_lens if row_ids is None else row_ids,
+        shared,
+        page_size,
+        q,
+        BLOCK_J=128,
+        HAS_ROW_IDX=row_ids is not None,
+        ENTRY_TOKENS=entry_tokens,
+    )
 
 
 def graph_batch_from_block_table(
@@ -234,15 +288,34 @@ def graph_batch_from_block_table(
         raise ValueError("shared, prefix, counts and active go together")
     W = block_table.shape[1] if block_table.dim() == 2 else 0
     graph_batch_from_block_table_kernel[(bs,)](
-        seq_lens, block_table, block_table.stride(0), block_table.stride(1) if W else 1, n, W,
+        seq_lens,
+        block_table,
+        block_table.stride(0),
+        block_table.stride(1) if W else 1,
+        n,
+        W,
         seq_lens if row_ids is None else row_ids,
-        kv_indptr, kv_indices, kv_last_page_len, kv_lens,
+        kv_indptr,
+        kv_indices,
+        kv_last_page_len,
+        kv_lens,
         dummy if block_table_out is None else block_table_out,
         0 if block_table_out is None else block_table_out.stride(0),
-        mask if chain else dummy, mask_indptr if chain else dummy, mask_free if chain else dummy,
-        *((shared, *prefix, counts, active) if shared is not None else (dummy,) * 6), max(1, int(min_saved_pages)),
-        page_size, pad_page, pad_kv_len,
-        Q=q, BLOCK_B=triton.next_power_of_2(max(bs, max_batch or 1)), BLOCK_J=128, BLOCK_E=1024,
-        HAS_BT_OUT=block_table_out is not None, CHAIN_MASK=chain, HAS_ROW_IDX=row_ids is not None,
-        ENTRY_TOKENS=entry_tokens, HAS_SHARED=shared is not None,
-    )  # fmt: skip
+        mask if chain else dummy,
+        mask_indptr if chain else dummy,
+        mask_free if chain else dummy,
+        *((shared, *prefix, counts, active) if shared is not None else (dummy,) * 6),
+        max(1, int(min_saved_pages)),
+        page_size,
+        pad_page,
+        pad_kv_len,
+        Q=q,
+        BLOCK_B=triton.next_power_of_2(max(bs, max_batch or 1)),
+        BLOCK_J=128,
+        BLOCK_E=1024,
+        HAS_BT_OUT=block_table_out is not None,
+        CHAIN_MASK=chain,
+        HAS_ROW_IDX=row_ids is not None,
+        ENTRY_TOKENS=entry_tokens,
+        HAS_SHARED=shared is not None,
+    )

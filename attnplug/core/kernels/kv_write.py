@@ -47,22 +47,45 @@ def fp8_round(x, MANT: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.con
 
 
 @triton.jit
-def quantize_to_fp8(x, scale, FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_NORMAL: tl.constexpr,
-                    SUB_MAGIC: tl.constexpr):  # fmt: skip
+def quantize_to_fp8(
+    x, scale, FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr
+):
     """``x / scale`` (float32) saturated to ``[-FP8_MAX, FP8_MAX]`` (NaN kept) and rounded to the fp8 grid."""
     y = x.to(tl.float32) / scale
-    y = tl.minimum(tl.maximum(y, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
-                   propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
+    y = tl.minimum(
+        tl.maximum(y, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX, propagate_nan=tl.PropagateNan.ALL
+    )
     return fp8_round(y, MANT, MIN_NORMAL, SUB_MAGIC)
 
 
 @triton.jit
 def write_kv_kernel(
-    K, V, KC, VC, SLOT, page_size, K_SCALE, V_SCALE,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcp, stride_kco, stride_kch, stride_vcp, stride_vco, stride_vch,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_NORMAL: tl.constexpr,
+    K,
+    V,
+    KC,
+    VC,
+    SLOT,
+    page_size,
+    K_SCALE,
+    V_SCALE,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcp,
+    stride_kco,
+    stride_kch,
+    stride_vcp,
+    stride_vco,
+    stride_vch,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MANT: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
     SUB_MAGIC: tl.constexpr,
 ):
     """Grid ``(T,)``: token ``t`` -> slot ``SLOT[t]`` (``page * page_size + offset``; < 0: skip).
@@ -89,9 +112,25 @@ def write_kv_kernel(
 
 @triton.jit
 def quantize_rows_kernel(
-    X, Y, DQ, SCALE, T, stride_xt, stride_xh, stride_yt, stride_yh, stride_dt, stride_dh,
-    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, FP8_MAX: tl.constexpr,
-    MANT: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, WRITE_DQ: tl.constexpr,
+    X,
+    Y,
+    DQ,
+    SCALE,
+    T,
+    stride_xt,
+    stride_xh,
+    stride_yt,
+    stride_yh,
+    stride_dt,
+    stride_dh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MANT: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    SUB_MAGIC: tl.constexpr,
+    WRITE_DQ: tl.constexpr,
 ):
     """Grid ``(cdiv(T, BLOCK_T), H)``: ``Y[t, h] = fp8(X[t, h] / SCALE)`` for ``BLOCK_T`` rows of one
     head a program, saturated (as the KV write); ``WRITE_DQ``: also ``DQ[t, h] = Y[t, h] * SCALE`` in
@@ -108,8 +147,9 @@ def quantize_rows_kernel(
         tl.store(DQ + t * stride_dt + h * stride_dh + d, (y * scale).to(DQ.dtype.element_ty), mask=m)
 
 
-def quantize_fp8_rows(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
-                      dequant_out: torch.Tensor | None = None) -> torch.Tensor:
+def quantize_fp8_rows(
+    x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, dequant_out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``out [T, H, D]`` (fp8) = ``x [T, H, D] / scale`` saturated and rounded like the fp8 KV write
     (vLLM's static per-tensor ``QuantFP8`` of the query); ``scale`` a one-element float32 device
     tensor. ``dequant_out [T, H, D]`` (optional, any float dtype): ``out * scale``, the query an fp8
@@ -117,21 +157,42 @@ def quantize_fp8_rows(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
     Head dims contiguous."""
     dq = out if dequant_out is None else dequant_out
     if x.stride(-1) != 1 or out.stride(-1) != 1 or dq.stride(-1) != 1:
-        raise ValueError(f"x, out and dequant_out must have a contiguous last dim, got strides {x.stride()} / "
-                         f"{out.stride()} / {dq.stride()}")
+        raise ValueError(
+            f"x, out and dequant_out must have a contiguous last dim, got strides {x.stride()} / "
+            f"{out.stride()} / {dq.stride()}"
+        )
     T, H, D = x.shape
     if T:
         block_t = min(32, triton.next_power_of_2(T))  # decode: one row; prefill: 32 rows x D a program
         quantize_rows_kernel[(triton.cdiv(T, block_t), H)](
-            x, out, dq, scale, T, x.stride(0), x.stride(1), out.stride(0), out.stride(1), dq.stride(0), dq.stride(1),
-            HEAD_DIM=D, BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(D), WRITE_DQ=dequant_out is not None,
-            **fp8_constants(out.dtype))  # fmt: skip
+            x,
+            out,
+            dq,
+            scale,
+            T,
+            x.stride(0),
+            x.stride(1),
+            out.stride(0),
+            out.stride(1),
+            dq.stride(0),
+            dq.stride(1),
+            HEAD_DIM=D,
+            BLOCK_T=block_t,
+            BLOCK_D=triton.next_power_of_2(D),
+            WRITE_DQ=dequant_out is not None,
+            **fp8_constants(out.dtype),
+        )
     return out
 
 
 def write_kv_paged(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """``k_cache[slot // P, slot % P] = k[t]`` (same for ``v``) for every ``t`` with ``slot >= 0``.
 
@@ -158,14 +219,35 @@ def write_kv_paged(
             raise ValueError(f"{name} must have a contiguous head dim (stride 1), got strides {x.stride()}")
     fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if fp8 and (v_cache.dtype != k_cache.dtype or k_scale is None or v_scale is None):
-        raise ValueError("attnplug: an fp8 KV write needs k_cache and v_cache of one fp8 dtype and k_scale / "
-                         f"v_scale tensors; got {k_cache.dtype} / {v_cache.dtype}, scales {k_scale is not None} / "
-                         f"{v_scale is not None}")  # fmt: skip
+        raise ValueError(
+            "attnplug: an fp8 KV write needs k_cache and v_cache of one fp8 dtype and k_scale / "
+            f"v_scale tensors; got {k_cache.dtype} / {v_cache.dtype}, scales {k_scale is not None} / "
+            f"{v_scale is not None}"
+        )
     consts = fp8_constants(k_cache.dtype) if fp8 else dict(FP8_MAX=0.0, MANT=0, MIN_NORMAL=0.0, SUB_MAGIC=0.0)
     write_kv_kernel[(T,)](
-        k, v, k_cache, v_cache, slot_mapping, P, k_scale if fp8 else slot_mapping, v_scale if fp8 else slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NUM_HEADS=H, HEAD_DIM=D, BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D),
-        FP8=fp8, **consts,
-    )  # fmt: skip
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        P,
+        k_scale if fp8 else slot_mapping,
+        v_scale if fp8 else slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        NUM_HEADS=H,
+        HEAD_DIM=D,
+        BLOCK_H=triton.next_power_of_2(H),
+        BLOCK_D=triton.next_power_of_2(D),
+        FP8=fp8,
+        **consts,
+    )

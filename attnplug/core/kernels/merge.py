@@ -23,11 +23,29 @@ def _natural_lse(tot, m_safe):
 
 @triton.jit
 def merge_splits_kernel(
-    P, PL, O, LSE, num_splits, num_heads,
-    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-    stride_ot, stride_oh, stride_st, stride_sh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
-    STORE_LSE: tl.constexpr, BASE: tl.constexpr, PDL: tl.constexpr = False, SINKS=None,
+    P,
+    PL,
+    O,
+    LSE,
+    num_splits,
+    num_heads,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lt,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    stride_st,
+    stride_sh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    BASE: tl.constexpr,
+    PDL: tl.constexpr = False,
+    SINKS=None,
     HAS_SINKS: tl.constexpr = False,
 ):
     """Grid ``(T, cdiv(H, BLOCK_H))``: merge ``num_splits`` partials ``P [T,H,S,D]`` (fp32 or the
@@ -95,11 +113,32 @@ def merge_splits_kernel(
 
 @triton.jit
 def merge_state_kernel(
-    VA, SA, VB, SB, VO, SO, ROWS, num_heads,
-    stride_at, stride_ah, stride_bt, stride_bh, stride_ot, stride_oh,
-    stride_sat, stride_sah, stride_sbt, stride_sbh, stride_sot, stride_soh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, STORE_LSE: tl.constexpr,
-    HAS_ROWS: tl.constexpr, IN_PLACE: tl.constexpr,
+    VA,
+    SA,
+    VB,
+    SB,
+    VO,
+    SO,
+    ROWS,
+    num_heads,
+    stride_at,
+    stride_ah,
+    stride_bt,
+    stride_bh,
+    stride_ot,
+    stride_oh,
+    stride_sat,
+    stride_sah,
+    stride_sbt,
+    stride_sbh,
+    stride_sot,
+    stride_soh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+    IN_PLACE: tl.constexpr,
 ):
     """Grid ``(T, cdiv(H, BLOCK_H))``: merge two states with natural-log LSE (rows ``[T, H, D]``, LSE
     ``[T, H]``), ``BLOCK_H`` heads a program. With ``HAS_ROWS`` state A and the output are read/written
@@ -122,14 +161,19 @@ def merge_state_kernel(
     need = h_ok[:, None] & (d[None, :] < HEAD_DIM)
     if IN_PLACE:
         need = need & (wb > 0.0)[:, None]
-    va = tl.load(VA + ta * stride_at + h[:, None] * stride_ah + d[None, :], mask=need & (wa > 0.0)[:, None],
-                 other=0.0).to(tl.float32)
-    vb = tl.load(VB + t * stride_bt + h[:, None] * stride_bh + d[None, :], mask=need & (wb > 0.0)[:, None],
-                 other=0.0).to(tl.float32)
+    va = tl.load(
+        VA + ta * stride_at + h[:, None] * stride_ah + d[None, :], mask=need & (wa > 0.0)[:, None], other=0.0
+    ).to(tl.float32)
+    vb = tl.load(
+        VB + t * stride_bt + h[:, None] * stride_bh + d[None, :], mask=need & (wb > 0.0)[:, None], other=0.0
+    ).to(tl.float32)
     inv = 1.0 / tl.where(tot > 0.0, tot, 1.0)
     # an empty state (weight 0) is not read: it adds nothing, whatever its scratch holds
-    tl.store(VO + ta * stride_ot + h[:, None] * stride_oh + d[None, :],
-             ((va * wa[:, None] + vb * wb[:, None]) * inv[:, None]).to(VO.dtype.element_ty), mask=need)
+    tl.store(
+        VO + ta * stride_ot + h[:, None] * stride_oh + d[None, :],
+        ((va * wa[:, None] + vb * wb[:, None]) * inv[:, None]).to(VO.dtype.element_ty),
+        mask=need,
+    )
     if STORE_LSE:
         lse_ok = h_ok
         if IN_PLACE:  # rows without state b keep state a's LSE
@@ -147,15 +191,26 @@ def heads_per_program(rows: int, heads: int, elems_per_head: int) -> int:
     """``BLOCK_H`` of the merge kernels: a power of two, 1 unless ``rows * heads`` leaves at least
     :data:`MERGE_MIN_PROGRAMS` programs of up to :data:`MERGE_ELEMS` elements."""
     bh = 1
-    while (bh * 2 <= heads and rows * triton.cdiv(heads, bh * 2) >= MERGE_MIN_PROGRAMS
-           and bh * 2 * elems_per_head <= MERGE_ELEMS):  # fmt: skip
+    while (
+        bh * 2 <= heads
+        and rows * triton.cdiv(heads, bh * 2) >= MERGE_MIN_PROGRAMS
+        and bh * 2 * elems_per_head <= MERGE_ELEMS
+    ):
         bh *= 2
     return bh
 
 
-def merge_splits(partial: torch.Tensor, partial_lse2: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
-                 base: bool = False, block_h: int | None = None, num_warps: int = 4, pdl: bool = False,
-                 sinks: torch.Tensor | None = None) -> None:
+def merge_splits(
+    partial: torch.Tensor,
+    partial_lse2: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    base: bool = False,
+    block_h: int | None = None,
+    num_warps: int = 4,
+    pdl: bool = False,
+    sinks: torch.Tensor | None = None,
+) -> None:
     """Merge split-KV partials.
 
     Args:
@@ -179,13 +234,29 @@ def merge_splits(partial: torch.Tensor, partial_lse2: torch.Tensor, out: torch.T
     bs = max(triton.next_power_of_2(S), 2)
     bh = block_h or heads_per_program(T, H, bs * triton.next_power_of_2(D))
     merge_splits_kernel[(T, triton.cdiv(H, bh))](
-        partial, partial_lse2, out, lse if lse is not None else partial_lse2, S, H,
-        partial.stride(0), partial.stride(1), partial.stride(2),
-        partial_lse2.stride(0), partial_lse2.stride(1),
-        out.stride(0), out.stride(1),
-        lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
-        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_S=bs, BLOCK_H=bh,
-        STORE_LSE=lse is not None, BASE=base, num_warps=num_warps, **({"PDL": True, "launch_pdl": True} if pdl else {}),
+        partial,
+        partial_lse2,
+        out,
+        lse if lse is not None else partial_lse2,
+        S,
+        H,
+        partial.stride(0),
+        partial.stride(1),
+        partial.stride(2),
+        partial_lse2.stride(0),
+        partial_lse2.stride(1),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0) if lse is not None else 0,
+        lse.stride(1) if lse is not None else 0,
+        HEAD_DIM=D,
+        BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_S=bs,
+        BLOCK_H=bh,
+        STORE_LSE=lse is not None,
+        BASE=base,
+        num_warps=num_warps,
+        **({"PDL": True, "launch_pdl": True} if pdl else {}),
         **({"SINKS": sinks, "HAS_SINKS": True} if sinks is not None else {}),
     )
 
@@ -218,18 +289,49 @@ def merge_state(
     in_place = same(v_out, v_a) and (s_out is None or same(s_out, s_a))
     bh = block_h or heads_per_program(T, H, 2 * triton.next_power_of_2(D))
     merge_state_kernel[(T, triton.cdiv(H, bh))](
-        v_a, s_a, v_b, s_b, v_out, s_out if s_out is not None else s_a, rows if rows is not None else s_a, H,
-        v_a.stride(0), v_a.stride(1), v_b.stride(0), v_b.stride(1), v_out.stride(0), v_out.stride(1),
-        s_a.stride(0), s_a.stride(1), s_b.stride(0), s_b.stride(1),
+        v_a,
+        s_a,
+        v_b,
+        s_b,
+        v_out,
+        s_out if s_out is not None else s_a,
+        rows if rows is not None else s_a,
+        H,
+        v_a.stride(0),
+        v_a.stride(1),
+        v_b.stride(0),
+        v_b.stride(1),
+        v_out.stride(0),
+        v_out.stride(1),
+        s_a.stride(0),
+        s_a.stride(1),
+        s_b.stride(0),
+        s_b.stride(1),
         *((s_out.stride(0), s_out.stride(1)) if s_out is not None else (0, 0)),
-        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_H=bh, STORE_LSE=s_out is not None,
-        HAS_ROWS=rows is not None, IN_PLACE=in_place, num_warps=4,
+        HEAD_DIM=D,
+        BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_H=bh,
+        STORE_LSE=s_out is not None,
+        HAS_ROWS=rows is not None,
+        IN_PLACE=in_place,
+        num_warps=4,
     )
 
 
 @triton.jit
-def apply_sinks_kernel(O, LSE, SINKS, num_heads, stride_ot, stride_oh, stride_lt, stride_lh,
-                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+def apply_sinks_kernel(
+    O,
+    LSE,
+    SINKS,
+    num_heads,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    stride_lh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """Grid ``(T, cdiv(H, BLOCK_H))``: the sink logit ``SINKS[h]`` joins the state ``(O [T, H, D],
     LSE [T, H])`` (natural log) in place: ``O *= sigmoid(LSE - sink)``, ``LSE = logaddexp(LSE, sink)``.
     A row without keys (``LSE = -inf``) becomes ``(0, sink)`` whatever its ``O`` held."""
@@ -264,6 +366,16 @@ def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> No
         return
     bh = heads_per_program(T, H, triton.next_power_of_2(D))
     apply_sinks_kernel[(T, triton.cdiv(H, bh))](
-        out, lse, sinks, H, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_H=bh, num_warps=4,
+        out,
+        lse,
+        sinks,
+        H,
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        lse.stride(1),
+        HEAD_DIM=D,
+        BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_H=bh,
+        num_warps=4,
     )

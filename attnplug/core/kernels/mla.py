@@ -19,13 +19,48 @@ from .kv_write import fp8_constants, quantize_to_fp8
 
 @triton.jit
 def mla_attention_kernel(
-    Q, C, O, LSE, QO_INDPTR, KV_INDPTR, KV_INDICES, KV_LENS, TILE_REQ, TILE_Q, MASK, MASK_INDPTR, KV_START,
-    K_SCALE, sm_scale, num_splits,
-    stride_qt, stride_qh, stride_cp, stride_ct, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-    NUM_HEADS: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_KV_START: tl.constexpr, SPLIT: tl.constexpr,
-    STORE_LSE: tl.constexpr, KV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    Q,
+    C,
+    O,
+    LSE,
+    QO_INDPTR,
+    KV_INDPTR,
+    KV_INDICES,
+    KV_LENS,
+    TILE_REQ,
+    TILE_Q,
+    MASK,
+    MASK_INDPTR,
+    KV_START,
+    K_SCALE,
+    sm_scale,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_cp,
+    stride_ct,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    stride_lt,
+    stride_lh,
+    NUM_HEADS: tl.constexpr,
+    R: tl.constexpr,
+    DR: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_KV_START: tl.constexpr,
+    SPLIT: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """Grid ``(tiles, cdiv(H, BLOCK_H), splits)``. ``Q [T, H, R + Dr]``, ``C`` the latent cache (page /
     token strides, last dim contiguous). Unsplit: ``O [T, H, R]`` and natural-log ``LSE [T, H]``
@@ -34,8 +69,7 @@ def mla_attention_kernel(
     tile = tl.program_id(0)
     hb = tl.program_id(1)
     split = tl.program_id(2)
-    b, q0, q_start, q_len, kv_len, page_lo = tile_request(TILE_REQ, TILE_Q, QO_INDPTR, KV_LENS, KV_INDPTR,
-                                                          tile)
+    b, q0, q_start, q_len, kv_len, page_lo = tile_request(TILE_REQ, TILE_Q, QO_INDPTR, KV_LENS, KV_INDPTR, tile)
 
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
     m_idx = tl.arange(0, BLOCK_M)
@@ -75,8 +109,7 @@ def mla_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
-        offs, key_ok = kv_offsets(KV_INDICES, page_lo, n0, 0, stride_cp, stride_ct, 0, hi, BLOCK_N, PAGE_SIZE,
-                                  True)
+        offs, key_ok = kv_offsets(KV_INDICES, page_lo, n0, 0, stride_cp, stride_ct, 0, hi, BLOCK_N, PAGE_SIZE, True)
         row = C + offs
         c = tl.load(row[:, None] + rr[None, :], mask=key_ok[:, None] & (rr[None, :] < R), other=0.0)
         pe = tl.load(row[:, None] + R + dr[None, :], mask=key_ok[:, None] & (dr[None, :] < DR), other=0.0)
@@ -104,21 +137,40 @@ def mla_attention_kernel(
     lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     o_ok = row_ok[:, None] & (rr[None, :] < R)
     if SPLIT:
-        tl.store(O + t[:, None] * stride_ot + h[:, None] * stride_oh + split * stride_os + rr[None, :],
-                 out.to(O.dtype.element_ty), mask=o_ok)
+        tl.store(
+            O + t[:, None] * stride_ot + h[:, None] * stride_oh + split * stride_os + rr[None, :],
+            out.to(O.dtype.element_ty),
+            mask=o_ok,
+        )
         tl.store(LSE + t * stride_lt + h * stride_lh + split, lse2, mask=row_ok)
     else:
-        tl.store(O + t[:, None] * stride_ot + h[:, None] * stride_oh + rr[None, :],
-                 out.to(O.dtype.element_ty), mask=o_ok)
+        tl.store(
+            O + t[:, None] * stride_ot + h[:, None] * stride_oh + rr[None, :], out.to(O.dtype.element_ty), mask=o_ok
+        )
         if STORE_LSE:
             tl.store(LSE + t * stride_lt + h * stride_lh, lse2 * 0.6931471805599453, mask=row_ok)
 
 
 @triton.jit
 def write_latent_kernel(
-    KVC, KPE, CACHE, SLOT, page_size, K_SCALE, stride_ct, stride_pt, stride_cp, stride_co,
-    R: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
-    FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_NORMAL: tl.constexpr,
+    KVC,
+    KPE,
+    CACHE,
+    SLOT,
+    page_size,
+    K_SCALE,
+    stride_ct,
+    stride_pt,
+    stride_cp,
+    stride_co,
+    R: tl.constexpr,
+    DR: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MANT: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
     SUB_MAGIC: tl.constexpr,
 ):
     """Grid ``(T,)``: token ``t`` -> latent row ``SLOT[t]`` (``< 0``: skipped) = ``cat(KVC[t], KPE[t])``."""
@@ -142,8 +194,13 @@ def write_latent_kernel(
     tl.store(row + R + dr, pe.to(CACHE.dtype.element_ty), mask=m_p)
 
 
-def write_latent_paged(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
-                       slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None) -> None:
+def write_latent_paged(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+) -> None:
     """:func:`attnplug.core.mla.write_latent` (see there): one launch of :func:`write_latent_kernel`."""
     T = slot_mapping.shape[0]
     if T == 0:
@@ -154,8 +211,7 @@ def write_latent_paged(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tens
         cache = cache.squeeze(2)
     R, DR = kv_c.shape[-1], k_pe.shape[-1]
     if cache.dim() != 3 or cache.shape[-1] != R + DR:
-        raise ValueError(f"attnplug: the MLA latent cache must be [pages, P, {R + DR}], got "
-                         f"{list(cache.shape)}")
+        raise ValueError(f"attnplug: the MLA latent cache must be [pages, P, {R + DR}], got {list(cache.shape)}")
     for name, x in (("kv_c", kv_c), ("k_pe", k_pe), ("cache", cache)):
         if x.stride(-1) != 1:
             raise ValueError(f"attnplug: {name} must have a contiguous last dim, got strides {x.stride()}")
@@ -164,7 +220,20 @@ def write_latent_paged(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tens
         raise ValueError("attnplug: an fp8 MLA latent write needs k_scale (one-element float32 tensor)")
     consts = fp8_constants(cache.dtype) if fp8 else dict(FP8_MAX=0.0, MANT=0, MIN_NORMAL=0.0, SUB_MAGIC=0.0)
     write_latent_kernel[(T,)](
-        kv_c, k_pe, cache, slot_mapping, cache.shape[1], k_scale if fp8 else slot_mapping,
-        kv_c.stride(0), k_pe.stride(0), cache.stride(0), cache.stride(1),
-        R=R, DR=DR, BLOCK_R=triton.next_power_of_2(R), BLOCK_DR=triton.next_power_of_2(DR), FP8=fp8, **consts,
-    )  # fmt: skip
+        kv_c,
+        k_pe,
+        cache,
+        slot_mapping,
+        cache.shape[1],
+        k_scale if fp8 else slot_mapping,
+        kv_c.stride(0),
+        k_pe.stride(0),
+        cache.stride(0),
+        cache.stride(1),
+        R=R,
+        DR=DR,
+        BLOCK_R=triton.next_power_of_2(R),
+        BLOCK_DR=triton.next_power_of_2(DR),
+        FP8=fp8,
+        **consts,
+    )

@@ -52,16 +52,30 @@ from .pdl import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def _load_k(K, K_desc, kv_indices, page_base, n0, kvh, stride_p, stride_t, stride_h, hi, d,
-            BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_TMA: tl.constexpr,
-            MASKED: tl.constexpr):
+def _load_k(
+    K,
+    K_desc,
+    kv_indices,
+    page_base,
+    n0,
+    kvh,
+    stride_p,
+    stride_t,
+    stride_h,
+    hi,
+    d,
+    BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGE_TMA: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     """K of keys ``n0 .. n0+BLOCK`` as ``[BLOCK_D, BLOCK]`` (transposed for ``q @ k``)."""
     if PAGE_TMA:  # the block lies in one page: one 2-D copy of [BLOCK, D] (rows past hi: masked later)
         page = tl.load(kv_indices + page_base + n0 // PAGE_SIZE)
         k = K_desc.load([page, n0 % PAGE_SIZE, kvh, 0]).reshape(BLOCK, d.shape[0]).T
     else:
-        off, ok = kv_offsets(kv_indices, page_base, n0, kvh, stride_p, stride_t, stride_h, hi,
-                              BLOCK, PAGE_SIZE, MASKED)
+        off, ok = kv_offsets(kv_indices, page_base, n0, kvh, stride_p, stride_t, stride_h, hi, BLOCK, PAGE_SIZE, MASKED)
         if MASKED:
             k = tl.load(K + off[None, :] + d[:, None], mask=ok[None, :] & (d[:, None] < HEAD_DIM), other=0.0)
         elif HEAD_DIM == d.shape[0]:
@@ -72,9 +86,24 @@ def _load_k(K, K_desc, kv_indices, page_base, n0, kvh, stride_p, stride_t, strid
 
 
 @triton.jit
-def _load_v(V, V_desc, kv_indices, page_base, n0, kvh, stride_p, stride_t, stride_h, hi, d,
-            BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_TMA: tl.constexpr,
-            MASKED: tl.constexpr):
+def _load_v(
+    V,
+    V_desc,
+    kv_indices,
+    page_base,
+    n0,
+    kvh,
+    stride_p,
+    stride_t,
+    stride_h,
+    hi,
+    d,
+    BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGE_TMA: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     """V of keys ``n0 .. n0+BLOCK`` as ``[BLOCK, BLOCK_D]`` (rows past ``hi`` are zero)."""
     if PAGE_TMA:
         page = tl.load(kv_indices + page_base + n0 // PAGE_SIZE)
@@ -83,8 +112,7 @@ def _load_v(V, V_desc, kv_indices, page_base, n0, kvh, stride_p, stride_t, strid
             n = n0 + tl.arange(0, BLOCK)
             v = tl.where((n < hi)[:, None], v, tl.zeros_like(v))
     else:
-        off, ok = kv_offsets(kv_indices, page_base, n0, kvh, stride_p, stride_t, stride_h, hi,
-                              BLOCK, PAGE_SIZE, MASKED)
+        off, ok = kv_offsets(kv_indices, page_base, n0, kvh, stride_p, stride_t, stride_h, hi, BLOCK, PAGE_SIZE, MASKED)
         if MASKED:
             v = tl.load(V + off[:, None] + d[None, :], mask=ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
         elif HEAD_DIM == d.shape[0]:
@@ -95,12 +123,38 @@ def _load_v(V, V_desc, kv_indices, page_base, n0, kvh, stride_p, stride_t, strid
 
 
 @triton.jit
-def block_softmax(q, K, K_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i, l_i, qk_scale, soft_cap,
-                  stride_kp, stride_kt, stride_kh,
-                  BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_TMA: tl.constexpr,
-                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  UPCAST: tl.constexpr, KV_FP8: tl.constexpr, P_DTYPE: tl.constexpr, diag_from=0,
-                  MASK_FROM: tl.constexpr = False):
+def block_softmax(
+    q,
+    K,
+    K_desc,
+    kv_indices,
+    page_base,
+    n0,
+    kvh,
+    hi,
+    pos,
+    d,
+    m_i,
+    l_i,
+    qk_scale,
+    soft_cap,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGE_TMA: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    diag_from=0,
+    MASK_FROM: tl.constexpr = False,
+):
     """The logits of keys ``n0 .. n0+BLOCK`` (KV head ``kvh``) into the online softmax: ``(m_new, l_new,
     p [BLOCK_M, BLOCK] fp32, alpha [BLOCK_M])``; the caller adds ``p @ V`` to ``acc * alpha``.
 
@@ -111,20 +165,51 @@ def block_softmax(q, K, K_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i,
     by ``hi``, the causal mask applied only when ``n0 >= diag_from`` (a branch on a scalar: blocks below
     the diagonal skip it)."""
     LOAD_MASK: tl.constexpr = MASKED or MASK_FROM
-    k = _load_k(K, K_desc, kv_indices, page_base, n0, kvh, stride_kp, stride_kt, stride_kh, hi, d,
-                BLOCK, HEAD_DIM, PAGE_SIZE, PAGE_TMA, LOAD_MASK)
+    k = _load_k(
+        K,
+        K_desc,
+        kv_indices,
+        page_base,
+        n0,
+        kvh,
+        stride_kp,
+        stride_kt,
+        stride_kh,
+        hi,
+        d,
+        BLOCK,
+        HEAD_DIM,
+        PAGE_SIZE,
+        PAGE_TMA,
+        LOAD_MASK,
+    )
     if KV_FP8:  # dequantize: the scale is in qk_scale
         k = k.to(P_DTYPE)
     if UPCAST:
         k = k.to(tl.float32)
     s = tl.dot(q, k, input_precision=DOT_PRECISION)
-    return softmax_update(s, n0, hi, pos, m_i, l_i, qk_scale, soft_cap, BLOCK, MASKED, CAUSAL, SOFT_CAP, diag_from,
-                          MASK_FROM)
+    return softmax_update(
+        s, n0, hi, pos, m_i, l_i, qk_scale, soft_cap, BLOCK, MASKED, CAUSAL, SOFT_CAP, diag_from, MASK_FROM
+    )
 
 
 @triton.jit
-def softmax_update(s, n0, hi, pos, m_i, l_i, qk_scale, soft_cap, BLOCK: tl.constexpr, MASKED: tl.constexpr,
-                   CAUSAL: tl.constexpr, SOFT_CAP: tl.constexpr, diag_from=0, MASK_FROM: tl.constexpr = False):
+def softmax_update(
+    s,
+    n0,
+    hi,
+    pos,
+    m_i,
+    l_i,
+    qk_scale,
+    soft_cap,
+    BLOCK: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    diag_from=0,
+    MASK_FROM: tl.constexpr = False,
+):
     """The online softmax step of :func:`block_softmax` on raw logits ``s`` ``[BLOCK_M, BLOCK]`` (``q . k``,
     unscaled): ``(m_new, l_new, p, alpha)``."""
     if SOFT_CAP:
@@ -155,21 +240,97 @@ def softmax_update(s, n0, hi, pos, m_i, l_i, qk_scale, soft_cap, BLOCK: tl.const
 
 
 @triton.jit
-def attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i, l_i, acc, qk_scale, soft_cap,
-                 stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                 BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_TMA: tl.constexpr,
-                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 UPCAST: tl.constexpr, KV_FP8: tl.constexpr, P_DTYPE: tl.constexpr, diag_from=0,
-                 MASK_FROM: tl.constexpr = False):
+def attend_block(
+    q,
+    K,
+    V,
+    K_desc,
+    V_desc,
+    kv_indices,
+    page_base,
+    n0,
+    kvh,
+    hi,
+    pos,
+    d,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    soft_cap,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    stride_vp,
+    stride_vt,
+    stride_vh,
+    BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGE_TMA: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    diag_from=0,
+    MASK_FROM: tl.constexpr = False,
+):
     """Keys ``n0 .. n0+BLOCK`` of KV head ``kvh`` into the online softmax ``(m_i, l_i, acc)`` (base 2):
     :func:`block_softmax`, then ``acc * alpha + p @ V``. Shared by the prefill and decode kernels."""
-    m_new, l_i, p, alpha = block_softmax(q, K, K_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i, l_i, qk_scale,
-                                         soft_cap, stride_kp, stride_kt, stride_kh, BLOCK, HEAD_DIM, PAGE_SIZE, PAGE_TMA,
-                                         MASKED, CAUSAL, SOFT_CAP, DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE, diag_from,
-                                         MASK_FROM)
+    m_new, l_i, p, alpha = block_softmax(
+        q,
+        K,
+        K_desc,
+        kv_indices,
+        page_base,
+        n0,
+        kvh,
+        hi,
+        pos,
+        d,
+        m_i,
+        l_i,
+        qk_scale,
+        soft_cap,
+        stride_kp,
+        stride_kt,
+        stride_kh,
+        BLOCK,
+        HEAD_DIM,
+        PAGE_SIZE,
+        PAGE_TMA,
+        MASKED,
+        CAUSAL,
+        SOFT_CAP,
+        DOT_PRECISION,
+        UPCAST,
+        KV_FP8,
+        P_DTYPE,
+        diag_from,
+        MASK_FROM,
+    )
     LOAD_MASK: tl.constexpr = MASKED or MASK_FROM
-    v = _load_v(V, V_desc, kv_indices, page_base, n0, kvh, stride_vp, stride_vt, stride_vh, hi, d,
-                BLOCK, HEAD_DIM, PAGE_SIZE, PAGE_TMA, LOAD_MASK)
+    v = _load_v(
+        V,
+        V_desc,
+        kv_indices,
+        page_base,
+        n0,
+        kvh,
+        stride_vp,
+        stride_vt,
+        stride_vh,
+        hi,
+        d,
+        BLOCK,
+        HEAD_DIM,
+        PAGE_SIZE,
+        PAGE_TMA,
+        LOAD_MASK,
+    )
     if KV_FP8:
         v = v.to(P_DTYPE)
     p = p.to(P_DTYPE)
@@ -182,9 +343,30 @@ def attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, po
 
 
 @triton.jit
-def _merge_into_base(PO, PL, BO, BL, t_glob, head, row_ok, d, num_splits, stride_ot, stride_oh, stride_os,
-                     stride_lt, stride_lh, stride_bot, stride_boh, stride_blt, stride_blh,
-                     HEAD_DIM: tl.constexpr, FROM_SPLITS: tl.constexpr, own_o, own_lse2):
+def _merge_into_base(
+    PO,
+    PL,
+    BO,
+    BL,
+    t_glob,
+    head,
+    row_ok,
+    d,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    stride_lt,
+    stride_lh,
+    stride_bot,
+    stride_boh,
+    stride_blt,
+    stride_blh,
+    HEAD_DIM: tl.constexpr,
+    FROM_SPLITS: tl.constexpr,
+    own_o,
+    own_lse2,
+):
     """Merge into the base state ``BO [T, Hq, D]`` / ``BL [T, Hq]`` (natural log) of a tile's rows: the
     ``num_splits`` partials ``PO`` / base-2 ``PL`` (``FROM_SPLITS``; loads bypass L1: other programs of
     this launch wrote them), or the state ``own_o`` / base-2 ``own_lse2`` in registers. An empty partial
@@ -192,16 +374,23 @@ def _merge_into_base(PO, PL, BO, BL, t_glob, head, row_ok, d, num_splits, stride
     d_ok = d[None, :] < HEAD_DIM
     m = tl.load(BL + t_glob * stride_blt + head * stride_blh, mask=row_ok, other=float("-inf")) * 1.4426950408889634
     w = tl.where(m > float("-inf"), 1.0, 0.0)
-    acc = tl.load(BO + t_glob[:, None] * stride_bot + head[:, None] * stride_boh + d[None, :],
-                  mask=row_ok[:, None] & d_ok & (m > float("-inf"))[:, None], other=0.0).to(tl.float32)
+    acc = tl.load(
+        BO + t_glob[:, None] * stride_bot + head[:, None] * stride_boh + d[None, :],
+        mask=row_ok[:, None] & d_ok & (m > float("-inf"))[:, None],
+        other=0.0,
+    ).to(tl.float32)
     mine = m < float("-inf")  # rows this part has keys for (none yet)
     if FROM_SPLITS:
         for s in range(0, num_splits):
-            ls = tl.load(PL + t_glob * stride_lt + head * stride_lh + s, mask=row_ok, other=float("-inf"),
-                         cache_modifier=".cg")
-            p = tl.load(PO + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + s * stride_os + d[None, :],
-                        mask=row_ok[:, None] & d_ok & (ls > float("-inf"))[:, None], other=0.0,
-                        cache_modifier=".cg").to(tl.float32)
+            ls = tl.load(
+                PL + t_glob * stride_lt + head * stride_lh + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg"
+            )
+            p = tl.load(
+                PO + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + s * stride_os + d[None, :],
+                mask=row_ok[:, None] & d_ok & (ls > float("-inf"))[:, None],
+                other=0.0,
+                cache_modifier=".cg",
+            ).to(tl.float32)
             m, w, acc = _lse_add(m, w, acc, ls, p)
             mine = mine | (ls > float("-inf"))
     else:
@@ -209,11 +398,16 @@ def _merge_into_base(PO, PL, BO, BL, t_glob, head, row_ok, d, num_splits, stride
         mine = own_lse2 > float("-inf")
     keep = row_ok & mine
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    tl.store(BO + t_glob[:, None] * stride_bot + head[:, None] * stride_boh + d[None, :],
-             (acc / tl.where(w > 0.0, w, 1.0)[:, None]).to(BO.dtype.element_ty), mask=keep[:, None] & d_ok)
-    tl.store(BL + t_glob * stride_blt + head * stride_blh,
-             tl.where(w > 0.0, (m_safe + tl.log2(tl.where(w > 0.0, w, 1.0))) * 0.6931471805599453, float("-inf")),
-             mask=keep)
+    tl.store(
+        BO + t_glob[:, None] * stride_bot + head[:, None] * stride_boh + d[None, :],
+        (acc / tl.where(w > 0.0, w, 1.0)[:, None]).to(BO.dtype.element_ty),
+        mask=keep[:, None] & d_ok,
+    )
+    tl.store(
+        BL + t_glob * stride_blt + head * stride_blh,
+        tl.where(w > 0.0, (m_safe + tl.log2(tl.where(w > 0.0, w, 1.0))) * 0.6931471805599453, float("-inf")),
+        mask=keep,
+    )
 
 
 @triton.jit
@@ -229,22 +423,64 @@ def _lse_add(m, w, acc, ls, p):
 
 @triton.jit
 def prefill_kernel(
-    Q, K, V, O, LSE, K_desc, V_desc,
-    qo_indptr, kv_indptr, kv_indices, kv_lens, tile_req, tile_qstart, K_SCALE, V_SCALE,
-    num_tiles, sm_scale,
-    stride_qt, stride_qh,
-    stride_kp, stride_kt, stride_kh,
-    stride_vp, stride_vt, stride_vh,
-    stride_ot, stride_oh,
-    stride_lt, stride_lh,
-    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIAG_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    PAGE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr,
-    STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
-    FP8_F16: tl.constexpr = False, NONCAUSAL: tl.constexpr = False, num_splits=1, stride_os=0,
-    PDL: tl.constexpr = False, SINKS=None, HAS_SINKS: tl.constexpr = False,
-    MERGE_BASE: tl.constexpr = False, COUNTERS=None, BASE_O=None, BASE_L=None,
-    stride_bot=0, stride_boh=0, stride_blt=0, stride_blh=0,
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    K_desc,
+    V_desc,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    kv_lens,
+    tile_req,
+    tile_qstart,
+    K_SCALE,
+    V_SCALE,
+    num_tiles,
+    sm_scale,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    stride_vp,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    stride_lh,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DIAG_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGE_TMA: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    FP8_F16: tl.constexpr = False,
+    NONCAUSAL: tl.constexpr = False,
+    num_splits=1,
+    stride_os=0,
+    PDL: tl.constexpr = False,
+    SINKS=None,
+    HAS_SINKS: tl.constexpr = False,
+    MERGE_BASE: tl.constexpr = False,
+    COUNTERS=None,
+    BASE_O=None,
+    BASE_L=None,
+    stride_bot=0,
+    stride_boh=0,
+    stride_blt=0,
+    stride_blh=0,
 ):
     """Grid ``(num_tiles, Hkv)``: causal (bottom-right aligned), no split. ``NONCAUSAL`` (the cascade's
     shared-prefix parts): grid ``(num_tiles, Hkv, num_splits)``, every row sees every key; split ``s``
@@ -275,8 +511,7 @@ def prefill_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
 
-    b, q0, q_start, q_len, kv_len, page_base = tile_request(tile_req, tile_qstart, qo_indptr, kv_lens,
-                                                            kv_indptr, tile)
+    b, q0, q_start, q_len, kv_len, page_base = tile_request(tile_req, tile_qstart, qo_indptr, kv_lens, kv_indptr, tile)
     if MERGE_BASE:
         if kv_len == 0:  # nothing shared at this replay: no work, the suffix state stays as it is
             if PDL:
@@ -324,35 +559,197 @@ def prefill_kernel(
     if NONCAUSAL:  # every key visible: this split's whole blocks unmasked, then its ragged end masked
         full_hi = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
         for n0 in tl.range(lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):
-            m_i, l_i, acc = attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i, l_i,
-                                         acc, qk_scale, 0.0, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
-                                         stride_vh, BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGE_TMA, False, False, False,
-                                         DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE)
+            m_i, l_i, acc = attend_block(
+                q,
+                K,
+                V,
+                K_desc,
+                V_desc,
+                kv_indices,
+                page_base,
+                n0,
+                kvh,
+                hi,
+                pos,
+                d,
+                m_i,
+                l_i,
+                acc,
+                qk_scale,
+                0.0,
+                stride_kp,
+                stride_kt,
+                stride_kh,
+                stride_vp,
+                stride_vt,
+                stride_vh,
+                BLOCK_N,
+                HEAD_DIM,
+                PAGE_SIZE,
+                PAGE_TMA,
+                False,
+                False,
+                False,
+                DOT_PRECISION,
+                UPCAST,
+                KV_FP8,
+                P_DTYPE,
+            )
         if full_hi < hi:
-            m_i, l_i, acc = attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, full_hi, kvh, hi, pos, d, m_i,
-                                         l_i, acc, qk_scale, 0.0, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
-                                         stride_vh, BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGE_TMA, True, False, False,
-                                         DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE)
+            m_i, l_i, acc = attend_block(
+                q,
+                K,
+                V,
+                K_desc,
+                V_desc,
+                kv_indices,
+                page_base,
+                full_hi,
+                kvh,
+                hi,
+                pos,
+                d,
+                m_i,
+                l_i,
+                acc,
+                qk_scale,
+                0.0,
+                stride_kp,
+                stride_kt,
+                stride_kh,
+                stride_vp,
+                stride_vt,
+                stride_vh,
+                BLOCK_N,
+                HEAD_DIM,
+                PAGE_SIZE,
+                PAGE_TMA,
+                True,
+                False,
+                False,
+                DOT_PRECISION,
+                UPCAST,
+                KV_FP8,
+                P_DTYPE,
+            )
     elif DIAG_N == 0:  # one pipelined loop: the diagonal blocks' loads are prefetched like the others
         for n0 in tl.range(0, hi, BLOCK_N, num_stages=NUM_STAGES):
-            m_i, l_i, acc = attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i, l_i,
-                                         acc, qk_scale, 0.0, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
-                                         stride_vh, BLOCK_N, HEAD_DIM, PAGE_SIZE, False, False, True, False,
-                                         DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE, free_hi, True)
+            m_i, l_i, acc = attend_block(
+                q,
+                K,
+                V,
+                K_desc,
+                V_desc,
+                kv_indices,
+                page_base,
+                n0,
+                kvh,
+                hi,
+                pos,
+                d,
+                m_i,
+                l_i,
+                acc,
+                qk_scale,
+                0.0,
+                stride_kp,
+                stride_kt,
+                stride_kh,
+                stride_vp,
+                stride_vt,
+                stride_vh,
+                BLOCK_N,
+                HEAD_DIM,
+                PAGE_SIZE,
+                False,
+                False,
+                True,
+                False,
+                DOT_PRECISION,
+                UPCAST,
+                KV_FP8,
+                P_DTYPE,
+                free_hi,
+                True,
+            )
     else:
         # Phase 1: whole blocks below the diagonal: no mask work.
         for n0 in tl.range(0, free_hi, BLOCK_N, num_stages=NUM_STAGES):
-            m_i, l_i, acc = attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i, l_i,
-                                         acc, qk_scale, 0.0, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
-                                         stride_vh, BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGE_TMA, False, True, False,
-                                         DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE)
+            m_i, l_i, acc = attend_block(
+                q,
+                K,
+                V,
+                K_desc,
+                V_desc,
+                kv_indices,
+                page_base,
+                n0,
+                kvh,
+                hi,
+                pos,
+                d,
+                m_i,
+                l_i,
+                acc,
+                qk_scale,
+                0.0,
+                stride_kp,
+                stride_kt,
+                stride_kh,
+                stride_vp,
+                stride_vt,
+                stride_vh,
+                BLOCK_N,
+                HEAD_DIM,
+                PAGE_SIZE,
+                PAGE_TMA,
+                False,
+                True,
+                False,
+                DOT_PRECISION,
+                UPCAST,
+                KV_FP8,
+                P_DTYPE,
+            )
         # Phase 2: the diagonal (and the ragged end of the keys), masked, in DIAG_N-key blocks.
         DIAG_TMA: tl.constexpr = PAGE_TMA and DIAG_N == BLOCK_N
         for n0 in tl.range(free_hi, hi, DIAG_N, num_stages=2):
-            m_i, l_i, acc = attend_block(q, K, V, K_desc, V_desc, kv_indices, page_base, n0, kvh, hi, pos, d, m_i, l_i,
-                                         acc, qk_scale, 0.0, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
-                                         stride_vh, DIAG_N, HEAD_DIM, PAGE_SIZE, DIAG_TMA, True, True, False,
-                                         DOT_PRECISION, UPCAST, KV_FP8, P_DTYPE)
+            m_i, l_i, acc = attend_block(
+                q,
+                K,
+                V,
+                K_desc,
+                V_desc,
+                kv_indices,
+                page_base,
+                n0,
+                kvh,
+                hi,
+                pos,
+                d,
+                m_i,
+                l_i,
+                acc,
+                qk_scale,
+                0.0,
+                stride_kp,
+                stride_kt,
+                stride_kh,
+                stride_vp,
+                stride_vt,
+                stride_vh,
+                DIAG_N,
+                HEAD_DIM,
+                PAGE_SIZE,
+                DIAG_TMA,
+                True,
+                True,
+                False,
+                DOT_PRECISION,
+                UPCAST,
+                KV_FP8,
+                P_DTYPE,
+            )
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -373,14 +770,57 @@ def prefill_kernel(
                     tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
                     if PDL:  # the base is the suffix part's output: the kernel before this one
                         gdc_wait()
-                    _merge_into_base(O, LSE, BASE_O, BASE_L, t_glob, head, row_ok, d, num_splits, stride_ot,
-                                     stride_oh, stride_os, stride_lt, stride_lh, stride_bot, stride_boh,
-                                     stride_blt, stride_blh, HEAD_DIM, True, out, lse2)
+                    _merge_into_base(
+                        O,
+                        LSE,
+                        BASE_O,
+                        BASE_L,
+                        t_glob,
+                        head,
+                        row_ok,
+                        d,
+                        num_splits,
+                        stride_ot,
+                        stride_oh,
+                        stride_os,
+                        stride_lt,
+                        stride_lh,
+                        stride_bot,
+                        stride_boh,
+                        stride_blt,
+                        stride_blh,
+                        HEAD_DIM,
+                        True,
+                        out,
+                        lse2,
+                    )
         elif MERGE_BASE:  # unsplit: this program's own state into the base (O / LSE), in registers
             if PDL:
                 gdc_wait()
-            _merge_into_base(O, LSE, O, LSE, t_glob, head, row_ok, d, 1, 0, 0, 0, 0, 0, stride_ot, stride_oh,
-                             stride_lt, stride_lh, HEAD_DIM, False, out, lse2)
+            _merge_into_base(
+                O,
+                LSE,
+                O,
+                LSE,
+                t_glob,
+                head,
+                row_ok,
+                d,
+                1,
+                0,
+                0,
+                0,
+                0,
+                0,
+                stride_ot,
+                stride_oh,
+                stride_lt,
+                stride_lh,
+                HEAD_DIM,
+                False,
+                out,
+                lse2,
+            )
         else:
             o_ptrs = O + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
             tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))

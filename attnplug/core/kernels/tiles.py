@@ -45,7 +45,8 @@ from dataclasses import dataclass, fields
 
 # ---- BEGIN TILES (rewritten by benchmarks/sweep_triton.py) ----
 # d128/g4/noncausal from benchmarks/sweep_cascade_prefix.py (cascade decode 64x(8192+256), the prefix part as graph replays); sweeps of 2026-12-03 on NVIDIA H200, triton 3.6.0: sweep-fp8 --pairs-only (decode 64x4096 fp8, 1x32768 fp8, 4x32768 fp8): 3 entries chosen (byte pairs), d128/g4/decode/fp8 again by a second one (64x4096 fp8: 7 stages); d128/g4/decode from sweep-shared (64x4096, 128x2048, 64x(8192 shared+256), 64x(8192+256)); the rest from the sweeps of 2026-12-02 and before; d128/g4/decode_wide/fp8 from sweep-fp8 --pairs-only of 2026-12-04 (decode 64x4096 fp8, 128x2048 fp8: 6 stages, 128x2048 0.1996 -> 0.1421 ms) and benchmarks/probes/split_probe.py --knob num_stages (6 stages win from 768 programs on, 7 up to 512)
-TILES: dict[str, dict] = {  # fmt: skip
+# fmt: off
+TILES: dict[str, dict] = {
     'd128/g*/decode': {'kernel': 'paged', 'block_n': 128, 'num_warps': 4, 'num_stages': 3},
     'd128/g*/decode_split': {'kernel': 'paged', 'block_n': 128, 'num_warps': 4, 'num_stages': 3, 'ctas_per_sm': 2},
     'd128/g*/decode_tiny': {'kernel': 'paged', 'block_n': 64, 'num_warps': 2, 'num_stages': 2, 'ctas_per_sm': 4, 'small_tiles_from_splits': 32},
@@ -81,6 +82,7 @@ TILES: dict[str, dict] = {  # fmt: skip
     'd64/g4/decode_tiny': {'block_n': 256, 'ctas_per_sm': 2, 'fused_merge': True, 'kernel': 'decode', 'num_stages': 2, 'num_warps': 8},
     'd64/g4/prefill': {'block_m': 128, 'block_n': 128, 'kernel': 'prefill', 'num_stages': 3, 'num_warps': 4},
 }
+# fmt: on
 # ---- END TILES ----
 
 BUCKETS = ("prefill", "noncausal", "short", "verify", "decode", "decode_wide", "decode_split", "decode_tiny")
@@ -107,7 +109,9 @@ def lookup_keys(head_dim: int, group: int, bucket: str, fp8: bool = False) -> tu
     (``.../fp8``) first, then the 16-bit ones; within each, the bucket's, then its :data:`FALLBACK`'s;
     within each, the exact group's, then the any-group one."""
     buckets = (bucket, FALLBACK[bucket]) if bucket in FALLBACK else (bucket,)
-    return tuple(key(head_dim, g, b, f) for f in ((True, False) if fp8 else (False,)) for b in buckets for g in (group, "*"))
+    return tuple(
+        key(head_dim, g, b, f) for f in ((True, False) if fp8 else (False,)) for b in buckets for g in (group, "*")
+    )
 
 
 def lookup(head_dim: int, group: int, bucket: str, table: dict | None = None, fp8: bool = False) -> TileEntry:

@@ -8,10 +8,14 @@ import weakref
 import torch
 
 from ..registry import (
-    PROVIDER_NAMES, get_provider_cls, install_hint, provider_names, register_provider, served_providers,
+    PROVIDER_NAMES,
+    get_provider_cls,
+    install_hint,
+    provider_names,
+    register_provider,
+    served_providers,
 )
 from .base import NO_GRAPHS, GraphSupport, Provider, ProviderGraph, ProviderUnavailable
-
 
 _INSTANCES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 

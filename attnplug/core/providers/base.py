@@ -109,10 +109,15 @@ class ProviderGraph:
 
     block_table: torch.Tensor | None = None
 
-    def __init__(self, provider: "Provider", gs: "GraphState"):
+    def __init__(self, provider: Provider, gs: GraphState):
         self.provider, self.gs = provider, gs
-        self.static = provider.static_buffers(max_rows=gs.max_batch, max_tokens=gs.max_tokens,
-                                              max_kv_len=gs.max_seq_len, q=gs.q, num_kv_splits=gs.num_kv_splits)
+        self.static = provider.static_buffers(
+            max_rows=gs.max_batch,
+            max_tokens=gs.max_tokens,
+            max_kv_len=gs.max_seq_len,
+            q=gs.q,
+            num_kv_splits=gs.num_kv_splits,
+        )
 
     def plan(self, plan: Plan, bs: int) -> None:
         """Plan the padded batch of ``bs`` requests into static memory (default: ``Provider.plan``
@@ -206,8 +211,9 @@ class Provider(ABC):
         """A :class:`ProviderUnavailable` naming attnplug, this provider, ``reason`` and the install hint."""
         from . import install_hint  # noqa: PLC0415 - the registry imports this module
 
-        return ProviderUnavailable(f"attnplug: provider '{cls.name}' is unavailable: {reason}. "
-                                   f"To install: {install_hint(cls.name)}")  # fmt: skip
+        return ProviderUnavailable(
+            f"attnplug: provider '{cls.name}' is unavailable: {reason}. To install: {install_hint(cls.name)}"
+        )
 
     @classmethod
     def supports_sinks(cls) -> bool:
@@ -224,7 +230,7 @@ class Provider(ABC):
         return cls.mla_class() is not None
 
     @classmethod
-    def mla_class(cls) -> "type[Provider] | None":
+    def mla_class(cls) -> type[Provider] | None:
         """The class serving this provider's MLA configs: this one (:attr:`IS_MLA`), the subclass
         :attr:`MLA_IMPL` names, or ``None`` (MLA refused)."""
         if cls.IS_MLA:
@@ -274,8 +280,10 @@ class Provider(ABC):
         """``ValueError`` naming a knob this provider does not read."""
         extra = sorted(options.set_fields() - self.OPTIONS)
         if extra:
-            raise ValueError(f"attnplug: provider '{self.name}' has no plan option(s) {extra}; "
-                             f"it reads {sorted(self.OPTIONS) or 'none'}")  # fmt: skip
+            raise ValueError(
+                f"attnplug: provider '{self.name}' has no plan option(s) {extra}; "
+                f"it reads {sorted(self.OPTIONS) or 'none'}"
+            )
 
     # -- one forward ------------------------------------------------------------------------------------
     @abstractmethod
@@ -318,8 +326,17 @@ class Provider(ABC):
         the device, read there; each row's softmax counts its head's sink once (``lse`` includes it). A
         provider without :attr:`NATIVE_SINKS` passes it on to :meth:`run_folded`."""
 
-    def run_folded(self, plan: Plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   out: torch.Tensor, lse: torch.Tensor | None, sinks: torch.Tensor, **scales) -> None:
+    def run_folded(
+        self,
+        plan: Plan,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        sinks: torch.Tensor,
+        **scales,
+    ) -> None:
         """The default sink path: :meth:`run` without the sink into ``out`` and the LSE (``lse``, or a
         ``[T, Hq]`` float32 temporary), then :func:`~attnplug.core.kernels.merge.apply_sinks` joins the
         sink in place: ``out *= sigmoid(lse - sink)``, ``lse = logaddexp(lse, sink)`` (exact)."""
@@ -329,12 +346,27 @@ class Provider(ABC):
             self.run(plan, q, k_cache, v_cache, out, lse, **scales)
             s = lse
         else:
-            s = self.run_lse(plan, q, k_cache, v_cache, out,
-                             torch.empty(out.shape[:2], dtype=torch.float32, device=out.device), **scales)
+            s = self.run_lse(
+                plan,
+                q,
+                k_cache,
+                v_cache,
+                out,
+                torch.empty(out.shape[:2], dtype=torch.float32, device=out.device),
+                **scales,
+            )
         apply_sinks(out, s, sinks)
 
-    def run_lse(self, plan: Plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                lse: torch.Tensor, **scales: torch.Tensor) -> torch.Tensor:
+    def run_lse(
+        self,
+        plan: Plan,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        **scales: torch.Tensor,
+    ) -> torch.Tensor:
         """:meth:`run` for a caller that reads the LSE once, right after (the cascade's merges): returns the
         natural-log LSE ``[T, Hq]`` float32, any strides. Default: ``lse`` itself, written by :meth:`run`. A
         provider whose library hands back an LSE of its own may return a view of it instead of copying it
@@ -369,8 +401,9 @@ class Provider(ABC):
             apply_sinks(out, lse, sinks)
 
     # -- static memory, graphs, drafts ----------------------------------------------------------------
-    def static_buffers(self, max_rows: int, max_tokens: int, max_kv_len: int, q: int = 1,
-                       num_kv_splits: int | None = None) -> ProviderStatic | None:
+    def static_buffers(
+        self, max_rows: int, max_tokens: int, max_kv_len: int, q: int = 1, num_kv_splits: int | None = None
+    ) -> ProviderStatic | None:
         """Storage for plans of up to ``max_rows`` requests / ``max_tokens`` query tokens, each with
         ``q`` tokens and at most ``max_kv_len`` keys, passed back to :meth:`plan` as ``static``.
         Default: ``None`` (the provider's plan holds no memory of its own)."""
@@ -382,7 +415,7 @@ class Provider(ABC):
         the query rows of one such tile. Default ``({}, None)``: this provider has no tile knobs."""
         return {}, None
 
-    def graph(self, gs: "GraphState") -> ProviderGraph:
+    def graph(self, gs: GraphState) -> ProviderGraph:
         """This provider's part of ``gs`` (raises :class:`UnsupportedFeature` when
         :attr:`graph_support` cannot serve ``gs.mode``)."""
         g = self.graph_support
@@ -392,19 +425,19 @@ class Provider(ABC):
             return self.chain_graph_cls(self, gs)
         return self.graph_cls(self, gs)
 
-    def fork(self) -> "Provider":
+    def fork(self) -> Provider:
         """An instance whose plans stay valid beside this one's, sharing its heavy resources (e.g. a
         library workspace): for graph families, cascade parts and draft steps. Default: this one (its
         plans live in the ``Plan`` objects)."""
         return self
 
-    def graph_prefix_provider(self) -> "Provider":
+    def graph_prefix_provider(self) -> Provider:
         """The provider that runs the shared-prefix part of this provider's cascade graphs
         (:class:`~attnplug.core.cascade.CascadeGraph`: a one-request non-causal plan over static device
         lengths, :meth:`run_merge` into the suffix state). Default: a fork of this one."""
         return self.fork()
 
-    def step_providers(self, num_steps: int) -> list["Provider"]:
+    def step_providers(self, num_steps: int) -> list[Provider]:
         """Providers for ``num_steps`` draft steps whose plans must all stay valid at once: this one,
         then forks of it (:meth:`fork`)."""
         return [self] + [self.fork() for _ in range(num_steps - 1)]

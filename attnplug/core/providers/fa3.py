@@ -51,9 +51,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable
 
 import numpy as np
 import torch
@@ -93,8 +93,27 @@ class FA3Lib:
         limits hold (bfloat16 sink logits, at most 64 query heads). Otherwise the core's exact join."""
         return self.sink_arg is not None and sinks.dtype == torch.bfloat16 and num_qo_heads <= 64
 
-    def paged(self, q, k_cache, v_cache, out, *, block_table, cu_seqlens_q, seqused_k, max_seqlen_q,
-              max_seqlen_k, causal, window, softcap, scale, return_lse, descale=None, sinks=None, qv=None):
+    def paged(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        *,
+        block_table,
+        cu_seqlens_q,
+        seqused_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal,
+        window,
+        softcap,
+        scale,
+        return_lse,
+        descale=None,
+        sinks=None,
+        qv=None,
+    ):
         """``q [T, Hq, D]``, caches ``[num_pages, P, Hkv, D]`` -> writes ``out``; returns lse ``[Hq, T]`` or None.
         ``descale``: fp8 (q, k, v all e4m3): ``{"q_descale": ..., "k_descale": ..., "v_descale": ...}``,
         each ``[num_seqs, Hkv]`` float32 (every build takes these keyword arguments). ``sinks``: ``[Hq]``
@@ -106,14 +125,40 @@ class FA3Lib:
         if qv is not None:
             fp8["q_v" if self.varlen_style else "qv"] = qv
         if self.varlen_style:
-            r = self.fn(q, k_cache, v_cache, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k=seqused_k,
-                        softmax_scale=scale, causal=causal, window_size=list(window), softcap=softcap,
-                        block_table=block_table, return_softmax_lse=return_lse, out=out, fa_version=3, **fp8)
+            r = self.fn(
+                q,
+                k_cache,
+                v_cache,
+                max_seqlen_q,
+                cu_seqlens_q,
+                max_seqlen_k,
+                seqused_k=seqused_k,
+                softmax_scale=scale,
+                causal=causal,
+                window_size=list(window),
+                softcap=softcap,
+                block_table=block_table,
+                return_softmax_lse=return_lse,
+                out=out,
+                fa_version=3,
+                **fp8,
+            )
         else:
-            r = self.fn(q, k_cache, v_cache, cache_seqlens=seqused_k, page_table=block_table,
-                        cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, softmax_scale=scale,
-                        causal=causal, window_size=tuple(window), softcap=softcap, return_softmax_lse=return_lse,
-                        **fp8)
+            r = self.fn(
+                q,
+                k_cache,
+                v_cache,
+                cache_seqlens=seqused_k,
+                page_table=block_table,
+                cu_seqlens_q=cu_seqlens_q,
+                max_seqlen_q=max_seqlen_q,
+                softmax_scale=scale,
+                causal=causal,
+                window_size=tuple(window),
+                softcap=softcap,
+                return_softmax_lse=return_lse,
+                **fp8,
+            )
         o, s = (r[0], r[1]) if return_lse else (r, None)
         if o.data_ptr() != out.data_ptr():
             out.copy_(o.view_as(out))
@@ -153,10 +198,18 @@ def _vllm_fork(module: str) -> Callable[[], Callable]:
 _BUILDS = [
     ("flash_attn_interface", "flash_attn_interface", _hopper, False),
     ("sgl_kernel.flash_attn", "sgl_kernel.flash_attn", _sgl_kernel, False),
-    ("vllm.vllm_flash_attn", "vllm.vllm_flash_attn (fa_version=3)",
-     _vllm_fork("vllm.vllm_flash_attn.flash_attn_interface"), True),
-    ("vllm_flash_attn", "vllm_flash_attn (standalone, fa_version=3)",
-     _vllm_fork("vllm_flash_attn.flash_attn_interface"), True),
+    (
+        "vllm.vllm_flash_attn",
+        "vllm.vllm_flash_attn (fa_version=3)",
+        _vllm_fork("vllm.vllm_flash_attn.flash_attn_interface"),
+        True,
+    ),
+    (
+        "vllm_flash_attn",
+        "vllm_flash_attn (standalone, fa_version=3)",
+        _vllm_fork("vllm_flash_attn.flash_attn_interface"),
+        True,
+    ),
 ]
 
 
@@ -225,14 +278,15 @@ class FA3Graph(ProviderGraph):
     Verify: FA3 on the prefix (``seqused_k = mask_free = kv_len - q``, the static view) and the Triton
     kernel on the tree part over static tiles (one split), LSE-merged."""
 
-    def __init__(self, provider: "FA3Provider", gs):
+    def __init__(self, provider: FA3Provider, gs):
         super().__init__(provider, gs)
         dev, mb = gs.device, gs.max_batch
         self.tree_static = self.tree_bufs = None
         if gs.mode == "verify":
             provider.check_tree_config()
             self.tree_static = provider.tree_provider().static_buffers(
-                max_rows=mb, max_tokens=gs.max_tokens, max_kv_len=gs.max_seq_len, q=gs.q, num_kv_splits=1)
+                max_rows=mb, max_tokens=gs.max_tokens, max_kv_len=gs.max_seq_len, q=gs.q, num_kv_splits=1
+            )
             self.tree_bufs = provider.tree_buffers(gs.max_tokens, dev)
         w = num_pages(gs.max_seq_len, provider.config.page_size)
         self.q8 = provider.q8_buffer(gs.max_tokens)  # fp8 KV: the quantized q, static
@@ -244,15 +298,24 @@ class FA3Graph(ProviderGraph):
         p, gs = self.provider, self.gs
         cfg, v = p.config, gs.static_views(bs)
         w = cfg.window_left
-        args = FA3Args(block_table=self.block_table[:bs], cu_seqlens_q=v.qo_indptr, seqused_k=v.kv_lens,
-                       max_seqlen_q=gs.q, max_seqlen_k=gs.max_seq_len, causal=True,
-                       window=(w, 0) if w >= 0 else (-1, -1), softcap=cfg.logits_soft_cap, scale=cfg.scale)  # fmt: skip
+        args = FA3Args(
+            block_table=self.block_table[:bs],
+            cu_seqlens_q=v.qo_indptr,
+            seqused_k=v.kv_lens,
+            max_seqlen_q=gs.q,
+            max_seqlen_k=gs.max_seq_len,
+            causal=True,
+            window=(w, 0) if w >= 0 else (-1, -1),
+            softcap=cfg.logits_soft_cap,
+            scale=cfg.scale,
+        )
         tree = None
         if gs.mode == "verify":  # prefix = the mask-free columns (kv_len - q), the tree part after it
             prefix = v.mask_free
             args.seqused_k, args.causal, args.window = prefix, False, (-1, -1)
-            tree = p.plan_tree_part(plan, prefix, static=self.tree_static,
-                                    buffers={k: b[: bs * gs.q] for k, b in self.tree_bufs.items()})
+            tree = p.plan_tree_part(
+                plan, prefix, static=self.tree_static, buffers={k: b[: bs * gs.q] for k, b in self.tree_bufs.items()}
+            )
         plan.state = FA3State(args, tree, None if self.q8 is None else self.q8[: bs * gs.q], bs)
 
     def refresh(self, plan: Plan, bs: int, host: HostBatch | None, device_table: bool) -> None:
@@ -260,12 +323,18 @@ class FA3Graph(ProviderGraph):
         if device_table:
             return
         gs = self.gs
-        gather_block_table(gs.kv_indptr[: bs + 1], gs.kv_indices, self._bt_col, out=self.block_table[:bs],
-                           idx=self._bt_idx[:bs])  # fmt: skip
+        gather_block_table(
+            gs.kv_indptr[: bs + 1], gs.kv_indices, self._bt_col, out=self.block_table[:bs], idx=self._bt_idx[:bs]
+        )
 
 
-def gather_block_table(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, cols: torch.Tensor,
-                       out: torch.Tensor | None = None, idx: torch.Tensor | None = None) -> torch.Tensor:
+def gather_block_table(
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    cols: torch.Tensor,
+    out: torch.Tensor | None = None,
+    idx: torch.Tensor | None = None,
+) -> torch.Tensor:
     """FA3's ``block_table [B, W]`` (``W = cols.numel()``, ``cols = arange(W)``) from the CSR, on its
     device with no sync: ``block_table[b, j] = kv_indices[kv_indptr[b] + j]``, clamped to the last
     entry, so the entries past a row's own pages are some valid page id (FA3 reads only the
@@ -319,8 +388,10 @@ class FA3Provider(Provider):
         if config.kv_layout != "NHD":
             raise self.unsupported("kv_layout='HND' (FA3 reads paged KV as [num_pages, page_size, Hkv, D])")
         if config.kv_quantized and config.dtype != torch.bfloat16:
-            raise self.unsupported(f"an fp8 KV cache with dtype {config.dtype} (FA3's fp8 kernels take an fp8 "
-                                   "query and write bfloat16: bfloat16 models only)")  # fmt: skip
+            raise self.unsupported(
+                f"an fp8 KV cache with dtype {config.dtype} (FA3's fp8 kernels take an fp8 "
+                "query and write bfloat16: bfloat16 models only)"
+            )
 
     def q8_buffer(self, num_tokens: int) -> torch.Tensor | None:
         """fp8 KV: the ``[num_tokens, Hq, D]`` e4m3 buffer ``run`` quantizes q into; else ``None``."""
@@ -328,6 +399,7 @@ class FA3Provider(Provider):
         if not cfg.kv_quantized:
             return None
         return torch.empty(num_tokens, cfg.num_qo_heads, cfg.head_dim, dtype=cfg.kv_dtype, device=self.device)
+
     def plan(self, plan: Plan, static=None) -> None:
         """Block table + seq lens on device; for a tree mask also the split into prefix and tree parts.
 
@@ -342,13 +414,27 @@ class FA3Provider(Provider):
             block_table, seq_lens = plan.kv_indices.view(1, n), plan.kv_lens[:1]
         else:  # on the device, no sync; seqused_k = the plan's kv_lens
             if self._cols is None or self._cols.numel() < max_pages:
-                self._cols = torch.arange(max(max_pages, 2 * (0 if self._cols is None else self._cols.numel())),
-                                          dtype=torch.int32, device=self.device)  # fmt: skip
-            block_table, seq_lens = gather_block_table(plan.kv_indptr, plan.kv_indices, self._cols[:max_pages]), plan.kv_lens
+                self._cols = torch.arange(
+                    max(max_pages, 2 * (0 if self._cols is None else self._cols.numel())),
+                    dtype=torch.int32,
+                    device=self.device,
+                )
+            block_table, seq_lens = (
+                gather_block_table(plan.kv_indptr, plan.kv_indices, self._cols[:max_pages]),
+                plan.kv_lens,
+            )
         window = (cfg.window_left, 0 if plan.causal else -1) if cfg.window_left >= 0 else (-1, -1)
-        args = FA3Args(block_table=block_table, cu_seqlens_q=plan.qo_indptr, seqused_k=seq_lens,
-                       max_seqlen_q=max(plan.max_q_len, 1), max_seqlen_k=max(plan.max_kv_len, 1), causal=plan.causal,
-                       window=window, softcap=cfg.logits_soft_cap, scale=cfg.scale)  # fmt: skip
+        args = FA3Args(
+            block_table=block_table,
+            cu_seqlens_q=plan.qo_indptr,
+            seqused_k=seq_lens,
+            max_seqlen_q=max(plan.max_q_len, 1),
+            max_seqlen_k=max(plan.max_kv_len, 1),
+            causal=plan.causal,
+            window=window,
+            softcap=cfg.logits_soft_cap,
+            scale=cfg.scale,
+        )
         tree = None
         if plan.mask is not None:
             tree = self._plan_tree(plan)
@@ -392,9 +478,11 @@ class FA3Provider(Provider):
         ``tree_out [T, Hq, D]`` and ``tree_lse [T, Hq]`` float32 (``D``: the value head dim); fp8 KV:
         ``q_deq [T, Hq, D]`` (dtype)."""
         cfg, hd = self.config, (num_tokens, self.config.num_qo_heads, self.config.head_dim_v)
-        bufs = dict(prefix_out=torch.empty(hd, dtype=cfg.dtype, device=device),
-                    tree_out=torch.empty(hd, dtype=torch.float32, device=device),
-                    tree_lse=torch.empty(hd[:2], dtype=torch.float32, device=device))  # fmt: skip
+        bufs = dict(
+            prefix_out=torch.empty(hd, dtype=cfg.dtype, device=device),
+            tree_out=torch.empty(hd, dtype=torch.float32, device=device),
+            tree_lse=torch.empty(hd[:2], dtype=torch.float32, device=device),
+        )
         if cfg.kv_quantized:
             bufs["q_deq"] = torch.empty((*hd[:2], cfg.head_dim), dtype=cfg.dtype, device=device)
         return bufs
@@ -407,12 +495,24 @@ class FA3Provider(Provider):
         tree = self.tree_provider()
         tree_plan = plan.replace(options=PlanOptions(kv_start=prefix, num_kv_splits=1), state=None)
         tree.plan(tree_plan, static=static)
-        return FA3Tree(prefix_lens=prefix, tree_plan=tree_plan,
-                       **(buffers or self.tree_buffers(plan.num_tokens, plan.device)))  # fmt: skip
+        return FA3Tree(
+            prefix_lens=prefix, tree_plan=tree_plan, **(buffers or self.tree_buffers(plan.num_tokens, plan.device))
+        )
 
-    def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None,
-            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-            q_scale: torch.Tensor | None = None, host_scales=None, sinks: torch.Tensor | None = None) -> None:
+    def run(
+        self,
+        plan: Plan,
+        q,
+        k_cache,
+        v_cache,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        q_scale: torch.Tensor | None = None,
+        host_scales=None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
         """``q [T, Hq, D]``, caches ``[num_pages, P, Hkv, D]`` -> ``out [T, Hq, D]`` (+ natural-log ``lse [T, Hq]``).
         fp8 KV: one-element float32 scale tensors (see the module docstring). ``sinks``: the build's own
         sink argument where it has one, no LSE is asked and the plan has no tree part, else
@@ -421,8 +521,9 @@ class FA3Provider(Provider):
             if lse is None and plan.state.tree is None and self.lib.takes_sinks(sinks, self.config.num_qo_heads):
                 self._run(plan, q, k_cache, v_cache, out, None, False, k_scale, v_scale, q_scale, sinks=sinks)
                 return
-            return self.run_folded(plan, q, k_cache, v_cache, out, lse, sinks, k_scale=k_scale,
-                                   v_scale=v_scale, q_scale=q_scale)
+            return self.run_folded(
+                plan, q, k_cache, v_cache, out, lse, sinks, k_scale=k_scale, v_scale=v_scale, q_scale=q_scale
+            )
         s = self._run(plan, q, k_cache, v_cache, out, lse, lse is not None, k_scale, v_scale, q_scale)
         if s is not None:
             lse.copy_(s)
@@ -439,9 +540,19 @@ class FA3Provider(Provider):
         except (ProviderUnavailable, UnsupportedFeature, ImportError):
             return self.fork()
 
-    def run_lse(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor,
-                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                q_scale: torch.Tensor | None = None, host_scales=None) -> torch.Tensor:
+    def run_lse(
+        self,
+        plan: Plan,
+        q,
+        k_cache,
+        v_cache,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        q_scale: torch.Tensor | None = None,
+        host_scales=None,
+    ) -> torch.Tensor:
         """:meth:`run`, the LSE returned as a ``[T, Hq]`` view of FA3's own ``[Hq, T]`` (no copy); tree plans
         write ``lse`` and return it."""
         s = self._run(plan, q, k_cache, v_cache, out, lse, True, k_scale, v_scale, q_scale)
@@ -451,8 +562,20 @@ class FA3Provider(Provider):
         """``(q, k_cache, v_cache, extra keyword arguments)`` of the FA3 call (the MLA class splits them)."""
         return q, k_cache, v_cache, {}
 
-    def _run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None, want_lse: bool,
-             k_scale, v_scale, q_scale, sinks: torch.Tensor | None = None) -> torch.Tensor | None:
+    def _run(
+        self,
+        plan: Plan,
+        q,
+        k_cache,
+        v_cache,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        want_lse: bool,
+        k_scale,
+        v_scale,
+        q_scale,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """The launches of :meth:`run`; returns FA3's LSE as a ``[T, Hq]`` view when ``want_lse`` and the plan
         has no tree (else ``None``: a tree plan writes ``lse`` itself). ``sinks`` (no tree, no LSE): the
         build's sink argument (:meth:`FA3Lib.takes_sinks`)."""
@@ -463,19 +586,21 @@ class FA3Provider(Provider):
         if st.q8 is not None:  # fp8: q quantized like vLLM's query quant; per-(seq, kv head) descales are views
             from ..kernels.kv_write import quantize_fp8_rows  # noqa: PLC0415 - triton only when fp8 runs
 
-            q_fa = quantize_fp8_rows(q, q_scale, st.q8[: q.shape[0]],
-                                     None if tree is None else tree.q_deq[: q.shape[0]])
+            q_fa = quantize_fp8_rows(
+                q, q_scale, st.q8[: q.shape[0]], None if tree is None else tree.q_deq[: q.shape[0]]
+            )
             shape = (st.num_seqs, self.config.num_kv_heads)
-            descale = dict(q_descale=q_scale.reshape(1, 1).expand(shape), k_descale=k_scale.reshape(1, 1).expand(shape),
-                           v_descale=v_scale.reshape(1, 1).expand(shape))  # fmt: skip
+            descale = dict(
+                q_descale=q_scale.reshape(1, 1).expand(shape),
+                k_descale=k_scale.reshape(1, 1).expand(shape),
+                v_descale=v_scale.reshape(1, 1).expand(shape),
+            )
             scales = dict(k_scale=k_scale, v_scale=v_scale)
         q_fa, k_fa, v_fa, extra = self.library_inputs(q_fa, k_cache, v_cache)
         if tree is None:
-            s = self.lib.paged(q_fa, k_fa, v_fa, out, return_lse=want_lse, descale=descale, sinks=sinks, **a,
-                               **extra)
+            s = self.lib.paged(q_fa, k_fa, v_fa, out, return_lse=want_lse, descale=descale, sinks=sinks, **a, **extra)
             return s.t() if want_lse else None
-        s_a = self.lib.paged(q_fa, k_fa, v_fa, tree.prefix_out, return_lse=True, descale=descale, **a,
-                             **extra)
+        s_a = self.lib.paged(q_fa, k_fa, v_fa, tree.prefix_out, return_lse=True, descale=descale, **a, **extra)
         q_tree = q if st.q8 is None else tree.q_deq[: q.shape[0]]  # fp8: the query FA3's part reads
         self._tree.run(tree.tree_plan, q_tree, k_cache, v_cache, tree.tree_out, tree.tree_lse, **scales)
         self._merge(tree.prefix_out, s_a.t(), tree.tree_out, tree.tree_lse, out, lse)

@@ -79,28 +79,78 @@ def _calls() -> tuple[LibraryCall, ...]:
     numerics = ("pos_encoding_mode", "window_left", "logits_soft_cap", "q_data_type", "kv_data_type", "sm_scale")
     run = ("out", "lse", "return_lse", "k_scale", "v_scale")
     return (
-        LibraryCall("flashinfer.decode", f"{dec}.__init__", 2, (
-            "use_cuda_graph", "use_tensor_cores", "paged_kv_indptr_buffer", "paged_kv_indices_buffer",
-            "paged_kv_last_page_len_buffer"), why="decode wrappers (eager and CUDA-graph)"),
-        LibraryCall("flashinfer.decode", f"{dec}._plan_impl|{dec}.plan", 7, numerics,
-                    why="decode plan: (indptr, indices, last_page_len, Hq, Hkv, D, P) + numerics"),
+        LibraryCall(
+            "flashinfer.decode",
+            f"{dec}.__init__",
+            2,
+            (
+                "use_cuda_graph",
+                "use_tensor_cores",
+                "paged_kv_indptr_buffer",
+                "paged_kv_indices_buffer",
+                "paged_kv_last_page_len_buffer",
+            ),
+            why="decode wrappers (eager and CUDA-graph)",
+        ),
+        LibraryCall(
+            "flashinfer.decode",
+            f"{dec}._plan_impl|{dec}.plan",
+            7,
+            numerics,
+            why="decode plan: (indptr, indices, last_page_len, Hq, Hkv, D, P) + numerics",
+        ),
         LibraryCall("flashinfer.decode", f"{dec}.run", 2, run, why="decode run: (q, (k, v))"),
-        LibraryCall("flashinfer.prefill", f"{pre}.__init__", 2, (
-            "backend", "use_cuda_graph", "qo_indptr_buf", "paged_kv_indptr_buf", "paged_kv_indices_buf",
-            "paged_kv_last_page_len_buf", "custom_mask_buf", "mask_indptr_buf"), why="prefill / verify wrappers"),
-        LibraryCall("flashinfer.prefill", f"{pre}.plan", 8, ("custom_mask", "causal", *numerics),
-                    why="prefill plan: (qo_indptr, kv_indptr, kv_indices, last_page_len, Hq, Hkv, D, P) "
-                        "+ mask + numerics"),
+        LibraryCall(
+            "flashinfer.prefill",
+            f"{pre}.__init__",
+            2,
+            (
+                "backend",
+                "use_cuda_graph",
+                "qo_indptr_buf",
+                "paged_kv_indptr_buf",
+                "paged_kv_indices_buf",
+                "paged_kv_last_page_len_buf",
+                "custom_mask_buf",
+                "mask_indptr_buf",
+            ),
+            why="prefill / verify wrappers",
+        ),
+        LibraryCall(
+            "flashinfer.prefill",
+            f"{pre}.plan",
+            8,
+            ("custom_mask", "causal", *numerics),
+            why="prefill plan: (qo_indptr, kv_indptr, kv_indices, last_page_len, Hq, Hkv, D, P) + mask + numerics",
+        ),
         LibraryCall("flashinfer.prefill", f"{pre}.run", 2, run, why="prefill run: (q, (k, v))"),
-        LibraryCall(mla_mod, f"{mla}.__init__", 1, ("use_cuda_graph", "qo_indptr", "kv_indptr", "kv_indices",
-                                                    "kv_len_arr"), why="MLA wrappers (eager and CUDA-graph)"),
-        LibraryCall(mla_mod, f"{mla}.plan", 12,
-                    why="MLA plan: (qo_indptr, kv_indptr, kv_indices, kv_lens, H, R, Dr, P, causal, scale, "
-                        "dtypes)"),
-        LibraryCall(mla_mod, f"{mla}.run", 4, ("out", "lse", "return_lse", "return_lse_base_on_e"),
-                    why="MLA run: (q_nope, q_pe, ckv, kpe)"),
-        LibraryCall("flashinfer.utils", "is_sm90a_supported", 1, required=False,
-                    why="the fa3 template's check (a capability fallback exists)"),
+        LibraryCall(
+            mla_mod,
+            f"{mla}.__init__",
+            1,
+            ("use_cuda_graph", "qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr"),
+            why="MLA wrappers (eager and CUDA-graph)",
+        ),
+        LibraryCall(
+            mla_mod,
+            f"{mla}.plan",
+            12,
+            why="MLA plan: (qo_indptr, kv_indptr, kv_indices, kv_lens, H, R, Dr, P, causal, scale, dtypes)",
+        ),
+        LibraryCall(
+            mla_mod,
+            f"{mla}.run",
+            4,
+            ("out", "lse", "return_lse", "return_lse_base_on_e"),
+            why="MLA run: (q_nope, q_pe, ckv, kpe)",
+        ),
+        LibraryCall(
+            "flashinfer.utils",
+            "is_sm90a_supported",
+            1,
+            required=False,
+            why="the fa3 template's check (a capability fallback exists)",
+        ),
     )
 
 
@@ -127,8 +177,13 @@ def _call_problem(call: LibraryCall, import_module) -> str | None:
     else:
         return f"{call.module}.{call.name} is gone" if call.required else None
     # a plain function found on a class is called through an instance: ``self`` comes first
-    self_arg = (0,) if isinstance(owner, type) and inspect.isfunction(fn) and not isinstance(
-        inspect.getattr_static(owner, name.rsplit(".", 1)[-1]), staticmethod) else ()
+    self_arg = (
+        (0,)
+        if isinstance(owner, type)
+        and inspect.isfunction(fn)
+        and not isinstance(inspect.getattr_static(owner, name.rsplit(".", 1)[-1]), staticmethod)
+        else ()
+    )
     try:
         inspect.signature(fn).bind(*self_arg, *range(call.npos), **dict.fromkeys(call.kwargs, 0))
     except TypeError as e:
@@ -151,17 +206,21 @@ def interface_refusal(version: str, import_module=None) -> str | None:
     if not found:
         return None
     more = f" (and {len(found) - 6} more)" if len(found) > 6 else ""
-    return (f"flashinfer {version} changed what attnplug calls: {'; '.join(found[:6])}{more}; attnplug's "
-            f"provider was tested with flashinfer {', '.join(TESTED_VERSIONS)} (docs/compatibility.md)")
+    return (
+        f"flashinfer {version} changed what attnplug calls: {'; '.join(found[:6])}{more}; attnplug's "
+        f"provider was tested with flashinfer {', '.join(TESTED_VERSIONS)} (docs/compatibility.md)"
+    )
 
 
 def untested_version_warning(version: str) -> str | None:
     """The startup warning for a FlashInfer ``version`` outside :data:`TESTED_VERSIONS`, else ``None``."""
     if version.split("+")[0] in TESTED_VERSIONS:
         return None
-    return (f"attnplug: provider 'flashinfer' runs on flashinfer {version}, which attnplug has not been tested with "
-            f"(tested: {', '.join(TESTED_VERSIONS)}; docs/compatibility.md); its results are checked only by your "
-            "own comparison with the engine's backend")
+    return (
+        f"attnplug: provider 'flashinfer' runs on flashinfer {version}, which attnplug has not been tested with "
+        f"(tested: {', '.join(TESTED_VERSIONS)}; docs/compatibility.md); its results are checked only by your "
+        "own comparison with the engine's backend"
+    )
 
 
 def fa2_decode_kwargs(fi) -> dict:
@@ -201,7 +260,7 @@ class FlashInferGraph(ProviderGraph):
     replays go through ``GraphState.update`` only - the host path that stays.
     """
 
-    def __init__(self, provider: "FlashInferProvider", gs):
+    def __init__(self, provider: FlashInferProvider, gs):
         super().__init__(provider, gs)
         self.wrappers: dict[int, object] = {}
         if gs.mode == "verify":
@@ -214,37 +273,62 @@ class FlashInferGraph(ProviderGraph):
         fi, layout = p._fi, p.config.kv_layout
         if gs.mode == "decode":
             wr = fi.BatchDecodeWithPagedKVCacheWrapper(
-                p._workspace, layout, use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=v.kv_indptr,
-                paged_kv_indices_buffer=gs.kv_indices, paged_kv_last_page_len_buffer=v.kv_last_page_len,
-                **p.decode_backend_kwargs())
+                p._workspace,
+                layout,
+                use_cuda_graph=True,
+                use_tensor_cores=True,
+                paged_kv_indptr_buffer=v.kv_indptr,
+                paged_kv_indices_buffer=gs.kv_indices,
+                paged_kv_last_page_len_buffer=v.kv_last_page_len,
+                **p.decode_backend_kwargs(),
+            )
             backend = "decode-tc"
         else:
             wr = fi.BatchPrefillWithPagedKVCacheWrapper(
-                p._workspace, layout, use_cuda_graph=True, qo_indptr_buf=v.qo_indptr, paged_kv_indptr_buf=v.kv_indptr,
-                paged_kv_indices_buf=gs.kv_indices, paged_kv_last_page_len_buf=v.kv_last_page_len,
-                custom_mask_buf=self.mask_bits, mask_indptr_buf=self.mask_bits_indptr[: bs + 1], backend="fa2")
+                p._workspace,
+                layout,
+                use_cuda_graph=True,
+                qo_indptr_buf=v.qo_indptr,
+                paged_kv_indptr_buf=v.kv_indptr,
+                paged_kv_indices_buf=gs.kv_indices,
+                paged_kv_last_page_len_buf=v.kv_last_page_len,
+                custom_mask_buf=self.mask_bits,
+                mask_indptr_buf=self.mask_bits_indptr[: bs + 1],
+                backend="fa2",
+            )
             backend = "fa2"
         self.wrappers[bs] = wr
         plan.state = FlashInferState(wr, backend, p.q_buffer(bs * gs.q))
 
     def refresh(self, plan: Plan, bs: int, host: HostBatch | None, device_table: bool) -> None:
         if host is None:
-            raise ValueError("attnplug: provider 'flashinfer' plans on the host: a graph replay needs host "
-                             "kv_indptr / kv_last_page_len (host metadata, or host_seq_lens)")
+            raise ValueError(
+                "attnplug: provider 'flashinfer' plans on the host: a graph replay needs host "
+                "kv_indptr / kv_last_page_len (host metadata, or host_seq_lens)"
+            )
         p, gs, wr = self.provider, self.gs, self.wrappers[bs]
         if gs.mode == "decode":
             wr.plan(host.kv_indptr, host.kv_indices, host.kv_last_page_len, *p.heads(), **p.plan_kwargs())
         else:
             v = gs.static_views(bs)
             mask = gs.mask[: int(host.mask_indptr[-1])].view(torch.bool)
-            wr.plan(v.qo_indptr, v.kv_indptr, gs.kv_indices[: host.kv_indices.numel()], v.kv_last_page_len,
-                    *p.heads(), custom_mask=mask, causal=False, **p.plan_kwargs())
+            wr.plan(
+                v.qo_indptr,
+                v.kv_indptr,
+                gs.kv_indices[: host.kv_indices.numel()],
+                v.kv_last_page_len,
+                *p.heads(),
+                custom_mask=mask,
+                causal=False,
+                **p.plan_kwargs(),
+            )
 
     def check_device_table_update(self, host_seq_lens: torch.Tensor | None) -> None:
         if self.gs.mode != "decode" or host_seq_lens is None:
             raise self.provider.unsupported(
                 "a graph replay from a device page table without host sequence lengths, or in verify mode "
-                "(FlashInfer plans on the host and packs a custom mask there: use GraphState.update)")
+                "(FlashInfer plans on the host and packs a custom mask there: use GraphState.update)"
+            )
 
 
 class FlashInferChainVerifyGraph(FlashInferGraph):
@@ -256,7 +340,7 @@ class FlashInferChainVerifyGraph(FlashInferGraph):
     is ``"fa2"`` (what SGLang's FlashInfer graphs use), ``"fa3"`` where ``ATTNPLUG_FLASHINFER_BACKEND=fa3``
     asks for it (sm90, 16-bit KV)."""
 
-    def __init__(self, provider: "FlashInferProvider", gs):
+    def __init__(self, provider: FlashInferProvider, gs):
         ProviderGraph.__init__(self, provider, gs)
         self.wrappers: dict[int, object] = {}
         self.qo_indptr_host: dict[int, torch.Tensor] = {}
@@ -266,26 +350,42 @@ class FlashInferChainVerifyGraph(FlashInferGraph):
         v = gs.static_views(bs)
         backend = p.resolve_backend("fa3" if os.environ.get("ATTNPLUG_FLASHINFER_BACKEND") == "fa3" else "fa2")
         wr = p._fi.BatchPrefillWithPagedKVCacheWrapper(
-            p._workspace, p.config.kv_layout, use_cuda_graph=True, qo_indptr_buf=v.qo_indptr,
-            paged_kv_indptr_buf=v.kv_indptr, paged_kv_indices_buf=gs.kv_indices,
-            paged_kv_last_page_len_buf=v.kv_last_page_len, backend=backend)  # fmt: skip
+            p._workspace,
+            p.config.kv_layout,
+            use_cuda_graph=True,
+            qo_indptr_buf=v.qo_indptr,
+            paged_kv_indptr_buf=v.kv_indptr,
+            paged_kv_indices_buf=gs.kv_indices,
+            paged_kv_last_page_len_buf=v.kv_last_page_len,
+            backend=backend,
+        )
         self.wrappers[bs] = wr
         self.qo_indptr_host[bs] = torch.arange(bs + 1, dtype=torch.int32) * gs.q
         plan.state = FlashInferState(wr, backend, p.q_buffer(bs * gs.q))
 
     def refresh(self, plan: Plan, bs: int, host: HostBatch | None, device_table: bool) -> None:
         if host is None:
-            raise ValueError("attnplug: provider 'flashinfer' plans on the host: a verify replay needs host "
-                             "kv_indptr / kv_last_page_len (host metadata, or host_seq_lens)")
+            raise ValueError(
+                "attnplug: provider 'flashinfer' plans on the host: a verify replay needs host "
+                "kv_indptr / kv_last_page_len (host metadata, or host_seq_lens)"
+            )
         p = self.provider
-        self.wrappers[bs].plan(self.qo_indptr_host[bs], host.kv_indptr, host.kv_indices,
-                               host.kv_last_page_len, *p.heads(), causal=True, **p.plan_kwargs())  # fmt: skip
+        self.wrappers[bs].plan(
+            self.qo_indptr_host[bs],
+            host.kv_indptr,
+            host.kv_indices,
+            host.kv_last_page_len,
+            *p.heads(),
+            causal=True,
+            **p.plan_kwargs(),
+        )
 
     def check_device_table_update(self, host_seq_lens: torch.Tensor | None) -> None:
         if host_seq_lens is None:
             raise self.provider.unsupported(
                 "a verify graph replay from a device page table without host sequence lengths (FlashInfer plans "
-                "on the host)")
+                "on the host)"
+            )
 
 
 class FlashInferProvider(Provider):
@@ -294,9 +394,13 @@ class FlashInferProvider(Provider):
     name = "flashinfer"
     OPTIONS = frozenset({"prefill_backend"})
     graph_support = GraphSupport(
-        decode=True, verify=True, device_refresh=False, chain_verify_from_table=True,
+        decode=True,
+        verify=True,
+        device_refresh=False,
+        chain_verify_from_table=True,
         reason="FlashInfer plans on the host before each replay (no in-graph metadata updates; a replay from a "
-               "device page table needs host lengths, and tree verify masks are packed on the host)")  # fmt: skip
+        "device page table needs host lengths, and tree verify masks are packed on the host)",
+    )
     graph_cls = FlashInferGraph
     chain_graph_cls = FlashInferChainVerifyGraph
     EAGER_RUN_CAPTURABLE = False  # eager wrappers (use_cuda_graph=False) replan their buffers; graphs: FlashInferGraph
@@ -313,7 +417,9 @@ class FlashInferProvider(Provider):
         version = str(getattr(self._fi, "__version__", "?"))
         logger.info(
             "attnplug: flashinfer %s on %s; prefill backend %r (decode: tensor cores; custom mask: fa2)",
-            version, torch.cuda.get_device_name(device), self.default_backend,
+            version,
+            torch.cuda.get_device_name(device),
+            self.default_backend,
         )
         warning = untested_version_warning(version)
         if warning:
@@ -340,7 +446,7 @@ class FlashInferProvider(Provider):
         if config.head_dim not in HEAD_DIMS:
             raise self.unsupported(f"head_dim={config.head_dim} (FlashInfer kernels: {HEAD_DIMS})")
 
-    def fork(self) -> "FlashInferProvider":
+    def fork(self) -> FlashInferProvider:
         """A wrapper holds one plan: a fork has its own wrappers over the same workspace."""
         p = copy.copy(self)
         p._wrappers = {}
@@ -361,8 +467,10 @@ class FlashInferProvider(Provider):
             sm90a = major == 9
         if self.config.kv_quantized:  # the sm90 template reads fp8 KV only with an fp8 query
             if backend == "fa3":
-                raise self.unsupported("prefill_backend='fa3' with an fp8 KV cache (FlashInfer's sm90 template needs "
-                                       "an fp8 query; attnplug reads fp8 KV through FlashInfer's fa2 template)")
+                raise self.unsupported(
+                    "prefill_backend='fa3' with an fp8 KV cache (FlashInfer's sm90 template needs "
+                    "an fp8 query; attnplug reads fp8 KV through FlashInfer's fa2 template)"
+                )
             return "fa2"
         if backend == "auto":
             return "fa3" if sm90a else "fa2"
@@ -388,8 +496,9 @@ class FlashInferProvider(Provider):
         if w is None:
             layout = self.config.kv_layout
             if kind == "decode":
-                w = self._fi.BatchDecodeWithPagedKVCacheWrapper(self._workspace, layout, use_tensor_cores=True,
-                                                                **self.decode_backend_kwargs())  # fmt: skip
+                w = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                    self._workspace, layout, use_tensor_cores=True, **self.decode_backend_kwargs()
+                )
             else:
                 w = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, layout, backend=backend)
             self._wrappers[key] = w
@@ -403,8 +512,14 @@ class FlashInferProvider(Provider):
     def plan_kwargs(self) -> dict:
         """The keyword arguments of every wrapper ``plan`` (numerics of this config)."""
         cfg = self.config
-        return dict(pos_encoding_mode="NONE", window_left=cfg.window_left, logits_soft_cap=cfg.logits_soft_cap,
-                    q_data_type=cfg.dtype, kv_data_type=cfg.kv_dtype, sm_scale=cfg.scale)  # fmt: skip
+        return dict(
+            pos_encoding_mode="NONE",
+            window_left=cfg.window_left,
+            logits_soft_cap=cfg.logits_soft_cap,
+            q_data_type=cfg.dtype,
+            kv_data_type=cfg.kv_dtype,
+            sm_scale=cfg.scale,
+        )
 
     def plan(self, plan: Plan, static=None) -> None:
         """Plan the one wrapper this forward needs (``plan.state``, a :class:`FlashInferState`)."""
@@ -419,29 +534,52 @@ class FlashInferProvider(Provider):
             w = self._wrapper("prefill", backend)
             # device indptrs: FlashInfer computes the mask offsets and packs bits on the mask's device
             w.plan(
-                plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len, *heads,
-                custom_mask=plan.mask.view(torch.bool), causal=False, **common,
+                plan.qo_indptr,
+                plan.kv_indptr,
+                plan.kv_indices,
+                plan.kv_last_page_len,
+                *heads,
+                custom_mask=plan.mask.view(torch.bool),
+                causal=False,
+                **common,
             )
         else:
             knob = plan.options.prefill_backend
             backend = self.resolve_backend(knob) if knob is not None else self.default_backend
             w = self._wrapper("prefill", backend)
             w.plan(
-                plan.qo_indptr_cpu, plan.kv_indptr_cpu, plan.kv_indices, plan.kv_last_page_len_cpu, *heads,
-                causal=plan.causal, **common,
+                plan.qo_indptr_cpu,
+                plan.kv_indptr_cpu,
+                plan.kv_indices,
+                plan.kv_last_page_len_cpu,
+                *heads,
+                causal=plan.causal,
+                **common,
             )
         plan.state = FlashInferState(w, backend, self.q_buffer(plan.num_tokens))
 
-    def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None,
-            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, q_scale=None,
-            host_scales: tuple[float, float] | None = None, sinks: torch.Tensor | None = None) -> None:
+    def run(
+        self,
+        plan: Plan,
+        q,
+        k_cache,
+        v_cache,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        q_scale=None,
+        host_scales: tuple[float, float] | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
         """``q [T, Hq, D]``, caches in ``config.kv_layout`` -> ``out [T, Hq, D]`` (+ natural-log ``lse [T, Hq]``).
         fp8 KV: ``k_scale`` / ``v_scale`` one-element float32 device tensors, or ``host_scales``
         ``(k, v)`` floats, which FlashInfer folds itself (see the module docstring). ``sinks``:
         :meth:`run_folded` (the paged wrappers this provider drives take no sink input)."""
         if sinks is not None:
-            return self.run_folded(plan, q, k_cache, v_cache, out, lse, sinks, k_scale=k_scale,
-                                   v_scale=v_scale, host_scales=host_scales)
+            return self.run_folded(
+                plan, q, k_cache, v_cache, out, lse, sinks, k_scale=k_scale, v_scale=v_scale, host_scales=host_scales
+            )
         st: FlashInferState = plan.state
         fold = {}  # the host floats FlashInfer folds itself
         on_device = st.q_buf is not None and host_scales is None

@@ -24,8 +24,20 @@ class ReferenceProvider(Provider):
     def plan(self, plan: Plan, static=None) -> None:
         pass
 
-    def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None,
-            k_scale=None, v_scale=None, q_scale=None, host_scales=None, sinks=None) -> None:
+    def run(
+        self,
+        plan: Plan,
+        q,
+        k_cache,
+        v_cache,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+        k_scale=None,
+        v_scale=None,
+        q_scale=None,
+        host_scales=None,
+        sinks=None,
+    ) -> None:
         o, s = reference_attention(plan, q, k_cache, v_cache, k_scale, v_scale, sinks)
         out.copy_(o)
         if lse is not None:

@@ -122,10 +122,12 @@ def _tiling(q_lens: np.ndarray, block_q: int) -> tuple[bool, np.ndarray | None, 
     return False, counts, ends, int(ends[-1])
 
 
-def _tile_list(q_lens: np.ndarray, kv_lens: np.ndarray, counts: np.ndarray, ends: np.ndarray, block_q: int,
-               ascending_work: bool) -> tuple[np.ndarray, np.ndarray]:
+def _tile_list(
+    q_lens: np.ndarray, kv_lens: np.ndarray, counts: np.ndarray, ends: np.ndarray, block_q: int, ascending_work: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """The tile list: ``tile_req [T]`` int32 (request of each tile) and ``tile_q [T]`` int32 (its first
-    query token), ``T = ends[-1]``, from :func:`_tile_counts` of at least one request. In request order, tiles in token order;
+    query token), ``T = ends[-1]``, from :func:`_tile_counts` of at least one request. In request order, tiles in
+    token order;
     ``ascending_work``: sorted by ``kv_len - q_len + tile_q`` (the causal keys of the tile's first
     row), ties in that order (a stable sort)."""
     tile_req = np.arange(q_lens.shape[0], dtype=np.int32).repeat(counts)
@@ -195,9 +197,11 @@ class TritonGraph(ProviderGraph):
     """Triton under CUDA graphs: the split count of each batch size is fixed at capture (the
     heuristic at ``max_seq_len``, or ``num_kv_splits``); tiles and split partials are static."""
 
-    def __init__(self, provider: "TritonProvider", gs):
+    def __init__(self, provider: TritonProvider, gs):
         super().__init__(provider, gs)
-        self.splits = {bs: provider.split_count(bs, gs.max_seq_len, gs.num_kv_splits) for bs in range(1, gs.max_batch + 1)}
+        self.splits = {
+            bs: provider.split_count(bs, gs.max_seq_len, gs.num_kv_splits) for bs in range(1, gs.max_batch + 1)
+        }
 
     def plan(self, plan: Plan, bs: int) -> None:
         plan.options = dataclasses.replace(plan.options, num_kv_splits=self.splits[bs])
@@ -244,10 +248,13 @@ class TritonProvider(Provider):
                 raise cls.unavailable(
                     "on CPU it needs the Triton interpreter, but triton was imported in compiled mode: "
                     "TRITON_INTERPRET=1 must be set before anything imports triton (the engine adapters "
-                    "set it in the launcher when an attnplug triton backend is selected on CPU)")  # fmt: skip
+                    "set it in the launcher when an attnplug triton backend is selected on CPU)"
+                )
             if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
-                raise cls.unavailable(f"on CPU it needs triton >= 3.7 (its interpreter handles scalar loop "
-                                      f"bounds); found triton {triton.__version__}")  # fmt: skip
+                raise cls.unavailable(
+                    f"on CPU it needs triton >= 3.7 (its interpreter handles scalar loop "
+                    f"bounds); found triton {triton.__version__}"
+                )
 
     def check_config(self, config: AttentionConfig) -> None:
         if config.head_dim > 256:
@@ -260,8 +267,17 @@ class TritonProvider(Provider):
         self._entry_keys: dict[str, tuple[str, ...]] = {}
 
     # -- plan -------------------------------------------------------------------------------------
-    def _place_tiles(self, plan: Plan, static: TritonStatic | None, identity: bool, num_tiles: int, counts,
-                     ends, block_q: int, ascending_work: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _place_tiles(
+        self,
+        plan: Plan,
+        static: TritonStatic | None,
+        identity: bool,
+        num_tiles: int,
+        counts,
+        ends,
+        block_q: int,
+        ascending_work: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The tile list (``tile_req``, ``tile_qstart`` int32 on the device) of ``num_tiles`` tiles of
         ``block_q`` tokens (:func:`_tile_counts`'s ``counts`` / ``ends``; ``identity``: one tile a request,
         the ``arange`` / ``zeros`` list): views of the static decode list or the provider's identity
@@ -274,16 +290,18 @@ class TritonProvider(Provider):
         if identity:
             tile_req, tile_q = np.arange(num_tiles, dtype=np.int32), np.zeros(num_tiles, dtype=np.int32)
         else:  # prefill: ascending causal work, the kernel runs the list backwards, longest first
-            tile_req, tile_q = _tile_list(plan.q_lens_cpu.numpy(), plan.kv_lens_cpu.numpy(), counts, ends,
-                                          block_q, ascending_work)
+            tile_req, tile_q = _tile_list(
+                plan.q_lens_cpu.numpy(), plan.kv_lens_cpu.numpy(), counts, ends, block_q, ascending_work
+            )
         if static is None:
             return staging.to_device((tile_req, tile_q), self.device)
         if num_tiles > static.tile_req.numel():
-            raise ValueError(f"attnplug: {num_tiles} triton tiles exceed the static capacity "
-                             f"{static.tile_req.numel()}")  # fmt: skip
+            raise ValueError(f"attnplug: {num_tiles} triton tiles exceed the static capacity {static.tile_req.numel()}")
         static.identity_rows = 0  # the decode tile list is overwritten
-        return (static.tile_req[:num_tiles].copy_(torch.from_numpy(tile_req), non_blocking=True),
-                static.tile_qstart[:num_tiles].copy_(torch.from_numpy(tile_q), non_blocking=True))
+        return (
+            static.tile_req[:num_tiles].copy_(torch.from_numpy(tile_req), non_blocking=True),
+            static.tile_qstart[:num_tiles].copy_(torch.from_numpy(tile_q), non_blocking=True),
+        )
 
     def _identity_tiles(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``arange(n)`` / ``zeros(n)`` int32 on the device, the tile list of single-tile requests:
@@ -297,8 +315,10 @@ class TritonProvider(Provider):
             iota = getattr(self, "_iota", None)
             if iota is None or iota[0].numel() < n:
                 cap = max(64, 1 << max(0, n - 1).bit_length())
-                iota = self._iota = (torch.arange(cap, dtype=torch.int32, device=self.device),
-                                     torch.zeros(cap, dtype=torch.int32, device=self.device))
+                iota = self._iota = (
+                    torch.arange(cap, dtype=torch.int32, device=self.device),
+                    torch.zeros(cap, dtype=torch.int32, device=self.device),
+                )
                 tiles.clear()
             views = tiles[n] = (iota[0][:n], iota[1][:n])
         return views
@@ -308,7 +328,9 @@ class TritonProvider(Provider):
         keys = self._entry_keys.get(bucket)
         if keys is None:  # the keys are fixed by the config; the table is read on every call
             cfg = self.config
-            keys = self._entry_keys[bucket] = tile_table.lookup_keys(cfg.head_dim, cfg.group_size, bucket, cfg.kv_quantized)
+            keys = self._entry_keys[bucket] = tile_table.lookup_keys(
+                cfg.head_dim, cfg.group_size, bucket, cfg.kv_quantized
+            )
         return tile_table.first_entry(tile_table.TILES, keys)
 
     def _decode_bucket(self, programs: int) -> str:
@@ -351,10 +373,16 @@ class TritonProvider(Provider):
         tiles; causal without split, or non-causal (a cascade prefix part, split or not) with a 16-bit KV
         cache (fp8 caches keep the paged kernel there, the one measured for them)."""
         cfg = self.config
-        return (entry.kernel == "prefill" and block_m == max(entry.block_m or 128, _next_pow2(cfg.group_size))
-                and plan.mask is None and cfg.window_left < 0 and cfg.logits_soft_cap <= 0
-                and plan.options.kv_start is None and plan.max_q_len > 1
-                and (splits == 1 if plan.causal else not cfg.kv_quantized))  # fmt: skip
+        return (
+            entry.kernel == "prefill"
+            and block_m == max(entry.block_m or 128, _next_pow2(cfg.group_size))
+            and plan.mask is None
+            and cfg.window_left < 0
+            and cfg.logits_soft_cap <= 0
+            and plan.options.kv_start is None
+            and plan.max_q_len > 1
+            and (splits == 1 if plan.causal else not cfg.kv_quantized)
+        )
 
     def _gluon_config(self, plan: Plan) -> tuple[int, int, int, int, bool] | None:
         """``(block_m, block_n, num_stages, num_warps, qk_ahead)`` of the Gluon prefill kernel
@@ -363,11 +391,19 @@ class TritonProvider(Provider):
         of 16, head_dim 64 / 128 / 256, a power-of-two GQA group, no custom mask, window, soft cap, sinks,
         ``kv_start`` or forced tiles / splits; else None (the Triton kernels)."""
         cfg, o = self.config, plan.options
-        if not (self._gluon and plan.causal and plan.mask is None and plan.max_q_len > 1
-                and cfg.page_size == 16 and not cfg.kv_quantized
-                and cfg.dtype in (torch.bfloat16, torch.float16)
-                and cfg.window_left < 0 and cfg.logits_soft_cap <= 0 and not cfg.sinks
-                and cfg.group_size == _next_pow2(cfg.group_size)):  # fmt: skip
+        if not (
+            self._gluon
+            and plan.causal
+            and plan.mask is None
+            and plan.max_q_len > 1
+            and cfg.page_size == 16
+            and not cfg.kv_quantized
+            and cfg.dtype in (torch.bfloat16, torch.float16)
+            and cfg.window_left < 0
+            and cfg.logits_soft_cap <= 0
+            and not cfg.sinks
+            and cfg.group_size == _next_pow2(cfg.group_size)
+        ):
             return None
         forced = (o.kv_start, o.block_m, o.block_n, o.num_warps, o.num_stages, o.num_kv_splits)
         if any(x is not None for x in forced):
@@ -419,8 +455,9 @@ class TritonProvider(Provider):
         st: TritonState = plan.state
         return {"block_m": st.block_m}, st.block_q
 
-    def static_buffers(self, max_rows: int, max_tokens: int, max_kv_len: int, q: int = 1,
-                       num_kv_splits: int | None = None) -> TritonStatic:
+    def static_buffers(
+        self, max_rows: int, max_tokens: int, max_kv_len: int, q: int = 1, num_kv_splits: int | None = None
+    ) -> TritonStatic:
         """Tiles for ``max_tokens`` rows (the first ``max_rows`` hold the decode tile list) and split
         partials for the largest ``rows * q * splits(rows)`` over ``rows <= max_rows`` (none when
         every batch runs unsplit)."""
@@ -468,8 +505,7 @@ class TritonProvider(Provider):
                 e = entry if splits >= entry.small_tiles_from_splits else self._entry("decode_split")
                 block_n = o.block_n or e.block_n or block_n
                 warps, stages = o.num_warps or e.num_warps or warps, o.num_stages or e.num_stages or stages
-            if (entry.kernel == "decode" and plan.mask is None and o.kv_start is None
-                    and block_n >= 16):  # fmt: skip
+            if entry.kernel == "decode" and plan.mask is None and o.kv_start is None and block_n >= 16:
                 kernel = "decode"
         else:  # the prefill kernel where the batch's entry names it (cascade prefix parts: the noncausal one)
             pe = self._entry("noncausal") if noncausal else entry
@@ -482,19 +518,27 @@ class TritonProvider(Provider):
         # run_merge's in-kernel merge into the suffix state
         fused = fused or (kernel == "prefill" and noncausal and splits > 1 and static is not None)
         diag_n = min(block_n, entry.diag_n or block_n) if kernel == "prefill" else 0
-        tma = (kernel == "prefill" and entry.tma and cfg.page_size % block_n == 0
-               and cfg.head_dim == _next_pow2(cfg.head_dim) and diag_n == block_n)  # fmt: skip
+        tma = (
+            kernel == "prefill"
+            and entry.tma
+            and cfg.page_size % block_n == 0
+            and cfg.head_dim == _next_pow2(cfg.head_dim)
+            and diag_n == block_n
+        )
         shape = (plan.num_tokens, cfg.num_qo_heads, splits, cfg.head_dim)
         partial = partial_lse = None
-        tile_req, tile_q = self._place_tiles(plan, static, identity, num_tiles, counts, ends, block_q,
-                                             kernel in ("prefill", "gluon"))
+        tile_req, tile_q = self._place_tiles(
+            plan, static, identity, num_tiles, counts, ends, block_q, kernel in ("prefill", "gluon")
+        )
         # the prefill kernel's split partials in the output dtype where its entry says so (half the bytes)
         pdt = cfg.dtype if kernel == "prefill" and entry.partials == "out" else torch.float32
         if splits > 1 and static is not None:
             n = shape[0] * shape[1] * shape[2]
             if n > static.partial_lse.numel():
-                raise ValueError(f"attnplug: {splits} splits of {plan.num_tokens} tokens exceed the static split "
-                                 f"workspace ({static.partial_lse.numel() // cfg.num_qo_heads} token-splits)")
+                raise ValueError(
+                    f"attnplug: {splits} splits of {plan.num_tokens} tokens exceed the static split "
+                    f"workspace ({static.partial_lse.numel() // cfg.num_qo_heads} token-splits)"
+                )
             partial = static.partial.view(pdt)[: n * shape[3]].view(shape)
             partial_lse = static.partial_lse[:n].view(shape[:3])
         elif splits > 1:
@@ -510,23 +554,62 @@ class TritonProvider(Provider):
             else:
                 counters = torch.zeros(n_cnt, dtype=torch.int32, device=self.device)
         plan.state = TritonState(
-            tile_req=tile_req, tile_qstart=tile_q, num_tiles=num_tiles, num_splits=splits, block_q=block_q,
-            block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, partial=partial,
-            partial_lse=partial_lse, kv_start=o.kv_start, kernel=kernel, diag_n=diag_n, tma=tma, counters=counters,
+            tile_req=tile_req,
+            tile_qstart=tile_q,
+            num_tiles=num_tiles,
+            num_splits=splits,
+            block_q=block_q,
+            block_m=block_m,
+            block_n=block_n,
+            num_warps=warps,
+            num_stages=stages,
+            partial=partial,
+            partial_lse=partial_lse,
+            kv_start=o.kv_start,
+            kernel=kernel,
+            diag_n=diag_n,
+            tma=tma,
+            counters=counters,
             fp8_f16=cfg.kv_quantized and entry.fp8_f16,
             qk_ahead=kernel == "gluon" and gluon[4],
-            pairs=(cfg.kv_quantized and kernel == "decode" and entry.pairs
-                   and cfg.head_dim == _next_pow2(cfg.head_dim) and cfg.head_dim >= 32),
+            pairs=(
+                cfg.kv_quantized
+                and kernel == "decode"
+                and entry.pairs
+                and cfg.head_dim == _next_pow2(cfg.head_dim)
+                and cfg.head_dim >= 32
+            ),
         )
 
     # -- run --------------------------------------------------------------------------------------
-    def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None,
-            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, q_scale=None,
-            host_scales=None, sinks: torch.Tensor | None = None) -> None:
+    def run(
+        self,
+        plan: Plan,
+        q,
+        k_cache,
+        v_cache,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        q_scale=None,
+        host_scales=None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
         self._run(plan, q, k_cache, v_cache, out, lse, k_scale, v_scale, sinks=sinks)
 
-    def run_merge(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor,
-                  scratch_out: torch.Tensor, scratch_lse: torch.Tensor, **scales) -> None:
+    def run_merge(
+        self,
+        plan: Plan,
+        q,
+        k_cache,
+        v_cache,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        scratch_out: torch.Tensor,
+        scratch_lse: torch.Tensor,
+        **scales,
+    ) -> None:
         """A prefill-kernel plan (unsplit, or split with merge counters: a cascade graph's prefix part) merges
         into ``(out, lse)`` inside its one launch, which returns at once when the plan has no keys; a split
         plan of the paged kernel merges its splits straight into ``(out, lse)`` (one merge launch, no
@@ -536,8 +619,18 @@ class TritonProvider(Provider):
         if a.kernel == "decode" or (a.num_splits == 1 and not in_kernel) or "sinks" in scales:
             return super().run_merge(plan, q, k_cache, v_cache, out, lse, scratch_out, scratch_lse, **scales)
         # not inside a CUDA IF node: the body's first launch has no kernel before it in its own graph
-        self._run(plan, q, k_cache, v_cache, out, lse, scales.get("k_scale"), scales.get("v_scale"), merge_base=True,
-                  pdl=self._pdl() and not graph_if.requested())
+        self._run(
+            plan,
+            q,
+            k_cache,
+            v_cache,
+            out,
+            lse,
+            scales.get("k_scale"),
+            scales.get("v_scale"),
+            merge_base=True,
+            pdl=self._pdl() and not graph_if.requested(),
+        )
 
     def _pdl(self) -> bool:
         """Whether launches may use programmatic dependent launch (:mod:`attnplug.core.kernels.pdl`): the
@@ -549,9 +642,20 @@ class TritonProvider(Provider):
             self._pdl_ok = pdl.available(self.device)
         return self._pdl_ok
 
-    def _run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None,
-             k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, merge_base: bool = False,
-             pdl: bool = False, sinks: torch.Tensor | None = None) -> None:
+    def _run(
+        self,
+        plan: Plan,
+        q,
+        k_cache,
+        v_cache,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None,
+        merge_base: bool = False,
+        pdl: bool = False,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
         """:meth:`run`; ``merge_base`` (split plans): the splits merge into ``(out, lse)``; ``pdl`` (prefill-kernel
         plans): the kernel and the merge after it launch as programmatic dependents (:meth:`_pdl`); ``sinks``:
         ``[Hq]`` sink logits (kernel arguments only when given: launches without sinks are unchanged)."""
@@ -563,19 +667,30 @@ class TritonProvider(Provider):
             return
         cfg = self.config
         if cfg.kv_layout == "NHD":
-            ks, vs = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)), (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+            ks, vs = (
+                (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)),
+                (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)),
+            )
         else:
-            ks, vs = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1)), (v_cache.stride(0), v_cache.stride(2), v_cache.stride(1))
+            ks, vs = (
+                (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1)),
+                (v_cache.stride(0), v_cache.stride(2), v_cache.stride(1)),
+            )
         if a.kernel == "gluon":
-            if (_aligned16(q, q.stride()[:2]) and _aligned16(out, out.stride()[:2])
-                    and _aligned16(k_cache, ks) and _aligned16(v_cache, vs)):  # fmt: skip
+            if (
+                _aligned16(q, q.stride()[:2])
+                and _aligned16(out, out.stride()[:2])
+                and _aligned16(k_cache, ks)
+                and _aligned16(v_cache, vs)
+            ):
                 return self._run_gluon(plan, a, q, k_cache, v_cache, ks, vs, out, lse)
             # caches or views the 16-byte copies cannot read: the Triton prefill kernel on the same tile list
             bn = 64 if cfg.head_dim <= 128 else 32
             a = dataclasses.replace(a, kernel="prefill", block_n=bn, num_stages=3, num_warps=8, diag_n=bn)
         if a.kernel == "prefill":
-            return self._run_prefill(plan, a, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale,
-                                     merge_base, pdl, sinks)
+            return self._run_prefill(
+                plan, a, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale, merge_base, pdl, sinks
+            )
         if a.kernel == "decode":
             return self._run_decode(plan, a, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale, sinks)
         split = a.num_splits > 1
@@ -591,28 +706,76 @@ class TritonProvider(Provider):
         mask_free = plan.mask_free if plan.mask_free is not None else plan.kv_lens
         fp8 = cfg.kv_quantized  # scales: one-element float32 device tensors (PagedAttention.run's defaults)
         paged_attention_kernel[(a.num_tiles, cfg.num_kv_heads, a.num_splits)](
-            q, k_cache, v_cache, o, l,
-            plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, a.tile_req, a.tile_qstart,
-            mask, mask_indptr, mask_free, a.kv_start if a.kv_start is not None else plan.kv_lens,
-            k_scale if fp8 else plan.kv_lens, v_scale if fp8 else plan.kv_lens,
-            cfg.scale, cfg.logits_soft_cap, cfg.window_left, a.num_splits,
-            q.stride(0), q.stride(1),
-            *ks, *vs, *o_strides, *l_strides,
-            GROUP=cfg.group_size, BLOCK_Q=a.block_q, BLOCK_M=a.block_m, BLOCK_N=a.block_n,
-            HEAD_DIM=cfg.head_dim, BLOCK_D=_next_pow2(cfg.head_dim), PAGE_SIZE=cfg.page_size,
-            CAUSAL=plan.causal and plan.mask is None, HAS_MASK=plan.mask is not None,
-            SOFT_CAP=cfg.logits_soft_cap > 0, WINDOW=cfg.window_left >= 0,
-            SPLIT=split, STORE_LSE=lse is not None,
+            q,
+            k_cache,
+            v_cache,
+            o,
+            l,
+            plan.qo_indptr,
+            plan.kv_indptr,
+            plan.kv_indices,
+            plan.kv_lens,
+            a.tile_req,
+            a.tile_qstart,
+            mask,
+            mask_indptr,
+            mask_free,
+            a.kv_start if a.kv_start is not None else plan.kv_lens,
+            k_scale if fp8 else plan.kv_lens,
+            v_scale if fp8 else plan.kv_lens,
+            cfg.scale,
+            cfg.logits_soft_cap,
+            cfg.window_left,
+            a.num_splits,
+            q.stride(0),
+            q.stride(1),
+            *ks,
+            *vs,
+            *o_strides,
+            *l_strides,
+            GROUP=cfg.group_size,
+            BLOCK_Q=a.block_q,
+            BLOCK_M=a.block_m,
+            BLOCK_N=a.block_n,
+            HEAD_DIM=cfg.head_dim,
+            BLOCK_D=_next_pow2(cfg.head_dim),
+            PAGE_SIZE=cfg.page_size,
+            CAUSAL=plan.causal and plan.mask is None,
+            HAS_MASK=plan.mask is not None,
+            SOFT_CAP=cfg.logits_soft_cap > 0,
+            WINDOW=cfg.window_left >= 0,
+            SPLIT=split,
+            STORE_LSE=lse is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            UPCAST=q.device.type == "cpu", HAS_KV_START=a.kv_start is not None, KV_FP8=fp8, FP8_F16=a.fp8_f16,
-            num_warps=a.num_warps, num_stages=a.num_stages, **({"PDL": True} if self._pdl() else {}),
+            UPCAST=q.device.type == "cpu",
+            HAS_KV_START=a.kv_start is not None,
+            KV_FP8=fp8,
+            FP8_F16=a.fp8_f16,
+            num_warps=a.num_warps,
+            num_stages=a.num_stages,
+            **({"PDL": True} if self._pdl() else {}),
             **_sink_args(sinks),  # the kernel joins them where unsplit
         )
         if split:
             merge_splits(a.partial, a.partial_lse, out, lse, base=merge_base, sinks=sinks)
 
-    def _run_prefill(self, plan: Plan, a: TritonState, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale,
-                     merge_base: bool = False, pdl: bool = False, sinks: torch.Tensor | None = None) -> None:
+    def _run_prefill(
+        self,
+        plan: Plan,
+        a: TritonState,
+        q,
+        k_cache,
+        v_cache,
+        ks,
+        vs,
+        out,
+        lse,
+        k_scale,
+        v_scale,
+        merge_base: bool = False,
+        pdl: bool = False,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
         """The prefill kernel (:mod:`attnplug.core.kernels.prefill`), grid ``(tiles, Hkv)``: causal; or
         non-causal (a cascade prefix part), grid ``(tiles, Hkv, splits)``, the splits' partials then
         merged into ``(out, lse)`` (``merge_base``: into the state they hold). ``pdl``: both launches are
@@ -622,8 +785,11 @@ class TritonProvider(Provider):
 
         cfg = self.config
         fp8 = cfg.kv_quantized
-        k_desc, v_desc = (_kv_descriptor(k_cache, ks, cfg, a.block_n), _kv_descriptor(v_cache, vs, cfg, a.block_n)) \
-            if a.tma else (k_cache, v_cache)
+        k_desc, v_desc = (
+            (_kv_descriptor(k_cache, ks, cfg, a.block_n), _kv_descriptor(v_cache, vs, cfg, a.block_n))
+            if a.tma
+            else (k_cache, v_cache)
+        )
         split = a.num_splits > 1
         if split:
             o, l = a.partial, a.partial_lse
@@ -635,21 +801,61 @@ class TritonProvider(Provider):
         fused = merge_base and noncausal and sinks is None and (not split or a.counters is not None)
         base = {}
         if fused:  # the merge into the suffix state (out, lse) happens in the kernel
-            base = dict(MERGE_BASE=True, COUNTERS=a.counters if split else plan.kv_lens, BASE_O=out, BASE_L=lse,
-                        stride_bot=out.stride(0), stride_boh=out.stride(1), stride_blt=lse.stride(0),
-                        stride_blh=lse.stride(1))
+            base = dict(
+                MERGE_BASE=True,
+                COUNTERS=a.counters if split else plan.kv_lens,
+                BASE_O=out,
+                BASE_L=lse,
+                stride_bot=out.stride(0),
+                stride_boh=out.stride(1),
+                stride_blt=lse.stride(0),
+                stride_blh=lse.stride(1),
+            )
         prefill_kernel[(a.num_tiles, cfg.num_kv_heads, a.num_splits)](
-            q, k_cache, v_cache, o, l, k_desc, v_desc,
-            plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, a.tile_req, a.tile_qstart,
-            k_scale if fp8 else plan.kv_lens, v_scale if fp8 else plan.kv_lens,
-            a.num_tiles, cfg.scale,
-            q.stride(0), q.stride(1), *ks, *vs, *o_strides, *l_strides,
-            GROUP=cfg.group_size, BLOCK_Q=a.block_q, BLOCK_M=a.block_m, BLOCK_N=a.block_n, DIAG_N=a.diag_n,
-            HEAD_DIM=cfg.head_dim, BLOCK_D=_next_pow2(cfg.head_dim), PAGE_SIZE=cfg.page_size,
-            PAGE_TMA=a.tma, NUM_STAGES=a.num_stages, STORE_LSE=lse is not None or split,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=q.device.type == "cpu", KV_FP8=fp8,
-            FP8_F16=a.fp8_f16, NONCAUSAL=noncausal, num_splits=a.num_splits, stride_os=o.stride(2) if split else 0,
-            num_warps=a.num_warps, num_stages=a.num_stages, **({"PDL": True, "launch_pdl": True} if pdl else {}),
+            q,
+            k_cache,
+            v_cache,
+            o,
+            l,
+            k_desc,
+            v_desc,
+            plan.qo_indptr,
+            plan.kv_indptr,
+            plan.kv_indices,
+            plan.kv_lens,
+            a.tile_req,
+            a.tile_qstart,
+            k_scale if fp8 else plan.kv_lens,
+            v_scale if fp8 else plan.kv_lens,
+            a.num_tiles,
+            cfg.scale,
+            q.stride(0),
+            q.stride(1),
+            *ks,
+            *vs,
+            *o_strides,
+            *l_strides,
+            GROUP=cfg.group_size,
+            BLOCK_Q=a.block_q,
+            BLOCK_M=a.block_m,
+            BLOCK_N=a.block_n,
+            DIAG_N=a.diag_n,
+            HEAD_DIM=cfg.head_dim,
+            BLOCK_D=_next_pow2(cfg.head_dim),
+            PAGE_SIZE=cfg.page_size,
+            PAGE_TMA=a.tma,
+            NUM_STAGES=a.num_stages,
+            STORE_LSE=lse is not None or split,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            UPCAST=q.device.type == "cpu",
+            KV_FP8=fp8,
+            FP8_F16=a.fp8_f16,
+            NONCAUSAL=noncausal,
+            num_splits=a.num_splits,
+            stride_os=o.stride(2) if split else 0,
+            num_warps=a.num_warps,
+            num_stages=a.num_stages,
+            **({"PDL": True, "launch_pdl": True} if pdl else {}),
             **_sink_args(None if split else sinks),  # split: the merge adds them
             **base,
         )
@@ -662,17 +868,53 @@ class TritonProvider(Provider):
 
         cfg = self.config
         gluon_prefill_kernel[(a.num_tiles, cfg.num_kv_heads)](
-            q, k_cache, v_cache, out, lse if lse is not None else out,
-            plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, a.tile_req, a.tile_qstart,
-            a.num_tiles, cfg.scale, q.stride(0), q.stride(1), *ks, *vs, out.stride(0), out.stride(1),
+            q,
+            k_cache,
+            v_cache,
+            out,
+            lse if lse is not None else out,
+            plan.qo_indptr,
+            plan.kv_indptr,
+            plan.kv_indices,
+            plan.kv_lens,
+            a.tile_req,
+            a.tile_qstart,
+            a.num_tiles,
+            cfg.scale,
+            q.stride(0),
+            q.stride(1),
+            *ks,
+            *vs,
+            out.stride(0),
+            out.stride(1),
             *((lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)),
-            GROUP=cfg.group_size, BLOCK_Q=a.block_q, BLOCK_M=a.block_m, BLOCK_N=a.block_n,
-            HEAD_DIM=cfg.head_dim, PAGE_SIZE=cfg.page_size, NUM_STAGES=a.num_stages,
-            STORE_LSE=lse is not None, QK_AHEAD=a.qk_ahead, num_warps=a.num_warps,
+            GROUP=cfg.group_size,
+            BLOCK_Q=a.block_q,
+            BLOCK_M=a.block_m,
+            BLOCK_N=a.block_n,
+            HEAD_DIM=cfg.head_dim,
+            PAGE_SIZE=cfg.page_size,
+            NUM_STAGES=a.num_stages,
+            STORE_LSE=lse is not None,
+            QK_AHEAD=a.qk_ahead,
+            num_warps=a.num_warps,
         )
 
-    def _run_decode(self, plan: Plan, a: TritonState, q, k_cache, v_cache, ks, vs, out, lse, k_scale, v_scale,
-                    sinks: torch.Tensor | None = None) -> None:
+    def _run_decode(
+        self,
+        plan: Plan,
+        a: TritonState,
+        q,
+        k_cache,
+        v_cache,
+        ks,
+        vs,
+        out,
+        lse,
+        k_scale,
+        v_scale,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
         """The split-KV decode kernel (:mod:`attnplug.core.kernels.decode`), grid ``(B, Hkv, splits)``;
         the merge is fused (``a.counters``) or :func:`~attnplug.core.kernels.merge.merge_splits` after."""
         from ..kernels.decode import decode_kernel
@@ -686,20 +928,54 @@ class TritonProvider(Provider):
         bd, gp = _next_pow2(cfg.head_dim), _next_pow2(cfg.group_size)
         merge_s = max(2, _next_pow2(a.num_splits))
         decode_kernel[(a.num_tiles, cfg.num_kv_heads, a.num_splits)](
-            q, k_cache, v_cache, out, l, p, pl, a.counters if fused else plan.kv_lens,
-            plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens,
-            k_scale if fp8 else plan.kv_lens, v_scale if fp8 else plan.kv_lens,
-            cfg.scale, cfg.logits_soft_cap, cfg.window_left, a.num_splits,
-            q.stride(0), q.stride(1), *ks, *vs, out.stride(0), out.stride(1),
+            q,
+            k_cache,
+            v_cache,
+            out,
+            l,
+            p,
+            pl,
+            a.counters if fused else plan.kv_lens,
+            plan.qo_indptr,
+            plan.kv_indptr,
+            plan.kv_indices,
+            plan.kv_lens,
+            k_scale if fp8 else plan.kv_lens,
+            v_scale if fp8 else plan.kv_lens,
+            cfg.scale,
+            cfg.logits_soft_cap,
+            cfg.window_left,
+            a.num_splits,
+            q.stride(0),
+            q.stride(1),
+            *ks,
+            *vs,
+            out.stride(0),
+            out.stride(1),
             *((lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)),
             *((p.stride(0), p.stride(1), p.stride(2), pl.stride(0), pl.stride(1)) if split else (0, 0, 0, 0, 0)),
-            GROUP=cfg.group_size, BLOCK_M=max(16, gp), BLOCK_N=a.block_n, HEAD_DIM=cfg.head_dim, BLOCK_D=bd,
-            PAGE_SIZE=cfg.page_size, SOFT_CAP=cfg.logits_soft_cap > 0, WINDOW=cfg.window_left >= 0,
-            SPLIT=split, FUSED_MERGE=fused, MERGE_S=merge_s, MERGE_CHUNK=max(1, min(merge_s, 4096 // (gp * bd))),
-            NUM_STAGES=a.num_stages, STORE_LSE=lse is not None,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=q.device.type == "cpu", KV_FP8=fp8,
-            FP8_F16=a.fp8_f16, PAIRS=a.pairs and _even(k_cache, ks) and _even(v_cache, vs),
-            num_warps=a.num_warps, num_stages=a.num_stages, **_sink_args(sinks),  # unsplit or the fused merge
+            GROUP=cfg.group_size,
+            BLOCK_M=max(16, gp),
+            BLOCK_N=a.block_n,
+            HEAD_DIM=cfg.head_dim,
+            BLOCK_D=bd,
+            PAGE_SIZE=cfg.page_size,
+            SOFT_CAP=cfg.logits_soft_cap > 0,
+            WINDOW=cfg.window_left >= 0,
+            SPLIT=split,
+            FUSED_MERGE=fused,
+            MERGE_S=merge_s,
+            MERGE_CHUNK=max(1, min(merge_s, 4096 // (gp * bd))),
+            NUM_STAGES=a.num_stages,
+            STORE_LSE=lse is not None,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            UPCAST=q.device.type == "cpu",
+            KV_FP8=fp8,
+            FP8_F16=a.fp8_f16,
+            PAIRS=a.pairs and _even(k_cache, ks) and _even(v_cache, vs),
+            num_warps=a.num_warps,
+            num_stages=a.num_stages,
+            **_sink_args(sinks),  # unsplit or the fused merge
         )
         if split and not fused:
             merge_splits(a.partial, a.partial_lse, out, lse, sinks=sinks)
@@ -717,6 +993,9 @@ def _kv_descriptor(cache: torch.Tensor, strides: tuple[int, int, int], cfg: Atte
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     sp, st, sh = strides
-    return TensorDescriptor(cache, [cache.shape[0], cfg.page_size, cfg.num_kv_heads, cfg.head_dim], [sp, st, sh, 1],
-                            [1, block_n, 1, cfg.head_dim])
-
+    return TensorDescriptor(
+        cache,
+        [cache.shape[0], cfg.page_size, cfg.num_kv_heads, cfg.head_dim],
+        [sp, st, sh, 1],
+        [1, block_n, 1, cfg.head_dim],
+    )

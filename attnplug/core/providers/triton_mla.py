@@ -49,8 +49,7 @@ class TritonMLAProvider(TritonProvider):
     @classmethod
     def mla_refusal(cls, config: AttentionConfig) -> str | None:
         if config.kv_lora_rank > 1024 or config.rope_dim > 128:
-            return (f"MLA with kv_lora_rank {config.kv_lora_rank} / rope dim {config.rope_dim} "
-                    "(max 1024 / 128)")
+            return f"MLA with kv_lora_rank {config.kv_lora_rank} / rope dim {config.rope_dim} (max 1024 / 128)"
         if config.kv_lora_rank < 16 or config.rope_dim < 1:
             return f"MLA with kv_lora_rank {config.kv_lora_rank} / rope dim {config.rope_dim} (min 16 / 1)"
         return None
@@ -72,8 +71,7 @@ class TritonMLAProvider(TritonProvider):
         bq = 1 if max_q_len <= 1 else max(1, 64 // bh)
         return bq, bh, 32 if big else 64, 8 if big else 4, 2
 
-    def split_count(self, num_tiles: int, max_kv_len: int, forced: int | None = None,
-                    noncausal: bool = False) -> int:
+    def split_count(self, num_tiles: int, max_kv_len: int, forced: int | None = None, noncausal: bool = False) -> int:
         """``forced``, else enough splits for two programs an SM where ``num_tiles x head blocks`` do not
         fill the GPU, at most one per 256 keys and 128 in all (one request of 32k keys fills an H200's 132
         SMs); 1 below 1024 keys."""
@@ -85,8 +83,9 @@ class TritonMLAProvider(TritonProvider):
             return 1
         return max(1, min(128, max_kv_len // 256, num_pages(2 * self._sms, programs)))
 
-    def static_buffers(self, max_rows: int, max_tokens: int, max_kv_len: int, q: int = 1,
-                       num_kv_splits: int | None = None) -> TritonStatic:
+    def static_buffers(
+        self, max_rows: int, max_tokens: int, max_kv_len: int, q: int = 1, num_kv_splits: int | None = None
+    ) -> TritonStatic:
         """Tiles for ``max_tokens`` rows and split partials ``[rows * q, H, S, R]`` for the largest split."""
         cfg, dev = self.config, self.device
         splits = (self.split_count(r, max_kv_len, num_kv_splits) for r in range(1, max_rows + 1))
@@ -96,7 +95,9 @@ class TritonMLAProvider(TritonProvider):
             tile_req=torch.arange(rows, dtype=torch.int32, device=dev),
             tile_qstart=torch.zeros(rows, dtype=torch.int32, device=dev),
             partial=torch.empty(n * cfg.head_dim_v, dtype=torch.float32, device=dev),
-            partial_lse=torch.empty(n, dtype=torch.float32, device=dev), identity_rows=max_rows)
+            partial_lse=torch.empty(n, dtype=torch.float32, device=dev),
+            identity_rows=max_rows,
+        )
 
     # -- plan / run -------------------------------------------------------------------------------
     def plan(self, plan: Plan, static: TritonStatic | None = None) -> None:
@@ -114,21 +115,44 @@ class TritonMLAProvider(TritonProvider):
             if static is not None:
                 n = shape[0] * shape[1] * shape[2]
                 if n > static.partial_lse.numel():
-                    raise ValueError(f"attnplug: {splits} splits of {plan.num_tokens} tokens exceed the "
-                                     "static MLA split workspace")
+                    raise ValueError(
+                        f"attnplug: {splits} splits of {plan.num_tokens} tokens exceed the static MLA split workspace"
+                    )
                 partial = static.partial[: n * shape[3]].view(shape)
                 partial_lse = static.partial_lse[:n].view(shape[:3])
             else:
                 partial = torch.empty(shape, dtype=torch.float32, device=self.device)
                 partial_lse = torch.empty(shape[:3], dtype=torch.float32, device=self.device)
-        plan.state = MLAState(tile_req=tile_req, tile_qstart=tile_q, num_tiles=num_tiles, num_splits=splits,
-                              block_q=bq, block_h=bh, block_m=bq * bh, block_n=bn, num_warps=warps,
-                              num_stages=stages, partial=partial, partial_lse=partial_lse,
-                              kv_start=o.kv_start)
+        plan.state = MLAState(
+            tile_req=tile_req,
+            tile_qstart=tile_q,
+            num_tiles=num_tiles,
+            num_splits=splits,
+            block_q=bq,
+            block_h=bh,
+            block_m=bq * bh,
+            block_n=bn,
+            num_warps=warps,
+            num_stages=stages,
+            partial=partial,
+            partial_lse=partial_lse,
+            kv_start=o.kv_start,
+        )
 
-    def run(self, plan: Plan, q, k_cache, v_cache, out: torch.Tensor, lse: torch.Tensor | None = None,
-            k_scale: torch.Tensor | None = None, v_scale=None, q_scale=None, host_scales=None,
-            sinks=None) -> None:
+    def run(
+        self,
+        plan: Plan,
+        q,
+        k_cache,
+        v_cache,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale=None,
+        q_scale=None,
+        host_scales=None,
+        sinks=None,
+    ) -> None:
         """``q [T, H, R + Dr]`` over the latent ``k_cache [pages, P, 1, R + Dr]`` (``v_cache``: its first R
         columns, not read) -> ``out [T, H, R]``; ``lse [T, H]``."""
         from ..kernels.merge import merge_splits
@@ -150,25 +174,52 @@ class TritonMLAProvider(TritonProvider):
         fp8 = cfg.kv_quantized
         R = cfg.head_dim_v
         mla_attention_kernel[(a.num_tiles, num_pages(cfg.num_qo_heads, a.block_h), a.num_splits)](
-            q, k_cache, o, l, plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, a.tile_req,
-            a.tile_qstart, plan.mask if plan.mask is not None else plan.kv_lens,
+            q,
+            k_cache,
+            o,
+            l,
+            plan.qo_indptr,
+            plan.kv_indptr,
+            plan.kv_indices,
+            plan.kv_lens,
+            a.tile_req,
+            a.tile_qstart,
+            plan.mask if plan.mask is not None else plan.kv_lens,
             plan.mask_indptr if plan.mask_indptr is not None else plan.kv_lens,
-            a.kv_start if a.kv_start is not None else plan.kv_lens, k_scale if fp8 else plan.kv_lens,
-            cfg.scale, a.num_splits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), *o_str,
+            a.kv_start if a.kv_start is not None else plan.kv_lens,
+            k_scale if fp8 else plan.kv_lens,
+            cfg.scale,
+            a.num_splits,
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            *o_str,
             *l_str,
-            NUM_HEADS=cfg.num_qo_heads, R=R, DR=cfg.rope_dim, BLOCK_R=_next_pow2(R),
-            BLOCK_DR=max(16, _next_pow2(cfg.rope_dim)), BLOCK_Q=a.block_q, BLOCK_H=a.block_h,
+            NUM_HEADS=cfg.num_qo_heads,
+            R=R,
+            DR=cfg.rope_dim,
+            BLOCK_R=_next_pow2(R),
+            BLOCK_DR=max(16, _next_pow2(cfg.rope_dim)),
+            BLOCK_Q=a.block_q,
+            BLOCK_H=a.block_h,
             BLOCK_N=a.block_n,
-            PAGE_SIZE=cfg.page_size, CAUSAL=plan.causal and plan.mask is None, HAS_MASK=plan.mask is not None,
-            HAS_KV_START=a.kv_start is not None, SPLIT=split, STORE_LSE=lse is not None, KV_FP8=fp8,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=q.device.type == "cpu",
-            num_warps=a.num_warps, num_stages=a.num_stages,
-        )  # fmt: skip
+            PAGE_SIZE=cfg.page_size,
+            CAUSAL=plan.causal and plan.mask is None,
+            HAS_MASK=plan.mask is not None,
+            HAS_KV_START=a.kv_start is not None,
+            SPLIT=split,
+            STORE_LSE=lse is not None,
+            KV_FP8=fp8,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            UPCAST=q.device.type == "cpu",
+            num_warps=a.num_warps,
+            num_stages=a.num_stages,
+        )
         if split:
             merge_splits(a.partial, a.partial_lse, out, lse)
 
-    def run_merge(self, plan: Plan, q, k_cache, v_cache, out, lse, scratch_out, scratch_lse,
-                  **scales) -> None:
+    def run_merge(self, plan: Plan, q, k_cache, v_cache, out, lse, scratch_out, scratch_lse, **scales) -> None:
         """The contract's default: run into the scratch state, then the core's in-place merge."""
         Provider.run_merge(self, plan, q, k_cache, v_cache, out, lse, scratch_out, scratch_lse, **scales)
 

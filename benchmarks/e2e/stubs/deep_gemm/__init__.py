@@ -9,8 +9,10 @@ def __getattr__(name: str):
         raise AttributeError(name)
 
     def missing(*args, **kwargs):
-        raise RuntimeError(f"deep_gemm.{name} called, but deep_gemm here is attnplug's e2e import stand-in "
-                           "(benchmarks/e2e/stubs): install DeepGEMM for models that use it")
+        raise RuntimeError(
+            f"deep_gemm.{name} called, but deep_gemm here is attnplug's e2e import stand-in "
+            "(benchmarks/e2e/stubs): install DeepGEMM for models that use it"
+        )
 
     missing.__name__ = name
     return missing
