@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # attnplug's test command (README "Tests"; .ci/run calls exactly this).
 # Builds each virtual environment idempotently, then runs each suite in its own environment:
-#   lint   - ruff format --check and ruff check (pyproject.toml's [tool.ruff], ruff pinned below), and at most
+#   lint   - ruff format --check and ruff check (pyproject.toml's [tool.ruff], ruff pinned by the [dev] extra), and at most
 #            10 formatter exemptions (# fmt: skip / # fmt: off) in the tree
 #   core   - page tables, paged KV manager, radix tree, plan validation, Triton kernels
 #            (Triton interpreter on CPU; compiled on a GPU machine), reference; tests/gpu
@@ -198,7 +198,7 @@ run_suite() {
   pytest_row "$s" ".venvs/$s/bin/python" "${paths[@]}" || status=1
 }
 export PIP_NO_CACHE_DIR=1
-RUFF_VERSION=0.17.6
+RUFF_VERSION=$(grep -oE "ruff==[0-9.]+" pyproject.toml | head -1 | cut -d= -f3)  # the [dev] extra's pin
 status=0
 for i in "${!suites[@]}"; do
   s=${suites[i]}
