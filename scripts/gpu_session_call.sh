@@ -66,6 +66,13 @@
 #                 SWEEP_FP8_ROWS="64x4096 fp8,128x2048 fp8" sweep-fp8 first: the full-batch fp8 entry over both batch sizes
 #   mask-plan     tests/gpu/test_plan_no_sync.py and the verify / mask cases of tests/gpu/test_providers_gpu.py
 #                 (not flashinfer): a large host tree mask in the plan's packed copy (~1.5 min)
+#   wave-tests    the GPU tests of issues 40-46 that have never run on a GPU: sinks (all providers, bf16 and
+#                 float32 sinks), the FlashInfer workspace count, MLA, chain verify, cascade (incl. launch counts),
+#                 Gluon (ATTNPLUG_GLUON=1) (~4 min)
+#   gluon         benchmarks/probes/gluon_prefill_probe.py: the Gluon prefill against the Triton kernel and FA3 (~2 min)
+#   cascade43     benchmarks/probes/cascade_unshared_bench.py: cascade-on vs cascade-off graphs where nothing is shared,
+#                 triton and fa3 (~2 min)
+#   mla           python -m attnplug.bench --rows MLA: the three MLA providers against FlashMLA / FlashInfer (~2 min)
 #   e.g.  bash scripts/gpu_session_call.sh nosync cascade-if sweep bench-prefill
 set -u
 W=$OUT/w; mkdir -p "$W"; G="bash scripts/gpu_run.sh"; t0=$SECONDS
@@ -228,6 +235,21 @@ for step in "$@"; do
     timeout 150 $G python3 -m pytest tests/gpu/test_plan_no_sync.py tests/gpu/test_providers_gpu.py -q -rfEs \
       -k "not flashinfer and (verify or mask or sync)" > "$W/pytest-mask-plan.log" 2>&1
     log "pytest mask plan rc $?"; tail -n 3 "$W/pytest-mask-plan.log" ;;
+  wave-tests)
+    ATTNPLUG_GLUON=1 timeout 260 $G python3 -m pytest tests/gpu/test_sinks_gpu.py tests/gpu/test_workspace_gpu.py \
+      tests/gpu/test_mla_gpu.py tests/gpu/test_chain_verify_gpu.py tests/gpu/test_cascade_gpu.py \
+      tests/gpu/test_gluon_prefill_gpu.py tests/core/test_cascade_graph.py tests/core/test_cascade_launches.py \
+      -q -rfEs -k "not flashinfer" > "$W/pytest-wave.log" 2>&1; log "pytest wave rc $?"; tail -n 5 "$W/pytest-wave.log" ;;
+  gluon)
+    ATTNPLUG_GLUON=1 timeout 200 $G python3 benchmarks/probes/gluon_prefill_probe.py --out "$W/gluon-prefill-probe.json" \
+      > "$W/gluon.log" 2>&1; log "gluon probe rc $?"; tail -n 12 "$W/gluon.log" ;;
+  cascade43)
+    timeout 200 $G python3 benchmarks/probes/cascade_unshared_bench.py --providers triton,fa3 \
+      --out "$W/cascade-unshared-bench.json" > "$W/cascade43.log" 2>&1; log "cascade unshared bench rc $?"
+    tail -n 20 "$W/cascade43.log" ;;
+  mla)
+    timeout 200 $G python3 -m attnplug.bench --rows MLA --out "$W/bench-mla" > "$W/mla.log" 2>&1; log "bench MLA rc $?"
+    tail -n 15 "$W/mla.log" ;;
   *) log "unknown step $step" ;;
   esac
 done
