@@ -50,6 +50,28 @@ def test_no_provider_name_checks_outside_the_providers():
     assert NAME_CHECK.search('if provider == "flashinfer":') and NAME_CHECK.search("x in ('triton', 'fa3')")
 
 
+KNOB_SNIFF = re.compile(r"\.OPTIONS\b|\.knob_names\(|\bin\s+[\w.]*\.Options\b|\bPlanOptions\(\w")
+
+
+def test_no_knob_sniffs_outside_the_providers():
+    """Which knobs a provider takes is its own: code outside ``attnplug/core/providers/`` asks its hooks
+    (``parse_options``, ``pinned_options``, ``takes_split_count``), never a knob name in its set."""
+    hits = []
+    for top in ("attnplug", "benchmarks", "scripts"):
+        for path in sorted((REPO / top).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            if rel.startswith("attnplug/core/providers/") or rel == "attnplug/core/plan.py":
+                continue
+            hits += [
+                f"{rel}:{i}: {line.strip()}"
+                for i, line in enumerate(path.read_text().splitlines(), 1)
+                if KNOB_SNIFF.search(line)
+            ]
+    assert hits == []
+    for sniff in ('"num_kv_splits" in self.provider.OPTIONS', "x in p.Options", "PlanOptions(num_kv_splits=2)"):
+        assert KNOB_SNIFF.search(sniff), sniff
+
+
 def test_registry_and_install_hints():
     from attnplug.core.providers import install_hint
 
