@@ -538,6 +538,23 @@ MUTATIONS = [
         ("tests/core/test_gluon_plan.py::test_covered_batches_plan_gluon",),
         "the Gluon kernel's tile list is not sorted by causal work (longest-first schedule lost)",
     ),
+    # -- plan knobs (issue 40): each provider's Options type ------------------------------------------------
+    Mutation(
+        "options_take_foreign_knob",
+        PL,
+        "        unknown = sorted(knobs.keys() - names)\n",
+        "        unknown = []\n",
+        ("tests/core/test_plan_validation.py::test_each_provider_options_refuse_another_providers_knob",),
+        "a knob another provider reads is not refused with attnplug's message",
+    ),
+    Mutation(
+        "pinned_options_drop_splits",
+        "attnplug/core/providers/base.py",
+        "        if num_kv_splits is not None and self.takes_split_count():\n",
+        "        if False:\n",
+        ("tests/core/test_plan_validation.py::test_pinned_options_keep_the_split_count_where_the_provider_takes_it",),
+        "a graph part's / draft step's forced split count is dropped (its static memory was sized by it)",
+    ),
 ]
 
 

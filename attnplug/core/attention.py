@@ -13,7 +13,7 @@ import torch
 from .cascade import cascade_mode, plan_cascade, run_cascade
 from .config import AttentionConfig
 from .metadata import BatchMetadata
-from .plan import Plan, PlanOptions, check_run_bounds, check_run_inputs, make_plan
+from .plan import Plan, check_run_bounds, check_run_inputs, make_plan
 from .providers import Provider, provider_instance
 
 
@@ -63,11 +63,10 @@ class PagedAttention:
     def plan(self, batch: BatchMetadata, num_pages: int | None = None, **knobs) -> Plan:
         """Validate ``batch`` and build every kernel argument of this forward.
 
-        ``knobs``: :class:`~attnplug.core.plan.PlanOptions` the provider reads (e.g. ``num_kv_splits``
-        for triton); an unknown knob, or one this provider does not read, raises ``ValueError``.
+        ``knobs``: fields of the provider's :attr:`~attnplug.core.providers.base.Provider.Options` (e.g.
+        ``num_kv_splits`` for triton); a knob this provider does not read raises ``ValueError``.
         """
-        options = PlanOptions.parse(knobs)
-        self.provider.check_options(options)
+        options = self.provider.parse_options(knobs)
         plan = make_plan(self.config, batch, num_pages=num_pages, device=self.device)
         plan.options = options
         plan.cascade = plan_cascade(plan, self.cascade)

@@ -31,7 +31,6 @@ whose batch shares nothing pays one launch that returns at once (``docs/cascade.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -562,11 +561,8 @@ class CascadeGraph:
     def prepare_capture(self, bs: int) -> None:
         """The prefix plan of ``bs * q`` query rows (outside the graph)."""
         plan = self._plan(bs)
-        knobs = dict(self.tile_options) if plan.max_q_len > 1 else {}
-        if self.gs.num_kv_splits is not None and "num_kv_splits" in self.provider.OPTIONS:
-            knobs["num_kv_splits"] = self.gs.num_kv_splits  # the static split memory is sized by it
-        if knobs:
-            plan.options = dataclasses.replace(plan.options, **knobs)
+        tiles = self.tile_options if plan.max_q_len > 1 else {}
+        plan.options = self.provider.pinned_options(tiles, self.gs.num_kv_splits)  # the static memory is sized by it
         self.provider.plan(plan, static=self.static)
         self.plans[bs] = plan
 

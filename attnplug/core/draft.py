@@ -28,7 +28,7 @@ import torch
 
 from .config import AttentionConfig, UnsupportedFeature
 from .metadata import BatchMetadata, ForwardMode
-from .plan import Plan, PlanOptions, make_plan
+from .plan import Plan, make_plan
 from .providers import Provider, provider_instance
 
 _I32 = torch.int32
@@ -335,7 +335,7 @@ class MultiStepDraftPlanner:
                 kv_lens_cpu=len_h,
             )
             if self.num_kv_splits is not None:
-                plan.options = PlanOptions(num_kv_splits=self.num_kv_splits)
+                plan.options = self.providers[i].pinned_options({}, self.num_kv_splits)
             self.providers[i].plan(plan, static=self._static)
             self.plans.append(plan)
         return self.plans

@@ -7,7 +7,7 @@ the value expected. Providers then add their own kernel arguments to the plan; t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,45 +31,58 @@ class ProviderStatic:
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """Tuning knobs of one plan: ``PagedAttention.plan(batch, **knobs)``. ``None`` = the provider's
-    default. A provider accepts only the knobs in its ``OPTIONS`` (others raise ``ValueError``).
-
-    Attributes:
-        num_kv_splits: triton: split-KV chunks per tile (default: from the SM count and ``max_kv_len``).
-        block_m, block_n, num_warps, num_stages: triton: tile rows (query rows x GQA heads), keys per
-            block, warps, pipeline stages.
-        prefill_backend: flashinfer: ``"auto"``, ``"fa2"`` or ``"fa3"`` (prefill template).
-        kv_start: triton: ``[B]`` int32 on the device; request ``b`` attends only to keys at positions
-            ``>= kv_start[b]`` (the fa3 provider's tree part).
+    """Base of the tuning knobs of one plan: ``PagedAttention.plan(batch, **knobs)``. It has no knobs;
+    each provider that takes some declares a subclass in its module (its ``Provider.Options``, e.g.
+    ``TritonOptions``), whose fields are the knobs (``None`` = the provider's default).
+    ``Plan.options`` holds the provider's type, or this base (no knobs) where nobody set any.
     """
 
-    num_kv_splits: int | None = None
-    block_m: int | None = None
-    block_n: int | None = None
-    num_warps: int | None = None
-    num_stages: int | None = None
-    prefill_backend: str | None = None
-    kv_start: torch.Tensor | None = None
-
-    def set_fields(self) -> set[str]:
-        """Names of the knobs that are set (not ``None``)."""
-        if self is _NO_OPTIONS:
-            return set()
-        return {n for n in _OPTION_NAMES if getattr(self, n) is not None}
-
     @classmethod
-    def parse(cls, knobs: dict) -> PlanOptions:
-        """Options from keyword arguments; ``ValueError`` naming an unknown knob."""
-        if not knobs and cls is PlanOptions:
-            return _NO_OPTIONS  # frozen: one shared instance (the common case costs nothing)
-        unknown = sorted(set(knobs) - _OPTION_NAMES)
+    def parse(cls, knobs: dict, provider: str | None = None) -> PlanOptions:
+        """Options of this type from keyword arguments. No knobs: one shared instance per type (frozen;
+        nothing allocated). ``ValueError`` naming attnplug, ``provider`` and the knobs this type reads
+        for a knob it does not read."""
+        if not knobs:
+            return cls.none()
+        names = cls.knob_names()
+        unknown = sorted(knobs.keys() - names)
         if unknown:
-            raise ValueError(f"attnplug: unknown plan option(s) {unknown}; known: {sorted(_OPTION_NAMES)}")
+            who = f"provider '{provider}'" if provider is not None else cls.__name__
+            raise ValueError(
+                f"attnplug: {who} has no plan option(s) {unknown}; it reads {sorted(names) or 'none'} ({cls.__name__})"
+            )
         return cls(**knobs)
 
+    @classmethod
+    def none(cls) -> PlanOptions:
+        """The shared instance of this type with no knob set."""
+        empty = _NO_KNOBS.get(cls)
+        if empty is None:
+            empty = _NO_KNOBS[cls] = cls()
+        return empty
 
-_OPTION_NAMES = frozenset(f.name for f in fields(PlanOptions))
-_NO_OPTIONS = PlanOptions()
+    @classmethod
+    def knob_names(cls) -> frozenset[str]:
+        """The knobs this type reads (its field names)."""
+        names = _KNOB_NAMES.get(cls)
+        if names is None:
+            names = _KNOB_NAMES[cls] = frozenset(f.name for f in fields(cls))
+        return names
+
+    @classmethod
+    def of(cls, options: PlanOptions) -> PlanOptions:
+        """``options`` as this type, for the provider that reads it: itself, or :meth:`none` for the
+        knob-less base (a plan nobody set knobs on). ``TypeError`` for another provider's options."""
+        if isinstance(options, cls):
+            return options
+        if type(options) is PlanOptions:
+            return cls.none()
+        raise TypeError(f"attnplug: plan options {type(options).__name__} given where {cls.__name__} are read")
+
+
+_NO_KNOBS: dict[type, PlanOptions] = {}
+_KNOB_NAMES: dict[type, frozenset[str]] = {}
+_NO_OPTIONS = PlanOptions.none()
 
 
 @dataclass
@@ -87,7 +100,8 @@ class Plan:
         mask_indptr: ``[B+1]`` int64 offsets into ``mask`` (``None`` without a mask).
         mask_free: ``[B]`` int32, leading KV columns of each request's mask that every query sees
             (``kv_len - q_len`` for a verify tree over a visible prefix); kernels skip mask work there.
-        options: the caller's tuning knobs (:class:`PlanOptions`).
+        options: the caller's tuning knobs (the provider's :class:`PlanOptions` subclass, or the
+            knob-less base).
         state: the provider's typed per-forward state (its launch arguments), set by ``Provider.plan``.
         cascade: the forward's shared-prefix split (:class:`~attnplug.core.cascade.CascadePlan`), whose
             suffix and prefix plans the provider planned instead of this one; ``None`` otherwise.
@@ -119,7 +133,7 @@ class Plan:
     mask_indptr_cpu: torch.Tensor | None = None
     mask_free: torch.Tensor | None = None
     mask_free_cpu: torch.Tensor | None = None
-    options: PlanOptions = field(default_factory=lambda: PlanOptions())
+    options: PlanOptions = _NO_OPTIONS
     state: ProviderState | None = None
     cascade: CascadePlan | None = None
     max_page_id: int = -1

@@ -87,10 +87,7 @@ def parts(gs, B, q, k, v) -> dict:
 def prefix_sweep(gs, B, q, k, v) -> list[dict]:
     """The prefix part's replay time over triton knobs (block_m, block_n, splits, warps, stages), fresh
     plans on the same prefix batch; the default plan's first."""
-    import dataclasses
     import itertools
-
-    from attnplug.core.plan import PlanOptions
 
     c, rows = gs.cascade, []
     op, lp = torch.empty_like(c.out_part[:B]), torch.empty_like(c.lse_part[:B])
@@ -100,7 +97,7 @@ def prefix_sweep(gs, B, q, k, v) -> list[dict]:
     ]
     for knobs in configs:
         plan = c._plan(B)
-        plan.options = dataclasses.replace(PlanOptions(), **knobs)
+        plan.options = c.provider.parse_options(knobs)
         try:
             c.provider.plan(plan)
             ms = graph_ms(lambda: c.provider.run(plan, q, k, v, op, lp))
@@ -176,7 +173,7 @@ def row(cfg, spec, unique, dev, provider="triton", sweep=False, eager=True) -> d
         res[f"graph_{mode}"]["rel_err_device_update"] = rel_err(out, ref)
         if dev.type == "cuda":
             res[f"graph_{mode}"]["parts_ms"] = parts(gs, B, q, k, v)
-            if sweep and "block_m" in gs.cascade.provider.OPTIONS and mode == "auto" and int(gs.cascade.kv_lens) > 0:
+            if sweep and gs.cascade.tile_options and mode == "auto" and int(gs.cascade.kv_lens) > 0:
                 res["prefix_sweep"] = prefix_sweep(gs, B, q, k, v)
     for mode in ("off", "auto") if eager else ():
         attn = PagedAttention(cfg, provider, dev, cascade=mode)

@@ -184,12 +184,12 @@ def test_plan_replace_is_a_shallow_copy_with_changes():
     import torch
 
     from attnplug.core import AttentionConfig, BatchMetadata, ForwardMode, make_plan
-    from attnplug.core.plan import PlanOptions
+    from attnplug.core.providers.triton import TritonOptions
 
     cfg = AttentionConfig(4, 2, 64, 16, torch.bfloat16)
     i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     plan = make_plan(cfg, BatchMetadata(ForwardMode.DECODE, i32(0, 1, 2), i32(0, 1, 3), i32(4, 0, 2), i32(5, 16)), 8)
-    opts = PlanOptions(num_kv_splits=1)
+    opts = TritonOptions(num_kv_splits=1)
     new = plan.replace(options=opts, state="s")
     assert new is not plan and new.options is opts and new.state == "s"
     assert plan.options is not opts and plan.state is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from batches import random_case
@@ -108,10 +110,112 @@ def test_unknown_and_unavailable_providers():
 def test_unknown_and_foreign_plan_options():
     attn = PagedAttention(CFG, "reference", "cpu")
     c = random_case(ForwardMode.DECODE, [1, 1], [5, 9], CFG, seed=2)
-    with pytest.raises(ValueError, match=r"unknown plan option\(s\) \['num_splits'\]"):
+    with pytest.raises(
+        ValueError, match=r"attnplug: provider 'reference' has no plan option\(s\) \['num_splits'\]; it reads none"
+    ):
         attn.plan(c.batch, num_pages=c.num_pages, num_splits=2)
     with pytest.raises(ValueError, match=r"provider 'reference' has no plan option\(s\) \['num_kv_splits'\]"):
         attn.plan(c.batch, num_pages=c.num_pages, num_kv_splits=2)
+    triton = PagedAttention(CFG, "triton", "cpu")
+    with pytest.raises(
+        ValueError,
+        match=r"attnplug: provider 'triton' has no plan option\(s\) \['num_splits', 'prefill_backend'\]; it reads "
+        r"\['block_m', 'block_n', 'kv_start', 'num_kv_splits', 'num_stages', 'num_warps'\] \(TritonOptions\)",
+    ):
+        triton.plan(c.batch, num_pages=c.num_pages, prefill_backend="fa2", num_splits=2)
+    p = triton.plan(c.batch, num_pages=c.num_pages, num_kv_splits=2, block_n=32)
+    assert (p.options.num_kv_splits, p.options.block_n, p.options.block_m) == (2, 32, None)
+
+
+def _options_types() -> dict[str, type]:
+    """Each registered provider's and MLA provider's ``Options`` type, by ``name[/mla]``."""
+    from attnplug.core.providers import get_provider_cls, provider_names
+
+    out = {}
+    for name in provider_names():
+        cls = get_provider_cls(name)
+        out[name] = cls.Options
+        mla = cls.mla_class()
+        if mla is not None:
+            out[f"{name}/mla"] = mla.Options
+    return out
+
+
+def test_each_provider_options_refuse_another_providers_knob():
+    """Every provider's ``Options`` refuses each knob only another provider reads, naming attnplug, the
+    provider and the knobs it reads; the knob-owning providers own distinct types."""
+    from attnplug.core.plan import PlanOptions
+    from attnplug.core.providers.flashinfer import FlashInferOptions
+    from attnplug.core.providers.triton import TritonOptions
+
+    types = _options_types()
+    assert types["triton"] is TritonOptions and types["triton/mla"] is TritonOptions
+    assert types["flashinfer"] is FlashInferOptions and types["flashinfer/mla"] is PlanOptions
+    assert types["reference"] is PlanOptions and types["fa3"] is PlanOptions
+    all_knobs = set().union(*(t.knob_names() for t in types.values()))
+    assert all_knobs == {
+        "num_kv_splits",
+        "block_m",
+        "block_n",
+        "num_warps",
+        "num_stages",
+        "kv_start",
+        "prefill_backend",
+    }
+    checked = 0
+    for who, opts in types.items():
+        reads = sorted(opts.knob_names())
+        for knob in sorted(all_knobs - opts.knob_names()):
+            reads_text = re.escape(str(reads or "none"))
+            msg = rf"^attnplug: provider '{who}' has no plan option\(s\) \['{knob}'\]; it reads {reads_text}"
+            with pytest.raises(ValueError, match=msg):
+                opts.parse({knob: 1}, who)
+            checked += 1
+        for knob in reads:  # its own knobs parse into its own type
+            assert getattr(opts.parse({knob: 1}, who), knob) == 1
+    assert checked >= 2 * 1 + 6 + 4 * 7  # triton (and its MLA), flashinfer, four knob-less types
+
+
+def test_no_knobs_share_one_instance():
+    """``plan()`` without knobs allocates no options: one frozen instance per type; a provider reads the
+    knob-less base as its own type's, and refuses another provider's options."""
+    import dataclasses
+
+    from attnplug.core.plan import PlanOptions
+    from attnplug.core.providers.flashinfer import FlashInferOptions
+    from attnplug.core.providers.triton import TritonOptions
+
+    for t in (PlanOptions, TritonOptions, FlashInferOptions):
+        assert t.parse({}) is t.parse({}, "x") is t.none() and type(t.none()) is t
+    assert TritonOptions.none() is not FlashInferOptions.none()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TritonOptions.none().num_kv_splits = 4
+    assert TritonOptions.of(PlanOptions.none()) is TritonOptions.none()
+    forced = TritonOptions(num_kv_splits=3)
+    assert TritonOptions.of(forced) is forced
+    with pytest.raises(TypeError, match="attnplug: plan options FlashInferOptions given where TritonOptions"):
+        TritonOptions.of(FlashInferOptions(prefill_backend="fa2"))
+    attn = PagedAttention(CFG, "triton", "cpu")
+    c = random_case(ForwardMode.DECODE, [1, 1], [5, 9], CFG, seed=2)
+    assert attn.plan(c.batch, num_pages=c.num_pages).options is TritonOptions.none()
+    assert make_plan(CFG, c.batch, num_pages=c.num_pages).options is PlanOptions.none()
+
+
+def test_pinned_options_keep_the_split_count_where_the_provider_takes_it():
+    """A graph part's / draft step's pinned options: tiles and ``num_kv_splits`` for triton (its static
+    split memory is sized by it); providers that take no split count drop it."""
+    from attnplug.core.providers.triton import TritonOptions
+
+    triton = PagedAttention(CFG, "triton", "cpu").provider
+    assert triton.takes_split_count()
+    o = triton.pinned_options({"block_m": 64}, 4)
+    assert type(o) is TritonOptions and (o.block_m, o.num_kv_splits) == (64, 4)
+    assert triton.pinned_options({}, None) is TritonOptions.none()
+    ref = PagedAttention(CFG, "reference", "cpu").provider
+    assert not ref.takes_split_count()
+    assert ref.pinned_options({}, 4) is ref.Options.none()
+    with pytest.raises(ValueError, match="provider 'reference' has no plan option"):
+        ref.pinned_options({"block_m": 64}, None)
 
 
 def test_mask_free_columns():

@@ -33,21 +33,36 @@ def toy():
     return toy_provider.TOY
 
 
+def grep_lines(pattern: re.Pattern, tops: tuple[str, ...], skip: tuple[str, ...]) -> list[str]:
+    """``file:line: text`` of every line of the ``.py`` files under ``tops`` (repo folders) matching
+    ``pattern``, files whose repo path starts with one of ``skip`` left out."""
+    hits = []
+    for top in tops:
+        for path in sorted((REPO / top).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            if not rel.startswith(skip):
+                lines = enumerate(path.read_text().splitlines(), 1)
+                hits += [f"{rel}:{i}: {line.strip()}" for i, line in lines if pattern.search(line)]
+    return hits
+
+
 def test_no_provider_name_checks_outside_the_providers():
     """The issue's acceptance grep: decisions about a provider are the provider's."""
-    hits = []
-    for path in sorted((REPO / "attnplug").rglob("*.py")):
-        rel = path.relative_to(REPO).as_posix()
-        if rel.startswith(("attnplug/core/providers/", "attnplug/bench/")):
-            continue
-        hits += [
-            f"{rel}:{i}: {line.strip()}"
-            for i, line in enumerate(path.read_text().splitlines(), 1)
-            if NAME_CHECK.search(line)
-        ]
-    assert hits == []
+    assert grep_lines(NAME_CHECK, ("attnplug",), ("attnplug/core/providers/", "attnplug/bench/")) == []
     # the check itself sees a name comparison
     assert NAME_CHECK.search('if provider == "flashinfer":') and NAME_CHECK.search("x in ('triton', 'fa3')")
+
+
+KNOB_SNIFF = re.compile(r"\.OPTIONS\b|\.knob_names\(|\bin\s+[\w.]*\.Options\b|\bPlanOptions\(\w")
+
+
+def test_no_knob_sniffs_outside_the_providers():
+    """Which knobs a provider takes is its own: code outside ``attnplug/core/providers/`` asks its hooks
+    (``parse_options``, ``pinned_options``, ``takes_split_count``), never a knob name in its set."""
+    skip = ("attnplug/core/providers/", "attnplug/core/plan.py")
+    assert grep_lines(KNOB_SNIFF, ("attnplug", "benchmarks", "scripts"), skip) == []
+    for sniff in ('"num_kv_splits" in self.provider.OPTIONS', "x in p.Options", "PlanOptions(num_kv_splits=2)"):
+        assert KNOB_SNIFF.search(sniff), sniff
 
 
 def test_registry_and_install_hints():

@@ -15,6 +15,10 @@ A provider decides, for its library:
   provider with such a config yields, :mod:`attnplug.core.mla`);
 * **one forward** - :meth:`Provider.plan` (host work, once per forward; the launch arguments go into
   ``plan.state``, typed) and :meth:`Provider.run` (per layer, launches only);
+* **plan knobs** - :attr:`Provider.Options` (its own :class:`~attnplug.core.plan.PlanOptions` subclass,
+  declared in its module), :meth:`Provider.parse_options` (the caller's knobs, unknown ones refused),
+  :meth:`Provider.takes_split_count` and :meth:`Provider.pinned_options` (what a graph part or draft step
+  pins);
 * **static buffers** - :meth:`Provider.static_buffers` (storage that lets ``plan`` write into fixed
   memory: multi-step drafts and CUDA graphs) and :meth:`Provider.graph` (its part of a
   :class:`~attnplug.core.cuda_graph.GraphState`: capture-time plans and the in-place refresh before
@@ -138,13 +142,15 @@ class ProviderGraph:
 class Provider(ABC):
     """One kernel library behind the core's plan/run contract.
 
-    Subclasses set ``name`` (the registry key), ``OPTIONS`` and implement ``plan`` and ``run``;
+    Subclasses set ``name`` (the registry key), ``Options`` (where they take plan knobs) and implement
+    ``plan`` and ``run``;
     everything else has a default that fits a provider with no special needs.
     """
 
     name: ClassVar[str] = "?"
-    #: Plan knobs (:class:`~attnplug.core.plan.PlanOptions` fields) this provider reads.
-    OPTIONS: ClassVar[frozenset[str]] = frozenset()
+    #: Its plan knobs: a :class:`~attnplug.core.plan.PlanOptions` subclass declared in its module (the
+    #: base: no knobs). :meth:`parse_options` builds it; its ``plan`` reads ``Options.of(plan.options)``.
+    Options: ClassVar[type[PlanOptions]] = PlanOptions
     #: What its CUDA graphs can replay (see :class:`GraphSupport`).
     graph_support: ClassVar[GraphSupport] = NO_GRAPHS
     #: Whether :meth:`run` on an eager plan (``PagedAttention.plan``) can be captured in a CUDA graph as
@@ -276,14 +282,24 @@ class Provider(ABC):
     def unsupported(self, feature: str) -> UnsupportedFeature:
         return UnsupportedFeature(f"attnplug: provider '{self.name}' does not support {feature}")
 
-    def check_options(self, options: PlanOptions) -> None:
-        """``ValueError`` naming a knob this provider does not read."""
-        extra = sorted(options.set_fields() - self.OPTIONS)
-        if extra:
-            raise ValueError(
-                f"attnplug: provider '{self.name}' has no plan option(s) {extra}; "
-                f"it reads {sorted(self.OPTIONS) or 'none'}"
-            )
+    def parse_options(self, knobs: dict) -> PlanOptions:
+        """The caller's ``knobs`` (``PagedAttention.plan(batch, **knobs)``) as :attr:`Options`; no knobs:
+        its shared instance (nothing allocated). ``ValueError`` naming attnplug, this provider and the
+        knobs it reads for any other knob."""
+        return self.Options.parse(knobs, self.name)
+
+    def takes_split_count(self) -> bool:
+        """Whether its plans take a forced split-KV count (a graph family's or a draft's
+        ``num_kv_splits``, which its :meth:`static_buffers` are sized by). Default: no."""
+        return False
+
+    def pinned_options(self, tiles: dict, num_kv_splits: int | None = None) -> PlanOptions:
+        """The options a graph part or draft step pins on its plans: ``tiles`` (from
+        :meth:`fixed_tile_options`) and ``num_kv_splits`` where :meth:`takes_split_count` (its static
+        memory is sized by it; dropped otherwise, as is ``None``)."""
+        if num_kv_splits is not None and self.takes_split_count():
+            tiles = {**tiles, "num_kv_splits": num_kv_splits}
+        return self.parse_options(tiles)
 
     # -- one forward ------------------------------------------------------------------------------------
     @abstractmethod

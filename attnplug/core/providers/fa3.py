@@ -61,7 +61,7 @@ import torch
 from ..config import AttentionConfig, UnsupportedFeature
 from ..graph_views import HostBatch
 from ..pages import num_pages
-from ..plan import Plan, PlanOptions, ProviderState
+from ..plan import Plan, ProviderState
 from .base import GraphSupport, Provider, ProviderGraph
 
 logger = logging.getLogger("attnplug")
@@ -493,7 +493,7 @@ class FA3Provider(Provider):
         ``static`` (the Triton provider's static buffers) / ``buffers`` (:meth:`tree_buffers`): static
         storage (CUDA graphs). Callers run :meth:`check_tree_config` first."""
         tree = self.tree_provider()
-        tree_plan = plan.replace(options=PlanOptions(kv_start=prefix, num_kv_splits=1), state=None)
+        tree_plan = plan.replace(options=tree.Options(kv_start=prefix, num_kv_splits=1), state=None)
         tree.plan(tree_plan, static=static)
         return FA3Tree(
             prefix_lens=prefix, tree_plan=tree_plan, **(buffers or self.tree_buffers(plan.num_tokens, plan.device))

@@ -45,7 +45,7 @@ import torch
 from ..config import FP8_KV_DTYPES, AttentionConfig
 from ..graph_views import HostBatch
 from ..metadata import ForwardMode
-from ..plan import Plan, ProviderState
+from ..plan import Plan, PlanOptions, ProviderState
 from .base import GraphSupport, Provider, ProviderGraph
 
 logger = logging.getLogger("attnplug")
@@ -239,6 +239,17 @@ def _import_flashinfer():
     return flashinfer
 
 
+@dataclass(frozen=True)
+class FlashInferOptions(PlanOptions):
+    """The flashinfer provider's plan knobs (``PagedAttention.plan(batch, **knobs)``; ``None``: its default).
+
+    Attributes:
+        prefill_backend: ``"auto"``, ``"fa2"`` or ``"fa3"`` (the prefill template of extend batches).
+    """
+
+    prefill_backend: str | None = None
+
+
 @dataclass
 class FlashInferState(ProviderState):
     """``plan.state``: the planned wrapper this forward runs and its kernel family."""
@@ -392,7 +403,7 @@ class FlashInferProvider(Provider):
     """FlashInfer paged attention (decode: tensor-core decode; extend/verify: paged prefill)."""
 
     name = "flashinfer"
-    OPTIONS = frozenset({"prefill_backend"})
+    Options = FlashInferOptions
     graph_support = GraphSupport(
         decode=True,
         verify=True,
@@ -544,7 +555,7 @@ class FlashInferProvider(Provider):
                 **common,
             )
         else:
-            knob = plan.options.prefill_backend
+            knob = FlashInferOptions.of(plan.options).prefill_backend
             backend = self.resolve_backend(knob) if knob is not None else self.default_backend
             w = self._wrapper("prefill", backend)
             w.plan(

@@ -20,7 +20,7 @@ from ..config import AttentionConfig
 from ..graph_views import HostBatch
 from ..mla import library_refusal
 from ..pages import tokens_from_pages
-from ..plan import Plan
+from ..plan import Plan, PlanOptions
 from .base import ProviderGraph
 from .flashinfer import FlashInferChainVerifyGraph, FlashInferProvider, FlashInferState
 
@@ -73,7 +73,7 @@ class FlashInferMLAProvider(FlashInferProvider):
     """FlashInfer's MLA paged wrapper for MLA configs (``config.is_mla``)."""
 
     IS_MLA = True
-    OPTIONS = frozenset()
+    Options = PlanOptions  # no knobs (the base)
     graph_support = dataclasses.replace(
         FlashInferProvider.graph_support,
         reason=(

@@ -24,10 +24,30 @@ from .. import graph_if, staging
 from ..config import FP8_KV_DTYPES, SUPPORTED_DTYPES, AttentionConfig, env_flag
 from ..kernels import tiles as tile_table
 from ..pages import num_pages
-from ..plan import Plan, ProviderState, ProviderStatic
+from ..plan import Plan, PlanOptions, ProviderState, ProviderStatic
 from .base import GraphSupport, Provider, ProviderGraph
 
 logger = logging.getLogger("attnplug")
+
+
+@dataclass(frozen=True)
+class TritonOptions(PlanOptions):
+    """The triton provider's plan knobs (``PagedAttention.plan(batch, **knobs)``; ``None``: its default).
+
+    Attributes:
+        num_kv_splits: split-KV chunks per tile (default: from the SM count and ``max_kv_len``).
+        block_m, block_n, num_warps, num_stages: tile rows (query rows x GQA heads), keys per block,
+            warps, pipeline stages.
+        kv_start: ``[B]`` int32 on the device; request ``b`` attends only to keys at positions
+            ``>= kv_start[b]`` (the fa3 provider's tree part).
+    """
+
+    num_kv_splits: int | None = None
+    block_m: int | None = None
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    kv_start: torch.Tensor | None = None
 
 
 @dataclass
@@ -204,13 +224,13 @@ class TritonGraph(ProviderGraph):
         }
 
     def plan(self, plan: Plan, bs: int) -> None:
-        plan.options = dataclasses.replace(plan.options, num_kv_splits=self.splits[bs])
+        plan.options = dataclasses.replace(TritonOptions.of(plan.options), num_kv_splits=self.splits[bs])
         self.provider.plan(plan, static=self.static)
 
 
 class TritonProvider(Provider):
     name = "triton"
-    OPTIONS = frozenset({"num_kv_splits", "block_m", "block_n", "num_warps", "num_stages", "kv_start"})
+    Options = TritonOptions
     graph_support = GraphSupport(decode=True, verify=True, device_refresh=True, cascade=True)
     graph_cls = TritonGraph
     KV_DTYPES = frozenset(SUPPORTED_DTYPES + FP8_KV_DTYPES)
@@ -379,7 +399,7 @@ class TritonProvider(Provider):
             and plan.mask is None
             and cfg.window_left < 0
             and cfg.logits_soft_cap <= 0
-            and plan.options.kv_start is None
+            and TritonOptions.of(plan.options).kv_start is None
             and plan.max_q_len > 1
             and (splits == 1 if plan.causal else not cfg.kv_quantized)
         )
@@ -390,7 +410,7 @@ class TritonProvider(Provider):
         Gluon (:func:`gluon_sm90`), causal queries that fill its ``block_m``-row tiles, 16-bit KV in pages
         of 16, head_dim 64 / 128 / 256, a power-of-two GQA group, no custom mask, window, soft cap, sinks,
         ``kv_start`` or forced tiles / splits; else None (the Triton kernels)."""
-        cfg, o = self.config, plan.options
+        cfg, o = self.config, TritonOptions.of(plan.options)
         if not (
             self._gluon
             and plan.causal
@@ -412,6 +432,10 @@ class TritonProvider(Provider):
 
         c = CONFIGS.get(cfg.head_dim)
         return c if c is not None and cfg.group_size <= c[0] <= plan.max_q_len * cfg.group_size else None
+
+    def takes_split_count(self) -> bool:
+        """Yes: ``num_kv_splits`` (:class:`TritonOptions`) forces the split count."""
+        return True
 
     def split_count(self, num_tiles: int, max_kv_len: int, forced: int | None = None, noncausal: bool = False) -> int:
         """Split-KV chunks per tile: ``forced``, else (when ``num_tiles * Hkv`` programs do not fill the
@@ -476,7 +500,7 @@ class TritonProvider(Provider):
     def plan(self, plan: Plan, static: TritonStatic | None = None) -> None:
         """Block sizes, the tile list (host, once) and the split count; knobs from ``plan.options``.
         With ``static`` the tile list and the split partials live in its memory."""
-        cfg, o = self.config, plan.options
+        cfg, o = self.config, TritonOptions.of(plan.options)
         block_q, block_m, block_n, warps, stages = self._blocks(plan)
         blocks = block_q, block_m, block_n, warps, stages
         gluon = self._gluon_config(plan) if self._gluon else None

@@ -18,7 +18,7 @@ from ..config import AttentionConfig
 from ..pages import num_pages
 from ..plan import Plan
 from .base import Provider
-from .triton import TritonProvider, TritonStatic, _next_pow2, _tiling
+from .triton import TritonOptions, TritonProvider, TritonStatic, _next_pow2, _tiling
 
 
 @dataclass
@@ -44,7 +44,7 @@ class TritonMLAProvider(TritonProvider):
     """attnplug's Triton kernels for MLA configs (``config.is_mla``)."""
 
     IS_MLA = True
-    OPTIONS = frozenset({"num_kv_splits", "block_m", "block_n", "num_warps", "num_stages", "kv_start"})
+    Options = TritonOptions  # the same knobs as the triton provider
 
     @classmethod
     def mla_refusal(cls, config: AttentionConfig) -> str | None:
@@ -101,7 +101,7 @@ class TritonMLAProvider(TritonProvider):
 
     # -- plan / run -------------------------------------------------------------------------------
     def plan(self, plan: Plan, static: TritonStatic | None = None) -> None:
-        cfg, o = self.config, plan.options
+        cfg, o = self.config, TritonOptions.of(plan.options)
         bq, bh, bn, warps, stages = self._mla_tiles(plan.max_q_len)
         if o.block_m is not None and plan.max_q_len > 1:
             bq = max(1, o.block_m // bh)
