@@ -77,6 +77,57 @@ HF_CONFIGS = {
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     },
+    # test_sliding_window_backend_correctness: 16 query heads of head_dim 128 over 4 KV heads, a
+    # 2047-token window (the model's published config.json, less its auto_map to remote code)
+    "microsoft/Phi-tiny-MoE-instruct": {
+        "architectures": ["PhiMoEForCausalLM"],
+        "model_type": "phimoe",
+        "hidden_size": 4096,
+        "head_dim": 128,
+        "intermediate_size": 448,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 32,
+        "num_local_experts": 16,
+        "num_experts_per_tok": 2,
+        "max_position_embeddings": 4096,
+        "sliding_window": 2047,
+        "attention_bias": True,
+        "lm_head_bias": True,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "vocab_size": 32064,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 32000,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
+    # test_sliding_window_encoder_backend_correctness: bidirectional (encoder-only) attention, 3 query
+    # heads of head_dim 256 over 1 KV head, a 512-token window
+    "google/embeddinggemma-300m": {
+        "architectures": ["Gemma3TextModel"],
+        "model_type": "gemma3_text",
+        "hidden_size": 768,
+        "head_dim": 256,
+        "intermediate_size": 1152,
+        "num_attention_heads": 3,
+        "num_key_value_heads": 1,
+        "num_hidden_layers": 24,
+        "max_position_embeddings": 2048,
+        "sliding_window": 512,
+        "use_bidirectional_attention": True,
+        "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "vocab_size": 262144,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "pad_token_id": 0,
+        "torch_dtype": "float32",
+    },
 }
 #: what the runner changes in how each engine's suite runs (written into the results)
 HARNESS = {
@@ -91,6 +142,11 @@ HARNESS = {
         "(`continue`); here it is recorded: refused for attnplug (vLLM's selector refuses it), skipped for a native.",
         "`default_vllm_config` is vLLM's tests/conftest.py fixture (that conftest imports the engine's whole test "
         "tree and is not fetched); the model's HF config is written to an offline hub cache.",
+        "The HF configs are written by the runner from each model's published config.json (architecture, heads, "
+        "head_dim, sliding_window; no weights, no hub access): meta-llama/Meta-Llama-3-8B, "
+        "microsoft/Phi-tiny-MoE-instruct (the sliding-window tests: a 2047-token window, which only sequences "
+        "longer than 2047 tokens reach, so a selection needs mixed_large or large_prefill to test the window "
+        "itself), google/embeddinggemma-300m (the encoder-only sliding-window tests).",
     ],
     "sglang": [
         "SGLang publishes no sdist: its wheel ships the kit its attention-backend tests use; each case of "

@@ -23,7 +23,8 @@
 #   sglang - SGLang 0.5.23 on CPU end to end with --attention-backend attnplug_triton; its contract
 #   sglang0517 - the H200's SGLang release 0.5.17: the adapter unit tests (scripts/setup_sglang0517_env.sh)
 #   peer-vllm, peer-sglang - the engines' own attention-backend tests of the installed release against the
-#            attnplug backends (scripts/peer_suite.py; a small CPU subset, verdicts in a temporary folder)
+#            attnplug backends (scripts/peer_suite.py; a small CPU subset, sliding windows included, verdicts
+#            in a temporary folder)
 # Prints the matrix of what ran (suite, engine, triton, result) at the end.
 # Disk: before each suite, the free space is checked against what its environment builds take
 # (need_mib, plus pip's downloads where they cannot go to /dev/shm) and what its tests write
@@ -145,7 +146,10 @@ run_suite() {
       declare -A peer=([peer-vllm]="vllm 0.32.0" [peer-sglang]="sglang 0.5.23")
       declare -A pick=([peer-vllm]="ATTNPLUG_TRITON,ATTNPLUG_FLASHINFER,TRITON_ATTN"
         [peer-sglang]="attnplug_triton,torch_native,triton")
-      declare -A sel=([peer-vllm]="causal and small_decode and 1-meta" [peer-sglang]="")
+      # vLLM: causal decode, and sliding windows (Phi-tiny-MoE's 2047 tokens: mixed_large's 4096-token
+      # sequences reach the window, small_decode does not)
+      declare -A sel=([peer-vllm]="(causal and small_decode and 1-meta) or (sliding_window_backend and 4-micro and (small_decode or mixed_large))"
+        [peer-sglang]="")
       read -r eng ver <<< "${peer[$s]}"
       t0=$SECONDS; log=$(mktemp); out=$(mktemp -d); rc=1
       if setup "scripts/setup_${eng}_env.sh"; then

@@ -81,3 +81,51 @@ def test_skips_and_fixes():
     v, detail, _ = verdict_of(rows, "c", "attnplug_triton", engine="sglang")
     assert v == "fixed" and "model_runner.dtype" in detail
     assert verdict_of(rows, "c", "attnplug_triton", engine="vllm")[0] == "passed"
+
+
+def test_hf_home_holds_the_configs_the_sliding_window_tests_name(tmp_path):
+    """The offline hub cache: one snapshot config.json per model of HF_CONFIGS, ``refs/main`` naming it."""
+    import json
+
+    home = ps._hf_home(str(tmp_path))
+    window = {}
+    for model in ("meta-llama/Meta-Llama-3-8B", "microsoft/Phi-tiny-MoE-instruct", "google/embeddinggemma-300m"):
+        repo = os.path.join(home, "hub", "models--" + model.replace("/", "--"))
+        with open(os.path.join(repo, "refs", "main")) as fh:
+            snap = fh.read()
+        with open(os.path.join(repo, "snapshots", snap, "config.json")) as fh:
+            cfg = json.load(fh)
+        assert cfg["num_attention_heads"] % cfg["num_key_value_heads"] == 0
+        window[model] = cfg.get("sliding_window")
+    assert window == {
+        "meta-llama/Meta-Llama-3-8B": None,
+        "microsoft/Phi-tiny-MoE-instruct": 2047,
+        "google/embeddinggemma-300m": 512,
+    }
+
+
+def test_the_ci_selection_reaches_the_sliding_window():
+    """scripts/test.sh's ``sel[peer-vllm]`` (pytest -k: case-insensitive substrings of the test id) picks
+    the small causal case and a sliding-window case whose sequences are longer than Phi-tiny-MoE's
+    window (a window shorter than every sequence of a case is never applied), and no large one."""
+    import re
+
+    from _pytest.mark.expression import Expression
+
+    with open(os.path.join(ROOT, "scripts", "test.sh")) as fh:
+        (sel,) = re.findall(r'\[peer-vllm\]="([^"]*)"', fh.read().split("declare -A sel=", 1)[1])
+    expr = Expression.compile(sel)
+
+    def picked(test, case):
+        name = f"{test}[backend=ATTNPLUG_TRITON-{case}]".lower()
+        return expr.evaluate(lambda s, **kw: s.lower() in name)
+
+    sw, phi = "test_sliding_window_backend_correctness", "microsoft/Phi-tiny-MoE-instruct"
+    # the longest sequence of each batch spec test_sliding_window_backend_correctness runs (vLLM 0.32.0)
+    longest = {"small_decode": 40, "small_prefill": 40, "mixed_medium": 2048, "large_decode": 2048}
+    longest |= {"large_prefill": 4096, "mixed_large": 4096}
+    chosen = [(tp, spec) for tp in (1, 2, 4) for spec in longest if picked(sw, f"{tp}-{phi}-{spec}")]
+    assert any(longest[spec] > ps.HF_CONFIGS[phi]["sliding_window"] for _, spec in chosen), chosen
+    assert not any(spec.startswith("large") for _, spec in chosen), chosen
+    assert picked("test_causal_backend_correctness", "auto-1-meta-llama/Meta-Llama-3-8B-small_decode")
+    assert not picked("test_causal_backend_correctness", "auto-1-meta-llama/Meta-Llama-3-8B-large_decode")
