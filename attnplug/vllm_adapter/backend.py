@@ -22,10 +22,10 @@ Shapes: ``query [T, Hq, D]``, ``key/value [T, Hkv, D]``, ``output [T, Hq, D]``; 
 fp8 KV cache (``--kv-cache-dtype fp8 | fp8_e4m3 | fp8_e5m2``, where the provider reads it: its
 ``KV_DTYPES``): vLLM allocates the cache as uint8 bytes; the impl views them as the fp8 dtype, the KV
 write quantizes with saturation and attention dequantizes, both with the layer's own scale tensors
-``layer._k_scale`` / ``layer._v_scale`` (and ``layer._q_scale`` for fa3's query quantization): device
-tensors read by the kernels, so checkpoint scales and in-place updates (0.26's
+(``compat.layer_kv_scales``: vLLM's ``_k_scale`` / ``_v_scale``, and ``_q_scale`` for fa3's query
+quantization): device tensors read by the kernels, so checkpoint scales and in-place updates (0.26's
 ``--calculate-kv-scales``) apply, and CUDA graphs capture them. Without ``--calculate-kv-scales`` the
-impl also passes their floats (``layer._k_scale_float``, fixed at load; what vLLM's FLASHINFER reads)
+impl also passes their floats (``compat.layer_host_kv_scales``, fixed at load; what vLLM's FLASHINFER reads)
 as ``host_scales``, which the flashinfer provider folds into FlashInfer's own scale arguments.
 """
 
@@ -777,16 +777,16 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
 
     def scales(self, layer) -> dict:
         """fp8 KV: the layer's scale tensors (device, read by the kernels), and ``host_scales``, their
-        floats (``layer._k_scale_float``, what vLLM's FLASHINFER reads) unless ``--calculate-kv-scales``
+        floats (``compat.layer_host_kv_scales``, what vLLM's FLASHINFER reads) unless ``--calculate-kv-scales``
         changes them after graph capture; plus ``sinks`` (the layer's ``[Hq]`` Parameter) for a layer
         with attention sinks; ``{}`` otherwise. Passed to every core run (eager, graph, cascade, draft)."""
         sk = {} if self.sinks is None else {"sinks": self.sink_tensor()}
         if self.fp8_dtype is None:
             return sk
-        sc = dict(**sk, k_scale=layer._k_scale, v_scale=layer._v_scale, q_scale=getattr(layer, "_q_scale", None))
-        k_f, v_f = getattr(layer, "_k_scale_float", None), getattr(layer, "_v_scale_float", None)
-        if self.fixed_scales and isinstance(k_f, float) and isinstance(v_f, float):
-            sc["host_scales"] = (k_f, v_f)
+        sc = {**sk, **compat.layer_kv_scales(layer)}
+        host = compat.layer_host_kv_scales(layer) if self.fixed_scales else None
+        if host is not None:
+            sc["host_scales"] = host
         return sc
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:

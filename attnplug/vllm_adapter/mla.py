@@ -376,7 +376,7 @@ class AttnplugMLAImpl(MLACommonImpl):
         cfg = self.core_key
         k_cache, v_cache = latent_cache_views(self._cache(kv_c_and_k_pe_cache), cfg)
         out = torch.empty(q.shape[0], q.shape[1], cfg.head_dim_v, dtype=q.dtype, device=q.device)
-        scales = {"k_scale": layer._k_scale} if self.fp8_dtype is not None else {}
+        scales = {"k_scale": compat.layer_kv_scales(layer)["k_scale"]} if self.fp8_dtype is not None else {}
         core = attn_metadata.decode.core
         if isinstance(core, AttnplugGraphMetadata):
             core.run(cfg, q, k_cache, v_cache, out, **scales)
