@@ -533,6 +533,7 @@ def _contract():
                 ("MLACommonImpl", "Impl", "forward_mqa"),
                 ("MLACommonMetadataBuilder", "MetadataBuilder", "build"),
                 ("MLACommonMetadataBuilder", "MetadataBuilder", "build_for_cudagraph_capture"),
+                ("MLACommonMetadataBuilder", "MetadataBuilder", "_build_decode"),  # private: the decode part
             )
         ),
         *(
