@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -66,6 +67,9 @@ from attnplug.core import (
 )
 
 from . import compat
+
+if TYPE_CHECKING:
+    from attnplug.core.providers import GraphSupport
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +166,7 @@ class AttnplugAttnBackend(AttentionBackend):
             self.num_kv_heads,
             self.head_dim,
             probe.cascade,
-            "on (decode)" if graph_cascade_mode(self.provider.graph_support, self.backend_name) != "off" else "off",
+            "on (decode)" if graph_cascade_mode(self.graph_support(), self.backend_name) != "off" else "off",
             compat.versions_info(),
             f", kv_dtype {str(self.kv_dtype).replace('torch.', '')}" if self.kv_dtype != self.dtype else "",
         )
@@ -431,9 +435,14 @@ class AttnplugAttnBackend(AttentionBackend):
         verify = q > 1 and (spec is None or not getattr(spec, "is_none", lambda: False)())
         self._graphs["verify"] = self._graph_family("verify").add(configs if verify else ())
 
+    def graph_support(self) -> GraphSupport:
+        """What CUDA graphs of this backend's configs replay: the ``graph_support`` of the provider class
+        that serves them (GQA / MHA: the provider's own class)."""
+        return self.provider.graph_support
+
     def check_graph_support(self) -> None:
         """Refuse CUDA graphs at once when the provider cannot replay decode batches (it says why)."""
-        g = self.provider.graph_support
+        g = self.graph_support()
         if not g.decode:
             raise self.unsupported(
                 f"CUDA graphs with provider '{self.provider_name}' ({g.reason}); start SGLang with --disable-cuda-graph"
@@ -448,7 +457,7 @@ class AttnplugAttnBackend(AttentionBackend):
         :meth:`init_cuda_graph_state`'s limits; its states join per layer config."""
         c = self._graph_cfg
         q = 1 if mode == "decode" else c["q"]
-        cascade = graph_cascade_mode(self.provider.graph_support, self.backend_name) if mode == "decode" else "off"
+        cascade = graph_cascade_mode(self.graph_support(), self.backend_name) if mode == "decode" else "off"
         return GraphFamily(
             self.provider,
             refuse=self.refuse_graphs,

@@ -14,6 +14,9 @@ Supported: SGLang 0.5.23 (CPU CI here) and 0.5.17 (the GPU image). Known differe
   subclass of ``MHATokenToKVPool`` and refused by the backend's exact pool-type check.
 * ``ServerArgs`` resolution: ``resolve_once`` (0.5.23) vs ``__post_init__`` (0.5.17)
   (:func:`server_args_resolution_target`).
+* The per-model backend step (``model_gates``): ``model_hook.handle_model_specific_adjustments`` and
+  its resolver ``attention_backends_of`` (0.5.23) vs the private ``ServerArgs._handle_model_specific_adjustments``
+  / ``ServerArgs._resolved_attention_backends`` (0.5.17) (:func:`model_step_target`, :func:`model_step_resolver`).
 * ``DRAFT_ATTENTION_BACKEND_CHOICES`` exists in 0.5.23 only (0.5.17's EAGLE path has no draft-name
   gate).
 * ``DraftBackendFactory._create_backend``: 0.5.23 ``(backend_name, backend_map, error_template,
@@ -251,6 +254,35 @@ def sglang_version() -> str:
         return version("sglang")
     except Exception:  # noqa: BLE001 - informational only
         return "unknown"
+
+
+# -- per-model backend checks (model_gates.py): a private ServerArgs step in 0.5.17 ----------------
+#: SGLang's per-model step as a ``HookRegistry`` target: 0.5.23's ``model_hook`` function, 0.5.17's
+#: private ``ServerArgs`` method.
+MODEL_STEP_023 = "sglang.srt.arg_groups.model_hook.handle_model_specific_adjustments"
+MODEL_STEP_017 = "sglang.srt.server_args.ServerArgs._handle_model_specific_adjustments"
+
+
+def model_step_target() -> str | None:
+    """The ``HookRegistry`` target of SGLang's per-model step in this release; ``None``: it has none."""
+    try:
+        from sglang.srt.arg_groups.model_hook import handle_model_specific_adjustments  # noqa: F401
+    except ImportError:
+        from sglang.srt.server_args import ServerArgs
+
+        return MODEL_STEP_017 if hasattr(ServerArgs, MODEL_STEP_017.rsplit(".", 1)[1]) else None
+    return MODEL_STEP_023
+
+
+def model_step_resolver(server_args) -> tuple[object, str]:
+    """``(owner, attribute)`` of the ``(prefill, decode)`` backend resolver SGLang's model step calls:
+    ``model_hook.attention_backends_of`` (0.5.23) or ``ServerArgs._resolved_attention_backends``
+    (0.5.17)."""
+    try:
+        from sglang.srt.arg_groups import model_hook
+    except ImportError:
+        return type(server_args), "_resolved_attention_backends"
+    return model_hook, "attention_backends_of"
 
 
 # -- EAGLE multi-step draft: SGLang's private DraftBackendFactory -----------------------------------

@@ -52,6 +52,11 @@ class AttnplugMLAAttnBackend(AttnplugAttnBackend):
         if not self.provider.supports_mla():
             raise self.unsupported(f"MLA (multi-head latent attention) with provider '{self.provider_name}'")
 
+    def graph_support(self):
+        """The graph support of the provider's MLA class (``Provider.mla_class``), which runs every
+        config of this backend; its GQA class's may differ."""
+        return self.provider.mla_class().graph_support
+
     def _core_config(self, key: tuple):
         from attnplug.core import AttentionConfig
 

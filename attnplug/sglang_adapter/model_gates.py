@@ -1,8 +1,8 @@
 """SGLang's per-model backend checks, for models whose attention attnplug's core computes.
 
 SGLang checks some architectures against a fixed list of built-in backends while it resolves its
-``ServerArgs`` (``handle_model_specific_adjustments``: ``sglang.srt.arg_groups.model_hook`` in 0.5.23,
-``ServerArgs._handle_model_specific_adjustments`` in 0.5.17). For gpt-oss the list is the backends
+``ServerArgs`` (``handle_model_specific_adjustments``: ``compat.model_step_target``, a private
+``ServerArgs`` method in 0.5.17). For gpt-oss the list is the backends
 that compute attention sinks and per-layer sliding windows: ``GptOssForCausalLM requires one of
 ['triton', 'trtllm_mha', 'fa3', ...]``. attnplug's providers compute both (each refuses at startup
 what it cannot, by name), so when an ``attnplug_*`` backend is selected for a model in
@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import logging
 
+from . import compat
+
 logger = logging.getLogger(__name__)
 
 #: architecture -> the built-in backend its SGLang check is shown in place of an attnplug name
 GATED_MODELS = {"GptOssForCausalLM": "triton"}
 
-_STEP_023 = "sglang.srt.arg_groups.model_hook.handle_model_specific_adjustments"
-_STEP_017 = "sglang.srt.server_args.ServerArgs._handle_model_specific_adjustments"
 _INSTALLED: set[str] = set()
 
 
@@ -54,17 +54,6 @@ def model_arch(server_args) -> str | None:
         return None
 
 
-def resolver_site(server_args):
-    """``(owner, attribute)`` of the ``(prefill, decode)`` resolver SGLang's model step calls:
-    ``model_hook.attention_backends_of`` (0.5.23) or ``ServerArgs._resolved_attention_backends``
-    (0.5.17)."""
-    try:
-        from sglang.srt.arg_groups import model_hook
-    except ImportError:
-        return type(server_args), "_resolved_attention_backends"
-    return model_hook, "attention_backends_of"
-
-
 def around_model_step(step, server_args, *args, **kwargs):
     """AROUND hook of SGLang's model step: runs it as it is unless an attnplug backend is selected
     for a model in :data:`GATED_MODELS`; then the step's backend resolver reports each attnplug name
@@ -74,7 +63,7 @@ def around_model_step(step, server_args, *args, **kwargs):
     reference = GATED_MODELS.get(arch)
     if reference is None:
         return step(server_args, *args, **kwargs)
-    owner, attr = resolver_site(server_args)
+    owner, attr = compat.model_step_resolver(server_args)
     raw = owner.__dict__.get(attr)
     if raw is None:  # the resolver moved: SGLang's own check decides (and refuses with its message)
         logger.warning(
@@ -125,21 +114,14 @@ def install() -> bool:
         from sglang.srt.arg_groups.overrides import register_model_override
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-        try:
-            from sglang.srt.arg_groups.model_hook import handle_model_specific_adjustments  # noqa: F401
-
-            target = _STEP_023
-        except ImportError:
-            from sglang.srt.server_args import ServerArgs
-
-            if not hasattr(ServerArgs, "_handle_model_specific_adjustments"):
-                logger.info(
-                    "attnplug: this SGLang has no model-specific step to hook; gated models (%s) keep "
-                    "SGLang's own backend lists",
-                    ", ".join(GATED_MODELS),
-                )
-                return False
-            target = _STEP_017
+        target = compat.model_step_target()
+        if target is None:
+            logger.info(
+                "attnplug: this SGLang has no model-specific step to hook; gated models (%s) keep "
+                "SGLang's own backend lists",
+                ", ".join(GATED_MODELS),
+            )
+            return False
         if target not in _INSTALLED:
             HookRegistry.register(target, around_model_step, HookType.AROUND)
             for arch in GATED_MODELS:

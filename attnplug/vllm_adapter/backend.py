@@ -4,7 +4,7 @@
 * ``MetadataBuilder.build``: ``CommonAttentionMetadata`` -> core ``BatchMetadata`` -> one
   ``PagedAttention.plan`` per forward for each distinct layer config (shared by its layers).
 * CUDA graphs / EAGLE drafting (uniform batches: decode, draft steps, spec verify): the builder
-  owns a core ``GraphFamily`` per query length (:class:`_UniformGraphs`; a ``GraphState`` per layer config);
+  owns a core ``GraphFamily`` per query length (:class:`UniformGraphs`; a ``GraphState`` per layer config);
   capture, replay-time builds, draft builds and ``update_draft_decode_metadata`` translate
   vLLM's block table + ``seq_lens`` into their static buffers on the device, in place
   (:class:`AttnplugGraphMetadata`). Levels per provider: :func:`graph_level` (from its ``graph_support``).
@@ -22,10 +22,10 @@ Shapes: ``query [T, Hq, D]``, ``key/value [T, Hkv, D]``, ``output [T, Hq, D]``; 
 fp8 KV cache (``--kv-cache-dtype fp8 | fp8_e4m3 | fp8_e5m2``, where the provider reads it: its
 ``KV_DTYPES``): vLLM allocates the cache as uint8 bytes; the impl views them as the fp8 dtype, the KV
 write quantizes with saturation and attention dequantizes, both with the layer's own scale tensors
-``layer._k_scale`` / ``layer._v_scale`` (and ``layer._q_scale`` for fa3's query quantization): device
-tensors read by the kernels, so checkpoint scales and in-place updates (0.26's
+(``compat.layer_kv_scales``: vLLM's ``_k_scale`` / ``_v_scale``, and ``_q_scale`` for fa3's query
+quantization): device tensors read by the kernels, so checkpoint scales and in-place updates (0.26's
 ``--calculate-kv-scales``) apply, and CUDA graphs capture them. Without ``--calculate-kv-scales`` the
-impl also passes their floats (``layer._k_scale_float``, fixed at load; what vLLM's FLASHINFER reads)
+impl also passes their floats (``compat.layer_host_kv_scales``, fixed at load; what vLLM's FLASHINFER reads)
 as ``host_scales``, which the flashinfer provider folds into FlashInfer's own scale arguments.
 """
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -118,8 +119,73 @@ STATS: dict = {
 _LATE = engine_glue.LateCounts()  # decode-graph cascade counters, read without a sync
 
 
-def _write_marker() -> None:
+def write_marker() -> None:
+    """Write :data:`STATS` to this process's marker file (``engine_glue.write_marker``)."""
     engine_glue.write_marker("attnplug", STATS)
+
+
+def refuse_extra(backend: type[AttnplugBackend], what: str, extra: dict) -> None:
+    """vLLM's V2 runner forwards builder-specific keyword arguments (``{}`` for attention layers):
+    any value attnplug does not know refuses, naming the options."""
+    if any(v is not None for v in extra.values()):
+        raise backend.refuse(f"{what} {sorted(extra)}")
+
+
+def uniform_rows(cam) -> tuple[int, int] | None:
+    """``(num_reqs, q)`` if every real request of ``cam`` has ``q`` query tokens, possibly padded
+    by vLLM (trailing rows with none); else ``None``. Host data only (``query_start_loc_cpu``)."""
+    n = cam.num_reqs
+    if n < 1 or cam.causal is not True:
+        return None
+    ql = cam.query_start_loc_cpu[1 : n + 1] - cam.query_start_loc_cpu[:n]
+    real = int((ql > 0).sum())
+    if real == 0 or bool((ql[real:] != 0).any()) or bool((ql[:real] != ql[0]).any()):
+        return None
+    q = int(ql[0])
+    # padded tokens past num_reqs * q (a vLLM that pads tokens, not requests): padding rows
+    return max(n, cam.num_actual_tokens // q if cam.num_actual_tokens % q == 0 else n), q
+
+
+def layer_attention(
+    backend: type[AttnplugBackend],
+    vllm_config,
+    layer_names,
+    kv_cache_spec,
+    provider,
+    device,
+    check: Callable[[AttentionConfig], None] | None = None,
+) -> dict[AttentionConfig, PagedAttention]:
+    """One ``PagedAttention`` per distinct core config of the layers ``layer_names`` (each impl's
+    ``core_config``, kept as its ``core_key``) on ``provider`` (name or class), in the model's dtype
+    (the spec's without a model config); ``check(config)`` runs first on each new config. A config
+    the core or the provider refuses is refused naming the backend (an unavailable provider: its hint)."""
+    model_dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", None)
+    if not isinstance(model_dtype, torch.dtype):  # no model config (unit tests): the spec's, unquantized
+        model_dtype = kv_cache_spec.dtype
+    attention: dict[AttentionConfig, PagedAttention] = {}
+    for impl in compat.layer_impls(vllm_config, layer_names):
+        try:
+            cfg = impl.core_key = impl.core_config(kv_cache_spec.block_size, model_dtype)
+            if cfg not in attention:
+                if check is not None:
+                    check(cfg)
+                attention[cfg] = PagedAttention(cfg, provider, device)
+        except ProviderUnavailable:
+            backend.check_available(torch.device(device))  # re-raise with the backend's hint
+            raise
+        except ValueError as e:  # UnsupportedFeature is a ValueError
+            raise backend.refuse(f"this layer configuration: {str(e).removeprefix('attnplug: ')}") from e
+    return attention
+
+
+def announce(backend: type[AttnplugBackend], attention: dict, describe: Callable[[AttentionConfig, object], str]):
+    """Log the "active" line of each config of ``attention`` (``describe(config, attn)``, then the
+    versions) and record it in :data:`STATS` and the marker file."""
+    for cfg, attn in attention.items():
+        info = describe(cfg, attn)
+        logger.info("attnplug: %s active (%s, %s)", backend.NAME, info, compat.versions_info())
+        STATS["backends"].setdefault(backend.NAME, []).append(info)
+    write_marker()
 
 
 class AttnplugBackend(AttentionBackend):
@@ -339,7 +405,7 @@ class AttnplugMetadata:
         return attn, plan
 
 
-class _UniformGraphs(GraphFamily):
+class UniformGraphs(GraphFamily):
     """The core's :class:`GraphFamily` of uniform batches of ``q`` query tokens per request over vLLM's
     block table (``q = 1``: decode and draft steps; ``q = 1 + num_speculative_tokens``: spec-decode
     verify, a causal-chain mask), one ``GraphState`` per layer config of ``attention``. A row with
@@ -388,7 +454,7 @@ class AttnplugGraphMetadata:
     buffers (CUDA-graph capture / replay, draft steps). ``seq_lens`` / ``block_table`` are the
     vLLM buffers it was built from; ``update_draft_decode_metadata`` re-reads them in place."""
 
-    graphs: _UniformGraphs
+    graphs: UniformGraphs
     bs: int
     seq_lens: torch.Tensor
     block_table: torch.Tensor
@@ -407,7 +473,44 @@ class AttnplugGraphMetadata:
         self.graphs.run(key, self.bs, query[:t], k_cache, v_cache, output[:t], **scales)
 
 
-class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
+class UniformGraphBuilder:
+    """The static state of a metadata builder's uniform batches (GQA and MLA builders): one
+    :class:`UniformGraphs` per query length, made on first use. The builder sets ``_level`` (its
+    vLLM CUDA-graph level's name), ``_graphs`` (``None``), ``_provider`` (the core provider class),
+    ``_graph_cascade_mode``, ``attention`` (its ``PagedAttention`` per config) and ``page_size``."""
+
+    BACKEND: ClassVar[type[AttnplugBackend]]
+
+    _uniform_rows = staticmethod(uniform_rows)
+
+    def _graph_family(self, q: int) -> UniformGraphs | None:
+        """Static state of uniform batches of ``q`` query tokens per request, one core ``GraphState``
+        per layer config (created on first use; ``q = 1``: decode and draft steps; ``q = 1 +
+        num_speculative_tokens``: spec-decode verify with a causal-chain mask); ``None`` if this
+        provider cannot capture them. A row with ``seq_len <= 0`` is a vLLM padding row: it gets the
+        core's padded request on ``pad_page``, vLLM's null block."""
+        level = self._level
+        if level == "NEVER" or (q > 1 and level == "UNIFORM_SINGLE_TOKEN_DECODE"):
+            return None
+        self._graphs = self._graphs or {}
+        if q not in self._graphs:
+            max_batch, max_seq_len = compat.graph_limits(self.vllm_config)
+            self._graphs[q] = UniformGraphs(
+                self.attention,
+                self._provider,
+                self.page_size,
+                max_batch,
+                max_seq_len,
+                self.device,
+                compat.null_block_id(),
+                q,
+                self._graph_cascade_mode,
+                refuse=self.BACKEND.refuse,
+            )
+        return self._graphs[q]
+
+
+class AttnplugMetadataBuilder(UniformGraphBuilder, AttentionMetadataBuilder[AttnplugMetadata]):
     """Per KV-cache group: owns one ``PagedAttention`` per distinct layer config and plans it per forward."""
 
     BACKEND: ClassVar[type[AttnplugBackend]]
@@ -431,18 +534,13 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
                 level = "UNIFORM_SINGLE_TOKEN_DECODE"
         return AttentionCGSupport[level]
 
-    @classmethod
-    def _refuse_extra(cls, what: str, extra: dict) -> None:
-        """vLLM's V2 runner forwards builder-specific keyword arguments (``{}`` for attention layers):
-        any value attnplug does not know refuses, naming the options."""
-        if any(v is not None for v in extra.values()):
-            raise cls.BACKEND.refuse(f"{what} {sorted(extra)}")
-
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device, **extra):
-        self._refuse_extra("metadata-builder options", extra)  # e.g. block_table_width (requires_block_table_width)
+        refuse_extra(
+            self.BACKEND, "metadata-builder options", extra
+        )  # e.g. block_table_width (requires_block_table_width)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         backend = self.BACKEND
-        self._graphs: dict[int, _UniformGraphs] | None = None  # per q, created on first graph / draft use
+        self._graphs: dict[int, UniformGraphs] | None = None  # per q, created on first graph / draft use
         self._level = self.get_cudagraph_support(vllm_config, kv_cache_spec).name
         # a provider that re-plans on the host cannot update drafts in place (in-graph): its drafts build eagerly
         try:
@@ -462,22 +560,11 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         if head_v != kv_cache_spec.head_size:
             raise backend.refuse(f"different K and V head sizes ({kv_cache_spec.head_size} / {head_v})")
         self._provider.prepare_process(torch.device(device).type)
-        self.attention: dict[AttentionConfig, PagedAttention] = {}
-        model_dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", None)
-        if not isinstance(model_dtype, torch.dtype):  # no model config (unit tests): the spec's, unquantized
-            model_dtype = kv_cache_spec.dtype
-        for impl in compat.layer_impls(vllm_config, layer_names):
-            try:
-                cfg = impl.core_key = impl.core_config(self.page_size, model_dtype)
-                if cfg not in self.attention:
-                    self.attention[cfg] = PagedAttention(cfg, self._provider, device)
-            except ProviderUnavailable:
-                backend.check_available(torch.device(device))  # re-raise with the backend's hint
-                raise
-            except ValueError as e:  # UnsupportedFeature is a ValueError
-                raise backend.refuse(f"this layer configuration: {e}") from e
-        for cfg, attn in self.attention.items():
-            info = (
+        self.attention = layer_attention(backend, vllm_config, layer_names, kv_cache_spec, self._provider, device)
+        announce(
+            backend,
+            self.attention,
+            lambda cfg, attn: (
                 f"provider {attn.provider_name}, layout {cfg.kv_layout}, page {cfg.page_size}, "
                 f"dtype {str(cfg.dtype).removeprefix('torch.')}, kv_dtype {str(cfg.kv_dtype).removeprefix('torch.')}, "
                 f"heads {cfg.num_qo_heads}/{cfg.num_kv_heads}, "
@@ -485,10 +572,8 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
                 f"soft_cap {cfg.logits_soft_cap}, "
                 f"cascade {attn.cascade}, in CUDA graphs {'on (decode, verify)' if self._graph_cascade else 'off'}, "
                 f"cache layout {compat.cache_layout_name(vllm_config)}"
-            )
-            logger.info("attnplug: %s active (%s, %s)", backend.NAME, info, compat.versions_info())
-            STATS["backends"].setdefault(backend.NAME, []).append(info)
-        _write_marker()
+            ),
+        )
 
     def _build_eager(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -515,7 +600,7 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
             STATS["cascade_forwards"] += 1
             STATS["cascade_shared_tokens"] += cascaded[0].shared_tokens
         STATS["builds"] += 1
-        _write_marker()
+        write_marker()
         return AttnplugMetadata(batch, self.attention, plans)
 
     # -- CUDA graphs and EAGLE drafting ------------------------------------------------------------
@@ -524,48 +609,7 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         why = graph_level(provider)[1]
         return self.BACKEND.refuse(f"{what} with provider '{provider}' ({why})")
 
-    def _uniform_rows(self, cam) -> tuple[int, int] | None:
-        """``(num_reqs, q)`` if every real request of ``cam`` has ``q`` query tokens, possibly padded
-        by vLLM (trailing rows with none); else ``None``. Host data only (``query_start_loc_cpu``)."""
-        n = cam.num_reqs
-        if n < 1 or cam.causal is not True:
-            return None
-        ql = cam.query_start_loc_cpu[1 : n + 1] - cam.query_start_loc_cpu[:n]
-        real = int((ql > 0).sum())
-        if real == 0 or bool((ql[real:] != 0).any()) or bool((ql[:real] != ql[0]).any()):
-            return None
-        q = int(ql[0])
-        # padded tokens past num_reqs * q (a vLLM that pads tokens, not requests): padding rows
-        return max(n, cam.num_actual_tokens // q if cam.num_actual_tokens % q == 0 else n), q
-
-    def _graph_family(self, q: int) -> _UniformGraphs | None:
-        """Static state of uniform batches of ``q`` query tokens per request, one core ``GraphState``
-        per layer config (created on first use; ``q = 1``: decode and draft steps; ``q = 1 +
-        num_speculative_tokens``: spec-decode verify with a causal-chain mask); ``None`` if this
-        provider cannot capture them. A row with ``seq_len <= 0`` is a vLLM padding row: it gets the
-        core's padded request on ``pad_page``, vLLM's null block."""
-        level = self._level
-        if level == "NEVER" or (q > 1 and level == "UNIFORM_SINGLE_TOKEN_DECODE"):
-            return None
-        if self._graphs is None:
-            self._graphs = {}
-        if q not in self._graphs:
-            max_batch, max_seq_len = compat.graph_limits(self.vllm_config)
-            self._graphs[q] = _UniformGraphs(
-                self.attention,
-                self._provider,
-                self.page_size,
-                max_batch,
-                max_seq_len,
-                self.device,
-                compat.null_block_id(),
-                q,
-                self._graph_cascade_mode,
-                refuse=self.BACKEND.refuse,
-            )
-        return self._graphs[q]
-
-    def _build_graph(self, cam, g: _UniformGraphs, bs: int) -> AttnplugGraphMetadata:
+    def _build_graph(self, cam, g: UniformGraphs, bs: int) -> AttnplugGraphMetadata:
         g.plan_for(bs)  # no-op once this bs is planned (replay)
         n = cam.num_reqs
         md = AttnplugGraphMetadata(g, bs, compat.seq_lens(cam)[:n], cam.block_table_tensor[:n])
@@ -578,7 +622,7 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
             counts is not None and engine_glue.markers_on()
         ):  # graph updates that cut a shared prefix (first layer config)
             STATS["cascade_graph_updates"], STATS["cascade_graph_shared_tokens"] = _LATE.read(counts)
-        _write_marker()
+        write_marker()
         return md
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata):
@@ -607,7 +651,7 @@ class AttnplugMetadataBuilder(AttentionMetadataBuilder[AttnplugMetadata]):
         decode batches that fit them (planned once per batch size) when vLLM V2's fused draft loop
         may ``update_draft_decode_metadata`` what ``build`` returned (speculative decoding) or
         cascade is off. Others: eager plans (where shared prefixes are read once: cascade)."""
-        self._refuse_extra("metadata-builder build() options", extra)
+        refuse_extra(self.BACKEND, "metadata-builder build() options", extra)
         cam = common_attn_metadata
         shape = self._uniform_rows(cam)
         if shape is not None:
@@ -733,16 +777,16 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
 
     def scales(self, layer) -> dict:
         """fp8 KV: the layer's scale tensors (device, read by the kernels), and ``host_scales``, their
-        floats (``layer._k_scale_float``, what vLLM's FLASHINFER reads) unless ``--calculate-kv-scales``
+        floats (``compat.layer_host_kv_scales``, what vLLM's FLASHINFER reads) unless ``--calculate-kv-scales``
         changes them after graph capture; plus ``sinks`` (the layer's ``[Hq]`` Parameter) for a layer
         with attention sinks; ``{}`` otherwise. Passed to every core run (eager, graph, cascade, draft)."""
         sk = {} if self.sinks is None else {"sinks": self.sink_tensor()}
         if self.fp8_dtype is None:
             return sk
-        sc = dict(**sk, k_scale=layer._k_scale, v_scale=layer._v_scale, q_scale=getattr(layer, "_q_scale", None))
-        k_f, v_f = getattr(layer, "_k_scale_float", None), getattr(layer, "_v_scale_float", None)
-        if self.fixed_scales and isinstance(k_f, float) and isinstance(v_f, float):
-            sc["host_scales"] = (k_f, v_f)
+        sc = {**sk, **compat.layer_kv_scales(layer)}
+        host = compat.layer_host_kv_scales(layer) if self.fixed_scales else None
+        if host is not None:
+            sc["host_scales"] = host
         return sc
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
@@ -779,29 +823,46 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
         return output
 
 
-def _make_backend(name: str) -> type[AttnplugBackend]:
-    provider, path = BACKENDS[name]
+def make_backend_class(
+    name: str, path: str, provider: str, cache_dtypes: list[str], base: type, impl: type, builder: type, **attrs
+) -> type:
+    """vLLM backend ``name`` (class path ``path``) on ``base`` for core ``provider`` and the vLLM
+    ``kv_cache_dtype`` names ``cache_dtypes``, with its impl and metadata-builder classes (subclasses of
+    ``impl`` / ``builder``; the builder's class attributes ``attrs``), made in ``base``'s module (vLLM
+    imports them by path)."""
     cls_name = path.rsplit(".", 1)[1]
-    ns = {"__module__": __name__}
+    ns = {"__module__": base.__module__}
     backend = type(
         cls_name,
-        (AttnplugBackend,),
+        (base,),
         {
             **ns,
             "NAME": name,
             "PROVIDER": provider,
-            "supported_kv_cache_dtypes": kv_cache_dtypes(provider),
+            "supported_kv_cache_dtypes": cache_dtypes,
             "layer_kv_cache_dtypes": set(),
         },
     )
-    backend.IMPL = type(cls_name.replace("Backend", "Impl"), (AttnplugImpl,), {**ns, "BACKEND": backend})
-    level = AttentionCGSupport[graph_level(provider)[0]]  # the default provider's honest level
+    backend.IMPL = type(cls_name.replace("Backend", "Impl"), (impl,), {**ns, "BACKEND": backend})
     backend.BUILDER = type(
-        cls_name.replace("Backend", "MetadataBuilder"),
-        (AttnplugMetadataBuilder,),
-        {**ns, "BACKEND": backend, "_cudagraph_support": level},
+        cls_name.replace("Backend", "MetadataBuilder"), (builder,), {**ns, "BACKEND": backend, **attrs}
     )
     return backend
+
+
+def _make_backend(name: str) -> type[AttnplugBackend]:
+    provider, path = BACKENDS[name]
+    level = AttentionCGSupport[graph_level(provider)[0]]  # the default provider's honest level
+    return make_backend_class(
+        name,
+        path,
+        provider,
+        kv_cache_dtypes(provider),
+        AttnplugBackend,
+        AttnplugImpl,
+        AttnplugMetadataBuilder,
+        _cudagraph_support=level,
+    )
 
 
 AttnplugTritonBackend = _make_backend("ATTNPLUG_TRITON")

@@ -337,6 +337,20 @@ def calculates_kv_scales() -> bool:
     return bool(getattr(getattr(cfg, "cache_config", None), "calculate_kv_scales", False))
 
 
+def layer_kv_scales(layer) -> dict:
+    """An fp8 layer's scale tensors, as vLLM's attention and MLA layers keep them (``_k_scale`` /
+    ``_v_scale`` device tensors, set at load or by ``--calculate-kv-scales``; ``_q_scale`` where it has
+    one): ``{"k_scale", "v_scale", "q_scale"}`` (``q_scale`` ``None`` without)."""
+    return {"k_scale": layer._k_scale, "v_scale": layer._v_scale, "q_scale": getattr(layer, "_q_scale", None)}
+
+
+def layer_host_kv_scales(layer) -> tuple[float, float] | None:
+    """The host floats of the layer's K / V scales (``_k_scale_float`` / ``_v_scale_float``, what vLLM's
+    FLASHINFER reads), ``None`` where the layer has no float pair."""
+    k, v = getattr(layer, "_k_scale_float", None), getattr(layer, "_v_scale_float", None)
+    return (k, v) if isinstance(k, float) and isinstance(v, float) else None
+
+
 def null_block_id() -> int:
     """vLLM's reserved scratch block (block-table padding of CUDA-graph batches; 0 in 0.26 - 0.33)."""
     try:
@@ -519,6 +533,7 @@ def _contract():
                 ("MLACommonImpl", "Impl", "forward_mqa"),
                 ("MLACommonMetadataBuilder", "MetadataBuilder", "build"),
                 ("MLACommonMetadataBuilder", "MetadataBuilder", "build_for_cudagraph_capture"),
+                ("MLACommonMetadataBuilder", "MetadataBuilder", "_build_decode"),  # private: the decode part
             )
         ),
         *(

@@ -12,7 +12,7 @@ twins carry the ``_MLA`` suffix, as vLLM's own names do. They build on vLLM's sh
   ``forward_mqa``: ``query_len_support`` UNIFORM where the provider captures verify graphs) run the core:
   absorbed query ``q [B, H, R + Dr]`` over the latent cache ``[num_blocks, block_size, R + Dr]`` ->
   ``[B, H, R]`` (vLLM applies ``W_UV``); one ``PagedAttention.plan`` per forward, eager or in the
-  builder's static CUDA-graph buffers (the GQA backends' ``_UniformGraphs``);
+  builder's static CUDA-graph buffers (the GQA backends' ``UniformGraphs``);
 * the latent KV write is the core's ``write_latent`` (one launch, capturable).
 
 Refused at startup with attnplug's message: a provider without MLA, a latent cache dtype the provider's
@@ -22,7 +22,6 @@ windows, ALiBi, soft caps, non-MLA models (those take the GQA names).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
@@ -36,7 +35,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
 )
 
 from attnplug import engine_glue
-from attnplug.core import BatchMetadata, ForwardMode, PagedAttention, ProviderUnavailable
+from attnplug.core import BatchMetadata, ForwardMode
 from attnplug.core.cascade import graph_cascade_mode
 from attnplug.core.config import KV_DTYPE_NAMES, kv_dtype_from_name
 from attnplug.core.mla import check_mla_support, latent_cache_views, mla_config, write_latent
@@ -51,15 +50,17 @@ from .backend import (
     AttnplugBackend,
     AttnplugGraphMetadata,
     AttnplugMetadata,
-    AttnplugMetadataBuilder,
-    _UniformGraphs,
-    _write_marker,
+    UniformGraphBuilder,
+    UniformGraphs,
+    announce,
     fp8_cache_dtype,
     graph_level,
+    layer_attention,
+    make_backend_class,
+    refuse_extra,
+    write_marker,
 )
 from .compat import AttentionCGSupport, AttentionType
-
-logger = logging.getLogger("vllm.attnplug")
 
 
 def mla_kv_cache_dtypes(provider: str) -> list[str]:
@@ -133,7 +134,7 @@ class AttnplugMLADecodeMetadata(MLACommonDecodeMetadata):
     core: AttnplugMetadata | AttnplugGraphMetadata | None = None
 
 
-class AttnplugMLAMetadataBuilder(MLACommonMetadataBuilder):
+class AttnplugMLAMetadataBuilder(UniformGraphBuilder, MLACommonMetadataBuilder):
     """vLLM's MLA metadata (prefill part for its own prefill) plus one core plan per forward of the
     decode rows (decodes and verify blocks, which vLLM puts first). Uniform decode / verify batches
     (CUDA-graph capture and replay, draft steps) live in static buffers, refreshed in place."""
@@ -143,11 +144,9 @@ class AttnplugMLAMetadataBuilder(MLACommonMetadataBuilder):
     query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.SINGLE_ONLY
     supports_draft_decode_metadata_update: bool = False
 
-    _uniform_rows = AttnplugMetadataBuilder._uniform_rows
-
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device, **extra):
         backend = self.BACKEND
-        AttnplugMetadataBuilder._refuse_extra.__func__(self, "metadata-builder options", extra)
+        refuse_extra(backend, "metadata-builder options", extra)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         if getattr(self, "dcp_world_size", 1) > 1:
             raise backend.refuse("decode context parallelism (decode_context_parallel_size > 1) with MLA")
@@ -155,66 +154,40 @@ class AttnplugMLAMetadataBuilder(MLACommonMetadataBuilder):
         engine_glue.prepare_process(provider, torch.device(device).type)
         self.page_size = kv_cache_spec.block_size
         self._level = self._cudagraph_support.name
-        mla_cls = backend.provider_cls().mla_class()
+        self._provider = backend.provider_cls()  # its MLA class serves every config (PagedAttention, graphs)
+        mla_cls = self._provider.mla_class()
         g = mla_cls.graph_support if mla_cls is not None else None
         self.supports_draft_decode_metadata_update = self._level != "NEVER" and bool(g and g.device_refresh)
         spec = getattr(getattr(vllm_config, "speculative_config", None), "num_speculative_tokens", None)
         self._spec_tokens = int(spec or 0)
         self._graph_cascade_mode = graph_cascade_mode(g, backend.get_name()) if g is not None else "off"
-        self._graphs: dict[int, _UniformGraphs] | None = None
+        self._graphs: dict[int, UniformGraphs] | None = None
         self._capturing = False
-        self.attention: dict = {}
-        model_dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", None)
-        if not isinstance(model_dtype, torch.dtype):
-            model_dtype = kv_cache_spec.dtype
-        for impl in compat.layer_impls(vllm_config, layer_names):
-            cfg = impl.core_key = impl.core_config(self.page_size, model_dtype)
-            if cfg in self.attention:
-                continue
-            try:
-                check_mla_support(provider, cfg)
-                self.attention[cfg] = PagedAttention(cfg, provider, device)
-            except ProviderUnavailable:
-                backend.check_available(torch.device(device))  # re-raise with the backend's hint
-                raise
-            except ValueError as e:  # UnsupportedFeature is a ValueError
-                raise backend.refuse(f"this MLA layer configuration: {str(e).removeprefix('attnplug: ')}") from e
-        for cfg, attn in self.attention.items():
-            info = (
+        self.attention = layer_attention(
+            backend,
+            vllm_config,
+            layer_names,
+            kv_cache_spec,
+            provider,
+            device,
+            lambda cfg: check_mla_support(provider, cfg),
+        )
+        announce(
+            backend,
+            self.attention,
+            lambda cfg, attn: (
                 f"provider {attn.provider_name}, MLA, page {cfg.page_size}, dtype "
                 f"{str(cfg.dtype).removeprefix('torch.')}, kv_dtype {str(cfg.kv_dtype).removeprefix('torch.')}, "
                 f"heads {cfg.num_qo_heads}/1, kv_lora_rank {cfg.kv_lora_rank}, rope_dim {cfg.rope_dim}, "
                 f"cascade {attn.cascade}, graphs {self._level}, prefill vLLM's"
-            )
-            logger.info("attnplug: %s active (%s, %s)", backend.NAME, info, compat.versions_info())
-            STATS["backends"].setdefault(backend.NAME, []).append(info)
-        _write_marker()
+            ),
+        )
 
     def _build_decode(self, *args, **kwargs):
         base = super()._build_decode(*args, **kwargs)
         return AttnplugMLADecodeMetadata(**{f.name: getattr(base, f.name) for f in fields(base)})
 
-    def _graph_family(self, q: int) -> _UniformGraphs | None:
-        """Static state of uniform batches of ``q`` tokens per request (created on first use)."""
-        if self._level == "NEVER" or (q > 1 and self._level == "UNIFORM_SINGLE_TOKEN_DECODE"):
-            return None
-        self._graphs = self._graphs or {}
-        if q not in self._graphs:
-            max_batch, max_seq_len = compat.graph_limits(self.vllm_config)
-            self._graphs[q] = _UniformGraphs(
-                self.attention,
-                self.BACKEND.provider(),
-                self.page_size,
-                max_batch,
-                max_seq_len,
-                self.device,
-                compat.null_block_id(),
-                q,
-                self._graph_cascade_mode,
-            )
-        return self._graphs[q]
-
-    def _core_graph(self, cam, g: _UniformGraphs, bs: int) -> AttnplugGraphMetadata:
+    def _core_graph(self, cam, g: UniformGraphs, bs: int) -> AttnplugGraphMetadata:
         g.plan_for(bs)
         n = cam.num_reqs
         md = AttnplugGraphMetadata(g, bs, compat.seq_lens(cam)[:n], cam.block_table_tensor[:n])
@@ -262,12 +235,12 @@ class AttnplugMLAMetadataBuilder(MLACommonMetadataBuilder):
         """vLLM's MLA metadata; its decode rows get the core's metadata: the static buffers for a
         uniform all-decode batch that was captured (or is being captured, or a single-token batch that
         fits when drafts update in place), an eager plan otherwise."""
-        AttnplugMetadataBuilder._refuse_extra.__func__(self, "metadata-builder build() options", extra)
+        refuse_extra(self.BACKEND, "metadata-builder build() options", extra)
         cam = common_attn_metadata
         md = super().build(common_prefix_len, cam, fast_build)
         if md.decode is None or not md.num_decodes:
             STATS["builds"] += 1
-            _write_marker()
+            write_marker()
             return md
         shape = self._uniform_rows(cam) if not md.num_prefills else None
         core = None
@@ -282,7 +255,7 @@ class AttnplugMLAMetadataBuilder(MLACommonMetadataBuilder):
                 core = self._core_graph(cam, g, bs)
         md.decode.core = core if core is not None else self._core_eager(cam, md.num_decodes)
         STATS["builds"] += 1
-        _write_marker()
+        write_marker()
         return md
 
     def update_draft_decode_metadata(self, metadata) -> None:
@@ -294,6 +267,35 @@ class AttnplugMLAMetadataBuilder(MLACommonMetadataBuilder):
         core.graphs.refresh(core.seq_lens, core.block_table, core.bs)
 
 
+#: ``MLACommonImpl``'s attention-layer arguments, in its order.
+LAYER_ARGS = (
+    "num_heads",
+    "head_size",
+    "scale",
+    "num_kv_heads",
+    "alibi_slopes",
+    "sliding_window",
+    "kv_cache_dtype",
+    "logits_soft_cap",
+    "attn_type",
+    "kv_sharing_target_layer_name",
+)
+#: Its MLA arguments attnplug knows (``indexer``: refused when set).
+MLA_ARGS = frozenset(
+    {
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "qk_head_dim",
+        "v_head_dim",
+        "kv_b_proj",
+        "indexer",
+        "q_pad_num_heads",
+    }
+)
+
+
 class AttnplugMLAImpl(MLACommonImpl):
     """One MLA layer: vLLM's prefill (``forward_mha``), the core's decode / verify (``forward_mqa``)
     and latent KV write (``do_kv_cache_update``)."""
@@ -301,64 +303,32 @@ class AttnplugMLAImpl(MLACommonImpl):
     BACKEND: ClassVar[type[AttnplugMLABackend]]
     can_return_lse_for_decode: bool = False
 
-    def __init__(
-        self,
-        num_heads,
-        head_size,
-        scale,
-        num_kv_heads,
-        alibi_slopes,
-        sliding_window,
-        kv_cache_dtype,
-        logits_soft_cap,
-        attn_type,
-        kv_sharing_target_layer_name,
-        **mla_args,
-    ):
+    def __init__(self, *args, **kwargs):
+        """``MLACommonImpl``'s arguments: :data:`LAYER_ARGS` (positional or by name, as vLLM passes
+        them), then the MLA ones by name (:data:`MLA_ARGS`; any other that is set is refused)."""
+        a = dict(zip(LAYER_ARGS, args), **kwargs)
         b = self.BACKEND
+        attn_type = a.get("attn_type", AttentionType.DECODER)
         if attn_type != AttentionType.DECODER:
             raise b.refuse(f"attention type '{getattr(attn_type, 'value', attn_type)}' with MLA")
-        for what, value in (
-            ("ALiBi slopes", alibi_slopes),
-            ("sliding windows", sliding_window),
-            ("logit soft caps", logits_soft_cap),
-            ("KV sharing", kv_sharing_target_layer_name),
-            ("sparse MLA (an indexer: DeepSeek-V3.2)", mla_args.get("indexer")),
+        for what, name in (
+            ("ALiBi slopes", "alibi_slopes"),
+            ("sliding windows", "sliding_window"),
+            ("logit soft caps", "logits_soft_cap"),
+            ("KV sharing", "kv_sharing_target_layer_name"),
+            ("sparse MLA (an indexer: DeepSeek-V3.2)", "indexer"),
         ):
-            if value:
+            if a.get(name):
                 raise b.refuse(f"{what} in MLA layers")
-        why = b.kv_cache_dtype_refusal(kv_cache_dtype)
+        why = b.kv_cache_dtype_refusal(a.get("kv_cache_dtype"))
         if why:
             raise b.refuse(why)
-        known = {
-            "q_lora_rank",
-            "kv_lora_rank",
-            "qk_nope_head_dim",
-            "qk_rope_head_dim",
-            "qk_head_dim",
-            "v_head_dim",
-            "kv_b_proj",
-            "indexer",
-            "q_pad_num_heads",
-        }
-        unknown = sorted(k for k, v in mla_args.items() if v is not None and k not in known)
+        unknown = sorted(k for k, v in a.items() if v is not None and k not in LAYER_ARGS and k not in MLA_ARGS)
         if unknown:
             raise b.refuse(f"MLA layer options {unknown}")
-        super().__init__(
-            num_heads,
-            head_size,
-            scale,
-            num_kv_heads,
-            alibi_slopes,
-            sliding_window,
-            kv_cache_dtype,
-            logits_soft_cap,
-            attn_type,
-            kv_sharing_target_layer_name,
-            **{k: v for k, v in mla_args.items() if k in known},
-        )
+        super().__init__(**{k: v for k, v in a.items() if k in LAYER_ARGS or k in MLA_ARGS})
         self.supports_quant_query_input = False  # the core reads the model-dtype query; fp8 latents dequantized
-        self.fp8_dtype = fp8_cache_dtype(kv_cache_dtype)
+        self.fp8_dtype = fp8_cache_dtype(self.kv_cache_dtype)
         self.core_key = None  # set by the builder
         b.check_available(compat.current_device())
 
@@ -406,7 +376,7 @@ class AttnplugMLAImpl(MLACommonImpl):
         cfg = self.core_key
         k_cache, v_cache = latent_cache_views(self._cache(kv_c_and_k_pe_cache), cfg)
         out = torch.empty(q.shape[0], q.shape[1], cfg.head_dim_v, dtype=q.dtype, device=q.device)
-        scales = {"k_scale": layer._k_scale} if self.fp8_dtype is not None else {}
+        scales = {"k_scale": compat.layer_kv_scales(layer)["k_scale"]} if self.fp8_dtype is not None else {}
         core = attn_metadata.decode.core
         if isinstance(core, AttnplugGraphMetadata):
             core.run(cfg, q, k_cache, v_cache, out, **scales)
@@ -420,35 +390,21 @@ class AttnplugMLAImpl(MLACommonImpl):
 
 def _make_mla_backend(name: str) -> type[AttnplugMLABackend]:
     provider, path = MLA_BACKENDS[name]
-    cls_name = path.rsplit(".", 1)[1]
-    ns = {"__module__": __name__}
-    backend = type(
-        cls_name,
-        (AttnplugMLABackend,),
-        {
-            **ns,
-            "NAME": name,
-            "PROVIDER": provider,
-            "supported_kv_cache_dtypes": mla_kv_cache_dtypes(provider),
-            "layer_kv_cache_dtypes": set(),
-        },
-    )
-    backend.IMPL = type(cls_name.replace("Backend", "Impl"), (AttnplugMLAImpl,), {**ns, "BACKEND": backend})
     try:
-        level = graph_level(provider, mla=True)[0] if backend.provider_cls().supports_mla() else "NEVER"
+        level = graph_level(provider, mla=True)[0] if resolve_provider(provider)[1].supports_mla() else "NEVER"
     except Exception:  # a provider whose module is missing here: refused at selection with its hint
         level = "NEVER"
-    backend.BUILDER = type(
-        cls_name.replace("Backend", "MetadataBuilder"),
-        (AttnplugMLAMetadataBuilder,),
-        {
-            **ns,
-            "BACKEND": backend,
-            "_cudagraph_support": AttentionCGSupport[level],
-            "query_len_support": QueryLenSupport.UNIFORM if level == "UNIFORM_BATCH" else QueryLenSupport.SINGLE_ONLY,
-        },
+    return make_backend_class(
+        name,
+        path,
+        provider,
+        mla_kv_cache_dtypes(provider),
+        AttnplugMLABackend,
+        AttnplugMLAImpl,
+        AttnplugMLAMetadataBuilder,
+        _cudagraph_support=AttentionCGSupport[level],
+        query_len_support=QueryLenSupport.UNIFORM if level == "UNIFORM_BATCH" else QueryLenSupport.SINGLE_ONLY,
     )
-    return backend
 
 
 AttnplugTritonMLABackend = _make_mla_backend("ATTNPLUG_TRITON_MLA")

@@ -196,6 +196,40 @@ def test_provider_without_mla_refused(monkeypatch):
         make_backend(make_runner(16))
 
 
+def test_graphs_follow_the_mla_class_graph_support(monkeypatch, caplog):
+    """CUDA graphs of MLA configs run on the provider's MLA class: its ``graph_support`` decides the
+    refusal, the active line and the graph families' cascade, not the GQA class's (which differs here)."""
+    import dataclasses
+    import logging
+
+    from attnplug.core.providers import GraphSupport, get_provider_cls
+
+    gqa_cls = get_provider_cls("triton")
+    mla_cls = gqa_cls.mla_class()
+    assert gqa_cls.graph_support.decode and gqa_cls.graph_support.cascade
+    monkeypatch.setenv("ATTNPLUG_CASCADE", "1")
+    monkeypatch.delenv("ATTNPLUG_CASCADE_GRAPHS", raising=False)
+    monkeypatch.setattr(mla_cls, "graph_support", GraphSupport(False, False, False, "the MLA kernels cannot"))
+    be = make_backend(make_runner(16))
+    refusal = (
+        r"attnplug: backend 'attnplug_triton' does not support CUDA graphs with provider 'triton' "
+        r"\(the MLA kernels cannot\); start SGLang with --disable-cuda-graph"
+    )
+    with pytest.raises(UnsupportedFeature, match=refusal):
+        be.check_graph_support()
+    with pytest.raises(UnsupportedFeature, match=refusal):
+        be.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    # graphs without cascade on the MLA class: the active line says so, and capture succeeds (a family
+    # asking cascade of a class without it would refuse)
+    monkeypatch.setattr(mla_cls, "graph_support", dataclasses.replace(gqa_cls.graph_support, cascade=False))
+    with caplog.at_level(logging.INFO):
+        be = make_backend(make_runner(16))
+    (active,) = [r.getMessage() for r in caplog.records if "attnplug_triton active" in r.getMessage()][-1:]
+    assert "in CUDA graphs off" in active
+    be.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    assert be._graphs["decode"].state(be.probe_config).cascade is None
+
+
 def test_mha_prefill_path_refused_by_name():
     """SGLang's MHA prefill layer (``attn_mha``: H KV heads, head dims 48/32) never reaches attnplug
     once the dispatch is registered; if it did, it is refused by name, never computed wrongly."""

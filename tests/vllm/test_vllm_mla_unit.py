@@ -191,7 +191,7 @@ def test_kv_write_and_forward_mqa_match_unabsorbed_reference(vllm_env, path):
     up-projected by ``W_UV``, equals the float32 un-absorbed MLA of the same cache."""
     from attnplug.core import PagedAttention
     from attnplug.core.mla import absorb_query, mla_reference
-    from attnplug.vllm_adapter.backend import _UniformGraphs
+    from attnplug.vllm_adapter.backend import UniformGraphs
 
     torch.manual_seed(0)
     dt = torch.float32
@@ -230,7 +230,7 @@ def test_kv_write_and_forward_mqa_match_unabsorbed_reference(vllm_env, path):
     attn = PagedAttention(cfg, "triton", "cpu")
     shell = _builder_shell({cfg: attn})
     if path == "graph-decode":
-        g = _UniformGraphs(shell.attention, "triton", P, 4, 64, torch.device("cpu"), 0, 1)
+        g = UniformGraphs(shell.attention, "triton", P, 4, 64, torch.device("cpu"), 0, 1)
         core = shell._core_graph(cam, g, 4)  # 3 real rows, one padded by the core
         plan = core.plan_for(cfg)
     else:
