@@ -41,8 +41,9 @@ import torch
 from . import graph_if
 from .config import env_flag
 from .graph_if import captured_if
-from .metadata import ForwardMode
-from .pages import num_pages, tokens_from_pages
+from .graph_views import DeviceTable, HostBatch
+from .metadata import BatchMetadata, ForwardMode
+from .pages import indptr_from_counts, num_pages
 from .plan import Plan
 from .staging import to_device
 
@@ -477,6 +478,70 @@ def common_prefix_pages(
     return _common_pages(_same_as_first(kv_indices, kv_indptr[:-1], m)) if m else 0
 
 
+@dataclass
+class CascadeSplitIn:
+    """The cascade stage's input: one replay of the ``bs`` graph with ``batch`` (its ``n`` real requests,
+    ``q`` tokens each) and the padded batch's page table as the update has it: ``host`` (the host
+    CSR twin, :class:`~attnplug.core.graph_views.HostBatch`; ``None`` for a device CSR, which is not
+    read back) or ``table`` (the engine's device page table, the one-launch update)."""
+
+    bs: int
+    n: int
+    batch: BatchMetadata | None = None
+    host: HostBatch | None = None
+    table: DeviceTable | None = None
+
+
+@dataclass
+class CascadeSplitOut:
+    """The cascade stage's output, what the static write reads. Host path: ``batch`` / ``host``, the
+    real requests and the padded host twin without their cut pages (``pages [n]`` int64: pages cut
+    from each; all zero: the inputs themselves). Device path: ``launch``, the cut's arguments of the
+    one-launch write (:func:`~attnplug.core.kernels.graph_update.graph_batch_from_block_table`: the
+    per-group shared pages on the device, the prefix batch, the proof counters)."""
+
+    batch: BatchMetadata | None = None
+    host: HostBatch | None = None
+    pages: np.ndarray | None = None
+    launch: dict | None = None
+
+
+def _mask_columns_from(kv_lens: torch.Tensor, q: int, cut: torch.Tensor) -> torch.Tensor:
+    """``[sum q * (kv_len - cut)]`` int64: the flat positions, in a mask of ``[q, kv_len]`` blocks one a
+    request (row-major, ``kv_lens [B]`` host), of every column from the request's ``cut [B]`` on."""
+    kv = kv_lens.to(torch.int64)
+    starts = torch.cumsum(kv * q, 0) - kv * q
+    rows = torch.repeat_interleave(starts, q) + torch.arange(q).repeat(kv.numel()) * torch.repeat_interleave(kv, q)
+    cut_r = torch.repeat_interleave(cut.to(torch.int64), q)
+    keep = torch.repeat_interleave(kv, q) - cut_r
+    return torch.repeat_interleave(rows + cut_r, keep) + (
+        torch.arange(int(keep.sum())) - torch.repeat_interleave(torch.cumsum(keep, 0) - keep, keep)
+    )
+
+
+def cut_pages(
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_lens: torch.Tensor,
+    mask: torch.Tensor | None,
+    pages: torch.Tensor,
+    q: int,
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A host page CSR (``kv_indptr [B+1]``, ``kv_indices [nnz]``, ``kv_lens [B]``; verify: its
+    row-major ``[q, kv_len]`` mask blocks, any device) without each request's first ``pages [B]`` int64
+    pages: ``(kv_indptr [B+1] int32, kv_indices, kv_lens [B] int32, mask)``."""
+    ind = kv_indptr.to(torch.int64)
+    counts = ind[1:] - ind[:-1]
+    pos = torch.arange(int(ind[-1])) - torch.repeat_interleave(ind[:-1], counts)  # page index within its request
+    keep = pos >= torch.repeat_interleave(pages, counts)
+    if mask is not None:  # each request's [q, kv_len] block loses its first pages * P columns
+        mask = mask[_mask_columns_from(kv_lens, q, pages * page_size).to(mask.device)]
+    shift = torch.zeros_like(ind)
+    torch.cumsum(pages, 0, out=shift[1:])
+    return (ind - shift).to(torch.int32), kv_indices[keep], (kv_lens - pages * page_size).to(torch.int32), mask
+
+
 class CascadeGraph:
     """The shared-prefix part of a decode or verify :class:`~attnplug.core.cuda_graph.GraphState`: every
     real request's leading pages common to the whole batch (before its ``q`` query tokens: verify masks
@@ -570,25 +635,74 @@ class CascadeGraph:
         self.provider.plan(plan, static=self.static)
         self.plans[bs] = plan
 
-    def write_host(self, batch, shared: int) -> None:
-        """Host path: ``shared`` pages of request 0 of ``batch`` (host CSR) as the prefix batch."""
-        first = batch.kv_indices[:shared].to(torch.int32)
+    def split(self, inp: CascadeSplitIn) -> CascadeSplitOut:
+        """The cascade stage of one replay update (after the CSR, before the static write): what the
+        real requests share, from the host CSR (``inp.host``) or the engine's device table
+        (``inp.table``: one launch, no sync); the host path writes the prefix batch here (the device
+        path's write launch does) and returns the requests cut."""
+        return self._split_device(inp) if inp.table is not None else self._split_host(inp)
+
+    def _split_host(self, inp: CascadeSplitIn) -> CascadeSplitOut:
+        """Host path: the common prefix of the real requests' host CSR (a device CSR: nothing, it is
+        not read back) when ``(n - 1) * shared`` clears :attr:`min_saved_pages`; the prefix batch =
+        request 0's first ``shared`` pages; ``batch`` / ``host`` without them (verify: and their
+        mask columns)."""
+        h, batch, n = inp.host, inp.batch, inp.n
+        P, q = self.gs.config.page_size, self.gs.q
+        shared = 0
+        if h is not None and batch.kv_indices.device.type == "cpu":
+            kv = h.kv_lens[:n].numpy()
+            s = common_prefix_pages(h.kv_indptr[: n + 1].numpy(), h.kv_indices.numpy(), kv, P, q)
+            shared = s if (n - 1) * s >= self.min_saved_pages else 0
+        self._write_prefix(None if h is None else h.kv_indices[:shared], shared)
+        pages = np.full(n, shared, dtype=np.int64)
+        if not shared:
+            return CascadeSplitOut(batch=batch, host=h, pages=pages)
+        cut = torch.from_numpy(pages)
+        ind, idx, _, mask = cut_pages(batch.kv_indptr, batch.kv_indices, h.kv_lens[:n], batch.custom_mask, cut, q, P)
+        suffix = BatchMetadata(batch.mode, batch.qo_indptr, ind, idx, batch.kv_last_page_len, custom_mask=mask)
+        padded = torch.cat([cut, torch.zeros(inp.bs - n, dtype=torch.int64)])
+        h_ind, h_idx, h_kv, h_mask = cut_pages(h.kv_indptr, h.kv_indices, h.kv_lens, h.mask, padded, q, P)
+        host = dataclasses.replace(h, kv_indptr=h_ind, kv_indices=h_idx, kv_lens=h_kv, mask=h_mask)
+        if h.mask_indptr is not None:
+            host.mask_indptr, host.mask_free = indptr_from_counts(h_kv.long() * q, torch.int64), h_kv - q
+        return CascadeSplitOut(batch=suffix, host=host, pages=pages)
+
+    def _write_prefix(self, first: torch.Tensor | None, shared: int) -> None:
+        """Host path: ``first [shared]`` page ids (host) as the prefix batch (empty for 0), and the proof counters."""
         self.shared.fill_(shared)
         self.active.fill_(shared > 0)
         self.kv_indptr[1:].fill_(shared)
         self.kv_lens.fill_(shared * self.gs.config.page_size)
         if shared:
-            self.kv_indices[:shared].copy_(first, non_blocking=True)
+            self.kv_indices[:shared].copy_(first.to(torch.int32), non_blocking=True)
             self.counts[0].add_(1)
             self.counts[1].add_(shared * self.gs.config.page_size)
 
-    def host_shared(self, batch) -> int:
-        """The shared pages the host path cuts from ``batch`` (host CSR, ``q`` tokens a request): the
-        common prefix when ``(B - 1) * shared`` clears :attr:`min_saved_pages`, else 0."""
-        P = self.gs.config.page_size
-        kv = tokens_from_pages(batch.kv_indptr[1:] - batch.kv_indptr[:-1], batch.kv_last_page_len, P)
-        s = common_prefix_pages(batch.kv_indptr.numpy(), batch.kv_indices.numpy(), kv.numpy(), P, self.gs.q)
-        return s if (batch.batch_size - 1) * s >= self.min_saved_pages else 0
+    def _split_device(self, inp: CascadeSplitIn) -> CascadeSplitOut:
+        """Device path: the leading pages the real requests of the engine's table share, into
+        :attr:`shared` (one launch, :func:`~attnplug.core.kernels.graph_update.batch_shared_pages`);
+        the write launch cuts them and writes the prefix batch where they clear :attr:`min_saved_pages`."""
+        from .kernels.graph_update import batch_shared_pages  # noqa: PLC0415
+
+        t = inp.table
+        batch_shared_pages(
+            t.seq_lens,
+            t.block_table,
+            self.gs.config.page_size,
+            self.shared,
+            row_ids=t.row_ids,
+            entry_tokens=t.entry_tokens,
+            q=self.gs.q,
+        )
+        launch = dict(
+            shared=self.shared,
+            prefix=(self.kv_indptr, self.kv_indices, self.kv_lens),
+            counts=self.counts,
+            active=self.active,
+            min_saved_pages=self.min_saved_pages,
+        )
+        return CascadeSplitOut(launch=launch)
 
     def run(
         self,
