@@ -31,6 +31,8 @@ the mask is on the host), ``max_seq_len`` as every request's key bound.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .cascade import CascadeGraph, CascadeSplitIn, CascadeSplitOut, cascade_mode
@@ -40,6 +42,9 @@ from .metadata import BatchMetadata, ForwardMode
 from .pages import indptr_from_counts, last_page_len, num_pages, tokens_from_pages
 from .plan import Plan, _leading_visible_columns
 from .providers import Provider, provider_instance
+
+if TYPE_CHECKING:
+    from .kernels.graph_update import PrefixCut
 
 FILL_SEQ_LEN = 1  # committed length of a padded request (SGLang's CUDA-graph seq-len fill value)
 _I32 = torch.int32
@@ -71,9 +76,10 @@ class GraphState:
             kernel instead of reading the mask (``GraphSupport.chain_verify``); :meth:`update` checks a
             host mask is one.
         cascade: shared-prefix attention, ``"off"`` / ``"auto"`` / ``"always"``
-            (:class:`~attnplug.core.cascade.CascadeGraph`: each update finds the leading pages all
-            real requests share before their ``q`` tokens; the captured launches read them once; the
-            graph of one request has no cascade part). Verify: cut where the update reads a host
+            (:class:`~attnplug.core.cascade.CascadeGraph`: each update finds the groups of consecutive
+            real requests starting on one page and the leading pages each group shares before their
+            ``q`` tokens; the captured launches read them once a group; the graph of one request has
+            no cascade part). Verify: cut where the update reads a host
             page CSR (and mask) or a device page table (chain masks); a device CSR cuts nothing.
 
     Raises:
@@ -277,9 +283,9 @@ class GraphState:
 
     @property
     def cascade_counts(self) -> torch.Tensor | None:
-        """``[2]`` int64 on the device: updates that cut a shared prefix, tokens cut (None without
-        cascade)."""
-        return None if self.cascade is None else self.cascade.counts
+        """``[2]`` int64 on the device: updates that cut a shared prefix, tokens cut (summed over the
+        groups; None without cascade). The groups cut: ``cascade.counts[2]``."""
+        return None if self.cascade is None else self.cascade.counts[:2]
 
     def update(self, batch: BatchMetadata, bs: int | None = None) -> Plan:
         """Write ``batch`` (``B <= bs`` requests, ``q`` tokens each) into the static buffers of the
@@ -406,10 +412,10 @@ class GraphState:
         self.graph.refresh(self.plans[bs], bs, host, device_table=True)
         return self.plans[bs]
 
-    def _write_from_table(self, t: DeviceTable, bs: int, cascade: dict | None) -> None:
+    def _write_from_table(self, t: DeviceTable, bs: int, cascade: PrefixCut | None) -> None:
         """The static write of :meth:`update_from_block_table`: one launch
         (:func:`~attnplug.core.kernels.graph_update.graph_batch_from_block_table`), ``cascade`` its cut
-        (:class:`~attnplug.core.cascade.CascadeSplitOut`'s ``launch``; ``None``: nothing cut)."""
+        (:class:`~attnplug.core.cascade.CascadeSplitOut`'s ``launch``; ``None``: no cascade part)."""
         from .kernels.graph_update import graph_batch_from_block_table  # noqa: PLC0415
 
         v = self.static_views(bs)
@@ -433,7 +439,7 @@ class GraphState:
             max_batch=self.max_batch,
             row_ids=t.row_ids,
             entry_tokens=t.entry_tokens,
-            **(cascade or {}),
+            cut=cascade,
         )
 
     def run(
