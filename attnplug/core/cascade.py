@@ -604,6 +604,7 @@ class CascadeGraph:
         self.group_start = torch.zeros(mb, **i32)
         self.group_end = torch.zeros(mb, **i32)
         self.counts = torch.zeros(3, dtype=torch.int64, device=dev)
+        self.update_counts = self.counts[:2]  # one view: readers key the counters they poll by identity
         self.active = torch.zeros((), dtype=torch.bool, device=dev)  # a prefix is cut: the IF node's predicate
         self.qo_indptr = torch.zeros(mb + 2, **i32)
         self.kv_indptr = torch.zeros(mb + 2, **i32)

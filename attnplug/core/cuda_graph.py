@@ -285,7 +285,7 @@ class GraphState:
     def cascade_counts(self) -> torch.Tensor | None:
         """``[2]`` int64 on the device: updates that cut a shared prefix, tokens cut (summed over the
         groups; None without cascade). The groups cut: ``cascade.counts[2]``."""
-        return None if self.cascade is None else self.cascade.counts[:2]
+        return None if self.cascade is None else self.cascade.update_counts
 
     def update(self, batch: BatchMetadata, bs: int | None = None) -> Plan:
         """Write ``batch`` (``B <= bs`` requests, ``q`` tokens each) into the static buffers of the

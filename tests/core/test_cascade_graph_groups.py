@@ -138,6 +138,7 @@ def test_groups_cut_on_host_and_device_equal_reference(spec, q):
         assert [x - y for x, y in zip(gs.cascade.counts.tolist(), b)] == want, "(cut, tokens, groups)"
         assert bool(gs.cascade.active) == bool(cut)
         assert gs.cascade_counts.tolist() == gs.cascade.counts[:2].tolist()
+        assert gs.cascade_counts is gs.cascade_counts, "one tensor: the adapters poll it by identity"
         prefix_slots(gs, batch, bs, groups, q)
     same_prefix_batch(host, dev, bs, batch.batch_size)
     hv, dv = host.static_views(bs), dev.static_views(bs)
