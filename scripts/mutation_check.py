@@ -375,10 +375,26 @@ MUTATIONS = [
     Mutation(
         "cascade_graph_shared_pages_ignore_mismatch",
         GU,
-        "first = tl.minimum(first, tl.min(tl.where(m & (p0 != pb), j, lim), axis=0))",
-        "first = tl.minimum(first, lim)",
+        "first_diff = tl.minimum(first_diff, tl.min(tl.where(m & (p0 != pb), j, lim), axis=0))",
+        "first_diff = tl.minimum(first_diff, lim)",
         ("tests/core/test_cascade_graph.py::test_device_update_matches_host_update",),
         "cascade graphs: requests whose leading pages differ are cut as if they shared them",
+    ),
+    Mutation(
+        "cascade_graph_group_pages_from_whole_batch",
+        CA,
+        "return start, end, (np.minimum.reduceat(found, heads)[gid] if n else found)",
+        "return start, end, (np.full(n, found.min()) if n else found)",
+        ("tests/core/test_cascade_graph_groups.py::test_groups_cut_on_host_and_device_equal_reference",),
+        "cascade graphs, host path: a group's shared pages taken from the whole batch (the fewest any group shares)",
+    ),
+    Mutation(
+        "cascade_graph_device_group_reads_first_group",
+        GU,
+        "found = tl.load(SHARED + gst, mask=real, other=0).to(tl.int32)",
+        "found = tl.load(SHARED + gst * 0, mask=real, other=0).to(tl.int32)",
+        ("tests/core/test_cascade_graph_groups.py::test_groups_cut_on_host_and_device_equal_reference",),
+        "cascade graphs, device path: every group cuts the pages the batch's first group shares",
     ),
     # -- cascade grouping (host) -----------------------------------------------------------------------------
     Mutation(

@@ -150,7 +150,7 @@ def _graph(provider: str, cascade: str):
         gs.update_from_block_table(work.seq_lens, work.block_table, B)
         out, scales = torch.empty_like(q), engine_scales(work)
         if gs.cascade is not None:
-            work.extra[f"{label}.shared_pages"] = int(gs.cascade.kv_lens) // cfg.page_size
+            work.extra[f"{label}.shared_pages"] = int(gs.cascade.kv_lens.sum()) // cfg.page_size
         if dev.type != "cuda":
             return lambda: gs.run(B, q, k, v, out, **scales)
         gs.run(B, q, k, v, out, **scales)  # compile outside the capture

@@ -24,15 +24,17 @@ or nested groups go through the core's radix tree (:func:`~attnplug.core.radix_t
 
 Environment: ``ATTNPLUG_CASCADE`` = ``0`` (off), ``1`` / unset (on where the cost model says it
 pays), ``always`` (every shared group, e.g. for tests). ``ATTNPLUG_CASCADE_GRAPHS`` = ``1`` / unset:
-decode and verify CUDA graphs read the prefix common to the whole batch once too (:class:`CascadeGraph`, providers
-whose ``graph_support.cascade`` is set), under the same mode; ``0``: graphs replay without. A replay
-whose batch shares nothing pays one launch that returns at once (``docs/cascade.md``).
+decode and verify CUDA graphs read each group's prefix once too (:class:`CascadeGraph`: groups of consecutive
+requests; providers whose ``graph_support.cascade`` is set), under the same mode; ``0``: graphs replay without. A
+replay whose batch shares nothing pays one launch that returns at once (``docs/cascade.md``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -40,10 +42,14 @@ import torch
 from . import graph_if
 from .config import env_flag
 from .graph_if import captured_if
-from .metadata import ForwardMode
-from .pages import num_pages, tokens_from_pages
+from .graph_views import DeviceTable, HostBatch
+from .metadata import BatchMetadata, ForwardMode
+from .pages import indptr_from_counts, num_pages
 from .plan import Plan
 from .staging import to_device
+
+if TYPE_CHECKING:
+    from .kernels.graph_update import PrefixCut
 
 _nnz = np.count_nonzero
 
@@ -462,37 +468,129 @@ def min_saved_pages(config, mode: str) -> int:
     return -(-MIN_SAVED_BYTES // page_bytes)
 
 
-def common_prefix_pages(
+def graph_groups(
     kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_lens: np.ndarray, page_size: int, q: int = 1
-) -> int:
-    """Leading page ids every request of a uniform batch of ``q`` query tokens a request (decode 1,
-    verify the draft tokens) shares with request 0, within each one's ``(kv_len - q) // page_size``
-    shareable pages (host twin of :func:`~attnplug.core.kernels.graph_update.batch_shared_pages`); 0
-    with fewer than two requests."""
-    B = kv_lens.shape[0]
-    if B < 2:
-        return 0
-    m = int(max(int(((kv_lens.astype(np.int64) - q) // page_size).min()), 0))
-    return _common_pages(_same_as_first(kv_indices, kv_indptr[:-1], m)) if m else 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The groups of a graph replay's ``n`` requests (host twin of
+    :func:`~attnplug.core.kernels.graph_update.shared_pages_kernel`): maximal runs of consecutive
+    requests whose first page ids are equal, each with a shareable page (``(kv_len - q) // page_size``).
+    Returns ``(start, end, found)`` ``[n]`` int64: request ``b``'s group is ``start[b]..end[b]-1``, whose
+    members all share their first ``found[b]`` page ids (within each one's shareable pages; 0 for a
+    group of one)."""
+    n = kv_lens.shape[0]
+    ind = kv_indptr.astype(np.int64)
+    sh = np.maximum(kv_lens.astype(np.int64) - q, 0) // page_size
+    first = kv_indices.take(ind[:-1], mode="clip") if kv_indices.size else np.zeros(n, dtype=np.int64)
+    link = np.zeros(n, dtype=bool)
+    link[1:] = (sh[1:] > 0) & (sh[:-1] > 0) & (first[1:] == first[:-1])
+    heads = np.flatnonzero(~link)
+    gid = np.cumsum(~link) - 1
+    start, end = heads[gid], np.append(heads[1:], n)[gid]
+    lim = np.minimum(sh, sh[start])
+    found = np.where(end - start >= 2, lim, 0)
+    m = int(found.max()) if n else 0
+    if m:  # each member's first page id that differs from its group's first request's
+        j = np.arange(m)
+        top = kv_indices.size - 1
+        diff = kv_indices[np.minimum(ind[:-1, None] + j, top)] != kv_indices[np.minimum(ind[start][:, None] + j, top)]
+        diff &= j < lim[:, None]
+        found = np.minimum(found, np.where(diff.any(axis=1), diff.argmax(axis=1), m))
+    return start, end, (np.minimum.reduceat(found, heads)[gid] if n else found)
+
+
+def graph_group_pages(start: np.ndarray, end: np.ndarray, found: np.ndarray, min_saved: int) -> np.ndarray:
+    """``[n]`` int64: the pages cut from each request, its group's ``found`` where the group pays,
+    ``(members - 1) * found >= min_saved``, else 0."""
+    members = end - start
+    return np.where((members >= 2) & (found > 0) & ((members - 1) * found >= min_saved), found, 0)
+
+
+@dataclass
+class CascadeSplitIn:
+    """The cascade stage's input: one replay of the ``bs`` graph with ``batch`` (its ``n`` real requests,
+    ``q`` tokens each) and the padded batch's page table as the update has it: ``host`` (the host
+    CSR twin, :class:`~attnplug.core.graph_views.HostBatch`; ``None`` for a device CSR, which is not
+    read back) or ``table`` (the engine's device page table, the one-launch update)."""
+
+    bs: int
+    n: int
+    batch: BatchMetadata | None = None
+    host: HostBatch | None = None
+    table: DeviceTable | None = None
+
+
+@dataclass
+class CascadeSplitOut:
+    """The cascade stage's output, what the static write reads. Host path: ``batch`` / ``host``, the
+    real requests and the padded host twin without their cut pages (``pages [n]`` int64: pages cut
+    from each; all zero: the inputs themselves). Device path: ``launch``, the cut of the one-launch
+    write (:class:`~attnplug.core.kernels.graph_update.PrefixCut`: the groups on the device, the prefix
+    batch and its tile list, the proof counters)."""
+
+    batch: BatchMetadata | None = None
+    host: HostBatch | None = None
+    pages: np.ndarray | None = None
+    launch: PrefixCut | None = None
+
+
+def _mask_columns_from(kv_lens: torch.Tensor, q: int, cut: torch.Tensor) -> torch.Tensor:
+    """``[sum q * (kv_len - cut)]`` int64: the flat positions, in a mask of ``[q, kv_len]`` blocks one a
+    request (row-major, ``kv_lens [B]`` host), of every column from the request's ``cut [B]`` on."""
+    kv = kv_lens.to(torch.int64)
+    starts = torch.cumsum(kv * q, 0) - kv * q
+    rows = torch.repeat_interleave(starts, q) + torch.arange(q).repeat(kv.numel()) * torch.repeat_interleave(kv, q)
+    cut_r = torch.repeat_interleave(cut.to(torch.int64), q)
+    keep = torch.repeat_interleave(kv, q) - cut_r
+    return torch.repeat_interleave(rows + cut_r, keep) + (
+        torch.arange(int(keep.sum())) - torch.repeat_interleave(torch.cumsum(keep, 0) - keep, keep)
+    )
+
+
+def cut_pages(
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_lens: torch.Tensor,
+    mask: torch.Tensor | None,
+    pages: torch.Tensor,
+    q: int,
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A host page CSR (``kv_indptr [B+1]``, ``kv_indices [nnz]``, ``kv_lens [B]``; verify: its
+    row-major ``[q, kv_len]`` mask blocks, any device) without each request's first ``pages [B]`` int64
+    pages: ``(kv_indptr [B+1] int32, kv_indices, kv_lens [B] int32, mask)``."""
+    ind = kv_indptr.to(torch.int64)
+    counts = ind[1:] - ind[:-1]
+    pos = torch.arange(int(ind[-1])) - torch.repeat_interleave(ind[:-1], counts)  # page index within its request
+    keep = pos >= torch.repeat_interleave(pages, counts)
+    if mask is not None:  # each request's [q, kv_len] block loses its first pages * P columns
+        mask = mask[_mask_columns_from(kv_lens, q, pages * page_size).to(mask.device)]
+    shift = torch.zeros_like(ind)
+    torch.cumsum(pages, 0, out=shift[1:])
+    return (ind - shift).to(torch.int32), kv_indices[keep], (kv_lens - pages * page_size).to(torch.int32), mask
 
 
 class CascadeGraph:
-    """The shared-prefix part of a decode or verify :class:`~attnplug.core.cuda_graph.GraphState`: every
-    real request's leading pages common to the whole batch (before its ``q`` query tokens: verify masks
-    show every draft token the whole committed prefix) are read once, by a one-request non-causal
-    prefix plan of the ``bs * q`` query rows, and merged with the suffix plan's output by LSE. The group
-    is found at each replay update from the page table (``GraphState.update``: on the host;
-    ``update_from_block_table``: on the device, no sync); a batch without a prefix worth it
-    (:func:`min_saved_pages`) runs an empty prefix part (its launches return at once). Padded rows
-    ``B..bs-1`` see the shared prefix too (valid memory; their outputs are discarded anyway).
+    """The shared-prefix part of a decode or verify :class:`~attnplug.core.cuda_graph.GraphState`: the
+    requests of a replay fall into groups, maximal runs of consecutive requests starting on one page
+    (:func:`graph_groups`); the leading pages all members of a group share (before their ``q`` query
+    tokens: verify masks show every draft token the whole committed prefix) are read once, by one
+    request of a non-causal prefix batch holding the group's query rows (contiguous), and merged with
+    the suffix plan's output by LSE. The groups are found at each replay update from the page table
+    (:meth:`split`: on the host from the host CSR; on the device from the engine's table, no sync); a
+    group whose saving is below :func:`min_saved_pages` is not cut, and a batch with nothing cut runs
+    an empty prefix part (its launch returns at once). Requests of one prompt that are not consecutive
+    form separate groups.
 
-    ``active`` (0-dim bool, device): the last update cut a prefix. ``counts [2]`` int64 (device):
-    the updates that cut a shared prefix and the tokens they cut, summed over this graph family's
-    life without a host sync (the adapters' proof counters read them late).
+    ``active`` (0-dim bool, device): the last update cut a prefix. ``counts [3]`` int64 (device): the
+    updates that cut a shared prefix, the tokens they cut and the groups they cut, summed over this
+    graph family's life without a host sync (the adapters' proof counters read the first two late).
 
-    Static memory: ``shared [1]``, the prefix batch ``kv_indptr [2]`` / ``kv_indices [max_pages_per_request]``
-    / ``kv_lens [1]`` (int32), per ``bs`` a ``qo_indptr [2] = (0, bs * q)`` and the prefix plan, and the
-    merge's ``out_part [max_tokens, Hq, D]``, ``lse_part`` / ``lse_suffix [max_tokens, Hq]`` float32.
+    Static memory: the groups ``shared`` / ``group_start`` / ``group_end [max_batch]``; the prefix batch
+    of ``bs + 1`` slots (slot ``g``: the group whose first request is ``g``; the last slot empty):
+    ``qo_indptr`` / ``kv_indptr [max_batch+2]``, ``kv_indices [max_pages]``, ``kv_lens`` /
+    ``kv_last_page_len [max_batch+1]`` (int32); per ``bs`` the prefix plan and its tile list (one tile
+    list of ``bs * ceil(q / block_q)`` tiles the update writes, where the provider has one); the merge's
+    ``out_part [max_tokens, Hq, D]``, ``lse_part`` / ``lse_suffix [max_tokens, Hq]`` float32.
     """
 
     def __init__(self, gs, mode: str):
@@ -500,27 +598,32 @@ class CascadeGraph:
         self.gs, self.mode = gs, mode
         self.min_saved_pages = min_saved_pages(cfg, mode)
         self.max_pages = num_pages(gs.max_seq_len, P)
+        mb = gs.max_batch
         i32 = dict(dtype=torch.int32, device=dev)
-        self.shared = torch.zeros(1, **i32)
-        self.counts = torch.zeros(2, dtype=torch.int64, device=dev)
+        self.shared = torch.zeros(mb, **i32)
+        self.group_start = torch.zeros(mb, **i32)
+        self.group_end = torch.zeros(mb, **i32)
+        self.counts = torch.zeros(3, dtype=torch.int64, device=dev)
+        self.update_counts = self.counts[:2]  # one view: readers key the counters they poll by identity
         self.active = torch.zeros((), dtype=torch.bool, device=dev)  # a prefix is cut: the IF node's predicate
-        self.kv_indptr = torch.zeros(2, **i32)
-        self.kv_indices = torch.zeros(self.max_pages, **i32)
-        self.kv_lens = torch.zeros(1, **i32)
-        self.kv_last_page_len = torch.full((1,), P, **i32)
-        self.qo_indptr: dict[int, torch.Tensor] = {}
+        self.qo_indptr = torch.zeros(mb + 2, **i32)
+        self.kv_indptr = torch.zeros(mb + 2, **i32)
+        self.kv_indices = torch.zeros(max(gs.max_pages, self.max_pages), **i32)
+        self.kv_lens = torch.zeros(mb + 1, **i32)
+        self.kv_last_page_len = torch.zeros(mb + 1, **i32)
         self.plans: dict[int, Plan] = {}
-        hd = (gs.max_batch * gs.q, cfg.num_qo_heads)
+        self.tiles: dict[int, tuple[torch.Tensor, torch.Tensor, int] | None] = {}
+        hd = (mb * gs.q, cfg.num_qo_heads)
         self.out_part = torch.empty((*hd, cfg.head_dim_v), dtype=cfg.dtype, device=dev)
         self.lse_part = torch.empty(hd, dtype=torch.float32, device=dev)
         self.lse_suffix = torch.empty(hd, dtype=torch.float32, device=dev)
         self.provider = gs.provider.graph_prefix_provider()  # the prefix part's plans apart; its static memory below
         # one block_m for every bs (when the provider takes the knob): the tile lists of all bs are then
         # prefixes of one list in the static memory, of tiles of block_q query rows each
-        self.tile_options, block_q = self.provider.fixed_tile_options(self._plan(gs.max_batch))
-        block_q = block_q or gs.max_batch * gs.q
+        self.tile_options, block_q = self.provider.fixed_tile_options(self._plan(mb))
+        block_q = block_q or mb * gs.q
         # split partials for the largest tiles * block_q * splits(tiles) over the captured sizes
-        rows = gs.max_batch * gs.q
+        rows = mb * gs.q
         self.static = self.provider.static_buffers(
             max_rows=num_pages(rows, block_q),
             max_tokens=rows,
@@ -528,63 +631,148 @@ class CascadeGraph:
             q=block_q,
             num_kv_splits=gs.num_kv_splits,
         )
+        # a prefix provider whose plans cannot follow the groups of a replay is refused here, at startup
+        self.provider.graph_tile_list(self._plan(mb), self.static, lambda bq: mb * -(-gs.q // bq))
 
     def _plan(self, bs: int) -> Plan:
+        """The prefix plan of ``bs``: ``bs + 1`` slots over the static buffers; its host twins (what a
+        provider sizes its tiles and splits by) are one slot of all ``bs * q`` rows over the longest prefix."""
         gs, P = self.gs, self.gs.config.page_size
         n = bs * gs.q  # query rows
-        qo = self.qo_indptr.get(bs)
-        if qo is None:
-            qo = self.qo_indptr[bs] = torch.tensor([0, n], dtype=torch.int32, device=gs.device)
-        i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+        i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+        rest = [0] * bs
         return Plan(
             config=gs.config,
             mode=ForwardMode.EXTEND,
-            batch_size=1,
+            batch_size=bs + 1,
             num_tokens=n,
             max_q_len=n,
             max_kv_len=self.max_pages * P,
             causal=False,
             device=gs.device,
-            qo_indptr=qo,
-            kv_indptr=self.kv_indptr,
+            qo_indptr=self.qo_indptr[: bs + 2],
+            kv_indptr=self.kv_indptr[: bs + 2],
             kv_indices=self.kv_indices,
-            kv_last_page_len=self.kv_last_page_len,
-            kv_lens=self.kv_lens,
-            qo_indptr_cpu=i32(0, n),
-            kv_indptr_cpu=i32(0, self.max_pages),
+            kv_last_page_len=self.kv_last_page_len[: bs + 1],
+            kv_lens=self.kv_lens[: bs + 1],
+            qo_indptr_cpu=i32([0] + [n] * (bs + 1)),
+            kv_indptr_cpu=i32([0] + [self.max_pages] * (bs + 1)),
             kv_indices_cpu=torch.zeros(self.max_pages, dtype=torch.int32),
-            kv_last_page_len_cpu=i32(P),
-            q_lens_cpu=i32(n),
-            kv_lens_cpu=i32(self.max_pages * P),
+            kv_last_page_len_cpu=i32([P] + rest),
+            q_lens_cpu=i32([n] + rest),
+            kv_lens_cpu=i32([self.max_pages * P] + rest),
         )
 
     def prepare_capture(self, bs: int) -> None:
-        """The prefix plan of ``bs * q`` query rows (outside the graph)."""
+        """The prefix plan of ``bs * q`` query rows in ``bs + 1`` slots, and its tile list (outside the graph)."""
         plan = self._plan(bs)
         tiles = self.tile_options if plan.max_q_len > 1 else {}
         plan.options = self.provider.pinned_options(tiles, self.gs.num_kv_splits)  # the static memory is sized by it
-        self.provider.plan(plan, static=self.static)
+        q = self.gs.q
+        self.tiles[bs] = self.provider.graph_tile_list(plan, self.static, lambda block_q: bs * -(-q // block_q))
         self.plans[bs] = plan
 
-    def write_host(self, batch, shared: int) -> None:
-        """Host path: ``shared`` pages of request 0 of ``batch`` (host CSR) as the prefix batch."""
-        first = batch.kv_indices[:shared].to(torch.int32)
-        self.shared.fill_(shared)
-        self.active.fill_(shared > 0)
-        self.kv_indptr[1:].fill_(shared)
-        self.kv_lens.fill_(shared * self.gs.config.page_size)
-        if shared:
-            self.kv_indices[:shared].copy_(first, non_blocking=True)
-            self.counts[0].add_(1)
-            self.counts[1].add_(shared * self.gs.config.page_size)
+    def split(self, inp: CascadeSplitIn) -> CascadeSplitOut:
+        """The cascade stage of one replay update (after the CSR, before the static write): the groups
+        of the real requests and what each shares, from the host CSR (``inp.host``) or the engine's
+        device table (``inp.table``: one launch, no sync); the host path writes the prefix batch here
+        (the device path's write launch does) and returns the requests cut."""
+        return self._split_device(inp) if inp.table is not None else self._split_host(inp)
 
-    def host_shared(self, batch) -> int:
-        """The shared pages the host path cuts from ``batch`` (host CSR, ``q`` tokens a request): the
-        common prefix when ``(B - 1) * shared`` clears :attr:`min_saved_pages`, else 0."""
-        P = self.gs.config.page_size
-        kv = tokens_from_pages(batch.kv_indptr[1:] - batch.kv_indptr[:-1], batch.kv_last_page_len, P)
-        s = common_prefix_pages(batch.kv_indptr.numpy(), batch.kv_indices.numpy(), kv.numpy(), P, self.gs.q)
-        return s if (batch.batch_size - 1) * s >= self.min_saved_pages else 0
+    def _split_host(self, inp: CascadeSplitIn) -> CascadeSplitOut:
+        """Host path: the groups of the real requests' host CSR (a device CSR: none, it is not read
+        back), the prefix batch of those that pay, and ``batch`` / ``host`` without their pages
+        (verify: and their mask columns)."""
+        h, batch, n, bs = inp.host, inp.batch, inp.n, inp.bs
+        P, q = self.gs.config.page_size, self.gs.q
+        ar = np.arange(n, dtype=np.int64)
+        start, end, found = ar, ar + 1, np.zeros(n, dtype=np.int64)
+        if h is not None and batch.kv_indices.device.type == "cpu":
+            kv = h.kv_lens[:n].numpy()
+            start, end, found = graph_groups(h.kv_indptr[: n + 1].numpy(), h.kv_indices.numpy(), kv, P, q)
+        pages = graph_group_pages(start, end, found, self.min_saved_pages)
+        self._write_prefix(inp, start, end, found, pages)
+        if not pages.any():
+            return CascadeSplitOut(batch=batch, host=h, pages=pages)
+        cut = torch.from_numpy(pages)
+        ind, idx, _, mask = cut_pages(batch.kv_indptr, batch.kv_indices, h.kv_lens[:n], batch.custom_mask, cut, q, P)
+        suffix = BatchMetadata(batch.mode, batch.qo_indptr, ind, idx, batch.kv_last_page_len, custom_mask=mask)
+        padded = torch.cat([cut, torch.zeros(bs - n, dtype=torch.int64)])
+        h_ind, h_idx, h_kv, h_mask = cut_pages(h.kv_indptr, h.kv_indices, h.kv_lens, h.mask, padded, q, P)
+        host = dataclasses.replace(h, kv_indptr=h_ind, kv_indices=h_idx, kv_lens=h_kv, mask=h_mask)
+        if h.mask_indptr is not None:
+            host.mask_indptr, host.mask_free = indptr_from_counts(h_kv.long() * q, torch.int64), h_kv - q
+        return CascadeSplitOut(batch=suffix, host=host, pages=pages)
+
+    def _write_prefix(
+        self, inp: CascadeSplitIn, start: np.ndarray, end: np.ndarray, found: np.ndarray, pages: np.ndarray
+    ) -> None:
+        """Host path: the groups, the prefix batch (slot ``g``: the rows of the group whose first
+        request is ``g``, over its cut pages), its tile list and the proof counters, as the device
+        path's write launch writes them."""
+        bs, n, q, P = inp.bs, inp.n, self.gs.q, self.gs.config.page_size
+        r = np.arange(bs, dtype=np.int64)
+        st, en = np.concatenate([start, r[n:]]), np.concatenate([end, r[n:] + 1])
+        lead = st == r
+        c = np.where(lead, np.concatenate([pages, r[n:] * 0]), 0)
+        qo = np.full(bs + 2, bs * q, dtype=np.int64)
+        qo[:bs] = q * np.where(lead, r, en)
+        p_ind = np.zeros(bs + 2, dtype=np.int64)
+        np.cumsum(c, out=p_ind[1 : bs + 1])
+        p_ind[bs + 1] = p_ind[bs]
+        total = int(p_ind[bs])
+        i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
+        nb = dict(non_blocking=True)
+        self.shared[:n].copy_(i32(np.where(start == np.arange(n), found, 1 << 30)), **nb)
+        self.group_start[:n].copy_(i32(start), **nb)
+        self.group_end[:n].copy_(i32(end), **nb)
+        self.qo_indptr[: bs + 2].copy_(i32(qo), **nb)
+        self.kv_indptr[: bs + 2].copy_(i32(p_ind), **nb)
+        self.kv_lens[: bs + 1].copy_(i32(np.append(c * P, 0)), **nb)
+        self.kv_last_page_len[: bs + 1].copy_(i32(np.append(np.where(c > 0, P, 0), 0)), **nb)
+        if total:
+            h = inp.host
+            ind = h.kv_indptr.numpy().astype(np.int64)
+            g = np.flatnonzero(c)
+            idx = np.repeat(ind[g], c[g]) + np.arange(total) - np.repeat(p_ind[g], c[g])
+            self.kv_indices[:total].copy_(h.kv_indices[torch.from_numpy(idx)].to(torch.int32), **nb)
+        tiles = self.tiles.get(bs)
+        if tiles is not None:
+            tile_req, tile_q, block_q = tiles
+            t = np.where(lead, -(-(en - r) * q // block_q), 0)
+            k = int(t.sum())
+            req, qs = np.full(tile_req.numel(), bs, dtype=np.int64), np.zeros(tile_req.numel(), dtype=np.int64)
+            req[:k] = np.repeat(r, t)
+            qs[:k] = (np.arange(k) - np.repeat(np.cumsum(t) - t, t)) * block_q
+            tile_req.copy_(i32(req), **nb)
+            tile_q.copy_(i32(qs), **nb)
+        groups = int((c > 0).sum())
+        self.active.fill_(groups > 0)
+        if groups:
+            self.counts.add_(torch.tensor([1, total * P, groups], dtype=torch.int64).to(self.counts.device))
+
+    def _split_device(self, inp: CascadeSplitIn) -> CascadeSplitOut:
+        """Device path: the groups of the engine's table and what each shares (one launch,
+        :func:`~attnplug.core.kernels.graph_update.batch_shared_pages`); the write launch cuts those
+        that clear :attr:`min_saved_pages` and writes the prefix batch and its tile list."""
+        from .kernels.graph_update import PrefixCut, batch_shared_pages  # noqa: PLC0415
+
+        t = inp.table
+        batch_shared_pages(
+            t.seq_lens,
+            t.block_table,
+            self.gs.config.page_size,
+            self.shared,
+            self.group_start,
+            self.group_end,
+            row_ids=t.row_ids,
+            entry_tokens=t.entry_tokens,
+            q=self.gs.q,
+            max_batch=self.gs.max_batch,
+        )
+        # the buffers by their names (the cut's fields are this object's static memory), the bs's tile list
+        bufs = {f.name: getattr(self, f.name) for f in dataclasses.fields(PrefixCut) if f.name != "tiles"}
+        return CascadeSplitOut(launch=PrefixCut(**bufs, tiles=self.tiles.get(inp.bs)))
 
     def run(
         self,

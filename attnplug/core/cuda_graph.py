@@ -31,30 +31,23 @@ the mask is on the host), ``max_seq_len`` as every request's key bound.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from .cascade import CascadeGraph, cascade_mode
+from .cascade import CascadeGraph, CascadeSplitIn, CascadeSplitOut, cascade_mode
 from .config import AttentionConfig, UnsupportedFeature
-from .graph_views import HostBatch, StaticViews
+from .graph_views import DeviceTable, HostBatch, StaticViews
 from .metadata import BatchMetadata, ForwardMode
 from .pages import indptr_from_counts, last_page_len, num_pages, tokens_from_pages
 from .plan import Plan, _leading_visible_columns
 from .providers import Provider, provider_instance
 
+if TYPE_CHECKING:
+    from .kernels.graph_update import PrefixCut
+
 FILL_SEQ_LEN = 1  # committed length of a padded request (SGLang's CUDA-graph seq-len fill value)
 _I32 = torch.int32
-
-
-def _mask_columns_from(kv_lens: torch.Tensor, q: int, cut: int) -> torch.Tensor:
-    """``[sum q * (kv_len - cut)]`` int64: the flat positions, in a mask of ``[q, kv_len]`` blocks one a
-    request (row-major, ``kv_lens [B]`` host), of every column from ``cut`` on."""
-    kv = kv_lens.to(torch.int64)
-    starts = torch.cumsum(kv * q, 0) - kv * q
-    rows = torch.repeat_interleave(starts, q) + torch.arange(q).repeat(kv.numel()) * torch.repeat_interleave(kv, q)
-    keep = torch.repeat_interleave(kv, q) - cut
-    return torch.repeat_interleave(rows + cut, keep) + (
-        torch.arange(int(keep.sum())) - torch.repeat_interleave(torch.cumsum(keep, 0) - keep, keep)
-    )
 
 
 def chain_mask(q: int, kv_len: int) -> torch.Tensor:
@@ -83,9 +76,10 @@ class GraphState:
             kernel instead of reading the mask (``GraphSupport.chain_verify``); :meth:`update` checks a
             host mask is one.
         cascade: shared-prefix attention, ``"off"`` / ``"auto"`` / ``"always"``
-            (:class:`~attnplug.core.cascade.CascadeGraph`: each update finds the leading pages all
-            real requests share before their ``q`` tokens; the captured launches read them once; the
-            graph of one request has no cascade part). Verify: cut where the update reads a host
+            (:class:`~attnplug.core.cascade.CascadeGraph`: each update finds the groups of consecutive
+            real requests starting on one page and the leading pages each group shares before their
+            ``q`` tokens; the captured launches read them once a group; the graph of one request has
+            no cascade part). Verify: cut where the update reads a host
             page CSR (and mask) or a device page table (chain masks); a device CSR cuts nothing.
 
     Raises:
@@ -289,33 +283,64 @@ class GraphState:
 
     @property
     def cascade_counts(self) -> torch.Tensor | None:
-        """``[2]`` int64 on the device: updates that cut a shared prefix, tokens cut (None without
-        cascade)."""
-        return None if self.cascade is None else self.cascade.counts
+        """``[2]`` int64 on the device: updates that cut a shared prefix, tokens cut (summed over the
+        groups; None without cascade). The groups cut: ``cascade.counts[2]``."""
+        return None if self.cascade is None else self.cascade.update_counts
 
     def update(self, batch: BatchMetadata, bs: int | None = None) -> Plan:
         """Write ``batch`` (``B <= bs`` requests, ``q`` tokens each) into the static buffers of the
         plan captured for ``bs`` (default: the smallest captured ``bs >= B``), padding ``B..bs-1``.
 
-        Only the prefix ``[:bs+1]`` / ``[:bs]`` of the per-request buffers, ``kv_indices[:nnz +
-        (bs-B)*pad_pages]`` and (verify) ``mask[:sum q*kv_len]`` are written.
+        One pass of stages, each once: the page table (:meth:`_page_table`: which plan, capacities),
+        the CSR (:meth:`_padded_host`: the padded batch's host twin, where the inputs are on the host),
+        the cascade split (:meth:`_cascade_split`), the static write of what is left (:meth:`_write`),
+        the provider's refresh. Only the prefix ``[:bs+1]`` / ``[:bs]`` of the per-request buffers,
+        ``kv_indices[:nnz + (bs-B)*pad_pages]`` and (verify) ``mask[:sum q*kv_len]`` are written.
         """
+        bs = self._page_table(batch, bs)
+        host = self._padded_host(batch, bs)
+        cut = self._cascade_split(CascadeSplitIn(bs, batch.batch_size, batch=batch, host=host))
+        plan = self.plans[bs]
+        self._write(cut.batch, bs)
+        if cut.host is not None:  # keep the host twins current (reference checks, host-planning providers)
+            h = cut.host
+            plan.kv_indptr_cpu, plan.kv_indices_cpu = h.kv_indptr, h.kv_indices
+            plan.kv_last_page_len_cpu, plan.kv_lens_cpu = h.kv_last_page_len, h.kv_lens
+            if self.mode == "verify":
+                plan.mask_indptr_cpu, plan.mask_free_cpu = h.mask_indptr, h.mask_free
+        self.graph.refresh(plan, bs, cut.host, device_table=False)
+        return plan
+
+    def _page_table(self, batch: BatchMetadata, bs: int | None) -> int:
+        """Stage 1 of :meth:`update`: the captured ``bs`` that takes ``batch`` (default: the smallest
+        ``>= B``), its request and page counts checked against the capacities."""
         B = batch.batch_size
         if bs is None:
             fits = [s for s in self.plans if s >= B]
             if not fits:
                 raise ValueError(f"no captured batch size >= {B}; captured: {sorted(self.plans)}")
             bs = min(fits)
-        plan = self.plans[bs]
-        pad, P, q = bs - B, self.config.page_size, self.q
-        n = int(batch.kv_indices.numel())
-        if pad < 0:
+        if bs not in self.plans:
+            raise KeyError(bs)
+        if bs - B < 0:
             raise ValueError(f"batch has {B} requests > bs={bs}")
+        n = int(batch.kv_indices.numel())
         if n > self.max_pages:
             raise ValueError(f"batch needs {n} pages > max_pages={self.max_pages}")
-        if self._cascade(bs) is not None:
-            batch = self._cut_shared(batch)
-            n = int(batch.kv_indices.numel())
+        return bs
+
+    def _cascade_split(self, inp: CascadeSplitIn) -> CascadeSplitOut:
+        """Stage 3: the cascade part's split (:meth:`CascadeGraph.split`); without one, the inputs as they are."""
+        c = self._cascade(inp.bs)
+        if c is None:
+            return CascadeSplitOut(batch=inp.batch, host=inp.host)
+        return c.split(inp)
+
+    def _write(self, batch: BatchMetadata, bs: int) -> None:
+        """The static write of :meth:`update`: ``batch``'s real requests by ``copy_`` (host inputs
+        ``non_blocking``), the padded requests and the derived buffers by in-place ops."""
+        B, n = batch.batch_size, int(batch.kv_indices.numel())
+        pad, P, q = bs - B, self.config.page_size, self.q
         nb = dict(non_blocking=True)
         # real requests
         self.kv_indptr[: B + 1].copy_(batch.kv_indptr, **nb)
@@ -339,45 +364,6 @@ class GraphState:
             torch.cumsum(kl, 0, out=mi)
             mi.mul_(q)
             torch.sub(kl, q, out=self.mask_free[:bs])
-        h = self._padded_host(batch, bs)
-        if h is not None:  # keep the host twins current (reference checks, host-planning providers)
-            plan.kv_indptr_cpu, plan.kv_indices_cpu = h.kv_indptr, h.kv_indices
-            plan.kv_last_page_len_cpu, plan.kv_lens_cpu = h.kv_last_page_len, h.kv_lens
-            if self.mode == "verify":
-                plan.mask_indptr_cpu, plan.mask_free_cpu = h.mask_indptr, h.mask_free
-        self.graph.refresh(plan, bs, h, device_table=False)
-        return plan
-
-    def _cut_shared(self, batch: BatchMetadata) -> BatchMetadata:
-        """Cascade, host path: write the prefix batch and return ``batch`` without its shared pages
-        (verify: and its mask without their columns; a device batch: nothing shared, it is not read
-        back)."""
-        host = (
-            batch.kv_indptr.device.type == "cpu"
-            and batch.kv_indices.device.type == "cpu"
-            and batch.kv_last_page_len.device.type == "cpu"
-        )
-        shared = self.cascade.host_shared(batch) if host else 0
-        self.cascade.write_host(batch, shared)
-        if not shared:
-            return batch
-        ind = batch.kv_indptr.to(torch.int64)
-        counts = ind[1:] - ind[:-1]
-        pos = torch.arange(int(ind[-1])) - torch.repeat_interleave(ind[:-1], counts)  # page index within its request
-        keep = pos >= shared
-        mask = batch.custom_mask
-        if mask is not None:  # each request's [q, kv_len] block loses its first shared * P columns
-            P = self.config.page_size
-            kv = tokens_from_pages(counts, batch.kv_last_page_len.to(torch.int64), P)
-            mask = mask[_mask_columns_from(kv, self.q, shared * P).to(mask.device)]
-        return BatchMetadata(
-            batch.mode,
-            batch.qo_indptr,
-            (ind - torch.arange(ind.numel()) * shared).to(_I32),
-            batch.kv_indices[keep],
-            batch.kv_last_page_len,
-            custom_mask=mask,
-        )
 
     def update_from_block_table(
         self,
@@ -406,33 +392,37 @@ class GraphState:
         Writes what :meth:`update` writes (verify mode: the causal-chain mask, ``c <= kv_len - q + i``,
         vLLM's linear spec decode; tree masks go through :meth:`update`) plus the provider's block
         table if it has one, with no host sync and no allocation (a host-planning provider aside);
-        the plan's host twins are left as they were. Each request must fit ``max_seq_len``.
+        the plan's host twins are left as they were. Each request must fit ``max_seq_len``. The same
+        stages as :meth:`update`: the page table (:class:`DeviceTable`), the CSR (host lengths where
+        the provider plans on the host), the cascade split (on the device), the static write (one
+        launch: the CSR of what is left, and the prefix batch), the provider's refresh.
         """
-        from .kernels.graph_update import batch_shared_pages, graph_batch_from_block_table  # noqa: PLC0415
-
         if bs not in self.plans:
             raise ValueError(f"bs={bs} was not captured; captured: {sorted(self.plans)}")
         host = None
         if self.needs_host_lengths:
             self.graph.check_device_table_update(host_seq_lens)
             seq_lens = host_seq_lens.to(self.device, non_blocking=True)  # buffers and host plan agree
+        table = DeviceTable(seq_lens, block_table, row_ids, entry_tokens)
+        if self.needs_host_lengths:
             host = self._host_csr(host_seq_lens, bs)
+        n = seq_lens.shape[0]
+        cut = self._cascade_split(CascadeSplitIn(bs, n, table=table))
+        self._write_from_table(table, bs, cut.launch)
+        self.graph.refresh(self.plans[bs], bs, host, device_table=True)
+        return self.plans[bs]
+
+    def _write_from_table(self, t: DeviceTable, bs: int, cascade: PrefixCut | None) -> None:
+        """The static write of :meth:`update_from_block_table`: one launch
+        (:func:`~attnplug.core.kernels.graph_update.graph_batch_from_block_table`), ``cascade`` its cut
+        (:class:`~attnplug.core.cascade.CascadeSplitOut`'s ``launch``; ``None``: no cascade part)."""
+        from .kernels.graph_update import graph_batch_from_block_table  # noqa: PLC0415
+
         v = self.static_views(bs)
         verify = self.mode == "verify"
-        c = self._cascade(bs)
-        if c is not None:
-            batch_shared_pages(
-                seq_lens,
-                block_table,
-                self.config.page_size,
-                c.shared,
-                row_ids=row_ids,
-                entry_tokens=entry_tokens,
-                q=self.q,
-            )
         graph_batch_from_block_table(
-            seq_lens,
-            block_table,
+            t.seq_lens,
+            t.block_table,
             bs,
             self.config.page_size,
             self.pad_page,
@@ -447,16 +437,10 @@ class GraphState:
             mask_indptr=v.mask_indptr,
             mask_free=v.mask_free,
             max_batch=self.max_batch,
-            row_ids=row_ids,
-            entry_tokens=entry_tokens,
-            shared=None if c is None else c.shared,
-            prefix=None if c is None else (c.kv_indptr, c.kv_indices, c.kv_lens),
-            counts=None if c is None else c.counts,
-            active=None if c is None else c.active,
-            min_saved_pages=1 if c is None else c.min_saved_pages,
+            row_ids=t.row_ids,
+            entry_tokens=t.entry_tokens,
+            cut=cascade,
         )
-        self.graph.refresh(self.plans[bs], bs, host, device_table=True)
-        return self.plans[bs]
 
     def run(
         self,

@@ -42,3 +42,17 @@ class HostBatch:
     mask_indptr: torch.Tensor | None = None  # verify: [bs+1] int64
     mask_free: torch.Tensor | None = None  # verify: [bs] int32
     mask: torch.Tensor | None = None  # verify with a host mask: [sum q * kv_len] uint8
+
+
+@dataclass
+class DeviceTable:
+    """The engine's page table of one replay on the device (the update's input; nothing read back).
+
+    ``seq_lens [n]`` KV length a request (this step's ``q`` tokens included; ``<= 0``: a padding row),
+    ``block_table [rows, W]`` page ids (``entry_tokens = P``: token slot ids, SGLang's ``req_to_token``),
+    ``row_ids [n]`` optional table row a request."""
+
+    seq_lens: torch.Tensor  # [n] int32 / int64
+    block_table: torch.Tensor  # [rows, W] int32 / int64, any strides
+    row_ids: torch.Tensor | None = None  # [n] int32 / int64
+    entry_tokens: int = 1

@@ -152,8 +152,8 @@ def row(cfg, spec, unique, dev, provider="triton", sweep=False, eager=True) -> d
             ms=timed_ms(g.replay),
             rel_err=err,
             finite=bool(torch.isfinite(out).all()),
-            shared_pages=int(gs.cascade.kv_lens) // cfg.page_size if gs.cascade else 0,
-            found_pages=int(gs.cascade.shared) if gs.cascade else 0,
+            shared_pages=int(gs.cascade.kv_lens.sum()) // cfg.page_size if gs.cascade else 0,
+            found_pages=int(gs.cascade.shared[0]) if gs.cascade else 0,
         )
         seq = ((batch.kv_indptr[1:] - batch.kv_indptr[:-1] - 1) * cfg.page_size + batch.kv_last_page_len).to(
             torch.int32
@@ -173,7 +173,7 @@ def row(cfg, spec, unique, dev, provider="triton", sweep=False, eager=True) -> d
         res[f"graph_{mode}"]["rel_err_device_update"] = rel_err(out, ref)
         if dev.type == "cuda":
             res[f"graph_{mode}"]["parts_ms"] = parts(gs, B, q, k, v)
-            if sweep and gs.cascade.tile_options and mode == "auto" and int(gs.cascade.kv_lens) > 0:
+            if sweep and gs.cascade.tile_options and mode == "auto" and int(gs.cascade.kv_lens.sum()) > 0:
                 res["prefix_sweep"] = prefix_sweep(gs, B, q, k, v)
     for mode in ("off", "auto") if eager else ():
         attn = PagedAttention(cfg, provider, dev, cascade=mode)

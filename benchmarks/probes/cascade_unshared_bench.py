@@ -109,7 +109,7 @@ def row(cfg, work, provider, dev, reps, on="auto") -> dict:
         gss.append(gs)
     outs, (off, on) = replay_pair(gss, B, q, k, v, dev, reps)
     errs = [float((o.float() - ref.float()).norm() / ref.float().norm()) for o in outs]
-    shared = int(gss[1].cascade.kv_lens) // P
+    shared = int(gss[1].cascade.kv_lens.sum()) // P
     return dict(off_us=off * 1e3, on_us=on * 1e3, rel_err=max(errs), shared_pages=shared)
 
 

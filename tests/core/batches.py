@@ -280,3 +280,25 @@ def interpreter_smoke_skip():
         reason=f"--smoke runs the Triton interpreter, which triton "
         f"{triton.__version__} cannot (>= 3.7); the probe runs compiled here",
     )
+
+
+def brute_groups(batch, page: int, q: int = 1, min_saved: int = 1) -> list[tuple[int, int, int, int]]:
+    """A graph replay's cascade groups, by brute force: maximal runs ``[start, end)`` of consecutive
+    requests whose first page ids are equal (each with a shareable page, ``(kv_len - q) // page``),
+    with the leading page ids all members share (``found``, 0 for one request) and the pages cut
+    (``found`` where ``(members - 1) * found >= min_saved``, else 0): ``[(start, end, found, cut)]``."""
+    ind, idx, last = batch.kv_indptr.tolist(), batch.kv_indices.tolist(), batch.kv_last_page_len.tolist()
+    rows = [idx[ind[b] : ind[b + 1]] for b in range(len(ind) - 1)]
+    sh = [max((len(r) - 1) * page + last[b] - q, 0) // page if r else 0 for b, r in enumerate(rows)]
+    out, b = [], 0
+    while b < len(rows):
+        e = b + 1
+        while e < len(rows) and sh[e] and sh[e - 1] and rows[e][0] == rows[e - 1][0]:
+            e += 1
+        found = 0
+        if e - b >= 2:
+            while found < min(sh[b:e]) and all(rows[x][found] == rows[b][found] for x in range(b, e)):
+                found += 1
+        out.append((b, e, found, found if (e - b - 1) * found >= min_saved and found else 0))
+        b = e
+    return out

@@ -10,11 +10,11 @@ import fa3_standin
 import numpy as np
 import pytest
 import torch
-from batches import rel_err
+from batches import brute_groups, rel_err
 
 from attnplug.bench.shared_prefix import prompts, shared_prefix_batch
 from attnplug.core import AttentionConfig, ForwardMode, PagedAttention, UnsupportedFeature
-from attnplug.core.cascade import common_prefix_pages, min_saved_pages
+from attnplug.core.cascade import graph_groups, min_saved_pages
 from attnplug.core.cuda_graph import GraphState
 from attnplug.core.kernels.merge import merge_splits, merge_state
 from attnplug.core.plan import make_plan
@@ -53,18 +53,36 @@ CASES = {
 }
 
 
-def brute_shared(batch) -> int:
-    """Leading page ids common to every request, within each one's (kv_len - 1) // P pages."""
-    ind, idx = batch.kv_indptr.tolist(), batch.kv_indices.tolist()
-    last = batch.kv_last_page_len.tolist()
-    rows = [idx[ind[b] : ind[b + 1]] for b in range(len(ind) - 1)]
-    if len(rows) < 2:
-        return 0
-    lim = min(((len(r) - 1) * PAGE + last[b] - 1) // PAGE for b, r in enumerate(rows))
-    s = 0
-    while s < lim and all(r[s] == rows[0][s] for r in rows):
-        s += 1
-    return s
+def prefix_slots(gs, batch, bs, groups, q=1):
+    """The prefix batch the update wrote equals ``groups`` (:func:`brute_groups`): slot ``g`` of a cut
+    group holds its first request's cut pages and its members' rows (``q`` a request); every other
+    slot no keys."""
+    lens = [0] * (bs + 1)
+    for s, _, _, p in groups:
+        lens[s] = p * PAGE
+    cg = gs.cascade
+    assert cg.kv_lens[: bs + 1].tolist() == lens
+    ind, qo = cg.kv_indptr.tolist(), cg.qo_indptr.tolist()
+    for s, e, _, p in groups:
+        if p:
+            a = int(batch.kv_indptr[s])
+            assert cg.kv_indices[ind[s] : ind[s] + p].tolist() == batch.kv_indices[a : a + p].tolist()
+            assert (qo[s], qo[s + 1]) == (s * q, e * q), "the group's query rows"
+
+
+def same_prefix_batch(host, dev, bs, n):
+    """Both update paths wrote the same groups, prefix batch, tile list and group counter."""
+    h, d = host.cascade, dev.cascade
+    for key in ("shared", "group_start", "group_end"):
+        assert getattr(h, key)[:n].tolist() == getattr(d, key)[:n].tolist(), key
+    for key, m in (("qo_indptr", bs + 2), ("kv_indptr", bs + 2), ("kv_lens", bs + 1), ("kv_last_page_len", bs + 1)):
+        assert getattr(h, key)[:m].tolist() == getattr(d, key)[:m].tolist(), key
+    total = int(h.kv_indptr[bs + 1])
+    assert h.kv_indices[:total].tolist() == d.kv_indices[:total].tolist()
+    assert h.tiles[bs] is not None and d.tiles[bs] is not None
+    for a, b in zip(h.tiles[bs][:2], d.tiles[bs][:2]):
+        assert a.tolist() == b.tolist(), "tile list"
+    assert bool(h.active) == bool(d.active) and (int(h.counts[2]) > 0) == (int(d.counts[2]) > 0)
 
 
 def make_case(name, seed=0, dtype=torch.bfloat16, provider="triton"):
@@ -128,15 +146,19 @@ def test_host_update_cuts_the_common_prefix_and_equals_reference(name, provider)
     bs = batch.batch_size + 1
     gs.prepare_capture(bs)
     gs.update(batch, bs)
-    want = brute_shared(batch)
+    groups = brute_groups(batch, PAGE)
     kv = ((batch.kv_indptr[1:] - batch.kv_indptr[:-1] - 1) * PAGE + batch.kv_last_page_len).numpy()
-    assert common_prefix_pages(batch.kv_indptr.numpy(), batch.kv_indices.numpy(), kv, PAGE) == want
-    assert int(gs.cascade.shared) == want and int(gs.cascade.kv_lens) == want * PAGE
-    assert gs.cascade.kv_indices[:want].tolist() == batch.kv_indices[:want].tolist()
+    start, end, found = graph_groups(batch.kv_indptr.numpy(), batch.kv_indices.numpy(), kv, PAGE)
+    assert [(int(start[s]), int(end[s]), int(found[s])) for s, *_ in groups] == [g[:3] for g in groups]
+    assert int(gs.cascade.shared[0]) == groups[0][2]
+    prefix_slots(gs, batch, bs, groups)
+    cut = [p for *_, p in groups if p]
     if name == "one group":
-        assert want == 10  # 40 shared tokens: 10 whole pages; each request's last token is its own
+        assert cut == [10]  # 40 shared tokens: 10 whole pages; each request's last token is its own
     if name == "ends mid-page":
-        assert want == 9  # the tail of page 10 stays in every suffix
+        assert cut == [9]  # the tail of page 10 stays in every suffix
+    if name == "two groups, nothing common to all":
+        assert cut == [5, 5]  # no page common to all: each group's own 20 tokens
     check_out(c, batch, q, k, v, n, gs, bs)
 
 
@@ -182,7 +204,7 @@ def test_prefix_part_on_the_prefill_kernel(name, splits, partials, monkeypatch):
     gs.update(batch, bs)
     check_out(c, batch, q, k, v, n, gs, bs)
     if splits > 1:
-        keys = int(gs.cascade.kv_lens)
+        keys = int(gs.cascade.kv_lens.sum())
         per_split = -(-keys // splits)
         chunk = -(-per_split // 16) * 16
         used = -(-keys // chunk) if keys else 0
@@ -252,10 +274,11 @@ def test_device_update_matches_host_update(name, form, provider):
             dev.update_from_block_table(seq.to(DEV), bt.to(DEV), bs)
         else:
             dev.update_from_block_table(seq.to(DEV), tok.to(DEV), bs, row_ids=rows.to(DEV), entry_tokens=PAGE)
-    s = brute_shared(batch)
-    assert int(dev.cascade.shared) == s
-    cut = int(host.cascade.kv_lens)  # tokens the host path cut (0: nothing shared, or not worth it)
-    assert cut == (s * PAGE if name not in ("nothing shared", "one request") else 0)
+    groups = brute_groups(batch, PAGE)
+    assert int(dev.cascade.shared[0]) == groups[0][2]
+    cut = int(host.cascade.kv_lens.sum())  # tokens the host path cut (0: nothing shared, or not worth it)
+    assert cut == sum(p for *_, p in groups) * PAGE
+    assert (cut > 0) == (name not in ("nothing shared", "one request"))
     add = lambda c, k: [x + k * y for x, y in zip(c, [int(cut > 0), cut])]  # noqa: E731
     assert host.cascade_counts.tolist() == add(before[0], 1), "host update: (+1 cut, +tokens) when cut"
     assert bool(host.cascade.active) == bool(dev.cascade.active) == (cut > 0), "the IF node's predicate"
@@ -265,9 +288,8 @@ def test_device_update_matches_host_update(name, form, provider):
         assert getattr(hv, key).tolist() == getattr(dv, key).tolist(), key
     nnz = int(hv.kv_indptr[-1])
     assert hv.kv_indices[:nnz].tolist() == dv.kv_indices[:nnz].tolist()
-    for key in ("kv_indptr", "kv_lens"):
-        assert getattr(host.cascade, key).tolist() == getattr(dev.cascade, key).tolist(), key
-    assert dev.cascade.kv_indices[:s].tolist() == batch.kv_indices[:s].tolist()
+    same_prefix_batch(host, dev, bs, batch.batch_size)
+    prefix_slots(dev, batch, bs, groups)
     check_out(c, batch, q, k, v, n, dev, bs)
 
 
@@ -287,7 +309,7 @@ def test_graph_of_one_request_has_no_cascade_part(provider):
     gs.update_from_block_table(seq.to(DEV), bt.to(DEV), 1)
     check_out(c, batch, q, k, v, n, gs, 1)
     assert gs.static_views(1).kv_lens.tolist() == seq.tolist(), "the plain plan holds every key"
-    assert int(gs.cascade.kv_lens) == -7 and gs.cascade_counts.tolist() == before
+    assert (gs.cascade.kv_lens == -7).all() and gs.cascade_counts.tolist() == before
 
 
 def test_merges_read_the_providers_own_lse(provider):
@@ -332,11 +354,11 @@ def test_cost_model_keeps_small_prefixes_whole(provider):
     gs.prepare_capture(bs)
     seq, bt, *_ = tables(batch, n, seed=1)
     gs.update_from_block_table(seq.to(DEV), bt.to(DEV), bs)
-    assert int(gs.cascade.shared) == 10 and int(gs.cascade.kv_lens) == 0  # found, not worth it
+    assert int(gs.cascade.shared[0]) == 10 and int(gs.cascade.kv_lens.sum()) == 0  # found, not worth it
     assert gs.static_views(bs).kv_lens.tolist() == seq.tolist()
     check_out(c, batch, q, k, v, n, gs, bs)
     gs.update(batch, bs)
-    assert int(gs.cascade.kv_lens) == 0
+    assert int(gs.cascade.kv_lens.sum()) == 0
     check_out(c, batch, q, k, v, n, gs, bs)
 
 
@@ -483,7 +505,7 @@ def test_captured_prefix_part_replays_only_when_a_prefix_is_cut(provider, first,
             m = int(batch.kv_indptr[1])
             gs.cascade.kv_indices[:m].copy_(batch.kv_indices[:m].to(DEV))
             gs.cascade.kv_indptr[1].fill_(m)
-            gs.cascade.kv_lens.fill_(m * PAGE)
+            gs.cascade.kv_lens[0].fill_(m * PAGE)
         g.replay()
         torch.cuda.synchronize()
         B = batch.batch_size

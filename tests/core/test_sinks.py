@@ -405,7 +405,7 @@ def test_cascade_graph(provider, lse_too, monkeypatch):
     bs = batch.batch_size + 1
     gs.prepare_capture(bs)
     gs.update(batch, bs)
-    assert int(gs.cascade.shared) > 0
+    assert int(gs.cascade.shared[0]) > 0
     sinks = draw_sinks(8, seed=5)
     B = batch.batch_size
     qpad = torch.cat([q, torch.randn(bs - B, *q.shape[1:]).to(q)])

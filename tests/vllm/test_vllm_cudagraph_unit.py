@@ -488,14 +488,14 @@ def test_decode_graphs_read_the_shared_prefix_once_when_enabled(env, monkeypatch
     n0, t0 = STATS["cascade_graph_updates"], STATS["cascade_graph_shared_tokens"]
     md = builder.build_for_cudagraph_capture(b.cam())
     gs = next(iter(md.graphs.states.values()))
-    assert gs.cascade is not None and int(gs.cascade.kv_lens) == 2 * P
+    assert gs.cascade is not None and int(gs.cascade.kv_lens.sum()) == 2 * P
     assert (STATS["cascade_graph_updates"] - n0, STATS["cascade_graph_shared_tokens"] - t0) == (1, 2 * P)
     out = forward(impl, b.kv_cache, md, b.q)
     torch.testing.assert_close(out[:3], reference(b, impl), atol=1e-5, rtol=1e-5)
     assert bool(torch.isfinite(out[3:]).all())
     b2 = Batch([9, 6], bs=4, seed=4)  # nothing shared: an empty prefix part, same captured buffers
     md2 = builder.build(0, b2.cam())
-    assert int(gs.cascade.kv_lens) == 0
+    assert int(gs.cascade.kv_lens.sum()) == 0
     assert STATS["cascade_graph_updates"] - n0 == 1, "a build that cut nothing is not counted"
     torch.testing.assert_close(forward(impl, b2.kv_cache, md2, b2.q)[:2], reference(b2, impl), atol=1e-5, rtol=1e-5)
     monkeypatch.setenv("ATTNPLUG_CASCADE_GRAPHS", "2")

@@ -11,17 +11,61 @@ writes all of them at once, in place, with no host sync and no allocation. SGLan
 Padded requests (``seq_lens <= 0``, and rows ``n..bs-1``) become the core's padded request
 (``pad_kv_len`` tokens on ``pad_page``; an all-True mask block), as ``GraphState.update`` pads.
 
-Shared prefix (cascade under CUDA graphs, decode and verify): :func:`batch_shared_pages` finds the leading
-page ids every real request shares with request 0 (one launch, an atomic minimum), and the update
-launch then writes each real request's *suffix* (its pages after the shared ones) and the shared
-pages as a one-request prefix batch, when the saving clears the cost model's bound.
+Shared prefix (cascade under CUDA graphs, decode and verify): :func:`batch_shared_pages` finds the groups
+(maximal runs of consecutive requests starting on one page) and the leading page ids each group's members
+share (one launch, an atomic minimum per group), and the update launch then writes each real request's
+*suffix* (its pages after its group's shared ones) and every group whose saving clears the cost model's
+bound as one request of the prefix batch (its members' query rows, its shared pages), with the prefix
+part's tile list.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+
+
+@dataclass
+class PrefixCut:
+    """The cascade cut of a one-launch update (:func:`graph_batch_from_block_table`): the groups
+    (:func:`batch_shared_pages`'s ``shared`` / ``group_start`` / ``group_end [>= n]`` int32), the prefix
+    batch it writes (``bs + 1`` slots: ``qo_indptr`` / ``kv_indptr [>= bs+2]``, ``kv_indices``, ``kv_lens``
+    / ``kv_last_page_len [>= bs+1]`` int32), the proof counters ``counts [3]`` int64 and ``active``
+    (0-dim bool), the cost model's bound and the prefix part's tile list ``(tile_req, tile_qstart
+    [max_tiles] int32, block_q)`` (``None``: its provider reads no tile list)."""
+
+    shared: torch.Tensor
+    group_start: torch.Tensor
+    group_end: torch.Tensor
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_lens: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    counts: torch.Tensor
+    active: torch.Tensor
+    min_saved_pages: int = 1
+    tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None
+
+    def launch_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The kernel's 12 cut arguments, in its order (a missing tile list: ``counts`` stands in)."""
+        tiles = self.tiles[:2] if self.tiles is not None else (self.counts, self.counts)
+        return (
+            self.shared,
+            self.group_start,
+            self.group_end,
+            self.qo_indptr,
+            self.kv_indptr,
+            self.kv_indices,
+            self.kv_lens,
+            self.kv_last_page_len,
+            *tiles,
+            self.counts,
+            self.active,
+        )
 
 
 @triton.jit
@@ -43,12 +87,20 @@ def graph_batch_from_block_table_kernel(
     MASK_INDPTR,
     MASK_FREE,
     SHARED,
+    GSTART,
+    GEND,
+    P_QO,
     P_INDPTR,
     P_INDICES,
     P_LENS,
+    P_LAST,
+    TILE_REQ,
+    TILE_Q,
     COUNTS,
     ACTIVE,
     min_saved_pages,
+    p_block_q,
+    max_tiles,
     page_size,
     pad_page,
     pad_kv_len,
@@ -61,14 +113,20 @@ def graph_batch_from_block_table_kernel(
     HAS_ROW_IDX: tl.constexpr,
     ENTRY_TOKENS: tl.constexpr,
     HAS_SHARED: tl.constexpr,
+    HAS_TILES: tl.constexpr = False,
 ):
     """Grid ``(bs,)``: program ``b`` writes request ``b``'s pages (and mask block); program 0 also
     writes the per-request vectors. Every program recomputes the ``bs`` prefix sums (``bs <= BLOCK_B``).
-    ``HAS_SHARED``: ``SHARED[0]`` leading pages are common to the real requests; when ``(n - 1) *
-    SHARED[0] >= min_saved_pages`` they are cut from every real request and program 0 writes them as
-    the prefix batch (``P_INDPTR [2]``, ``P_INDICES``, ``P_LENS [1]``), else the prefix batch is empty;
-    program 0 then adds ``(1, cut tokens)`` to ``COUNTS [2]`` int64 when it cut a prefix and writes
-    whether it did to ``ACTIVE`` (0-dim bool: the predicate of the prefix part's graph IF node)."""
+    ``HAS_SHARED``: the groups of :func:`shared_pages_kernel` (``GSTART`` / ``GEND [n]``, ``SHARED``
+    at each group's first request); a group of ``m >= 2`` requests sharing ``p`` pages with ``(m - 1) * p
+    >= min_saved_pages`` is cut: its members keep their suffix, and slot ``g`` of the prefix batch (``g``
+    its first request; ``bs + 1`` slots, the last always empty) holds its members' query rows and its
+    ``p`` pages: ``P_QO [bs+2]``, ``P_INDPTR [bs+2]``, ``P_INDICES``, ``P_LENS`` / ``P_LAST [bs+1]``.
+    Every other slot has no keys. ``HAS_TILES``: the prefix part's tile list ``TILE_REQ`` / ``TILE_Q
+    [max_tiles]`` (tiles of ``p_block_q`` rows: every slot's rows, then empty tiles on slot ``bs``).
+    Program 0 adds ``(1 if any group was cut, cut tokens, cut groups)`` to ``COUNTS [3]`` int64 and
+    writes whether any was cut to ``ACTIVE`` (0-dim bool: the predicate of the prefix part's graph IF
+    node)."""
     b = tl.program_id(0)
     bs = tl.num_programs(0)
     rows = tl.arange(0, BLOCK_B)
@@ -77,10 +135,17 @@ def graph_batch_from_block_table_kernel(
     padrow = (s <= 0) & live
     s = tl.where(padrow, pad_kv_len, s)
     s = tl.where(live, s, 0)
-    skip = 0
+    skip = tl.zeros([BLOCK_B], dtype=tl.int32)
+    gst = rows
+    gen = rows + 1
     if HAS_SHARED:
-        shared = tl.load(SHARED).to(tl.int32)
-        skip = tl.where((n - 1) * shared >= min_saved_pages, shared, 0)
+        real = rows < n
+        gst = tl.where(real, tl.load(GSTART + rows, mask=real, other=0), rows)
+        gen = tl.where(real, tl.load(GEND + rows, mask=real, other=0), rows + 1)
+        found = tl.load(SHARED + gst, mask=real, other=0).to(tl.int32)
+        members = gen - gst
+        pay = real & (members >= 2) & (found > 0) & ((members - 1) * found >= min_saved_pages)
+        skip = tl.where(pay, found, 0)
         s = tl.where(live & (padrow == 0), s - skip * page_size, s)  # real requests keep their suffix
     npg = (s + page_size - 1) // page_size
     me = rows == b
@@ -102,21 +167,49 @@ def graph_batch_from_block_table_kernel(
     if HAS_ROW_IDX:
         r = tl.load(ROW_IDX + b, mask=read, other=0).to(tl.int64)
     row = BT + r * stride_bt_row
-    skip_b = 0
-    if HAS_SHARED:
-        skip_b = tl.where(read, skip, 0)
-        if b == 0:  # the prefix batch: request 0's first `skip` pages (empty when not cut)
-            tl.store(P_INDPTR + rows, tl.where(rows == 0, 0, skip), mask=rows < 2)
-            tl.store(P_LENS, skip * page_size)
-            cut = (skip > 0).to(tl.int64)
-            tl.store(COUNTS, tl.load(COUNTS) + cut)
-            tl.store(COUNTS + 1, tl.load(COUNTS + 1) + skip.to(tl.int64) * page_size)
-            tl.store(ACTIVE, skip > 0)
-            for j0 in range(0, skip, BLOCK_J):
-                j = j0 + tl.arange(0, BLOCK_J)
-                col = j.to(tl.int64) * ENTRY_TOKENS
-                page = tl.load(row + col * stride_bt_col, mask=j < skip, other=0) // ENTRY_TOKENS
-                tl.store(P_INDICES + j, page.to(tl.int32), mask=j < skip)
+    skip_b = tl.sum(tl.where(me, skip, 0), axis=0)
+    if HAS_SHARED:  # the prefix batch: slot g = group g's rows over its first request's cut pages
+        lead = live & (gst == rows)
+        c = tl.where(lead, skip, 0)
+        p_end = tl.cumsum(c, 0)
+        t = tl.where(lead, tl.cdiv((gen - rows) * Q, p_block_q), 0)
+        t_end = tl.cumsum(t, 0)
+        if b == 0:
+            tl.store(P_QO + rows, Q * tl.where(lead, rows, gen), mask=live)
+            tl.store(P_QO + bs, bs * Q)  # slot bs: no rows, no keys
+            tl.store(P_QO + bs + 1, bs * Q)
+            total = tl.sum(c, axis=0)
+            tl.store(P_INDPTR, 0)
+            tl.store(P_INDPTR + 1 + rows, p_end, mask=live)
+            tl.store(P_INDPTR + bs + 1, total)
+            tl.store(P_LENS + rows, c * page_size, mask=live)
+            tl.store(P_LAST + rows, tl.where(c > 0, page_size, 0), mask=live)
+            tl.store(P_LENS + bs, 0)
+            tl.store(P_LAST + bs, 0)
+            groups = tl.sum(tl.where(c > 0, 1, 0), axis=0).to(tl.int64)
+            tl.store(COUNTS, tl.load(COUNTS) + (groups > 0).to(tl.int64))
+            tl.store(COUNTS + 1, tl.load(COUNTS + 1) + total.to(tl.int64) * page_size)
+            tl.store(COUNTS + 2, tl.load(COUNTS + 2) + groups)
+            tl.store(ACTIVE, groups > 0)
+            if HAS_TILES:  # the tiles past the slots' own: empty ones, on slot bs
+                for k0 in range(tl.sum(t, axis=0), max_tiles, BLOCK_J):
+                    k = k0 + tl.arange(0, BLOCK_J)
+                    tl.store(TILE_REQ + k, bs + k * 0, mask=k < max_tiles)
+                    tl.store(TILE_Q + k, k * 0, mask=k < max_tiles)
+        c_b = tl.sum(tl.where(me, c, 0), axis=0)
+        if HAS_TILES:
+            t_b = tl.sum(tl.where(me, t, 0), axis=0)
+            t0 = tl.sum(tl.where(me, t_end - t, 0), axis=0)
+            for k0 in range(0, t_b, BLOCK_J):
+                k = k0 + tl.arange(0, BLOCK_J)
+                tl.store(TILE_REQ + t0 + k, b + k * 0, mask=k < t_b)
+                tl.store(TILE_Q + t0 + k, k * p_block_q, mask=k < t_b)
+        p0 = tl.sum(tl.where(me, p_end - c, 0), axis=0)
+        for j0 in range(0, c_b, BLOCK_J):
+            j = j0 + tl.arange(0, BLOCK_J)
+            col = j.to(tl.int64) * ENTRY_TOKENS
+            page = tl.load(row + col * stride_bt_col, mask=j < c_b, other=0) // ENTRY_TOKENS
+            tl.store(P_INDICES + p0 + j, page.to(tl.int32), mask=j < c_b)
     for j0 in range(0, npg_b, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
         m = j < npg_b
@@ -149,38 +242,58 @@ def shared_pages_kernel(
     W,
     ROW_IDX,
     SHARED,
+    GSTART,
+    GEND,
     page_size,
     q,
+    BLOCK_B: tl.constexpr,
     BLOCK_J: tl.constexpr,
     HAS_ROW_IDX: tl.constexpr,
     ENTRY_TOKENS: tl.constexpr,
 ):
-    """Grid ``(n,)``, ``SHARED[0]`` preset to a bound: program ``b`` lowers it to the number of leading
-    page ids request ``b`` shares with request 0, within its shareable pages ``(seq_lens[b] - q) // P``
-    (this step's ``q`` query tokens are never shared). A padding row (``seq_lens <= 0``) at 0
-    leaves nothing shared; elsewhere padding rows take no part."""
+    """Grid ``(n,)``, ``SHARED[:n]`` preset to a bound. The groups: maximal runs of consecutive requests
+    whose first page ids are equal, each with at least one shareable page ``(seq_lens - q) // P`` (this
+    step's ``q`` query tokens are never shared; a padding row, ``seq_lens <= 0``, has none). Program
+    ``b`` writes its group's first request ``GSTART[b]`` and end ``GEND[b]`` (exclusive) and lowers
+    ``SHARED[GSTART[b]]`` to the leading page ids it shares with that first request, within both
+    one's shareable pages (0 for a group of one)."""
     b = tl.program_id(0)
-    s_b = tl.load(SEQ + b).to(tl.int32)
-    s_0 = tl.load(SEQ).to(tl.int32)
-    if s_0 <= 0:
-        tl.atomic_min(SHARED, 0)
-    elif s_b > 0:
-        lim = tl.maximum(tl.minimum((s_b - q) // page_size, (s_0 - q) // page_size), 0)
-        lim = tl.minimum(lim, W // ENTRY_TOKENS)
-        r0 = tl.zeros([], dtype=tl.int64)
-        rb = b.to(tl.int64)
-        if HAS_ROW_IDX:
-            r0 = tl.load(ROW_IDX).to(tl.int64)
-            rb = tl.load(ROW_IDX + b).to(tl.int64)
-        first = lim
-        for j0 in range(0, lim, BLOCK_J):
-            j = j0 + tl.arange(0, BLOCK_J)
-            m = j < lim
-            col = j.to(tl.int64) * ENTRY_TOKENS * stride_bt_col
-            p0 = tl.load(BT + r0 * stride_bt_row + col, mask=m, other=0) // ENTRY_TOKENS
-            pb = tl.load(BT + rb * stride_bt_row + col, mask=m, other=0) // ENTRY_TOKENS
-            first = tl.minimum(first, tl.min(tl.where(m & (p0 != pb), j, lim), axis=0))
-        tl.atomic_min(SHARED, first)
+    rows = tl.arange(0, BLOCK_B)
+    live = rows < n
+    prev = live & (rows >= 1)
+    s = tl.load(SEQ + rows, mask=live, other=0).to(tl.int32)
+    sp = tl.load(SEQ + rows - 1, mask=prev, other=0).to(tl.int32)
+    cap = W // ENTRY_TOKENS
+    sh = tl.minimum(tl.maximum(s - q, 0) // page_size, cap)
+    sh_p = tl.minimum(tl.maximum(sp - q, 0) // page_size, cap)
+    r = rows.to(tl.int64)
+    rp = (rows - 1).to(tl.int64)
+    if HAS_ROW_IDX:
+        r = tl.load(ROW_IDX + rows, mask=live, other=0).to(tl.int64)
+        rp = tl.load(ROW_IDX + rows - 1, mask=prev, other=0).to(tl.int64)
+    first = tl.load(BT + r * stride_bt_row, mask=live & (sh > 0), other=-1) // ENTRY_TOKENS
+    first_p = tl.load(BT + rp * stride_bt_row, mask=prev & (sh_p > 0), other=-2) // ENTRY_TOKENS
+    link = prev & (sh > 0) & (sh_p > 0) & (first == first_p)  # row continues the group of the row before
+    gid = tl.cumsum(tl.where(live & (link == 0), 1, 0), 0)  # 1-based group id of each row
+    gid_b = tl.sum(tl.where(rows == b, gid, 0), axis=0)
+    start = tl.sum(tl.where(live & (gid < gid_b), 1, 0), axis=0)
+    end = tl.sum(tl.where(live & (gid <= gid_b), 1, 0), axis=0)
+    tl.store(GSTART + b, start)
+    tl.store(GEND + b, end)
+    sh_b = tl.sum(tl.where(rows == b, sh, 0), axis=0)
+    sh_0 = tl.sum(tl.where(rows == start, sh, 0), axis=0)
+    lim = tl.minimum(sh_b, sh_0)
+    r0 = tl.sum(tl.where(rows == start, r, 0), axis=0)
+    rb = tl.sum(tl.where(rows == b, r, 0), axis=0)
+    first_diff = tl.where(end - start >= 2, lim, 0)
+    for j0 in range(0, tl.where(b > start, lim, 0), BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        m = j < lim
+        col = j.to(tl.int64) * ENTRY_TOKENS * stride_bt_col
+        p0 = tl.load(BT + r0 * stride_bt_row + col, mask=m, other=0) // ENTRY_TOKENS
+        pb = tl.load(BT + rb * stride_bt_row + col, mask=m, other=0) // ENTRY_TOKENS
+        first_diff = tl.minimum(first_diff, tl.min(tl.where(m & (p0 != pb), j, lim), axis=0))
+    tl.atomic_min(SHARED + start, first_diff)
 
 
 def batch_shared_pages(
@@ -188,17 +301,22 @@ def batch_shared_pages(
     block_table: torch.Tensor,
     page_size: int,
     shared: torch.Tensor,
+    group_start: torch.Tensor,
+    group_end: torch.Tensor,
     row_ids: torch.Tensor | None = None,
     entry_tokens: int = 1,
     q: int = 1,
+    max_batch: int | None = None,
 ) -> None:
-    """``shared [1]`` int32 <- the leading page ids every real request of the engine's table shares
-    with request 0 (within each one's ``(seq_lens - q) // page_size`` shareable pages: ``q`` query
-    tokens a request); 0 with fewer than two requests. Device work only (a fill and one launch, grid
-    ``(n,)``): no sync. Arguments as :func:`graph_batch_from_block_table`'s."""
+    """The groups of the engine's table (:func:`shared_pages_kernel`): ``group_start [>= n]`` /
+    ``group_end [>= n]`` int32 <- each request's group ``[start, end)``, ``shared [>= n]`` int32 <- at each
+    group's first request, the leading page ids all its members share (within each one's ``(seq_lens -
+    q) // page_size`` shareable pages; 0 for a group of one; other entries ``2**30``). Device work only
+    (a fill and one launch, grid ``(n,)``): no sync. ``max_batch``: the largest ``n`` of the call site
+    (one compiled kernel). Arguments as :func:`graph_batch_from_block_table`'s."""
     n = seq_lens.shape[0]
-    shared.fill_(0 if n < 2 else 1 << 30)
-    if n < 2:
+    shared[:n].fill_(1 << 30)
+    if n == 0:
         return
     W = block_table.shape[1] if block_table.dim() == 2 else 0
     shared_pages_kernel[(n,)](
@@ -210,8 +328,11 @@ def batch_shared_pages(
         W,
         seq_lens if row_ids is None else row_ids,
         shared,
+        group_start,
+        group_end,
         page_size,
         q,
+        BLOCK_B=triton.next_power_of_2(max(n, max_batch or 1)),
         BLOCK_J=128,
         HAS_ROW_IDX=row_ids is not None,
         ENTRY_TOKENS=entry_tokens,
@@ -237,11 +358,7 @@ def graph_batch_from_block_table(
     max_batch: int | None = None,
     row_ids: torch.Tensor | None = None,
     entry_tokens: int = 1,
-    shared: torch.Tensor | None = None,
-    prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    min_saved_pages: int = 1,
-    counts: torch.Tensor | None = None,
-    active: torch.Tensor | None = None,
+    cut: PrefixCut | None = None,
 ) -> None:
     """Write a padded batch of ``bs`` requests into static buffers, in one launch.
 
@@ -263,14 +380,9 @@ def graph_batch_from_block_table(
         entry_tokens: table entries per page (1: a page table; ``P``: a token-slot table).
         max_batch: largest ``bs`` this call site uses (sizes the in-kernel prefix sum; default ``bs``),
             so that every ``bs`` reuses one compiled kernel.
-        shared: optional ``[1]`` int32, leading pages common to the real requests
-            (:func:`batch_shared_pages`); with ``prefix = (kv_indptr [2], kv_indices [>= shared],
-            kv_lens [1])`` int32 and ``(n - 1) * shared >= min_saved_pages``, the shared pages are
-            written as a one-request prefix batch and cut from every real request (the outputs then
-            describe the suffixes); otherwise the prefix batch is empty and the requests whole.
-        counts: ``[2]`` int64, required with ``shared``: ``+= (1, shared tokens)`` when a prefix is
-            cut (the proof counters, read later without a sync).
-        active: 0-dim bool, required with ``shared``: whether a prefix was cut.
+        cut: the cascade cut (:class:`PrefixCut`, its groups found by :func:`batch_shared_pages`): the
+            groups that pay are cut from their members (the outputs then describe the suffixes) and
+            written as the prefix batch; ``None``: the requests whole.
 
     Capacities are not checked (that would sync): every real request must be ``<= W`` pages, and the
     outputs sized for ``bs`` requests of the graph family's largest length (``GraphState`` is).
@@ -284,8 +396,6 @@ def graph_batch_from_block_table(
         raise ValueError("block_table_out needs a contiguous column dim")
     chain = mask is not None
     dummy = kv_lens
-    if len({shared is None, prefix is None, counts is None, active is None}) > 1:
-        raise ValueError("shared, prefix, counts and active go together")
     W = block_table.shape[1] if block_table.dim() == 2 else 0
     graph_batch_from_block_table_kernel[(bs,)](
         seq_lens,
@@ -304,8 +414,10 @@ def graph_batch_from_block_table(
         mask if chain else dummy,
         mask_indptr if chain else dummy,
         mask_free if chain else dummy,
-        *((shared, *prefix, counts, active) if shared is not None else (dummy,) * 6),
-        max(1, int(min_saved_pages)),
+        *(cut.launch_tensors() if cut is not None else (dummy,) * 12),
+        1 if cut is None else max(1, int(cut.min_saved_pages)),
+        1 if cut is None or cut.tiles is None else cut.tiles[2],
+        0 if cut is None or cut.tiles is None else cut.tiles[0].numel(),
         page_size,
         pad_page,
         pad_kv_len,
@@ -317,5 +429,6 @@ def graph_batch_from_block_table(
         CHAIN_MASK=chain,
         HAS_ROW_IDX=row_ids is not None,
         ENTRY_TOKENS=entry_tokens,
-        HAS_SHARED=shared is not None,
+        HAS_SHARED=cut is not None,
+        HAS_TILES=cut is not None and cut.tiles is not None,
     )

@@ -37,6 +37,7 @@ A new provider is one module implementing this class plus one line in the regist
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -69,9 +70,9 @@ class GraphSupport:
             decode mode.
         reason: what is not supported and why (shown in refusals); ``""`` when everything is.
         cascade: decode and verify graphs can read a shared prefix once (``GraphState(cascade=...)``):
-            the prefix part (:meth:`Provider.graph_prefix_provider`) runs a one-request, non-causal
-            plan of ``bs * q`` query rows over device lengths from static memory, next to the suffix
-            plan, which must give an LSE.
+            the prefix part (:meth:`Provider.graph_prefix_provider`, :meth:`Provider.graph_tile_list`)
+            runs a non-causal plan of ``bs * q`` query rows in ``bs + 1`` slots (one a group) over device
+            lengths from static memory, next to the suffix plan, which must give an LSE.
         chain_verify_from_table: with ``device_refresh`` False: verify families of causal-chain
             masks (``GraphState(chain=True)``, vLLM's linear spec decode) replay from a device page
             table given host lengths (``update_from_block_table(host_seq_lens=...)``), as decode does.
@@ -431,6 +432,19 @@ class Provider(ABC):
         the query rows of one such tile. Default ``({}, None)``: this provider has no tile knobs."""
         return {}, None
 
+    def graph_tile_list(
+        self, plan: Plan, static: ProviderStatic | None, max_tiles: Callable[[int], int]
+    ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """Plan ``plan`` (a cascade graph's prefix part, :class:`~attnplug.core.cascade.CascadeGraph`:
+        its slots' query rows and keys change at every replay, its host twins only size it) into
+        ``static`` with a tile list the caller rewrites on the device before each replay: returns
+        ``(tile_req, tile_qstart)`` ``[max_tiles(block_q)]`` int32 views of static memory (tile ``i``:
+        ``block_q`` query rows of slot ``tile_req[i]`` from its row ``tile_qstart[i]``; tiles past the
+        caller's own point at a slot without rows and keys) and ``block_q``; ``None``: its launches
+        read the device lengths only (no tile list). Default: refused (a plan fixed at capture would
+        not follow the groups)."""
+        raise self.unsupported("the prefix part of cascade CUDA graphs (groups that change at every replay)")
+
     def graph(self, gs: GraphState) -> ProviderGraph:
         """This provider's part of ``gs`` (raises :class:`UnsupportedFeature` when
         :attr:`graph_support` cannot serve ``gs.mode``)."""
@@ -449,7 +463,7 @@ class Provider(ABC):
 
     def graph_prefix_provider(self) -> Provider:
         """The provider that runs the shared-prefix part of this provider's cascade graphs
-        (:class:`~attnplug.core.cascade.CascadeGraph`: a one-request non-causal plan over static device
+        (:class:`~attnplug.core.cascade.CascadeGraph`: a non-causal plan of one slot a group over static device
         lengths, :meth:`run_merge` into the suffix state). Default: a fork of this one."""
         return self.fork()
 

@@ -531,7 +531,8 @@ class FA3Provider(Provider):
     def graph_prefix_provider(self) -> Provider:
         """The triton provider where it runs here: its prefix part is one launch that merges into FA3's
         suffix state in the kernel and returns at once when the batch shares nothing (an FA3 call and a
-        merge are two launches that replay either way); else a fork of this one."""
+        merge are two launches that replay either way); else a fork of this one, whose plans cannot follow
+        the groups of a replay (:meth:`~.base.Provider.graph_tile_list` refuses them)."""
         from . import provider_instance  # noqa: PLC0415
         from .base import ProviderUnavailable  # noqa: PLC0415
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -478,6 +479,27 @@ class TritonProvider(Provider):
         self.plan(plan)
         st: TritonState = plan.state
         return {"block_m": st.block_m}, st.block_q
+
+    def graph_tile_list(
+        self, plan: Plan, static: TritonStatic | None, max_tiles: Callable[[int], int]
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The plan's tiles as a list of ``max_tiles(block_q)`` entries in ``static`` that the caller
+        writes before each launch (its split count stays the one of the host twins' tiling; merge
+        counters for every tile). MLA plans too (their state has the same tile fields)."""
+        self.plan(plan, static=static)
+        a: TritonState = plan.state
+        n = max_tiles(a.block_q)
+        if n > static.tile_req.numel():
+            raise ValueError(f"attnplug: {n} triton tiles exceed the static capacity {static.tile_req.numel()}")
+        static.identity_rows = 0  # the list is the caller's now
+        fields = dict(tile_req=static.tile_req[:n], tile_qstart=static.tile_qstart[:n], num_tiles=n)
+        if getattr(a, "counters", None) is not None:  # the in-kernel merge's: one a (tile, KV head)
+            need = n * self.config.num_kv_heads
+            if static.counters is None or static.counters.numel() < need:
+                static.counters = torch.zeros(need, dtype=torch.int32, device=self.device)
+            fields["counters"] = static.counters[:need]
+        plan.state = dataclasses.replace(a, **fields)
+        return plan.state.tile_req, plan.state.tile_qstart, a.block_q
 
     def static_buffers(
         self, max_rows: int, max_tokens: int, max_kv_len: int, q: int = 1, num_kv_splits: int | None = None
