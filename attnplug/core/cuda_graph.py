@@ -322,7 +322,7 @@ class GraphState:
             bs = min(fits)
         if bs not in self.plans:
             raise KeyError(bs)
-        if bs - B < 0:
+        if B > bs:
             raise ValueError(f"batch has {B} requests > bs={bs}")
         n = int(batch.kv_indices.numel())
         if n > self.max_pages:
@@ -403,9 +403,8 @@ class GraphState:
         if self.needs_host_lengths:
             self.graph.check_device_table_update(host_seq_lens)
             seq_lens = host_seq_lens.to(self.device, non_blocking=True)  # buffers and host plan agree
-        table = DeviceTable(seq_lens, block_table, row_ids, entry_tokens)
-        if self.needs_host_lengths:
             host = self._host_csr(host_seq_lens, bs)
+        table = DeviceTable(seq_lens, block_table, row_ids, entry_tokens)
         n = seq_lens.shape[0]
         cut = self._cascade_split(CascadeSplitIn(bs, n, table=table))
         self._write_from_table(table, bs, cut.launch)

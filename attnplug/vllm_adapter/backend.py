@@ -481,8 +481,6 @@ class UniformGraphBuilder:
 
     BACKEND: ClassVar[type[AttnplugBackend]]
 
-    _uniform_rows = staticmethod(uniform_rows)
-
     def _graph_family(self, q: int) -> UniformGraphs | None:
         """Static state of uniform batches of ``q`` query tokens per request, one core ``GraphState``
         per layer config (created on first use; ``q = 1``: decode and draft steps; ``q = 1 +
@@ -535,9 +533,8 @@ class AttnplugMetadataBuilder(UniformGraphBuilder, AttentionMetadataBuilder[Attn
         return AttentionCGSupport[level]
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device, **extra):
-        refuse_extra(
-            self.BACKEND, "metadata-builder options", extra
-        )  # e.g. block_table_width (requires_block_table_width)
+        # e.g. block_table_width (requires_block_table_width)
+        refuse_extra(self.BACKEND, "metadata-builder options", extra)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         backend = self.BACKEND
         self._graphs: dict[int, UniformGraphs] | None = None  # per q, created on first graph / draft use
@@ -632,7 +629,7 @@ class AttnplugMetadataBuilder(UniformGraphBuilder, AttentionMetadataBuilder[Attn
         level = self._level
         if level == "NEVER":
             raise self._refuse_graphs("CUDA-graph capture")
-        shape = self._uniform_rows(cam)
+        shape = uniform_rows(cam)
         g = self._graph_family(shape[1]) if shape else None
         if g is None:
             raise self.BACKEND.refuse(
@@ -653,7 +650,7 @@ class AttnplugMetadataBuilder(UniformGraphBuilder, AttentionMetadataBuilder[Attn
         cascade is off. Others: eager plans (where shared prefixes are read once: cascade)."""
         refuse_extra(self.BACKEND, "metadata-builder build() options", extra)
         cam = common_attn_metadata
-        shape = self._uniform_rows(cam)
+        shape = uniform_rows(cam)
         if shape is not None:
             bs, q = shape
             if q > 1 and self._spec_tokens and q == 1 + self._spec_tokens:
@@ -675,7 +672,7 @@ class AttnplugMetadataBuilder(UniformGraphBuilder, AttentionMetadataBuilder[Attn
         with FlashInfer, which plans on the host) builds eagerly."""
         STATS["draft_builds"] += 1
         cam = common_attn_metadata
-        shape = self._uniform_rows(cam)
+        shape = uniform_rows(cam)
         g = self._graph_family(1) if shape and shape[1] == 1 and self.supports_draft_decode_metadata_update else None
         if g is not None and shape[0] <= g.max_batch:
             return self._build_graph(cam, g, shape[0])

@@ -61,6 +61,7 @@ from .backend import (
     layer_attention,
     make_backend_class,
     refuse_extra,
+    uniform_rows,
     write_marker,
 )
 from .compat import AttentionCGSupport, AttentionType
@@ -221,7 +222,7 @@ class AttnplugMLAMetadataBuilder(UniformGraphBuilder, MLACommonMetadataBuilder):
     def build_for_cudagraph_capture(self, common_attn_metadata):
         """A (padded) uniform decode / verify batch planned into the static buffers."""
         cam = common_attn_metadata
-        shape = self._uniform_rows(cam)
+        shape = uniform_rows(cam)
         g = self._graph_family(shape[1]) if shape else None
         if g is None or shape[0] > g.max_batch:
             raise self.BACKEND.refuse(
@@ -245,7 +246,7 @@ class AttnplugMLAMetadataBuilder(UniformGraphBuilder, MLACommonMetadataBuilder):
             STATS["builds"] += 1
             write_marker()
             return md
-        shape = self._uniform_rows(cam) if not md.num_prefills else None
+        shape = uniform_rows(cam) if not md.num_prefills else None
         core = None
         if shape is not None:
             bs, q = shape

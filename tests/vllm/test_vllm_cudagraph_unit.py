@@ -137,7 +137,7 @@ def check_csr(builder, md, b: Batch):
 
 
 def test_capture_padded_batch_matches_eager_then_replay_updates_in_place(env):
-    from attnplug.vllm_adapter.backend import AttnplugGraphMetadata, AttnplugMetadata
+    from attnplug.vllm_adapter.backend import AttnplugGraphMetadata, AttnplugMetadata, uniform_rows
 
     impl, builder = make(env, "cg_capture")
     key = next(iter(builder.attention))
@@ -177,7 +177,7 @@ def test_capture_padded_batch_matches_eager_then_replay_updates_in_place(env):
     # a mixed batch never takes the graph path
     mixed = b2.cam()
     mixed.query_start_loc_cpu = torch.tensor([0, 2, 3, 3, 3, 3], dtype=torch.int32)
-    assert builder._uniform_rows(mixed) is None
+    assert uniform_rows(mixed) is None
     with pytest.raises(ValueError, match="CUDA-graph capture of this batch"):
         builder.build_for_cudagraph_capture(mixed)
     assert isinstance(builder._build_eager(0, b2.cam(2)), AttnplugMetadata)
