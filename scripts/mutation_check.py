@@ -357,6 +357,17 @@ MUTATIONS = [
         "replay metadata: last-page length one short (FlashInfer's plan and the host twins read it)",
     ),
     Mutation(
+        "graph_update_tree_mask_from_block_start",
+        GU,
+        "src0 = tl.sum(tl.where(rows < b, s_src, 0).to(tl.int64), axis=0) * Q + src_w - Q",
+        "src0 = tl.sum(tl.where(rows < b, s_src, 0).to(tl.int64), axis=0) * Q",
+        (
+            "tests/core/test_graph_update_kernel.py::test_matches_brute_force_and_writes_nothing_else",
+            "tests/core/test_cascade_verify_graph.py::test_device_tree_update_matches_the_host_update",
+        ),
+        "verify replay from a token table (SGLang's tree masks): the tree part read from the block's first columns",
+    ),
+    Mutation(
         "graph_update_chain_mask_hides_self",
         GU,
         "val = (c <= s_b - Q + i) | pad_b",

@@ -373,6 +373,7 @@ class GraphState:
         row_ids: torch.Tensor | None = None,
         entry_tokens: int = 1,
         host_seq_lens: torch.Tensor | None = None,
+        custom_mask: torch.Tensor | None = None,
     ) -> Plan:
         """Replay-time update from the block-table form (vLLM's), in one Triton launch on the device.
 
@@ -388,9 +389,14 @@ class GraphState:
                 (the provider re-plans on the host from ``kv_indptr`` / ``kv_last_page_len``, with
                 ``kv_indices`` the device buffer this launch wrote: no sync). The launch then reads
                 these host lengths (copied over), so plan and buffers cannot disagree.
+            custom_mask: verify mode, a family of tree masks (``chain=False``) whose provider refreshes on
+                the device: the engine's masks (SGLang's ``custom_mask``: request ``b``'s row-major ``[q,
+                seq_lens[b]]`` block after those of the requests before it); their tree parts (last ``q``
+                columns) are copied, the committed prefix is visible (the verify graphs' contract, not
+                read back). ``None``: causal chains.
 
-        Writes what :meth:`update` writes (verify mode: the causal-chain mask, ``c <= kv_len - q + i``,
-        vLLM's linear spec decode; tree masks go through :meth:`update`) plus the provider's block
+        Writes what :meth:`update` writes (verify mode: ``custom_mask``'s tree parts, or the causal-chain
+        mask ``c <= kv_len - q + i``, vLLM's linear spec decode) plus the provider's block
         table if it has one, with no host sync and no allocation (a host-planning provider aside);
         the plan's host twins are left as they were. Each request must fit ``max_seq_len``. The same
         stages as :meth:`update`: the page table (:class:`DeviceTable`), the CSR (host lengths where
@@ -399,6 +405,12 @@ class GraphState:
         """
         if bs not in self.plans:
             raise ValueError(f"bs={bs} was not captured; captured: {sorted(self.plans)}")
+        if custom_mask is not None and (self.mode != "verify" or self.chain or self.needs_host_lengths):
+            raise ValueError(
+                "custom_mask: tree masks from a device page table need a verify family with chain=False "
+                f"whose provider refreshes on the device (mode {self.mode}, chain {self.chain}, provider "
+                f"'{self.provider.name}' plans on the host: {self.needs_host_lengths}); use update()"
+            )
         host = None
         if self.needs_host_lengths:
             self.graph.check_device_table_update(host_seq_lens)
@@ -407,14 +419,17 @@ class GraphState:
         table = DeviceTable(seq_lens, block_table, row_ids, entry_tokens)
         n = seq_lens.shape[0]
         cut = self._cascade_split(CascadeSplitIn(bs, n, table=table))
-        self._write_from_table(table, bs, cut.launch)
+        self._write_from_table(table, bs, cut.launch, custom_mask)
         self.graph.refresh(self.plans[bs], bs, host, device_table=True)
         return self.plans[bs]
 
-    def _write_from_table(self, t: DeviceTable, bs: int, cascade: PrefixCut | None) -> None:
+    def _write_from_table(
+        self, t: DeviceTable, bs: int, cascade: PrefixCut | None, tree_mask: torch.Tensor | None
+    ) -> None:
         """The static write of :meth:`update_from_block_table`: one launch
         (:func:`~attnplug.core.kernels.graph_update.graph_batch_from_block_table`), ``cascade`` its cut
-        (:class:`~attnplug.core.cascade.CascadeSplitOut`'s ``launch``; ``None``: no cascade part)."""
+        (:class:`~attnplug.core.cascade.CascadeSplitOut`'s ``launch``; ``None``: no cascade part),
+        ``tree_mask`` the engine's verify masks (``None``: causal chains)."""
         from .kernels.graph_update import graph_batch_from_block_table  # noqa: PLC0415
 
         v = self.static_views(bs)
@@ -439,6 +454,7 @@ class GraphState:
             row_ids=t.row_ids,
             entry_tokens=t.entry_tokens,
             cut=cascade,
+            tree_mask=tree_mask,
         )
 
     def run(

@@ -166,7 +166,7 @@ class AttnplugAttnBackend(AttentionBackend):
             self.num_kv_heads,
             self.head_dim,
             probe.cascade,
-            "on (decode)" if graph_cascade_mode(self.graph_support(), self.backend_name) != "off" else "off",
+            "on (decode, verify)" if graph_cascade_mode(self.graph_support(), self.backend_name) != "off" else "off",
             compat.versions_info(),
             f", kv_dtype {str(self.kv_dtype).replace('torch.', '')}" if self.kv_dtype != self.dtype else "",
         )
@@ -352,8 +352,9 @@ class AttnplugAttnBackend(AttentionBackend):
         buffers of the core's ``GraphState``; a replay writes the real requests into those buffers in
         place, padded slots refilled with the fill values, no device->host read: a DECODE replay in one
         launch from ``req_to_token`` (``GraphState.update_from_block_table``; FlashInfer's host plan
-        takes its lengths from ``seq_lens_cpu``); else (TARGET_VERIFY with SGLang's tree mask) through
-        ``GraphState.update``, host shapes from ``seq_lens_cpu``.
+        takes its lengths from ``seq_lens_cpu``), a TARGET_VERIFY replay the same way with SGLang's tree
+        masks where the provider refreshes on the device; else through ``GraphState.update``, host
+        shapes from ``seq_lens_cpu``. Decode and verify graphs read shared prefixes once (cascade).
         """
         mode = self._graph_mode_of(forward_batch)
         if mode == "draft_extend" and self._graphs is not None and mode in self._graphs:
@@ -381,18 +382,18 @@ class AttnplugAttnBackend(AttentionBackend):
         host_seq = host_seq[:real] if host_seq is not None and host_plan else None
         # Decode replays from req_to_token on the device, in one launch per layer config; a provider
         # that plans on the host then plans from seq_lens_cpu and that launch's device kv_indices.
-        # The host path below stays for capture, TARGET_VERIFY (SGLang's tree mask) and a host-planning
-        # provider when SGLang gives no seq_lens_cpu.
-        fast = mode == "decode" and (not host_plan or host_seq is not None)
+        # TARGET_VERIFY replays the same way, SGLang's tree masks copied in that launch, where the
+        # provider refreshes on the device. The host path below stays for capture, a host-planning
+        # provider's TARGET_VERIFY and a host-planning provider when SGLang gives no seq_lens_cpu.
+        fast = (mode == "decode" and (not host_plan or host_seq is not None)) or (mode == "verify" and not host_plan)
         if fast and not in_capture and family.planned(bs):
             ids, rows = self._read_table(forward_batch, real)
+            seq, mask = forward_batch.seq_lens[:real], None
+            if mode == "verify":
+                mask = getattr(forward_batch.spec_info, "custom_mask", None)  # None: causal chains
+                seq, mask = seq + self._verify_q(forward_batch), None if mask is None else mask.reshape(-1)
             family.refresh_from_block_table(
-                forward_batch.seq_lens[:real],
-                ids,
-                bs,
-                row_ids=rows,
-                entry_tokens=self.page_size,
-                host_seq_lens=host_seq,
+                seq, ids, bs, row_ids=rows, entry_tokens=self.page_size, host_seq_lens=host_seq, custom_mask=mask
             )
         else:
             batch = self._graph_batch(forward_batch, mode, real, host=in_capture, host_plan=host_plan)
@@ -457,7 +458,7 @@ class AttnplugAttnBackend(AttentionBackend):
         :meth:`init_cuda_graph_state`'s limits; its states join per layer config."""
         c = self._graph_cfg
         q = 1 if mode == "decode" else c["q"]
-        cascade = graph_cascade_mode(self.graph_support(), self.backend_name) if mode == "decode" else "off"
+        cascade = graph_cascade_mode(self.graph_support(), self.backend_name) if mode != "draft_extend" else "off"
         return GraphFamily(
             self.provider,
             refuse=self.refuse_graphs,
@@ -534,6 +535,17 @@ class AttnplugAttnBackend(AttentionBackend):
         key = "GRAPH_" + fb.forward_mode.name
         self._stats.forwards[key] = self._stats.forwards.get(key, 0) + 1
 
+    def _verify_q(self, fb) -> int:
+        """The draft tokens a request of a TARGET_VERIFY graph batch (refused unless the graph state's ``q``)."""
+        spec = fb.spec_info
+        q = spec.num_tokens_per_req if getattr(spec, "num_tokens_per_req", -1) > 0 else spec.draft_token_num
+        if q != self._graph_cfg["q"]:
+            raise self.unsupported(
+                f"a TARGET_VERIFY graph batch of {q} draft tokens per request (graph state "
+                f"sized for {self._graph_cfg['q']} = max_num_tokens // max_bs)"
+            )
+        return q
+
     def _graph_batch(self, fb, mode: str, B: int, host: bool, host_plan: bool):
         """``BatchMetadata`` of the ``B`` real requests of a graph batch, built without reading device
         values on the host (sizes from ``seq_lens_cpu``, one gather on the device); ``host``: every
@@ -541,15 +553,7 @@ class AttnplugAttnBackend(AttentionBackend):
         ``kv_indptr`` / ``kv_last_page_len`` stay there."""
         seq = fb.seq_lens_cpu if getattr(fb, "seq_lens_cpu", None) is not None else fb.seq_lens.cpu()
         seq = seq[:B].to(torch.int64)
-        q, custom_mask = 1, None
-        if mode == "verify":
-            spec = fb.spec_info
-            q = spec.num_tokens_per_req if getattr(spec, "num_tokens_per_req", -1) > 0 else spec.draft_token_num
-        if mode == "verify" and q != self._graph_cfg["q"]:
-            raise self.unsupported(
-                f"a TARGET_VERIFY graph batch of {q} draft tokens per request (graph state "
-                f"sized for {self._graph_cfg['q']} = max_num_tokens // max_bs)"
-            )
+        q, custom_mask = (self._verify_q(fb) if mode == "verify" else 1), None
         kv = seq + (q if mode == "verify" else 0)
         ids, rows = self._read_table(fb, B)
         indptr, kv_indices, last = csr_from_req_to_token(ids, rows, kv, self.page_size, check=False)

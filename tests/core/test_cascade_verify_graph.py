@@ -122,3 +122,39 @@ def test_device_chain_update_matches_the_host_update(name, provider):
     assert hv.mask[:m].tolist() == dv.mask[:m].tolist()
     check(c, batch, q, k, v, n, dev, bs)
     check(c, batch, q, k, v, n, host, bs)
+
+
+@pytest.mark.parametrize("name", ["one group", "nested: a preamble common to all", "nothing shared"])
+def test_device_tree_update_matches_the_host_update(name, provider):
+    """SGLang's verify replays (tree masks) from its token table: the device finds the same prefix,
+    writes the same suffix CSR, and copies each request's tree part into the cut mask blocks."""
+    c, batch, q, k, v, n = verify_case(name, provider, seed=3)
+    bs = batch.batch_size + 1
+    host, dev = vstate(c, provider), vstate(c, provider)
+    host.prepare_capture(bs)
+    dev.prepare_capture(bs)
+    host.update(batch, bs)
+    seq, _, tok, rows = tables(batch, n, seed=6)
+    dev.mask.fill_(0)  # stale values from an earlier replay must not survive
+    mask = batch.custom_mask.to(DEV)
+    dev.update_from_block_table(seq.to(DEV), tok.to(DEV), bs, row_ids=rows.to(DEV), entry_tokens=PAGE, custom_mask=mask)
+    s = common_pages(batch)
+    assert int(host.cascade.kv_lens.sum()) == int(dev.cascade.kv_lens.sum()) == s * PAGE
+    hv, dv = host.static_views(bs), dev.static_views(bs)
+    for key in ("kv_indptr", "kv_last_page_len", "kv_lens", "mask_indptr", "mask_free"):
+        assert getattr(hv, key).tolist() == getattr(dv, key).tolist(), key
+    m = int(hv.mask_indptr[-1])
+    assert hv.mask[:m].tolist() == dv.mask[:m].tolist()
+    assert not dv.mask[:m].all()  # the tree parts hide some draft tokens: the copy is not all True
+    check(c, batch, q, k, v, n, dev, bs)
+
+
+def test_device_tree_update_is_refused_where_it_cannot_serve(provider):
+    """A chain family generates its masks: an engine mask given to it is refused, not ignored."""
+    c, batch, q, k, v, n = verify_case("one group", provider, seed=4, chain=True)
+    gs = vstate(c, provider, chain=True)
+    bs = batch.batch_size
+    gs.prepare_capture(bs)
+    seq, bt, _, _ = tables(batch, n, seed=7)
+    with pytest.raises(ValueError, match="custom_mask"):
+        gs.update_from_block_table(seq.to(DEV), bt.to(DEV), bs, custom_mask=batch.custom_mask.to(DEV))

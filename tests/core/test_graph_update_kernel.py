@@ -27,8 +27,9 @@ def cfg(page):
     return AttentionConfig(4, 2, 32, page, torch.float32)
 
 
-def expected(seq, table, bs, P, pad_kv, q):
-    """Brute force: per request its KV length and pages; then CSR, lengths and chain mask."""
+def expected(seq, table, bs, P, pad_kv, q, trees=None):
+    """Brute force: per request its KV length and pages; then CSR, lengths and chain mask (``trees``:
+    request ``b``'s ``[q, q]`` tree part after a visible prefix instead)."""
     lens, pages = [], []
     for b in range(bs):
         s = int(seq[b]) if b < len(seq) else 0
@@ -45,6 +46,9 @@ def expected(seq, table, bs, P, pad_kv, q):
     mask = []
     for s, (b, _) in zip(lens, enumerate(pages)):
         padded = b >= len(seq) or int(seq[b]) <= 0
+        if trees is not None and not padded:
+            mask += [1 if c < s - q else int(trees[b][i][c - (s - q)]) for i in range(q) for c in range(s)]
+            continue
         mask += [1 if padded or c <= s - q + i else 0 for i in range(q) for c in range(s)]
     return dict(
         kv_indptr=indptr,
@@ -68,9 +72,9 @@ def random_table(draw_seed, n, P, W, idx_dtype, strided):
     return table
 
 
+@pytest.mark.parametrize("mode", ["decode", "verify", "tree"])
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    mode=st.sampled_from(["decode", "verify"]),
     page=st.sampled_from([1, 16]),
     bs=st.integers(1, MAX_BS),
     data=st.data(),
@@ -78,6 +82,8 @@ def random_table(draw_seed, n, P, W, idx_dtype, strided):
     strided=st.booleans(),
 )
 def test_matches_brute_force_and_writes_nothing_else(mode, page, bs, data, idx_dtype, strided):
+    """``tree``: a verify family given the engine's tree masks (SGLang's layout: the real requests'
+    ``[q, kv_len]`` blocks back to back, random tree parts)."""
     q = 1 if mode == "decode" else Q_VERIFY
     n = data.draw(st.integers(0, bs), label="n")
     seq = data.draw(st.lists(st.integers(-1, MAX_SEQ), min_size=n, max_size=n), label="seq_lens")
@@ -91,20 +97,26 @@ def test_matches_brute_force_and_writes_nothing_else(mode, page, bs, data, idx_d
         MAX_BS * q,
         MAX_BS * W,
         DEV,
-        mode,
+        "decode" if mode == "decode" else "verify",
         num_draft_tokens=q,
         pad_page=PAD_PAGE,
         max_seq_len=MAX_SEQ,
     )
     gs.prepare_capture(bs)
     names = ["kv_indptr", "kv_indices", "kv_last_page_len", "kv_lens"] + (
-        ["mask", "mask_indptr", "mask_free"] if mode == "verify" else []
+        ["mask", "mask_indptr", "mask_free"] if mode != "decode" else []
     )
+    trees, src = None, None
+    if mode == "tree":
+        g = torch.Generator().manual_seed(sum(seq) + 7 * n)
+        trees = [(torch.rand(q, q, generator=g) < 0.5) | torch.eye(q, dtype=torch.bool) for _ in seq]
+        blocks = [torch.cat([torch.ones(q, x - q, dtype=torch.bool), t], 1) for x, t in zip(seq, trees) if x > 0]
+        src = torch.cat([b.reshape(-1) for b in blocks] + [torch.zeros(5, dtype=torch.bool)]).to(DEV)
     for name in names:
         getattr(gs, name).fill_(SENTINEL)
     seq_t = torch.tensor(seq, dtype=idx_dtype).to(DEV)
-    gs.update_from_block_table(seq_t, table.to(DEV) if not strided else table.to(DEV), bs)
-    want = expected(seq, table, bs, page, gs.pad_kv_len, q)
+    gs.update_from_block_table(seq_t, table.to(DEV), bs, custom_mask=src)
+    want = expected(seq, table, bs, page, gs.pad_kv_len, q, trees)
     sizes = dict(
         kv_indptr=bs + 1,
         kv_last_page_len=bs,

@@ -123,7 +123,9 @@ def test_graph_capture_then_replay_matches_eager(mode, page_size, provider, monk
     if provider == "fa3":
         _fa3_standin(monkeypatch)
 
-    launches = []  # the one-launch replay path (decode) vs GraphState.update (verify: SGLang's tree mask)
+    # the one-launch replay path (decode; verify with SGLang's tree masks where the provider refreshes on
+    # the device) vs GraphState.update (a host-planning provider's verify)
+    launches = []
     one_launch = GraphState.update_from_block_table
     monkeypatch.setattr(
         GraphState, "update_from_block_table", lambda gs, *a, **k: launches.append(1) or one_launch(gs, *a, **k)
@@ -188,34 +190,38 @@ def test_graph_capture_then_replay_matches_eager(mode, page_size, provider, monk
             assert torch.equal(gs.mask[:m].bool(), fb.spec_info.custom_mask[:m])
             assert bool(gs.mask[m : m + pad * n * gs.pad_kv_len].all())
     assert be._stats.forwards.get("GRAPH_" + fb.forward_mode.name) == 2
-    assert len(launches) == (len(be._graphs["decode"]) if mode == "decode" else 0) and be._graphs[mode]
+    family = be._graphs[mode]
+    assert family and len(launches) == (len(family) if mode == "decode" or not family.host_lengths else 0)
 
 
-def test_decode_graph_cascade_replay_matches_dense_and_is_counted(monkeypatch, tmp_path):
-    """ATTNPLUG_CASCADE_GRAPHS=1: a decode replay whose requests share their first pages in
-    ``req_to_token`` (as SGLang's radix cache maps them) cuts them on the device, equals the float64
-    dense reference, and the scheduler's marker counts it (``cascade_graph_updates``, tokens cut)."""
+@pytest.mark.parametrize("mode", ["decode", "verify"])
+def test_graph_cascade_replay_matches_dense_and_is_counted(mode, monkeypatch, tmp_path):
+    """ATTNPLUG_CASCADE_GRAPHS=1: a decode or TARGET_VERIFY (tree masks) replay whose requests share their
+    first pages in ``req_to_token`` (as SGLang's radix cache maps them) cuts them on the device, equals
+    the float64 dense reference, and the scheduler's marker counts it (``cascade_graph_updates``, tokens
+    cut)."""
     import json
 
     monkeypatch.setenv("ATTNPLUG_CASCADE_GRAPHS", "1")
     monkeypatch.setenv("ATTNPLUG_CASCADE", "always")
     monkeypatch.setenv("ATTNPLUG_MARKER_DIR", str(tmp_path))
-    P, bs = 4, 4
+    P, bs, n = 4, 4, (3 if mode == "verify" else 1)
     runner = make_runner(P)
     layer = make_layer(0)
     be = make_backend(runner)
-    be.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs)
+    be.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs * n)
     for step, kv_lens in enumerate([[21, 30], [22, 30, 26]]):  # capture, then a replay sharing 4 pages
-        reqs, _, fb = _batch(runner, "decode", 1, kv_lens, seed=20 + step)
+        reqs, masks, fb = _batch(runner, mode, n, [x + n - 1 for x in kv_lens], seed=20 + step)
         if step == 1:
             tab = runner.req_to_token_pool.req_to_token
             tab[reqs.rows[1:], : 4 * P] = tab[reqs.rows[0], : 4 * P]
-        q, k, v = _qkv(bs, seed=step)
+        q, k, v = _qkv(bs * n, seed=step)
         B = fb.batch_size
-        be.init_forward_metadata_out_graph(_padded(fb, bs, 1), in_capture=step == 0)
-        out = be.forward(q, k, v, layer, _padded(fb, bs, 1))
-        torch.testing.assert_close(out[:B], dense_reference(runner, reqs, layer, q[:B], [1] * B), **TOL)
-    gs = be._graphs["decode"][be.layer_config(layer)]
+        be.init_forward_metadata_out_graph(_padded(fb, bs, n), in_capture=step == 0)
+        out = be.forward(q, k, v, layer, _padded(fb, bs, n))
+        dense = dense_reference(runner, reqs, layer, q[: B * n], [n] * B, masks=masks)
+        torch.testing.assert_close(out[: B * n], dense, **TOL)
+    gs = be._graphs[mode][be.layer_config(layer)]
     assert int(gs.cascade.kv_lens.sum()) == 4 * P, "the replay cut the 4 shared pages"
     st = be._stats
     assert (st.cascade_graph_updates, st.cascade_graph_shared_tokens) == (1, 4 * P)

@@ -86,6 +86,7 @@ def graph_batch_from_block_table_kernel(
     MASK,
     MASK_INDPTR,
     MASK_FREE,
+    SRC_MASK,
     SHARED,
     GSTART,
     GEND,
@@ -110,6 +111,7 @@ def graph_batch_from_block_table_kernel(
     BLOCK_E: tl.constexpr,
     HAS_BT_OUT: tl.constexpr,
     CHAIN_MASK: tl.constexpr,
+    TREE_MASK: tl.constexpr,
     HAS_ROW_IDX: tl.constexpr,
     ENTRY_TOKENS: tl.constexpr,
     HAS_SHARED: tl.constexpr,
@@ -126,7 +128,9 @@ def graph_batch_from_block_table_kernel(
     [max_tiles]`` (tiles of ``p_block_q`` rows: every slot's rows, then empty tiles on slot ``bs``).
     Program 0 adds ``(1 if any group was cut, cut tokens, cut groups)`` to ``COUNTS [3]`` int64 and
     writes whether any was cut to ``ACTIVE`` (0-dim bool: the predicate of the prefix part's graph IF
-    node)."""
+    node). ``TREE_MASK``: the verify mask is the engine's ``SRC_MASK`` (request ``b``'s row-major ``[Q,
+    seq_b]`` block after the real requests before it), its last ``Q`` columns copied (the tree part), the
+    committed prefix before them visible (the verify graphs' contract; the cut prefix dropped)."""
     b = tl.program_id(0)
     bs = tl.num_programs(0)
     rows = tl.arange(0, BLOCK_B)
@@ -135,6 +139,7 @@ def graph_batch_from_block_table_kernel(
     padrow = (s <= 0) & live
     s = tl.where(padrow, pad_kv_len, s)
     s = tl.where(live, s, 0)
+    s_src = tl.where(padrow, 0, s)  # the engine's lengths (TREE_MASK: its blocks' widths), before any cut
     skip = tl.zeros([BLOCK_B], dtype=tl.int32)
     gst = rows
     gen = rows + 1
@@ -158,7 +163,7 @@ def graph_batch_from_block_table_kernel(
         tl.store(KV_INDPTR + 1 + rows, tl.cumsum(npg, 0), mask=live)
         tl.store(KV_LAST + rows, s - (npg - 1) * page_size, mask=live)
         tl.store(KV_LENS + rows, s, mask=live)
-        if CHAIN_MASK:
+        if CHAIN_MASK or TREE_MASK:
             tl.store(MASK_INDPTR + rows, tl.zeros([BLOCK_B], dtype=tl.int64), mask=rows == 0)
             tl.store(MASK_INDPTR + 1 + rows, tl.cumsum(s.to(tl.int64) * Q, 0), mask=live)
             tl.store(MASK_FREE + rows, s - Q, mask=live)
@@ -229,6 +234,20 @@ def graph_batch_from_block_table_kernel(
             i = e // s_b
             c = e - i * s_b
             val = (c <= s_b - Q + i) | pad_b
+            tl.store(MASK + mstart + e, val.to(tl.uint8), mask=e < total)
+    if TREE_MASK:
+        # request b's [Q, kv_len] block: the prefix columns visible, the last Q from the engine's block
+        mstart = tl.sum(tl.where(rows < b, s, 0).to(tl.int64), axis=0) * Q
+        src_w = tl.sum(tl.where(me, s_src, 0), axis=0).to(tl.int64)
+        src0 = tl.sum(tl.where(rows < b, s_src, 0).to(tl.int64), axis=0) * Q + src_w - Q
+        total = s_b * Q
+        for e0 in range(0, total, BLOCK_E):
+            e = e0 + tl.arange(0, BLOCK_E)
+            i = e // s_b
+            t = e - i * s_b - (s_b - Q)  # column within the tree part (< 0: the prefix)
+            tree = (e < total) & (t >= 0) & (pad_b == 0)
+            src = tl.load(SRC_MASK + src0 + i * src_w + t, mask=tree, other=1)
+            val = (src != 0) | (tree == 0)
             tl.store(MASK + mstart + e, val.to(tl.uint8), mask=e < total)
 
 
@@ -359,6 +378,7 @@ def graph_batch_from_block_table(
     row_ids: torch.Tensor | None = None,
     entry_tokens: int = 1,
     cut: PrefixCut | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> None:
     """Write a padded batch of ``bs`` requests into static buffers, in one launch.
 
@@ -383,6 +403,10 @@ def graph_batch_from_block_table(
         cut: the cascade cut (:class:`PrefixCut`, its groups found by :func:`batch_shared_pages`): the
             groups that pay are cut from their members (the outputs then describe the suffixes) and
             written as the prefix batch; ``None``: the requests whole.
+        tree_mask: with ``mask``, the engine's verify masks (SGLang's ``custom_mask``, bool / uint8): request
+            ``b``'s row-major ``[q, seq_lens[b]]`` block after those of the real requests before it; its
+            last ``q`` columns (the tree part) are copied, the prefix before them written visible (a mask
+            hiding a prefix column is not served: the verify graphs' contract). ``None``: causal chains.
 
     Capacities are not checked (that would sync): every real request must be ``<= W`` pages, and the
     outputs sized for ``bs`` requests of the graph family's largest length (``GraphState`` is).
@@ -394,7 +418,11 @@ def graph_batch_from_block_table(
         raise ValueError(f"block_table has {block_table.shape[0]} rows < {n} requests")
     if block_table_out is not None and block_table_out.stride(1) != 1:
         raise ValueError("block_table_out needs a contiguous column dim")
-    chain = mask is not None
+    chain, tree = mask is not None and tree_mask is None, tree_mask is not None
+    if tree and mask is None:
+        raise ValueError("tree_mask needs the mask buffers (mask, mask_indptr, mask_free)")
+    if tree and tree_mask.dtype == torch.bool:
+        tree_mask = tree_mask.view(torch.uint8)
     dummy = kv_lens
     W = block_table.shape[1] if block_table.dim() == 2 else 0
     graph_batch_from_block_table_kernel[(bs,)](
@@ -411,9 +439,10 @@ def graph_batch_from_block_table(
         kv_lens,
         dummy if block_table_out is None else block_table_out,
         0 if block_table_out is None else block_table_out.stride(0),
-        mask if chain else dummy,
-        mask_indptr if chain else dummy,
-        mask_free if chain else dummy,
+        dummy if mask is None else mask,
+        dummy if mask is None else mask_indptr,
+        dummy if mask is None else mask_free,
+        tree_mask if tree else dummy,
         *(cut.launch_tensors() if cut is not None else (dummy,) * 12),
         1 if cut is None else max(1, int(cut.min_saved_pages)),
         1 if cut is None or cut.tiles is None else cut.tiles[2],
@@ -427,6 +456,7 @@ def graph_batch_from_block_table(
         BLOCK_E=1024,
         HAS_BT_OUT=block_table_out is not None,
         CHAIN_MASK=chain,
+        TREE_MASK=tree,
         HAS_ROW_IDX=row_ids is not None,
         ENTRY_TOKENS=entry_tokens,
         HAS_SHARED=cut is not None,
