@@ -370,8 +370,8 @@ MUTATIONS = [
     Mutation(
         "graph_update_chain_mask_hides_self",
         GU,
-        "val = (c <= s_b - Q + i) | pad_b",
-        "val = (c < s_b - Q + i) | pad_b",
+        "val = (m_col <= s_b - Q + i) | pad_b",
+        "val = (m_col < s_b - Q + i) | pad_b",
         (f"{GD}::test_graph_replay_from_block_table_matches_reference",),
         "verify replay: each draft token does not see itself",
     ),

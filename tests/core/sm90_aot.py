@@ -265,9 +265,9 @@ def record_all() -> None:
 
 
 def record_cascade_graph(llama) -> None:
-    """Decode graphs with cascade: the shared-pages search and the suffix / prefix update (page
-    table and token-slot table), then the replayed launches (suffix decode, split prefix part, merges)
-    planned for the H200's SM count."""
+    """Decode and verify graphs with cascade: the shared-pages search and the suffix / prefix update (page
+    table and token-slot table; verify: chain masks and SGLang's tree masks), then the replayed launches
+    (suffix, split prefix part, merges) planned for the H200's SM count."""
     import attnplug.core.providers.triton as triton_provider_mod
 
     num_sms = triton_provider_mod._num_sms
@@ -297,6 +297,17 @@ def record_cascade_graph(llama) -> None:
             q = torch.zeros(64, 32, 128, dtype=torch.bfloat16)
             cache = torch.zeros(64 * 530 + 64, 16, 8, 128, dtype=torch.bfloat16)
             gs.run(64, q, cache, cache, torch.empty_like(q))
+        for chain in (True, False):  # verify graphs with cascade: vLLM's chain drafts, SGLang's tree drafts
+            gs = GraphState(
+                llama, "triton", 16, 64, 16 * 530, "cpu", "verify", 4, max_seq_len=8464, cascade="always", chain=chain
+            )
+            gs.prepare_capture(16)
+            tree = None if chain else torch.ones(4 * 4 * 200, dtype=torch.bool)
+            seq, table = torch.full((4,), 200, dtype=torch.int32), torch.zeros(4, 100, dtype=torch.int32)
+            gs.update_from_block_table(seq, table, 16, custom_mask=tree)
+            q = torch.zeros(64, 32, 128, dtype=torch.bfloat16)
+            cache = torch.zeros(16 * 530 + 64, 16, 8, 128, dtype=torch.bfloat16)
+            gs.run(16, q, cache, cache, torch.empty_like(q))
     finally:
         triton_provider_mod._num_sms = num_sms
         tiles.TILES.clear()

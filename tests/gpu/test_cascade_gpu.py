@@ -101,7 +101,13 @@ def test_default_cascade_graph_replays_shared_unshared_shared(provider, mode):
         pytest.skip("needs CUDA (no GPU here)")
     from attnplug.core.cuda_graph import GraphState, chain_mask
 
-    cfg, dev, B = AttentionConfig(32, 8, 128, 16, torch.bfloat16), torch.device("cuda"), 16
+    # batch sizes whose prefix tiles are the table's 256-row ones (64 rows a group; decode graphs of 16
+    # requests take the paged kernel there, tested by tests/core/test_cascade_graph*.py on the GPU)
+    cfg, dev, B = (
+        AttentionConfig(32, 8, 128, 16, torch.bfloat16),
+        torch.device("cuda"),
+        (64 if mode == "decode" else 16),
+    )
     q_len = 1 if mode == "decode" else 4
     fmode = ForwardMode.DECODE if mode == "decode" else ForwardMode.TARGET_VERIFY
     cases = []
