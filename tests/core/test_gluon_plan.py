@@ -15,6 +15,7 @@ from attnplug.core import AttentionConfig, ForwardMode, PagedAttention
 from attnplug.core.kernels.gluon_prefill import CONFIGS
 from attnplug.core.providers.triton import gluon_sm90
 
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # plans only: the GPU run plans on its device
 BF = torch.bfloat16
 E4M3 = torch.float8_e4m3fn
 H200_SMS = 132
@@ -42,15 +43,16 @@ FALLBACKS = {  # name -> (config, mode, q lens, prefix lens): features the Gluon
 
 
 def _plan(config, mode, q_lens, prefix, gluon: bool, **knobs):
-    case = random_case(mode, q_lens, prefix, config, "cpu")
-    attn = PagedAttention(config, "triton", "cpu")
+    case = random_case(mode, q_lens, prefix, config, DEV)
+    attn = PagedAttention(config, "triton", DEV)
     attn.provider._sms, attn.provider._gluon = H200_SMS, gluon
     return attn.plan(case.batch, num_pages=case.num_pages, **knobs)
 
 
 def test_no_gluon_on_cpu():
+    """Never on CPU; on this machine's device the provider takes what :func:`gluon_sm90` finds."""
     assert not gluon_sm90(torch.device("cpu"))
-    assert PagedAttention(AttentionConfig(32, 8, 128, 16, BF), "triton", "cpu").provider._gluon is False
+    assert PagedAttention(AttentionConfig(32, 8, 128, 16, BF), "triton", DEV).provider._gluon is gluon_sm90(DEV)
 
 
 def test_covered_batches_plan_gluon():
