@@ -246,7 +246,9 @@ def graph_batch_from_block_table_kernel(
             e = e0 + tl.arange(0, BLOCK_E)
             i = e // s_b
             m_col = e - i * s_b - (s_b - Q)  # column within the tree part (< 0: the prefix)
-            tree = (e < m_total) & (m_col >= 0) & (pad_b == 0)
+            # a padded row has no tree part (folded into the bound: a scalar bool `&` a block mask is
+            # int32 under triton 3.9's interpreter)
+            tree = (e < m_total) & (m_col >= tl.where(pad_b, m_total, 0))
             src = tl.load(SRC_MASK + src0 + i * src_w + m_col, mask=tree, other=1)
             val = (src != 0) | (tree == 0)
             tl.store(MASK + mstart + e, val.to(tl.uint8), mask=e < m_total)
