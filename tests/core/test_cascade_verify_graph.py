@@ -98,6 +98,17 @@ def test_host_update_cuts_the_common_prefix_and_its_mask_columns(name, provider)
     check(c, batch, q, k, v, n, gs, bs)
 
 
+def same_static_views(host, dev, bs) -> int:
+    """The host and device updates left the same suffix CSR and masks in the ``bs`` views; returns the
+    mask elements written."""
+    hv, dv = host.static_views(bs), dev.static_views(bs)
+    for key in ("kv_indptr", "kv_last_page_len", "kv_lens", "mask_indptr", "mask_free"):
+        assert getattr(hv, key).tolist() == getattr(dv, key).tolist(), key
+    m = int(hv.mask_indptr[-1])
+    assert hv.mask[:m].tolist() == dv.mask[:m].tolist()
+    return m
+
+
 @pytest.mark.parametrize("name", ["one group", "ends mid-page", "nothing shared"])
 def test_device_chain_update_matches_the_host_update(name, provider):
     """vLLM's verify replays (causal-chain drafts) from its block table: the device finds the same
@@ -115,11 +126,7 @@ def test_device_chain_update_matches_the_host_update(name, provider):
         int(dev.cascade.shared[0]) == s
         and int(host.cascade.kv_lens.sum()) == int(dev.cascade.kv_lens.sum()) == s * PAGE
     )
-    hv, dv = host.static_views(bs), dev.static_views(bs)
-    for key in ("kv_indptr", "kv_last_page_len", "kv_lens", "mask_indptr", "mask_free"):
-        assert getattr(hv, key).tolist() == getattr(dv, key).tolist(), key
-    m = int(hv.mask_indptr[-1])
-    assert hv.mask[:m].tolist() == dv.mask[:m].tolist()
+    same_static_views(host, dev, bs)
     check(c, batch, q, k, v, n, dev, bs)
     check(c, batch, q, k, v, n, host, bs)
 
@@ -140,12 +147,8 @@ def test_device_tree_update_matches_the_host_update(name, provider):
     dev.update_from_block_table(seq.to(DEV), tok.to(DEV), bs, row_ids=rows.to(DEV), entry_tokens=PAGE, custom_mask=mask)
     s = common_pages(batch)
     assert int(host.cascade.kv_lens.sum()) == int(dev.cascade.kv_lens.sum()) == s * PAGE
-    hv, dv = host.static_views(bs), dev.static_views(bs)
-    for key in ("kv_indptr", "kv_last_page_len", "kv_lens", "mask_indptr", "mask_free"):
-        assert getattr(hv, key).tolist() == getattr(dv, key).tolist(), key
-    m = int(hv.mask_indptr[-1])
-    assert hv.mask[:m].tolist() == dv.mask[:m].tolist()
-    assert not dv.mask[:m].all()  # the tree parts hide some draft tokens: the copy is not all True
+    m = same_static_views(host, dev, bs)
+    assert not dev.mask[:m].all()  # the tree parts hide some draft tokens: the copy is not all True
     check(c, batch, q, k, v, n, dev, bs)
 
 

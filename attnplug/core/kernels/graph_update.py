@@ -225,32 +225,28 @@ def graph_batch_from_block_table_kernel(
         tl.store(KV_INDICES + start + j, page.to(tl.int32), mask=m)
         if HAS_BT_OUT:
             tl.store(BT_OUT + b.to(tl.int64) * stride_bo_row + j, page.to(tl.int32), mask=m)
-    if CHAIN_MASK:
-        # request b's row-major [Q, kv_len] block: (i, c) visible iff c <= kv_len - Q + i
-        # (loop names apart from the cut's block names above: a loop-carried variable keeps its shape)
+    if CHAIN_MASK or TREE_MASK:
+        # request b's row-major [Q, kv_len] block: a chain shows (i, c) iff c <= kv_len - Q + i; a tree shows
+        # the prefix columns and takes the last Q from the engine's block (loop names apart from the cut's
+        # block names above: a loop-carried variable keeps its shape)
         mstart = tl.sum(tl.where(rows < b, s, 0).to(tl.int64), axis=0) * Q
         m_total = s_b * Q
+        if TREE_MASK:
+            src_w = tl.sum(tl.where(me, s_src, 0), axis=0).to(tl.int64)
+            src0 = tl.sum(tl.where(rows < b, s_src, 0).to(tl.int64), axis=0) * Q + src_w - Q
         for e0 in range(0, m_total, BLOCK_E):
             e = e0 + tl.arange(0, BLOCK_E)
             i = e // s_b
             m_col = e - i * s_b
-            val = (m_col <= s_b - Q + i) | pad_b
-            tl.store(MASK + mstart + e, val.to(tl.uint8), mask=e < m_total)
-    if TREE_MASK:
-        # request b's [Q, kv_len] block: the prefix columns visible, the last Q from the engine's block
-        mstart = tl.sum(tl.where(rows < b, s, 0).to(tl.int64), axis=0) * Q
-        src_w = tl.sum(tl.where(me, s_src, 0), axis=0).to(tl.int64)
-        src0 = tl.sum(tl.where(rows < b, s_src, 0).to(tl.int64), axis=0) * Q + src_w - Q
-        m_total = s_b * Q
-        for e0 in range(0, m_total, BLOCK_E):
-            e = e0 + tl.arange(0, BLOCK_E)
-            i = e // s_b
-            m_col = e - i * s_b - (s_b - Q)  # column within the tree part (< 0: the prefix)
-            # a padded row has no tree part (folded into the bound: a scalar bool `&` a block mask is
-            # int32 under triton 3.9's interpreter)
-            tree = (e < m_total) & (m_col >= tl.where(pad_b, m_total, 0))
-            src = tl.load(SRC_MASK + src0 + i * src_w + m_col, mask=tree, other=1)
-            val = (src != 0) | (tree == 0)
+            if CHAIN_MASK:
+                val = (m_col <= s_b - Q + i) | pad_b
+            else:
+                t_col = m_col - (s_b - Q)  # column within the tree part (< 0: the prefix)
+                # a padded row has no tree part (folded into the bound: a scalar bool `&` a block mask is
+                # int32 under triton 3.9's interpreter)
+                tree = (e < m_total) & (t_col >= tl.where(pad_b, m_total, 0))
+                src = tl.load(SRC_MASK + src0 + i * src_w + t_col, mask=tree, other=1)
+                val = (src != 0) | (tree == 0)
             tl.store(MASK + mstart + e, val.to(tl.uint8), mask=e < m_total)
 
 
