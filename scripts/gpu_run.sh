@@ -5,6 +5,7 @@
 #
 #   bash scripts/gpu_run.sh python -m pytest tests/core tests/gpu -q -rs
 #   bash scripts/gpu_run.sh python -m attnplug.bench --out "$OUT/bench"
+#   ATTNPLUG_FAIL_LOG=$OUT/failures.txt (tests/conftest.py): each failure's traceback as it happens
 #   bash scripts/gpu_run.sh --all "$OUT"     # everything in one call (~9.5 min: with the bench past the 10-min call limit, so ATTNPLUG_GPU_BENCH=true and the bench in a call of its own), logs under $OUT:
 #       FlashInfer JIT warm-up (background) || pytest tests/gpu tests/core -k "not flashinfer";
 #       then pytest -k flashinfer; then the benchmark (JSON/markdown/PNG in $OUT/bench).
@@ -83,7 +84,7 @@ if [[ ${1:-} == --all ]]; then
     echo "gpu_run.sh: $name exit $rc"
   }
   set +e
-  timeout 270 "${WARMUP[@]}" >"$out/jit_warmup.log" 2>&1 &
+  timeout "$t_main" "${WARMUP[@]}" >"$out/jit_warmup.log" 2>&1 &
   warm=$!
   step pytest_main "$t_main" "$out/pytest_triton_fa3.log" "${PYTEST[@]}" "${TEST_PATHS[@]}" -v -rfEs -k "not flashinfer" \
     "${PYTEST_ARGS[@]}" --junitxml="$out/pytest_triton_fa3.xml"
