@@ -26,6 +26,19 @@ COVERED = {  # name -> (config, q lens, prefix lens)
     "d256_fp16_hnd": (AttentionConfig(16, 8, 256, 16, torch.float16, "HND"), [300], [10]),
     "mha": (AttentionConfig(8, 8, 128, 16, BF), [300], [0]),
 }
+# the GPU test's cases (tests/gpu/test_gluon_prefill_gpu.py): each fills the H200's SMs unsplit at every shape
+CASES = {  # name -> (q lens, prefix lens): ragged, lengths off the tiles (128 rows) and key blocks (64 / 128)
+    "prefill": ([300, 17, 129, 1000], [0, 0, 0, 0]),
+    "extend": ([200, 37, 513, 1, 1500], [1000, 0, 77, 4000, 300]),
+    "long": ([2100], [0]),
+}
+SHAPES = {  # name -> (Hq, Hkv, D)
+    "d128_g4": (32, 8, 128),
+    "d128_g1": (8, 8, 128),
+    "d128_g8": (64, 8, 128),
+    "d64_g4": (32, 8, 64),
+    "d256_g2": (16, 8, 256),
+}
 FALLBACKS = {  # name -> (config, mode, q lens, prefix lens): features the Gluon kernel does not cover
     "window": (AttentionConfig(32, 8, 128, 16, BF, window_left=100), ForwardMode.EXTEND, [300], [50]),
     "soft_cap": (AttentionConfig(32, 8, 128, 16, BF, logits_soft_cap=30.0), ForwardMode.EXTEND, [300], [50]),
@@ -70,6 +83,17 @@ def test_covered_batches_plan_gluon():
         # the same batch without Gluon: a Triton kernel
         without = triton_launch(_plan(config, ForwardMode.EXTEND, q_lens, prefix, False))
         assert without["kernel"] != "gluon", name
+
+
+def test_gpu_cases_plan_gluon_at_every_shape():
+    """What the GPU test runs takes the Gluon kernel: an extend of few tiles and long keys would plan the
+    Triton kernels' KV splits instead (``FALLBACKS["split"]``)."""
+    for shape, (hq, hkv, d) in SHAPES.items():
+        for name, (q_lens, prefix) in CASES.items():
+            plan = _plan(AttentionConfig(hq, hkv, d, 16, BF), ForwardMode.EXTEND, q_lens, prefix, True)
+            assert triton_launch(plan)["kernel"] == "gluon", (shape, name, triton_launch(plan))
+    few = _plan(AttentionConfig(8, 8, 128, 16, BF), ForwardMode.EXTEND, [200, 37, 513, 1], [1000, 0, 77, 4000], True)
+    assert triton_launch(few)["kernel"] != "gluon" and triton_launch(few)["num_splits"] > 1
 
 
 def test_uncovered_features_plan_the_triton_kernels():

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 from batches import random_case, rel_err, triton_launch
-from test_gluon_plan import FALLBACKS
+from test_gluon_plan import CASES, FALLBACKS, H200_SMS, SHAPES
 
 from attnplug.core import AttentionConfig, ForwardMode, PagedAttention
 from attnplug.core.plan import make_plan
@@ -27,18 +27,6 @@ if not CUDA:
 SM90 = torch.cuda.get_device_capability() == (9, 0)
 REL = 1e-2
 BF = torch.bfloat16
-CASES = {  # name -> (q lens, prefix lens): ragged, lengths off the tiles (128 rows) and key blocks (64 / 128)
-    "prefill": ([300, 17, 129, 1000], [0, 0, 0, 0]),
-    "extend": ([200, 37, 513, 1], [1000, 0, 77, 4000]),
-    "long": ([2100], [0]),
-}
-SHAPES = {  # name -> (Hq, Hkv, D)
-    "d128_g4": (32, 8, 128),
-    "d128_g1": (8, 8, 128),
-    "d128_g8": (64, 8, 128),
-    "d64_g4": (32, 8, 64),
-    "d256_g2": (16, 8, 256),
-}
 
 
 @pytest.fixture(autouse=True)
@@ -68,6 +56,7 @@ def _check(config: AttentionConfig, q_lens, prefix, seed=0, with_lse=True, q_vie
     """Plan + run the triton provider on a random case, compare with the float32 reference; the plan."""
     case = random_case(ForwardMode.EXTEND, q_lens, prefix, config, "cuda", seed=seed)
     attn = PagedAttention(config, "triton", "cuda")
+    attn.provider._sms = H200_SMS  # the plans test_gluon_plan.py checks (one split: Gluon) on any GPU
     plan = attn.plan(case.batch, num_pages=case.num_pages)
     q = case.q if q_view is None else q_view(case.q)
     out = torch.full_like(case.q, math.nan)
