@@ -114,14 +114,9 @@ def check_mla_support(provider: str, config: AttentionConfig) -> None:
     cls = get_provider_cls(provider).mla_class()
     if cls is None:
         raise UnsupportedFeature(f"attnplug: provider '{provider}' does not support MLA (multi-head latent attention)")
-    refusal = cls.mla_refusal(config)
-    if refusal:
+    refusal = cls.mla_refusal(config) or cls.kv_dtype_refusal(config)
+    if refusal:  # the words the provider's constructor uses
         raise UnsupportedFeature(f"attnplug: provider '{provider}' does not support {refusal}")
-    if config.kv_dtype not in cls.KV_DTYPES:
-        raise UnsupportedFeature(
-            f"attnplug: provider '{provider}' does not support an MLA latent cache of "
-            f"{str(config.kv_dtype).removeprefix('torch.')}"
-        )
 
 
 def library_refusal(config: AttentionConfig, library: str) -> str | None:

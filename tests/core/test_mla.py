@@ -248,6 +248,11 @@ def test_mla_refusals_of_the_library_providers():
     fa3_fp8 = "attnplug: provider 'fa3' does not support an MLA latent cache of float8_e4m3fn"
     with pytest.raises(UnsupportedFeature, match=fa3_fp8):
         check_mla_support("fa3", mla_config(16, kv_dtype=torch.float8_e4m3fn))
+    from attnplug.core.providers.fa3_mla import FA3MLAProvider
+
+    fp8 = mla_config(16, kv_dtype=torch.float8_e4m3fn)  # the constructor's check (no GPU here) says the same
+    with pytest.raises(UnsupportedFeature, match=fa3_fp8 + r" \(it reads: bfloat16, float16\)"):
+        object.__new__(FA3MLAProvider).check_kv_dtype(fp8)
     with pytest.raises(UnsupportedFeature, match="'flashinfer' does not support MLA with kv_lora_rank 64"):
         check_mla_support("flashinfer", mla_config(16, 64, 16))
     with pytest.raises(UnsupportedFeature, match="provider 'fa3' does not support MLA in torch.float32"):

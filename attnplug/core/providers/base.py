@@ -271,11 +271,21 @@ class Provider(ABC):
     def check_config(self, config: AttentionConfig) -> None:
         """Raise :class:`UnsupportedFeature` for configurations this provider cannot compute."""
 
+    @classmethod
+    def kv_dtype_refusal(cls, config: AttentionConfig) -> str | None:
+        """The refused feature when ``config.kv_dtype`` is not in :attr:`KV_DTYPES` (an MLA config: its
+        latent cache), else ``None``. Checked without a device."""
+        if config.kv_dtype in cls.KV_DTYPES:
+            return None
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in cls.KV_DTYPES))
+        what = "an MLA latent cache of" if config.is_mla else "KV-cache dtype"
+        return f"{what} {str(config.kv_dtype).removeprefix('torch.')} (it reads: {names})"
+
     def check_kv_dtype(self, config: AttentionConfig) -> None:
         """Raise :class:`UnsupportedFeature` when ``config.kv_dtype`` is not in :attr:`KV_DTYPES`."""
-        if config.kv_dtype not in self.KV_DTYPES:
-            names = ", ".join(sorted(str(d).removeprefix("torch.") for d in self.KV_DTYPES))
-            raise self.unsupported(f"KV-cache dtype {str(config.kv_dtype).removeprefix('torch.')} (it reads: {names})")
+        refusal = self.kv_dtype_refusal(config)
+        if refusal:
+            raise self.unsupported(refusal)
 
     def check_tree_config(self) -> None:
         """Raise :class:`UnsupportedFeature` if a tree-masked verify cannot run with this config."""
