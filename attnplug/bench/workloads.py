@@ -161,7 +161,7 @@ def build(row: Row, config: AttentionConfig, device: torch.device, seed: int = 0
         return build_mla(row, config.dtype, device, seed)
     if row.heads:  # this row's own head counts / head dim
         hq, hkv, d = row.heads
-        config = dataclasses.replace(config, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d)
+        config = dataclasses.replace(config, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=d)
     if row.layout:
         config = dataclasses.replace(config, kv_layout=row.layout)
     if row.kv == "fp8":

@@ -12,6 +12,7 @@ from attnplug.core import AttentionConfig, ForwardMode, PagedAttention, Provider
 from attnplug.core.plan import make_plan
 
 CFG = AttentionConfig(8, 2, 64, 16, torch.bfloat16)
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # triton on CPU: the interpreter only
 
 
 def case(mode=ForwardMode.EXTEND):
@@ -116,7 +117,8 @@ def test_unknown_and_foreign_plan_options():
         attn.plan(c.batch, num_pages=c.num_pages, num_splits=2)
     with pytest.raises(ValueError, match=r"provider 'reference' has no plan option\(s\) \['num_kv_splits'\]"):
         attn.plan(c.batch, num_pages=c.num_pages, num_kv_splits=2)
-    triton = PagedAttention(CFG, "triton", "cpu")
+    triton = PagedAttention(CFG, "triton", DEV)
+    c = random_case(ForwardMode.DECODE, [1, 1], [5, 9], CFG, DEV, seed=2)
     with pytest.raises(
         ValueError,
         match=r"attnplug: provider 'triton' has no plan option\(s\) \['num_splits', 'prefill_backend'\]; it reads "
@@ -195,8 +197,8 @@ def test_no_knobs_share_one_instance():
     assert TritonOptions.of(forced) is forced
     with pytest.raises(TypeError, match="attnplug: plan options FlashInferOptions given where TritonOptions"):
         TritonOptions.of(FlashInferOptions(prefill_backend="fa2"))
-    attn = PagedAttention(CFG, "triton", "cpu")
-    c = random_case(ForwardMode.DECODE, [1, 1], [5, 9], CFG, seed=2)
+    attn = PagedAttention(CFG, "triton", DEV)
+    c = random_case(ForwardMode.DECODE, [1, 1], [5, 9], CFG, DEV, seed=2)
     assert attn.plan(c.batch, num_pages=c.num_pages).options is TritonOptions.none()
     assert make_plan(CFG, c.batch, num_pages=c.num_pages).options is PlanOptions.none()
 
@@ -206,7 +208,7 @@ def test_pinned_options_keep_the_split_count_where_the_provider_takes_it():
     split memory is sized by it); providers that take no split count drop it."""
     from attnplug.core.providers.triton import TritonOptions
 
-    triton = PagedAttention(CFG, "triton", "cpu").provider
+    triton = PagedAttention(CFG, "triton", DEV).provider
     assert triton.takes_split_count()
     o = triton.pinned_options({"block_m": 64}, 4)
     assert type(o) is TritonOptions and (o.block_m, o.num_kv_splits) == (64, 4)

@@ -18,6 +18,7 @@ import torch
 
 from attnplug.bench.soak import soak_graph_replay, soak_plan_run
 from attnplug.core import AttentionConfig
+from attnplug.core.providers.triton import triton_interpreter_active
 
 TRACED_SLACK = 64 << 10
 RSS_SLACK = 8 << 20
@@ -37,13 +38,15 @@ def traced():
 
 def _check(summary: dict, device: torch.device) -> None:
     """Host memory after warm-up within its slack: the heap's growth outside Triton compiles always;
-    the whole heap and RSS where no kernel is compiled (CPU: the interpreter), since a compiled
-    specialization of a new shape class (cached for the process's life, not a leak) can arrive
-    after any warm-up."""
+    the whole heap and RSS on CPU where no kernel was compiled during the run (always under the
+    interpreter), since a compiled specialization of a new shape class (cached for the process's life,
+    not a leak) can arrive after any warm-up."""
     t = summary["traced"]
     assert t["growth_without_compiles"] <= TRACED_SLACK, ("traced", t)
-    if device.type == "cpu":
+    if device.type == "cpu" and triton_interpreter_active():
         assert summary["compiled"]["end"] == 0, "the interpreter compiles nothing"
+    # a CPU run on a GPU machine: this process compiled kernels for earlier tests, none during the soak
+    if device.type == "cpu" and summary["compiled"]["growth"] == 0:
         for name, slack in (("traced", TRACED_SLACK), ("rss", RSS_SLACK)):
             m = summary[name]
             assert m["growth"] <= slack and m["max_over_warmup"] <= 2 * slack, (name, m)

@@ -65,9 +65,10 @@ def _case(name: str, heads: int, seed: int = 0, **kw) -> MLACase:
     )
 
 
-def _batch(c: MLACase) -> BatchMetadata:
+def _batch(c: MLACase, chain: bool = False) -> BatchMetadata:
+    """The case's batch; ``chain``: a linear draft as the engines send it (causal, no custom mask)."""
     p = c.plan
-    mask = p.mask.bool().cpu() if p.mask is not None else None
+    mask = p.mask.bool().cpu() if p.mask is not None and not chain else None
     return BatchMetadata(
         p.mode,
         p.qo_indptr_cpu,
@@ -75,7 +76,7 @@ def _batch(c: MLACase) -> BatchMetadata:
         p.kv_indices_cpu,
         p.kv_last_page_len_cpu,
         custom_mask=mask,
-        causal=p.causal,
+        causal=p.causal or chain,
     )
 
 
@@ -103,7 +104,7 @@ def test_mla_matches_unabsorbed_reference(provider, name, heads):
             attn.plan(_batch(c), num_pages=c.cache.shape[0])
         return
     try:
-        attn.plan(_batch(c), num_pages=c.cache.shape[0])
+        attn.plan(_batch(c, chain=name == "verify_chain"), num_pages=c.cache.shape[0])
     except UnsupportedFeature as e:
         unexpected_refusal((provider, name), e)
     out = torch.full((c.q.shape[0], heads, 512), math.nan, dtype=c.q.dtype, device="cuda")
