@@ -23,10 +23,10 @@ or nested groups go through the core's radix tree (:func:`~attnplug.core.radix_t
 :func:`cascade_pays` is the cost model.
 
 Environment: ``ATTNPLUG_CASCADE`` = ``0`` (off), ``1`` / unset (on where the cost model says it
-pays), ``always`` (every shared group, e.g. for tests). ``ATTNPLUG_CASCADE_GRAPHS`` = ``1`` / unset:
-decode and verify CUDA graphs read each group's prefix once too (:class:`CascadeGraph`: groups of consecutive
-requests; providers whose ``graph_support.cascade`` is set), under the same mode; ``0``: graphs replay without. A
-replay whose batch shares nothing pays one launch that returns at once (``docs/cascade.md``).
+pays), ``always`` (every shared group, e.g. for tests). ``ATTNPLUG_CASCADE_GRAPHS`` = ``1``: decode and
+verify CUDA graphs read each group's prefix once too (:class:`CascadeGraph`: groups of consecutive requests;
+providers whose ``graph_support.cascade`` is set), under the same mode; ``0`` / unset: graphs replay without
+(opt-in: a replay whose batch shares nothing still runs the prefix launch, ``docs/cascade.md``).
 """
 
 from __future__ import annotations
@@ -75,10 +75,10 @@ def cascade_mode(value: str | None = None) -> str:
 
 def graph_cascade_mode(graph_support, who: str | None = None) -> str:
     """The ``cascade`` argument of a decode / verify ``GraphState`` for a provider with ``graph_support``:
-    :func:`cascade_mode` when ``$ATTNPLUG_CASCADE_GRAPHS`` is ``1`` or unset and the provider's graphs
+    :func:`cascade_mode` when ``$ATTNPLUG_CASCADE_GRAPHS`` is ``1`` (opt-in) and the provider's graphs
     can run it, else ``"off"``. Called at startup: where the mode is on, ``ATTNPLUG_GRAPH_IF=1`` on a torch
     without IF nodes raises (:func:`~attnplug.core.graph_if.check_requested`, naming ``who``)."""
-    mode = cascade_mode() if env_flag(CASCADE_GRAPHS_ENV, True) and graph_support.cascade else "off"
+    mode = cascade_mode() if env_flag(CASCADE_GRAPHS_ENV, False) and graph_support.cascade else "off"
     if mode != "off":
         graph_if.check_requested(who)
     else:

@@ -25,8 +25,8 @@
 #   of each backend for the KV capacity ratio) and the shared-prefix row (64 x (8192 + 256) -> 256):
 #     bash benchmarks/e2e/device.sh vllm-fp8 | sglang-fp8 | vllm-shared | sglang-shared
 #   Cascade graphs on unshared rows (issue 13): E2E_BACKENDS="ATTNPLUG_TRITON" bash benchmarks/e2e/device.sh vllm-cg
-#   Cascade graphs by default (issue 43): shared row, n = 8 sampling row, rows 0-3, defaults vs
-#   ATTNPLUG_CASCADE_GRAPHS=0 interleaved: bash benchmarks/e2e/device.sh vllm-cascade43 | sglang-cascade43
+#   Cascade graphs (issue 43, opt-in): shared row, n = 8 sampling row, rows 0-3, defaults vs
+#   ATTNPLUG_CASCADE_GRAPHS=1 interleaved: bash benchmarks/e2e/device.sh vllm-cascade43 | sglang-cascade43
 #   EAGLE with graphs alone (SGLang): E2E_BACKENDS="attnplug_triton" bash benchmarks/e2e/device.sh sglang-eagle
 #   Issue 45 (MLA: a dense DeepSeek-V2 with random weights, E2E_MLA_LAYERS layers, default 8), after the
 #   engine's parts are unpacked: rows 0,1,3 of each engine's MLA backends and attnplug's (E2E_BACKENDS picks):
@@ -232,9 +232,9 @@ sglang-spec42)  # issue 42, SGLang: the same three kinds (EAGLE topk 4, 3 steps)
     sglang_job 0 "$b" "eagle-$b-cycle" --eagle-draft $DRAFT --prompts cycle --rows 0
   done
   $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
-vllm-cascade43 | sglang-cascade43)  # issue 43: cascade graphs on by default. The shared row (4) and the n = 8
-  # sampling row (5: one 8192 + 256-token prompt, 8 samples) of every backend with defaults; attnplug triton /
-  # fa3 / flashinfer also with ATTNPLUG_CASCADE_GRAPHS=0, interleaved on one lane (defaults, then off, per
+vllm-cascade43 | sglang-cascade43)  # issue 43: cascade graphs (opt-in since 2026-12-06). The shared row (4) and
+  # the n = 8 sampling row (5: one 8192 + 256-token prompt, 8 samples) of every backend with defaults; attnplug
+  # triton / fa3 / flashinfer also with ATTNPLUG_CASCADE_GRAPHS=1, interleaved on one lane (defaults, then on, per
   # backend and row, back to back); rows E2E_ROWS (default 0,1,2,3) of the attnplug backends the same way
   setup; eng=${stage%-cascade43}
   for b in ${E2E_BACKENDS:-$([[ $eng == vllm ]] && echo "FLASH_ATTN FLASHINFER ATTNPLUG_FA3 ATTNPLUG_TRITON ATTNPLUG_FLASHINFER" ||
@@ -244,10 +244,10 @@ vllm-cascade43 | sglang-cascade43)  # issue 43: cascade graphs on by default. Th
       [[ $attnplug == 0 && $w == --rows\ [0-3]* ]] && continue  # the natives' rows 0-3: other stages have them
       if [[ $eng == vllm ]]; then
         vllm_job 0 "$b" $w
-        ((attnplug)) && vllm_job 0 "$b" $w --env ATTNPLUG_CASCADE_GRAPHS=0
+        ((attnplug)) && vllm_job 0 "$b" $w --env ATTNPLUG_CASCADE_GRAPHS=1
       else
         sglang_job 0 "$b" "$b$(tags $w)" $w
-        ((attnplug)) && sglang_job 0 "$b" "$b-cg0$(tags $w)" $w --env ATTNPLUG_CASCADE_GRAPHS=0
+        ((attnplug)) && sglang_job 0 "$b" "$b-cg1$(tags $w)" $w --env ATTNPLUG_CASCADE_GRAPHS=1
       fi
     done
   done

@@ -104,16 +104,19 @@ def test_an_unshared_replay_pays_one_launch_for_the_prefix_part(provider, splits
     assert not (per_mode["off"] - per_mode["always"]), per_mode
 
 
-def test_cascade_graphs_are_on_by_default_with_two_escape_hatches(monkeypatch):
-    """Unset, ``ATTNPLUG_CASCADE_GRAPHS`` puts cascade in the decode graphs of providers whose graphs
-    run it, under ``ATTNPLUG_CASCADE``'s mode; ``ATTNPLUG_CASCADE_GRAPHS=0`` or ``ATTNPLUG_CASCADE=0``
-    turn it off; a provider whose graphs cannot run it stays off; a malformed value is refused."""
+def test_cascade_graphs_are_opt_in_under_the_cascade_mode(monkeypatch):
+    """Unset (or ``0``), ``ATTNPLUG_CASCADE_GRAPHS`` leaves cascade out of the decode / verify graphs;
+    ``1`` puts it in the graphs of providers whose graphs run it, under ``ATTNPLUG_CASCADE``'s mode
+    (``0`` turns it off again); a provider whose graphs cannot run it stays off; a malformed value is
+    refused."""
     from attnplug.core.cascade import graph_cascade_mode
     from attnplug.core.providers import get_provider_cls
 
     for var in ("ATTNPLUG_CASCADE_GRAPHS", "ATTNPLUG_CASCADE", "ATTNPLUG_GRAPH_IF"):
         monkeypatch.delenv(var, raising=False)
     support = {p: get_provider_cls(p).graph_support for p in ("triton", "fa3", "flashinfer")}
+    assert {p: graph_cascade_mode(s) for p, s in support.items()} == dict.fromkeys(support, "off")
+    monkeypatch.setenv("ATTNPLUG_CASCADE_GRAPHS", "1")
     assert {p: graph_cascade_mode(s) for p, s in support.items()} == {
         "triton": "auto",
         "fa3": "auto",

@@ -1,11 +1,11 @@
-"""Cascade with default settings (no attnplug variable set) through vLLM on CPU: a shared-prefix prompt
-set and an ``n = 4`` sampling request over a cached prompt. The tiny Llama here has wide KV heads (16 x
-256, float32: 512 KiB a page of 16 tokens), so 3 requests re-reading a 448-token prefix clear the cost
-model's bound (:data:`attnplug.core.cascade.MIN_SAVED_BYTES` a layer) as a long system prompt does on a
-real model (4 requests on the shared prompt: 3 x 28 pages x 512 KiB = 42 MiB). Tokens equal vLLM's own CPU backend;
-the markers prove the shared pages were read once:
-decode batches run on the CUDA-graph static buffers (on CPU the same launches, uncaptured), whose
-cascade part is on by default."""
+"""Cascade with default settings (no attnplug variable set) through vLLM on CPU, and with cascade graphs
+opted in (``ATTNPLUG_CASCADE_GRAPHS=1``): a shared-prefix prompt set and an ``n = 4`` sampling request over a
+cached prompt. The tiny Llama here has wide KV heads (16 x 256, float32: 512 KiB a page of 16 tokens), so 3
+requests re-reading a 448-token prefix clear the cost model's bound (:data:`attnplug.core.cascade.MIN_SAVED_BYTES`
+a layer) as a long system prompt does on a real model (4 requests on the shared prompt: 3 x 28 pages x 512 KiB
+= 42 MiB). Tokens equal vLLM's own CPU backend in both runs; the markers prove the shared pages were read once:
+by default in the eager forwards (the extend of the 4 prompts over the cached prefix); with the opt-in also in
+the decode batches, which run on the CUDA-graph static buffers (on CPU the same launches, uncaptured)."""
 
 from __future__ import annotations
 
@@ -36,19 +36,32 @@ def default_runs():
         )
 
     defaults = {k: None for k in ("ATTNPLUG_CASCADE", "ATTNPLUG_CASCADE_GRAPHS", "ATTNPLUG_GRAPH_IF", "ATTNPLUG_PDL")}
-    return prompts, run_jobs(wd, {"defaults": (job("attnplug_triton", 16), defaults), "native": (job(None, 32), {})})
+    graphs = {**defaults, "ATTNPLUG_CASCADE_GRAPHS": "1"}
+    jobs = {"defaults": (job("attnplug_triton", 16), defaults), "graphs": (job("attnplug_triton", 16), graphs)}
+    return prompts, run_jobs(wd, {**jobs, "native": (job(None, 32), {})})
 
 
-def test_defaults_give_native_tokens_and_read_shared_prefixes_once(default_runs):
-    prompts, runs = default_runs
-    ours, native = runs["defaults"].check_ok(), runs["native"].check_ok()
+def _check_tokens(ours, native, prompts):
     for i in range(len(prompts)):
         assert ours.results[i]["token_ids"] == native.results[i]["token_ids"], i
     assert ours.samples["0"] == native.samples["0"] and len(ours.samples["0"]) == N
     assert all(s == ours.results[0]["token_ids"] for s in ours.samples["0"]), "top_k = 1 samples are greedy"
     assert all(ours.results[i]["num_cached_tokens"] >= SHARED - 16 for i in (1, 2, 3, 4))  # prefix-cache hits
     (m,) = [m for m in ours.markers if m["layer_runs"]]
-    line = " ".join(m["backends"]["ATTNPLUG_TRITON"])
+    return m, " ".join(m["backends"]["ATTNPLUG_TRITON"])
+
+
+def test_defaults_give_native_tokens_and_read_shared_prefixes_once_in_eager_forwards(default_runs):
+    prompts, runs = default_runs
+    m, line = _check_tokens(runs["defaults"].check_ok(), runs["native"].check_ok(), prompts)
+    assert "cascade auto" in line and "in CUDA graphs off" in line, line
+    assert m["cascade_forwards"] >= 1 and m["cascade_shared_tokens"] >= SHARED - 16, m  # the extend of 1..4
+    assert m["cascade_graph_updates"] == 0, m
+
+
+def test_cascade_graphs_give_native_tokens_and_read_shared_prefixes_once_in_decode(default_runs):
+    prompts, runs = default_runs
+    m, line = _check_tokens(runs["graphs"].check_ok(), runs["native"].check_ok(), prompts)
     assert "cascade auto" in line and "in CUDA graphs on" in line, line
     # decode steps of the 4 grouped requests and of the 4 samples cut their common prefix (27-28 pages)
     assert m["cascade_graph_updates"] >= 2 * (MAX_TOKENS - 1) - 2, m

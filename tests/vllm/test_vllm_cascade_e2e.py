@@ -30,11 +30,11 @@ def cascade_runs():
             batches=[[0], list(range(1, len(prompts)))],
         )
 
-    # "cascade": eager cascade alone (graph cascade off: decode batches plan eagerly); "cascade_graphs": the
-    # default graph cascade, forced to cut (ATTNPLUG_CASCADE=always) on this tiny model
+    # "cascade": eager cascade alone (graph cascade off: decode batches plan eagerly); "cascade_graphs": graph
+    # cascade opted in (ATTNPLUG_CASCADE_GRAPHS=1), forced to cut (ATTNPLUG_CASCADE=always) on this tiny model
     specs = {
         "cascade": (job("attnplug_triton", 16), {"ATTNPLUG_CASCADE": "always", "ATTNPLUG_CASCADE_GRAPHS": "0"}),
-        "cascade_graphs": (job("attnplug_triton", 16), {"ATTNPLUG_CASCADE": "always"}),
+        "cascade_graphs": (job("attnplug_triton", 16), {"ATTNPLUG_CASCADE": "always", "ATTNPLUG_CASCADE_GRAPHS": "1"}),
         "native": (job(None, 32), {}),
     }
     return prompts, run_jobs(wd, specs)
@@ -54,7 +54,7 @@ def test_cascade_tokens_equal_native_and_cascade_ran(cascade_runs):
 
 
 def test_cascade_in_decode_graph_buffers_equals_native_and_is_counted(cascade_runs):
-    """Graph cascade (on by default): the decode steps run on the CUDA-graph static buffers (on CPU the
+    """Graph cascade (``ATTNPLUG_CASCADE_GRAPHS=1``): the decode steps run on the CUDA-graph static buffers (on CPU the
     same launches, uncaptured), whose update cuts the pages every request of the batch shares (on
     the device, from vLLM's block table); tokens equal vLLM's own backend and the markers count
     those steps (``cascade_graph_updates``)."""
