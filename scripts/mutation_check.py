@@ -491,12 +491,12 @@ MUTATIONS = [
         "cascade graphs: the prefix part's merge is a launch of its own again",
     ),
     Mutation(
-        "cascade_graphs_default_off",
+        "cascade_graphs_default_on",
         CA,
-        "env_flag(CASCADE_GRAPHS_ENV, True)",
         "env_flag(CASCADE_GRAPHS_ENV, False)",
-        ("tests/core/test_cascade_launches.py::test_cascade_graphs_are_on_by_default_with_two_escape_hatches",),
-        "cascade graphs off unless ATTNPLUG_CASCADE_GRAPHS=1",
+        "env_flag(CASCADE_GRAPHS_ENV, True)",
+        ("tests/core/test_cascade_launches.py::test_cascade_graphs_are_opt_in_under_the_cascade_mode",),
+        "cascade graphs on unless ATTNPLUG_CASCADE_GRAPHS=0 (the opt-in lost)",
     ),
     # -- branch mla: MLA (issue 45) -------------------------------------------------------------------------
     Mutation(
