@@ -14,19 +14,23 @@ union of the subsets runs once on the unmutated copy: it must pass, or a "kill" 
 
 Prints a kill table (mutation, file, tests run, killed?, seconds) and exits non-zero unless every
 selected mutation was killed and the baseline passed. ``--budget`` (seconds, default 600) bounds the
-whole run: mutants not started within it are reported as NOT RUN and fail the check.
+whole run: mutants not started within it are reported as NOT RUN and fail the check. ``--jobs`` (default:
+the CPU count) mutants run at once, each in its own copy; the baseline runs its selections with as many
+pytest-xdist workers.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import queue
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -608,18 +612,10 @@ def copy_tree(dst: Path) -> None:
             shutil.copy2(REPO / f, dst / f)
 
 
-def pytest_cmd(tests: list[str]) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-x",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "--no-header",
-        "-o",
-        "addopts=",
+def pytest_cmd(tests: list[str], workers: int = 0) -> list[str]:
+    xdist = ["-n", str(workers)] if workers > 1 else []
+    return [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", "-o", "addopts="] + [
+        *xdist,
         *tests,
     ]
 
@@ -662,7 +658,8 @@ def main() -> int:
     ap.add_argument("--list", action="store_true", help="list the mutations and exit")
     ap.add_argument("--budget", type=float, default=600.0, help="seconds for the whole check (baseline included)")
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds per test run")
-    ap.add_argument("--keep", action="store_true", help="keep the temporary copy (prints its path)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="mutants run at once (one copy each)")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary copies (prints their paths)")
     a = ap.parse_args()
     muts = [m for m in MUTATIONS if a.k in m.name]
     if a.list:
@@ -679,46 +676,56 @@ def main() -> int:
             print("  " + e, file=sys.stderr)
         return 1
     t_start = time.time()
-    tmp = Path(tempfile.mkdtemp(prefix="attnplug-mutants-"))
+    jobs = max(1, min(a.jobs, len(muts)))
+    copies = [Path(tempfile.mkdtemp(prefix="attnplug-mutants-")) for _ in range(jobs)]
     try:
-        copy_tree(tmp)
-        env = env_for(tmp)
-        probe = subprocess.run(
-            [sys.executable, "-c", "import attnplug; print(attnplug.__file__)"],
-            cwd=tmp,
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-        where = probe.stdout.strip()
-        if probe.returncode != 0 or not where.startswith(str(tmp)):
-            print(
-                f"mutation_check: the copy's attnplug is not the one imported ({where or probe.stderr[-500:]})",
-                file=sys.stderr,
+        for tmp in copies:
+            copy_tree(tmp)
+            probe = subprocess.run(
+                [sys.executable, "-c", "import attnplug; print(attnplug.__file__)"],
+                cwd=tmp,
+                env=env_for(tmp),
+                capture_output=True,
+                text=True,
             )
-            return 1
+            where = probe.stdout.strip()
+            if probe.returncode != 0 or not where.startswith(str(tmp)):
+                print(
+                    f"mutation_check: the copy's attnplug is not the one imported ({where or probe.stderr[-500:]})",
+                    file=sys.stderr,
+                )
+                return 1
+        tmp, env = copies[0], env_for(copies[0])
         union = list(dict.fromkeys(t for m in muts for t in m.tests))
-        print(f"mutation_check: {len(muts)} mutations, {len(union)} test selections, copy in {tmp}", flush=True)
-        rc, out, secs = run(pytest_cmd(union), tmp, env, a.budget)
+        print(
+            f"mutation_check: {len(muts)} mutations, {len(union)} test selections, {jobs} at once, copies in"
+            f" {' '.join(map(str, copies))}",
+            flush=True,
+        )
+        rc, out, secs = run(pytest_cmd(union, jobs), tmp, env, a.budget)
         print(f"baseline (unmutated): {summary_line(out)} [{secs:.0f} s]", flush=True)
         if rc != 0:
             print(out[-6000:], file=sys.stderr)
             why = f"timed out after {secs:.0f} s (--budget)" if rc == 124 else "fail without any mutation"
             print(f"mutation_check: FAILED: the selected tests {why}", file=sys.stderr)
             return 1
-        rows = []
-        for m in muts:
-            path = tmp / m.file
-            original = path.read_text()
+        free: queue.Queue[Path] = queue.Queue()
+        for c in copies:
+            free.put(c)
+
+        def mutant(m: Mutation) -> tuple:
             left = a.budget - (time.time() - t_start)
             if left < 5:
-                rows.append((m, "NOT RUN (budget)", 0.0, "", ""))
-                continue
+                return (m, "NOT RUN (budget)", 0.0, "", "")
+            copy = free.get()
+            path = copy / m.file
+            original = path.read_text()
             try:
                 path.write_text(original.replace(m.find, m.replace, 1))
-                rc, out, secs = run(pytest_cmd(list(m.tests)), tmp, env, min(a.timeout, left))
+                rc, out, secs = run(pytest_cmd(list(m.tests)), copy, env_for(copy), min(a.timeout, left))
             finally:
                 path.write_text(original)
+                free.put(copy)
             failed = re.search(r"\b\d+ failed\b", summary_line(out)) is not None
             if rc == 1 and failed:
                 verdict = "killed"
@@ -729,15 +736,19 @@ def main() -> int:
             else:
                 verdict = f"ERROR rc={rc}"
             first = next((l for l in out.splitlines() if l.startswith(("FAILED", "ERROR"))), "")
-            rows.append((m, verdict, secs, summary_line(out), first))
             print(f"  {m.name}: {verdict} ({secs:.0f} s) {first[:150]}", flush=True)
             if verdict != "killed" and verdict != "SURVIVED":
                 print(out[-3000:], flush=True)
+            return (m, verdict, secs, summary_line(out), first)
+
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            rows = list(pool.map(mutant, muts))
     finally:
-        if a.keep:
-            print(f"mutation_check: kept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+        for c in copies:
+            if a.keep:
+                print(f"mutation_check: kept {c}")
+            else:
+                shutil.rmtree(c, ignore_errors=True)
     total = time.time() - t_start
     w1 = max(len(m.name) for m in muts)
     w2 = max(len(m.file) for m in muts)

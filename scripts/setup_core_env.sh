@@ -11,4 +11,5 @@ if [[ ! -f $STAMP ]]; then
   "$V/bin/pip" install -q torch==2.13.0 triton==3.7.1 numpy pytest hypothesis matplotlib tqdm
   touch "$STAMP"
 fi
+"$V/bin/python" -c "import xdist" 2>/dev/null || "$V/bin/pip" install -q pytest-xdist  # scripts/test.sh runs -n 2
 "$V/bin/pip" install -q --no-deps -e . >/dev/null

