@@ -17,6 +17,7 @@ from vllm_test_helpers import (
     MAX_TOKENS,
     REPO,
     llm_job,
+    omp_bind,
     read_markers,
     run_jobs,
     subprocess_env,
@@ -102,21 +103,14 @@ def runs(setup):
         # tensor parallel: 2 CPU workers, each with half the heads (2 q / 1 KV), one core each
         "tp2": (
             llm_job(model, prompts, "attnplug_triton", 16, tensor_parallel_size=2),
-            {"VLLM_CPU_OMP_THREADS_BIND": tp_bind(2)},
+            {"VLLM_CPU_OMP_THREADS_BIND": omp_bind(2)},
         ),
         "native_tp2": (
             llm_job(model, prompts, None, 32, tensor_parallel_size=2),
-            {"VLLM_CPU_OMP_THREADS_BIND": tp_bind(2)},
+            {"VLLM_CPU_OMP_THREADS_BIND": omp_bind(2)},
         ),
     }
     return run_jobs(wd, specs)
-
-
-def tp_bind(ranks: int) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` CPU workers: one allowed core each (vLLM's automatic
-    binding wants a NUMA node per worker; this machine has one), cores reused when there are fewer."""
-    cores = sorted(os.sched_getaffinity(0))
-    return "|".join(str(cores[r % len(cores)]) for r in range(ranks))
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,14 @@ MAX_TOKENS = 20
 ENGINE_TIMEOUT = 600
 
 
+def omp_bind(ranks: int, first: int = 0) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` CPU workers: one allowed core each, from the ``first``-th
+    (vLLM's automatic binding wants a NUMA node per worker; this machine has one), cores reused when there
+    are fewer."""
+    cores = sorted(os.sched_getaffinity(0))
+    return "|".join(str(cores[(first + r) % len(cores)]) for r in range(ranks))
+
+
 def subprocess_env(**extra: str | None) -> dict[str, str]:
     """Environment of engine subprocesses: offline, small KV cache; TRITON_INTERPRET deliberately
     unset (attnplug must turn the interpreter on by itself when ATTNPLUG_TRITON is selected)."""
@@ -43,8 +51,7 @@ def subprocess_env(**extra: str | None) -> dict[str, str]:
     if worker.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in env:
         # under pytest-xdist, each worker's engines on a core of their own (vLLM's automatic binding puts
         # every engine's threads on the same core: concurrent engines would share it while the others idle)
-        cores = sorted(os.sched_getaffinity(0))
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[int(worker[2:]) % len(cores)])
+        env["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind(1, first=int(worker[2:]))
     for k, v in extra.items():
         if v is None:
             env.pop(k, None)
