@@ -31,6 +31,9 @@
 #   Issue 45 (MLA: a dense DeepSeek-V2 with random weights, E2E_MLA_LAYERS layers, default 8), after the
 #   engine's parts are unpacked: rows 0,1,3 of each engine's MLA backends and attnplug's (E2E_BACKENDS picks):
 #     bash benchmarks/e2e/device.sh vllm-mla | sglang-mla
+#   Issue 41 (gpt-oss: sinks, alternating 128-token windows, d64; make_model.py --gpt-oss, E2E_OSS_LAYERS layers,
+#   default 4), after the engine's parts are unpacked: rows 0,1,3 of the natives with sinks and attnplug's three:
+#     bash benchmarks/e2e/device.sh vllm-gptoss | sglang-gptoss
 #   Issue 42 (speculation in full graphs, drafts accepted: --prompts cycle), after the engine's parts are unpacked:
 #     bash benchmarks/e2e/device.sh vllm-spec42 | sglang-spec42    # E2E_BACKENDS picks backends
 #   (E2E_BACKENDS="..." picks the backends; E2E_DEFAULT_DTYPE="..." limits the fp8 stages' default-dtype
@@ -42,7 +45,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 stage=${1:-wait}; max=${2:-}
 R=/tmp/e2e; L="python3 $R/bin/lanes.py"; LANES=$R/lanes; RES=$R/res
-MODEL=/tmp/llama8b-rand; DRAFT=/tmp/eagle-draft; MLA_MODEL=/tmp/dsv2-rand
+MODEL=/tmp/llama8b-rand; DRAFT=/tmp/eagle-draft; MLA_MODEL=/tmp/dsv2-rand; OSS_MODEL=/tmp/gptoss-rand
 V=/tmp/vsite; S=/tmp/ssite; FA3=/tmp/fa3site; AP=/tmp/apsite-$stage
 export PYTHONUNBUFFERED=1
 
@@ -61,8 +64,8 @@ tags() {  # the result name's suffix for engine_run args
   [[ " $* " =~ " --samples "([0-9]+)" " ]] && t+=-n${BASH_REMATCH[1]}
   echo "$t"
 }
-vllm_job() {  # GPU BACKEND [extra engine_run args]; GPU "0,1": both GPUs, queued on lane 0
-  local gpu=$1 b=$2; shift 2; local tag=$b$(tags "$@") vis="" m=${JOB_MODEL:-$MODEL}
+vllm_job() {  # GPU BACKEND [extra engine_run args]; GPU "0,1": both GPUs, queued on lane 0; JOB_TAG prefixes the name
+  local gpu=$1 b=$2; shift 2; local tag=${JOB_TAG:-}$b$(tags "$@") vis="" m=${JOB_MODEL:-$MODEL}
   [[ $gpu == *,* ]] && { vis="CUDA_VISIBLE_DEVICES=$gpu"; gpu=0; }
   queue "$gpu" "vllm-$tag" 480 $V/.ready-b $m/attnplug_random.json -- \
     "$vis VLLM_CACHE_ROOT=/tmp/vcache$gpu FLASHINFER_WORKSPACE_BASE=/tmp/fi-vllm PYTHONPATH=/tmp/apsite-vllm-a:$V python3 $R/bin/engine_run.py vllm $b --model $m --out $RES/vllm-$tag.json $*"
@@ -78,6 +81,11 @@ sglang_job() {  # GPU BACKEND NAME [extra engine_run args]; GPU "0,1" as above. 
 mla_model() {  # issue 45: the dense DeepSeek-V2 (MLA) of make_model.py --deepseek-v2, queued once (E2E_MLA_LAYERS, default 8)
   [[ -e $MLA_MODEL/.queued ]] || { mkdir -p $MLA_MODEL && touch $MLA_MODEL/.queued &&
     queue 0 make-mla-model 600 -- "python3 $R/bin/make_model.py $MLA_MODEL --deepseek-v2 --layers ${E2E_MLA_LAYERS:-8}"; }
+}
+
+oss_model() {  # issue 41: the gpt-oss-20b-shaped model of make_model.py --gpt-oss, queued once (E2E_OSS_LAYERS, default 4)
+  [[ -e $OSS_MODEL/.queued ]] || { mkdir -p $OSS_MODEL && touch $OSS_MODEL/.queued &&
+    queue 0 make-oss-model 600 -- "python3 $R/bin/make_model.py $OSS_MODEL --gpt-oss --layers ${E2E_OSS_LAYERS:-4}"; }
 }
 
 setup() {  # idempotent: scripts snapshot, attnplug installed from this call's tree (entry points), lanes, model
@@ -265,6 +273,19 @@ sglang-mla)  # issue 45, SGLang 0.5.17: the same model and rows, flashinfer / tr
   setup; mla_model; rows="--rows ${E2E_ROWS:-0,1,3}"
   for b in ${E2E_BACKENDS:-flashinfer triton attnplug_fa3 attnplug_triton attnplug_flashinfer}; do
     JOB_MODEL=$MLA_MODEL sglang_job 0 "$b" "mla-$b" $rows
+  done
+  $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
+vllm-gptoss)  # issue 41: gpt-oss, rows E2E_ROWS (default 0,1,3): vLLM's backends with sinks and attnplug's three
+  setup; oss_model; rows="--rows ${E2E_ROWS:-0,1,3}"
+  for b in ${E2E_BACKENDS:-FLASH_ATTN TRITON_ATTN ATTNPLUG_FA3 ATTNPLUG_TRITON ATTNPLUG_FLASHINFER}; do
+    JOB_MODEL=$OSS_MODEL JOB_TAG=gptoss- vllm_job 0 "$b" $rows
+  done
+  $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
+sglang-gptoss)  # issue 41, SGLang 0.5.17 (result names gptoss-*): triton (its fa3 backend needs sgl_kernel's FA3,
+  # not in the bundle) and attnplug's three
+  setup; oss_model; rows="--rows ${E2E_ROWS:-0,1,3}"
+  for b in ${E2E_BACKENDS:-triton attnplug_fa3 attnplug_triton attnplug_flashinfer}; do
+    JOB_MODEL=$OSS_MODEL sglang_job 0 "$b" "gptoss-$b" $rows
   done
   $L wait $LANES --max "${max:-540}" --out "$OUT" --results $RES ;;
 wait)

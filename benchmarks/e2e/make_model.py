@@ -7,11 +7,17 @@ peaked rows, where a wrong mask, page or scale changes tokens.
 
     python benchmarks/e2e/make_model.py /tmp/llama8b-rand [--layers 32] [--eagle-draft /tmp/eagle-draft]
     python benchmarks/e2e/make_model.py /tmp/dsv2-rand --deepseek-v2 [--layers 8]    # MLA (issue 45)
+    python benchmarks/e2e/make_model.py /tmp/gptoss-rand --gpt-oss [--layers 4]      # sinks (issue 41)
 
 ``--deepseek-v2``: DeepSeek-V2's attention (MLA: 128 heads, q_lora_rank 1536, kv_lora_rank 512, nope 128 +
 rope 64, v 128; hidden 5120) with dense MLP layers only (``first_k_dense_replace`` = the layer count: no MoE
 library needed), cut to ``--layers``. ``q_b_proj`` / ``kv_b_proj`` are drawn wider (:data:`STD`) so that
 the up-projected q / k entries have std ~1.2 after the latent norms and the attention logits std ~1.5.
+
+``--gpt-oss``: gpt-oss-20b's shapes (64 query / 8 KV heads of 64, a sink logit a query head, layers alternating
+a 128-token window and full attention, 32 experts, top 4), bf16 and unquantized (no ``quantization_config``: the
+engines' unquantized MoE path), cut to ``--layers``. The sinks are drawn with std :data:`SINK_STD`: logits of a
+few units, where a sink counted twice or dropped changes tokens.
 
 Weights are drawn on the GPU (seeded, one generator), written as safetensors shards
 (``model-0000i-of-0000n.safetensors`` + index). The EAGLE draft directory (one folder an engine) gets a
@@ -89,13 +95,56 @@ DEEPSEEK_V2 = {
     "eos_token_id": 2,
     "initializer_range": 0.02,
 }
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "num_hidden_layers": 4,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 4,
+    "experts_per_token": 4,
+    "sliding_window": 128,
+    "attention_bias": True,
+    "hidden_act": "silu",
+    "swiglu_limit": 7.0,
+    "vocab_size": 201088,
+    "max_position_embeddings": 131072,
+    "initial_context_length": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 150000.0,
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "original_max_position_embeddings": 4096,
+        "truncate": False,
+    },
+    "router_aux_loss_coef": 0.9,
+    "output_router_logits": False,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "initializer_range": 0.02,
+}
 #: per-matrix std where the initializer range would leave MLA's attention near uniform
 STD = {"q_b_proj": 0.03, "kv_b_proj": 0.05}
+#: gpt-oss's sink logits (``self_attn.sinks``, one a query head)
+SINK_STD = 3.0
 
 
 def tensors(cfg: dict):
-    """Yield (name, shape) of a Llama (or, ``model_type`` deepseek_v2, a dense DeepSeek-V2) checkpoint in HF naming."""
+    """Yield (name, shape) of a Llama (or, by ``model_type``, a dense DeepSeek-V2 or a gpt-oss) checkpoint in HF
+    naming."""
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    if cfg.get("model_type") == "gpt_oss":
+        yield from gpt_oss_tensors(cfg)
+        return
     attention = mla_tensors if cfg.get("model_type") == "deepseek_v2" else gqa_tensors
     yield "model.embed_tokens.weight", (v, h)
     for layer in range(cfg["num_hidden_layers"]):
@@ -119,6 +168,29 @@ def gqa_tensors(cfg: dict):
         ("v_proj.weight", (hk * d, h)),
         ("o_proj.weight", (h, hq * d)),
     ]
+
+
+def gpt_oss_tensors(cfg: dict):
+    """A gpt-oss checkpoint (bf16, unquantized): biased GQA projections, ``self_attn.sinks [Hq]``, the router and
+    the fused experts (``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``, their biases)."""
+    h, i, v, e = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_local_experts"]
+    yield "model.embed_tokens.weight", (v, h)
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        yield p + "input_layernorm.weight", (h,)
+        yield p + "self_attn.sinks", (cfg["num_attention_heads"],)
+        for name, shape in gqa_tensors(cfg):
+            yield p + "self_attn." + name, shape
+            yield p + "self_attn." + name.replace("weight", "bias"), shape[:1]
+        yield p + "post_attention_layernorm.weight", (h,)
+        yield p + "mlp.router.weight", (e, h)
+        yield p + "mlp.router.bias", (e,)
+        yield p + "mlp.experts.gate_up_proj", (e, h, 2 * i)
+        yield p + "mlp.experts.gate_up_proj_bias", (e, 2 * i)
+        yield p + "mlp.experts.down_proj", (e, i, h)
+        yield p + "mlp.experts.down_proj_bias", (e, h)
+    yield "model.norm.weight", (h,)
+    yield "lm_head.weight", (v, h)
 
 
 def mla_tensors(cfg: dict):
@@ -154,7 +226,7 @@ def write(path: str, cfg: dict, seed: int = 0, shard_bytes: int = 4 << 30) -> No
         if name.endswith("norm.weight"):
             t = torch.ones(shape, dtype=torch.bfloat16)
         else:
-            sd = next((x for k, x in STD.items() if f".{k}." in name), std)
+            sd = SINK_STD if name.endswith(".sinks") else next((x for k, x in STD.items() if f".{k}." in name), std)
             t = (torch.randn(shape, generator=gen, device=dev, dtype=torch.float32) * sd).to(torch.bfloat16).cpu()
         cur[name] = t
         size += t.numel() * 2
@@ -235,12 +307,20 @@ def write_eagle_draft(path: str, target: dict, weights: bool = True) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("path")
-    ap.add_argument("--layers", type=int, default=None, help="default: 32 (Llama), 8 (--deepseek-v2)")
+    ap.add_argument("--layers", type=int, default=None, help="default: 32 (Llama), 8 (--deepseek-v2), 4 (--gpt-oss)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eagle-draft", default=None)
     ap.add_argument("--deepseek-v2", action="store_true", help="a dense DeepSeek-V2 (MLA) instead of Llama-3-8B")
+    ap.add_argument("--gpt-oss", action="store_true", help="a gpt-oss-20b-shaped model (sinks, windows, bf16 MoE)")
     a = ap.parse_args()
-    if a.deepseek_v2:
+    if a.gpt_oss:
+        n = a.layers or GPT_OSS_20B["num_hidden_layers"]
+        cfg = dict(
+            GPT_OSS_20B,
+            num_hidden_layers=n,
+            layer_types=[("sliding_attention", "full_attention")[k % 2] for k in range(n)],
+        )
+    elif a.deepseek_v2:
         n = a.layers or DEEPSEEK_V2["num_hidden_layers"]
         cfg = dict(DEEPSEEK_V2, num_hidden_layers=n, first_k_dense_replace=n)
     else:
