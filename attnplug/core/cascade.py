@@ -50,6 +50,7 @@ from .staging import to_device
 
 if TYPE_CHECKING:
     from .kernels.graph_update import PrefixCut
+    from .providers.base import GraphTiles
 
 _nnz = np.count_nonzero
 
@@ -612,7 +613,7 @@ class CascadeGraph:
         self.kv_lens = torch.zeros(mb + 1, **i32)
         self.kv_last_page_len = torch.zeros(mb + 1, **i32)
         self.plans: dict[int, Plan] = {}
-        self.tiles: dict[int, tuple[torch.Tensor, torch.Tensor, int] | None] = {}
+        self.tiles: dict[int, GraphTiles | None] = {}
         hd = (mb * gs.q, cfg.num_qo_heads)
         self.out_part = torch.empty((*hd, cfg.head_dim_v), dtype=cfg.dtype, device=dev)
         self.lse_part = torch.empty(hd, dtype=torch.float32, device=dev)
@@ -630,6 +631,7 @@ class CascadeGraph:
             max_kv_len=gs.max_seq_len,
             q=block_q,
             num_kv_splits=gs.num_kv_splits,
+            noncausal=True,
         )
         # a prefix provider whose plans cannot follow the groups of a replay is refused here, at startup
         self.provider.graph_tile_list(self._plan(mb), self.static, lambda bq: mb * -(-gs.q // bq))
@@ -738,14 +740,16 @@ class CascadeGraph:
             self.kv_indices[:total].copy_(h.kv_indices[torch.from_numpy(idx)].to(torch.int32), **nb)
         tiles = self.tiles.get(bs)
         if tiles is not None:
-            tile_req, tile_q, block_q = tiles
-            t = np.where(lead, -(-(en - r) * q // block_q), 0)
+            tile_req, tile_q, block_q, tile_count = tiles
+            t = np.where((c > 0) if tile_count is not None else lead, -(-(en - r) * q // block_q), 0)
             k = int(t.sum())
             req, qs = np.full(tile_req.numel(), bs, dtype=np.int64), np.zeros(tile_req.numel(), dtype=np.int64)
             req[:k] = np.repeat(r, t)
             qs[:k] = (np.arange(k) - np.repeat(np.cumsum(t) - t, t)) * block_q
             tile_req.copy_(i32(req), **nb)
             tile_q.copy_(i32(qs), **nb)
+            if tile_count is not None:
+                tile_count.copy_(i32([k]), **nb)
         groups = int((c > 0).sum())
         self.active.fill_(groups > 0)
         if groups:

@@ -7,7 +7,8 @@ save where a prompt is shared, per provider, as graph replays of one layer's att
 Llama-3-8B attention (32/8 heads, d 128, page 16, bf16). Unshared rows: ``m`` requests x ``ctx`` tokens (2..64
 x 1024..8192), no page in common; the shared row: 64 x (8192 shared + 256 own). Each row: a decode
 ``GraphState`` with ``cascade="auto"`` (the default) and one with ``"off"`` (``ATTNPLUG_CASCADE_GRAPHS=0``),
-both updated from the device block table as the engines do, checked against the float32 reference,
+both sized as an engine sizes its graph families (``--max-batch``, default 256: captured at ``m`` within a family
+of up to 256 requests) and updated from the device block table as the engines do, checked against the float32 reference,
 captured alone and timed as replays (CUDA events, median of ``--reps``), the two interleaved. Printed per
 row: off / on us a layer, the extra (unshared: must be <= max(1%, 1.5 us)) or the speed-up (shared: >= 3.9x).
 A provider whose graphs cannot run cascade prints ``n/a``.
@@ -84,7 +85,7 @@ def workload(cfg, spec, own, dev):
     return batch, q, k, v, num_pages, ref
 
 
-def row(cfg, work, provider, dev, reps, on="auto") -> dict:
+def row(cfg, work, provider, dev, reps, on="auto", max_batch=0) -> dict:
     batch, q, k, v, num_pages, ref = work
     B, P = batch.batch_size, cfg.page_size
     ind = batch.kv_indptr
@@ -96,8 +97,8 @@ def row(cfg, work, provider, dev, reps, on="auto") -> dict:
         gs = GraphState(
             cfg,
             provider,
-            max_batch=B,
-            max_tokens=B,
+            max_batch=max(B, max_batch),
+            max_tokens=max(B, max_batch),
             max_pages=num_pages,
             device=dev,
             pad_page=num_pages - 1,
@@ -117,6 +118,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--providers", default="triton,fa3,flashinfer")
     ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--max-batch", type=int, default=256, help="the graph families' largest batch (0: each row's own)")
     ap.add_argument("--out", default=None, help="JSON of every row")
     ap.add_argument("--smoke", action="store_true", help="CPU, 2 tiny rows, no timing (checks the reference)")
     a = ap.parse_args()
@@ -131,6 +133,7 @@ def main() -> None:
     res = {
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
         "torch": torch.__version__,
+        "max_batch": a.max_batch,
         "rows": {},
     }
     print(f"{'provider':10} {'row':28} {'off us':>8} {'on us':>8} {'extra':>14}  verdict")
@@ -149,7 +152,7 @@ def main() -> None:
         own = min(256, c // 4)
         work = workload(cfg, [(1, c - own)] * m, own, dev)
         for p in providers:
-            r = row(cfg, work, p, dev, a.reps, on)
+            r = row(cfg, work, p, dev, a.reps, on, 0 if a.smoke else a.max_batch)
             extra = r["on_us"] - r["off_us"]
             limit = max(0.01 * r["off_us"], 1.5)
             ok = "ok" if extra <= limit else f"OVER (limit {limit:.2f} us)"
@@ -163,7 +166,7 @@ def main() -> None:
     spec, own = shared_spec
     work = workload(cfg, spec, own, dev)
     for p in providers:
-        r = row(cfg, work, p, dev, a.reps, on)
+        r = row(cfg, work, p, dev, a.reps, on, 0 if a.smoke else a.max_batch)
         speed = r["off_us"] / r["on_us"]
         name = f"{spec[0][0]}x({spec[0][1]}+{own}) shared"
         print(

@@ -82,6 +82,9 @@ def same_prefix_batch(host, dev, bs, n):
     assert h.tiles[bs] is not None and d.tiles[bs] is not None
     for a, b in zip(h.tiles[bs][:2], d.tiles[bs][:2]):
         assert a.tolist() == b.tolist(), "tile list"
+    assert (h.tiles[bs].count is None) == (d.tiles[bs].count is None)
+    if h.tiles[bs].count is not None:
+        assert int(h.tiles[bs].count) == int(d.tiles[bs].count), "tile count"
     assert bool(h.active) == bool(d.active) and (int(h.counts[2]) > 0) == (int(d.counts[2]) > 0)
 
 
@@ -184,7 +187,9 @@ def test_prefix_part_on_the_prefill_kernel(name, splits, partials, monkeypatch):
     """A ``noncausal`` tile entry naming the prefill kernel: the prefix part runs it non-causal, split
     (partials, float32 or bf16, merged straight into the suffix state) or not, equal to the reference;
     eager cascade too. A split without keys (all of them when nothing is shared; 5 of 8 over the
-    40-token prefix) writes no partial (they stay NaN) and the merge does not need one."""
+    40-token prefix) writes no partial (they stay NaN) and the merge does not need one. Only the cut
+    groups have tiles (none when nothing is shared), their count written by both update paths, and the
+    launch's programs stride over them."""
     from attnplug.core import PagedAttention
     from attnplug.core.kernels import tiles
 
@@ -198,11 +203,17 @@ def test_prefix_part_on_the_prefill_kernel(name, splits, partials, monkeypatch):
     gs.prepare_capture(bs)
     st = gs.cascade.plans[bs].state
     assert (st.kernel, st.num_splits, st.block_m) == ("prefill", splits, 16)
+    assert st.tile_count is not None and 1 <= st.grid_tiles <= st.num_tiles
     if splits > 1:
         assert st.partial.dtype == (torch.bfloat16 if partials == "out" else torch.float32)
         st.partial.fill_(math.nan)
     gs.update(batch, bs)
     check_out(c, batch, q, k, v, n, gs, bs)
+    cut_tiles = sum(-(-(e - s) // st.block_q) for s, e, _, p in brute_groups(batch, PAGE) if p)
+    assert int(st.tile_count) == cut_tiles and (cut_tiles == 0) == (name == "nothing shared")
+    assert gs.cascade.tiles[bs].tile_req[:cut_tiles].tolist() == [
+        s for s, e, _, p in brute_groups(batch, PAGE) if p for _ in range(-(-(e - s) // st.block_q))
+    ]
     if splits > 1:
         keys = int(gs.cascade.kv_lens.sum())
         per_split = -(-keys // splits)
@@ -211,6 +222,11 @@ def test_prefix_part_on_the_prefill_kernel(name, splits, partials, monkeypatch):
         assert (name == "nothing shared") == (used == 0) and used <= splits and (splits < 8 or used < splits)
         written = ~torch.isnan(st.partial[:bs].float()).all(-1).all(0).all(0)  # [S]: a split's partial was stored
         assert written.tolist() == [s < used for s in range(splits)], (keys, chunk, written.tolist())
+    st.tile_count.fill_(-1)
+    seq, bt, *_ = tables(batch, n, seed=3)
+    gs.update_from_block_table(seq.to(DEV), bt.to(DEV), bs)  # the device path writes the same count
+    assert int(st.tile_count) == cut_tiles
+    check_out(c, batch, q, k, v, n, gs, bs)
     attn = PagedAttention(c, "triton", DEV, cascade="always")
     plan = attn.plan(batch, num_pages=n, num_kv_splits=splits)
     assert (plan.cascade is None) == (name == "nothing shared")

@@ -22,10 +22,14 @@ part's tile list.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
+
+if TYPE_CHECKING:
+    from ..providers.base import GraphTiles
 
 
 @dataclass
@@ -34,8 +38,8 @@ class PrefixCut:
     (:func:`batch_shared_pages`'s ``shared`` / ``group_start`` / ``group_end [>= n]`` int32), the prefix
     batch it writes (``bs + 1`` slots: ``qo_indptr`` / ``kv_indptr [>= bs+2]``, ``kv_indices``, ``kv_lens``
     / ``kv_last_page_len [>= bs+1]`` int32), the proof counters ``counts [3]`` int64 and ``active``
-    (0-dim bool), the cost model's bound and the prefix part's tile list ``(tile_req, tile_qstart
-    [max_tiles] int32, block_q)`` (``None``: its provider reads no tile list)."""
+    (0-dim bool), the cost model's bound and the prefix part's tile list
+    (:class:`~attnplug.core.providers.base.GraphTiles`; ``None``: its provider reads no tile list)."""
 
     shared: torch.Tensor
     group_start: torch.Tensor
@@ -48,11 +52,12 @@ class PrefixCut:
     counts: torch.Tensor
     active: torch.Tensor
     min_saved_pages: int = 1
-    tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None
+    tiles: GraphTiles | None = None
 
     def launch_tensors(self) -> tuple[torch.Tensor, ...]:
-        """The kernel's 12 cut arguments, in its order (a missing tile list: ``counts`` stands in)."""
+        """The kernel's 13 cut arguments, in its order (a missing tile list or count: ``counts`` stands in)."""
         tiles = self.tiles[:2] if self.tiles is not None else (self.counts, self.counts)
+        count = self.tiles.count if self.tiles is not None and self.tiles.count is not None else self.counts
         return (
             self.shared,
             self.group_start,
@@ -63,6 +68,7 @@ class PrefixCut:
             self.kv_lens,
             self.kv_last_page_len,
             *tiles,
+            count,
             self.counts,
             self.active,
         )
@@ -97,6 +103,7 @@ def graph_batch_from_block_table_kernel(
     P_LAST,
     TILE_REQ,
     TILE_Q,
+    TILE_COUNT,
     COUNTS,
     ACTIVE,
     min_saved_pages,
@@ -116,6 +123,7 @@ def graph_batch_from_block_table_kernel(
     ENTRY_TOKENS: tl.constexpr,
     HAS_SHARED: tl.constexpr,
     HAS_TILES: tl.constexpr = False,
+    HAS_TILE_COUNT: tl.constexpr = False,
 ):
     """Grid ``(bs,)``: program ``b`` writes request ``b``'s pages (and mask block); program 0 also
     writes the per-request vectors. Every program recomputes the ``bs`` prefix sums (``bs <= BLOCK_B``).
@@ -125,7 +133,8 @@ def graph_batch_from_block_table_kernel(
     its first request; ``bs + 1`` slots, the last always empty) holds its members' query rows and its
     ``p`` pages: ``P_QO [bs+2]``, ``P_INDPTR [bs+2]``, ``P_INDICES``, ``P_LENS`` / ``P_LAST [bs+1]``.
     Every other slot has no keys. ``HAS_TILES``: the prefix part's tile list ``TILE_REQ`` / ``TILE_Q
-    [max_tiles]`` (tiles of ``p_block_q`` rows: every slot's rows, then empty tiles on slot ``bs``).
+    [max_tiles]`` (tiles of ``p_block_q`` rows: every slot's rows, then empty tiles on slot ``bs``;
+    ``HAS_TILE_COUNT``: only the cut groups' slots, their number to ``TILE_COUNT [1]``).
     Program 0 adds ``(1 if any group was cut, cut tokens, cut groups)`` to ``COUNTS [3]`` int64 and
     writes whether any was cut to ``ACTIVE`` (0-dim bool: the predicate of the prefix part's graph IF
     node). ``TREE_MASK``: the verify mask is the engine's ``SRC_MASK`` (request ``b``'s row-major ``[Q,
@@ -177,7 +186,8 @@ def graph_batch_from_block_table_kernel(
         lead = live & (gst == rows)
         c = tl.where(lead, skip, 0)
         p_end = tl.cumsum(c, 0)
-        t = tl.where(lead, tl.cdiv((gen - rows) * Q, p_block_q), 0)
+        tiled = lead & (c > 0) if HAS_TILE_COUNT else lead
+        t = tl.where(tiled, tl.cdiv((gen - rows) * Q, p_block_q), 0)
         t_end = tl.cumsum(t, 0)
         if b == 0:
             tl.store(P_QO + rows, Q * tl.where(lead, rows, gen), mask=live)
@@ -196,7 +206,9 @@ def graph_batch_from_block_table_kernel(
             tl.store(COUNTS + 1, tl.load(COUNTS + 1) + total.to(tl.int64) * page_size)
             tl.store(COUNTS + 2, tl.load(COUNTS + 2) + groups)
             tl.store(ACTIVE, groups > 0)
-            if HAS_TILES:  # the tiles past the slots' own: empty ones, on slot bs
+            if HAS_TILE_COUNT:
+                tl.store(TILE_COUNT, tl.sum(t, axis=0))
+            elif HAS_TILES:  # the tiles past the slots' own: empty ones, on slot bs
                 for k0 in range(tl.sum(t, axis=0), max_tiles, BLOCK_J):
                     k = k0 + tl.arange(0, BLOCK_J)
                     tl.store(TILE_REQ + k, bs + k * 0, mask=k < max_tiles)
@@ -442,7 +454,7 @@ def graph_batch_from_block_table(
         dummy if mask is None else mask_indptr,
         dummy if mask is None else mask_free,
         tree_mask if tree else dummy,
-        *(cut.launch_tensors() if cut is not None else (dummy,) * 12),
+        *(cut.launch_tensors() if cut is not None else (dummy,) * 13),
         1 if cut is None else max(1, int(cut.min_saved_pages)),
         1 if cut is None or cut.tiles is None else cut.tiles[2],
         0 if cut is None or cut.tiles is None else cut.tiles[0].numel(),
@@ -460,4 +472,5 @@ def graph_batch_from_block_table(
         ENTRY_TOKENS=entry_tokens,
         HAS_SHARED=cut is not None,
         HAS_TILES=cut is not None and cut.tiles is not None,
+        HAS_TILE_COUNT=cut is not None and cut.tiles is not None and cut.tiles.count is not None,
     )

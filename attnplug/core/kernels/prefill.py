@@ -422,7 +422,10 @@ def _lse_add(m, w, acc, ls, p):
 
 
 @triton.jit
-def prefill_kernel(
+def _prefill_tile(
+    tile,
+    kvh,
+    split,
     Q,
     K,
     V,
@@ -482,6 +485,391 @@ def prefill_kernel(
     stride_blt=0,
     stride_blh=0,
 ):
+    """One tile of :func:`prefill_kernel` (its arguments, and the tile, KV head and split of this program)."""
+    b, q0, q_start, q_len, kv_len, page_base = tile_request(tile_req, tile_qstart, qo_indptr, kv_lens, kv_indptr, tile)
+    go = kv_len >= 0
+    if MERGE_BASE:  # a request without keys (nothing shared at this replay): no work, the suffix state stays
+        go = kv_len > 0
+    if go:
+        rows = tl.arange(0, BLOCK_M)
+        tok = q0 + rows // GROUP
+        head = kvh * GROUP + rows % GROUP
+        row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+        pos = kv_len - q_len + tok  # absolute position of each query row
+        d = tl.arange(0, BLOCK_D)
+
+        keys_ok = row_ok  # rows whose query is loaded: all valid rows, or none in a split without keys
+        if NONCAUSAL:
+            chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+            lo = split * chunk
+            hi = tl.minimum(kv_len, lo + chunk)
+            # a split without keys (an unshared batch in a cascade graph) moves one LSE a row only; compared
+            # as a block (triton 3.9's interpreter types a block & a scalar comparison as int32)
+            keys_ok = row_ok & (rows * 0 + lo < hi)
+        q_ptrs = Q + (q_start + tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptrs, mask=keys_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+        if KV_FP8 and FP8_F16:  # fp16 dots on q * sm_scale (see :mod:`.attention`)
+            q = (q.to(tl.float32) * sm_scale).to(tl.float16)
+            sm_scale = 1.0
+        P_DTYPE: tl.constexpr = q.dtype
+        if UPCAST:
+            q = q.to(tl.float32)
+        qk_scale = sm_scale * 1.4426950408889634
+        if KV_FP8:
+            qk_scale = qk_scale * tl.load(K_SCALE)
+
+        pos0 = kv_len - q_len + q0  # the tile's first row: keys [0, pos0] are visible to every row
+        if not NONCAUSAL:
+            hi = tl.minimum(kv_len, pos0 + BLOCK_Q)
+        free_hi = (pos0 + 1) // BLOCK_N * BLOCK_N
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        if HAS_SINKS:  # the sink's (base-2) logit with weight 1, no value row (see :func:`.attention.sink_state`)
+            m_i, l_i = sink_state(SINKS, head, l_i)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+        if NONCAUSAL:  # every key visible: this split's whole blocks unmasked, then its ragged end masked
+            full_hi = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
+            for n0 in tl.range(lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):
+                m_i, l_i, acc = attend_block(
+                    q,
+                    K,
+                    V,
+                    K_desc,
+                    V_desc,
+                    kv_indices,
+                    page_base,
+                    n0,
+                    kvh,
+                    hi,
+                    pos,
+                    d,
+                    m_i,
+                    l_i,
+                    acc,
+                    qk_scale,
+                    0.0,
+                    stride_kp,
+                    stride_kt,
+                    stride_kh,
+                    stride_vp,
+                    stride_vt,
+                    stride_vh,
+                    BLOCK_N,
+                    HEAD_DIM,
+                    PAGE_SIZE,
+                    PAGE_TMA,
+                    False,
+                    False,
+                    False,
+                    DOT_PRECISION,
+                    UPCAST,
+                    KV_FP8,
+                    P_DTYPE,
+                )
+            if full_hi < hi:
+                m_i, l_i, acc = attend_block(
+                    q,
+                    K,
+                    V,
+                    K_desc,
+                    V_desc,
+                    kv_indices,
+                    page_base,
+                    full_hi,
+                    kvh,
+                    hi,
+                    pos,
+                    d,
+                    m_i,
+                    l_i,
+                    acc,
+                    qk_scale,
+                    0.0,
+                    stride_kp,
+                    stride_kt,
+                    stride_kh,
+                    stride_vp,
+                    stride_vt,
+                    stride_vh,
+                    BLOCK_N,
+                    HEAD_DIM,
+                    PAGE_SIZE,
+                    PAGE_TMA,
+                    True,
+                    False,
+                    False,
+                    DOT_PRECISION,
+                    UPCAST,
+                    KV_FP8,
+                    P_DTYPE,
+                )
+        elif DIAG_N == 0:  # one pipelined loop: the diagonal blocks' loads are prefetched like the others
+            for n0 in tl.range(0, hi, BLOCK_N, num_stages=NUM_STAGES):
+                m_i, l_i, acc = attend_block(
+                    q,
+                    K,
+                    V,
+                    K_desc,
+                    V_desc,
+                    kv_indices,
+                    page_base,
+                    n0,
+                    kvh,
+                    hi,
+                    pos,
+                    d,
+                    m_i,
+                    l_i,
+                    acc,
+                    qk_scale,
+                    0.0,
+                    stride_kp,
+                    stride_kt,
+                    stride_kh,
+                    stride_vp,
+                    stride_vt,
+                    stride_vh,
+                    BLOCK_N,
+                    HEAD_DIM,
+                    PAGE_SIZE,
+                    False,
+                    False,
+                    True,
+                    False,
+                    DOT_PRECISION,
+                    UPCAST,
+                    KV_FP8,
+                    P_DTYPE,
+                    free_hi,
+                    True,
+                )
+        else:
+            # Phase 1: whole blocks below the diagonal: no mask work.
+            for n0 in tl.range(0, free_hi, BLOCK_N, num_stages=NUM_STAGES):
+                m_i, l_i, acc = attend_block(
+                    q,
+                    K,
+                    V,
+                    K_desc,
+                    V_desc,
+                    kv_indices,
+                    page_base,
+                    n0,
+                    kvh,
+                    hi,
+                    pos,
+                    d,
+                    m_i,
+                    l_i,
+                    acc,
+                    qk_scale,
+                    0.0,
+                    stride_kp,
+                    stride_kt,
+                    stride_kh,
+                    stride_vp,
+                    stride_vt,
+                    stride_vh,
+                    BLOCK_N,
+                    HEAD_DIM,
+                    PAGE_SIZE,
+                    PAGE_TMA,
+                    False,
+                    True,
+                    False,
+                    DOT_PRECISION,
+                    UPCAST,
+                    KV_FP8,
+                    P_DTYPE,
+                )
+            # Phase 2: the diagonal (and the ragged end of the keys), masked, in DIAG_N-key blocks.
+            DIAG_TMA: tl.constexpr = PAGE_TMA and DIAG_N == BLOCK_N
+            for n0 in tl.range(free_hi, hi, DIAG_N, num_stages=2):
+                m_i, l_i, acc = attend_block(
+                    q,
+                    K,
+                    V,
+                    K_desc,
+                    V_desc,
+                    kv_indices,
+                    page_base,
+                    n0,
+                    kvh,
+                    hi,
+                    pos,
+                    d,
+                    m_i,
+                    l_i,
+                    acc,
+                    qk_scale,
+                    0.0,
+                    stride_kp,
+                    stride_kt,
+                    stride_kh,
+                    stride_vp,
+                    stride_vt,
+                    stride_vh,
+                    DIAG_N,
+                    HEAD_DIM,
+                    PAGE_SIZE,
+                    DIAG_TMA,
+                    True,
+                    True,
+                    False,
+                    DOT_PRECISION,
+                    UPCAST,
+                    KV_FP8,
+                    P_DTYPE,
+                )
+
+        has = l_i > 0.0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        if KV_FP8:
+            out = out * tl.load(V_SCALE)
+        t_glob = (q_start + tok).to(tl.int64)
+        if NONCAUSAL:
+            lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+            if num_splits > 1:  # this split's partial (fp32 or the output dtype; none without keys) and base-2 LSE
+                o_ptrs = O + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + d[None, :]
+                tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=keys_ok[:, None] & (d[None, :] < HEAD_DIM))
+                tl.store(LSE + t_glob * stride_lt + head * stride_lh + split, lse2, mask=row_ok)
+                if MERGE_BASE:
+                    tl.debug_barrier()  # every thread's partial stores precede the (release) arrival
+                    cnt = COUNTERS + tile * tl.num_programs(1) + kvh
+                    arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+                    if arrived == num_splits - 1:  # the last split of (tile, kvh): merge, then re-arm the counter
+                        tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+                        if PDL:  # the base is the suffix part's output: the kernel before this one
+                            gdc_wait()
+                        _merge_into_base(
+                            O,
+                            LSE,
+                            BASE_O,
+                            BASE_L,
+                            t_glob,
+                            head,
+                            row_ok,
+                            d,
+                            num_splits,
+                            stride_ot,
+                            stride_oh,
+                            stride_os,
+                            stride_lt,
+                            stride_lh,
+                            stride_bot,
+                            stride_boh,
+                            stride_blt,
+                            stride_blh,
+                            HEAD_DIM,
+                            True,
+                            out,
+                            lse2,
+                        )
+            elif MERGE_BASE:  # unsplit: this program's own state into the base (O / LSE), in registers
+                if PDL:
+                    gdc_wait()
+                _merge_into_base(
+                    O,
+                    LSE,
+                    O,
+                    LSE,
+                    t_glob,
+                    head,
+                    row_ok,
+                    d,
+                    1,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    stride_ot,
+                    stride_oh,
+                    stride_lt,
+                    stride_lh,
+                    HEAD_DIM,
+                    False,
+                    out,
+                    lse2,
+                )
+            else:
+                o_ptrs = O + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+                tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
+                if STORE_LSE:
+                    tl.store(LSE + t_glob * stride_lt + head * stride_lh, lse2 * 0.6931471805599453, mask=row_ok)
+        else:
+            o_ptrs = O + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
+            if STORE_LSE:
+                lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+                tl.store(LSE + t_glob * stride_lt + head * stride_lh, lse2 * 0.6931471805599453, mask=row_ok)
+
+
+@triton.jit
+def prefill_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    K_desc,
+    V_desc,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    kv_lens,
+    tile_req,
+    tile_qstart,
+    K_SCALE,
+    V_SCALE,
+    num_tiles,
+    sm_scale,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    stride_vp,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    stride_lh,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DIAG_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGE_TMA: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    FP8_F16: tl.constexpr = False,
+    NONCAUSAL: tl.constexpr = False,
+    num_splits=1,
+    stride_os=0,
+    PDL: tl.constexpr = False,
+    SINKS=None,
+    HAS_SINKS: tl.constexpr = False,
+    MERGE_BASE: tl.constexpr = False,
+    COUNTERS=None,
+    BASE_O=None,
+    BASE_L=None,
+    stride_bot=0,
+    stride_boh=0,
+    stride_blt=0,
+    stride_blh=0,
+    TILE_COUNT=None,
+    STRIDED: tl.constexpr = False,
+):
     """Grid ``(num_tiles, Hkv)``: causal (bottom-right aligned), no split. ``NONCAUSAL`` (the cascade's
     shared-prefix parts): grid ``(num_tiles, Hkv, num_splits)``, every row sees every key; split ``s``
     takes keys ``[s * chunk, (s + 1) * chunk)`` (``chunk`` = the keys over ``num_splits``, rounded up
@@ -504,333 +892,143 @@ def prefill_kernel(
     ``LSE``); split, the last split of a ``(tile, KV head)`` to arrive on ``COUNTERS [tiles * Hkv]``
     int32 (zero before and after the launch) merges the partials. A request without keys (a batch
     that shares nothing) returns at once: the whole launch does no work and the base is untouched.
+
+    ``STRIDED`` (with ``MERGE_BASE``; the cascade graphs' prefix part): grid ``(W, Hkv, num_splits)``, program
+    ``p`` of axis 0 takes tiles ``p, p + W, ...`` below ``TILE_COUNT [1]`` int32 (the tiles of the groups the
+    graph update cut): a replay that cut nothing runs ``W x Hkv x num_splits`` programs that read the count.
     """
     if PDL:
         gdc_launch_dependents()
-    tile = num_tiles - 1 - tl.program_id(0)  # longest causal tiles first (see the module docstring)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-
-    b, q0, q_start, q_len, kv_len, page_base = tile_request(tile_req, tile_qstart, qo_indptr, kv_lens, kv_indptr, tile)
-    if MERGE_BASE:
-        if kv_len == 0:  # nothing shared at this replay: no work, the suffix state stays as it is
-            if PDL:
-                gdc_wait()
-            return
-
-    rows = tl.arange(0, BLOCK_M)
-    tok = q0 + rows // GROUP
-    head = kvh * GROUP + rows % GROUP
-    row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
-    pos = kv_len - q_len + tok  # absolute position of each query row
-    d = tl.arange(0, BLOCK_D)
-
-    keys_ok = row_ok  # rows whose query is loaded: all valid rows, or none in a split without keys
-    if NONCAUSAL:
-        chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-        lo = split * chunk
-        hi = tl.minimum(kv_len, lo + chunk)
-        # a split without keys (an unshared batch in a cascade graph) moves one LSE a row only; compared
-        # as a block (triton 3.9's interpreter types a block & a scalar comparison as int32)
-        keys_ok = row_ok & (rows * 0 + lo < hi)
-    q_ptrs = Q + (q_start + tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptrs, mask=keys_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-    if KV_FP8 and FP8_F16:  # fp16 dots on q * sm_scale (see :mod:`.attention`)
-        q = (q.to(tl.float32) * sm_scale).to(tl.float16)
-        sm_scale = 1.0
-    P_DTYPE: tl.constexpr = q.dtype
-    if UPCAST:
-        q = q.to(tl.float32)
-    qk_scale = sm_scale * 1.4426950408889634
-    if KV_FP8:
-        qk_scale = qk_scale * tl.load(K_SCALE)
-
-    pos0 = kv_len - q_len + q0  # the tile's first row: keys [0, pos0] are visible to every row
-    if not NONCAUSAL:
-        hi = tl.minimum(kv_len, pos0 + BLOCK_Q)
-    free_hi = (pos0 + 1) // BLOCK_N * BLOCK_N
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    if HAS_SINKS:  # the sink's (base-2) logit with weight 1, no value row (see :func:`.attention.sink_state`)
-        m_i, l_i = sink_state(SINKS, head, l_i)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-
-    if NONCAUSAL:  # every key visible: this split's whole blocks unmasked, then its ragged end masked
-        full_hi = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
-        for n0 in tl.range(lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):
-            m_i, l_i, acc = attend_block(
-                q,
+    if STRIDED:  # the programs of axis 0 stride over the TILE_COUNT tiles the graph update wrote
+        for tile in range(tl.program_id(0), tl.load(TILE_COUNT), tl.num_programs(0)):
+            _prefill_tile(
+                tile,
+                kvh,
+                split,
+                Q,
                 K,
                 V,
-                K_desc,
-                V_desc,
-                kv_indices,
-                page_base,
-                n0,
-                kvh,
-                hi,
-                pos,
-                d,
-                m_i,
-                l_i,
-                acc,
-                qk_scale,
-                0.0,
-                stride_kp,
-                stride_kt,
-                stride_kh,
-                stride_vp,
-                stride_vt,
-                stride_vh,
-                BLOCK_N,
-                HEAD_DIM,
-                PAGE_SIZE,
-                PAGE_TMA,
-                False,
-                False,
-                False,
-                DOT_PRECISION,
-                UPCAST,
-                KV_FP8,
-                P_DTYPE,
-            )
-        if full_hi < hi:
-            m_i, l_i, acc = attend_block(
-                q,
-                K,
-                V,
-                K_desc,
-                V_desc,
-                kv_indices,
-                page_base,
-                full_hi,
-                kvh,
-                hi,
-                pos,
-                d,
-                m_i,
-                l_i,
-                acc,
-                qk_scale,
-                0.0,
-                stride_kp,
-                stride_kt,
-                stride_kh,
-                stride_vp,
-                stride_vt,
-                stride_vh,
-                BLOCK_N,
-                HEAD_DIM,
-                PAGE_SIZE,
-                PAGE_TMA,
-                True,
-                False,
-                False,
-                DOT_PRECISION,
-                UPCAST,
-                KV_FP8,
-                P_DTYPE,
-            )
-    elif DIAG_N == 0:  # one pipelined loop: the diagonal blocks' loads are prefetched like the others
-        for n0 in tl.range(0, hi, BLOCK_N, num_stages=NUM_STAGES):
-            m_i, l_i, acc = attend_block(
-                q,
-                K,
-                V,
-                K_desc,
-                V_desc,
-                kv_indices,
-                page_base,
-                n0,
-                kvh,
-                hi,
-                pos,
-                d,
-                m_i,
-                l_i,
-                acc,
-                qk_scale,
-                0.0,
-                stride_kp,
-                stride_kt,
-                stride_kh,
-                stride_vp,
-                stride_vt,
-                stride_vh,
-                BLOCK_N,
-                HEAD_DIM,
-                PAGE_SIZE,
-                False,
-                False,
-                True,
-                False,
-                DOT_PRECISION,
-                UPCAST,
-                KV_FP8,
-                P_DTYPE,
-                free_hi,
-                True,
-            )
-    else:
-        # Phase 1: whole blocks below the diagonal: no mask work.
-        for n0 in tl.range(0, free_hi, BLOCK_N, num_stages=NUM_STAGES):
-            m_i, l_i, acc = attend_block(
-                q,
-                K,
-                V,
-                K_desc,
-                V_desc,
-                kv_indices,
-                page_base,
-                n0,
-                kvh,
-                hi,
-                pos,
-                d,
-                m_i,
-                l_i,
-                acc,
-                qk_scale,
-                0.0,
-                stride_kp,
-                stride_kt,
-                stride_kh,
-                stride_vp,
-                stride_vt,
-                stride_vh,
-                BLOCK_N,
-                HEAD_DIM,
-                PAGE_SIZE,
-                PAGE_TMA,
-                False,
-                True,
-                False,
-                DOT_PRECISION,
-                UPCAST,
-                KV_FP8,
-                P_DTYPE,
-            )
-        # Phase 2: the diagonal (and the ragged end of the keys), masked, in DIAG_N-key blocks.
-        DIAG_TMA: tl.constexpr = PAGE_TMA and DIAG_N == BLOCK_N
-        for n0 in tl.range(free_hi, hi, DIAG_N, num_stages=2):
-            m_i, l_i, acc = attend_block(
-                q,
-                K,
-                V,
-                K_desc,
-                V_desc,
-                kv_indices,
-                page_base,
-                n0,
-                kvh,
-                hi,
-                pos,
-                d,
-                m_i,
-                l_i,
-                acc,
-                qk_scale,
-                0.0,
-                stride_kp,
-                stride_kt,
-                stride_kh,
-                stride_vp,
-                stride_vt,
-                stride_vh,
-                DIAG_N,
-                HEAD_DIM,
-                PAGE_SIZE,
-                DIAG_TMA,
-                True,
-                True,
-                False,
-                DOT_PRECISION,
-                UPCAST,
-                KV_FP8,
-                P_DTYPE,
-            )
-
-    has = l_i > 0.0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    if KV_FP8:
-        out = out * tl.load(V_SCALE)
-    t_glob = (q_start + tok).to(tl.int64)
-    if NONCAUSAL:
-        lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        if num_splits > 1:  # this split's partial (fp32 or the output dtype; none without keys) and base-2 LSE
-            o_ptrs = O + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + d[None, :]
-            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=keys_ok[:, None] & (d[None, :] < HEAD_DIM))
-            tl.store(LSE + t_glob * stride_lt + head * stride_lh + split, lse2, mask=row_ok)
-            if MERGE_BASE:
-                tl.debug_barrier()  # every thread's partial stores precede the (release) arrival
-                cnt = COUNTERS + tile * tl.num_programs(1) + kvh
-                arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-                if arrived == num_splits - 1:  # the last split of (tile, kvh): merge, then re-arm the counter
-                    tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
-                    if PDL:  # the base is the suffix part's output: the kernel before this one
-                        gdc_wait()
-                    _merge_into_base(
-                        O,
-                        LSE,
-                        BASE_O,
-                        BASE_L,
-                        t_glob,
-                        head,
-                        row_ok,
-                        d,
-                        num_splits,
-                        stride_ot,
-                        stride_oh,
-                        stride_os,
-                        stride_lt,
-                        stride_lh,
-                        stride_bot,
-                        stride_boh,
-                        stride_blt,
-                        stride_blh,
-                        HEAD_DIM,
-                        True,
-                        out,
-                        lse2,
-                    )
-        elif MERGE_BASE:  # unsplit: this program's own state into the base (O / LSE), in registers
-            if PDL:
-                gdc_wait()
-            _merge_into_base(
                 O,
                 LSE,
-                O,
-                LSE,
-                t_glob,
-                head,
-                row_ok,
-                d,
-                1,
-                0,
-                0,
-                0,
-                0,
-                0,
+                K_desc,
+                V_desc,
+                qo_indptr,
+                kv_indptr,
+                kv_indices,
+                kv_lens,
+                tile_req,
+                tile_qstart,
+                K_SCALE,
+                V_SCALE,
+                num_tiles,
+                sm_scale,
+                stride_qt,
+                stride_qh,
+                stride_kp,
+                stride_kt,
+                stride_kh,
+                stride_vp,
+                stride_vt,
+                stride_vh,
                 stride_ot,
                 stride_oh,
                 stride_lt,
                 stride_lh,
+                GROUP,
+                BLOCK_Q,
+                BLOCK_M,
+                BLOCK_N,
+                DIAG_N,
                 HEAD_DIM,
-                False,
-                out,
-                lse2,
+                BLOCK_D,
+                PAGE_SIZE,
+                PAGE_TMA,
+                NUM_STAGES,
+                STORE_LSE,
+                DOT_PRECISION,
+                UPCAST,
+                KV_FP8,
+                FP8_F16,
+                NONCAUSAL,
+                num_splits,
+                stride_os,
+                PDL,
+                SINKS,
+                HAS_SINKS,
+                MERGE_BASE,
+                COUNTERS,
+                BASE_O,
+                BASE_L,
+                stride_bot,
+                stride_boh,
+                stride_blt,
+                stride_blh,
             )
-        else:
-            o_ptrs = O + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
-            if STORE_LSE:
-                tl.store(LSE + t_glob * stride_lt + head * stride_lh, lse2 * 0.6931471805599453, mask=row_ok)
-    else:
-        o_ptrs = O + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
-        if STORE_LSE:
-            lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-            tl.store(LSE + t_glob * stride_lt + head * stride_lh, lse2 * 0.6931471805599453, mask=row_ok)
+    else:  # longest causal tiles first (see the module docstring)
+        _prefill_tile(
+            num_tiles - 1 - tl.program_id(0),
+            kvh,
+            split,
+            Q,
+            K,
+            V,
+            O,
+            LSE,
+            K_desc,
+            V_desc,
+            qo_indptr,
+            kv_indptr,
+            kv_indices,
+            kv_lens,
+            tile_req,
+            tile_qstart,
+            K_SCALE,
+            V_SCALE,
+            num_tiles,
+            sm_scale,
+            stride_qt,
+            stride_qh,
+            stride_kp,
+            stride_kt,
+            stride_kh,
+            stride_vp,
+            stride_vt,
+            stride_vh,
+            stride_ot,
+            stride_oh,
+            stride_lt,
+            stride_lh,
+            GROUP,
+            BLOCK_Q,
+            BLOCK_M,
+            BLOCK_N,
+            DIAG_N,
+            HEAD_DIM,
+            BLOCK_D,
+            PAGE_SIZE,
+            PAGE_TMA,
+            NUM_STAGES,
+            STORE_LSE,
+            DOT_PRECISION,
+            UPCAST,
+            KV_FP8,
+            FP8_F16,
+            NONCAUSAL,
+            num_splits,
+            stride_os,
+            PDL,
+            SINKS,
+            HAS_SINKS,
+            MERGE_BASE,
+            COUNTERS,
+            BASE_O,
+            BASE_L,
+            stride_bot,
+            stride_boh,
+            stride_blt,
+            stride_blh,
+        )
     if PDL:  # the kernel before this one (the cascade's suffix part) has completed when this one has
         gdc_wait()

@@ -39,7 +39,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 
@@ -53,6 +53,19 @@ if TYPE_CHECKING:
 
 class ProviderUnavailable(RuntimeError):
     """The provider cannot run on this machine (missing GPU or library); the message says how to fix it."""
+
+
+class GraphTiles(NamedTuple):
+    """The tile list of a cascade graph's prefix part (:meth:`Provider.graph_tile_list`), in static memory the
+    graph update rewrites before each replay: tile ``i`` is ``block_q`` query rows of slot ``tile_req[i]`` from
+    its row ``tile_qstart[i]`` (``[max_tiles]`` int32 each). ``count`` ``None``: every slot has its tiles and the
+    tiles past them point at a slot without rows or keys. ``count [1]`` int32: only the slots with keys (the
+    groups cut at this replay) have tiles, first in the list, and ``count`` holds their number."""
+
+    tile_req: torch.Tensor
+    tile_qstart: torch.Tensor
+    block_q: int
+    count: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -429,11 +442,18 @@ class Provider(ABC):
 
     # -- static memory, graphs, drafts ----------------------------------------------------------------
     def static_buffers(
-        self, max_rows: int, max_tokens: int, max_kv_len: int, q: int = 1, num_kv_splits: int | None = None
+        self,
+        max_rows: int,
+        max_tokens: int,
+        max_kv_len: int,
+        q: int = 1,
+        num_kv_splits: int | None = None,
+        noncausal: bool = False,
     ) -> ProviderStatic | None:
         """Storage for plans of up to ``max_rows`` requests / ``max_tokens`` query tokens, each with
-        ``q`` tokens and at most ``max_kv_len`` keys, passed back to :meth:`plan` as ``static``.
-        Default: ``None`` (the provider's plan holds no memory of its own)."""
+        ``q`` tokens and at most ``max_kv_len`` keys, passed back to :meth:`plan` as ``static``
+        (``noncausal``: for a cascade graph's prefix part, whose split counts may differ). Default: ``None``
+        (the provider's plan holds no memory of its own)."""
         return None
 
     def fixed_tile_options(self, plan: Plan) -> tuple[dict, int | None]:
@@ -444,15 +464,12 @@ class Provider(ABC):
 
     def graph_tile_list(
         self, plan: Plan, static: ProviderStatic | None, max_tiles: Callable[[int], int]
-    ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    ) -> GraphTiles | None:
         """Plan ``plan`` (a cascade graph's prefix part, :class:`~attnplug.core.cascade.CascadeGraph`:
         its slots' query rows and keys change at every replay, its host twins only size it) into
-        ``static`` with a tile list the caller rewrites on the device before each replay: returns
-        ``(tile_req, tile_qstart)`` ``[max_tiles(block_q)]`` int32 views of static memory (tile ``i``:
-        ``block_q`` query rows of slot ``tile_req[i]`` from its row ``tile_qstart[i]``; tiles past the
-        caller's own point at a slot without rows and keys) and ``block_q``; ``None``: its launches
-        read the device lengths only (no tile list). Default: refused (a plan fixed at capture would
-        not follow the groups)."""
+        ``static`` with a tile list of ``max_tiles(block_q)`` entries the caller rewrites on the device
+        before each replay (:class:`GraphTiles`); ``None``: its launches read the device lengths only (no
+        tile list). Default: refused (a plan fixed at capture would not follow the groups)."""
         raise self.unsupported("the prefix part of cascade CUDA graphs (groups that change at every replay)")
 
     def graph(self, gs: GraphState) -> ProviderGraph:

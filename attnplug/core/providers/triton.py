@@ -26,7 +26,7 @@ from ..config import FP8_KV_DTYPES, SUPPORTED_DTYPES, AttentionConfig, env_flag
 from ..kernels import tiles as tile_table
 from ..pages import num_pages
 from ..plan import Plan, PlanOptions, ProviderState, ProviderStatic
-from .base import GraphSupport, Provider, ProviderGraph
+from .base import GraphSupport, GraphTiles, Provider, ProviderGraph
 
 logger = logging.getLogger("attnplug")
 
@@ -76,6 +76,10 @@ class TritonState(ProviderState):
     fp8_f16: bool = False  # fp8 KV: fp16 dots on a pre-scaled query (tile-table field)
     pairs: bool = False  # fp8 KV, decode kernel: K/V read as 16-bit byte pairs (tile-table field)
     qk_ahead: bool = False  # gluon: the next block's Q K^T issued before this block's softmax
+    # a cascade graph's prefix part on the prefill kernel: [1] int32, the tiles the graph update wrote (only the
+    # groups it cut), which grid_tiles programs a KV head and split stride over
+    tile_count: torch.Tensor | None = None
+    grid_tiles: int = 0
 
 
 @dataclass
@@ -91,6 +95,7 @@ class TritonStatic(ProviderStatic):
     partial_lse: torch.Tensor  # [n] float32
     identity_rows: int
     counters: torch.Tensor | None = None  # [max_rows * Hkv] int32 zeros: the decode kernel's fused merge
+    tile_count: torch.Tensor | None = None  # [1] int32: a cascade prefix part's tiles (graph_tile_list)
 
 
 def triton_interpreter_active() -> bool:
@@ -480,12 +485,14 @@ class TritonProvider(Provider):
         st: TritonState = plan.state
         return {"block_m": st.block_m}, st.block_q
 
-    def graph_tile_list(
-        self, plan: Plan, static: TritonStatic | None, max_tiles: Callable[[int], int]
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def graph_tile_list(self, plan: Plan, static: TritonStatic | None, max_tiles: Callable[[int], int]) -> GraphTiles:
         """The plan's tiles as a list of ``max_tiles(block_q)`` entries in ``static`` that the caller
         writes before each launch (its split count stays the one of the host twins' tiling; merge
-        counters for every tile). MLA plans too (their state has the same tile fields)."""
+        counters for every tile). MLA plans too (their state has the same tile fields). On the prefill
+        kernel, which merges into the suffix state in its launch, only the cut groups get tiles: their
+        count on the device, and a grid of ``grid_tiles`` programs a KV head and split that stride over
+        them (the host twins' tile count, at least one wave over the SMs), so that a replay that cut
+        nothing costs one wave of programs that read the count."""
         self.plan(plan, static=static)
         a: TritonState = plan.state
         n = max_tiles(a.block_q)
@@ -498,17 +505,28 @@ class TritonProvider(Provider):
             if static.counters is None or static.counters.numel() < need:
                 static.counters = torch.zeros(need, dtype=torch.int32, device=self.device)
             fields["counters"] = static.counters[:need]
+        if getattr(a, "kernel", None) == "prefill" and not plan.causal and (a.num_splits == 1 or "counters" in fields):
+            if static.tile_count is None:
+                static.tile_count = torch.zeros(1, dtype=torch.int32, device=self.device)
+            wave = -(-self._sms // (self.config.num_kv_heads * a.num_splits))
+            fields.update(tile_count=static.tile_count, grid_tiles=max(1, min(n, max(a.num_tiles, wave))))
         plan.state = dataclasses.replace(a, **fields)
-        return plan.state.tile_req, plan.state.tile_qstart, a.block_q
+        return GraphTiles(plan.state.tile_req, plan.state.tile_qstart, a.block_q, fields.get("tile_count"))
 
     def static_buffers(
-        self, max_rows: int, max_tokens: int, max_kv_len: int, q: int = 1, num_kv_splits: int | None = None
+        self,
+        max_rows: int,
+        max_tokens: int,
+        max_kv_len: int,
+        q: int = 1,
+        num_kv_splits: int | None = None,
+        noncausal: bool = False,
     ) -> TritonStatic:
         """Tiles for ``max_tokens`` rows (the first ``max_rows`` hold the decode tile list) and split
         partials for the largest ``rows * q * splits(rows)`` over ``rows <= max_rows`` (none when
         every batch runs unsplit)."""
         cfg, dev = self.config, self.device
-        splits = (self.split_count(r, max_kv_len, num_kv_splits) for r in range(1, max_rows + 1))
+        splits = (self.split_count(r, max_kv_len, num_kv_splits, noncausal) for r in range(1, max_rows + 1))
         n = max((r * q * s for r, s in enumerate(splits, 1) if s > 1), default=0) * cfg.num_qo_heads
         return TritonStatic(
             tile_req=torch.arange(max(max_tokens, max_rows), dtype=torch.int32, device=dev),
@@ -558,7 +576,11 @@ class TritonProvider(Provider):
             if gluon is not None:
                 kernel = "gluon"
             elif self._prefill_kernel_ok(plan, pe, block_m, splits):
+                # the entry's launch shape: a pinned block_m (cascade graphs' prefix parts) may come with the
+                # knobs of a shorter batch's bucket
                 kernel, entry = "prefill", pe
+                block_n = o.block_n or pe.block_n or block_n
+                warps, stages = o.num_warps or pe.num_warps or warps, o.num_stages or pe.num_stages or stages
         fused = kernel == "decode" and splits > 1 and entry.fused_merge
         # a split non-causal prefill plan in static memory (a cascade graph's prefix part): counters for
         # run_merge's in-kernel merge into the suffix state
@@ -857,7 +879,14 @@ class TritonProvider(Provider):
                 stride_blt=lse.stride(0),
                 stride_blh=lse.stride(1),
             )
-        prefill_kernel[(a.num_tiles, cfg.num_kv_heads, a.num_splits)](
+        strided = a.tile_count is not None
+        if strided and not fused:
+            raise ValueError(
+                "attnplug: a cascade graph's prefix plan runs only through run_merge (its tiles: the cut groups)"
+            )
+        if strided:
+            base.update(TILE_COUNT=a.tile_count, STRIDED=True)
+        prefill_kernel[(a.grid_tiles if strided else a.num_tiles, cfg.num_kv_heads, a.num_splits)](
             q,
             k_cache,
             v_cache,

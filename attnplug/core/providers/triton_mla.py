@@ -84,11 +84,17 @@ class TritonMLAProvider(TritonProvider):
         return max(1, min(128, max_kv_len // 256, num_pages(2 * self._sms, programs)))
 
     def static_buffers(
-        self, max_rows: int, max_tokens: int, max_kv_len: int, q: int = 1, num_kv_splits: int | None = None
+        self,
+        max_rows: int,
+        max_tokens: int,
+        max_kv_len: int,
+        q: int = 1,
+        num_kv_splits: int | None = None,
+        noncausal: bool = False,
     ) -> TritonStatic:
         """Tiles for ``max_tokens`` rows and split partials ``[rows * q, H, S, R]`` for the largest split."""
         cfg, dev = self.config, self.device
-        splits = (self.split_count(r, max_kv_len, num_kv_splits) for r in range(1, max_rows + 1))
+        splits = (self.split_count(r, max_kv_len, num_kv_splits, noncausal) for r in range(1, max_rows + 1))
         n = max((r * q * s for r, s in enumerate(splits, 1) if s > 1), default=0) * cfg.num_qo_heads
         rows = max(max_tokens, max_rows)
         return TritonStatic(
