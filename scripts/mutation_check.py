@@ -388,6 +388,22 @@ MUTATIONS = [
         "cascade graphs: each suffix starts at page 0, so the shared pages are read twice",
     ),
     Mutation(
+        "cascade_graph_tiles_for_uncut_groups",
+        GU,
+        "tiled = lead & (c > 0) if HAS_TILE_COUNT else lead",
+        "tiled = lead",
+        ("tests/core/test_cascade_graph.py::test_prefix_part_on_the_prefill_kernel",),
+        "cascade graphs, device update: every group gets prefix tiles, so a replay that cut nothing still runs them",
+    ),
+    Mutation(
+        "cascade_graph_strided_prefix_drops_a_tile",
+        "attnplug/core/kernels/prefill.py",
+        "for tile in range(tl.program_id(0), tl.load(TILE_COUNT), tl.num_programs(0)):",
+        "for tile in range(tl.program_id(0), tl.load(TILE_COUNT) - 1, tl.num_programs(0)):",
+        ("tests/core/test_cascade_graph.py::test_prefix_part_on_the_prefill_kernel",),
+        "cascade graphs: the strided prefix part skips the last cut tile (its rows miss the shared prefix)",
+    ),
+    Mutation(
         "cascade_graph_shared_pages_ignore_mismatch",
         GU,
         "first_diff = tl.minimum(first_diff, tl.min(tl.where(m & (p0 != pb), j, lim), axis=0))",

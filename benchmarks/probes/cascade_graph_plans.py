@@ -7,7 +7,8 @@ Llama-3-8B attention (32/8 heads, d 128, page 16, bf16). For each ``bs`` request
 SMs; printed per part (suffix: the graph's own plan; prefix: the cascade's shared-prefix part): kernel, tiles,
 splits, ``block_m``, warps, fused merge, whether its programs stride over the cut groups' tiles, and the
 programs it launches (tiles, or the strided grid, x KV heads x splits), which a replay pays whether or not its
-batch shares anything. ``--max-batch``: the graph family's size, as an engine's (captured at ``bs``). ``docs/cascade.md`` reads them.
+batch shares anything. ``--max-batch``: the graph family's size, as an engine's (captured at ``bs``).
+``docs/cascade.md`` reads them.
 """
 
 from __future__ import annotations
