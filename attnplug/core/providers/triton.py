@@ -491,8 +491,8 @@ class TritonProvider(Provider):
         counters for every tile). MLA plans too (their state has the same tile fields). On the prefill
         kernel, which merges into the suffix state in its launch, only the cut groups get tiles: their
         count on the device, and a grid of ``grid_tiles`` programs a KV head and split that stride over
-        them (the host twins' tile count, at least one wave over the SMs), so that a replay that cut
-        nothing costs one wave of programs that read the count."""
+        them (the host twins' tile count, or more while they fit the SMs in one wave), so that a replay that
+        cut nothing costs one wave of programs that read the count."""
         self.plan(plan, static=static)
         a: TritonState = plan.state
         n = max_tiles(a.block_q)
@@ -508,7 +508,7 @@ class TritonProvider(Provider):
         if getattr(a, "kernel", None) == "prefill" and not plan.causal and (a.num_splits == 1 or "counters" in fields):
             if static.tile_count is None:
                 static.tile_count = torch.zeros(1, dtype=torch.int32, device=self.device)
-            wave = -(-self._sms // (self.config.num_kv_heads * a.num_splits))
+            wave = self._sms // (self.config.num_kv_heads * a.num_splits)  # programs that fit the SMs at once
             fields.update(tile_count=static.tile_count, grid_tiles=max(1, min(n, max(a.num_tiles, wave))))
         plan.state = dataclasses.replace(a, **fields)
         return GraphTiles(plan.state.tile_req, plan.state.tile_qstart, a.block_q, fields.get("tile_count"))
