@@ -4,6 +4,7 @@ prefix buffers, and the replayed launches against the float32 reference of the w
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import fa3_standin
@@ -236,6 +237,25 @@ def test_prefix_part_on_the_prefill_kernel(name, splits, partials, monkeypatch):
     attn.run(q, k, v, out=out)
     ref, _ = reference_attention(make_plan(c, batch, n, device=DEV), q, k, v)
     assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_strided_prefix_part_covers_every_cut_tile(splits, monkeypatch):
+    """One program a KV head and split (``grid_tiles`` 1) strides over every tile the update cut (two groups:
+    two tiles): the output equals the reference."""
+    from attnplug.core.kernels import tiles
+
+    c, batch, q, k, v, n = make_case("two groups, nothing common to all", seed=5)
+    entry = {"kernel": "prefill", "block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 2}
+    monkeypatch.setitem(tiles.TILES, tiles.key(c.head_dim, c.group_size, "noncausal"), entry)
+    gs = state(c, num_kv_splits=splits)
+    bs = batch.batch_size + 1
+    gs.prepare_capture(bs)
+    plan = gs.cascade.plans[bs]
+    plan.state = dataclasses.replace(plan.state, grid_tiles=1)
+    gs.update(batch, bs)
+    assert int(plan.state.tile_count) == 2
+    check_out(c, batch, q, k, v, n, gs, bs)
 
 
 @pytest.mark.parametrize("block_h", [None, 4])
