@@ -396,12 +396,12 @@ MUTATIONS = [
         "cascade graphs, device update: every group gets prefix tiles, so a replay that cut nothing still runs them",
     ),
     Mutation(
-        "cascade_graph_strided_prefix_drops_a_tile",
+        "cascade_graph_strided_prefix_skips_a_tile",
         "attnplug/core/kernels/prefill.py",
-        "for tile in range(tl.program_id(0), tl.load(TILE_COUNT), tl.num_programs(0)):",
-        "for tile in range(tl.program_id(0), tl.load(TILE_COUNT) - 1, tl.num_programs(0)):",
-        ("tests/core/test_cascade_graph.py::test_prefix_part_on_the_prefill_kernel",),
-        "cascade graphs: the strided prefix part skips the last cut tile (its rows miss the shared prefix)",
+        "for tile in range(tl.program_id(0) + tl.num_programs(0), count, tl.num_programs(0)):",
+        "for tile in range(tl.program_id(0) + 2 * tl.num_programs(0), count, tl.num_programs(0)):",
+        ("tests/core/test_cascade_graph.py::test_strided_prefix_part_covers_every_cut_tile",),
+        "cascade graphs: the strided prefix part skips each program's second cut tile (its rows miss the prefix)",
     ),
     Mutation(
         "cascade_graph_shared_pages_ignore_mismatch",

@@ -487,7 +487,7 @@ def _prefill_tile(
 ):
     """One tile of :func:`prefill_kernel` (its arguments, and the tile, KV head and split of this program)."""
     b, q0, q_start, q_len, kv_len, page_base = tile_request(tile_req, tile_qstart, qo_indptr, kv_lens, kv_indptr, tile)
-    go = kv_len >= 0
+    go = True  # static: a causal launch's body is not wrapped in a branch
     if MERGE_BASE:  # a request without keys (nothing shared at this replay): no work, the suffix state stays
         go = kv_len > 0
     if go:
@@ -895,16 +895,20 @@ def prefill_kernel(
 
     ``STRIDED`` (with ``MERGE_BASE``; the cascade graphs' prefix part): grid ``(W, Hkv, num_splits)``, program
     ``p`` of axis 0 takes tiles ``p, p + W, ...`` below ``TILE_COUNT [1]`` int32 (the tiles of the groups the
-    graph update cut): a replay that cut nothing runs ``W x Hkv x num_splits`` programs that read the count.
+    graph update cut): a replay that cut nothing runs ``W x Hkv x num_splits`` programs that read the count. The
+    first tile is straight code, the rest a loop (the loop's hoisted values would otherwise spill in the first
+    tile's key loop at 16 warps).
     """
     if PDL:
         gdc_launch_dependents()
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    if STRIDED:  # the programs of axis 0 stride over the TILE_COUNT tiles the graph update wrote
-        for tile in range(tl.program_id(0), tl.load(TILE_COUNT), tl.num_programs(0)):
+    if STRIDED:  # the programs of axis 0 stride over the TILE_COUNT tiles the graph update wrote: the first
+        # straight (the common case, one tile a program), the rest in a loop
+        count = tl.load(TILE_COUNT)
+        if tl.program_id(0) < count:
             _prefill_tile(
-                tile,
+                tl.program_id(0),
                 kvh,
                 split,
                 Q,
@@ -966,6 +970,70 @@ def prefill_kernel(
                 stride_blt,
                 stride_blh,
             )
+            for tile in range(tl.program_id(0) + tl.num_programs(0), count, tl.num_programs(0)):
+                _prefill_tile(
+                    tile,
+                    kvh,
+                    split,
+                    Q,
+                    K,
+                    V,
+                    O,
+                    LSE,
+                    K_desc,
+                    V_desc,
+                    qo_indptr,
+                    kv_indptr,
+                    kv_indices,
+                    kv_lens,
+                    tile_req,
+                    tile_qstart,
+                    K_SCALE,
+                    V_SCALE,
+                    num_tiles,
+                    sm_scale,
+                    stride_qt,
+                    stride_qh,
+                    stride_kp,
+                    stride_kt,
+                    stride_kh,
+                    stride_vp,
+                    stride_vt,
+                    stride_vh,
+                    stride_ot,
+                    stride_oh,
+                    stride_lt,
+                    stride_lh,
+                    GROUP,
+                    BLOCK_Q,
+                    BLOCK_M,
+                    BLOCK_N,
+                    DIAG_N,
+                    HEAD_DIM,
+                    BLOCK_D,
+                    PAGE_SIZE,
+                    PAGE_TMA,
+                    NUM_STAGES,
+                    STORE_LSE,
+                    DOT_PRECISION,
+                    UPCAST,
+                    KV_FP8,
+                    FP8_F16,
+                    NONCAUSAL,
+                    num_splits,
+                    stride_os,
+                    PDL,
+                    SINKS,
+                    HAS_SINKS,
+                    MERGE_BASE,
+                    COUNTERS,
+                    BASE_O,
+                    BASE_L,
+                    stride_bot,
+                    stride_boh,
+                    stride_blt,
+                    stride_blh,
+                )
     else:  # longest causal tiles first (see the module docstring)
         _prefill_tile(
             num_tiles - 1 - tl.program_id(0),
