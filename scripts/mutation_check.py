@@ -398,8 +398,8 @@ MUTATIONS = [
     Mutation(
         "cascade_graph_strided_prefix_skips_a_tile",
         "attnplug/core/kernels/prefill.py",
-        "for tile in range(tl.program_id(0) + tl.num_programs(0), count, tl.num_programs(0)):",
-        "for tile in range(tl.program_id(0) + 2 * tl.num_programs(0), count, tl.num_programs(0)):",
+        "for t in range(tile + tl.num_programs(0), count, tl.num_programs(0)):",
+        "for t in range(tile + 2 * tl.num_programs(0), count, tl.num_programs(0)):",
         ("tests/core/test_cascade_graph.py::test_strided_prefix_part_covers_every_cut_tile",),
         "cascade graphs: the strided prefix part skips each program's second cut tile (its rows miss the prefix)",
     ),

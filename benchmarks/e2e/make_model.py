@@ -140,23 +140,24 @@ SINK_STD = 3.0
 
 def tensors(cfg: dict):
     """Yield (name, shape) of a Llama (or, by ``model_type``, a dense DeepSeek-V2 or a gpt-oss) checkpoint in HF
-    naming."""
-    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    if cfg.get("model_type") == "gpt_oss":
-        yield from gpt_oss_tensors(cfg)
-        return
-    attention = mla_tensors if cfg.get("model_type") == "deepseek_v2" else gqa_tensors
+    naming: each layer's attention and MLP weights from :data:`LAYER_PARTS`."""
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    attention, mlp = LAYER_PARTS.get(cfg.get("model_type"), (gqa_tensors, dense_mlp_tensors))
     yield "model.embed_tokens.weight", (v, h)
     for layer in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{layer}."
         yield p + "input_layernorm.weight", (h,)
         yield from ((p + "self_attn." + n, shape) for n, shape in attention(cfg))
         yield p + "post_attention_layernorm.weight", (h,)
-        yield p + "mlp.gate_proj.weight", (i, h)
-        yield p + "mlp.up_proj.weight", (i, h)
-        yield p + "mlp.down_proj.weight", (h, i)
+        yield from ((p + "mlp." + n, shape) for n, shape in mlp(cfg))
     yield "model.norm.weight", (h,)
     yield "lm_head.weight", (v, h)
+
+
+def dense_mlp_tensors(cfg: dict):
+    """A dense SwiGLU MLP's weights: (name under ``mlp.``, shape)."""
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    return [("gate_proj.weight", (i, h)), ("up_proj.weight", (i, h)), ("down_proj.weight", (h, i))]
 
 
 def gqa_tensors(cfg: dict):
@@ -170,27 +171,25 @@ def gqa_tensors(cfg: dict):
     ]
 
 
-def gpt_oss_tensors(cfg: dict):
-    """A gpt-oss checkpoint (bf16, unquantized): biased GQA projections, ``self_attn.sinks [Hq]``, the router and
-    the fused experts (``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``, their biases)."""
-    h, i, v, e = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_local_experts"]
-    yield "model.embed_tokens.weight", (v, h)
-    for layer in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{layer}."
-        yield p + "input_layernorm.weight", (h,)
-        yield p + "self_attn.sinks", (cfg["num_attention_heads"],)
-        for name, shape in gqa_tensors(cfg):
-            yield p + "self_attn." + name, shape
-            yield p + "self_attn." + name.replace("weight", "bias"), shape[:1]
-        yield p + "post_attention_layernorm.weight", (h,)
-        yield p + "mlp.router.weight", (e, h)
-        yield p + "mlp.router.bias", (e,)
-        yield p + "mlp.experts.gate_up_proj", (e, h, 2 * i)
-        yield p + "mlp.experts.gate_up_proj_bias", (e, 2 * i)
-        yield p + "mlp.experts.down_proj", (e, i, h)
-        yield p + "mlp.experts.down_proj_bias", (e, h)
-    yield "model.norm.weight", (h,)
-    yield "lm_head.weight", (v, h)
+def gpt_oss_attention_tensors(cfg: dict):
+    """A gpt-oss layer's attention weights (name under ``self_attn.``, shape): ``sinks [Hq]`` and biased GQA
+    projections."""
+    biased = [(n, shape) for w, shape in gqa_tensors(cfg) for n in (w, w.replace("weight", "bias"))]
+    return [("sinks", (cfg["num_attention_heads"],))] + [(n, s if n.endswith("weight") else s[:1]) for n, s in biased]
+
+
+def moe_mlp_tensors(cfg: dict):
+    """A gpt-oss layer's MoE weights (bf16, unquantized; name under ``mlp.``, shape): the router and the fused
+    experts (``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``, their biases)."""
+    h, i, e = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_local_experts"]
+    return [
+        ("router.weight", (e, h)),
+        ("router.bias", (e,)),
+        ("experts.gate_up_proj", (e, h, 2 * i)),
+        ("experts.gate_up_proj_bias", (e, 2 * i)),
+        ("experts.down_proj", (e, i, h)),
+        ("experts.down_proj_bias", (e, h)),
+    ]
 
 
 def mla_tensors(cfg: dict):
@@ -208,6 +207,13 @@ def mla_tensors(cfg: dict):
         ("kv_b_proj.weight", (hq * (dn + dv), kl)),
         ("o_proj.weight", (h, hq * dv)),
     ]
+
+
+#: each ``model_type``'s (attention, MLP) weight lists; others: Llama's
+LAYER_PARTS = {
+    "deepseek_v2": (mla_tensors, dense_mlp_tensors),
+    "gpt_oss": (gpt_oss_attention_tensors, moe_mlp_tensors),
+}
 
 
 def write(path: str, cfg: dict, seed: int = 0, shard_bytes: int = 4 << 30) -> None:

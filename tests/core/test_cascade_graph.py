@@ -89,6 +89,14 @@ def same_prefix_batch(host, dev, bs, n):
     assert bool(h.active) == bool(d.active) and (int(h.counts[2]) > 0) == (int(d.counts[2]) > 0)
 
 
+def prefix_on_prefill_kernel(monkeypatch, c, **extra):
+    """A ``noncausal`` tile entry naming the prefill kernel (16-row tiles) for ``c``: cascade prefix parts run it."""
+    from attnplug.core.kernels import tiles
+
+    entry = {"kernel": "prefill", "block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 2, **extra}
+    monkeypatch.setitem(tiles.TILES, tiles.key(c.head_dim, c.group_size, "noncausal"), entry)
+
+
 def make_case(name, seed=0, dtype=torch.bfloat16, provider="triton"):
     groups, unique, nested, loners = CASES[name]
     toks = prompts(groups + [(1, 0)] * loners, unique, nested=nested, seed=seed)
@@ -192,13 +200,9 @@ def test_prefix_part_on_the_prefill_kernel(name, splits, partials, monkeypatch):
     groups have tiles (none when nothing is shared), their count written by both update paths, and the
     launch's programs stride over them."""
     from attnplug.core import PagedAttention
-    from attnplug.core.kernels import tiles
 
     c, batch, q, k, v, n = make_case(name, seed=11)
-    entry = {"kernel": "prefill", "block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 2}
-    if partials:
-        entry["partials"] = partials
-    monkeypatch.setitem(tiles.TILES, tiles.key(c.head_dim, c.group_size, "noncausal"), entry)
+    prefix_on_prefill_kernel(monkeypatch, c, **({"partials": partials} if partials else {}))
     gs = state(c, num_kv_splits=splits)
     bs = batch.batch_size + 1
     gs.prepare_capture(bs)
@@ -243,11 +247,9 @@ def test_prefix_part_on_the_prefill_kernel(name, splits, partials, monkeypatch):
 def test_strided_prefix_part_covers_every_cut_tile(splits, monkeypatch):
     """One program a KV head and split (``grid_tiles`` 1) strides over every tile the update cut (two groups:
     two tiles): the output equals the reference."""
-    from attnplug.core.kernels import tiles
 
     c, batch, q, k, v, n = make_case("two groups, nothing common to all", seed=5)
-    entry = {"kernel": "prefill", "block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 2}
-    monkeypatch.setitem(tiles.TILES, tiles.key(c.head_dim, c.group_size, "noncausal"), entry)
+    prefix_on_prefill_kernel(monkeypatch, c)
     gs = state(c, num_kv_splits=splits)
     bs = batch.batch_size + 1
     gs.prepare_capture(bs)
@@ -561,7 +563,7 @@ def test_prefix_part_launches_as_a_programmatic_dependent(monkeypatch):
     import attnplug.core.kernels.prefill as prefill_mod
     import attnplug.core.providers as providers
     import attnplug.core.providers.triton as triton_provider_mod
-    from attnplug.core.kernels import pdl, tiles
+    from attnplug.core.kernels import pdl
     from attnplug.core.providers.triton import TritonProvider
 
     # the suffix on the paged kernel, as on one SM (a GPU's SM count plans the Hopper decode kernel, which
@@ -575,8 +577,7 @@ def test_prefix_part_launches_as_a_programmatic_dependent(monkeypatch):
     monkeypatch.delenv(pdl.PDL_ENV)
 
     c, batch, q, k, v, n = make_case("one group", seed=11)
-    entry = {"kernel": "prefill", "block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 2}
-    monkeypatch.setitem(tiles.TILES, tiles.key(c.head_dim, c.group_size, "noncausal"), entry)
+    prefix_on_prefill_kernel(monkeypatch, c)
     gs = state(c, num_kv_splits=3)
     bs = batch.batch_size + 1
     gs.prepare_capture(bs)

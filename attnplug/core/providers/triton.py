@@ -505,7 +505,7 @@ class TritonProvider(Provider):
             if static.counters is None or static.counters.numel() < need:
                 static.counters = torch.zeros(need, dtype=torch.int32, device=self.device)
             fields["counters"] = static.counters[:need]
-        if getattr(a, "kernel", None) == "prefill" and not plan.causal and (a.num_splits == 1 or "counters" in fields):
+        if _merges_in_kernel(a) and not plan.causal:
             if static.tile_count is None:
                 static.tile_count = torch.zeros(1, dtype=torch.int32, device=self.device)
             wave = self._sms // (self.config.num_kv_heads * a.num_splits)  # programs that fit the SMs at once
@@ -683,7 +683,7 @@ class TritonProvider(Provider):
         plan of the paged kernel merges its splits straight into ``(out, lse)`` (one merge launch, no
         scratch); other plans take the default (run into scratch, then merge)."""
         a: TritonState = plan.state
-        in_kernel = a.kernel == "prefill" and (a.num_splits == 1 or a.counters is not None)
+        in_kernel = _merges_in_kernel(a)
         if a.kernel == "decode" or (a.num_splits == 1 and not in_kernel) or "sinks" in scales:
             return super().run_merge(plan, q, k_cache, v_cache, out, lse, scratch_out, scratch_lse, **scales)
         # not inside a CUDA IF node: the body's first launch has no kernel before it in its own graph
@@ -1054,6 +1054,12 @@ class TritonProvider(Provider):
         )
         if split and not fused:
             merge_splits(a.partial, a.partial_lse, out, lse, sinks=sinks)
+
+
+def _merges_in_kernel(a) -> bool:
+    """A plan state (``TritonState``; an MLA state has no ``kernel``) whose prefill-kernel launch merges into a base
+    state itself: unsplit, or split with merge counters (:meth:`TritonProvider.run_merge`)."""
+    return getattr(a, "kernel", None) == "prefill" and (a.num_splits == 1 or a.counters is not None)
 
 
 def _sink_args(sinks: torch.Tensor | None) -> dict:
