@@ -447,6 +447,10 @@ def _mla_impls() -> list[Impl]:
         Impl("flashinfer.mla", "flashinfer", True, mla._fi_mla),
         Impl("fa3.mla_qv", "fa3", True, mla._fa3_mla),
         Impl("fa3.mla_prefill_mha", "fa3", True, mla._fa3_mla_prefill_mha),
+        *(
+            Impl(f"attnplug.{p}.mla_prefill_mha", p, False, mla.ragged_prefill(p))
+            for p in ("triton", "flashinfer", "fa3")
+        ),
         Impl("flashmla", "fa3", True, mla._flashmla),
     ]
 

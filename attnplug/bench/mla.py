@@ -11,7 +11,8 @@ cache, ``out [T, H, 512]``). The library kernels measured beside them, called di
 * ``fa3.mla_prefill_mha`` (prefill rows): the engines' FA-based MLA prefill, FA3 varlen attention over the
   up-projected K / V (``k = cat(c @ W_UK, k_pe)`` [T, H, 192], ``v = c @ W_UV`` [T, H, 128]); the
   up-projection GEMMs are untimed (as attnplug's absorbed output's ``W_UV`` is); its output is checked
-  against the reference's latent output times ``W_UV``.
+  against the reference's latent output times ``W_UV``; ``attnplug.<provider>.mla_prefill_mha``: the same
+  through attnplug's ragged prefill (:mod:`attnplug.core.ragged`, SGLang's MLA prefill path).
 """
 
 from __future__ import annotations
@@ -174,23 +175,48 @@ def _flashmla(work: Work):
     )[0].view(-1, c.num_qo_heads, RANK)
 
 
-def _fa3_mla_prefill_mha(work: Work):
-    """FA3 varlen over up-projected K / V (the engines' MLA prefill); output ``[T, H, 128]``."""
-    _mla_only(work, "the FA-based MLA prefill")
+def _mha_inputs(work: Work) -> tuple:
+    """The un-absorbed prefill's ``(q [T, H, 192], k [T, H, 192], v [T, H, 128], cu [B + 1])``: the latent
+    rows in token order (the page table's), up-projected per head (untimed)."""
+    _mla_only(work, "the un-absorbed MLA prefill")
     if work.row.kind != "prefill" or work.row.prefix:
-        raise NotApplicable("the FA-based MLA prefill: prefill rows without a prefix")
-    lib, r, c = fa3_lib(work), work.row, work.config
-    if not lib.varlen_style:
-        raise Unavailable(f"the un-paged varlen call of vLLM's FA3 fork (loaded: {lib.source})")
+        raise NotApplicable("the un-absorbed MLA prefill: prefill rows without a prefix")
+    r, c = work.row, work.config
     B, L, dev = r.batch, r.q_len, work.q.device
-    # the latent rows in token order (the page table's), then the per-head up-projections (untimed)
     rows = work.k_cache.squeeze(2)[work.block_table.long()].reshape(B, -1, c.head_dim)[:, :L]
     rows = rows.reshape(B * L, -1)
     w_uk, w_uv = work.extra["w_uk"], work.extra["w_uv"]
     k_nope = torch.einsum("tr,hrn->thn", rows[:, :RANK], w_uk)
     k = torch.cat([k_nope, rows[:, None, RANK:].expand(-1, c.num_qo_heads, -1)], -1).contiguous()
     v = torch.einsum("tr,hrv->thv", rows[:, :RANK], w_uv).contiguous()
-    q = work.extra["q_mha"]  # [T, H, 128 + 64]: the query whose absorbed form is work.q
     cu = torch.arange(B + 1, dtype=torch.int32, device=dev) * L
-    out = torch.empty(B * L, c.num_qo_heads, NOPE, dtype=c.dtype, device=dev)
+    return work.extra["q_mha"], k, v, cu  # q_mha: the query whose absorbed form is work.q
+
+
+def _fa3_mla_prefill_mha(work: Work):
+    """FA3 varlen over up-projected K / V (the engines' MLA prefill); output ``[T, H, 128]``."""
+    lib, c = fa3_lib(work), work.config
+    if not lib.varlen_style:
+        raise Unavailable(f"the un-paged varlen call of vLLM's FA3 fork (loaded: {lib.source})")
+    q, k, v, cu = _mha_inputs(work)
+    L = work.row.q_len
+    out = torch.empty(q.shape[0], c.num_qo_heads, NOPE, dtype=c.dtype, device=q.device)
     return lambda: lib.fn(q, k, v, L, cu, L, cu_seqlens_k=cu, softmax_scale=c.scale, causal=True, out=out, fa_version=3)
+
+
+def ragged_prefill(provider: str):
+    """``make`` of ``attnplug.<provider>.mla_prefill_mha``: the same un-absorbed prefill through attnplug's
+    :class:`~attnplug.core.ragged.RaggedAttention` (SGLang's MLA prefill path); planned untimed."""
+
+    def make(work: Work):
+        from ..core.ragged import RaggedAttention, RaggedConfig  # noqa: PLC0415
+
+        q, k, v, cu = _mha_inputs(work)
+        c, h = work.config, work.config.num_qo_heads
+        attn = RaggedAttention(RaggedConfig(h, h, q.shape[-1], NOPE, c.dtype, c.scale), provider, q.device)
+        lens = [work.row.q_len] * work.row.batch
+        attn.plan(lens, lens)
+        out = torch.empty(q.shape[0], h, NOPE, dtype=c.dtype, device=q.device)
+        return lambda: attn.run(q, k, v, out)
+
+    return make

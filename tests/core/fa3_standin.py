@@ -19,14 +19,15 @@ def fake_fa3_varlen(
     max_seqlen_q,
     cu_seqlens_q,
     max_seqlen_k,
+    cu_seqlens_k=None,
     *,
-    seqused_k,
+    seqused_k=None,
     softmax_scale,
     causal,
-    window_size,
-    softcap,
-    block_table,
-    return_softmax_lse,
+    window_size=None,
+    softcap=0.0,
+    block_table=None,
+    return_softmax_lse=False,
     out,
     fa_version,
     q_descale=None,
@@ -43,8 +44,19 @@ def fake_fa3_varlen(
     bfloat16 output, attention of ``q * q_descale`` over ``k * k_descale`` / ``v * v_descale``.
     ``s_aux``: ``[Hq]`` bfloat16 sink logits, at most 64 query heads (vLLM's fork checks both): one more logit
     per head with no value row.
-    ``q_v [T, Hq, Dv]`` (FA3's MLA input): the logits add ``q_v . v``; the output is ``[T, Hq, Dv]``."""
+    ``q_v [T, Hq, Dv]`` (FA3's MLA input): the logits add ``q_v . v``; the output is ``[T, Hq, Dv]``.
+    Cache-free (``cu_seqlens_k``, no block table): ``k_cache [Tk, Hkv, D]`` / ``v_cache [Tk, Hkv, Dv]``
+    hold request ``b``'s keys at rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``."""
     assert fa_version == 3 and max_seqlen_q >= 1 and max_seqlen_k >= 1
+    if block_table is None:  # the cache-free call: FA3 takes exactly one of the two
+        assert cu_seqlens_k is not None and seqused_k is None and out is not None
+        assert k_cache.dim() == v_cache.dim() == 3 and k_cache.shape[:2] == v_cache.shape[:2]
+        seqused_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        block_table = cu_seqlens_k[:-1, None] + torch.arange(max(max_seqlen_k, 1), device=q.device)
+        block_table = block_table.clamp(max=max(k_cache.shape[0] - 1, 0))
+        k_cache, v_cache = k_cache.unsqueeze(1), v_cache.unsqueeze(1)
+    else:
+        assert cu_seqlens_k is None
     B, hkv = cu_seqlens_q.numel() - 1, k_cache.shape[2]
     fp8 = q.dtype == E4M3
     if fp8:

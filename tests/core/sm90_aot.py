@@ -44,6 +44,7 @@ import attnplug.core.kernels.kv_write as kv_mod  # noqa: E402
 import attnplug.core.kernels.merge as merge_mod  # noqa: E402
 import attnplug.core.kernels.mla as mla_mod  # noqa: E402
 import attnplug.core.kernels.prefill as prefill_mod  # noqa: E402
+import attnplug.core.kernels.ragged as ragged_mod  # noqa: E402
 from attnplug.core import AttentionConfig, ForwardMode, PagedAttention  # noqa: E402
 from attnplug.core.cuda_graph import GraphState  # noqa: E402
 from attnplug.core.kernels import tiles  # noqa: E402
@@ -145,6 +146,7 @@ def record_all() -> None:
         (kv_mod, ["write_kv_kernel", "quantize_rows_kernel"]),
         (graph_mod, ["graph_batch_from_block_table_kernel", "shared_pages_kernel"]),
         (mla_mod, ["mla_attention_kernel", "write_latent_kernel"]),
+        (ragged_mod, ["ragged_prefill_kernel"]),
         *([(gluon_mod, ["gluon_prefill_kernel"])] if GLUON else []),
     ):
         for n in names:
@@ -213,6 +215,7 @@ def record_all() -> None:
     record_fast_paths(llama)
     record_sinks()
     record_mla()
+    record_ragged()
     if GLUON:
         record_gluon()
     else:  # the provider launches it only within GLUON_TRITON (its Gluon API moved after)
@@ -628,6 +631,17 @@ def record_mla() -> None:
         kv_c, k_pe = torch.zeros(3, 512, dtype=torch.bfloat16), torch.zeros(3, 1, 64, dtype=torch.bfloat16)
         scale = torch.ones(1) if cdt == e4m3 else None
         write_latent(kv_c, k_pe, cache, torch.zeros(3, dtype=torch.int64), scale)
+
+
+def record_ragged() -> None:
+    """The cache-free prefill (SGLang's MLA prefill: qk 192 / v 128, 16 and 128 heads; GQA d128), causal and not."""
+    from attnplug.core.ragged import RaggedAttention, RaggedConfig  # noqa: PLC0415
+
+    for hq, hkv, d, dv, causal in ((16, 16, 192, 128, True), (128, 128, 192, 128, True), (32, 8, 128, 128, False)):
+        attn = RaggedAttention(RaggedConfig(hq, hkv, d, dv, torch.bfloat16), "triton", "cpu")
+        attn.plan([300, 17], [300, 57], causal=causal)
+        q = torch.zeros(317, hq, d, dtype=torch.bfloat16)
+        attn.run(q, torch.zeros(357, hkv, d, dtype=torch.bfloat16), torch.zeros(357, hkv, dv, dtype=torch.bfloat16))
 
 
 def cuobjdump(cubin: bytes, *args: str) -> str:

@@ -51,8 +51,12 @@ def test_every_kernel_launch_compiles_for_sm90(tmp_path):
         "apply_sinks_kernel",
         "mla_attention_kernel",
         "write_latent_kernel",
+        "ragged_prefill_kernel",
     } | ({"gluon_prefill_kernel"} if gluon else set()), r.stdout
     assert int(counts["mla_attention_kernel"]) >= 8 and int(counts["write_latent_kernel"]) == 2, r.stdout
+    assert int(counts["ragged_prefill_kernel"]) == 2, (
+        r.stdout
+    )  # causal 192/128 (16 and 128 heads: one launch), GQA d128
     assert not gluon or int(counts["gluon_prefill_kernel"]) >= 8, r.stdout  # d64 / d128 / d256, groups, LSE
     assert int(counts["prefill_kernel"]) >= 6 and int(counts["decode_kernel"]) >= 4, r.stdout  # the Hopper paths
     # the replay update: decode, chain and tree verify, each with and without a cascade cut, the cut with the tile

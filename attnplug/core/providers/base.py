@@ -12,7 +12,8 @@ A provider decides, for its library:
   (attention sinks, ``config.sinks``: :attr:`Provider.NATIVE_SINKS` where the library's kernels take
   them, else the core joins them after the run, :meth:`Provider.run_folded`), :meth:`Provider.supports_mla`
   (MLA configs, ``config.is_mla``: served by :meth:`Provider.mla_class`, a subclass that constructing the
-  provider with such a config yields, :mod:`attnplug.core.mla`);
+  provider with such a config yields, :mod:`attnplug.core.mla`), :meth:`Provider.ragged_class` (cache-free
+  prefill, :mod:`attnplug.core.ragged`: its :class:`RaggedKernel`);
 * **one forward** - :meth:`Provider.plan` (host work, once per forward; the launch arguments go into
   ``plan.state``, typed) and :meth:`Provider.run` (per layer, launches only);
 * **plan knobs** - :attr:`Provider.Options` (its own :class:`~attnplug.core.plan.PlanOptions` subclass,
@@ -49,6 +50,7 @@ from ..plan import Plan, PlanOptions, ProviderStatic
 
 if TYPE_CHECKING:
     from ..cuda_graph import GraphState
+    from ..ragged import RaggedConfig, RaggedPlan
 
 
 class ProviderUnavailable(RuntimeError):
@@ -187,6 +189,9 @@ class Provider(ABC):
     #: ``None``: refused. A class that itself serves MLA configs sets :attr:`IS_MLA`.
     MLA_IMPL: ClassVar[str | None] = None
     IS_MLA: ClassVar[bool] = False
+    #: Cache-free (ragged) prefill (:mod:`attnplug.core.ragged`): ``"module:Class"`` (relative to this
+    #: package) of its :class:`RaggedKernel`; ``None``: refused.
+    RAGGED_IMPL: ClassVar[str | None] = None
 
     def __new__(cls, config: AttentionConfig | None = None, *args, **kwargs):
         """An MLA config builds :meth:`mla_class` (a subclass) where this class does not serve it itself."""
@@ -255,12 +260,12 @@ class Provider(ABC):
         :attr:`MLA_IMPL` names, or ``None`` (MLA refused)."""
         if cls.IS_MLA:
             return cls
-        if cls.MLA_IMPL is None:
-            return None
-        import importlib  # noqa: PLC0415
+        return _load_impl(cls.MLA_IMPL)
 
-        mod, name = cls.MLA_IMPL.split(":")
-        return getattr(importlib.import_module(mod, __package__), name)
+    @classmethod
+    def ragged_class(cls) -> type[RaggedKernel] | None:
+        """The class running this provider's cache-free prefill (:attr:`RAGGED_IMPL`), or ``None``."""
+        return _load_impl(cls.RAGGED_IMPL)
 
     @classmethod
     def mla_refusal(cls, config: AttentionConfig) -> str | None:
@@ -498,3 +503,34 @@ class Provider(ABC):
         """Providers for ``num_steps`` draft steps whose plans must all stay valid at once: this one,
         then forks of it (:meth:`fork`)."""
         return [self] + [self.fork() for _ in range(num_steps - 1)]
+
+
+def _load_impl(spec: str | None) -> type | None:
+    """The class a ``"module:Class"`` spec (relative to this package) names; ``None`` for ``None``."""
+    if spec is None:
+        return None
+    import importlib  # noqa: PLC0415
+
+    mod, name = spec.split(":")
+    return getattr(importlib.import_module(mod, __package__), name)
+
+
+class RaggedKernel(ABC):
+    """One provider's cache-free prefill (:class:`~attnplug.core.ragged.RaggedAttention`): :meth:`refusal`
+    (no device), :meth:`plan` (host work once per forward, into ``plan.state``), :meth:`run` (per layer)."""
+
+    def __init__(self, config: RaggedConfig, device: torch.device):
+        self.config = config
+        self.device = device
+
+    @classmethod
+    def refusal(cls, config: RaggedConfig) -> str | None:
+        """What of ``config`` it cannot run, for attnplug's refusal; ``None``: it can."""
+        return None
+
+    def plan(self, plan: RaggedPlan) -> None:
+        """Host work of one forward (default: none; the kernels read ``plan.cu_q`` / ``plan.cu_k``)."""
+
+    @abstractmethod
+    def run(self, plan: RaggedPlan, q, k, v, out: torch.Tensor) -> None:
+        """``q [Tq, Hq, D]``, ``k [Tk, Hkv, D]``, ``v [Tk, Hkv, Dv]`` -> writes ``out [Tq, Hq, Dv]``."""

@@ -62,7 +62,7 @@ from ..config import AttentionConfig, UnsupportedFeature
 from ..graph_views import HostBatch
 from ..pages import num_pages
 from ..plan import Plan, ProviderState
-from .base import GraphSupport, Provider, ProviderGraph
+from .base import GraphSupport, Provider, ProviderGraph, RaggedKernel
 
 logger = logging.getLogger("attnplug")
 _nnz = np.count_nonzero
@@ -163,6 +163,25 @@ class FA3Lib:
         if o.data_ptr() != out.data_ptr():
             out.copy_(o.view_as(out))
         return s
+
+    def ragged(self, q, k, v, out, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale) -> None:
+        """Cache-free varlen call (vLLM's fork only, :attr:`varlen_style`): ``q [Tq, Hq, D]``, ``k [Tk, Hkv,
+        D]``, ``v [Tk, Hkv, Dv]`` -> writes ``out [Tq, Hq, Dv]``."""
+        o = self.fn(
+            q,
+            k,
+            v,
+            max_seqlen_q,
+            cu_seqlens_q,
+            max_seqlen_k,
+            cu_seqlens_k=cu_seqlens_k,
+            softmax_scale=scale,
+            causal=causal,
+            out=out,
+            fa_version=3,
+        )
+        if o.data_ptr() != out.data_ptr():
+            out.copy_(o.view_as(out))
 
 
 _LIB: FA3Lib | None = None
@@ -328,6 +347,36 @@ class FA3Graph(ProviderGraph):
         )
 
 
+class FA3Ragged(RaggedKernel):
+    """FA3's cache-free varlen call (``cu_seqlens_k``), as vLLM's MLA prefill calls it: head dims of
+    :data:`HEAD_DIMS` with ``Dv = D``, or DeepSeek's 192 / 128. Refused (at construction) on a build
+    whose entry point is ``flash_attn_with_kvcache`` only."""
+
+    @classmethod
+    def refusal(cls, config) -> str | None:
+        if config.dtype not in (torch.float16, torch.bfloat16):
+            return f"ragged prefill in {config.dtype} (FA3 runs float16/bfloat16)"
+        dims = (config.head_dim, config.head_dim_v)
+        if dims != (192, 128) and not (dims[0] == dims[1] and dims[0] in HEAD_DIMS):
+            return f"ragged prefill with head dims {dims[0]}/{dims[1]} (FA3: {HEAD_DIMS} with equal v, or 192/128)"
+        return None
+
+    def __init__(self, config, device: torch.device):
+        super().__init__(config, device)
+        self.lib = load_fa3()
+        if not self.lib.varlen_style:
+            raise UnsupportedFeature(
+                f"attnplug: provider 'fa3' does not support ragged prefill through {self.lib.source} (attnplug calls "
+                "the cache-free varlen entry of vLLM's FA3 fork only)"
+            )
+
+    def run(self, plan, q, k, v, out) -> None:
+        self.lib.ragged(
+            q, k, v, out, cu_seqlens_q=plan.cu_q, cu_seqlens_k=plan.cu_k, max_seqlen_q=plan.max_q,
+            max_seqlen_k=plan.max_k, causal=plan.causal, scale=self.config.scale,
+        )  # fmt: skip
+
+
 def gather_block_table(
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
@@ -358,6 +407,7 @@ class FA3Provider(Provider):
     graph_cls = FA3Graph
     KV_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float8_e4m3fn))  # FA3 has no e5m2 kernels
     MLA_IMPL = ".fa3_mla:FA3MLAProvider"
+    RAGGED_IMPL = ".fa3:FA3Ragged"
 
     def __init__(self, config: AttentionConfig, device: torch.device):
         super().__init__(config, device)

@@ -46,7 +46,7 @@ from ..config import FP8_KV_DTYPES, AttentionConfig
 from ..graph_views import HostBatch
 from ..metadata import ForwardMode
 from ..plan import Plan, PlanOptions, ProviderState
-from .base import GraphSupport, Provider, ProviderGraph
+from .base import GraphSupport, Provider, ProviderGraph, RaggedKernel
 
 logger = logging.getLogger("attnplug")
 
@@ -417,6 +417,7 @@ class FlashInferProvider(Provider):
     EAGER_RUN_CAPTURABLE = False  # eager wrappers (use_cuda_graph=False) replan their buffers; graphs: FlashInferGraph
     KV_DTYPES = frozenset((torch.float16, torch.bfloat16) + FP8_KV_DTYPES)
     MLA_IMPL = ".flashinfer_mla:FlashInferMLAProvider"
+    RAGGED_IMPL = ".flashinfer:FlashInferRagged"
 
     def __init__(self, config: AttentionConfig, device: torch.device):
         super().__init__(config, device)
@@ -615,3 +616,44 @@ class FlashInferProvider(Provider):
         """
         v, s = self._fi.merge_state(v_a, s_a * LOG2E, v_b, s_b * LOG2E)
         return v, s.mul_(LN2)
+
+
+class FlashInferRagged(RaggedKernel):
+    """``BatchPrefillWithRaggedKVCacheWrapper`` (FlashInfer's cache-free prefill, SGLang's MLA prefill):
+    head dims of :data:`HEAD_DIMS` with ``Dv = D``, or DeepSeek's 192 / 128; planned on the host lengths
+    once per forward."""
+
+    @classmethod
+    def refusal(cls, config) -> str | None:
+        if config.dtype not in (torch.float16, torch.bfloat16):
+            return f"ragged prefill in {config.dtype} (FlashInfer runs float16/bfloat16)"
+        dims = (config.head_dim, config.head_dim_v)
+        if dims != (192, 128) and not (dims[0] == dims[1] and dims[0] in HEAD_DIMS):
+            return (
+                f"ragged prefill with head dims {dims[0]}/{dims[1]} (FlashInfer: {HEAD_DIMS} with equal v, or 192/128)"
+            )
+        return None
+
+    def __init__(self, config, device: torch.device):
+        super().__init__(config, device)
+        fi = _import_flashinfer()
+        workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
+
+    def plan(self, plan) -> None:
+        c = self.config
+        self._wrapper.plan(
+            torch.from_numpy(plan.qo_indptr),
+            torch.from_numpy(plan.kv_indptr),
+            c.num_qo_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            head_dim_vo=c.head_dim_v,
+            causal=plan.causal,
+            sm_scale=c.scale,
+            q_data_type=c.dtype,
+            kv_data_type=c.dtype,
+        )
+
+    def run(self, plan, q, k, v, out) -> None:
+        self._wrapper.run(q, k, v, out=out)

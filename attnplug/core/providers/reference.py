@@ -11,7 +11,7 @@ import torch
 from ..config import FP8_KV_DTYPES, SUPPORTED_DTYPES
 from ..plan import Plan
 from ..reference import reference_attention
-from .base import GraphSupport, Provider
+from .base import GraphSupport, Provider, RaggedKernel
 
 
 class ReferenceProvider(Provider):
@@ -20,6 +20,7 @@ class ReferenceProvider(Provider):
     KV_DTYPES = frozenset(SUPPORTED_DTYPES + FP8_KV_DTYPES)
     NATIVE_SINKS = True
     IS_MLA = True  # the oracle computes MLA configs too (V: the first head_dim_v columns of the latent)
+    RAGGED_IMPL = ".reference:ReferenceRagged"
 
     def plan(self, plan: Plan, static=None) -> None:
         pass
@@ -44,4 +45,13 @@ class ReferenceProvider(Provider):
             lse.copy_(s)
 
 
-__all__ = ["ReferenceProvider"]
+class ReferenceRagged(RaggedKernel):
+    """The float32 oracle of the cache-free prefill (:func:`~attnplug.core.ragged.ragged_reference`)."""
+
+    def run(self, plan, q, k, v, out) -> None:
+        from ..ragged import ragged_reference  # noqa: PLC0415 - ragged imports the providers
+
+        out.copy_(ragged_reference(plan, q, k, v, self.config.scale))
+
+
+__all__ = ["ReferenceProvider", "ReferenceRagged"]

@@ -26,7 +26,7 @@ from ..config import FP8_KV_DTYPES, SUPPORTED_DTYPES, AttentionConfig, env_flag
 from ..kernels import tiles as tile_table
 from ..pages import num_pages
 from ..plan import Plan, PlanOptions, ProviderState, ProviderStatic
-from .base import GraphSupport, GraphTiles, Provider, ProviderGraph
+from .base import GraphSupport, GraphTiles, Provider, ProviderGraph, RaggedKernel
 
 logger = logging.getLogger("attnplug")
 
@@ -242,6 +242,7 @@ class TritonProvider(Provider):
     KV_DTYPES = frozenset(SUPPORTED_DTYPES + FP8_KV_DTYPES)
     NATIVE_SINKS = True
     MLA_IMPL = ".triton_mla:TritonMLAProvider"
+    RAGGED_IMPL = ".triton:TritonRagged"
 
     @classmethod
     def prepare_process(cls, device_type: str) -> None:
@@ -1080,3 +1081,27 @@ def _kv_descriptor(cache: torch.Tensor, strides: tuple[int, int, int], cfg: Atte
         [sp, st, sh, 1],
         [1, block_n, 1, cfg.head_dim],
     )
+
+
+class TritonRagged(RaggedKernel):
+    """attnplug's cache-free prefill kernel (:mod:`attnplug.core.kernels.ragged`): 128-query tiles, 64-key
+    blocks; the qk head dim as two dots (192 = 128 + 64)."""
+
+    BLOCK_M, BLOCK_N, WARPS, STAGES = 128, 64, 8, 2
+
+    @classmethod
+    def refusal(cls, config) -> str | None:
+        if not (16 <= config.head_dim <= 512 and 16 <= config.head_dim_v <= 256):
+            return (
+                f"ragged prefill with head dims {config.head_dim}/{config.head_dim_v} (its kernel: qk 16..512, "
+                "v 16..256)"
+            )
+        return None
+
+    def run(self, plan, q, k, v, out) -> None:
+        from ..kernels.ragged import ragged_prefill  # noqa: PLC0415
+
+        ragged_prefill(
+            q, k, v, out, plan.cu_q, plan.cu_k, plan.max_q, self.config.scale, plan.causal,
+            self.BLOCK_M, self.BLOCK_N, self.WARPS, self.STAGES,
+        )  # fmt: skip
