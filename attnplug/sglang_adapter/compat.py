@@ -240,6 +240,36 @@ def register_absorbed_mla_dispatch(name: str) -> bool:
     return True
 
 
+def register_mha_prefill_mla_dispatch(name: str) -> bool:
+    """Make SGLang's DeepSeek attention choose for backend ``name`` as it does for its ``fa3`` backend
+    (``handle_attention_fa3``) where that choice is one pass of MHA over the up-projected K / V
+    (``MHA_ONE_SHOT``; ``MHA_CHUNKED_KV`` of a batch without a cached prefix, which is one pass too), and
+    absorbed MLA otherwise (chunked-prefix MHA merges prefix chunks by LSE outside the backend, a path
+    attnplug does not run). ``False`` where this SGLang has no such registry."""
+    try:
+        from sglang.srt.models.deepseek_common.attention_backend_handler import (
+            AttentionBackendRegistry,
+            _dispatch_mla_subtype,
+            handle_attention_fa3,
+        )
+        from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import (
+            AttnForwardMethod,
+        )
+    except ImportError:
+        return False
+
+    def handle(attn, forward_batch):
+        method = handle_attention_fa3(attn, forward_batch)
+        if method == AttnForwardMethod.MHA_ONE_SHOT:
+            return method
+        if method == AttnForwardMethod.MHA_CHUNKED_KV and not any(forward_batch.extend_prefix_lens_cpu or ()):
+            return method
+        return _dispatch_mla_subtype(attn, forward_batch)
+
+    AttentionBackendRegistry.register(name, handle)
+    return True
+
+
 def versions_info() -> str:
     """``attnplug X, SGLang Y`` for the "active" log line."""
     import attnplug

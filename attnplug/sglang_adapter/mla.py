@@ -13,15 +13,29 @@ the core: ``attn_mqa`` calls ``forward_extend`` / ``forward_decode`` with
 * output ``[T, H * R]`` (SGLang applies ``W_UV``).
 
 Plans, CUDA graphs (DECODE, TARGET_VERIFY) and cascade are the GQA backend's, with the MLA config
-(``head_dim_v = R``). Refused at startup with attnplug's message: a provider without MLA or one that
-cannot read the pool's dtype, DeepSeek-V3.2's sparse (DSA) pools and other MLA pool variants, EAGLE / MTP
-draft models, and (should SGLang route one) the MHA prefill path.
+(``head_dim_v = R``).
+
+Prefill as SGLang's fa3 backend runs it, where the provider has a cache-free prefill for the model's
+up-projected head dims (:mod:`attnplug.core.ragged`; DeepSeek: qk 192 / v 128): the registered dispatch
+sends an extend without a cached prefix, or with one that fits SGLang's one-shot pass, to the MHA layer
+(``attn_mha``: ``q [T, H, 192]``, ``k [Tk, H, 192]``, ``v [Tk, H, 128]``, each request's keys its whole
+sequence, request-major) -> ``[T, H * 128]``; everything else runs absorbed. Without such a prefill (a
+provider or FA3 build without one) every mode runs absorbed; the startup log says which.
+
+Refused at startup with attnplug's message: a provider without MLA or one that cannot read the pool's
+dtype, DeepSeek-V3.2's sparse (DSA) pools and other MLA pool variants, EAGLE / MTP draft models.
 """
 
 from __future__ import annotations
 
+import logging
+
+from attnplug.core import ProviderUnavailable, UnsupportedFeature
+
 from . import compat
 from .backend import AttnplugAttnBackend
+
+logger = logging.getLogger(__name__)
 
 
 class AttnplugMLAAttnBackend(AttnplugAttnBackend):
@@ -29,11 +43,50 @@ class AttnplugMLAAttnBackend(AttnplugAttnBackend):
 
     def __init__(self, model_runner, backend_name: str = "attnplug_triton", provider: str | None = None):
         super().__init__(model_runner, backend_name, provider)
-        if not compat.register_absorbed_mla_dispatch(backend_name):
+        self._ragged: dict[tuple, object] = {}  # (Hq, Hkv, D, Dv, scale) -> RaggedAttention
+        self._ragged_planned: dict[tuple, int] = {}  # its forward id
+        self.mha_prefill = self._mha_prefill_refusal(model_runner) is None
+        register = (
+            compat.register_mha_prefill_mla_dispatch if self.mha_prefill else compat.register_absorbed_mla_dispatch
+        )
+        if not register(backend_name):
             raise self.unsupported(
                 "this SGLang's DeepSeek attention dispatch (no AttentionBackendRegistry to "
-                "route MLA models to absorbed attention)"
+                "route MLA models to attnplug's attention)"
             )
+
+    def _mha_prefill_dims(self, runner) -> tuple[int, int] | None:
+        """``(qk, v)`` head dims of the model's up-projected prefill (DeepSeek: 128 + 64, 128), or ``None``."""
+        hf = getattr(runner.model_config, "hf_text_config", None)
+        nope, rope, v = (getattr(hf, a, None) for a in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+        if not all(isinstance(x, int) and x > 0 for x in (nope, rope, v)):
+            return None
+        return nope + rope, v
+
+    def _mha_prefill_refusal(self, runner) -> str | None:
+        """Why the prefill runs absorbed (logged), or ``None``: the provider's cache-free prefill serves the
+        model's MHA prefill (built once here, so a refusal shows at startup)."""
+        from attnplug.core.ragged import RaggedAttention, RaggedConfig
+
+        dims = self._mha_prefill_dims(runner)
+        if dims is None:
+            why = "the model config names no qk_nope / qk_rope / v head dims"
+        else:
+            h = self.num_qo_heads
+            try:
+                RaggedAttention(RaggedConfig(h, h, dims[0], dims[1], self.dtype), self.provider, self.device)
+                why = None
+            except (UnsupportedFeature, ProviderUnavailable, ValueError) as e:
+                why = str(e).removeprefix("attnplug: ")
+        logger.info(
+            "attnplug: %s on an MLA model: prefill %s",
+            self.backend_name,
+            f"as SGLang's fa3 chooses it, MHA over up-projected K/V (head dims {dims[0]}/{dims[1]}) "
+            "through the provider's ragged prefill"
+            if why is None
+            else f"absorbed in every mode ({why})",
+        )
+        return why
 
     def _pool_dims(self) -> tuple[int, int]:
         pool = self.token_to_kv_pool
@@ -88,9 +141,51 @@ class AttnplugMLAAttnBackend(AttnplugAttnBackend):
             raise self.unsupported(
                 f"layer {layer.layer_id}'s attention of {layer.tp_k_head_num} KV heads, head dims "
                 f"{layer.qk_head_dim}/{layer.v_head_dim} on an MLA model (only absorbed MLA over the latent "
-                f"cache: 1 head, {self.head_dim}/{self.kv_lora_rank}; e.g. SGLang's MHA prefill path)"
+                f"cache: 1 head, {self.head_dim}/{self.kv_lora_rank}"
+                + ("" if self.mha_prefill else "; SGLang's MHA prefill path: the provider has no ragged prefill")
+                + ")"
             )
         return super()._check_layer(layer, kwargs)
+
+    def _is_mha_prefill(self, layer, fb) -> bool:
+        """``layer`` is the MHA prefill's (``attn_mha``) of an extend this backend runs that way."""
+        return (
+            self.mha_prefill
+            and not self._serves_layer(layer)
+            and fb.forward_mode.is_extend_without_speculative()
+            and layer.tp_k_head_num == layer.tp_q_head_num
+        )
+
+    def _forward_mha_prefill(self, q, k, v, layer, fb, kwargs):
+        """SGLang's MHA prefill: ``q [T, H*Dqk]`` (or ``[T, H, Dqk]``), ``k [Tk, H, Dqk]``, ``v [Tk, H, Dv]``
+        (every token of each request's sequence, request-major) -> ``[T, H * Dv]``."""
+        extra = sorted(n for n, x in kwargs.items() if x is not None and x is not False)
+        if extra:
+            raise self.unsupported(f"attention arguments {extra} on the MHA prefill")
+        from attnplug.core.ragged import RaggedAttention, RaggedConfig
+
+        hq, hkv, d, dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim
+        key = (hq, hkv, d, dv, float(layer.scaling))
+        attn = self._ragged.get(key)
+        if attn is None:
+            try:
+                attn = RaggedAttention(RaggedConfig(*key[:4], self.dtype, key[4]), self.provider, self.device)
+            except (UnsupportedFeature, ValueError) as e:
+                raise self.unsupported(f"SGLang's MHA prefill here ({str(e).removeprefix('attnplug: ')})") from e
+            self._ragged[key] = attn
+        if self._ragged_planned.get(key) != self._forward_id:
+            qo, kv = list(fb.extend_seq_lens_cpu), [int(x) for x in fb.seq_lens_cpu]
+            if k.shape[0] != sum(kv):
+                raise RuntimeError(
+                    f"attnplug: backend '{self.backend_name}': the MHA prefill got {k.shape[0]} key rows, not the "
+                    f"{sum(kv)} of the batch's sequences (a prefix-chunked MHA pass, which attnplug's dispatch "
+                    "does not choose)"
+                )
+            attn.plan(qo, kv)
+            self._ragged_planned[key] = self._forward_id
+        out = attn.run(q.reshape(-1, hq, d), k.reshape(-1, hkv, d), v.reshape(-1, hkv, dv))
+        self._stats.layer_runs += 1
+        return out.view(-1, hq * dv)
 
     def _scales(self, layer) -> dict:
         """fp8 latent pool: the layer's ``k_scale`` (one scale per latent row; MLA has no V scale)."""
@@ -98,7 +193,10 @@ class AttnplugMLAAttnBackend(AttnplugAttnBackend):
         return {"k_scale": sc["k_scale"]} if sc else {}
 
     def _forward(self, q, k, v, layer, fb, save_kv_cache, kwargs):
-        """``q [T, H * (R + Dr)]`` (absorbed), ``k [T, 1, R + Dr]`` (new latent rows) -> ``[T, H * R]``."""
+        """``q [T, H * (R + Dr)]`` (absorbed), ``k [T, 1, R + Dr]`` (new latent rows) -> ``[T, H * R]``; the
+        MHA prefill's layer: :meth:`_forward_mha_prefill`."""
+        if self._is_mha_prefill(layer, fb):
+            return self._forward_mha_prefill(q, k, v, layer, fb, kwargs)
         sinks = self._check_layer(layer, kwargs)
         if not self._metadata_ready():
             raise RuntimeError(f"attnplug: backend '{self.backend_name}': forward before init_forward_metadata")

@@ -24,7 +24,9 @@ H, R, DR, DN = 4, 64, 16, 32  # heads, kv_lora_rank, rope dim, nope (= v) dim of
 SCALE = (DN + DR) ** -0.5
 
 
-def make_runner(page_size: int, num_slots: int = 512, layers: int = 2, **over):
+def make_runner(page_size: int, num_slots: int = 512, layers: int = 2, mha_dims: bool = False, **over):
+    """``mha_dims``: the model config names DeepSeek's un-absorbed head dims (``hf_text_config``), so the
+    backend runs SGLang's MHA prefill where the provider has a ragged prefill."""
     from sglang.srt.configs.model_config import AttentionArch
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool
 
@@ -45,6 +47,8 @@ def make_runner(page_size: int, num_slots: int = 512, layers: int = 2, **over):
         dtype=torch.float32,
         get_num_attention_heads=lambda tp: H // tp,
     )
+    if mha_dims:
+        mc.hf_text_config = SimpleNamespace(qk_nope_head_dim=DN, qk_rope_head_dim=DR, v_head_dim=DN)
     runner = SimpleNamespace(
         device="cpu",
         page_size=page_size,
@@ -231,8 +235,9 @@ def test_graphs_follow_the_mla_class_graph_support(monkeypatch, caplog):
 
 
 def test_mha_prefill_path_refused_by_name():
-    """SGLang's MHA prefill layer (``attn_mha``: H KV heads, head dims 48/32) never reaches attnplug
-    once the dispatch is registered; if it did, it is refused by name, never computed wrongly."""
+    """Without the model's un-absorbed head dims, SGLang's MHA prefill layer (``attn_mha``: H KV heads, head
+    dims 48/32) never reaches attnplug once the absorbed dispatch is registered; if it did, it is refused by
+    name, never computed wrongly."""
     from sglang.srt.layers.radix_attention import RadixAttention
 
     runner = make_runner(16)
@@ -244,7 +249,7 @@ def test_mha_prefill_path_refused_by_name():
     with pytest.raises(
         UnsupportedFeature,
         match="attnplug: backend 'attnplug_triton' does not support layer 0's "
-        "attention of 4 KV heads, head dims 48/32 on an MLA model",
+        "attention of 4 KV heads, head dims 48/32 on an MLA model .*no ragged prefill",
     ):
         be.forward_extend(
             torch.zeros(5, H * (DN + DR)),
@@ -290,3 +295,126 @@ def test_decode_graph_capture_then_replay_matches_reference():
         )
         torch.testing.assert_close(up(out[:3], m), want, atol=2e-4, rtol=1e-3)
     assert be._stats.forwards == {"GRAPH_DECODE": 2}
+
+
+def mha_layer(layer_id: int = 0):
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    return RadixAttention(H, DN + DR, SCALE, num_kv_heads=H, layer_id=layer_id, v_head_dim=DN)
+
+
+def mha_inputs(runner, reqs, q_lens, m, layer_id=0):
+    """What SGLang's DeepSeek hands ``attn_mha`` in one pass (forward_normal_prepare): ``q [T, H, DN + DR]``
+    = cat(q_nope, q_pe); per request, every token of its sequence (request-major) up-projected from the
+    pool's latents: ``k = cat(c @ W_UK, k_pe)`` ``[Tk, H, DN + DR]``, ``v = c @ W_UV`` ``[Tk, H, DN]``."""
+    buf = runner.token_to_kv_pool.get_key_buffer(layer_id)[:, 0]
+    rows = torch.cat(
+        [buf[runner.req_to_token_pool.req_to_token[reqs.rows[b], : reqs.kv_lens[b]].long()] for b in range(len(q_lens))]
+    )
+    c, pe = rows[:, :R], rows[:, R:]
+    k = torch.cat([torch.einsum("kr,hrn->khn", c, m["w_uk"]), pe[:, None].expand(-1, H, -1)], -1)
+    v = torch.einsum("kr,hrv->khv", c, m["w_uv"])
+    return torch.cat([m["q_nope"], m["q_pe"]], -1), k, v
+
+
+@pytest.mark.parametrize("provider", ["attnplug_triton", "attnplug_fa3"])
+def test_mha_prefill_matches_unabsorbed_reference(provider, monkeypatch):
+    """With the model's head dims and a provider with a ragged prefill, SGLang's MHA prefill (a fresh prompt and
+    two extends on cached prefixes, one pass over the whole sequences as MHA_ONE_SHOT sends them) runs through
+    the core: the output equals the un-absorbed reference, the pool is not written, one plan a forward. fa3: its
+    logic with the tests' stand-in kernel, which computes this test's float32 and head dims 48/32."""
+    if provider == "attnplug_fa3":
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
+        import fa3_standin
+
+        from attnplug.core.providers.fa3 import FA3Provider, FA3Ragged
+        from attnplug.core.providers.fa3_mla import FA3MLAProvider
+
+        fa3_standin.patch_fa3(monkeypatch)
+        monkeypatch.setattr(FA3Provider, "check_kv_dtype", lambda self, config: None)
+        monkeypatch.setattr(FA3Provider, "check_config", lambda self, config: None)
+        monkeypatch.setattr(FA3MLAProvider, "mla_refusal", classmethod(lambda cls, config: None))
+        monkeypatch.setattr(FA3Ragged, "refusal", classmethod(lambda cls, config: None))
+    runner = make_runner(16, mha_dims=True)
+    kv, q_lens = [9, 41, 38], [9, 7, 17]
+    reqs = MLARequests(runner, kv, [k - q for k, q in zip(kv, q_lens)])
+    fb = reqs.batch(ForwardMode.EXTEND, q_lens)
+    be = make_backend(runner, name=provider)
+    assert be.mha_prefill
+    be.init_forward_metadata(fb)
+    _, _, _, m = absorbed_inputs(sum(q_lens), seed=5)
+    q, k, v = mha_inputs(runner, reqs, q_lens, m)
+    pool_before = runner.token_to_kv_pool.get_key_buffer(0).clone()
+    ref = unabsorbed_reference(runner, reqs, mla_layer(0), m, q_lens)
+    for layer_id in (0, 1):  # the second layer reuses the forward's plan
+        out = be.forward_extend(q.reshape(-1, H * (DN + DR)), k, v, mha_layer(layer_id), fb, save_kv_cache=False)
+        assert out.shape == (sum(q_lens), H * DN) and not out.isnan().any()
+        torch.testing.assert_close(out.view(-1, H, DN).double(), ref, atol=2e-4, rtol=1e-3)
+    assert len(be._ragged) == 1 and be._stats.layer_runs == 2
+    assert torch.equal(runner.token_to_kv_pool.get_key_buffer(0), pool_before)
+
+
+def test_mha_prefill_refuses_a_prefix_chunked_pass():
+    """K rows that are not the batch's whole sequences (SGLang's prefix-chunked MHA, which attnplug's dispatch
+    routes to absorbed MLA) stop the forward by name instead of attending with the wrong mask."""
+    runner = make_runner(16, mha_dims=True)
+    reqs = MLARequests(runner, [20], [12])
+    fb = reqs.batch(ForwardMode.EXTEND, [8])
+    be = make_backend(runner)
+    be.init_forward_metadata(fb)
+    with pytest.raises(RuntimeError, match="attnplug: backend 'attnplug_triton': the MHA prefill got 8 key rows"):
+        be.forward_extend(
+            torch.zeros(8, H * (DN + DR)), torch.zeros(8, H, DN + DR), torch.zeros(8, H, DN), mha_layer(), fb
+        )
+
+
+def test_mha_prefill_dispatch_follows_fa3_one_pass_choices(monkeypatch):
+    """The registered handler: SGLang's fa3 choice where it is one MHA pass (no cached prefix; a prefix at or
+    over the chunked-prefix threshold that fits one shot), absorbed MLA otherwise (a short prefix; a prefix
+    too long for one shot, which SGLang would chunk); the absorbed-only registration when the model config
+    has no head dims."""
+    from sglang.srt.models.deepseek_common.attention_backend_handler import (
+        AttentionBackendRegistry,
+        _dispatch_mla_subtype,
+    )
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod as M
+
+    import sglang.srt.models.deepseek_common.attention_backend_handler as handler_mod
+
+    # SGLang's process context, which a server publishes: no deterministic inference, no context parallelism
+    exec_cfg = SimpleNamespace(deterministic=SimpleNamespace(enable_deterministic_inference=False))
+    monkeypatch.setattr(handler_mod, "get_exec", lambda: exec_cfg)
+    monkeypatch.setattr(handler_mod, "is_cp_active", lambda fb: False, raising=False)
+    monkeypatch.setattr(handler_mod, "mla_use_prefill_cp", lambda *a, **k: False, raising=False)
+    make_backend(make_runner(16, mha_dims=True), name="attnplug_triton")
+    handle = AttentionBackendRegistry.get_handler("attnplug_triton")
+    assert handle is not _dispatch_mla_subtype
+    attn = SimpleNamespace(
+        chunked_prefix_cache_threshold=64,
+        disable_chunked_prefix_cache=False,
+        flashinfer_mla_disable_ragged=False,
+        qk_rope_head_dim=DR,
+    )
+
+    def fb(prefix, seq, capacity=1000):
+        return SimpleNamespace(
+            forward_mode=ForwardMode.EXTEND,
+            extend_prefix_lens_cpu=prefix,
+            seq_lens_cpu=torch.tensor(seq),
+            get_max_chunk_capacity=lambda: capacity,
+            attn_cp_metadata=None,
+        )
+
+    assert handle(attn, fb([0, 0], [10, 20])) == M.MHA_ONE_SHOT
+    assert handle(attn, fb([0, 70], [10, 90])) == M.MHA_ONE_SHOT
+    assert handle(attn, fb([0, 0], [600, 600], capacity=1000)) == M.MHA_CHUNKED_KV  # no prefix: still one pass
+    assert handle(attn, fb([0, 10], [10, 20])) == M.MLA  # short prefix: absorbed, as SGLang's fa3
+    assert handle(attn, fb([0, 700], [10, 900], capacity=800)) == M.MLA  # SGLang would chunk the prefix
+    verify = fb([0], [10])
+    verify.forward_mode = ForwardMode.TARGET_VERIFY
+    assert handle(attn, verify) == M.MLA
+    make_backend(make_runner(16), name="attnplug_triton")
+    assert AttentionBackendRegistry.get_handler("attnplug_triton") is _dispatch_mla_subtype

@@ -6,6 +6,7 @@ dim is two dots, its largest power of two and the rest (192 = 128 + 64), so noth
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -41,11 +42,12 @@ def ragged_prefill_kernel(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """``Q [Tq, Hq, D1 + D2]``, ``K [Tk, Hkv, D1 + D2]``, ``V [Tk, Hkv, DV]`` -> ``O [Tq, Hq, DV]``;
     ``CU_Q`` / ``CU_K`` ``[B + 1]`` int32; causal: key ``n`` visible to query ``m`` iff
     ``n <= m + kv_len - q_len``. ``qk_scale``: softmax scale times log2(e). ``UPCAST``: fp32 dot operands
-    (the CPU interpreter's ``tl.dot``)."""
+    (the CPU interpreter's ``tl.dot``); ``DOT_PRECISION``: ``"ieee"`` for float32 inputs."""
     tile, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(CU_Q + b)
     q_len = tl.load(CU_Q + b + 1) - q_start
@@ -80,12 +82,12 @@ def ragged_prefill_kernel(
         k1 = tl.load(k_rows + d1[:, None], mask=n_ok[None, :], other=0.0)
         if UPCAST:
             k1 = k1.to(tl.float32)
-        s = tl.dot(q1, k1)
+        s = tl.dot(q1, k1, input_precision=DOT_PRECISION)
         if D2 > 0:
             k2 = tl.load(k_rows + D1 + d2[:, None], mask=n_ok[None, :] & (d2[:, None] < D2), other=0.0)
             if UPCAST:
                 k2 = k2.to(tl.float32)
-            s = tl.dot(q2, k2, s)
+            s = tl.dot(q2, k2, s, input_precision=DOT_PRECISION)
         s = s * qk_scale
         visible = n_ok[None, :]
         if CAUSAL:
@@ -97,7 +99,7 @@ def ragged_prefill_kernel(
         p = p.to(v.dtype)
         if UPCAST:
             p, v = p.to(tl.float32), v.to(tl.float32)
-        acc = tl.dot(p, v, acc * alpha[:, None])
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_rows = O + (q_start + m).to(tl.int64)[:, None] * stride_ot + h * stride_oh
     tl.store(o_rows + dv[None, :], out.to(O.dtype.element_ty), mask=m_ok[:, None] & (dv[None, :] < DV))
@@ -135,5 +137,6 @@ def ragged_prefill(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         GROUP=hq // hkv, D1=d1, D2=d2, BLOCK_D2=bd2, DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, UPCAST=q.device.type == "cpu",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
