@@ -376,13 +376,12 @@ def test_mha_prefill_dispatch_follows_fa3_one_pass_choices(monkeypatch):
     over the chunked-prefix threshold that fits one shot), absorbed MLA otherwise (a short prefix; a prefix
     too long for one shot, which SGLang would chunk); the absorbed-only registration when the model config
     has no head dims."""
+    import sglang.srt.models.deepseek_common.attention_backend_handler as handler_mod
     from sglang.srt.models.deepseek_common.attention_backend_handler import (
         AttentionBackendRegistry,
         _dispatch_mla_subtype,
     )
     from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod as M
-
-    import sglang.srt.models.deepseek_common.attention_backend_handler as handler_mod
 
     # SGLang's process context, which a server publishes: no deterministic inference, no context parallelism
     exec_cfg = SimpleNamespace(deterministic=SimpleNamespace(enable_deterministic_inference=False))
