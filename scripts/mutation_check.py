@@ -552,6 +552,22 @@ MUTATIONS = [
         (f"{MT}::test_fa3_mla_on_the_standin",),
         "MLA fa3: FA3's value cache taken from the latent's last R columns (rope part included)",
     ),
+    Mutation(
+        "ragged_rope_part_dropped",
+        "attnplug/core/kernels/ragged.py",
+        "            s = tl.dot(q2, k2, s, input_precision=DOT_PRECISION)",
+        "            s = s",
+        ("tests/core/test_ragged.py::test_ragged_prefill_matches_float32_reference",),
+        "ragged prefill (SGLang's MLA prefill): the qk head dim's second part (DeepSeek's 64 rope columns) dropped",
+    ),
+    Mutation(
+        "ragged_causal_top_left",
+        "attnplug/core/kernels/ragged.py",
+        "visible = visible & (n[None, :] <= m[:, None] + (kv_len - q_len))",
+        "visible = visible & (n[None, :] <= m[:, None])",
+        ("tests/core/test_ragged.py::test_ragged_prefill_matches_float32_reference",),
+        "ragged prefill: the causal mask aligned top-left (an extend's queries miss their cached prefix)",
+    ),
     # -- gluon (issue 46): the triton provider's plan-time choice of the Gluon prefill kernel ---------------
     Mutation(
         "gluon_takes_sinks",
