@@ -372,9 +372,17 @@ class FA3Ragged(RaggedKernel):
 
     def run(self, plan, q, k, v, out) -> None:
         self.lib.ragged(
-            q, k, v, out, cu_seqlens_q=plan.cu_q, cu_seqlens_k=plan.cu_k, max_seqlen_q=plan.max_q,
-            max_seqlen_k=plan.max_k, causal=plan.causal, scale=self.config.scale,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            out,
+            cu_seqlens_q=plan.cu_q,
+            cu_seqlens_k=plan.cu_k,
+            max_seqlen_q=plan.max_q,
+            max_seqlen_k=plan.max_k,
+            causal=plan.causal,
+            scale=self.config.scale,
+        )
 
 
 def gather_block_table(

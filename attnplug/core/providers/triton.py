@@ -1102,6 +1102,17 @@ class TritonRagged(RaggedKernel):
         from ..kernels.ragged import ragged_prefill  # noqa: PLC0415
 
         ragged_prefill(
-            q, k, v, out, plan.cu_q, plan.cu_k, plan.max_q, self.config.scale, plan.causal,
-            self.BLOCK_M, self.BLOCK_N, self.WARPS, self.STAGES,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            out,
+            plan.cu_q,
+            plan.cu_k,
+            plan.max_q,
+            self.config.scale,
+            plan.causal,
+            self.BLOCK_M,
+            self.BLOCK_N,
+            self.WARPS,
+            self.STAGES,
+        )
