@@ -20,26 +20,27 @@ import torch
 def specs(full: bool = False) -> list[list]:
     """Two batches: what the benchmark and most tests need (base bf16/d128 fa2 + fa3, cascade,
     packbits, bf16 + fp8 e4m3 KV), then the test variants (fp16/d64, soft cap, sliding window, the
-    other fp8 KV dtypes) and the benchmark's bf16 d64 / d256 rows (fa2 + fa3)."""
+    other fp8 KV dtypes), the benchmark's bf16 d64 / d256 rows (fa2 + fa3) and the MLA ragged prefill's 192 / 128."""
     from flashinfer.jit import gen_batch_prefill_module  # noqa: PLC0415
     from flashinfer.jit.cascade import gen_cascade_module  # noqa: PLC0415
     from flashinfer.jit.quantization import gen_quantization_module  # noqa: PLC0415
 
     sm90 = torch.cuda.get_device_capability()[0] == 9
     bf16, fp16 = torch.bfloat16, torch.float16
-    # (dtype, head_dim, sliding window, soft cap, with the fa3 template by default)
+    # (dtype, qk head dim, vo head dim, sliding window, soft cap, with the fa3 template by default)
     variants = [
-        (bf16, 128, False, False, True),
-        (fp16, 64, False, False, False),
-        (bf16, 128, False, True, False),
-        (bf16, 128, True, False, False),
-        (bf16, 64, False, False, True),
-        (bf16, 256, False, False, True),
-    ]  # the bench's d64 / d256 rows
+        (bf16, 128, 128, False, False, True),
+        (fp16, 64, 64, False, False, False),
+        (bf16, 128, 128, False, True, False),
+        (bf16, 128, 128, True, False, False),
+        (bf16, 64, 64, False, False, True),
+        (bf16, 256, 256, False, False, True),  # the bench's d64 / d256 rows
+        (bf16, 192, 128, False, False, True),  # the ragged prefill of MLA models (SGLang's MHA prefill)
+    ]
     out = [[gen_cascade_module(), gen_quantization_module()], []]
-    for i, (dt, d, swa, cap, fa3) in enumerate(variants):
+    for i, (dt, d, dv, swa, cap, fa3) in enumerate(variants):
         for backend in ("fa2", "fa3") if sm90 and (fa3 or full) else ("fa2",):
-            out[min(i, 1)].append(gen_batch_prefill_module(backend, dt, dt, dt, torch.int32, d, d, 0, swa, cap, False))
+            out[min(i, 1)].append(gen_batch_prefill_module(backend, dt, dt, dt, torch.int32, d, dv, 0, swa, cap, False))
     # fp8 KV (issue 15): q / out in the model dtype, K/V e4m3 or e5m2, fa2 template (decode and prefill);
     # bf16 + e4m3 d128 is the benchmark's, all four the GPU tests' (tests/gpu/test_fp8_gpu.py)
     for dt, kv in (
