@@ -20,7 +20,8 @@ up-projected head dims (:mod:`attnplug.core.ragged`; DeepSeek: qk 192 / v 128): 
 sends an extend without a cached prefix, or with one that fits SGLang's one-shot pass, to the MHA layer
 (``attn_mha``: ``q [T, H, 192]``, ``k [Tk, H, 192]``, ``v [Tk, H, 128]``, each request's keys its whole
 sequence, request-major) -> ``[T, H * 128]``; everything else runs absorbed. Without such a prefill (a
-provider or FA3 build without one) every mode runs absorbed; the startup log says which.
+provider or FA3 build without one), or on an fp8 latent pool, every mode runs absorbed; the startup log says
+which.
 
 Refused at startup with attnplug's message: a provider without MLA or one that cannot read the pool's
 dtype, DeepSeek-V3.2's sparse (DSA) pools and other MLA pool variants, EAGLE / MTP draft models.
@@ -71,6 +72,8 @@ class AttnplugMLAAttnBackend(AttnplugAttnBackend):
         dims = self._mha_prefill_dims(runner)
         if dims is None:
             why = "the model config names no qk_nope / qk_rope / v head dims"
+        elif self.kv_dtype != self.dtype:
+            why = "an fp8 latent pool: SGLang's MHA prefill writes its latents unscaled, attnplug's write scales them"
         else:
             h = self.num_qo_heads
             try:

@@ -417,3 +417,27 @@ def test_mha_prefill_dispatch_follows_fa3_one_pass_choices(monkeypatch):
     assert handle(attn, verify) == M.MLA
     make_backend(make_runner(16), name="attnplug_triton")
     assert AttentionBackendRegistry.get_handler("attnplug_triton") is _dispatch_mla_subtype
+
+
+def test_mha_prefill_not_on_an_fp8_latent_pool(caplog):
+    """An fp8 latent pool keeps every mode absorbed (SGLang's MHA prefill writes latents unscaled, attnplug's
+    write scales them by the layer's k_scale), and the startup log says why."""
+    import logging
+
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    runner = make_runner(16, mha_dims=True, kv_cache_dtype=torch.float8_e4m3fn)
+    runner.token_to_kv_pool = MLATokenToKVPool(
+        size=512,
+        page_size=16,
+        dtype=torch.float8_e4m3fn,
+        kv_lora_rank=R,
+        qk_rope_head_dim=DR,
+        layer_num=2,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    with caplog.at_level(logging.INFO, logger="attnplug.sglang_adapter.mla"):
+        be = make_backend(runner)
+    assert not be.mha_prefill
+    assert "prefill absorbed in every mode (an fp8 latent pool" in caplog.text
