@@ -39,6 +39,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -621,7 +622,7 @@ class FlashInferProvider(Provider):
 class FlashInferRagged(RaggedKernel):
     """``BatchPrefillWithRaggedKVCacheWrapper`` (FlashInfer's cache-free prefill, SGLang's MLA prefill):
     head dims of :data:`HEAD_DIMS` with ``Dv = D``, or DeepSeek's 192 / 128; planned on the host lengths
-    once per forward."""
+    once per forward. The wrappers run one after another on one stream, so they share one workspace a device."""
 
     @classmethod
     def refusal(cls, config) -> str | None:
@@ -634,10 +635,14 @@ class FlashInferRagged(RaggedKernel):
             )
         return None
 
+    _WORKSPACES: ClassVar[dict[torch.device, torch.Tensor]] = {}  # one a device, shared by every instance
+
     def __init__(self, config, device: torch.device):
         super().__init__(config, device)
         fi = _import_flashinfer()
-        workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        workspace = self._WORKSPACES.get(device)
+        if workspace is None:  # allocated by the first (startup) instance, before the engine sizes its KV pool
+            workspace = self._WORKSPACES[device] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
 
     def plan(self, plan) -> None:
