@@ -16,6 +16,55 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _key_block(
+    q1, q2, m_i, l_i, acc, K, V, k_start, kvh, n0, m, hi, causal_off, qk_scale,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    D1: tl.constexpr, D2: tl.constexpr, BLOCK_D2: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One block of ``BLOCK_N`` keys from ``n0`` into the online-softmax state; ``MASKED``: keys ``>= hi`` and
+    (``CAUSAL``) keys after ``m + causal_off`` hidden, else every key visible to every row."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    d1 = tl.arange(0, D1)
+    d2 = tl.arange(0, BLOCK_D2)
+    dv = tl.arange(0, BLOCK_DV)
+    n_ok = n < hi
+    k_rows = K + (k_start + n).to(tl.int64)[None, :] * stride_kt + kvh * stride_kh
+    v_rows = V + (k_start + n).to(tl.int64)[:, None] * stride_vt + kvh * stride_vh
+    if MASKED:
+        k1 = tl.load(k_rows + d1[:, None], mask=n_ok[None, :], other=0.0)
+    else:
+        k1 = tl.load(k_rows + d1[:, None])
+    if UPCAST:
+        k1 = k1.to(tl.float32)
+    s = tl.dot(q1, k1, input_precision=DOT_PRECISION)
+    if D2 > 0:
+        k2_ok = d2[:, None] < D2
+        if MASKED:
+            k2_ok = k2_ok & n_ok[None, :]
+        k2 = tl.load(k_rows + D1 + d2[:, None], mask=k2_ok, other=0.0)
+        if UPCAST:
+            k2 = k2.to(tl.float32)
+        s = tl.dot(q2, k2, s, input_precision=DOT_PRECISION)
+    s = s * qk_scale
+    if MASKED:
+        visible = n_ok[None, :]
+        if CAUSAL:
+            visible = visible & (n[None, :] <= m[:, None] + causal_off)
+        s = tl.where(visible, s, float("-inf"))
+    m_i, p, alpha, l_i = softmax_step(s, m_i, l_i)
+    v_ok = dv[None, :] < DV
+    if MASKED:
+        v_ok = v_ok & n_ok[:, None]
+    v = tl.load(v_rows + dv[None, :], mask=v_ok, other=0.0)
+    p = p.to(v.dtype)
+    if UPCAST:
+        p, v = p.to(tl.float32), v.to(tl.float32)
+    return m_i, l_i, tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def ragged_prefill_kernel(
     Q,
     K,
@@ -47,7 +96,8 @@ def ragged_prefill_kernel(
     """``Q [Tq, Hq, D1 + D2]``, ``K [Tk, Hkv, D1 + D2]``, ``V [Tk, Hkv, DV]`` -> ``O [Tq, Hq, DV]``;
     ``CU_Q`` / ``CU_K`` ``[B + 1]`` int32; causal: key ``n`` visible to query ``m`` iff
     ``n <= m + kv_len - q_len``. ``qk_scale``: softmax scale times log2(e). ``UPCAST``: fp32 dot operands
-    (the CPU interpreter's ``tl.dot``); ``DOT_PRECISION``: ``"ieee"`` for float32 inputs."""
+    (the CPU interpreter's ``tl.dot``); ``DOT_PRECISION``: ``"ieee"`` for float32 inputs. Key blocks every
+    row of the tile sees run unmasked, the rest (the diagonal, the last partial block) masked."""
     tile, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(CU_Q + b)
     q_len = tl.load(CU_Q + b + 1) - q_start
@@ -63,6 +113,7 @@ def ragged_prefill_kernel(
     dv = tl.arange(0, BLOCK_DV)
     q_rows = Q + (q_start + m).to(tl.int64)[:, None] * stride_qt + h * stride_qh
     q1 = tl.load(q_rows + d1[None, :], mask=m_ok[:, None], other=0.0)
+    q2 = q1  # unused unless D2 > 0
     if UPCAST:
         q1 = q1.to(tl.float32)
     if D2 > 0:
@@ -70,36 +121,28 @@ def ragged_prefill_kernel(
         if UPCAST:
             q2 = q2.to(tl.float32)
     hi = kv_len
+    lo = kv_len
+    causal_off = 0
     if CAUSAL:
-        hi = tl.minimum(kv_len, kv_len - q_len + (tile + 1) * BLOCK_M)
+        causal_off = kv_len - q_len
+        hi = tl.minimum(kv_len, causal_off + (tile + 1) * BLOCK_M)
+        lo = tl.minimum(kv_len, causal_off + tile * BLOCK_M + 1)  # keys every row of the tile sees
+    lo = lo // BLOCK_N * BLOCK_N
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for n0 in range(0, hi, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        k_rows = K + (k_start + n).to(tl.int64)[None, :] * stride_kt + kvh * stride_kh
-        k1 = tl.load(k_rows + d1[:, None], mask=n_ok[None, :], other=0.0)
-        if UPCAST:
-            k1 = k1.to(tl.float32)
-        s = tl.dot(q1, k1, input_precision=DOT_PRECISION)
-        if D2 > 0:
-            k2 = tl.load(k_rows + D1 + d2[:, None], mask=n_ok[None, :] & (d2[:, None] < D2), other=0.0)
-            if UPCAST:
-                k2 = k2.to(tl.float32)
-            s = tl.dot(q2, k2, s, input_precision=DOT_PRECISION)
-        s = s * qk_scale
-        visible = n_ok[None, :]
-        if CAUSAL:
-            visible = visible & (n[None, :] <= m[:, None] + (kv_len - q_len))
-        s = tl.where(visible, s, float("-inf"))
-        m_i, p, alpha, l_i = softmax_step(s, m_i, l_i)
-        v_rows = V + (k_start + n).to(tl.int64)[:, None] * stride_vt + kvh * stride_vh
-        v = tl.load(v_rows + dv[None, :], mask=n_ok[:, None] & (dv[None, :] < DV), other=0.0)
-        p = p.to(v.dtype)
-        if UPCAST:
-            p, v = p.to(tl.float32), v.to(tl.float32)
-        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    for n0 in range(0, lo, BLOCK_N):
+        m_i, l_i, acc = _key_block(
+            q1, q2, m_i, l_i, acc, K, V, k_start, kvh, n0, m, hi, causal_off, qk_scale,
+            stride_kt, stride_kh, stride_vt, stride_vh, D1, D2, BLOCK_D2, DV, BLOCK_DV, BLOCK_N,
+            False, CAUSAL, UPCAST, DOT_PRECISION,
+        )  # fmt: skip
+    for n0 in range(lo, hi, BLOCK_N):
+        m_i, l_i, acc = _key_block(
+            q1, q2, m_i, l_i, acc, K, V, k_start, kvh, n0, m, hi, causal_off, qk_scale,
+            stride_kt, stride_kh, stride_vt, stride_vh, D1, D2, BLOCK_D2, DV, BLOCK_DV, BLOCK_N,
+            True, CAUSAL, UPCAST, DOT_PRECISION,
+        )  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_rows = O + (q_start + m).to(tl.int64)[:, None] * stride_ot + h * stride_oh
     tl.store(o_rows + dv[None, :], out.to(O.dtype.element_ty), mask=m_ok[:, None] & (dv[None, :] < DV))
