@@ -209,7 +209,7 @@ def ragged_prefill(provider: str):
     :class:`~attnplug.core.ragged.RaggedAttention` (SGLang's MLA prefill path); planned untimed."""
 
     def make(work: Work):
-        from ..core.ragged import RaggedAttention, RaggedConfig  # noqa: PLC0415
+        from ..core import RaggedAttention, RaggedConfig  # noqa: PLC0415
 
         q, k, v, cu = _mha_inputs(work)
         c, h = work.config, work.config.num_qo_heads

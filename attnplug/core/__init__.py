@@ -10,6 +10,8 @@ import importlib
 
 _EXPORTS = {
     "PagedAttention": ".attention",
+    "RaggedAttention": ".ragged",
+    "RaggedConfig": ".ragged",
     "AttentionConfig": ".config",
     "UnsupportedFeature": ".config",
     "BatchMetadata": ".metadata",

@@ -67,7 +67,7 @@ class AttnplugMLAAttnBackend(AttnplugAttnBackend):
     def _mha_prefill_refusal(self, runner) -> str | None:
         """Why the prefill runs absorbed (logged), or ``None``: the provider's cache-free prefill serves the
         model's MHA prefill (built once here, so a refusal shows at startup)."""
-        from attnplug.core.ragged import RaggedAttention, RaggedConfig
+        from attnplug.core import RaggedAttention, RaggedConfig
 
         dims = self._mha_prefill_dims(runner)
         if dims is None:
@@ -165,7 +165,7 @@ class AttnplugMLAAttnBackend(AttnplugAttnBackend):
         extra = sorted(n for n, x in kwargs.items() if x is not None and x is not False)
         if extra:
             raise self.unsupported(f"attention arguments {extra} on the MHA prefill")
-        from attnplug.core.ragged import RaggedAttention, RaggedConfig
+        from attnplug.core import RaggedAttention, RaggedConfig
 
         hq, hkv, d, dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim
         key = (hq, hkv, d, dv, float(layer.scaling))
