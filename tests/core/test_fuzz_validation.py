@@ -267,7 +267,10 @@ def mutated_batches(draw):
             setattr(batch, target, _replace(getattr(batch, target), kind, value, where))
         elif target == "custom_mask":
             m = batch.custom_mask if isinstance(batch.custom_mask, torch.Tensor) else torch.zeros(3, dtype=torch.bool)
-            batch.custom_mask = _replace(m, kind, value, where) if kind != "value" else m[: where % (m.numel() + 2)]
+            if kind != "value":
+                batch.custom_mask = _replace(m, kind, value, where)
+            elif m.dim():  # a truncated mask (a mask made 0-dim by the first round stays as it is)
+                batch.custom_mask = m[: where % (m.numel() + 2)]
         elif target == "mode":
             batch.mode = draw(st.sampled_from(["extend", None, 3, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY]))
         elif target == "causal":
