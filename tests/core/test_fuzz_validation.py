@@ -248,9 +248,9 @@ def _replace(t: torch.Tensor, kind: str, value: int, where: int) -> object:
     if kind == "meta":
         return t.to("meta")
     if kind == "swap" and t.numel() > 2:
-        t = t.clone()
-        i = 1 + where % (t.numel() - 2)
-        t[i], t[i + 1] = t[i + 1].clone(), t[i].clone()
+        t = t.clone()  # contiguous: two neighbouring elements of its flat view swapped (any shape a round made)
+        f, i = t.view(-1), 1 + where % (t.numel() - 2)
+        f[i], f[i + 1] = f[i + 1].clone(), f[i].clone()
         return t
     return t
 
