@@ -523,9 +523,24 @@ class RaggedKernel(ABC):
         self.config = config
         self.device = device
 
+    #: A library kernel's limits (``None``: none declared): its name, the head dims it runs with ``Dv = D``,
+    #: and its extra ``(D, Dv)`` pairs; 16-bit inputs only.
+    LIBRARY: ClassVar[str | None] = None
+    HEAD_DIMS: ClassVar[tuple[int, ...]] = ()
+    DIM_PAIRS: ClassVar[tuple[tuple[int, int], ...]] = ()
+
     @classmethod
     def refusal(cls, config: RaggedConfig) -> str | None:
-        """What of ``config`` it cannot run, for attnplug's refusal; ``None``: it can."""
+        """What of ``config`` it cannot run, for attnplug's refusal; ``None``: it can. Default: the declared
+        :attr:`LIBRARY` limits."""
+        if cls.LIBRARY is None:
+            return None
+        if config.dtype not in (torch.float16, torch.bfloat16):
+            return f"ragged prefill in {config.dtype} ({cls.LIBRARY} runs float16/bfloat16)"
+        d, dv = config.head_dim, config.head_dim_v
+        if (d, dv) not in cls.DIM_PAIRS and not (d == dv and d in cls.HEAD_DIMS):
+            pairs = "".join(f", or {a}/{b}" for a, b in cls.DIM_PAIRS)
+            return f"ragged prefill with head dims {d}/{dv} ({cls.LIBRARY}: {cls.HEAD_DIMS} with equal v{pairs})"
         return None
 
     def plan(self, plan: RaggedPlan) -> None:

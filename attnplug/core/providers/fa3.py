@@ -352,14 +352,7 @@ class FA3Ragged(RaggedKernel):
     :data:`HEAD_DIMS` with ``Dv = D``, or DeepSeek's 192 / 128. Refused (at construction) on a build
     whose entry point is ``flash_attn_with_kvcache`` only."""
 
-    @classmethod
-    def refusal(cls, config) -> str | None:
-        if config.dtype not in (torch.float16, torch.bfloat16):
-            return f"ragged prefill in {config.dtype} (FA3 runs float16/bfloat16)"
-        dims = (config.head_dim, config.head_dim_v)
-        if dims != (192, 128) and not (dims[0] == dims[1] and dims[0] in HEAD_DIMS):
-            return f"ragged prefill with head dims {dims[0]}/{dims[1]} (FA3: {HEAD_DIMS} with equal v, or 192/128)"
-        return None
+    LIBRARY, HEAD_DIMS, DIM_PAIRS = "FA3", HEAD_DIMS, ((192, 128),)
 
     def __init__(self, config, device: torch.device):
         super().__init__(config, device)

@@ -624,17 +624,7 @@ class FlashInferRagged(RaggedKernel):
     head dims of :data:`HEAD_DIMS` with ``Dv = D``, or DeepSeek's 192 / 128; planned on the host lengths
     once per forward. The wrappers run one after another on one stream, so they share one workspace a device."""
 
-    @classmethod
-    def refusal(cls, config) -> str | None:
-        if config.dtype not in (torch.float16, torch.bfloat16):
-            return f"ragged prefill in {config.dtype} (FlashInfer runs float16/bfloat16)"
-        dims = (config.head_dim, config.head_dim_v)
-        if dims != (192, 128) and not (dims[0] == dims[1] and dims[0] in HEAD_DIMS):
-            return (
-                f"ragged prefill with head dims {dims[0]}/{dims[1]} (FlashInfer: {HEAD_DIMS} with equal v, or 192/128)"
-            )
-        return None
-
+    LIBRARY, HEAD_DIMS, DIM_PAIRS = "FlashInfer", HEAD_DIMS, ((192, 128),)
     _WORKSPACES: ClassVar[dict[torch.device, torch.Tensor]] = {}  # one a device, shared by every instance
 
     def __init__(self, config, device: torch.device):
