@@ -88,6 +88,11 @@ class _Stats:
     cascade_graph_shared_tokens: int = 0  # KV tokens those replays did not read again
 
 
+def passed_args(kwargs: dict, allowed: tuple[str, ...] = ()) -> list[str]:
+    """The names of the attention arguments SGLang actually passed (not ``None`` / ``False``) beyond ``allowed``."""
+    return sorted(k for k, v in kwargs.items() if v is not None and v is not False and k not in allowed)
+
+
 class AttnplugAttnBackend(AttentionBackend):
     """SGLang attention backend ``attnplug_<provider>``.
 
@@ -256,7 +261,7 @@ class AttnplugAttnBackend(AttentionBackend):
         """Refuse what this layer asks that attnplug cannot compute; returns its ``sinks [Hq]`` (the
         tensor SGLang passes, e.g. gpt-oss's Parameter: read live at each run) or ``None``."""
         sinks = kwargs.get("sinks")
-        extra = sorted(k for k, v in kwargs.items() if v is not None and v is not False and k != "sinks")
+        extra = passed_args(kwargs, allowed=("sinks",))
         if extra:
             raise self.unsupported(f"attention arguments {extra} (e.g. score_mod)")
         if sinks is not None and not self._supports_sinks:

@@ -224,25 +224,12 @@ def is_mla_model(model_runner) -> bool:
     return getattr(arch, "name", "") == "MLA"
 
 
-def register_absorbed_mla_dispatch(name: str) -> bool:
-    """Make SGLang's DeepSeek attention (0.5.17..0.5.23: ``AttentionBackendRegistry`` of
-    ``deepseek_common.attention_backend_handler``) run absorbed MLA for backend ``name`` in every
-    mode (``_dispatch_mla_subtype``: its MLA method, or its AMX variant on such CPUs), instead of the
-    triton default's MHA prefill. ``False`` where this SGLang has no such registry."""
-    try:
-        from sglang.srt.models.deepseek_common.attention_backend_handler import (
-            AttentionBackendRegistry,
-            _dispatch_mla_subtype,
-        )
-    except ImportError:
-        return False
-    AttentionBackendRegistry.register(name, _dispatch_mla_subtype)
-    return True
-
-
-def register_mha_prefill_mla_dispatch(name: str) -> bool:
-    """Make SGLang's DeepSeek attention choose for backend ``name`` as it does for its ``fa3`` backend
-    (``handle_attention_fa3``) where that choice is one pass of MHA over the up-projected K / V
+def register_mla_dispatch(name: str, mha_prefill: bool) -> bool:
+    """Register backend ``name``'s choice in SGLang's DeepSeek attention dispatch (0.5.17..0.5.23:
+    ``AttentionBackendRegistry`` of ``deepseek_common.attention_backend_handler``; unknown names get the
+    triton default's MHA prefill). ``mha_prefill=False``: absorbed MLA in every mode
+    (``_dispatch_mla_subtype``: its MLA method, or its AMX variant on such CPUs). ``True``: SGLang's ``fa3``
+    choice (``handle_attention_fa3``) where that choice is one pass of MHA over the up-projected K / V
     (``MHA_ONE_SHOT``; ``MHA_CHUNKED_KV`` of a batch without a cached prefix, which is one pass too), and
     absorbed MLA otherwise (chunked-prefix MHA merges prefix chunks by LSE outside the backend, a path
     attnplug does not run). ``False`` where this SGLang has no such registry."""
@@ -250,24 +237,29 @@ def register_mha_prefill_mla_dispatch(name: str) -> bool:
         from sglang.srt.models.deepseek_common.attention_backend_handler import (
             AttentionBackendRegistry,
             _dispatch_mla_subtype,
-            handle_attention_fa3,
         )
-        from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import (
-            AttnForwardMethod,
-        )
+
+        handler = _one_pass_mha_handler(_dispatch_mla_subtype) if mha_prefill else _dispatch_mla_subtype
     except ImportError:
         return False
+    AttentionBackendRegistry.register(name, handler)
+    return True
+
+
+def _one_pass_mha_handler(absorbed):
+    """SGLang's ``fa3`` choice where it is one MHA pass, else ``absorbed`` (see :func:`register_mla_dispatch`)."""
+    from sglang.srt.models.deepseek_common.attention_backend_handler import handle_attention_fa3
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod as M
 
     def handle(attn, forward_batch):
         method = handle_attention_fa3(attn, forward_batch)
-        if method == AttnForwardMethod.MHA_ONE_SHOT:
+        if method == M.MHA_ONE_SHOT:
             return method
-        if method == AttnForwardMethod.MHA_CHUNKED_KV and not any(forward_batch.extend_prefix_lens_cpu or ()):
+        if method == M.MHA_CHUNKED_KV and not any(forward_batch.extend_prefix_lens_cpu or ()):
             return method
-        return _dispatch_mla_subtype(attn, forward_batch)
+        return absorbed(attn, forward_batch)
 
-    AttentionBackendRegistry.register(name, handle)
-    return True
+    return handle
 
 
 def versions_info() -> str:

@@ -34,7 +34,7 @@ import logging
 from attnplug.core import ProviderUnavailable, UnsupportedFeature
 
 from . import compat
-from .backend import AttnplugAttnBackend
+from .backend import AttnplugAttnBackend, passed_args
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +47,7 @@ class AttnplugMLAAttnBackend(AttnplugAttnBackend):
         self._ragged: dict[tuple, object] = {}  # (Hq, Hkv, D, Dv, scale) -> RaggedAttention
         self._ragged_planned: dict[tuple, int] = {}  # its forward id
         self.mha_prefill = self._mha_prefill_refusal(model_runner) is None
-        register = (
-            compat.register_mha_prefill_mla_dispatch if self.mha_prefill else compat.register_absorbed_mla_dispatch
-        )
-        if not register(backend_name):
+        if not compat.register_mla_dispatch(backend_name, self.mha_prefill):
             raise self.unsupported(
                 "this SGLang's DeepSeek attention dispatch (no AttentionBackendRegistry to "
                 "route MLA models to attnplug's attention)"
@@ -162,7 +159,7 @@ class AttnplugMLAAttnBackend(AttnplugAttnBackend):
     def _forward_mha_prefill(self, q, k, v, layer, fb, kwargs):
         """SGLang's MHA prefill: ``q [T, H*Dqk]`` (or ``[T, H, Dqk]``), ``k [Tk, H, Dqk]``, ``v [Tk, H, Dv]``
         (every token of each request's sequence, request-major) -> ``[T, H * Dv]``."""
-        extra = sorted(n for n, x in kwargs.items() if x is not None and x is not False)
+        extra = passed_args(kwargs)
         if extra:
             raise self.unsupported(f"attention arguments {extra} on the MHA prefill")
         from attnplug.core import RaggedAttention, RaggedConfig

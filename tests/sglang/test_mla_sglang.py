@@ -324,18 +324,12 @@ def test_mha_prefill_matches_unabsorbed_reference(provider, monkeypatch):
     the core: the output equals the un-absorbed reference, the pool is not written, one plan a forward. fa3: its
     logic with the tests' stand-in kernel, which computes this test's float32 and head dims 48/32."""
     if provider == "attnplug_fa3":
-        import sys
-        from pathlib import Path
+        from test_graph_and_draft import _fa3_standin
 
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
-        import fa3_standin
-
-        from attnplug.core.providers.fa3 import FA3Provider, FA3Ragged
+        from attnplug.core.providers.fa3 import FA3Ragged
         from attnplug.core.providers.fa3_mla import FA3MLAProvider
 
-        fa3_standin.patch_fa3(monkeypatch)
-        monkeypatch.setattr(FA3Provider, "check_kv_dtype", lambda self, config: None)
-        monkeypatch.setattr(FA3Provider, "check_config", lambda self, config: None)
+        _fa3_standin(monkeypatch)
         monkeypatch.setattr(FA3MLAProvider, "mla_refusal", classmethod(lambda cls, config: None))
         monkeypatch.setattr(FA3Ragged, "refusal", classmethod(lambda cls, config: None))
     runner = make_runner(16, mha_dims=True)
