@@ -110,7 +110,7 @@ def signature(fn, args, kw):
     names = fn.arg_names
     bound = dict(zip(names, args))
     bound.update({k: v for k, v in kw.items() if k in names})
-    opts = {k: kw[k] for k in ("num_warps", "num_stages", "launch_pdl") if k in kw}
+    opts = {k: kw[k] for k in ("num_warps", "num_stages", "launch_pdl", "maxnreg") if k in kw}
     sig, const, attrs = {}, {}, {}
     defaults = {k: q.default for k, q in inspect.signature(fn.fn).parameters.items()}
     for i, (name, p) in enumerate(zip(names, fn.params)):
@@ -147,7 +147,7 @@ def record_all() -> None:
         (graph_mod, ["graph_batch_from_block_table_kernel", "shared_pages_kernel"]),
         (mla_mod, ["mla_attention_kernel", "write_latent_kernel"]),
         (ragged_mod, ["ragged_prefill_kernel"]),
-        *([(gluon_mod, ["gluon_prefill_kernel"])] if GLUON else []),
+        *([(gluon_mod, ["gluon_prefill_kernel", "gluon_prefill_ws_kernel"])] if GLUON else []),
     ):
         for n in names:
             setattr(mod, n, Recorder(getattr(mod, n)))
@@ -547,6 +547,23 @@ def record_gluon() -> None:
             q = torch.empty(c.q.numel() + 1, dtype=c.q.dtype)[1:].view(c.q.shape)
             attn.run(q, c.k_cache, c.v_cache, out=out, lse=lse)
     assert sum(k[0] == "gluon_prefill_kernel" for k in LAUNCHES) >= len(cases), "gluon launches not recorded"
+    # the warp-specialized kernel at every configuration the probe times (WS_CANDIDATES)
+    for n in (0, 1, 3, 4, 6):
+        cfg, q_lens, prefix, with_lse = cases[n]
+        product = gluon_mod.CONFIGS[cfg.head_dim]
+        try:
+            for ws in gluon_mod.WS_CANDIDATES[cfg.head_dim]:
+                gluon_mod.CONFIGS[cfg.head_dim] = ws
+                c = random_case(ForwardMode.EXTEND, q_lens, prefix, cfg, "cpu")
+                attn = PagedAttention(cfg, "triton", "cpu")
+                attn.provider._sms, attn.provider._gluon = H200_SMS, True
+                plan = attn.plan(c.batch, c.num_pages)
+                assert plan.state.kernel == "gluon" and plan.state.loaders == ws[5], (cfg, ws, plan.state)
+                lse = torch.empty(c.q.shape[:2], dtype=torch.float32) if with_lse else None
+                attn.run(c.q, c.k_cache, c.v_cache, out=torch.empty_like(c.q), lse=lse)
+        finally:
+            gluon_mod.CONFIGS[cfg.head_dim] = product
+    assert any(k[0] == "gluon_prefill_ws_kernel" for k in LAUNCHES), "warp-specialized launches not recorded"
 
 
 def record_sinks() -> None:

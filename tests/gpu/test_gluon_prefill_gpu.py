@@ -24,6 +24,8 @@ from attnplug.core.reference import reference_attention
 CUDA = torch.cuda.is_available()
 if not CUDA:
     pytest.skip("needs CUDA (no GPU here)", allow_module_level=True)
+from attnplug.core.kernels import gluon_prefill  # noqa: E402 (Gluon's API: imported on CUDA machines only)
+
 SM90 = torch.cuda.get_device_capability() == (9, 0)
 REL = 1e-2
 BF = torch.bfloat16
@@ -83,6 +85,24 @@ def test_gluon_prefill_matches_reference(shape, case):
     for seed in range(2):  # fresh random batches and page tables
         plan = _check(AttentionConfig(hq, hkv, d, 16, BF), q_lens, prefix, seed=seed, with_lse=seed == 0)
         assert triton_launch(plan)["kernel"] == "gluon", triton_launch(plan)["kernel"]
+
+
+WS = [(d, c) for d, cands in gluon_prefill.WS_CANDIDATES.items() for c in cands]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("ws", WS, ids=[f"d{d}-" + "-".join(map(str, c)) for d, c in WS])
+def test_gluon_ws_candidates_match_reference(ws, case, monkeypatch):
+    """Each warp-specialized configuration the probe times (``WS_CANDIDATES``), planned through the table, at
+    GQA groups 1 and 4 (d256: 2)."""
+    _gluon_or_fail()
+    d, config = ws
+    monkeypatch.setitem(gluon_prefill.CONFIGS, d, config)
+    q_lens, prefix = CASES[case]
+    for hq, hkv in ((32, 8), (8, 8)) if d != 256 else ((16, 8),):
+        plan = _check(AttentionConfig(hq, hkv, d, 16, BF), q_lens, prefix, seed=hq, with_lse=hq == 8)
+        assert triton_launch(plan)["kernel"] == "gluon" and plan.state.loaders == config[5], plan.state
 
 
 @pytest.mark.gpu

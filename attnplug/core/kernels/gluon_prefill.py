@@ -29,6 +29,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy,
     fence_async_shared,
+    mbarrier,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -36,10 +37,25 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 # a CTA-wide barrier: ``gl.thread_barrier`` in Triton 3.6, ``gl.barrier`` from 3.7 on
 thread_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 
-# (head_dim) -> (block_m, block_n, num_stages, num_warps, qk_ahead): the configurations the provider launches
-# (``BLOCK_M`` rows over ``num_warps // 4`` warpgroups of 64 rows); shared memory: Q BLOCK_M x D plus
+# (head_dim) -> (block_m, block_n, num_stages, num_warps, qk_ahead, loaders): the configurations the provider
+# launches (``BLOCK_M`` rows over ``num_warps // 4`` warpgroups of 64 rows); shared memory: Q BLOCK_M x D plus
 # NUM_STAGES x (K + V) blocks of BLOCK_N x D, 16-bit (at most 227 KiB an SM); ``QK_AHEAD`` needs 3 stages.
-CONFIGS = {64: (128, 128, 4, 8, True), 128: (128, 64, 4, 8, True), 256: (128, 64, 2, 8, False)}
+# ``loaders`` > 0: the warp-specialized kernel (:func:`gluon_prefill_ws_kernel`), that many gather warps beside
+# the ``num_warps`` compute warps (``qk_ahead`` is then implied).
+CONFIGS = {64: (128, 128, 4, 8, True, 0), 128: (128, 64, 4, 8, True, 0), 256: (128, 64, 2, 8, False, 0)}
+# head_dim -> the warp-specialized configurations the probe times (gluon_prefill_probe.py) and the sm90 check compiles
+WS_CANDIDATES = {
+    64: [(128, 128, 4, 8, True, 4), (128, 64, 4, 8, True, 4)],
+    128: [(128, 128, 2, 8, True, 4), (128, 128, 3, 8, True, 4), (128, 64, 4, 8, True, 4)],
+    256: [(128, 64, 2, 8, True, 4)],
+}
+LOADER_REGS = 88  # registers a gather thread of the warp-specialized kernel (its 16 row addresses of K and V)
+
+
+def ws_maxnreg(num_warps: int, loaders: int) -> int:
+    """The launch's register cap a thread for ``num_warps`` compute + ``loaders`` gather warps: the whole
+    register file (64 Ki) over the CTA, rounded down to 8; the compute warps get what the loaders leave."""
+    return 65536 // (32 * (num_warps + loaders)) // 8 * 8
 
 
 @gluon.constexpr_function
@@ -47,6 +63,39 @@ def _load_layout(rows, head_dim, num_warps):
     """Blocked layout of a ``[rows, head_dim]`` 16-bit gather: 8 elements (16 bytes) a thread along D."""
     tpw_d = min(32, head_dim // 8)
     return gl.BlockedLayout([1, 8], [32 // tpw_d, tpw_d], [num_warps, 1], [1, 0])
+
+
+@gluon.jit
+def _kv_ptrs(
+    K,
+    V,
+    j,
+    kv_indices,
+    page_base,
+    hi,
+    kvh,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    stride_vp,
+    stride_vt,
+    stride_vh,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    LAYOUT: gl.constexpr,
+):
+    """Pointers ``[BLOCK_N, HEAD_DIM]`` to K and V of block ``j`` (keys ``j * BLOCK_N ..``, KV head ``kvh``)
+    through the page table, and the mask of the keys below ``hi``."""
+    n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAYOUT))
+    d0 = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LAYOUT)), 0)
+    ok = n < hi
+    page = gl.load(kv_indices + page_base + n // PAGE_SIZE, mask=ok, other=0).to(gl.int64)
+    slot = n % PAGE_SIZE
+    k_off = gl.multiple_of(page * stride_kp + slot * stride_kt + kvh * stride_kh, 8)  # strides of 8 (provider)
+    v_off = gl.multiple_of(page * stride_vp + slot * stride_vt + kvh * stride_vh, 8)
+    mask = gl.expand_dims(ok, 1) & (d0 < HEAD_DIM)
+    return K + (gl.expand_dims(k_off, 1) + d0), V + (gl.expand_dims(v_off, 1) + d0), mask
 
 
 @gluon.jit
@@ -73,27 +122,94 @@ def _issue_block(
     NUM_STAGES: gl.constexpr,
     LAYOUT: gl.constexpr,
 ):
-    """Start the asynchronous gather of block ``j`` (keys ``j * BLOCK_N ..``, KV head ``kvh``) of K and V into
-    ring slot ``j % NUM_STAGES`` (``[BLOCK_N, HEAD_DIM]`` each; rows at or past ``hi`` zero-filled) and
-    commit it as one cp.async group (an empty group from ``num_blocks`` on: the group count stays fixed)."""
+    """Start the asynchronous gather of block ``j`` of K and V into ring slot ``j % NUM_STAGES``
+    (``[BLOCK_N, HEAD_DIM]`` each; rows at or past ``hi`` zero-filled) and commit it as one cp.async group
+    (an empty group from ``num_blocks`` on: the group count stays fixed)."""
     if j < num_blocks:
-        n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAYOUT))
-        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LAYOUT))
-        ok = n < hi
-        page = gl.load(kv_indices + page_base + n // PAGE_SIZE, mask=ok, other=0).to(gl.int64)
-        slot = n % PAGE_SIZE
-        k_off = page * stride_kp + slot * stride_kt + kvh * stride_kh
-        v_off = page * stride_vp + slot * stride_vt + kvh * stride_vh
-        k_off = gl.multiple_of(k_off, 8)  # the provider checks: strides of 8, 16-byte aligned
-        v_off = gl.multiple_of(v_off, 8)
-        mask = gl.expand_dims(ok, 1) & gl.expand_dims(d < HEAD_DIM, 0)
-        ring = j % NUM_STAGES
-        d0 = gl.expand_dims(d, 0)
-        k_ptrs = K + (gl.expand_dims(k_off, 1) + d0)
-        v_ptrs = V + (gl.expand_dims(v_off, 1) + d0)
-        async_copy.async_copy_global_to_shared(k_ring.index(ring), k_ptrs, mask=mask)
-        async_copy.async_copy_global_to_shared(v_ring.index(ring), v_ptrs, mask=mask)
+        k_ptrs, v_ptrs, mask = _kv_ptrs(
+            K,
+            V,
+            j,
+            kv_indices,
+            page_base,
+            hi,
+            kvh,
+            stride_kp,
+            stride_kt,
+            stride_kh,
+            stride_vp,
+            stride_vt,
+            stride_vh,
+            BLOCK_N,
+            HEAD_DIM,
+            PAGE_SIZE,
+            LAYOUT,
+        )
+        async_copy.async_copy_global_to_shared(k_ring.index(j % NUM_STAGES), k_ptrs, mask=mask)
+        async_copy.async_copy_global_to_shared(v_ring.index(j % NUM_STAGES), v_ptrs, mask=mask)
     async_copy.commit_group()
+
+
+@gluon.jit
+def _tile_offsets(
+    q_start,
+    q0,
+    q_len,
+    kvh,
+    stride_t,
+    stride_h,
+    GROUP: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    LAYOUT: gl.constexpr,
+):
+    """Offsets ``[BLOCK_M, HEAD_DIM]`` of the tile's rows (row ``r``: token ``q0 + r // GROUP``, head
+    ``kvh * GROUP + r % GROUP``) in a ``[T, H, D]`` tensor of strides ``(stride_t, stride_h, 1)``, and the
+    mask of the rows inside the request."""
+    r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LAYOUT))
+    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LAYOUT))
+    tok = q0 + r // GROUP
+    rows = gl.multiple_of((q_start + tok).to(gl.int64) * stride_t + (kvh * GROUP + r % GROUP) * stride_h, 8)
+    mask = gl.expand_dims(tok < q_len, 1) & gl.expand_dims(d < HEAD_DIM, 0)
+    return gl.expand_dims(rows, 1) + gl.expand_dims(d, 0), mask
+
+
+@gluon.jit
+def _store_out(
+    O,
+    LSE,
+    acc,
+    m_i,
+    l_i,
+    q_start,
+    q0,
+    q_len,
+    kvh,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    stride_lh,
+    GROUP: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    STORE_LSE: gl.constexpr,
+    ROW_S: gl.constexpr,
+    ROW_O: gl.constexpr,
+    LAYOUT: gl.constexpr,
+):
+    """``acc / l`` into O's tile rows; with ``STORE_LSE`` the natural-log LSE (``-inf`` for a row with no
+    key). ``acc [BLOCK_M, HEAD_DIM]`` (rows ``ROW_O``), ``m_i``, ``l_i [BLOCK_M]`` (base 2, rows ``ROW_S``)."""
+    has = l_i > 0.0
+    l_o = gl.convert_layout(gl.where(has, l_i, 1.0), ROW_O)
+    out = gl.convert_layout((acc / gl.expand_dims(l_o, 1)).to(O.dtype.element_ty), LAYOUT)
+    offs, mask = _tile_offsets(q_start, q0, q_len, kvh, stride_ot, stride_oh, GROUP, BLOCK_M, HEAD_DIM, LAYOUT)
+    gl.store(O + offs, out, mask=mask)
+    if STORE_LSE:
+        lse = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf")) * 0.6931471805599453
+        rs = gl.arange(0, BLOCK_M, layout=ROW_S)
+        tok = q0 + rs // GROUP
+        l_ptrs = LSE + (q_start + tok).to(gl.int64) * stride_lt + (kvh * GROUP + rs % GROUP) * stride_lh
+        gl.store(l_ptrs, lse, mask=tok < q_len)
 
 
 @gluon.jit
@@ -187,15 +303,9 @@ def gluon_prefill_kernel(
     kv_len = gl.load(kv_lens + b)
     page_base = gl.load(kv_indptr + b)
 
-    # Q tile -> shared memory (wgmma operand A)
-    rq = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, QLOAD))
-    dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, QLOAD))
-    tok_q = q0 + rq // GROUP
-    q_rows = (q_start + tok_q).to(gl.int64) * stride_qt + (kvh * GROUP + rq % GROUP) * stride_qh
-    q_rows = gl.multiple_of(q_rows, 8)
-    q_mask = gl.expand_dims(tok_q < q_len, 1) & gl.expand_dims(dq < HEAD_DIM, 0)
-    q = gl.load(Q + (gl.expand_dims(q_rows, 1) + gl.expand_dims(dq, 0)), mask=q_mask, other=0.0)
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], Q_SMEM, value=q)
+    q_offs, q_mask = _tile_offsets(q_start, q0, q_len, kvh, stride_qt, stride_qh, GROUP, BLOCK_M, HEAD_DIM, QLOAD)
+    q = gl.load(Q + q_offs, mask=q_mask, other=0.0)
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], Q_SMEM, value=q)  # wgmma operand A
 
     k_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], SMEM)
     v_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], SMEM)
@@ -331,16 +441,299 @@ def gluon_prefill_kernel(
             acc = warpgroup_mma(p_op, v_slot, acc, is_async=True)
             acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_slot))
     async_copy.wait_group(0)
+    _store_out(
+        O,
+        LSE,
+        acc,
+        m_i,
+        l_i,
+        q_start,
+        q0,
+        q_len,
+        kvh,
+        stride_ot,
+        stride_oh,
+        stride_lt,
+        stride_lh,
+        GROUP,
+        BLOCK_M,
+        HEAD_DIM,
+        STORE_LSE,
+        ROW_S,
+        ROW_O,
+        QLOAD,
+    )
 
-    has = l_i > 0.0
-    l_o = gl.convert_layout(gl.where(has, l_i, 1.0), ROW_O)
-    out = acc / gl.expand_dims(l_o, 1)
-    out = gl.convert_layout(out.to(O.dtype.element_ty), QLOAD)
-    o_rows = (q_start + tok_q).to(gl.int64) * stride_ot + (kvh * GROUP + rq % GROUP) * stride_oh
-    o_rows = gl.multiple_of(o_rows, 8)
-    gl.store(O + (gl.expand_dims(o_rows, 1) + gl.expand_dims(dq, 0)), out, mask=q_mask)
-    if STORE_LSE:
-        lse = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf")) * 0.6931471805599453
-        tok = q0 + rs // GROUP
-        l_ptrs = LSE + (q_start + tok).to(gl.int64) * stride_lt + (kvh * GROUP + rs % GROUP) * stride_lh
-        gl.store(l_ptrs, lse, mask=tok < q_len)
+
+@gluon.jit
+def _ws_loader(
+    K,
+    V,
+    k_ring,
+    v_ring,
+    k_ready,
+    v_ready,
+    empty,
+    num_blocks,
+    kv_indices,
+    page_base,
+    hi,
+    kvh,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    stride_vp,
+    stride_vt,
+    stride_vh,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+):
+    """The gather partition: block ``j`` of K and V into slot ``j % NUM_STAGES`` once the compute partition
+    has released it (``empty``); each thread's copies arrive on ``k_ready`` / ``v_ready`` as they land
+    (``cp.async.mbarrier.arrive.noinc``: a barrier completes when every gather thread's copies have)."""
+    LAYOUT: gl.constexpr = _load_layout(BLOCK_N, HEAD_DIM, gl.num_warps())
+    for j in range(num_blocks):
+        slot = j % NUM_STAGES
+        mbarrier.wait(empty.index(slot), ((j // NUM_STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
+        k_ptrs, v_ptrs, mask = _kv_ptrs(
+            K,
+            V,
+            j,
+            kv_indices,
+            page_base,
+            hi,
+            kvh,
+            stride_kp,
+            stride_kt,
+            stride_kh,
+            stride_vp,
+            stride_vt,
+            stride_vh,
+            BLOCK_N,
+            HEAD_DIM,
+            PAGE_SIZE,
+            LAYOUT,
+        )
+        async_copy.async_copy_global_to_shared(k_ring.index(slot), k_ptrs, mask=mask)
+        async_copy.mbarrier_arrive(k_ready.index(slot), increment_count=False)
+        async_copy.async_copy_global_to_shared(v_ring.index(slot), v_ptrs, mask=mask)
+        async_copy.mbarrier_arrive(v_ready.index(slot), increment_count=False)
+
+
+@gluon.jit
+def _ws_compute(
+    q_smem,
+    k_ring,
+    v_ring,
+    k_ready,
+    v_ready,
+    empty,
+    num_blocks,
+    free_hi,
+    pos,
+    qk_scale,
+    BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+):
+    """The compute partition (``num_warps`` warps, 64 rows a warpgroup): per block ``i``, ``Q K_i^T`` and
+    ``P_{i-1} V_{i-1}`` in flight together, the softmax of block ``i`` under the latter, then slot ``i - 1``
+    released to the gather partition. Returns ``(acc [BLOCK_M, D] float32, m_i, l_i [BLOCK_M])`` (base 2).
+    ``pos [BLOCK_M]``: each row's absolute position (rows ``ROW_S``)."""
+    NW: gl.constexpr = gl.num_warps()
+    BLOCK_M: gl.constexpr = q_smem.type.shape[0]
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[1]
+    dtype: gl.constexpr = q_smem.dtype
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
+    P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW_S)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=ROW_S)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=O_L)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
+
+    mbarrier.wait(k_ready.index(0), 0)
+    fence_async_shared()  # the gather's cp.async writes (generic proxy) before the wgmma (async proxy) reads
+    s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False)
+    p_op, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, free_hi, pos, qk_scale, BLOCK_N, dtype, S_L, ROW_O, P_L)
+    for i in range(1, num_blocks):
+        slot = i % NUM_STAGES
+        prev = (i - 1) % NUM_STAGES
+        mbarrier.wait(k_ready.index(slot), (i // NUM_STAGES) & 1)
+        fence_async_shared()
+        s_tok = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(prev), ((i - 1) // NUM_STAGES) & 1)
+        fence_async_shared()
+        acc = acc * gl.expand_dims(alpha, 1)
+        acc_tok = warpgroup_mma(p_op, v_ring.index(prev), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+        p_op, alpha, m_i, l_i = _softmax_step(
+            s, m_i, l_i, i * BLOCK_N, free_hi, pos, qk_scale, BLOCK_N, dtype, S_L, ROW_O, P_L
+        )
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
+        thread_barrier()  # every compute warpgroup is done with slot prev (the arrive is one thread's)
+        mbarrier.arrive(empty.index(prev), count=1)
+    last = (num_blocks - 1) % NUM_STAGES
+    mbarrier.wait(v_ready.index(last), ((num_blocks - 1) // NUM_STAGES) & 1)
+    fence_async_shared()
+    acc = warpgroup_mma(p_op, v_ring.index(last), acc * gl.expand_dims(alpha, 1))
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def gluon_prefill_ws_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    kv_lens,
+    tile_req,
+    tile_qstart,
+    num_tiles,
+    sm_scale,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    stride_vp,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    stride_lh,
+    GROUP: gl.constexpr,
+    BLOCK_Q: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    STORE_LSE: gl.constexpr,
+    LOADERS: gl.constexpr,
+    LOADER_REGS: gl.constexpr,
+):
+    """:func:`gluon_prefill_kernel`'s arguments and result, warp-specialized: ``LOADERS`` gather warps
+    (``LOADER_REGS`` registers a thread) fill the K/V ring through the page table, ``num_warps`` compute
+    warps run the wgmmas and the softmax; the ring's slots are handed over by mbarriers (no CTA barrier
+    between the partitions). Launch with ``maxnreg=ws_maxnreg(num_warps, LOADERS)``."""
+    NW: gl.constexpr = gl.num_warps()
+    dtype: gl.constexpr = Q.dtype.element_ty
+    QLOAD: gl.constexpr = _load_layout(BLOCK_M, HEAD_DIM, NW)
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
+    ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+    SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+
+    tile = num_tiles - 1 - gl.program_id(0)  # longest causal tiles first
+    kvh = gl.program_id(1)
+    b = gl.load(tile_req + tile)
+    q0 = gl.load(tile_qstart + tile)
+    q_start = gl.load(qo_indptr + b)
+    q_len = gl.load(qo_indptr + b + 1) - q_start
+    kv_len = gl.load(kv_lens + b)
+    page_base = gl.load(kv_indptr + b)
+    pos0 = kv_len - q_len + q0  # the tile's first row: keys [0, pos0] are visible to every row
+    hi = gl.minimum(kv_len, pos0 + BLOCK_Q)
+    free_hi = (pos0 + 1) // BLOCK_N * BLOCK_N
+    num_blocks = gl.cdiv(hi, BLOCK_N)
+
+    q_offs, q_mask = _tile_offsets(q_start, q0, q_len, kvh, stride_qt, stride_qh, GROUP, BLOCK_M, HEAD_DIM, QLOAD)
+    q = gl.load(Q + q_offs, mask=q_mask, other=0.0)
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], Q_SMEM, value=q)
+    k_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], SMEM)
+    v_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], SMEM)
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(st), count=32 * LOADERS)
+        mbarrier.init(v_ready.index(st), count=32 * LOADERS)
+        mbarrier.init(empty.index(st), count=1)
+    fence_async_shared()  # Q's store before the wgmma reads it
+    thread_barrier()  # ... every thread's, and the barriers' init
+
+    rs = gl.arange(0, BLOCK_M, layout=ROW_S)
+    pos = kv_len - q_len + q0 + rs // GROUP  # absolute position of each row
+    acc, m_i, l_i = gl.warp_specialize(
+        [
+            (
+                _ws_compute,
+                (
+                    q_smem,
+                    k_ring,
+                    v_ring,
+                    k_ready,
+                    v_ready,
+                    empty,
+                    num_blocks,
+                    free_hi,
+                    pos,
+                    sm_scale * 1.4426950408889634,
+                    BLOCK_N,
+                    NUM_STAGES,
+                ),
+            ),
+            (
+                _ws_loader,
+                (
+                    K,
+                    V,
+                    k_ring,
+                    v_ring,
+                    k_ready,
+                    v_ready,
+                    empty,
+                    num_blocks,
+                    kv_indices,
+                    page_base,
+                    hi,
+                    kvh,
+                    stride_kp,
+                    stride_kt,
+                    stride_kh,
+                    stride_vp,
+                    stride_vt,
+                    stride_vh,
+                    BLOCK_N,
+                    HEAD_DIM,
+                    PAGE_SIZE,
+                    NUM_STAGES,
+                ),
+            ),
+        ],
+        [LOADERS],
+        [LOADER_REGS],
+    )
+    _store_out(
+        O,
+        LSE,
+        acc,
+        m_i,
+        l_i,
+        q_start,
+        q0,
+        q_len,
+        kvh,
+        stride_ot,
+        stride_oh,
+        stride_lt,
+        stride_lh,
+        GROUP,
+        BLOCK_M,
+        HEAD_DIM,
+        STORE_LSE,
+        ROW_S,
+        ROW_O,
+        QLOAD,
+    )

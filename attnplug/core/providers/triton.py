@@ -76,6 +76,7 @@ class TritonState(ProviderState):
     fp8_f16: bool = False  # fp8 KV: fp16 dots on a pre-scaled query (tile-table field)
     pairs: bool = False  # fp8 KV, decode kernel: K/V read as 16-bit byte pairs (tile-table field)
     qk_ahead: bool = False  # gluon: the next block's Q K^T issued before this block's softmax
+    loaders: int = 0  # gluon: gather warps of the warp-specialized kernel (0: the single-partition kernel)
     # a cascade graph's prefix part on the prefill kernel: [1] int32, the tiles the graph update wrote (only the
     # groups it cut), which grid_tiles programs a KV head and split stride over
     tile_count: torch.Tensor | None = None
@@ -411,8 +412,8 @@ class TritonProvider(Provider):
             and (splits == 1 if plan.causal else not cfg.kv_quantized)
         )
 
-    def _gluon_config(self, plan: Plan) -> tuple[int, int, int, int, bool] | None:
-        """``(block_m, block_n, num_stages, num_warps, qk_ahead)`` of the Gluon prefill kernel
+    def _gluon_config(self, plan: Plan) -> tuple[int, int, int, int, bool, int] | None:
+        """``(block_m, block_n, num_stages, num_warps, qk_ahead, loaders)`` of the Gluon prefill kernel
         (:mod:`..kernels.gluon_prefill`'s ``CONFIGS``) where it computes this batch: an sm90 GPU with
         Gluon (:func:`gluon_sm90`), causal queries that fill its ``block_m``-row tiles, 16-bit KV in pages
         of 16, head_dim 64 / 128 / 256, a power-of-two GQA group, no custom mask, window, soft cap, sinks,
@@ -546,7 +547,7 @@ class TritonProvider(Provider):
         blocks = block_q, block_m, block_n, warps, stages
         gluon = self._gluon_config(plan) if self._gluon else None
         if gluon is not None:
-            block_m, block_n, stages, warps, _ = gluon
+            block_m, block_n, stages, warps = gluon[:4]
             block_q = block_m // cfg.group_size
         if o.block_m is not None:
             block_m, block_q = o.block_m, max(1, o.block_m // cfg.group_size)
@@ -641,6 +642,7 @@ class TritonProvider(Provider):
             counters=counters,
             fp8_f16=cfg.kv_quantized and entry.fp8_f16,
             qk_ahead=kernel == "gluon" and gluon[4],
+            loaders=gluon[5] if kernel == "gluon" else 0,
             pairs=(
                 cfg.kv_quantized
                 and kernel == "decode"
@@ -939,11 +941,17 @@ class TritonProvider(Provider):
             merge_splits(a.partial, a.partial_lse, out, lse, base=merge_base, pdl=pdl, sinks=sinks)
 
     def _run_gluon(self, plan: Plan, a: TritonState, q, k_cache, v_cache, ks, vs, out, lse) -> None:
-        """The Gluon prefill kernel (:mod:`attnplug.core.kernels.gluon_prefill`): grid ``(tiles, Hkv)``."""
-        from ..kernels.gluon_prefill import gluon_prefill_kernel
+        """The Gluon prefill kernel (:mod:`attnplug.core.kernels.gluon_prefill`): grid ``(tiles, Hkv)``; the
+        warp-specialized one where the plan has gather warps (``a.loaders``)."""
+        from ..kernels import gluon_prefill as gp
 
         cfg = self.config
-        gluon_prefill_kernel[(a.num_tiles, cfg.num_kv_heads)](
+        if a.loaders:
+            kernel, extra = gp.gluon_prefill_ws_kernel, dict(LOADERS=a.loaders, LOADER_REGS=gp.LOADER_REGS)
+            extra["maxnreg"] = gp.ws_maxnreg(a.num_warps, a.loaders)
+        else:
+            kernel, extra = gp.gluon_prefill_kernel, dict(QK_AHEAD=a.qk_ahead)
+        kernel[(a.num_tiles, cfg.num_kv_heads)](
             q,
             k_cache,
             v_cache,
@@ -972,8 +980,8 @@ class TritonProvider(Provider):
             PAGE_SIZE=cfg.page_size,
             NUM_STAGES=a.num_stages,
             STORE_LSE=lse is not None,
-            QK_AHEAD=a.qk_ahead,
             num_warps=a.num_warps,
+            **extra,
         )
 
     def _run_decode(
