@@ -12,7 +12,7 @@ random permuted page tables).
    timings (``attnplug.bench.timing.bench_ms``), plus each one's relative error against FA3's output.
 
 3. Sweep (``--no-sweep`` skips it): the first row of each head dim again with other Gluon configurations
-   (``gluon_prefill.CONFIGS`` entries: block_m, block_n, stages, warps, qk_ahead, loaders; the
+   (``gluon_prefill.CONFIGS`` entries: block_m, block_n, stages, warps, qk_ahead, loaders, pingpong; the
    warp-specialized kernel where loaders > 0), to pick the table's.
 
 Every configuration runs on its own: a compile error or a failure prints its traceback and the next one runs.
@@ -61,18 +61,18 @@ ROWS = [  # (tag, Row)
     ("d256", workloads.Row("prefill 4x4096 d256", "prefill", 4, 4096, 0, heads=(16, 8, 256))),
 ]
 
-# head_dim -> other CONFIGS entries (block_m, block_n, stages, warps, qk_ahead, loaders) to time on the tag's first
-# row: the single-partition kernel's, then every warp-specialized candidate (gluon_prefill.WS_CANDIDATES)
+# head_dim -> other CONFIGS entries (block_m, block_n, stages, warps, qk_ahead, loaders, pingpong) to time on the
+# tag's first row: the single-partition kernel's, then every warp-specialized candidate (WS_CANDIDATES)
 SWEEP = {
     128: [
-        (128, 128, 3, 8, True, 0),
-        (128, 64, 3, 8, True, 0),
-        (64, 64, 3, 4, True, 0),
-        (128, 128, 2, 8, False, 0),
+        (128, 128, 3, 8, True, 0, False),
+        (128, 64, 3, 8, True, 0, False),
+        (64, 64, 3, 4, True, 0, False),
+        (128, 128, 2, 8, False, 0, False),
         *gluon_prefill.WS_CANDIDATES[128],
     ],
-    64: [(128, 64, 4, 8, True, 0), (128, 128, 3, 8, True, 0), *gluon_prefill.WS_CANDIDATES[64]],
-    256: [(128, 32, 3, 8, True, 0), *gluon_prefill.WS_CANDIDATES[256]],
+    64: [(128, 64, 4, 8, True, 0, False), (128, 128, 3, 8, True, 0, False), *gluon_prefill.WS_CANDIDATES[64]],
+    256: [(128, 32, 3, 8, True, 0, False), *gluon_prefill.WS_CANDIDATES[256]],
 }
 
 

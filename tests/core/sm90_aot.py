@@ -558,7 +558,11 @@ def record_gluon() -> None:
                 attn = PagedAttention(cfg, "triton", "cpu")
                 attn.provider._sms, attn.provider._gluon = H200_SMS, True
                 plan = attn.plan(c.batch, c.num_pages)
-                assert plan.state.kernel == "gluon" and plan.state.loaders == ws[5], (cfg, ws, plan.state)
+                assert plan.state.kernel == "gluon" and plan.state.loaders == ws[5] and plan.state.pingpong == ws[6], (
+                    cfg,
+                    ws,
+                    plan.state,
+                )
                 lse = torch.empty(c.q.shape[:2], dtype=torch.float32) if with_lse else None
                 attn.run(c.q, c.k_cache, c.v_cache, out=torch.empty_like(c.q), lse=lse)
         finally:

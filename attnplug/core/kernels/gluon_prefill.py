@@ -41,21 +41,32 @@ thread_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barr
 # launches (``BLOCK_M`` rows over ``num_warps // 4`` warpgroups of 64 rows); shared memory: Q BLOCK_M x D plus
 # NUM_STAGES x (K + V) blocks of BLOCK_N x D, 16-bit (at most 227 KiB an SM); ``QK_AHEAD`` needs 3 stages.
 # ``loaders`` > 0: the warp-specialized kernel (:func:`gluon_prefill_ws_kernel`), that many gather warps beside
-# the ``num_warps`` compute warps (``qk_ahead`` is then implied).
-CONFIGS = {64: (128, 128, 4, 8, True, 0), 128: (128, 64, 4, 8, True, 0), 256: (128, 64, 2, 8, False, 0)}
+# the ``num_warps`` (8) compute warps, ``qk_ahead`` implied; ``pingpong``: its warpgroups take turns at the wgmmas.
+CONFIGS = {
+    64: (128, 128, 4, 8, True, 0, False),
+    128: (128, 64, 4, 8, True, 0, False),
+    256: (128, 64, 2, 8, False, 0, False),
+}
 # head_dim -> the warp-specialized configurations the probe times (gluon_prefill_probe.py) and the sm90 check compiles
 WS_CANDIDATES = {
-    64: [(128, 128, 4, 8, True, 4), (128, 64, 4, 8, True, 4)],
-    128: [(128, 128, 2, 8, True, 4), (128, 128, 3, 8, True, 4), (128, 64, 4, 8, True, 4)],
-    256: [(128, 64, 2, 8, True, 4)],
+    64: [(128, 128, 4, 8, True, 4, True), (128, 128, 4, 8, True, 4, False), (128, 64, 4, 8, True, 4, True)],
+    128: [
+        (128, 128, 2, 8, True, 4, True),
+        (128, 128, 2, 8, True, 4, False),
+        (128, 128, 3, 8, True, 4, True),
+        (128, 64, 4, 8, True, 4, True),
+    ],
+    256: [(128, 64, 2, 8, True, 4, True)],
 }
 LOADER_REGS = 88  # registers a gather thread of the warp-specialized kernel (its 16 row addresses of K and V)
 
 
-def ws_maxnreg(num_warps: int, loaders: int) -> int:
-    """The launch's register cap a thread for ``num_warps`` compute + ``loaders`` gather warps: the whole
-    register file (64 Ki) over the CTA, rounded down to 8; the compute warps get what the loaders leave."""
-    return 65536 // (32 * (num_warps + loaders)) // 8 * 8
+def ws_registers(num_warps: int, loaders: int) -> tuple[int, int, int]:
+    """``(maxnreg, compute, loader)`` registers a thread for ``num_warps`` compute + ``loaders`` gather warps:
+    the launch's cap (the 64 Ki register file over the CTA, rounded down to 8), the compute warps' share of
+    what the loaders leave, and the loaders' :data:`LOADER_REGS`."""
+    cap = 65536 // (32 * (num_warps + loaders)) // 8 * 8
+    return cap, (cap * (num_warps + loaders) - LOADER_REGS * loaders) // num_warps // 8 * 8, LOADER_REGS
 
 
 @gluon.constexpr_function
@@ -162,11 +173,12 @@ def _tile_offsets(
     BLOCK_M: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     LAYOUT: gl.constexpr,
+    ROW0: gl.constexpr = 0,
 ):
-    """Offsets ``[BLOCK_M, HEAD_DIM]`` of the tile's rows (row ``r``: token ``q0 + r // GROUP``, head
-    ``kvh * GROUP + r % GROUP``) in a ``[T, H, D]`` tensor of strides ``(stride_t, stride_h, 1)``, and the
+    """Offsets ``[BLOCK_M, HEAD_DIM]`` of the tile's rows ``ROW0 ..`` (row ``r``: token ``q0 + r // GROUP``,
+    head ``kvh * GROUP + r % GROUP``) in a ``[T, H, D]`` tensor of strides ``(stride_t, stride_h, 1)``, and the
     mask of the rows inside the request."""
-    r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LAYOUT))
+    r = ROW0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LAYOUT))
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LAYOUT))
     tok = q0 + r // GROUP
     rows = gl.multiple_of((q_start + tok).to(gl.int64) * stride_t + (kvh * GROUP + r % GROUP) * stride_h, 8)
@@ -196,17 +208,26 @@ def _store_out(
     ROW_S: gl.constexpr,
     ROW_O: gl.constexpr,
     LAYOUT: gl.constexpr,
+    ROW0: gl.constexpr = 0,
+    stage=None,
 ):
-    """``acc / l`` into O's tile rows; with ``STORE_LSE`` the natural-log LSE (``-inf`` for a row with no
-    key). ``acc [BLOCK_M, HEAD_DIM]`` (rows ``ROW_O``), ``m_i``, ``l_i [BLOCK_M]`` (base 2, rows ``ROW_S``)."""
+    """``acc / l`` into O's tile rows ``ROW0 ..``; with ``STORE_LSE`` the natural-log LSE (``-inf`` for a row with no
+    key). ``acc [BLOCK_M, HEAD_DIM]`` (rows ``ROW_O``), ``m_i``, ``l_i [BLOCK_M]`` (base 2, rows ``ROW_S``).
+    ``stage``: a ``[BLOCK_M, HEAD_DIM]`` shared buffer free for reuse, through which the output changes layout
+    (else a layout conversion with scratch memory of its own)."""
     has = l_i > 0.0
     l_o = gl.convert_layout(gl.where(has, l_i, 1.0), ROW_O)
-    out = gl.convert_layout((acc / gl.expand_dims(l_o, 1)).to(O.dtype.element_ty), LAYOUT)
-    offs, mask = _tile_offsets(q_start, q0, q_len, kvh, stride_ot, stride_oh, GROUP, BLOCK_M, HEAD_DIM, LAYOUT)
+    out = (acc / gl.expand_dims(l_o, 1)).to(O.dtype.element_ty)
+    if stage is None:
+        out = gl.convert_layout(out, LAYOUT)
+    else:
+        stage.store(out)
+        out = stage.load(LAYOUT)
+    offs, mask = _tile_offsets(q_start, q0, q_len, kvh, stride_ot, stride_oh, GROUP, BLOCK_M, HEAD_DIM, LAYOUT, ROW0)
     gl.store(O + offs, out, mask=mask)
     if STORE_LSE:
         lse = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf")) * 0.6931471805599453
-        rs = gl.arange(0, BLOCK_M, layout=ROW_S)
+        rs = ROW0 + gl.arange(0, BLOCK_M, layout=ROW_S)
         tok = q0 + rs // GROUP
         l_ptrs = LSE + (q_start + tok).to(gl.int64) * stride_lt + (kvh * GROUP + rs % GROUP) * stride_lh
         gl.store(l_ptrs, lse, mask=tok < q_len)
@@ -523,64 +544,116 @@ def _ws_loader(
 
 
 @gluon.jit
-def _ws_compute(
+def _ws_rows(
+    O,
+    LSE,
     q_smem,
     k_ring,
     v_ring,
     k_ready,
     v_ready,
     empty,
+    turn,
+    q_start,
+    q0,
+    q_len,
+    kv_len,
+    kvh,
     num_blocks,
-    free_hi,
-    pos,
-    qk_scale,
+    sm_scale,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    stride_lh,
+    GROUP: gl.constexpr,
     BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr,
+    STORE_LSE: gl.constexpr,
+    PINGPONG: gl.constexpr,
+    WG: gl.constexpr,
 ):
-    """The compute partition (``num_warps`` warps, 64 rows a warpgroup): per block ``i``, ``Q K_i^T`` and
-    ``P_{i-1} V_{i-1}`` in flight together, the softmax of block ``i`` under the latter, then slot ``i - 1``
-    released to the gather partition. Returns ``(acc [BLOCK_M, D] float32, m_i, l_i [BLOCK_M])`` (base 2).
-    ``pos [BLOCK_M]``: each row's absolute position (rows ``ROW_S``)."""
+    """One compute warpgroup: rows ``64 WG .. 64 WG + 63`` of the tile, start to end (its own softmax state
+    and epilogue). Per block ``i``: ``Q K_i^T`` and ``P_{i-1} V_{i-1}`` in flight together, the softmax of
+    block ``i`` under the latter, then its share of slot ``i - 1`` released (``empty`` counts both
+    warpgroups). ``PINGPONG``: the two warpgroups take turns issuing their wgmmas (``turn``), so that one's
+    softmax runs while the other's matmuls do."""
     NW: gl.constexpr = gl.num_warps()
-    BLOCK_M: gl.constexpr = q_smem.type.shape[0]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[1]
+    ROWS: gl.constexpr = 16 * NW
     dtype: gl.constexpr = q_smem.dtype
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW_S)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=ROW_S)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=O_L)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
+    q_rows = q_smem.slice(WG * ROWS, ROWS, dim=0)
+    pos0 = kv_len - q_len + q0
+    free_hi = (pos0 + 1) // BLOCK_N * BLOCK_N
+    pos = pos0 + (WG * ROWS + gl.arange(0, ROWS, layout=ROW_S)) // GROUP  # absolute position of each row
+    qk_scale = sm_scale * 1.4426950408889634
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=ROW_S)
+    l_i = gl.zeros([ROWS], gl.float32, layout=ROW_S)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=O_L)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=S_L)
 
+    if PINGPONG:  # the k-th turn of warpgroup 0 waits for warpgroup 1's (k - 1)-th (its first is free)
+        mbarrier.wait(turn.index(WG), WG ^ 1)
     mbarrier.wait(k_ready.index(0), 0)
     fence_async_shared()  # the gather's cp.async writes (generic proxy) before the wgmma (async proxy) reads
-    s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False)
+    s_tok = warpgroup_mma(q_rows, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
     p_op, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, free_hi, pos, qk_scale, BLOCK_N, dtype, S_L, ROW_O, P_L)
     for i in range(1, num_blocks):
         slot = i % NUM_STAGES
         prev = (i - 1) % NUM_STAGES
+        if PINGPONG:
+            mbarrier.wait(turn.index(WG), (i & 1) ^ WG ^ 1)
         mbarrier.wait(k_ready.index(slot), (i // NUM_STAGES) & 1)
         fence_async_shared()
-        s_tok = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s_tok = warpgroup_mma(q_rows, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(prev), ((i - 1) // NUM_STAGES) & 1)
         fence_async_shared()
         acc = acc * gl.expand_dims(alpha, 1)
         acc_tok = warpgroup_mma(p_op, v_ring.index(prev), acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG), count=1)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
         p_op, alpha, m_i, l_i = _softmax_step(
             s, m_i, l_i, i * BLOCK_N, free_hi, pos, qk_scale, BLOCK_N, dtype, S_L, ROW_O, P_L
         )
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
-        thread_barrier()  # every compute warpgroup is done with slot prev (the arrive is one thread's)
+        thread_barrier()  # the warpgroup is done with slot prev (the arrive is one thread's)
         mbarrier.arrive(empty.index(prev), count=1)
     last = (num_blocks - 1) % NUM_STAGES
     mbarrier.wait(v_ready.index(last), ((num_blocks - 1) // NUM_STAGES) & 1)
     fence_async_shared()
     acc = warpgroup_mma(p_op, v_ring.index(last), acc * gl.expand_dims(alpha, 1))
-    return acc, m_i, l_i
+    _store_out(
+        O,
+        LSE,
+        acc,
+        m_i,
+        l_i,
+        q_start,
+        q0,
+        q_len,
+        kvh,
+        stride_ot,
+        stride_oh,
+        stride_lt,
+        stride_lh,
+        GROUP,
+        ROWS,
+        HEAD_DIM,
+        STORE_LSE,
+        ROW_S,
+        ROW_O,
+        _load_layout(ROWS, HEAD_DIM, NW),
+        WG * ROWS,
+        q_rows,  # its last reader, the last Q K^T, has completed
+    )
 
 
 @gluon.jit
@@ -619,21 +692,21 @@ def gluon_prefill_ws_kernel(
     NUM_STAGES: gl.constexpr,
     STORE_LSE: gl.constexpr,
     LOADERS: gl.constexpr,
+    COMPUTE_REGS: gl.constexpr,
     LOADER_REGS: gl.constexpr,
+    PINGPONG: gl.constexpr,
 ):
-    """:func:`gluon_prefill_kernel`'s arguments and result, warp-specialized: ``LOADERS`` gather warps
-    (``LOADER_REGS`` registers a thread) fill the K/V ring through the page table, ``num_warps`` compute
-    warps run the wgmmas and the softmax; the ring's slots are handed over by mbarriers (no CTA barrier
-    between the partitions). Launch with ``maxnreg=ws_maxnreg(num_warps, LOADERS)``."""
+    """:func:`gluon_prefill_kernel`'s arguments and result, warp-specialized, launched with 4 warps (``BLOCK_M``
+    128): warpgroup 0 (these warps) and a second warpgroup compute rows 0-63 and 64-127 of the tile, each on its
+    own (:func:`_ws_rows`); ``LOADERS`` gather warps fill the K/V ring through the page table. The ring's
+    slots are handed over by mbarriers; no barrier spans the partitions. Registers a thread:
+    ``COMPUTE_REGS`` / ``LOADER_REGS``; launch with ``maxnreg=ws_maxnreg(8, LOADERS)``."""
     NW: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = Q.dtype.element_ty
     QLOAD: gl.constexpr = _load_layout(BLOCK_M, HEAD_DIM, NW)
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, HEAD_DIM, 16])
-    ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
-    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
     SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    gl.static_assert(BLOCK_M == 2 * 16 * NW, "two compute warpgroups of 64 rows")
 
     tile = num_tiles - 1 - gl.program_id(0)  # longest causal tiles first
     kvh = gl.program_id(1)
@@ -643,9 +716,7 @@ def gluon_prefill_ws_kernel(
     q_len = gl.load(qo_indptr + b + 1) - q_start
     kv_len = gl.load(kv_lens + b)
     page_base = gl.load(kv_indptr + b)
-    pos0 = kv_len - q_len + q0  # the tile's first row: keys [0, pos0] are visible to every row
-    hi = gl.minimum(kv_len, pos0 + BLOCK_Q)
-    free_hi = (pos0 + 1) // BLOCK_N * BLOCK_N
+    hi = gl.minimum(kv_len, kv_len - q_len + q0 + BLOCK_Q)  # keys the tile's last row sees
     num_blocks = gl.cdiv(hi, BLOCK_N)
 
     q_offs, q_mask = _tile_offsets(q_start, q0, q_len, kvh, stride_qt, stride_qh, GROUP, BLOCK_M, HEAD_DIM, QLOAD)
@@ -656,32 +727,78 @@ def gluon_prefill_ws_kernel(
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for st in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(st), count=32 * LOADERS)
         mbarrier.init(v_ready.index(st), count=32 * LOADERS)
-        mbarrier.init(empty.index(st), count=1)
-    fence_async_shared()  # Q's store before the wgmma reads it
+        mbarrier.init(empty.index(st), count=2)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    fence_async_shared()  # Q's store before the wgmmas read it
     thread_barrier()  # ... every thread's, and the barriers' init
 
-    rs = gl.arange(0, BLOCK_M, layout=ROW_S)
-    pos = kv_len - q_len + q0 + rs // GROUP  # absolute position of each row
-    acc, m_i, l_i = gl.warp_specialize(
+    gl.warp_specialize(
         [
             (
-                _ws_compute,
+                _ws_rows,
                 (
+                    O,
+                    LSE,
                     q_smem,
                     k_ring,
                     v_ring,
                     k_ready,
                     v_ready,
                     empty,
+                    turn,
+                    q_start,
+                    q0,
+                    q_len,
+                    kv_len,
+                    kvh,
                     num_blocks,
-                    free_hi,
-                    pos,
-                    sm_scale * 1.4426950408889634,
+                    sm_scale,
+                    stride_ot,
+                    stride_oh,
+                    stride_lt,
+                    stride_lh,
+                    GROUP,
                     BLOCK_N,
                     NUM_STAGES,
+                    STORE_LSE,
+                    PINGPONG,
+                    0,
+                ),
+            ),
+            (
+                _ws_rows,
+                (
+                    O,
+                    LSE,
+                    q_smem,
+                    k_ring,
+                    v_ring,
+                    k_ready,
+                    v_ready,
+                    empty,
+                    turn,
+                    q_start,
+                    q0,
+                    q_len,
+                    kv_len,
+                    kvh,
+                    num_blocks,
+                    sm_scale,
+                    stride_ot,
+                    stride_oh,
+                    stride_lt,
+                    stride_lh,
+                    GROUP,
+                    BLOCK_N,
+                    NUM_STAGES,
+                    STORE_LSE,
+                    PINGPONG,
+                    1,
                 ),
             ),
             (
@@ -712,28 +829,6 @@ def gluon_prefill_ws_kernel(
                 ),
             ),
         ],
-        [LOADERS],
-        [LOADER_REGS],
-    )
-    _store_out(
-        O,
-        LSE,
-        acc,
-        m_i,
-        l_i,
-        q_start,
-        q0,
-        q_len,
-        kvh,
-        stride_ot,
-        stride_oh,
-        stride_lt,
-        stride_lh,
-        GROUP,
-        BLOCK_M,
-        HEAD_DIM,
-        STORE_LSE,
-        ROW_S,
-        ROW_O,
-        QLOAD,
+        [NW, LOADERS],
+        [COMPUTE_REGS, LOADER_REGS],
     )

@@ -77,6 +77,7 @@ class TritonState(ProviderState):
     pairs: bool = False  # fp8 KV, decode kernel: K/V read as 16-bit byte pairs (tile-table field)
     qk_ahead: bool = False  # gluon: the next block's Q K^T issued before this block's softmax
     loaders: int = 0  # gluon: gather warps of the warp-specialized kernel (0: the single-partition kernel)
+    pingpong: bool = False  # gluon, warp-specialized: the compute warpgroups take turns at the wgmmas
     # a cascade graph's prefix part on the prefill kernel: [1] int32, the tiles the graph update wrote (only the
     # groups it cut), which grid_tiles programs a KV head and split stride over
     tile_count: torch.Tensor | None = None
@@ -412,8 +413,8 @@ class TritonProvider(Provider):
             and (splits == 1 if plan.causal else not cfg.kv_quantized)
         )
 
-    def _gluon_config(self, plan: Plan) -> tuple[int, int, int, int, bool, int] | None:
-        """``(block_m, block_n, num_stages, num_warps, qk_ahead, loaders)`` of the Gluon prefill kernel
+    def _gluon_config(self, plan: Plan) -> tuple[int, int, int, int, bool, int, bool] | None:
+        """``(block_m, block_n, num_stages, num_warps, qk_ahead, loaders, pingpong)`` of the Gluon prefill kernel
         (:mod:`..kernels.gluon_prefill`'s ``CONFIGS``) where it computes this batch: an sm90 GPU with
         Gluon (:func:`gluon_sm90`), causal queries that fill its ``block_m``-row tiles, 16-bit KV in pages
         of 16, head_dim 64 / 128 / 256, a power-of-two GQA group, no custom mask, window, soft cap, sinks,
@@ -643,6 +644,7 @@ class TritonProvider(Provider):
             fp8_f16=cfg.kv_quantized and entry.fp8_f16,
             qk_ahead=kernel == "gluon" and gluon[4],
             loaders=gluon[5] if kernel == "gluon" else 0,
+            pingpong=kernel == "gluon" and gluon[6],
             pairs=(
                 cfg.kv_quantized
                 and kernel == "decode"
@@ -947,10 +949,11 @@ class TritonProvider(Provider):
 
         cfg = self.config
         if a.loaders:
-            kernel, extra = gp.gluon_prefill_ws_kernel, dict(LOADERS=a.loaders, LOADER_REGS=gp.LOADER_REGS)
-            extra["maxnreg"] = gp.ws_maxnreg(a.num_warps, a.loaders)
+            cap, compute, loader = gp.ws_registers(a.num_warps, a.loaders)
+            kernel, warps = gp.gluon_prefill_ws_kernel, a.num_warps // 2  # the default partition: one warpgroup
+            extra = dict(LOADERS=a.loaders, COMPUTE_REGS=compute, LOADER_REGS=loader, PINGPONG=a.pingpong, maxnreg=cap)
         else:
-            kernel, extra = gp.gluon_prefill_kernel, dict(QK_AHEAD=a.qk_ahead)
+            kernel, warps, extra = gp.gluon_prefill_kernel, a.num_warps, dict(QK_AHEAD=a.qk_ahead)
         kernel[(a.num_tiles, cfg.num_kv_heads)](
             q,
             k_cache,
@@ -980,7 +983,7 @@ class TritonProvider(Provider):
             PAGE_SIZE=cfg.page_size,
             NUM_STAGES=a.num_stages,
             STORE_LSE=lse is not None,
-            num_warps=a.num_warps,
+            num_warps=warps,
             **extra,
         )
 
