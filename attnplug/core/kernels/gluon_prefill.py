@@ -77,12 +77,18 @@ def _load_layout(rows, head_dim, num_warps):
 
 
 @gluon.jit
+def _kv_pages(j, kv_indices, page_base, hi, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr):
+    """Page ids ``[BLOCK_N]`` (rows of ``LAYOUT``) of block ``j``'s keys ``j * BLOCK_N ..``; 0 at or past ``hi``."""
+    n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAYOUT))
+    return gl.load(kv_indices + page_base + n // PAGE_SIZE, mask=n < hi, other=0)
+
+
+@gluon.jit
 def _kv_ptrs(
     K,
     V,
     j,
-    kv_indices,
-    page_base,
+    page,
     hi,
     kvh,
     stride_kp,
@@ -96,16 +102,15 @@ def _kv_ptrs(
     PAGE_SIZE: gl.constexpr,
     LAYOUT: gl.constexpr,
 ):
-    """Pointers ``[BLOCK_N, HEAD_DIM]`` to K and V of block ``j`` (keys ``j * BLOCK_N ..``, KV head ``kvh``)
-    through the page table, and the mask of the keys below ``hi``."""
+    """Pointers ``[BLOCK_N, HEAD_DIM]`` to K and V of block ``j`` (KV head ``kvh``) from its page ids
+    (:func:`_kv_pages`), and the mask of the keys below ``hi``."""
     n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAYOUT))
     d0 = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LAYOUT)), 0)
-    ok = n < hi
-    page = gl.load(kv_indices + page_base + n // PAGE_SIZE, mask=ok, other=0).to(gl.int64)
+    page = page.to(gl.int64)
     slot = n % PAGE_SIZE
     k_off = gl.multiple_of(page * stride_kp + slot * stride_kt + kvh * stride_kh, 8)  # strides of 8 (provider)
     v_off = gl.multiple_of(page * stride_vp + slot * stride_vt + kvh * stride_vh, 8)
-    mask = gl.expand_dims(ok, 1) & (d0 < HEAD_DIM)
+    mask = gl.expand_dims(n < hi, 1) & (d0 < HEAD_DIM)
     return K + (gl.expand_dims(k_off, 1) + d0), V + (gl.expand_dims(v_off, 1) + d0), mask
 
 
@@ -141,8 +146,7 @@ def _issue_block(
             K,
             V,
             j,
-            kv_indices,
-            page_base,
+            _kv_pages(j, kv_indices, page_base, hi, BLOCK_N, PAGE_SIZE, LAYOUT),
             hi,
             kvh,
             stride_kp,
@@ -511,19 +515,22 @@ def _ws_loader(
     PAGE_SIZE: gl.constexpr,
     NUM_STAGES: gl.constexpr,
 ):
-    """The gather partition: block ``j`` of K and V into slot ``j % NUM_STAGES`` once the compute partition
-    has released it (``empty``); each thread's copies arrive on ``k_ready`` / ``v_ready`` as they land
-    (``cp.async.mbarrier.arrive.noinc``: a barrier completes when every gather thread's copies have)."""
+    """The gather partition: block ``j`` of K and V into slot ``j % NUM_STAGES`` once the compute partitions
+    have released it (``empty``), block ``j + 1``'s page ids read meanwhile; each thread's copies arrive on
+    ``k_ready`` / ``v_ready`` as they land (``cp.async.mbarrier.arrive.noinc``: a barrier completes when every
+    gather thread's copies have)."""
     LAYOUT: gl.constexpr = _load_layout(BLOCK_N, HEAD_DIM, gl.num_warps())
+    pages = _kv_pages(0, kv_indices, page_base, hi, BLOCK_N, PAGE_SIZE, LAYOUT)
     for j in range(num_blocks):
         slot = j % NUM_STAGES
+        page = pages
+        pages = _kv_pages(j + 1, kv_indices, page_base, hi, BLOCK_N, PAGE_SIZE, LAYOUT)  # in flight while it waits
         mbarrier.wait(empty.index(slot), ((j // NUM_STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
         k_ptrs, v_ptrs, mask = _kv_ptrs(
             K,
             V,
             j,
-            kv_indices,
-            page_base,
+            page,
             hi,
             kvh,
             stride_kp,
