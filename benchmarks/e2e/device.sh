@@ -31,6 +31,7 @@
 #   Issue 45 (MLA: a dense DeepSeek-V2 with random weights, E2E_MLA_LAYERS layers, default 8), after the
 #   engine's parts are unpacked: rows 0,1,3 of each engine's MLA backends and attnplug's (E2E_BACKENDS picks):
 #     bash benchmarks/e2e/device.sh vllm-mla | sglang-mla
+#   (E2E_MODEL=0 on every call of such a chain: the Llama model is not made)
 #   Issue 41 (gpt-oss: sinks, alternating 128-token windows, d64; make_model.py --gpt-oss, E2E_OSS_LAYERS layers,
 #   default 4), after the engine's parts are unpacked: rows 0,1,3 of the natives with sinks and attnplug's three:
 #     bash benchmarks/e2e/device.sh vllm-gptoss | sglang-gptoss
@@ -96,7 +97,8 @@ setup() {  # idempotent: scripts snapshot, attnplug installed from this call's t
   [[ -d $R/repo ]] || { mkdir -p $R/repo && tar cf - --exclude=.bundle --exclude=.venvs --exclude=.git . | tar xf - -C $R/repo; }
   ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())'); g1=$(( ngpu > 1 ? 1 : 0 ))
   $L start $LANES --gpus "$(seq -s, 0 $((ngpu - 1)))"
-  [[ -e $MODEL/.queued ]] || { mkdir -p $MODEL && touch $MODEL/.queued &&
+  # E2E_MODEL=0: no Llama model (a call chain that runs only the MLA / gpt-oss stages, which make their own)
+  [[ ${E2E_MODEL:-1} == 0 || -e $MODEL/.queued ]] || { mkdir -p $MODEL && touch $MODEL/.queued &&
     queue 0 make-model 300 -- "python3 $R/bin/make_model.py $MODEL --eagle-draft $DRAFT"; }
 }
 
