@@ -117,6 +117,15 @@ def test_triton_mla_split_kv_and_lse(name):
     assert torch.allclose(l3, ref_l, atol=1e-4)
 
 
+def test_triton_mla_decode_heads_a_program():
+    """Decode's ``block_m`` knob sets the heads a program (its rows): 16 of 40 heads in three programs, the
+    last one part empty, against the un-absorbed reference."""
+    c = mla_case(D, [1, 1, 1], [70, 5, 300], heads=40, mask_kind="tree", seed=5)
+    attn, out, _ = _run(c, block_m=16)
+    assert attn.current_plan.state.block_h == 16  # the default: 64 (next power of two of 40, at most 64)
+    _check(c, out)
+
+
 def test_triton_mla_deepseek_shape():
     """R=512, Dr=64 (the DeepSeek latent), 16 heads: decode and a short chain verify."""
     for mode, q_lens, prefix, kind in ((D, [1, 1], [70, 5], "tree"), (V, [2], [33], "chain")):

@@ -111,6 +111,8 @@ class TritonMLAProvider(TritonProvider):
         bq, bh, bn, warps, stages = self._mla_tiles(plan.max_q_len)
         if o.block_m is not None and plan.max_q_len > 1:
             bq = max(1, o.block_m // bh)
+        elif o.block_m is not None:  # decode: the rows are heads
+            bh = max(16, _next_pow2(o.block_m))
         bn, warps, stages = o.block_n or bn, o.num_warps or warps, o.num_stages or stages
         identity, counts, ends, num_tiles = _tiling(plan.q_lens_cpu.numpy(), bq)
         splits = self.split_count(num_tiles, plan.max_kv_len, o.num_kv_splits)
