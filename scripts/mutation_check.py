@@ -511,6 +511,14 @@ MUTATIONS = [
         "cascade graphs: the prefix part's merge is a launch of its own again",
     ),
     Mutation(
+        "gluon_default_off",
+        "attnplug/core/providers/triton.py",
+        "return env_flag(GLUON_ENV, True)",
+        "return env_flag(GLUON_ENV, False)",
+        ("tests/core/test_gluon_plan.py::test_gluon_is_on_by_default",),
+        "the Gluon prefill back to opt-in (ATTNPLUG_GLUON unset plans the Triton kernels on sm90)",
+    ),
+    Mutation(
         "cascade_graphs_default_on",
         CA,
         "env_flag(CASCADE_GRAPHS_ENV, False)",

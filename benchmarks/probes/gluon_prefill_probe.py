@@ -39,7 +39,7 @@ from attnplug.core import AttentionConfig, ForwardMode, PagedAttention  # noqa: 
 from attnplug.core.kernels import gluon_prefill  # noqa: E402
 from attnplug.core.plan import make_plan  # noqa: E402
 
-os.environ.setdefault("ATTNPLUG_GLUON", "1")  # the probe measures the opt-in kernel
+os.environ.setdefault("ATTNPLUG_GLUON", "1")  # the probe measures the Gluon kernel (on by default)
 from batches import random_case, rel_err  # noqa: E402
 
 from attnplug.core.providers.triton import gluon_sm90  # noqa: E402
@@ -61,24 +61,21 @@ ROWS = [  # (tag, Row)
     ("d256", workloads.Row("prefill 4x4096 d256", "prefill", 4, 4096, 0, heads=(16, 8, 256))),
 ]
 
-# head_dim -> other CONFIGS entries (block_m, block_n, stages, warps, qk_ahead, loaders, pingpong) to time on the
-# tag's first row: the single-partition kernel's, then every warp-specialized candidate (WS_CANDIDATES)
+# head_dim -> the configurations to time on the tag's first row besides the table's (block_m, block_n, stages, warps,
+# qk_ahead, loaders, pingpong): the single-partition kernel's, then every warp-specialized candidate
 SWEEP = {
-    128: [
-        (128, 128, 3, 8, True, 0, False),
-        (128, 64, 3, 8, True, 0, False),
-        (64, 64, 3, 4, True, 0, False),
-        (128, 128, 2, 8, False, 0, False),
-        *gluon_prefill.WS_CANDIDATES[128],
-    ],
-    64: [(128, 64, 4, 8, True, 0, False), (128, 128, 3, 8, True, 0, False), *gluon_prefill.WS_CANDIDATES[64]],
-    256: [(128, 32, 3, 8, True, 0, False), *gluon_prefill.WS_CANDIDATES[256]],
+    d: [
+        c
+        for c in [gluon_prefill.SINGLE_PARTITION[d], *gluon_prefill.WS_CANDIDATES[d]]
+        if c != gluon_prefill.CONFIGS.get(d)
+    ]
+    for d in gluon_prefill.SINGLE_PARTITION
 }
 
 
 def triton_attn(config, gluon: bool) -> PagedAttention:
     attn = PagedAttention(config, "triton", "cuda")
-    attn.provider._gluon = gluon and attn.provider._gluon
+    attn.provider._gluon = gluon and gluon_sm90(attn.device)  # the instance is shared: set, never inherited
     return attn
 
 
@@ -136,7 +133,10 @@ def bench_row(tag, row, sweep: bool) -> list[dict]:
             traceback.print_exc()
             results.append(dict(row=row.name, tag=tag, impl=label, error=f"{type(e).__name__}: {e}"[:2000]))
         finally:
-            gluon_prefill.CONFIGS[d] = product
+            if product is None:
+                gluon_prefill.CONFIGS.pop(d, None)
+            else:
+                gluon_prefill.CONFIGS[d] = product
     fa3 = next((o for k, o in outs.items() if k.startswith("fa3")), None)
     for r in results:
         if fa3 is not None and r["impl"] in outs and not r["impl"].startswith("fa3"):
@@ -200,10 +200,14 @@ def main() -> None:
     bad = [c["check"] for c in res["checks"] if not c.get("ok")]
     bad += [
         f"{r['row']}: {r['impl']}"
-        for r in res["rows"]  # the product configuration: Gluon, right
-        if r["impl"].startswith(("attnplug.triton.gluon[", "attnplug.triton.gluon"))
+        for r in res["rows"]  # the table's configuration: Gluon where the table has the head dim, right
+        if r["impl"].startswith("attnplug.triton.gluon")
         and ".sweep" not in r["impl"]
-        and ("error" in r or "[gluon]" not in r["impl"] or not r.get("rel_err_vs_fa3", 0.0) <= 1e-2)
+        and (
+            "error" in r
+            or ("[gluon]" in r["impl"]) != (r["tag"] in {f"d{d}" for d in gluon_prefill.CONFIGS})
+            or not r.get("rel_err_vs_fa3", 0.0) <= 1e-2
+        )
     ]
     print("checks:", "all ok" if not bad else f"FAILED {bad}")
     if args.out:

@@ -519,10 +519,10 @@ def record_runs(runs, sinks: bool = False) -> None:
 
 
 def record_gluon() -> None:
-    """The Gluon prefill kernel (kernels/gluon_prefill.py) at every configuration the provider launches
-    on sm90: head_dim 64 / 128 / 256 (each with its block_n / stages), GQA groups 1 to 16, bf16 and fp16,
-    NHD and HND pages, with and without LSE, prefill and extend; the plan must pick it (``_gluon`` set as
-    on an sm90 GPU with Gluon), and must not where a feature falls back (``_gluon_fallbacks``)."""
+    """The Gluon prefill kernels (kernels/gluon_prefill.py): the table's configurations as the provider plans
+    them on sm90 (head_dim 64 / 128, GQA groups 1 to 8, bf16 and fp16, NHD and HND pages, with and without LSE,
+    prefill and extend; the plan must pick Gluon, ``_gluon`` set as on an sm90 GPU), then, at head_dim 64 /
+    128 / 256, every configuration the probe times (``SINGLE_PARTITION``, ``WS_CANDIDATES``) put in the table."""
     bf, fp = torch.bfloat16, torch.float16
     cases = [  # (config, q lens, prefix lens, with LSE)
         (AttentionConfig(32, 8, 128, 16, bf), [300, 200], [0, 250], False),
@@ -531,43 +531,44 @@ def record_gluon() -> None:
         (AttentionConfig(64, 8, 128, 16, fp, "HND"), [130], [17], False),  # group 8, fp16, HND
         (AttentionConfig(32, 8, 64, 16, bf), [300], [0], False),
         (AttentionConfig(32, 8, 64, 16, fp), [300], [5], True),
-        (AttentionConfig(16, 8, 256, 16, bf), [300], [0], False),
+        (AttentionConfig(16, 8, 256, 16, bf), [300], [0], False),  # no table entry: probe configurations only
         (AttentionConfig(32, 2, 256, 16, bf, "HND"), [100], [64], True),  # group 16
     ]
-    for n, (cfg, q_lens, prefix, with_lse) in enumerate(cases):
-        c = random_case(ForwardMode.EXTEND, q_lens, prefix, cfg, "cpu")
-        attn = PagedAttention(cfg, "triton", "cpu")
-        attn.provider._sms, attn.provider._gluon = H200_SMS, True
-        plan = attn.plan(c.batch, c.num_pages)
-        assert plan.state.kernel == "gluon", (cfg, plan.state.kernel)
-        out = torch.empty_like(c.q)
-        lse = torch.empty(c.q.shape[:2], dtype=torch.float32) if with_lse else None
-        attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=lse)
-        if n in (0, 4, 6):  # a query 2 bytes off 16-byte alignment: the run's Triton prefill fallback
-            q = torch.empty(c.q.numel() + 1, dtype=c.q.dtype)[1:].view(c.q.shape)
-            attn.run(q, c.k_cache, c.v_cache, out=out, lse=lse)
-    assert sum(k[0] == "gluon_prefill_kernel" for k in LAUNCHES) >= len(cases), "gluon launches not recorded"
-    # the warp-specialized kernel at every configuration the probe times (WS_CANDIDATES)
-    for n in (0, 1, 3, 4, 6):
+
+    def run(n: int, table: tuple | None = None) -> None:
         cfg, q_lens, prefix, with_lse = cases[n]
-        product = gluon_mod.CONFIGS[cfg.head_dim]
+        product = gluon_mod.CONFIGS.get(cfg.head_dim)
+        if table is not None:
+            gluon_mod.CONFIGS[cfg.head_dim] = table
         try:
-            for ws in gluon_mod.WS_CANDIDATES[cfg.head_dim]:
-                gluon_mod.CONFIGS[cfg.head_dim] = ws
-                c = random_case(ForwardMode.EXTEND, q_lens, prefix, cfg, "cpu")
-                attn = PagedAttention(cfg, "triton", "cpu")
-                attn.provider._sms, attn.provider._gluon = H200_SMS, True
-                plan = attn.plan(c.batch, c.num_pages)
-                assert plan.state.kernel == "gluon" and plan.state.loaders == ws[5] and plan.state.pingpong == ws[6], (
-                    cfg,
-                    ws,
-                    plan.state,
-                )
-                lse = torch.empty(c.q.shape[:2], dtype=torch.float32) if with_lse else None
-                attn.run(c.q, c.k_cache, c.v_cache, out=torch.empty_like(c.q), lse=lse)
+            c = random_case(ForwardMode.EXTEND, q_lens, prefix, cfg, "cpu")
+            attn = PagedAttention(cfg, "triton", "cpu")
+            attn.provider._sms, attn.provider._gluon = H200_SMS, True
+            plan = attn.plan(c.batch, c.num_pages)
+            a = plan.state
+            want = table or product
+            assert a.kernel == "gluon" and (a.loaders, a.pingpong) == want[5:], (cfg, want, a)
+            out = torch.empty_like(c.q)
+            lse = torch.empty(c.q.shape[:2], dtype=torch.float32) if with_lse else None
+            attn.run(c.q, c.k_cache, c.v_cache, out=out, lse=lse)
+            if table is None and n in (0, 4):  # a query 2 bytes off 16-byte alignment: the Triton prefill fallback
+                q = torch.empty(c.q.numel() + 1, dtype=c.q.dtype)[1:].view(c.q.shape)
+                attn.run(q, c.k_cache, c.v_cache, out=out, lse=lse)
         finally:
-            gluon_mod.CONFIGS[cfg.head_dim] = product
-    assert any(k[0] == "gluon_prefill_ws_kernel" for k in LAUNCHES), "warp-specialized launches not recorded"
+            if product is None:
+                gluon_mod.CONFIGS.pop(cfg.head_dim, None)
+            else:
+                gluon_mod.CONFIGS[cfg.head_dim] = product
+
+    for n in range(6):  # the table's (head dims 64, 128)
+        run(n)
+    for n in (0, 1, 3, 4, 6, 7):  # the probe's alternatives
+        d = cases[n][0].head_dim
+        for table in (gluon_mod.SINGLE_PARTITION[d], *gluon_mod.WS_CANDIDATES[d]):
+            if table != gluon_mod.CONFIGS.get(d):
+                run(n, table)
+    for name in ("gluon_prefill_kernel", "gluon_prefill_ws_kernel"):
+        assert any(k[0] == name for k in LAUNCHES), f"{name} launches not recorded"
 
 
 def record_sinks() -> None:

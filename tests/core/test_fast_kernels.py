@@ -28,6 +28,16 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H200_SMS = 132
 
 
+@pytest.fixture(autouse=True)
+def _triton_kernels(monkeypatch):
+    """These tests pin the Triton kernels through the tile table: on an sm90 GPU the Gluon prefill, which the
+    table does not steer, is turned off (``ATTNPLUG_GLUON=0``, fresh provider instances)."""
+    from attnplug.core import providers
+
+    monkeypatch.setenv("ATTNPLUG_GLUON", "0")
+    monkeypatch.setattr(providers, "_INSTANCES", type(providers._INSTANCES)())
+
+
 @contextlib.contextmanager
 def table(entries: dict):
     """Tile-table entries in force inside the block (the rest of the table unchanged)."""

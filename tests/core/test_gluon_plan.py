@@ -23,7 +23,6 @@ COVERED = {  # name -> (config, q lens, prefix lens)
     "prefill_d128": (AttentionConfig(32, 8, 128, 16, BF), [300, 17, 129], [0, 0, 0]),
     "extend_d128": (AttentionConfig(32, 8, 128, 16, BF), [200, 37, 513], [1000, 0, 77]),
     "d64": (AttentionConfig(32, 8, 64, 16, BF), [300], [0]),
-    "d256_fp16_hnd": (AttentionConfig(16, 8, 256, 16, torch.float16, "HND"), [300], [10]),
     "mha": (AttentionConfig(8, 8, 128, 16, BF), [300], [0]),
 }
 # the GPU test's cases (tests/gpu/test_gluon_prefill_gpu.py): each fills the H200's SMs unsplit at every shape
@@ -37,7 +36,6 @@ SHAPES = {  # name -> (Hq, Hkv, D)
     "d128_g1": (8, 8, 128),
     "d128_g8": (64, 8, 128),
     "d64_g4": (32, 8, 64),
-    "d256_g2": (16, 8, 256),
 }
 FALLBACKS = {  # name -> (config, mode, q lens, prefix lens): features the Gluon kernel does not cover
     "window": (AttentionConfig(32, 8, 128, 16, BF, window_left=100), ForwardMode.EXTEND, [300], [50]),
@@ -48,6 +46,7 @@ FALLBACKS = {  # name -> (config, mode, q lens, prefix lens): features the Gluon
     "page_1": (AttentionConfig(32, 8, 128, 1, BF), ForwardMode.EXTEND, [300], [50]),
     "page_64": (AttentionConfig(32, 8, 128, 64, BF), ForwardMode.EXTEND, [300], [50]),
     "d96": (AttentionConfig(32, 8, 96, 16, BF), ForwardMode.EXTEND, [300], [50]),
+    "d256": (AttentionConfig(16, 8, 256, 16, torch.float16, "HND"), ForwardMode.EXTEND, [300], [10]),  # no entry
     "group_3": (AttentionConfig(24, 8, 128, 16, BF), ForwardMode.EXTEND, [300], [50]),
     "tree_verify": (AttentionConfig(32, 8, 128, 16, BF), ForwardMode.TARGET_VERIFY, [64, 64], [300, 40]),
     "short_extend": (AttentionConfig(32, 8, 128, 16, BF), ForwardMode.EXTEND, [5, 9], [1000, 30]),
@@ -112,16 +111,20 @@ def test_forced_knobs_plan_the_triton_kernels():
         assert forced["kernel"] != "gluon", knobs
 
 
-def test_gluon_is_opt_in(monkeypatch):
-    """On an sm90 GPU (faked here) the Gluon kernel is chosen only with ``ATTNPLUG_GLUON=1``."""
+def test_gluon_is_on_by_default(monkeypatch):
+    """On an sm90 GPU (faked here) the Gluon kernel is chosen unless ``ATTNPLUG_GLUON=0``; the version check
+    runs only past the flag."""
     from attnplug.core.providers import triton as tp
 
-    monkeypatch.setattr(tp, "triton_interpreter_active", lambda: False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.delenv(tp.GLUON_ENV, raising=False)
-    assert not tp.gluon_sm90(torch.device("cuda"))
-    monkeypatch.setenv(tp.GLUON_ENV, "1")
     seen = []
-    monkeypatch.setattr(tp, "GLUON_TRITON", ((0, 0), (0, 0)))  # past the flag: the version check runs
+    monkeypatch.setattr(tp, "triton_interpreter_active", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: seen.append(1) or (9, 0))
-    assert not tp.gluon_sm90(torch.device("cuda")) and seen
+    monkeypatch.setattr(tp, "GLUON_TRITON", ((0, 0), (0, 0)))  # past the flag: the version check refuses
+    monkeypatch.delenv(tp.GLUON_ENV, raising=False)
+    assert tp.gluon_wanted() and not tp.gluon_sm90(torch.device("cuda")) and seen
+    for off in ("0", "off"):
+        monkeypatch.setenv(tp.GLUON_ENV, off)
+        seen.clear()
+        assert not tp.gluon_wanted() and not tp.gluon_sm90(torch.device("cuda")) and not seen
+    monkeypatch.setenv(tp.GLUON_ENV, "1")
+    assert tp.gluon_wanted()

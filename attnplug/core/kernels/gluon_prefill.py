@@ -37,12 +37,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 # a CTA-wide barrier: ``gl.thread_barrier`` in Triton 3.6, ``gl.barrier`` from 3.7 on
 thread_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 
-# (head_dim) -> (block_m, block_n, num_stages, num_warps, qk_ahead, loaders): the configurations the provider
-# launches (``BLOCK_M`` rows over ``num_warps // 4`` warpgroups of 64 rows); shared memory: Q BLOCK_M x D plus
-# NUM_STAGES x (K + V) blocks of BLOCK_N x D, 16-bit (at most 227 KiB an SM); ``QK_AHEAD`` needs 3 stages.
-# ``loaders`` > 0: the warp-specialized kernel (:func:`gluon_prefill_ws_kernel`), that many gather warps beside
-# the ``num_warps`` (8) compute warps, ``qk_ahead`` implied; ``pingpong``: its warpgroups take turns at the wgmmas.
-CONFIGS = {
+# (head_dim) -> (block_m, block_n, num_stages, num_warps, qk_ahead, loaders, pingpong): the configurations the
+# provider launches (``BLOCK_M`` rows over ``num_warps // 4`` compute warpgroups of 64 rows); shared memory: Q
+# BLOCK_M x D plus NUM_STAGES x (K + V) blocks of BLOCK_N x D, 16-bit (at most 227 KiB an SM). ``loaders`` > 0:
+# the warp-specialized kernel (:func:`gluon_prefill_ws_kernel`), that many gather warps beside the compute warps,
+# ``qk_ahead`` implied; ``pingpong``: its warpgroups take turns at the wgmmas. A head dim without an entry (256:
+# the Triton kernel is as fast, docs/gluon.md) plans the Triton kernels.
+CONFIGS = {64: (128, 128, 4, 8, True, 4, True), 128: (128, 64, 4, 8, True, 4, True)}
+# head_dim -> the single-partition kernel's configurations (:func:`gluon_prefill_kernel`; ``QK_AHEAD`` needs 3
+# stages): the probe's alternatives, compiled by the sm90 check
+SINGLE_PARTITION = {
     64: (128, 128, 4, 8, True, 0, False),
     128: (128, 64, 4, 8, True, 0, False),
     256: (128, 64, 2, 8, False, 0, False),

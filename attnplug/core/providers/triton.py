@@ -190,15 +190,21 @@ def _aligned16(t: torch.Tensor, strides) -> bool:
 # the Triton releases whose Gluon API the Gluon kernels are written and compile-checked
 # (tests/core/sm90_aot.py) for
 GLUON_TRITON = ((3, 6), (3, 8))
-GLUON_ENV = "ATTNPLUG_GLUON"  # opt-in until the kernel has passed tests/gpu/test_gluon_prefill_gpu.py on sm90
+GLUON_ENV = "ATTNPLUG_GLUON"  # on by default; 0 / off: the Triton kernels (docs/gluon.md)
+
+
+def gluon_wanted() -> bool:
+    """``ATTNPLUG_GLUON``: unset or ``1`` (the default) lets the triton provider plan the Gluon prefill
+    kernel where :func:`gluon_sm90` finds it can run; ``0`` keeps the Triton kernels everywhere."""
+    return env_flag(GLUON_ENV, True)
 
 
 def gluon_sm90(device: torch.device) -> bool:
     """Whether the Gluon prefill kernel (:mod:`attnplug.core.kernels.gluon_prefill`) runs on ``device``:
     a CUDA sm90 GPU (compute capability 9.0) without the Triton interpreter, with a triton in
-    :data:`GLUON_TRITON` whose ``triton.experimental.gluon`` imports, and ``ATTNPLUG_GLUON=1`` (opt-in: the
-    kernel has not yet run on a GPU; docs/gluon.md)."""
-    if device.type != "cuda" or triton_interpreter_active() or not env_flag(GLUON_ENV, False):
+    :data:`GLUON_TRITON` whose ``triton.experimental.gluon`` imports, unless ``ATTNPLUG_GLUON=0``
+    (:func:`gluon_wanted`)."""
+    if device.type != "cuda" or triton_interpreter_active() or not gluon_wanted():
         return False
     if torch.cuda.get_device_capability(device) != (9, 0):
         return False

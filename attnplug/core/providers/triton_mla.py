@@ -64,11 +64,15 @@ class TritonMLAProvider(TritonProvider):
     # -- tiles ------------------------------------------------------------------------------------
     def _mla_tiles(self, max_q_len: int) -> tuple[int, int, int, int, int]:
         """(block_q, block_h, block_n, num_warps, num_stages): decode rows are heads (up to 64 a program);
-        multi-token tiles take 64 rows of ``block_q`` tokens x ``block_h`` heads."""
+        multi-token tiles take 64 rows of ``block_q`` tokens x ``block_h`` heads. Decode of a large latent with
+        at most 16 heads (DeepSeek under TP 8): 64-key blocks, 8 warps, 3 stages (``probes/mla_sweep.py``,
+        docs/mla.md)."""
         cfg = self.config
         big = cfg.kv_lora_rank > 128
         bh = max(16, min(_next_pow2(cfg.num_qo_heads), 64 if max_q_len <= 1 else 16))
         bq = 1 if max_q_len <= 1 else max(1, 64 // bh)
+        if big and max_q_len <= 1 and bh == 16:
+            return bq, bh, 64, 8, 3
         return bq, bh, 32 if big else 64, 8 if big else 4, 2
 
     def split_count(self, num_tiles: int, max_kv_len: int, forced: int | None = None, noncausal: bool = False) -> int:
