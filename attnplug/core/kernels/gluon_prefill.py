@@ -242,6 +242,23 @@ def _store_out(
 
 
 @gluon.jit
+def _tile(qo_indptr, kv_indptr, kv_lens, tile_req, tile_qstart, num_tiles):
+    """This program's tile (the list run backwards: longest causal tiles first): ``(q0, q_start, q_len,
+    kv_len, page_base)``, its first query token within the request and the request's query start, query
+    length, key length and first page-table entry."""
+    tile = num_tiles - 1 - gl.program_id(0)
+    b = gl.load(tile_req + tile)
+    q_start = gl.load(qo_indptr + b)
+    return (
+        gl.load(tile_qstart + tile),
+        q_start,
+        gl.load(qo_indptr + b + 1) - q_start,
+        gl.load(kv_lens + b),
+        gl.load(kv_indptr + b),
+    )
+
+
+@gluon.jit
 def _softmax_step(
     s,
     m_i,
@@ -323,14 +340,8 @@ def gluon_prefill_kernel(
     SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
 
-    tile = num_tiles - 1 - gl.program_id(0)  # longest causal tiles first
     kvh = gl.program_id(1)
-    b = gl.load(tile_req + tile)
-    q0 = gl.load(tile_qstart + tile)
-    q_start = gl.load(qo_indptr + b)
-    q_len = gl.load(qo_indptr + b + 1) - q_start
-    kv_len = gl.load(kv_lens + b)
-    page_base = gl.load(kv_indptr + b)
+    q0, q_start, q_len, kv_len, page_base = _tile(qo_indptr, kv_indptr, kv_lens, tile_req, tile_qstart, num_tiles)
 
     q_offs, q_mask = _tile_offsets(q_start, q0, q_len, kvh, stride_qt, stride_qh, GROUP, BLOCK_M, HEAD_DIM, QLOAD)
     q = gl.load(Q + q_offs, mask=q_mask, other=0.0)
@@ -711,7 +722,7 @@ def gluon_prefill_ws_kernel(
     128): warpgroup 0 (these warps) and a second warpgroup compute rows 0-63 and 64-127 of the tile, each on its
     own (:func:`_ws_rows`); ``LOADERS`` gather warps fill the K/V ring through the page table. The ring's
     slots are handed over by mbarriers; no barrier spans the partitions. Registers a thread:
-    ``COMPUTE_REGS`` / ``LOADER_REGS``; launch with ``maxnreg=ws_maxnreg(8, LOADERS)``."""
+    ``COMPUTE_REGS`` / ``LOADER_REGS``; launch with ``maxnreg`` from :func:`ws_registers`."""
     NW: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = Q.dtype.element_ty
     QLOAD: gl.constexpr = _load_layout(BLOCK_M, HEAD_DIM, NW)
@@ -719,14 +730,8 @@ def gluon_prefill_ws_kernel(
     Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     gl.static_assert(BLOCK_M == 2 * 16 * NW, "two compute warpgroups of 64 rows")
 
-    tile = num_tiles - 1 - gl.program_id(0)  # longest causal tiles first
     kvh = gl.program_id(1)
-    b = gl.load(tile_req + tile)
-    q0 = gl.load(tile_qstart + tile)
-    q_start = gl.load(qo_indptr + b)
-    q_len = gl.load(qo_indptr + b + 1) - q_start
-    kv_len = gl.load(kv_lens + b)
-    page_base = gl.load(kv_indptr + b)
+    q0, q_start, q_len, kv_len, page_base = _tile(qo_indptr, kv_indptr, kv_lens, tile_req, tile_qstart, num_tiles)
     hi = gl.minimum(kv_len, kv_len - q_len + q0 + BLOCK_Q)  # keys the tile's last row sees
     num_blocks = gl.cdiv(hi, BLOCK_N)
 
