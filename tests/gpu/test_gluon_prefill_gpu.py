@@ -33,7 +33,8 @@ BF = torch.bfloat16
 
 @pytest.fixture(autouse=True)
 def _gluon_on(monkeypatch):
-    """The kernel is opt-in (``ATTNPLUG_GLUON=1``): on for these tests, with fresh provider instances."""
+    """The kernel is on by default; ``ATTNPLUG_GLUON=1`` here keeps it on where the environment turned it off,
+    with fresh provider instances."""
     from attnplug.core import providers
 
     monkeypatch.setenv(GLUON_ENV, "1")

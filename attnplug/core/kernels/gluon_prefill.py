@@ -567,26 +567,7 @@ def _ws_loader(
 
 @gluon.jit
 def _ws_rows(
-    O,
-    LSE,
-    q_smem,
-    k_ring,
-    v_ring,
-    k_ready,
-    v_ready,
-    empty,
-    turn,
-    q_start,
-    q0,
-    q_len,
-    kv_len,
-    kvh,
-    num_blocks,
-    sm_scale,
-    stride_ot,
-    stride_oh,
-    stride_lt,
-    stride_lh,
+    rows,
     GROUP: gl.constexpr,
     BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr,
@@ -595,10 +576,13 @@ def _ws_rows(
     WG: gl.constexpr,
 ):
     """One compute warpgroup: rows ``64 WG .. 64 WG + 63`` of the tile, start to end (its own softmax state
-    and epilogue). Per block ``i``: ``Q K_i^T`` and ``P_{i-1} V_{i-1}`` in flight together, the softmax of
-    block ``i`` under the latter, then its share of slot ``i - 1`` released (``empty`` counts both
-    warpgroups). ``PINGPONG``: the two warpgroups take turns issuing their wgmmas (``turn``), so that one's
-    softmax runs while the other's matmuls do."""
+    and epilogue). ``rows``: the run-time arguments it reads, as :func:`gluon_prefill_ws_kernel` packs them (the
+    constexprs come apart: in a tuple they would not stay constexpr). Per block ``i``: ``Q K_i^T`` and
+    ``P_{i-1} V_{i-1}`` in flight together, the softmax of block ``i`` under the latter, then its share of slot
+    ``i - 1`` released (``empty`` counts both warpgroups). ``PINGPONG``: the two warpgroups take turns issuing
+    their wgmmas (``turn``), so that one's softmax runs while the other's matmuls do."""
+    O, LSE, q_smem, k_ring, v_ring, k_ready, v_ready, empty, turn, q_start, q0, q_len, kv_len, kvh = rows[0]
+    num_blocks, sm_scale, stride_ot, stride_oh, stride_lt, stride_lh = rows[1]
     NW: gl.constexpr = gl.num_warps()
     HEAD_DIM: gl.constexpr = q_smem.type.shape[1]
     ROWS: gl.constexpr = 16 * NW
@@ -753,70 +737,14 @@ def gluon_prefill_ws_kernel(
     fence_async_shared()  # Q's store before the wgmmas read it
     thread_barrier()  # ... every thread's, and the barriers' init
 
+    rows = (
+        (O, LSE, q_smem, k_ring, v_ring, k_ready, v_ready, empty, turn, q_start, q0, q_len, kv_len, kvh),
+        (num_blocks, sm_scale, stride_ot, stride_oh, stride_lt, stride_lh),
+    )
     gl.warp_specialize(
         [
-            (
-                _ws_rows,
-                (
-                    O,
-                    LSE,
-                    q_smem,
-                    k_ring,
-                    v_ring,
-                    k_ready,
-                    v_ready,
-                    empty,
-                    turn,
-                    q_start,
-                    q0,
-                    q_len,
-                    kv_len,
-                    kvh,
-                    num_blocks,
-                    sm_scale,
-                    stride_ot,
-                    stride_oh,
-                    stride_lt,
-                    stride_lh,
-                    GROUP,
-                    BLOCK_N,
-                    NUM_STAGES,
-                    STORE_LSE,
-                    PINGPONG,
-                    0,
-                ),
-            ),
-            (
-                _ws_rows,
-                (
-                    O,
-                    LSE,
-                    q_smem,
-                    k_ring,
-                    v_ring,
-                    k_ready,
-                    v_ready,
-                    empty,
-                    turn,
-                    q_start,
-                    q0,
-                    q_len,
-                    kv_len,
-                    kvh,
-                    num_blocks,
-                    sm_scale,
-                    stride_ot,
-                    stride_oh,
-                    stride_lt,
-                    stride_lh,
-                    GROUP,
-                    BLOCK_N,
-                    NUM_STAGES,
-                    STORE_LSE,
-                    PINGPONG,
-                    1,
-                ),
-            ),
+            (_ws_rows, (rows, GROUP, BLOCK_N, NUM_STAGES, STORE_LSE, PINGPONG, 0)),
+            (_ws_rows, (rows, GROUP, BLOCK_N, NUM_STAGES, STORE_LSE, PINGPONG, 1)),
             (
                 _ws_loader,
                 (
