@@ -423,7 +423,7 @@ class TritonProvider(Provider):
         """``(block_m, block_n, num_stages, num_warps, qk_ahead, loaders, pingpong)`` of the Gluon prefill kernel
         (:mod:`..kernels.gluon_prefill`'s ``CONFIGS``) where it computes this batch: an sm90 GPU with
         Gluon (:func:`gluon_sm90`), causal queries that fill its ``block_m``-row tiles, 16-bit KV in pages
-        of 16, head_dim 64 / 128 / 256, a power-of-two GQA group, no custom mask, window, soft cap, sinks,
+        of 16, a head dim the table has (64 / 128), a power-of-two GQA group, no custom mask, window, soft cap, sinks,
         ``kv_start`` or forced tiles / splits; else None (the Triton kernels)."""
         cfg, o = self.config, TritonOptions.of(plan.options)
         if not (
