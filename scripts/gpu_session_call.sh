@@ -72,6 +72,10 @@
 #   gluon         benchmarks/probes/gluon_prefill_probe.py: the Gluon prefill against the Triton kernel and FA3 (~2 min)
 #   cascade43     benchmarks/probes/cascade_unshared_bench.py: cascade-on vs cascade-off graphs where nothing is shared,
 #                 triton and fa3 (~2 min)
+#   gluon-quick   the gluon probe without its configuration sweep (~1.5 min)
+#   suite         pytest tests/gpu tests/core -k "not flashinfer" (xdist -n 8 through gpu_run.sh), SUITE_S seconds (300)
+#   sinks-memcheck  tests/core/test_sinks.py (not flashinfer) under compute-sanitizer memcheck, one process (~3 min)
+#   mla-h128      benchmarks/probes/mla_sweep.py --rows h128: the 128-head MLA decode tiles (~2 min)
 #   mla           python -m attnplug.bench --rows MLA: the three MLA providers against FlashMLA / FlashInfer (~2 min)
 #   e.g.  bash scripts/gpu_session_call.sh nosync cascade-if sweep bench-prefill
 set -u
@@ -247,6 +251,20 @@ for step in "$@"; do
     timeout 200 $G python3 benchmarks/probes/cascade_unshared_bench.py --providers triton,fa3 \
       --out "$W/cascade-unshared-bench.json" > "$W/cascade43.log" 2>&1; log "cascade unshared bench rc $?"
     tail -n 20 "$W/cascade43.log" ;;
+  gluon-quick)
+    ATTNPLUG_GLUON=1 timeout 150 $G python3 benchmarks/probes/gluon_prefill_probe.py --no-sweep \
+      --out "$W/gluon-prefill-probe.json" > "$W/gluon.log" 2>&1; log "gluon probe (no sweep) rc $?"; tail -n 12 "$W/gluon.log" ;;
+  suite)
+    timeout "${SUITE_S:-300}" $G python3 -m pytest tests/gpu tests/core -k "not flashinfer" -n 8 -q -rfEs \
+      --junitxml "$W/suite.junit.xml" > "$W/pytest-suite.log" 2>&1; log "pytest suite (not flashinfer) rc $?"
+    grep -E "^(FAILED|ERROR)" "$W/pytest-suite.log" | head -n 20; tail -n 3 "$W/pytest-suite.log" ;;
+  sinks-memcheck)
+    timeout 240 $G "${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}" --tool memcheck --print-limit 20 python3 -m pytest tests/core/test_sinks.py \
+      -q -rfEs -p no:xdist -k "not flashinfer" > "$W/sinks-memcheck.log" 2>&1; log "sinks memcheck rc $?"
+    grep -E "ERROR SUMMARY|Invalid|passed|failed" "$W/sinks-memcheck.log" | tail -n 8 ;;
+  mla-h128)
+    timeout 200 $G python3 benchmarks/probes/mla_sweep.py --rows h128 --out "$W/mla-sweep-h128.json" \
+      > "$W/mla-h128.log" 2>&1; log "mla sweep h128 rc $?"; tail -n 15 "$W/mla-h128.log" ;;
   mla)
     timeout 200 $G python3 -m attnplug.bench --rows MLA --out "$W/bench-mla" > "$W/mla.log" 2>&1; log "bench MLA rc $?"
     tail -n 15 "$W/mla.log" ;;

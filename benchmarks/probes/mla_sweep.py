@@ -6,6 +6,7 @@ program (``block_m``, decode rows = heads) and the split count, against FA3's ``
 reference first (relative error <= 1e-2, no NaN), a failing one reported and skipped.
 
     bash scripts/gpu_run.sh python3 benchmarks/probes/mla_sweep.py --out $OUT/mla-sweep.json [--rows h16]
+        [--grid "block_n=32,64 num_warps=8 num_stages=2 num_kv_splits=8,16,32,64"]   # combinations only
     python3 benchmarks/probes/mla_sweep.py --smoke   # CPU: one tiny row, two variants, no timing
 """
 
@@ -59,11 +60,19 @@ def variants(work, smoke: bool) -> list[dict]:
     return out
 
 
+def grid(spec: str) -> list[dict]:
+    """``--grid "block_n=32,64 num_kv_splits=16,32"``: the defaults, then every combination of the listed
+    plan knobs (in place of :func:`variants`)."""
+    axes = dict((k, [int(x) for x in v.split(",")]) for k, v in (a.split("=") for a in spec.split()))
+    return [{}] + [dict(zip(axes, v)) for v in itertools.product(*axes.values())]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out")
     ap.add_argument("--rows", help="substring a row's name must contain (e.g. h16, 1x32768)")
     ap.add_argument("--smoke", action="store_true", help="CPU: a tiny row, no timing")
+    ap.add_argument("--grid", help='knob combinations in place of the sweep, e.g. "block_n=32,64 num_kv_splits=16,32"')
     args = ap.parse_args()
     dev = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -81,7 +90,7 @@ def main() -> None:
                 res.append(dict(row=row.name, impl="fa3.mla_qv", ms=anchor))
             except Exception as e:  # noqa: BLE001 (no FA3: the ratios are left out)
                 res.append(dict(row=row.name, impl="fa3.mla_qv", error=f"{type(e).__name__}: {e}"[:500]))
-        for knobs in variants(work, args.smoke):
+        for knobs in grid(args.grid) if args.grid else variants(work, args.smoke):
             r = dict(row=row.name, impl="attnplug.triton", knobs=knobs)
             try:
                 attn = PagedAttention(work.config, "triton", dev, cascade="off")

@@ -27,3 +27,16 @@ def test_mla_sweep_smoke(tmp_path):
     forced = next(x for x in runs if x["knobs"])
     assert (forced["block_n"], forced["warps"], forced["stages"]) == (16, 4, 1), forced
     assert all(x["rel_err"] <= 1e-2 and not x["nan"] for x in runs), runs
+
+
+def test_mla_sweep_grid():
+    """``--grid``: the defaults, then every combination of the listed knobs, as integers."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "mla_sweep", os.path.join(ROOT, "benchmarks", "probes", "mla_sweep.py")
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    got = mod.grid("block_n=32,64 num_kv_splits=8")
+    assert got == [{}, dict(block_n=32, num_kv_splits=8), dict(block_n=64, num_kv_splits=8)], got
