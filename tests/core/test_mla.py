@@ -126,6 +126,26 @@ def test_triton_mla_decode_heads_a_program():
     _check(c, out)
 
 
+@pytest.mark.parametrize(
+    "heads, rank, want",
+    [  # (requests, keys) -> splits on 132 SMs
+        (16, 512, {(64, 4096): 4, (1, 32768): 64, (4, 32768): 64, (128, 2048): 2, (1, 1000): 1, (200, 4096): 1}),
+        (128, 512, {(64, 4096): 1, (1, 32768): 64, (4, 32768): 16, (8, 4096): 8, (66, 4096): 1}),
+        (16, 64, {(64, 4096): 5, (1, 32768): 128}),  # a small latent: two programs an SM, one split per 256 keys
+    ],
+)
+def test_triton_mla_decode_split_counts(heads, rank, want):
+    """A large latent's decode splits: the fewest (a power of two, one per 512 keys at most) whose programs
+    fill whole waves, one program an SM with 64 heads a program, two with fewer; its decode tiles."""
+    prov = get_provider_cls("triton")(mla_config(heads, rank, 64 if rank > 128 else 16), torch.device(DEVICE))
+    prov._sms = 132
+    got = {k: prov.split_count(*k) for k in want}
+    assert got == want
+    assert prov._mla_tiles(1)[1:] == (
+        (64, 64, 8, 3) if heads == 128 else (16, 32, 8, 2) if rank > 128 else (16, 64, 4, 2)
+    )
+
+
 def test_triton_mla_deepseek_shape():
     """R=512, Dr=64 (the DeepSeek latent), 16 heads: decode and a short chain verify."""
     for mode, q_lens, prefix, kind in ((D, [1, 1], [70, 5], "tree"), (V, [2], [33], "chain")):

@@ -65,27 +65,34 @@ class TritonMLAProvider(TritonProvider):
     def _mla_tiles(self, max_q_len: int) -> tuple[int, int, int, int, int]:
         """(block_q, block_h, block_n, num_warps, num_stages): decode rows are heads (up to 64 a program);
         multi-token tiles take 64 rows of ``block_q`` tokens x ``block_h`` heads. Decode of a large latent with
-        at most 16 heads (DeepSeek under TP 8): 64-key blocks, 8 warps, 3 stages (``probes/mla_sweep.py``,
-        docs/mla.md)."""
+        64 heads a program: 64-key blocks, 8 warps, 3 stages (``probes/mla_sweep.py``, docs/mla.md)."""
         cfg = self.config
         big = cfg.kv_lora_rank > 128
         bh = max(16, min(_next_pow2(cfg.num_qo_heads), 64 if max_q_len <= 1 else 16))
         bq = 1 if max_q_len <= 1 else max(1, 64 // bh)
-        if big and max_q_len <= 1 and bh == 16:
+        if big and max_q_len <= 1 and bh == 64:
             return bq, bh, 64, 8, 3
         return bq, bh, 32 if big else 64, 8 if big else 4, 2
 
     def split_count(self, num_tiles: int, max_kv_len: int, forced: int | None = None, noncausal: bool = False) -> int:
-        """``forced``, else enough splits for two programs an SM where ``num_tiles x head blocks`` do not
-        fill the GPU, at most one per 256 keys and 128 in all (one request of 32k keys fills an H200's 132
-        SMs); 1 below 1024 keys."""
+        """``forced``, else 1 below 1024 keys or where ``num_tiles x head blocks`` programs fill the GPU. Else
+        a small latent: enough splits for two programs an SM, at most one per 256 keys and 128 in all. A large
+        latent (> 128): the fewest splits, a power of two (at most one per 512 keys, 128 in all), whose
+        programs fill the fewest whole waves per split, a wave being one program an SM with 64 heads a program, two with
+        fewer (the partials' merge favours fewer splits)."""
         if forced is not None:
             return max(1, int(forced))
         cfg = self.config
-        programs = max(1, num_tiles * num_pages(cfg.num_qo_heads, self._mla_tiles(1)[1]))
+        bh = self._mla_tiles(1)[1]
+        programs = max(1, num_tiles * num_pages(cfg.num_qo_heads, bh))
         if max_kv_len < 1024 or programs >= self._sms:
             return 1
-        return max(1, min(128, max_kv_len // 256, num_pages(2 * self._sms, programs)))
+        if cfg.kv_lora_rank <= 128:
+            return max(1, min(128, max_kv_len // 256, num_pages(2 * self._sms, programs)))
+        slots = self._sms * (1 if bh == 64 else 2)
+        cap = max(1, min(128, max_kv_len // 512))
+        twos = [1 << i for i in range(cap.bit_length())]
+        return min(twos, key=lambda s: (num_pages(programs * s, slots) / s, s))
 
     def static_buffers(
         self,
