@@ -22,6 +22,14 @@ class PagedCase:
     kv_lens: list[int] | None = None
 
 
+def fresh_provider_instances(monkeypatch) -> None:
+    """The shared provider instances (:func:`attnplug.core.providers.provider_instance`) start empty for the
+    test, so none built under another test's environment or patches is reused."""
+    from attnplug.core import providers
+
+    monkeypatch.setattr(providers, "_INSTANCES", type(providers._INSTANCES)())
+
+
 def random_case(
     mode: ForwardMode,
     q_lens: list[int],

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from batches import fresh_provider_instances
 
 E4M3 = torch.float8_e4m3fn
 
@@ -117,10 +118,9 @@ def patch_fa3(monkeypatch) -> None:
     """Every ``FA3Provider(cfg, device)`` made from here on (the graph state's and its cascade part's)
     calls :func:`fake_fa3_varlen`: no sm90 check, the stand-in as the loaded build. The shared provider
     instances start empty for the test, so none built with another library (an earlier test's) is reused."""
-    from attnplug.core import providers
     from attnplug.core.providers import fa3
 
-    monkeypatch.setattr(providers, "_INSTANCES", type(providers._INSTANCES)())
+    fresh_provider_instances(monkeypatch)
     monkeypatch.setattr(fa3.FA3Provider, "check_available", classmethod(lambda cls, device: None))
     monkeypatch.setattr(fa3, "load_fa3", lambda: fa3.FA3Lib("fake", fake_fa3_varlen, varlen_style=True))
 

@@ -11,7 +11,7 @@ import fa3_standin
 import numpy as np
 import pytest
 import torch
-from batches import brute_groups, rel_err
+from batches import brute_groups, fresh_provider_instances, rel_err
 
 from attnplug.bench.shared_prefix import prompts, shared_prefix_batch
 from attnplug.core import AttentionConfig, ForwardMode, PagedAttention, UnsupportedFeature
@@ -561,7 +561,6 @@ def test_prefix_part_launches_as_a_programmatic_dependent(monkeypatch):
     import attnplug.core.kernels.attention as attention_mod
     import attnplug.core.kernels.merge as merge_mod
     import attnplug.core.kernels.prefill as prefill_mod
-    import attnplug.core.providers as providers
     import attnplug.core.providers.triton as triton_provider_mod
     from attnplug.core.kernels import pdl
     from attnplug.core.providers.triton import TritonProvider
@@ -569,7 +568,7 @@ def test_prefix_part_launches_as_a_programmatic_dependent(monkeypatch):
     # the suffix on the paged kernel, as on one SM (a GPU's SM count plans the Hopper decode kernel, which
     # this recorder does not stand in for): fresh provider instances planned for one SM
     monkeypatch.setattr(triton_provider_mod, "_num_sms", lambda device: 1)
-    monkeypatch.setattr(providers, "_INSTANCES", type(providers._INSTANCES)())
+    fresh_provider_instances(monkeypatch)
     assert not pdl.available(torch.device("cpu"))
     monkeypatch.setenv(pdl.PDL_ENV, "sometimes")
     with pytest.raises(ValueError, match="attnplug: ATTNPLUG_PDL"):

@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from batches import assert_close_per_request_head, random_case, rel_err, triton_launch
+from batches import assert_close_per_request_head, fresh_provider_instances, random_case, rel_err, triton_launch
 
 from attnplug.core import AttentionConfig, BatchMetadata, ForwardMode, PagedAttention
 from attnplug.core.cuda_graph import GraphState
@@ -32,10 +32,8 @@ H200_SMS = 132
 def _triton_kernels(monkeypatch):
     """These tests pin the Triton kernels through the tile table: on an sm90 GPU the Gluon prefill, which the
     table does not steer, is turned off (``ATTNPLUG_GLUON=0``, fresh provider instances)."""
-    from attnplug.core import providers
-
     monkeypatch.setenv("ATTNPLUG_GLUON", "0")
-    monkeypatch.setattr(providers, "_INSTANCES", type(providers._INSTANCES)())
+    fresh_provider_instances(monkeypatch)
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from batches import random_case, rel_err, triton_launch
+from batches import fresh_provider_instances, random_case, rel_err, triton_launch
 from test_gluon_plan import CASES, FALLBACKS, H200_SMS, SHAPES
 
 from attnplug.core import AttentionConfig, ForwardMode, PagedAttention
@@ -35,10 +35,8 @@ BF = torch.bfloat16
 def _gluon_on(monkeypatch):
     """The kernel is on by default; ``ATTNPLUG_GLUON=1`` here keeps it on where the environment turned it off,
     with fresh provider instances."""
-    from attnplug.core import providers
-
     monkeypatch.setenv(GLUON_ENV, "1")
-    monkeypatch.setattr(providers, "_INSTANCES", type(providers._INSTANCES)())
+    fresh_provider_instances(monkeypatch)
 
 
 def _triton_version() -> tuple[int, int]:
