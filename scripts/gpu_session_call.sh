@@ -244,16 +244,14 @@ for step in "$@"; do
       tests/gpu/test_mla_gpu.py tests/gpu/test_chain_verify_gpu.py tests/gpu/test_cascade_gpu.py \
       tests/gpu/test_gluon_prefill_gpu.py tests/core/test_cascade_graph.py tests/core/test_cascade_launches.py \
       -q -rfEs -k "not flashinfer" > "$W/pytest-wave.log" 2>&1; log "pytest wave rc $?"; tail -n 5 "$W/pytest-wave.log" ;;
-  gluon)
-    ATTNPLUG_GLUON=1 timeout 200 $G python3 benchmarks/probes/gluon_prefill_probe.py --out "$W/gluon-prefill-probe.json" \
-      > "$W/gluon.log" 2>&1; log "gluon probe rc $?"; tail -n 12 "$W/gluon.log" ;;
+  gluon | gluon-quick)
+    limit=200 extra=(); [[ $step == gluon-quick ]] && limit=150 extra=(--no-sweep)  # without the configuration sweep
+    ATTNPLUG_GLUON=1 timeout $limit $G python3 benchmarks/probes/gluon_prefill_probe.py --out "$W/gluon-prefill-probe.json" \
+      "${extra[@]}" > "$W/gluon.log" 2>&1; log "$step probe rc $?"; tail -n 12 "$W/gluon.log" ;;
   cascade43)
     timeout 200 $G python3 benchmarks/probes/cascade_unshared_bench.py --providers triton,fa3 \
       --out "$W/cascade-unshared-bench.json" > "$W/cascade43.log" 2>&1; log "cascade unshared bench rc $?"
     tail -n 20 "$W/cascade43.log" ;;
-  gluon-quick)
-    ATTNPLUG_GLUON=1 timeout 150 $G python3 benchmarks/probes/gluon_prefill_probe.py --no-sweep \
-      --out "$W/gluon-prefill-probe.json" > "$W/gluon.log" 2>&1; log "gluon probe (no sweep) rc $?"; tail -n 12 "$W/gluon.log" ;;
   suite)
     timeout "${SUITE_S:-300}" $G python3 -m pytest tests/gpu tests/core -k "not flashinfer" -n 8 -q -rfEs \
       --junitxml "$W/suite.junit.xml" > "$W/pytest-suite.log" 2>&1; log "pytest suite (not flashinfer) rc $?"
