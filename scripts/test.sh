@@ -260,10 +260,11 @@ status=0
 declare -A prefetch_cmd=([triton-3.6.0]="scripts/setup_triton_overlay_env.sh triton-3.6.0 triton==3.6.0"
   [triton-3.8.0]="scripts/setup_triton_overlay_env.sh triton-3.8.0 triton==3.8.0" [newest]=scripts/setup_newest_env.sh
   [vllm]=scripts/setup_vllm_env.sh [sglang]=scripts/setup_sglang_env.sh)
-all_need=$run_mib
+all_need=$run_mib counted=" "
 for s in "${suites[@]}"; do
   for v in ${uses[$s]:-}; do
-    [[ -d .venvs/$v || " $prefetch_envs " == *" $v "* ]] && continue
+    [[ -d .venvs/$v || $counted == *" $v "* ]] && continue
+    counted+="$v "
     all_need=$((all_need + ${need_mib[$v]:-500})); [[ -n $build_tmp ]] || all_need=$((all_need + ${download_mib[$v]:-0}))
     [[ -n ${prefetch_cmd[$v]:-} && $s != "${suites[0]}" ]] && prefetch_envs+=" $v"
   done
