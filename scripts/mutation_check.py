@@ -13,7 +13,7 @@ union of the subsets runs once on the unmutated copy: it must pass, or a "kill" 
     .venvs/core/bin/python scripts/mutation_check.py --list
 
 Prints a kill table (mutation, file, tests run, killed?, seconds) and exits non-zero unless every
-selected mutation was killed and the baseline passed. ``--budget`` (seconds, default 600) bounds the
+selected mutation was killed and the baseline passed. ``--budget`` (seconds, default 1800) bounds the
 whole run: mutants not started within it are reported as NOT RUN and fail the check. ``--jobs`` (default:
 the CPU count) mutants run at once, each in its own copy; the baseline runs its selections with as many
 pytest-xdist workers.
@@ -696,7 +696,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("-k", default="", help="only mutations whose name contains this")
     ap.add_argument("--list", action="store_true", help="list the mutations and exit")
-    ap.add_argument("--budget", type=float, default=600.0, help="seconds for the whole check (baseline included)")
+    ap.add_argument("--budget", type=float, default=1800.0, help="seconds for the whole check (baseline included)")
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds per test run")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="mutants run at once (one copy each)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary copies (prints their paths)")

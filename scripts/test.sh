@@ -26,8 +26,6 @@
 #            attnplug backends (scripts/peer_suite.py; a small CPU subset, sliding windows included, verdicts
 #            in a temporary folder)
 # Prints the matrix of what ran (suite, engine, triton, result) at the end.
-# Background builds: where the disk holds every environment at once, the later suites' big environments
-# build in the background while the first suites run (ATTNPLUG_TEST_PREFETCH=0: each before its suite).
 # Parallel: core, newest, vllm and sglang run under pytest-xdist with min(nproc, 4) workers, mutation runs as
 # many mutants at once, sm90-aot compiles with both triton releases at once (ATTNPLUG_TEST_WORKERS=N sets the
 # count; CI's machine has 2 cores and its whole run must end within 90 minutes).
@@ -84,32 +82,7 @@ if [[ -d $shm && -w $shm ]] && (( $(free_mib "$shm") >= 6 * 1024 )); then
   build_tmp=$(mktemp -d "$shm/attnplug-build.XXXXXX")
   trap 'rm -rf "$build_tmp"' EXIT
 fi
-# an environment build: setup SCRIPT ARGS... (first waits for the background build of that environment, if
-# one is queued: see prefetch below; the script is idempotent, so it then only checks what was built)
-setup() {
-  local e
-  e=$(env_of "$@")
-  if [[ -n $prefetch_pid && -n $e && " $prefetch_envs " == *" $e "* ]]; then
-    while [[ ! -e $prefetch_dir/$e.done ]] && kill -0 "$prefetch_pid" 2>/dev/null; do sleep 5; done
-    tail -n 3 "$prefetch_dir/$e.log" 2>/dev/null
-    echo "attnplug tests: .venvs/$e built in the background ($(cat "$prefetch_dir/$e.done" 2>/dev/null || echo "?") s)"
-  fi
-  # the package build and the background builds both write the checkout's metadata (egg-info): one at a time
-  if [[ -n $prefetch_pid && $1 == scripts/check_package.sh ]]; then
-    while [[ ! -e $prefetch_dir/all.done ]] && kill -0 "$prefetch_pid" 2>/dev/null; do sleep 5; done
-  fi
-  TMPDIR=${build_tmp:-${TMPDIR:-/tmp}} bash "$@"
-}
-# the environment (.venvs/NAME) a setup script builds, for the ones prefetch may build
-env_of() {
-  case $1 in
-    scripts/setup_triton_overlay_env.sh) echo "$2" ;;
-    scripts/setup_newest_env.sh) echo newest ;;
-    scripts/setup_vllm_env.sh) echo vllm ;;
-    scripts/setup_sglang_env.sh) echo sglang ;;
-  esac
-}
-prefetch_pid= prefetch_envs= prefetch_dir=
+setup() { TMPDIR=${build_tmp:-${TMPDIR:-/tmp}} bash "$@"; }  # an environment build: setup SCRIPT ARGS...
 # the environments (.venvs/NAME) each suite reads, in the order it builds them
 declare -A uses=([lint]=core [core]=core [mutation]=core [sm90-aot]="core triton-3.6.0 triton-3.8.0" [package]=pkg
   [newest]=newest [vllm]=vllm [vllm026]="vllm vllm026-unit" [sglang]=sglang [sglang0517]="sglang sglang0517"
@@ -244,42 +217,15 @@ run_suite() {
   pytest_row "$s" ".venvs/$s/bin/python" -n "$workers" "${paths[@]}" || status=1
 }
 export PIP_NO_CACHE_DIR=1
-# newest: the kernels against the float32 reference (every provider path, fp8, MLA), the sm90 compile of every
+# newest: the kernels against the float32 reference (random batches, fp8, MLA), the sm90 compile of every
 # launch with the newest triton, the compatibility table's rows; the rest of tests/core is the same Python on
 # both torches (core runs it)
-newest_tests=(tests/core/test_kernels.py tests/core/test_kernel_paths.py tests/core/test_fp8.py tests/core/test_mla.py
-  tests/core/test_kernels_compile_sm90.py tests/core/test_compatibility_table.py tests/gpu)
+newest_tests=(tests/core/test_kernels.py tests/core/test_fp8.py tests/core/test_mla.py tests/core/test_kernels_compile_sm90.py
+  tests/core/test_compatibility_table.py tests/gpu)
 # pytest-xdist workers of the core, newest, vllm and sglang suites, and mutants at once (CI's machine has 2 cores)
 workers=${ATTNPLUG_TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
 RUFF_VERSION=$(grep -oE "ruff==[0-9.]+" pyproject.toml | head -1 | cut -d= -f3)  # the [dev] extra's pin
 status=0
-# Prefetch: where the disk holds every environment this run builds at once (nothing is pruned then), the
-# later suites' big environments (triton overlays, newest, the engines) build one after another in the
-# background while the first suites run; each suite's setup waits for its own (CI's 2 cores: the builds
-# are mostly downloads and unpacking, the suites mostly the Triton interpreter).
-declare -A prefetch_cmd=([triton-3.6.0]="scripts/setup_triton_overlay_env.sh triton-3.6.0 triton==3.6.0"
-  [triton-3.8.0]="scripts/setup_triton_overlay_env.sh triton-3.8.0 triton==3.8.0" [newest]=scripts/setup_newest_env.sh
-  [vllm]=scripts/setup_vllm_env.sh [sglang]=scripts/setup_sglang_env.sh)
-all_need=$run_mib counted=" "
-for s in "${suites[@]}"; do
-  for v in ${uses[$s]:-}; do
-    [[ -d .venvs/$v || $counted == *" $v "* ]] && continue
-    counted+="$v "
-    all_need=$((all_need + ${need_mib[$v]:-500})); [[ -n $build_tmp ]] || all_need=$((all_need + ${download_mib[$v]:-0}))
-    [[ -n ${prefetch_cmd[$v]:-} && $s != "${suites[0]}" ]] && prefetch_envs+=" $v"
-  done
-done
-if [[ -n $prefetch_envs ]] && (( $(free_mib) >= all_need + 2048 )) && [[ ${ATTNPLUG_TEST_PREFETCH:-1} == 1 ]]; then
-  prefetch_dir=$(mktemp -d)
-  ( for v in $prefetch_envs; do
-      t=$SECONDS
-      TMPDIR=${build_tmp:-${TMPDIR:-/tmp}} bash ${prefetch_cmd[$v]} > "$prefetch_dir/$v.log" 2>&1
-      echo $((SECONDS - t)) > "$prefetch_dir/$v.done"
-    done
-    touch "$prefetch_dir/all.done" ) &
-  prefetch_pid=$!
-  echo "attnplug tests: building in the background:$prefetch_envs ($(gib "$all_need") GiB needed, $(gib "$(free_mib)") free)"
-fi
 for i in "${!suites[@]}"; do
   s=${suites[i]}
   echo "=== attnplug test suite: $s ==="
@@ -302,7 +248,6 @@ for i in "${!suites[@]}"; do
     else built+=("$v"); fi
   done
 done
-if [[ -n $prefetch_pid ]]; then kill "$prefetch_pid" 2>/dev/null; rm -rf "$prefetch_dir"; fi
 echo "=== attnplug test matrix (suite | engine | triton | torch | time | result) ==="
 printf '%s\n' "${matrix[@]}"
 n_fail=$(printf '%s\n' "${matrix[@]}" | grep -c '| FAIL' || true)

@@ -75,14 +75,12 @@ def run_test_sh(
     fail_build: str = "",
     existing: tuple[str, ...] = (),
     suites: tuple[str, ...] = (),
-    prefetch: bool = False,
-    stub: str = STUB,
 ) -> tuple[int, str, list[str]]:
     script = (REPO / "scripts" / "test.sh").read_text()
     assert script.count('  run_suite "$s"\n') == 1 and "\nrun_suite() {" in script
     script = script.replace('cd "$(dirname "$0")/.."', f'cd "{tmp_path}"')
     # the stand-in is defined after the real one (the later definition wins)
-    script = script.replace("export PIP_NO_CACHE_DIR=1", stub + "export PIP_NO_CACHE_DIR=1", 1)
+    script = script.replace("export PIP_NO_CACHE_DIR=1", STUB + "export PIP_NO_CACHE_DIR=1", 1)
     (tmp_path / "test.sh").write_text(script)
     bindir = tmp_path / "bin"
     bindir.mkdir()
@@ -102,7 +100,6 @@ def run_test_sh(
         FAIL_BUILD=fail_build,
         LOG=str(log),
         ATTNPLUG_BUILD_SHM=str(shm),
-        ATTNPLUG_TEST_PREFETCH="1" if prefetch else "0",
     )
     r = subprocess.run(
         ["bash", str(tmp_path / "test.sh"), *suites], capture_output=True, text=True, env=env, timeout=120
@@ -216,48 +213,3 @@ def test_the_download_folder_is_removed_at_the_end(tmp_path):
     assert list((tmp_path / "shm").iterdir()) == []  # and is gone after the run
     rc, out, log = run_test_sh(tmp_path / "again", cap_gib=80, shm_gib=2, suites=("package",))
     assert {line for line in log if line.startswith("tmp ")} == {"tmp none"}  # too small: the disk's /tmp
-
-
-# the real setup scripts' stand-ins (scripts/NAME ARGS: log, then "build" the environment after a pause, so
-# that a suite that did not wait would see it missing), and a run_suite that builds through setup as the real one
-SETUP_STUB = """#!/usr/bin/env bash
-name=$(basename "$0" .sh); env=${name#setup_}; env=${env%_env}; [[ $env == triton_overlay ]] && env=$1
-echo "setup $env $(basename "$TMPDIR")" >> "$LOG"; sleep 1; mkdir -p ".venvs/$env"
-"""
-STUB_SETUP = r"""run_suite() {
-  build_failed=0
-  case $1 in
-    sm90-aot) setup scripts/setup_triton_overlay_env.sh triton-3.6.0 'triton==3.6.0' &&
-      setup scripts/setup_triton_overlay_env.sh triton-3.8.0 'triton==3.8.0' ;;
-    newest | vllm | sglang) setup "scripts/setup_$1_env.sh" ;;
-  esac
-  echo "run $1 $(ls .venvs | tr '\n' ' ')" >> "$LOG"; matrix+=("$1 | stub | PASS")
-}
-"""
-
-
-@pytest.mark.parametrize("cap_gib", [80, 20])
-def test_background_builds_only_where_everything_fits(tmp_path, cap_gib):
-    (tmp_path / "scripts").mkdir()
-    for name in ("triton_overlay", "newest", "vllm", "sglang", "core"):
-        f = tmp_path / "scripts" / f"setup_{name}_env.sh"
-        f.write_text(SETUP_STUB)
-        f.chmod(0o755)
-    suites = ("core", "sm90-aot", "newest", "vllm", "sglang")
-    rc, out, log = run_test_sh(tmp_path, cap_gib=cap_gib, shm_gib=24, suites=suites, prefetch=True, stub=STUB_SETUP)
-    assert rc == 0 and ran(log) == list(suites), out
-    later = ["triton-3.6.0", "triton-3.8.0", "newest", "vllm", "sglang"]
-    setups = [line.split()[1] for line in log if line.startswith("setup ")]
-    if cap_gib == 80:  # the background chain built each once, in the suites' order; each suite then checked its own
-        # each environment counted once, though several suites read core: 2200 + 2 x 800 + 6200 + 3800 + 7400 + 1024
-        assert "building in the background: " + " ".join(later) + " (21.7 GiB needed" in out, out
-        assert sorted(setups) == sorted(later + later), setups
-        assert list(dict.fromkeys(setups)) == later, setups
-        for line in log:  # what a suite reads was there when it ran
-            if line.startswith("run "):
-                suite, present = line.split()[1], set(line.split()[2:])
-                assert {"sm90-aot": {"triton-3.6.0", "triton-3.8.0"}}.get(suite, {suite} - {"core"}) <= present, line
-        assert out.count("built in the background") == len(later), out
-    else:  # 20 GiB do not hold every environment at once: each built before its suite, as without the chain
-        assert "in the background" not in out and setups == later, out
-    assert all(line.split()[2].startswith("attnplug-build.") for line in log if line.startswith("setup "))

@@ -1,6 +1,6 @@
 """Cascade with default settings (no attnplug variable but the marker folder) through SGLang on CPU: a
 shared-prefix prompt set and an ``n = 4`` sampling request (top-k 1, so every sample is the greedy one)
-over a cached prompt. The tiny Llama has wide KV heads (16 x 256, float32: 512 KiB a page of 16 tokens),
+over a cached prompt. The tiny Llama has one layer with wide KV heads (16 x 256, float32: 512 KiB a page of 16 tokens),
 so 4 requests on a 448-token prefix clear the cost model's bound (3 x 28 pages x 512 KiB = 42 MiB a layer
 >= :data:`attnplug.core.cascade.MIN_SAVED_BYTES`) as a long system prompt does on a real model. Output
 ids equal SGLang's ``torch_native`` backend and the scheduler's marker proves the cascade forwards ran
@@ -20,7 +20,7 @@ from attnplug.tools.tiny_model import make_tiny_llama, shared_prefix_prompts
 pytestmark = pytest.mark.sglang
 
 SHARED, MAX_NEW, N, PAGE = 448, 8, 4, 16
-WIDE_KV = dict(num_attention_heads=16, num_key_value_heads=16, head_dim=256)
+WIDE_KV = dict(num_attention_heads=16, num_key_value_heads=16, head_dim=256, num_hidden_layers=1)
 
 
 def test_defaults_give_native_ids_and_read_shared_prefixes_once(tmp_path):

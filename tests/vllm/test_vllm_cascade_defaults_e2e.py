@@ -1,8 +1,8 @@
 """Cascade with default settings (no attnplug variable set) through vLLM on CPU: a shared-prefix prompt set
-and an ``n = 4`` sampling request over a cached prompt. The tiny Llama here has wide KV heads (16 x 256,
-float32: 512 KiB a page of 16 tokens), so 3 requests re-reading a 448-token prefix clear the cost model's bound
-(:data:`attnplug.core.cascade.MIN_SAVED_BYTES` a layer) as a long system prompt does on a real model (4
-requests on the shared prompt: 3 x 28 pages x 512 KiB = 42 MiB). Tokens equal vLLM's own CPU backend; the
+and an ``n = 4`` sampling request over a cached prompt. The tiny Llama here has one layer with wide KV
+heads (16 x 256, float32: 512 KiB a page of 16 tokens), so 3 requests re-reading a 448-token prefix clear the
+cost model's bound (:data:`attnplug.core.cascade.MIN_SAVED_BYTES` a layer) as a long system prompt does on a
+real model (4 requests on the shared prompt: 3 x 28 pages x 512 KiB = 42 MiB). Tokens equal vLLM's own CPU backend; the
 markers prove the shared pages were read once in the eager forwards (the extend of the 4 prompts over the
 cached prefix), and that decode graphs did not cut (cascade in CUDA graphs is opt-in:
 ``test_vllm_cascade_e2e.py`` runs it)."""
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
 SHARED, MAX_TOKENS, N = 448, 8, 4
-WIDE_KV = dict(num_attention_heads=16, num_key_value_heads=16, head_dim=256)
+WIDE_KV = dict(num_attention_heads=16, num_key_value_heads=16, head_dim=256, num_hidden_layers=1)
 
 
 @pytest.fixture(scope="module")
