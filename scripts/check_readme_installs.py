@@ -4,22 +4,19 @@
 
 Reads the lines from README.md's ```bash blocks (so README and this check cannot drift), runs each as
 `python -m pip install --dry-run --ignore-installed --report ...` from the checkout's root (`.` is this
-checkout, copied for each line so that the lines resolve at once) with what a user's machine has: PyPI
-and no pip configuration of this machine's (its configuration files cap torch at the release kept on disk).
-A version the line's comment states (`torch 2.11.0`, `triton >= 3.7`) must be what pip picks. Prints one
-line per install line; exits 1 if any does not resolve or its comment is wrong. Needs network access to
-PyPI; a line takes ~1 min, all of them together about as long.
+checkout) with what a user's machine has: PyPI and no pip configuration of this machine's (its
+configuration files cap torch at the release kept on disk). A version the line's comment states
+(`torch 2.11.0`, `triton >= 3.7`) must be what pip picks. Prints one line per install line; exits 1 if
+any does not resolve or its comment is wrong. Needs network access to PyPI; a line takes ~1 min.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -75,24 +72,13 @@ def check_claims(resolved: dict[str, str], comment: str) -> list[str]:
     return bad
 
 
-def _copy_checkout(dst: Path) -> None:
-    """The checkout's tracked files (what `.` builds from) into ``dst``: each line's pip builds its own copy."""
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
-    for name in filter(None, files.decode().split("\0")):
-        src = ROOT / name
-        if src.is_file():
-            (dst / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dst / name)
-
-
 def resolve(cmd: str) -> tuple[dict[str, str] | None, str]:
     """``({package: version}, "")`` pip would install for ``cmd``, or ``(None, pip's error)``."""
     args = shlex.split(cmd)[2:]  # after "pip install"
     env = {k: v for k, v in os.environ.items() if k not in MACHINE_PIP_ENV}
     env["PIP_CONFIG_FILE"] = os.devnull  # no configuration file: pip's defaults (PyPI)
     with tempfile.TemporaryDirectory() as tmp:
-        report, src = Path(tmp) / "report.json", Path(tmp) / "src"
-        _copy_checkout(src)
+        report = Path(tmp) / "report.json"
         r = subprocess.run(
             [
                 sys.executable,
@@ -107,7 +93,7 @@ def resolve(cmd: str) -> tuple[dict[str, str] | None, str]:
                 str(report),
                 *args,
             ],
-            cwd=src,
+            cwd=ROOT,
             env=env,
             capture_output=True,
             text=True,
@@ -132,17 +118,14 @@ def main() -> int:
     if not lines:
         print(f"readme installs: no `pip install` line in a ```bash block of {args.readme}")
         return 1
-    if args.list:
-        for cmd, comment in lines:
-            print(f"{cmd}    # {comment}" if comment else cmd)
-        return 0
-    t0 = time.time()
-    with concurrent.futures.ThreadPoolExecutor(len(lines)) as pool:
-        futures = [pool.submit(resolve, cmd) for cmd, _ in lines]
     failed = 0
-    for (cmd, comment), fut in zip(lines, futures):
+    for cmd, comment in lines:
+        if args.list:
+            print(f"{cmd}    # {comment}" if comment else cmd)
+            continue
+        t0 = time.time()
         try:
-            resolved, err = fut.result()
+            resolved, err = resolve(cmd)
         except subprocess.TimeoutExpired:
             resolved, err = None, f"pip did not finish in {TIMEOUT_S} s"
         if resolved is None:
@@ -157,13 +140,12 @@ def main() -> int:
             if p in resolved
         )
         print(
-            f"{'FAIL' if bad else 'ok  '}  {cmd}  ->  {picks}" + "".join(f"\n      {b}" for b in bad),
+            f"{'FAIL' if bad else 'ok  '}  {cmd}  ->  {picks}  ({time.time() - t0:.0f} s)"
+            + "".join(f"\n      {b}" for b in bad),
             flush=True,
         )
-    print(
-        f"readme installs: {len(lines) - failed}/{len(lines)} pip install lines of README.md resolve "
-        f"({time.time() - t0:.0f} s, at once)"
-    )
+    if not args.list:
+        print(f"readme installs: {len(lines) - failed}/{len(lines)} pip install lines of README.md resolve")
     return 1 if failed else 0
 
 
