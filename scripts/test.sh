@@ -7,7 +7,8 @@
 #            (Triton interpreter on CPU; compiled on a GPU machine), reference; tests/gpu
 #            (flashinfer / fa3 / compiled triton: skipped with a reason without CUDA)
 #   mutation - scripts/mutation_check.py: named source mutations (kernels, planner, page tables, graph
-#            update, draft planner), each must make a targeted subset of tests/core fail; kill table
+#            update, draft planner), each must make a targeted subset of tests/core fail; kill table (the
+#            unmutated run of that subset is skipped where core passed earlier in this run)
 #   sm90-aot - every core kernel launch compiled for sm90 with triton 3.6.0 (the H200's, the oldest
 #            supported on a GPU) and 3.8.0 (newest compiles with the newest triton)
 #   package - python -m build (sdist + wheel), the wheel in a clean venv: import, entry points, metadata;
@@ -125,7 +126,9 @@ run_suite() {
     mutation)
       t0=$SECONDS; log=$(mktemp); rc=1
       if setup scripts/setup_core_env.sh; then
-        .venvs/core/bin/python scripts/mutation_check.py --jobs "$workers" 2>&1 | tee "$log"; rc=${PIPESTATUS[0]}
+        # the unmutated baseline is a subset of tests/core: skipped where core passed in this run, on this tree
+        .venvs/core/bin/python scripts/mutation_check.py --jobs "$workers" ${core_passed:+--baseline-passed} 2>&1 |
+          tee "$log"; rc=${PIPESTATUS[0]}
       else echo "environment for core failed to build"; build_failed=1; fi
       ((rc == 0)) || status=1
       row "$s" .venvs/core/bin/python $((SECONDS - t0)) \
@@ -214,7 +217,9 @@ run_suite() {
   [[ $s == core ]] && paths+=(--deselect tests/core/test_kernels_compile_sm90.py::test_every_kernel_launch_compiles_for_sm90)
   # engine suites: a file's module-scoped engine runs on one worker only (loadfile)
   [[ $s == core ]] || paths+=(--dist loadfile)
-  pytest_row "$s" ".venvs/$s/bin/python" -n "$workers" "${paths[@]}" || status=1
+  if pytest_row "$s" ".venvs/$s/bin/python" -n "$workers" "${paths[@]}"; then
+    [[ $s == core ]] && core_passed=1
+  else status=1; fi
 }
 export PIP_NO_CACHE_DIR=1
 # newest: the kernels against the float32 reference (random batches, fp8, MLA), the sm90 compile of every
@@ -225,7 +230,7 @@ newest_tests=(tests/core/test_kernels.py tests/core/test_fp8.py tests/core/test_
 # pytest-xdist workers of the core, newest, vllm and sglang suites, and mutants at once (CI's machine has 2 cores)
 workers=${ATTNPLUG_TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
 RUFF_VERSION=$(grep -oE "ruff==[0-9.]+" pyproject.toml | head -1 | cut -d= -f3)  # the [dev] extra's pin
-status=0
+status=0 core_passed=
 for i in "${!suites[@]}"; do
   s=${suites[i]}
   echo "=== attnplug test suite: $s ==="

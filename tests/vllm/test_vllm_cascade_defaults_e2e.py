@@ -10,7 +10,7 @@ cached prefix), and that decode graphs did not cut (cascade in CUDA graphs is op
 from __future__ import annotations
 
 import pytest
-from vllm_test_helpers import run_jobs, workdir
+from vllm_test_helpers import in_process, run_jobs, workdir
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
@@ -36,7 +36,9 @@ def default_runs():
         )
 
     defaults = {k: None for k in ("ATTNPLUG_CASCADE", "ATTNPLUG_CASCADE_GRAPHS", "ATTNPLUG_GRAPH_IF", "ATTNPLUG_PDL")}
-    return prompts, run_jobs(wd, {"defaults": (job("attnplug_triton", 16), defaults), "native": (job(None, 32), {})})
+    return prompts, run_jobs(
+        wd, {"defaults": (job("attnplug_triton", 16), defaults), "native": in_process(job(None, 32), {})}
+    )
 
 
 def _check_tokens(ours, native, prompts):

@@ -6,7 +6,7 @@ markers prove the cascade forwards ran."""
 from __future__ import annotations
 
 import pytest
-from vllm_test_helpers import MAX_TOKENS, run_jobs, workdir
+from vllm_test_helpers import MAX_TOKENS, in_process, run_jobs, workdir
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
@@ -35,7 +35,7 @@ def cascade_runs():
     specs = {
         "cascade": (job("attnplug_triton", 16), {"ATTNPLUG_CASCADE": "always", "ATTNPLUG_CASCADE_GRAPHS": "0"}),
         "cascade_graphs": (job("attnplug_triton", 16), {"ATTNPLUG_CASCADE": "always", "ATTNPLUG_CASCADE_GRAPHS": "1"}),
-        "native": (job(None, 32), {}),
+        "native": in_process(job(None, 32), {}),
     }
     return prompts, run_jobs(wd, specs)
 

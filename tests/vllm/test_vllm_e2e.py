@@ -1,7 +1,8 @@
 """End to end on CPU: vLLM generates through attnplug (``LLM`` API and ``vllm serve`` + HTTP).
 
 Oracles: vLLM's own CPU backend and an HF transformers forward of the same weights (float32,
-greedy). Engines run in subprocesses, concurrently, once per module (~1 min per start here).
+greedy). Engines run in subprocesses, once per module (~1 min per start here; the runs that test no
+process boundary run vLLM's engine core and worker inside that subprocess: ``in_process``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from vllm_test_helpers import (
     CORE_PROVIDER,
     MAX_TOKENS,
     REPO,
+    in_process,
     llm_job,
     omp_bind,
     read_markers,
@@ -71,7 +73,8 @@ def runs(setup):
         # with eager cascade on and graph cascade off they plan eagerly (test_vllm_cascade_e2e.py)
         "attnplug": (llm_job(model, prompts, "attnplug_triton", 16), {"ATTNPLUG_CASCADE": "0"}),
         # EAGLE: vLLM picks the drafter's backend separately (speculative_config.attention_backend)
-        "eagle": (
+        # speculation, the reference runs that pair with nothing spawned, and the refusal: in one process
+        "eagle": in_process(
             llm_job(
                 model,
                 prompts,
@@ -81,10 +84,10 @@ def runs(setup):
             ),
             {},
         ),
-        "native_eagle": (llm_job(model, prompts, None, 32, speculative_config=eagle), {}),
+        "native_eagle": in_process(llm_job(model, prompts, None, 32, speculative_config=eagle), {}),
         # draft-model speculation whose drafter IS the target (same weights), target and drafter on attnplug:
         # every drafted token should be accepted; a drafter attention bug shows as rejections
-        "self_draft": (
+        "self_draft": in_process(
             llm_job(
                 model,
                 prompts,
@@ -99,7 +102,7 @@ def runs(setup):
         ),
         "native": (llm_job(model, prompts, None, 32), {"PYTHONPATH": f"{BROKEN_LIBS}{os.pathsep}{REPO}"}),
         "no_plugin": (llm_job(model, prompts, None, 32), {"VLLM_PLUGINS": ""}),
-        "flashinfer": (llm_job(model, prompts, "attnplug_flashinfer", 16), {}),
+        "flashinfer": in_process(llm_job(model, prompts, "attnplug_flashinfer", 16), {}),
         # tensor parallel: 2 CPU workers, each with half the heads (2 q / 1 KV), one core each
         "tp2": (
             llm_job(model, prompts, "attnplug_triton", 16, tensor_parallel_size=2),

@@ -23,7 +23,7 @@ import os
 import shutil
 
 import pytest
-from vllm_test_helpers import MAX_TOKENS, llm_job, run_jobs, workdir
+from vllm_test_helpers import MAX_TOKENS, in_process, llm_job, run_jobs, workdir
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
@@ -107,7 +107,7 @@ def runs(setup):
         )
     }
     if native_fp8_reason() is None:
-        specs["native_fp8"] = (llm_job(model, prompts, None, 32, kv_cache_dtype="fp8"), {})
+        specs["native_fp8"] = in_process(llm_job(model, prompts, None, 32, kv_cache_dtype="fp8"), {})
     return run_jobs(wd, specs)
 
 

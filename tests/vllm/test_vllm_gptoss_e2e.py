@@ -10,7 +10,7 @@ import os
 import shutil
 
 import pytest
-from vllm_test_helpers import MAX_TOKENS, llm_job, run_jobs, workdir
+from vllm_test_helpers import MAX_TOKENS, in_process, llm_job, run_jobs, workdir
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
@@ -27,7 +27,7 @@ def setup():
     prompts = test_prompts()  # prompts longer than the window, one hitting the prefix cache
     specs = {
         "attnplug": (llm_job(model, prompts, "attnplug_triton", 16), {"ATTNPLUG_CASCADE": "0"}),
-        "native": (llm_job(model, prompts, None, 32), {}),
+        "native": in_process(llm_job(model, prompts, None, 32), {}),
     }
     jobs = run_jobs(wd, specs)
     yield model, prompts, jobs

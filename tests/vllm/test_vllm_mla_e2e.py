@@ -22,7 +22,7 @@ import os
 import shutil
 
 import pytest
-from vllm_test_helpers import MAX_TOKENS, llm_job, run_jobs, workdir
+from vllm_test_helpers import MAX_TOKENS, in_process, llm_job, run_jobs, workdir
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
@@ -43,9 +43,11 @@ def setup():
 
     specs = {
         "attnplug": (job("attnplug_triton_mla"), {"ATTNPLUG_CASCADE": "0"}),
-        "native": (job("CPU_MLA"), {}),  # vLLM picks AMX_MLA where the CPU has AMX; it takes bf16 weights only
+        "native": in_process(
+            job("CPU_MLA"), {}
+        ),  # vLLM picks AMX_MLA where the CPU has AMX; it takes bf16 weights only
         "attnplug_spec": (job("attnplug_triton_mla", speculative_config=NGRAM), {"ATTNPLUG_CASCADE": "0"}),
-        "native_spec": (job("CPU_MLA", speculative_config=NGRAM), {}),
+        "native_spec": in_process(job("CPU_MLA", speculative_config=NGRAM), {}),
     }
     jobs = run_jobs(wd, specs)
     yield model, prompts, jobs
