@@ -19,7 +19,7 @@ from attnplug.tools.tiny_model import make_tiny_llama, shared_prefix_prompts
 
 pytestmark = pytest.mark.sglang
 
-SHARED, MAX_NEW, N, PAGE = 448, 8, 4, 16
+SHARED, MAX_NEW, N, PAGE = 448, 4, 4, 16
 WIDE_KV = dict(num_attention_heads=16, num_key_value_heads=16, head_dim=256, num_hidden_layers=1)
 
 

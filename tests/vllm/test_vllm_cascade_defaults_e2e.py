@@ -15,7 +15,7 @@ from vllm_test_helpers import in_process, run_jobs, workdir
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
-SHARED, MAX_TOKENS, N = 448, 8, 4
+SHARED, MAX_TOKENS, N = 448, 4, 4
 WIDE_KV = dict(num_attention_heads=16, num_key_value_heads=16, head_dim=256, num_hidden_layers=1)
 
 
