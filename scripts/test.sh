@@ -168,7 +168,9 @@ run_suite() {
       rm -f "$log"; rm -rf "$out"; return ;;
     newest)
       if setup scripts/setup_newest_env.sh; then
-        ATTNPLUG_NEWEST_ROW=1 pytest_row "$s" .venvs/newest/bin/python -n "$workers" "${newest_tests[@]}" || status=1
+        # loadgroup: the sm90 compile's two halves (first in the list) start on two workers
+        ATTNPLUG_NEWEST_ROW=1 pytest_row "$s" .venvs/newest/bin/python -n "$workers" --dist loadgroup "${newest_tests[@]}" ||
+          status=1
       else build_failed_row "$s"; fi
       return ;;
     sm90-aot)  # both triton releases compile at once (each compile is one process, one core)
@@ -225,7 +227,7 @@ export PIP_NO_CACHE_DIR=1
 # newest: the kernels against the float32 reference (random batches, fp8, MLA), the sm90 compile of every
 # launch with the newest triton, the compatibility table's rows; the rest of tests/core is the same Python on
 # both torches (core runs it)
-newest_tests=(tests/core/test_kernels.py tests/core/test_fp8.py tests/core/test_mla.py tests/core/test_kernels_compile_sm90.py
+newest_tests=(tests/core/test_kernels_compile_sm90.py tests/core/test_kernels.py tests/core/test_fp8.py tests/core/test_mla.py
   tests/core/test_compatibility_table.py tests/gpu)
 # pytest-xdist workers of the core, newest, vllm and sglang suites, and mutants at once (CI's machine has 2 cores)
 workers=${ATTNPLUG_TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}

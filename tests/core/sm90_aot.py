@@ -21,6 +21,7 @@ SM count is set to the H200's 132 so the split heuristics pick the GPU's configu
     python tests/core/sm90_aot.py          # prints "compiled N distinct launches for sm90"
     python tests/core/sm90_aot.py --stats  # and each launch's registers, stack (spills), shared memory
     python tests/core/sm90_aot.py --only gluon_prefill_kernel  # compile one kernel's launches (all recorded)
+    python tests/core/sm90_aot.py --shard 0/2  # every second launch (in a stable order), from the first
 """
 
 from __future__ import annotations
@@ -718,8 +719,14 @@ def main() -> None:
     kinds = {}
     stats = "--stats" in sys.argv  # registers / stack (spills) / static shared memory of each launch
     only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
-    for fn, sig, const, opts, attrs in LAUNCHES.values():
-        if only is not None and fn.__name__ != only:
+    shard, shards = map(int, sys.argv[sys.argv.index("--shard") + 1].split("/")) if "--shard" in sys.argv else (0, 1)
+    recorded = {}
+    for name, *_ in LAUNCHES:
+        recorded[name] = recorded.get(name, 0) + 1
+    print("recorded " + " ".join(f"{k}={n}" for k, n in sorted(recorded.items())))
+    for i, key in enumerate(sorted(LAUNCHES, key=repr)):
+        fn, sig, const, opts, attrs = LAUNCHES[key]
+        if (only is not None and fn.__name__ != only) or i % shards != shard:
             continue
         gluon = getattr(fn, "is_gluon", lambda: False)()
         src = (GluonASTSource if gluon else ASTSource)(fn=fn, signature=sig, constexprs=const, attrs=attrs)
@@ -737,7 +744,8 @@ def main() -> None:
             }
             print(f"{fn.__name__} {opts} {resource_usage(cubin)} smem {k.metadata.shared} {show}", flush=True)
     print(" ".join(f"{k}={n}" for k, n in sorted(kinds.items())))
-    print(f"compiled {sum(kinds.values())} distinct launches for sm90")
+    part = f" (shard {shard}/{shards} of {len(LAUNCHES)})" if shards > 1 else ""
+    print(f"compiled {sum(kinds.values())} distinct launches for sm90{part}")
 
 
 if __name__ == "__main__":
