@@ -20,7 +20,7 @@ if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
 fi
 [[ -x "$VENV/bin/python" ]] || python3 -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install -q)
-"${PIP[@]}" torch==2.14.1
+"${PIP[@]}" torch==2.14.1 triton==3.8.0  # the triton torch 2.14.1 requires, named for docs/compatibility.md
 "${PIP[@]}" -r "$REQ"
 [[ ${#PINS[@]} -eq 0 ]] || "${PIP[@]}" "${PINS[@]}"
 "${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION"

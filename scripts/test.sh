@@ -10,7 +10,7 @@
 #            update, draft planner), each must make a targeted subset of tests/core fail; kill table (the
 #            unmutated run of that subset is skipped where core passed earlier in this run)
 #   sm90-aot - every core kernel launch compiled for sm90 with triton 3.6.0 (the H200's, the oldest
-#            supported on a GPU) and 3.8.0 (newest compiles with the newest triton)
+#            supported on a GPU), in two halves at once; newest compiles them with the newest triton
 #   package - python -m build (sdist + wheel), the wheel in a clean venv: import, entry points, metadata;
 #            every `pip install` line of README.md resolves (scripts/check_readme_installs.py: pip
 #            --dry-run against PyPI, without this machine's pip configuration; ~1 min a line)
@@ -28,7 +28,7 @@
 #            in a temporary folder)
 # Prints the matrix of what ran (suite, engine, triton, result) at the end.
 # Parallel: core, newest, vllm and sglang run under pytest-xdist with min(nproc, 4) workers, mutation runs as
-# many mutants at once, sm90-aot compiles with both triton releases at once (ATTNPLUG_TEST_WORKERS=N sets the
+# many mutants at once, sm90-aot compiles the two halves of the launches at once (ATTNPLUG_TEST_WORKERS=N sets the
 # count; CI's machine has 2 cores and its whole run must end within 90 minutes).
 # Disk: before each suite, the free space is checked against what its environment builds take
 # (need_mib, plus pip's downloads where they cannot go to /dev/shm) and what its tests write
@@ -69,7 +69,7 @@ pytest_row() {
 # nothing, built / downloads: core 1779 / +202, a triton overlay 666, newest 5795 / +2952 (PyPI's CUDA
 # torch), vllm 3501 / +688, the vllm026-unit clone 436 / +94, sglang 7024 (torch 2.14.1 from the
 # machine's wheel folder), the sglang0517 clone 423. The clones are hard links of vllm / sglang.
-declare -A need_mib=([core]=2200 [triton-3.6.0]=800 [triton-3.8.0]=800 [pkg]=200 [newest]=6200 [vllm]=3800
+declare -A need_mib=([core]=2200 [triton-3.6.0]=800 [pkg]=200 [newest]=6200 [vllm]=3800
   [vllm026-unit]=600 [sglang]=7400 [sglang0517]=600)
 declare -A download_mib=([core]=300 [newest]=3100 [vllm]=800 [vllm026-unit]=200)
 # what a suite's tests write besides its environments (engine and FlashInfer sources streamed from their
@@ -85,7 +85,7 @@ if [[ -d $shm && -w $shm ]] && (( $(free_mib "$shm") >= 6 * 1024 )); then
 fi
 setup() { TMPDIR=${build_tmp:-${TMPDIR:-/tmp}} bash "$@"; }  # an environment build: setup SCRIPT ARGS...
 # the environments (.venvs/NAME) each suite reads, in the order it builds them
-declare -A uses=([lint]=core [core]=core [mutation]=core [sm90-aot]="core triton-3.6.0 triton-3.8.0" [package]=pkg
+declare -A uses=([lint]=core [core]=core [mutation]=core [sm90-aot]="core triton-3.6.0" [package]=pkg
   [newest]=newest [vllm]=vllm [vllm026]="vllm vllm026-unit" [sglang]=sglang [sglang0517]="sglang sglang0517"
   [peer-vllm]=vllm [peer-sglang]=sglang)
 gib() { awk -v m="$1" 'BEGIN {printf "%.1f", m / 1024}'; }
@@ -173,29 +173,33 @@ run_suite() {
           status=1
       else build_failed_row "$s"; fi
       return ;;
-    sm90-aot)  # both triton releases compile at once (each compile is one process, one core)
-      local -A t0s outs rcs
-      for v in 3.6.0 3.8.0; do
-        t0s[$v]=$SECONDS
-        if setup scripts/setup_triton_overlay_env.sh "triton-$v" "triton==$v"; then
-          outs[$v]=$(mktemp); tcache=$(mktemp -d)
-          ( env -u TRITON_INTERPRET TRITON_CACHE_DIR="$tcache" PYTHONPATH="$PWD" \
-              ".venvs/triton-$v/bin/python" tests/core/sm90_aot.py > "${outs[$v]}" 2>&1; rc=$?; rm -rf "$tcache"; exit $rc ) &
-          rcs[$v]=$!
-        else build_failed=1; fi
-      done
-      for v in 3.6.0 3.8.0; do
-        if [[ -z ${rcs[$v]:-} ]]; then
-          echo "environment for triton $v failed to build"; status=1
-          row "sm90-aot" ".venvs/triton-$v/bin/python" $((SECONDS - t0s[$v])) "FAIL"; continue
+    sm90-aot)  # triton 3.6.0's compile of every launch, its two halves at once (one process, one core each)
+      local -A outs rcs
+      local k n=2 sum total r
+      for v in 3.6.0; do  # the oldest triton on a GPU (the H200's); newest compiles with the newest
+        t0=$SECONDS
+        if ! setup scripts/setup_triton_overlay_env.sh "triton-$v" "triton==$v"; then
+          build_failed_row "$s"; continue
         fi
-        if wait "${rcs[$v]}"; then
-          tail -2 "${outs[$v]}"; row "sm90-aot" ".venvs/triton-$v/bin/python" $((SECONDS - t0s[$v])) "PASS: $(tail -1 "${outs[$v]}")"
-        else
-          tail -30 "${outs[$v]}"; status=1
-          row "sm90-aot" ".venvs/triton-$v/bin/python" $((SECONDS - t0s[$v])) "FAIL"
-        fi
-        rm -f "${outs[$v]}"
+        for ((k = 0; k < n; k++)); do
+          outs[$k]=$(mktemp); tcache=$(mktemp -d)
+          ( env -u TRITON_INTERPRET TRITON_CACHE_DIR="$tcache" PYTHONPATH="$PWD" ".venvs/triton-$v/bin/python" \
+              tests/core/sm90_aot.py --shard "$k/$n" > "${outs[$k]}" 2>&1; rc=$?; rm -rf "$tcache"; exit $rc ) &
+          rcs[$k]=$!
+        done
+        r=PASS sum=0 total=
+        for ((k = 0; k < n; k++)); do
+          if wait "${rcs[$k]}"; then
+            tail -1 "${outs[$k]}"
+            sum=$((sum + $(tail -1 "${outs[$k]}" | grep -oE '^compiled [0-9]+' | cut -d' ' -f2)))
+            total=$(tail -1 "${outs[$k]}" | grep -oE 'of [0-9]+\)' | tr -dc '0-9')
+          else tail -30 "${outs[$k]}"; r=FAIL; fi
+          rm -f "${outs[$k]}"
+        done
+        # the halves together compiled every recorded launch
+        [[ $r == PASS && -n $total && $sum -eq $total ]] || { r=FAIL; echo "sm90-aot: compiled $sum of ${total:-?} launches"; }
+        [[ $r == PASS ]] || status=1
+        row "sm90-aot" ".venvs/triton-$v/bin/python" $((SECONDS - t0)) "$r: compiled $sum distinct launches for sm90 ($n halves)"
       done
       return ;;
     package)
@@ -215,7 +219,7 @@ run_suite() {
     build_failed_row "$s"; return
   fi
   paths=("tests/$s"); [[ $s == core ]] && paths+=(tests/gpu)  # GPU tests skip with a reason without CUDA
-  # core: the sm90 compile of every launch runs in sm90-aot (triton 3.6.0, 3.8.0) and newest (the newest triton)
+  # core: the sm90 compile of every launch runs in sm90-aot (triton 3.6.0) and newest (the newest triton)
   [[ $s == core ]] && paths+=(--deselect tests/core/test_kernels_compile_sm90.py::test_every_kernel_launch_compiles_for_sm90)
   # engine suites: a file's module-scoped engine runs on one worker only (loadfile)
   [[ $s == core ]] || paths+=(--dist loadfile)

@@ -51,6 +51,7 @@ def installed_by_ci() -> set[tuple[str, str]]:
         ),
         ("triton", one(r"triton==([0-9.]+)", "scripts/setup_core_env.sh")),
         *(("triton", v) for v in aot),
+        ("triton", one(r"torch==[0-9.]+ triton==([0-9.]+)", "scripts/setup_sglang_env.sh")),
         ("torch", one(r"torch==([0-9.]+)", "scripts/setup_core_env.sh")),
         ("torch", one(r"torch==([0-9.]+)", "scripts/setup_sglang_env.sh")),
         ("Python", "3.11"),
