@@ -29,6 +29,7 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+from collections import Counter
 
 assert os.environ.get("TRITON_INTERPRET") != "1", "run without the Triton interpreter"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -720,9 +721,7 @@ def main() -> None:
     stats = "--stats" in sys.argv  # registers / stack (spills) / static shared memory of each launch
     only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
     shard, shards = map(int, sys.argv[sys.argv.index("--shard") + 1].split("/")) if "--shard" in sys.argv else (0, 1)
-    recorded = {}
-    for name, *_ in LAUNCHES:
-        recorded[name] = recorded.get(name, 0) + 1
+    recorded = Counter(name for name, *_ in LAUNCHES)
     print("recorded " + " ".join(f"{k}={n}" for k, n in sorted(recorded.items())))
     for i, key in enumerate(sorted(LAUNCHES, key=repr)):
         fn, sig, const, opts, attrs = LAUNCHES[key]

@@ -43,9 +43,8 @@ def setup():
 
     specs = {
         "attnplug": (job("attnplug_triton_mla"), {"ATTNPLUG_CASCADE": "0"}),
-        "native": in_process(
-            job("CPU_MLA"), {}
-        ),  # vLLM picks AMX_MLA where the CPU has AMX; it takes bf16 weights only
+        # vLLM picks AMX_MLA where the CPU has AMX; it takes bf16 weights only
+        "native": in_process(job("CPU_MLA"), {}),
         "attnplug_spec": (job("attnplug_triton_mla", speculative_config=NGRAM), {"ATTNPLUG_CASCADE": "0"}),
         "native_spec": in_process(job("CPU_MLA", speculative_config=NGRAM), {}),
     }

@@ -136,7 +136,7 @@ def llm_job(model: str, prompts: list[list[int]], backend: str | None, block_siz
 
 def in_process(job: dict, env: dict[str, str | None]) -> tuple[dict, dict[str, str | None]]:
     """``(job, env)`` of an engine run whose engine core and worker run in the job's own process (one vLLM
-    import instead of three: ~35 s less a run here). For the runs that test no process boundary: reference
+    import instead of three). For the runs that test no process boundary: reference
     runs, refusals, speculation; an attnplug run there needs ``TRITON_INTERPRET=1`` from the start (the job
     imports triton before the backend is chosen; the spawned runs test that attnplug switches it on)."""
     job = {**job, "engine_kwargs": {**job.get("engine_kwargs", {}), "distributed_executor_backend": "uni"}}
