@@ -26,6 +26,7 @@ from ..config import FP8_KV_DTYPES, SUPPORTED_DTYPES, AttentionConfig, env_flag
 from ..kernels import tiles as tile_table
 from ..pages import num_pages
 from ..plan import Plan, PlanOptions, ProviderState, ProviderStatic
+from . import triton_interp
 from .base import GraphSupport, GraphTiles, Provider, ProviderGraph, RaggedKernel
 
 logger = logging.getLogger("attnplug")
@@ -290,6 +291,8 @@ class TritonProvider(Provider):
                     f"on CPU it needs triton >= 3.7 (its interpreter handles scalar loop "
                     f"bounds); found triton {triton.__version__}"
                 )
+            if env_flag("ATTNPLUG_TRITON_INTERP_MEMO", True) and triton_interp.install():
+                logger.debug("attnplug: triton %s interpreter: nested patches memoized per launch", triton.__version__)
 
     def check_config(self, config: AttentionConfig) -> None:
         if config.head_dim > 256:
