@@ -86,10 +86,10 @@ if [[ ${1:-} == --all ]]; then
   set +e
   timeout "$t_main" "${WARMUP[@]}" >"$out/jit_warmup.log" 2>&1 &
   warm=$!
-  step pytest_main "$t_main" "$out/pytest_triton_fa3.log" "${PYTEST[@]}" "${TEST_PATHS[@]}" -v -rfEs -k "not flashinfer" \
+  step pytest_main "$t_main" "$out/pytest_triton_fa3.log" "${PYTEST[@]}" "${TEST_PATHS[@]}" -v -rfEs -k "not flashinfer" -m "not network" \
     "${PYTEST_ARGS[@]}" --junitxml="$out/pytest_triton_fa3.xml"
   wait $warm; echo "jit warm-up exit $? (informational)"; tail -n 20 "$out/jit_warmup.log"
-  step pytest_flashinfer "$t_fi" "$out/pytest_flashinfer.log" "${PYTEST[@]}" "${FI_PATHS[@]}" -v -rfEs -k flashinfer \
+  step pytest_flashinfer "$t_fi" "$out/pytest_flashinfer.log" "${PYTEST[@]}" "${FI_PATHS[@]}" -v -rfEs -k flashinfer -m "not network" \
     "${PYTEST_ARGS[@]}" --junitxml="$out/pytest_flashinfer.xml"
   step bench "$t_bench" "$out/bench.log" "${BENCH[@]}" --out "$out/bench" --time-budget "$budget"
   set -e

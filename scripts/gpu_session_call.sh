@@ -253,7 +253,7 @@ for step in "$@"; do
       --out "$W/cascade-unshared-bench.json" > "$W/cascade43.log" 2>&1; log "cascade unshared bench rc $?"
     tail -n 20 "$W/cascade43.log" ;;
   suite)
-    timeout "${SUITE_S:-300}" $G python3 -m pytest tests/gpu tests/core -k "not flashinfer" -n 8 -q -rfEs \
+    timeout "${SUITE_S:-300}" $G python3 -m pytest tests/gpu tests/core -k "not flashinfer" -m "not network" -n 8 -q -rfEs \
       --junitxml "$W/suite.junit.xml" > "$W/pytest-suite.log" 2>&1; log "pytest suite (not flashinfer) rc $?"
     grep -E "^(FAILED|ERROR)" "$W/pytest-suite.log" | head -n 20; tail -n 3 "$W/pytest-suite.log" ;;
   sinks-memcheck)

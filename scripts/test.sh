@@ -232,7 +232,7 @@ export PIP_NO_CACHE_DIR=1
 # kernels against the float32 reference on random batches, the compatibility table's rows; the fp8 and MLA kernels
 # run under the newest triton's interpreter in the vllm suite (its e2e), the rest of tests/core is the same Python
 # on both torches (core runs it)
-newest_tests=(tests/core/test_kernels_compile_sm90.py tests/core/test_kernels.py tests/core/test_compatibility_table.py tests/gpu)
+newest_tests=(tests/core/test_kernels_compile_sm90.py tests/core/test_kernels.py tests/core/test_interp_memo.py tests/core/test_compatibility_table.py tests/gpu)
 # pytest-xdist workers of the core, newest, vllm and sglang suites, and mutants at once (CI's machine has 2 cores)
 workers=${ATTNPLUG_TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
 RUFF_VERSION=$(grep -oE "ruff==[0-9.]+" pyproject.toml | head -1 | cut -d= -f3)  # the [dev] extra's pin

@@ -94,13 +94,14 @@ class _FakeWrapper:
 
 
 def _fake_flashinfer_provider():
-    """A FlashInfer provider over a recording fake library (no CUDA): only what the graph parts touch."""
+    """A FlashInfer provider over a recording fake library, on DEV (the graph update kernel runs there): only
+    what the graph parts touch."""
     p = FlashInferProvider.__new__(FlashInferProvider)
-    p.config, p.device = CFG16, torch.device("cpu")
+    p.config, p.device = CFG16, torch.device(DEV)
     p._fi = types.SimpleNamespace(
         BatchPrefillWithPagedKVCacheWrapper=_FakeWrapper, BatchDecodeWithPagedKVCacheWrapper=_FakeWrapper
     )
-    p._workspace, p._wrappers, p.default_backend = torch.zeros(8, dtype=torch.uint8), {}, "fa3"
+    p._workspace, p._wrappers, p.default_backend = torch.zeros(8, dtype=torch.uint8, device=DEV), {}, "fa3"
     p.resolve_backend = lambda backend: backend  # no CUDA capability to read here
     return p
 
@@ -116,7 +117,7 @@ def test_flashinfer_chain_family_plans_causal_from_host_lengths_and_device_indic
         MAX_BS,
         MAX_BS * Q,
         NUM_PAGES,
-        "cpu",
+        DEV,
         "verify",
         num_draft_tokens=Q,
         pad_page=0,
@@ -130,9 +131,11 @@ def test_flashinfer_chain_family_plans_causal_from_host_lengths_and_device_indic
     assert wr.init["use_cuda_graph"] and wr.init["backend"] == "fa2" and "custom_mask_buf" not in wr.init
     assert wr.init["paged_kv_indices_buf"] is gs.kv_indices
     with pytest.raises(UnsupportedFeature, match="flashinfer.*without host sequence lengths"):
-        gs.update_from_block_table(torch.tensor([7, 9], dtype=torch.int32), torch.ones(2, W, dtype=torch.int32), bs)
+        gs.update_from_block_table(
+            torch.tensor([7, 9], dtype=torch.int32, device=DEV), torch.ones(2, W, dtype=torch.int32, device=DEV), bs
+        )
     seq, table, _ = _batch(B, seed=5)
-    gs.update_from_block_table(seq, table, bs, host_seq_lens=seq)
+    gs.update_from_block_table(seq.to(DEV), table.to(DEV), bs, host_seq_lens=seq)
     args, kw = wr.plans[-1]
     qo, ind, idx, last = args[:4]
     P = CFG16.page_size
@@ -150,13 +153,13 @@ def test_flashinfer_chain_family_plans_causal_from_host_lengths_and_device_indic
 
 def test_flashinfer_tree_family_keeps_the_custom_mask_path():
     p = _fake_flashinfer_provider()
-    gs = GraphState(CFG16, p, MAX_BS, MAX_BS * Q, NUM_PAGES, "cpu", "verify", num_draft_tokens=Q, pad_page=0)
+    gs = GraphState(CFG16, p, MAX_BS, MAX_BS * Q, NUM_PAGES, DEV, "verify", num_draft_tokens=Q, pad_page=0)
     assert type(gs.graph) is FlashInferGraph and not gs.chain
     gs.prepare_capture(2)
     with pytest.raises(UnsupportedFeature, match="flashinfer.*verify mode"):
         gs.update_from_block_table(
-            torch.tensor([7], dtype=torch.int32),
-            torch.ones(1, W, dtype=torch.int32),
+            torch.tensor([7], dtype=torch.int32, device=DEV),
+            torch.ones(1, W, dtype=torch.int32, device=DEV),
             2,
             host_seq_lens=torch.tensor([7], dtype=torch.int32),
         )

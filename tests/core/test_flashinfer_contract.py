@@ -26,6 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from wheel_sources import wheel_sources  # noqa: E402
 
+pytestmark = pytest.mark.network  # FlashInfer's released sources come from PyPI
+
 VERSIONS = ("0.6.14", "0.7.2", "0.7.2.post1", "0.7.4")  # docs/compatibility.md: CPU CI "contract" rows
 OURS = _contract.SourceTree(ROOT)
 
