@@ -12,7 +12,7 @@ except Exception:  # pragma: no cover
 if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.dirname(__file__))
-if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("ATTNPLUG_TRITON_INTERP_MEMO", "1") != "0":
+if os.environ.get("TRITON_INTERPRET") == "1":
     # what the triton provider installs on CPU (check_available), also for the tests that launch kernels directly
     from attnplug.core.providers import triton_interp
 

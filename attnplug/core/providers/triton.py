@@ -291,7 +291,7 @@ class TritonProvider(Provider):
                     f"on CPU it needs triton >= 3.7 (its interpreter handles scalar loop "
                     f"bounds); found triton {triton.__version__}"
                 )
-            if env_flag("ATTNPLUG_TRITON_INTERP_MEMO", True) and triton_interp.install():
+            if triton_interp.install():
                 logger.debug("attnplug: triton %s interpreter: nested patches memoized per launch", triton.__version__)
 
     def check_config(self, config: AttentionConfig) -> None:

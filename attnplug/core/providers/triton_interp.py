@@ -6,13 +6,16 @@ restores it when the launch ends, and patches again, without restoring, at every
 is already patched sets every attribute to an equivalent value. ``install()`` skips a nested patch
 whose modules (``tl`` / ``tl.core`` seen from the helper's globals) were all patched earlier in the
 same launch; any other patch runs as before. ``stats`` counts both. Installed for the triton versions
-whose interpreter has been checked (``TESTED``); any other version runs its interpreter unchanged.
+whose interpreter has been checked (``TESTED``) unless ``ATTNPLUG_TRITON_INTERP_MEMO=0``; otherwise the
+interpreter runs unchanged.
 """
 
 from __future__ import annotations
 
 import inspect
 import threading
+
+from ..config import env_flag
 
 stats = {"patched": 0, "skipped": 0}
 enabled = True  # False: every patch runs (the interpreter's own behaviour), for comparisons
@@ -23,8 +26,11 @@ TESTED = ((3, 7), (3, 8), (3, 9))
 
 
 def install() -> bool:
-    """Wrap the interpreter's ``_patch_lang`` and ``GridExecutor.__call__``; False where this triton is
-    not in ``TESTED`` or its interpreter lacks either (nothing is changed then). Idempotent."""
+    """Wrap the interpreter's ``_patch_lang`` and ``GridExecutor.__call__``; False where
+    ``ATTNPLUG_TRITON_INTERP_MEMO`` is off, this triton is not in ``TESTED`` or its interpreter lacks either
+    (nothing is changed then). Idempotent."""
+    if not env_flag("ATTNPLUG_TRITON_INTERP_MEMO", True):
+        return False
     try:
         import triton
         import triton.language as tl
